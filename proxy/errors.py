@@ -1,0 +1,73 @@
+"""The OpenAI error envelope, and the one exception type that carries it.
+
+Every refusal anywhere in the proxy raises `APIError`; a single middleware turns it
+into `{"error": {"message", "type", "param", "code"}}` with the right status, so no
+code path can answer with a bare 500 or an HTML page.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "insufficient_quota",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+def error_type_for(status: int) -> str:
+    return _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+class APIError(Exception):
+    """An answer in the OpenAI error envelope. `headers` lets 429 carry Retry-After."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or error_type_for(status)
+        self.headers = headers or {}
+
+    def envelope(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=orjson.dumps(self.envelope()),
+            content_type="application/json",
+            headers=self.headers,
+        )
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)

@@ -1,0 +1,66 @@
+"""Typed keys for what travels on the app and on each request.
+
+Middlewares learn things (the caller's key, the notices, the reserved amount, the
+output cap) and hand them on under these keys; nothing is passed by string name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+if TYPE_CHECKING:  # imported for annotations only, to keep this module import-light
+    from proxy.config import Config
+    from proxy.translate import Translation
+
+
+@dataclass
+class Outcome:
+    """What the forwarder reports about one request, updated as the answer streams.
+
+    Read by the middlewares after the handler returns (or is cancelled): the balance
+    middleware settles from it, the access log prints it.
+    """
+
+    status: str = "pending"  # completed | incomplete | failed | cancelled | error
+    http_status: int = 0
+    upstream: str | None = None
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+    usage_reported: bool = False  # False: output_tokens is counted from the deltas
+    ttfb_ms: float | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# App-wide state.
+CONFIG = web.AppKey("config", "Config")
+
+# Per-request state.
+REQUEST_ID = web.RequestKey("request_id", str)
+BODY = web.RequestKey("body", dict)
+TRANSLATION = web.RequestKey("translation", "Translation")
+NOTICES = web.RequestKey("notices", list)
+OUTPUT_CAP = web.RequestKey("output_cap", int)
+OUTCOME = web.RequestKey("outcome", Outcome)
+
+
+def notices(request: web.Request) -> list[str]:
+    """The request's notice list, created on first use."""
+    found = request.get(NOTICES)
+    if found is None:
+        found = []
+        request[NOTICES] = found
+    return found
+
+
+def outcome(request: web.Request) -> Outcome:
+    found = request.get(OUTCOME)
+    if found is None:
+        found = Outcome()
+        request[OUTCOME] = found
+    return found
