@@ -64,3 +64,7 @@ def outcome(request: web.Request) -> Outcome:
         found = Outcome()
         request[OUTCOME] = found
     return found
+
+
+# Set by the auth middleware when it creates the demo key at start (embedded defaults).
+DEMO_KEY = web.AppKey("demo_key", str)

@@ -1,0 +1,194 @@
+"""API keys: `Authorization: Bearer <key>` on the API routes.
+
+Guarded: POST /v1/responses, POST /v1/responses/input_tokens and GET /v1/models (as on
+OpenAI, listing models needs a key). /healthz and /metrics stay open.
+
+Keys come from the ledger (`app[LEDGER].lookup_key`) and, for deployments without a
+database, from `static_keys` in the section:
+
+    auth:
+      demo_key: true                # on start: a fresh "demo" key, printed once to stdout
+      static_keys:
+        - {name: ci, sha256: 3f4c...}            # hex sha256 of the secret
+        - {name: ops, key: "${OPS_KEY}", allowed_models: [tiny-model], concurrency: 4}
+
+Every failure (missing header, another scheme, unknown or revoked key) is the same 401
+`invalid_api_key`, whose message never repeats what was sent. A key limited to some
+models gets 403 `model_not_allowed` for the others. The caller's `KeyRecord` is put on
+the request under `API_KEY` for the middlewares after this one (limits, balance).
+
+Static keys have no ledger account: the balance middleware does not bill them
+(`is_static`), the limits middleware applies their `concurrency` / `rate_per_min`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from proxy import state
+from proxy.config import ConfigError
+from proxy.errors import APIError
+from proxy.ledger import KeyRecord
+from proxy.logs import log
+from proxy.request import read_json
+
+API_KEY = web.RequestKey("api_key", KeyRecord)
+
+STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
+DEMO_NAME = "demo"
+
+_GUARDED = {
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/responses/input_tokens"),
+    ("GET", "/v1/models"),
+}
+_MODEL_ROUTES = ("/v1/responses", "/v1/responses/input_tokens")
+_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
+_TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
+
+
+def is_static(record: KeyRecord) -> bool:
+    return record.key_id.startswith(STATIC_PREFIX)
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _opt_limit(entry: dict, field: str, where: str) -> int | None:
+    value = entry.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}.{field} must be a positive integer")
+    return value
+
+
+def _static_keys(raw: Any) -> list[tuple[bytes, KeyRecord]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ConfigError("auth.static_keys must be a list of {name, sha256} or {name, key} entries")
+    out: list[tuple[bytes, KeyRecord]] = []
+    names: set[str] = set()
+    for i, entry in enumerate(raw):
+        where = f"auth.static_keys[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where} must be a mapping with a name and a sha256 or a key")
+        unknown = set(entry) - {"name", "sha256", "key", "allowed_models", "concurrency", "rate_per_min"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where} needs a non-empty name")
+        if name in names:
+            raise ConfigError(f"{where}: duplicate static key name {name!r}")
+        names.add(name)
+        has_hash, has_key = "sha256" in entry, "key" in entry
+        if has_hash == has_key:
+            raise ConfigError(f"{where} ({name}) needs exactly one of sha256 or key")
+        if has_hash:
+            digest = entry["sha256"]
+            if not isinstance(digest, str) or not _HEX64.match(digest):
+                raise ConfigError(f"{where} ({name}): sha256 must be 64 hex digits")
+            hashed = bytes.fromhex(digest)
+        else:
+            secret = entry["key"]
+            if not isinstance(secret, str) or not secret:
+                # "${ENV}" of an unset variable expands to None; never print the value itself.
+                raise ConfigError(f"{where} ({name}): key is empty (is its environment variable set?)")
+            hashed = hashlib.sha256(secret.encode()).digest()
+        models = entry.get("allowed_models")
+        if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)):
+            raise ConfigError(f"{where} ({name}): allowed_models must be a list of model names")
+        record = KeyRecord(
+            key_id=STATIC_PREFIX + name, name=name, prefix="static", balance_micros=0,
+            allowed_models=tuple(models) if models is not None else None,
+            concurrency=_opt_limit(entry, "concurrency", where), rate_per_min=_opt_limit(entry, "rate_per_min", where),
+            revoked=False, created_at=0.0,
+        )
+        out.append((hashed, record))
+    return out
+
+
+def _demo_key_ctx(section_balance: dict[str, Any]):
+    async def demo_key(app: web.Application) -> AsyncIterator[None]:
+        from proxy.app import LEDGER
+
+        ledger = app.get(LEDGER)
+        if ledger is None:
+            log.warning("demo key not created: no ledger (ledger.backend is none)")
+            yield
+            return
+        for record in await ledger.list_keys():
+            if record.name == DEMO_NAME and not record.revoked:
+                await ledger.revoke(record.key_id)
+        secret, _record = await ledger.create_key(
+            DEMO_NAME, balance_micros=int(section_balance.get("demo_balance_micros", 0) or 0))
+        app[state.DEMO_KEY] = secret
+        # The one place a secret is ever printed: stdout, once, for the operator.
+        print(f"demo key: {secret}", file=sys.stdout, flush=True)
+        yield
+
+    return demo_key
+
+
+def create(section: dict[str, Any], app: web.Application):
+    demo = section.get("demo_key", True)
+    if not isinstance(demo, bool):
+        raise ConfigError(f"auth.demo_key must be true or false, not {demo!r}")
+    statics = _static_keys(section.get("static_keys"))
+    if demo:
+        balance = app[state.CONFIG].section("balance")
+        micros = balance.get("demo_balance_micros", 0)
+        if isinstance(micros, bool) or not isinstance(micros, int) or micros < 0:
+            raise ConfigError("balance.demo_balance_micros must be a non-negative integer")
+        # build_app appends the ledger's cleanup context before building the chain, so this
+        # one runs after it (cleanup contexts start in order) and finds app[LEDGER] set.
+        app.cleanup_ctx.append(_demo_key_ctx(balance))
+
+    def match_static(secret: str) -> KeyRecord | None:
+        digest = hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+        found = None
+        for hashed, record in statics:  # compare against every entry: no early exit
+            if hmac.compare_digest(hashed, digest):
+                found = record
+        return found
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if (request.method, request.path) not in _GUARDED:
+            return await handler(request)
+        header = request.headers.get("Authorization")
+        if not header:
+            raise _unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
+        scheme, _, secret = header.strip().partition(" ")
+        secret = secret.strip()
+        if scheme.lower() != "bearer" or not secret or not _TOKEN.match(secret):
+            raise _unauthorized("Malformed Authorization header: expected 'Authorization: Bearer <key>'.")
+        record = match_static(secret) if statics else None
+        if record is None:
+            from proxy.app import LEDGER
+
+            ledger = request.app.get(LEDGER)
+            if ledger is not None:
+                record = await ledger.lookup_key(secret)
+        if record is None or record.revoked:
+            raise _unauthorized("Incorrect API key provided, or the key was revoked.")
+        request[API_KEY] = record
+        if request.method == "POST" and request.path in _MODEL_ROUTES and record.allowed_models is not None:
+            body = await read_json(request)
+            model = body.get("model")
+            if isinstance(model, str) and not record.allows_model(model):
+                raise APIError(403, f"This API key may not use the model '{model[:128]}'.",
+                               code="model_not_allowed", param="model")
+        return await handler(request)
+
+    return auth

@@ -1,0 +1,165 @@
+"""The application: the middleware chain from config.yaml, the routes, and the resources
+(client session, embedded simulator, ledger) as cleanup contexts."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from middlewares import build_chain
+from proxy import state
+from proxy.config import Config, ConfigError
+from proxy.endpoints import healthz_handler, input_tokens_handler, models_handler
+from proxy.errors import APIError
+from proxy.forwarder import POOL, SESSION, responses_handler
+from proxy.logs import access_log, log
+from proxy.workers import WorkerPool, parse_workers
+
+LEDGER = web.AppKey("ledger", object)
+
+
+@web.middleware
+async def envelope_and_access_log(request: web.Request, handler):
+    """Outermost: gives every request an id, turns every failure into the OpenAI envelope
+    (never a traceback or an HTML page), and writes one access-log line."""
+    request[state.REQUEST_ID] = "req_" + secrets.token_hex(12)
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except APIError as exc:
+        status = exc.status
+        return exc.to_response()
+    except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and methods
+        status = exc.status
+        if exc.status < 400:
+            raise
+        message = {404: "Unknown endpoint.", 405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
+        return APIError(exc.status, f"{message} ({request.method} {request.path})", code=None).to_response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away; nothing to answer
+        raise
+    except Exception:
+        log.exception("unhandled error", request_id=request[state.REQUEST_ID])
+        return APIError(500, "The proxy failed to handle this request.", code="internal_error").to_response()
+    finally:
+        out = request.get(state.OUTCOME)
+        fields = {}
+        if out is not None:
+            fields = {
+                "upstream": out.upstream, "outcome": out.status, "input_tokens": out.input_tokens,
+                "cached_tokens": out.cached_tokens, "output_tokens": out.output_tokens,
+                "ttfb_ms": round(out.ttfb_ms, 2) if out.ttfb_ms is not None else None,
+            }
+        translation = request.get(state.TRANSLATION)
+        access_log.info(
+            "request", request_id=request[state.REQUEST_ID], method=request.method, path=request.path,
+            model=translation.model if translation is not None else None, status=status,
+            latency_ms=round((time.perf_counter() - started) * 1000, 2), **fields,
+        )
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    request_id = request.get(state.REQUEST_ID)
+    if request_id:
+        response.headers["x-request-id"] = request_id
+
+
+def _client_session(app: web.Application):
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        # One pooled session, keep-alive to every worker; per-request timeouts are the workers' own.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            app[SESSION] = session
+            yield
+    return ctx
+
+
+async def _embedded_simulator(app: web.Application) -> AsyncIterator[None]:
+    """Workers whose url is `embedded` are served by the built-in simulator, in-process."""
+    pool = app[POOL]
+    embedded = [w for w in pool.workers if w.url == "embedded"]
+    if not embedded:
+        yield
+        return
+    from proxy.simulator import Simulator
+
+    sim_cfg = app[state.CONFIG].section("simulator")
+    models = sorted({m for w in embedded for m in w.models} or {sim_cfg.get("model", "tiny-model")})
+    simulator = Simulator(dialect=sim_cfg.get("dialect", "vllm"), models=tuple(models),
+                          max_model_len=int(sim_cfg.get("max_model_len", 32768)),
+                          host=sim_cfg.get("host", "127.0.0.1"), port=int(sim_cfg.get("port", 0)))
+    await simulator.start()
+    for worker in embedded:
+        worker.url = simulator.url
+        worker.models = tuple(worker.models or models)
+        worker.max_model_len = {m: int(sim_cfg.get("max_model_len", 32768)) for m in worker.models}
+    log.info("embedded simulator", url=simulator.url, models=models)
+    try:
+        yield
+    finally:
+        await simulator.stop()
+
+
+async def _ledger(app: web.Application) -> AsyncIterator[None]:
+    section = app[state.CONFIG].section("ledger")
+    if section.get("backend", "sqlite") == "none":
+        yield
+        return
+    from proxy.ledger import open_ledger
+
+    base = app[state.CONFIG].path.parent if app[state.CONFIG].path else Path.cwd()
+    ledger = open_ledger(section, base_dir=base)
+    await ledger.start()
+    app[LEDGER] = ledger
+    await ledger.expire_holds()
+    interval = float(section.get("expire_interval_s", 30))
+
+    async def expire_forever() -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await ledger.expire_holds()
+            except Exception:  # keep the sweeper alive; the next round retries
+                log.exception("hold expiry failed")
+
+    sweeper = asyncio.create_task(expire_forever())
+    try:
+        yield
+    finally:
+        sweeper.cancel()
+        await ledger.close()
+
+
+def build_app(config: Config) -> web.Application:
+    """Build the whole app; raises ConfigError for anything that cannot run."""
+    server = config.section("server")
+    app = web.Application(client_max_size=int(server["max_body_bytes"]) + 1)
+    app[state.CONFIG] = config
+    app[POOL] = WorkerPool(parse_workers(config.get("workers")))
+    # Resources first: middleware factories may add their own contexts that need these.
+    app.cleanup_ctx.append(_client_session(app))
+    app.cleanup_ctx.append(_embedded_simulator)
+    app.cleanup_ctx.append(_ledger)
+    from proxy.seal import install_sealer
+
+    install_sealer(app, config.section("reasoning_seal"))
+    app.middlewares.append(envelope_and_access_log)
+    app.middlewares.extend(build_chain(config, app))
+    app.on_response_prepare.append(_add_request_id)
+    app.router.add_post("/v1/responses", responses_handler)
+    app.router.add_post("/v1/responses/input_tokens", input_tokens_handler)
+    app.router.add_get("/v1/models", models_handler)
+    app.router.add_get("/healthz", healthz_handler)
+    return app
+
+
+__all__ = ["build_app", "LEDGER", "ConfigError"]

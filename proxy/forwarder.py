@@ -1,0 +1,224 @@
+"""The forwarding handler: the only place that talks to the upstream.
+
+It translates the request (once, via proxy.request), picks a worker, sends the chat
+request over the app's pooled ClientSession, and feeds the upstream bytes through the
+sans-I/O StreamRewriter, writing each Responses event as soon as its chunk arrives.
+Failover happens only before the first byte reaches the client; after that, every
+problem becomes a response.failed event with retry hints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy import state
+from proxy.errors import APIError
+from proxy.request import SEALER, translation
+from proxy.rewriter import ResponseContext, StreamRewriter, response_from_completion
+from proxy.translate import set_output_cap
+from proxy.workers import Worker, WorkerPool
+
+SESSION = web.AppKey("client_session", aiohttp.ClientSession)
+POOL = web.AppKey("worker_pool", WorkerPool)
+
+MAX_ATTEMPTS = 3
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+class _Retryable(Exception):
+    """The worker failed before anything reached the client: another worker may take it."""
+
+    def __init__(self, worker: Worker, reason: str, final: APIError) -> None:
+        super().__init__(reason)
+        self.worker = worker
+        self.final = final
+
+
+def _upstream_message(body: bytes) -> tuple[str | None, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None, None
+    if isinstance(data, dict):
+        err = data.get("error") if isinstance(data.get("error"), dict) else data
+        message = err.get("message") if isinstance(err, dict) else None
+        if isinstance(message, str):
+            # Upstream messages are useful to the client ("maximum context length is ..."),
+            # but never pass on what looks like an internal trace.
+            message = message.split("\nTraceback", 1)[0][:1000]
+            return message, err.get("param")
+    return None, None
+
+
+def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _Retryable:
+    message, param = _upstream_message(body)
+    if status in (400, 422):
+        code = "context_length_exceeded" if message and "context length" in message else "invalid_request"
+        return APIError(400, message or "The model server rejected the request.", code=code,
+                        param=param if isinstance(param, str) else None)
+    if status == 404:
+        return APIError(404, message or "The model does not exist on the model server.", code="model_not_found",
+                        param="model")
+    if status == 413:
+        return APIError(413, "The model server found the request too large.", code="request_too_large")
+    if status == 429:
+        return APIError(429, "The model server is at capacity; retry shortly.", code="capacity_exhausted",
+                        headers={"Retry-After": "1"})
+    final = APIError(502, f"The model server answered {status}.", code="upstream_error")
+    return _Retryable(worker, f"status {status}", final)
+
+
+def _context(request: web.Request, t: Any) -> ResponseContext:
+    cfg = request.app[state.CONFIG].section("responses")
+    sealer = request.app.get(SEALER)
+    return ResponseContext(
+        response_id="resp_" + request[state.REQUEST_ID].removeprefix("req_"),
+        model=t.model,
+        created_at=int(time.time()),
+        echo=t.echo,
+        tools=t.tools,
+        ai_markers=bool(cfg.get("ai_markers", True)),
+        ai_notice=str(cfg.get("ai_notice", "[AI-generated content]")),
+        reasoning_items=bool(cfg.get("reasoning_items", True)),
+        seal=sealer.seal if sealer is not None and t.include_encrypted_reasoning else None,
+    )
+
+
+def _record_usage(out: state.Outcome, usage: dict | None, counted: int) -> None:
+    if usage:
+        out.usage_reported = True
+        out.input_tokens = int(usage.get("input_tokens") or 0)
+        out.cached_tokens = int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
+        out.output_tokens = int(usage.get("output_tokens") or 0)
+        out.reasoning_tokens = int((usage.get("output_tokens_details") or {}).get("reasoning_tokens") or 0)
+    else:
+        out.output_tokens = counted
+
+
+async def responses_handler(request: web.Request) -> web.StreamResponse:
+    t = await translation(request)
+    cap = request.get(state.OUTPUT_CAP)
+    if cap is not None:
+        set_output_cap(t, cap)
+    pool = request.app[POOL]
+    out = state.outcome(request)
+    ctx = _context(request, t)
+    tried: list[Worker] = []
+    last: _Retryable | None = None
+    for _ in range(MAX_ATTEMPTS):
+        try:
+            worker = pool.choose(t.upstream_model, exclude=tried)
+        except APIError:
+            if last is not None:  # every eligible worker failed before the first byte
+                raise last.final from None
+            raise
+        try:
+            return await _forward(request, worker, t, ctx, out)
+        except _Retryable as exc:
+            tried.append(worker)
+            last = exc
+            request.app.logger.debug("failover from %s: %s", worker.name, exc)
+    assert last is not None
+    raise last.final
+
+
+async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseContext,
+                   out: state.Outcome) -> web.StreamResponse:
+    session = request.app[SESSION]
+    timeouts = worker.timeouts
+    out.upstream = worker.name
+    started = time.perf_counter()
+    client_timeout = aiohttp.ClientTimeout(total=timeouts.total, connect=timeouts.connect, sock_read=timeouts.idle)
+    headers = {"Content-Type": "application/json", **worker.auth_headers()}
+    payload = orjson.dumps(t.chat)
+    worker.in_flight += 1
+    upstream: aiohttp.ClientResponse | None = None
+    try:
+        try:
+            async with asyncio.timeout(timeouts.first_byte if t.stream else timeouts.total):
+                upstream = await session.post(worker.chat_url, data=payload, headers=headers, timeout=client_timeout)
+                if upstream.status != 200:
+                    error = map_upstream_error(worker, upstream.status, await upstream.read())
+                    raise error
+                first = await upstream.content.readany() if t.stream else await upstream.read()
+        except (TimeoutError, aiohttp.ServerTimeoutError):
+            raise APIError(504, f"The model server did not answer within {timeouts.first_byte:g}s.",
+                           code="upstream_timeout") from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise _Retryable(worker, type(exc).__name__,
+                             APIError(502, "The model server could not be reached.", code="upstream_unreachable")) from None
+        out.ttfb_ms = (time.perf_counter() - started) * 1000
+        if not t.stream:
+            return _json_answer(worker, ctx, first, out)
+        if not first:
+            raise _Retryable(worker, "closed before the first byte",
+                             APIError(502, "The model server closed the stream before answering.",
+                                      code="upstream_error"))
+        return await _stream_answer(request, upstream, ctx, first, out)
+    finally:
+        worker.in_flight -= 1
+        if upstream is not None:
+            # close(), not release(): an unfinished generation must be aborted upstream (vLLM
+            # frees the GPU when the connection drops), never left running for a pooled reuse.
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()
+
+
+def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.Outcome) -> web.Response:
+    try:
+        completion = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise _Retryable(worker, "garbage body", APIError(502, "The model server sent an unreadable answer.",
+                                                          code="upstream_error")) from None
+    if not isinstance(completion, dict) or "error" in completion or completion.get("object") == "error":
+        message, _ = _upstream_message(body)
+        raise APIError(502, message or "The model server failed.", code="upstream_error")
+    response = response_from_completion(ctx, completion)
+    out.status = response["status"]
+    _record_usage(out, response.get("usage"), 0)
+    return web.Response(body=orjson.dumps(response), content_type="application/json")
+
+
+async def _stream_answer(request: web.Request, upstream: aiohttp.ClientResponse, ctx: ResponseContext,
+                         first: bytes, out: state.Outcome) -> web.StreamResponse:
+    rewriter = StreamRewriter(ctx)
+    response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    try:
+        await response.prepare(request)
+        await response.write(rewriter.start() + rewriter.feed(first))
+        read = upstream.content.readany
+        while not rewriter.done:
+            try:
+                data = await read()
+            except (TimeoutError, aiohttp.ServerTimeoutError):
+                await response.write(rewriter.fail("The model server stalled between chunks.",
+                                                   code="upstream_timeout"))
+                break
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+                await response.write(rewriter.fail("The connection to the model server was lost mid-stream.",
+                                                   code="upstream_disconnected"))
+                break
+            chunk = rewriter.feed(data) if data else rewriter.finish()
+            if chunk:
+                await response.write(chunk)
+        await response.write_eof()
+    except (ConnectionResetError, asyncio.CancelledError):
+        out.status = "cancelled"
+        raise
+    finally:
+        if out.status != "cancelled":
+            out.status = rewriter.status if rewriter.done else "cancelled"
+        _record_usage(out, rewriter.usage, rewriter.output_tokens_seen)
+    return response

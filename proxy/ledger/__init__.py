@@ -1,0 +1,263 @@
+"""The durable ledger: API keys, prepaid balances, holds and usage records.
+
+The auth and balance middlewares talk to a `Ledger` only through this interface, so a
+second backend (Redis) can follow without touching them. `open_ledger(section)` picks
+the backend from the "ledger" config section.
+
+Money is integer micro-units of the account currency everywhere (no floats).
+
+The flow for one request:
+  lookup_key(secret)              -> KeyRecord (auth)
+  hold(request_id, key_id, amount, ttl_s)  reserves funds; InsufficientBalance if it cannot
+  settle(request_id, usage)       debits the real cost exactly once and drops the hold
+  release(request_id)             drops the hold without charge (nothing was produced)
+  expire_holds()                  drops holds whose ttl has passed (crashed requests)
+
+Secrets never appear in logs, exception messages or reprs; they are stored as sha256.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "KeyRecord",
+    "Hold",
+    "UsageRecord",
+    "USAGE_STATUSES",
+    "LedgerError",
+    "UnknownKey",
+    "DuplicateRequest",
+    "InsufficientBalance",
+    "Ledger",
+    "UNSET",
+    "open_ledger",
+    "SECRET_PREFIX",
+]
+
+SECRET_PREFIX = "sk-rp-"
+USAGE_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled", "error"})
+
+
+class _Unset:
+    """Sentinel for `set_limits`: "leave this limit as it is" (None means "clear it")."""
+
+    _instance: "_Unset | None" = None
+
+    def __new__(cls) -> "_Unset":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    key_id: str
+    name: str
+    prefix: str  # first 8 characters of the secret, for display only
+    balance_micros: int
+    allowed_models: tuple[str, ...] | None  # None: every model
+    concurrency: int | None
+    rate_per_min: int | None
+    revoked: bool
+    created_at: float
+
+    def allows_model(self, model: str) -> bool:
+        """True when the key may use `model` (also matched with a leading "vendor/" removed)."""
+        if self.allowed_models is None:
+            return True
+        if model in self.allowed_models:
+            return True
+        bare = model.split("/", 1)[1] if "/" in model else model
+        return any(bare == (m.split("/", 1)[1] if "/" in m else m) for m in self.allowed_models)
+
+
+@dataclass
+class Hold:
+    request_id: str
+    key_id: str
+    amount_micros: int
+    expires_at: float
+
+
+@dataclass
+class UsageRecord:
+    request_id: str
+    key_id: str
+    model: str
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    reasoning_tokens: int
+    cost_micros: int  # the real cost of the request
+    status: str  # completed | incomplete | failed | cancelled | error
+    created_at: float = field(default_factory=time.time)
+    # What was actually taken from the balance: cost clamped at the balance (never below 0).
+    # Filled in by the ledger; ignored on input to settle().
+    debited_micros: int | None = None
+
+
+class LedgerError(Exception):
+    """A ledger operation that cannot be done (unknown key, storage failure...)."""
+
+
+class UnknownKey(LedgerError):
+    def __init__(self, key_id: str) -> None:
+        super().__init__(f"unknown key id {key_id!r}")
+        self.key_id = key_id
+
+
+class DuplicateRequest(LedgerError):
+    """hold() for a request id that already has a hold or is already settled."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id!r} already has a hold or a usage record")
+        self.request_id = request_id
+
+
+class InsufficientBalance(LedgerError):
+    def __init__(self, available_micros: int, requested_micros: int | None = None) -> None:
+        message = f"insufficient balance: {available_micros} micros available"
+        if requested_micros is not None:
+            message += f", {requested_micros} requested"
+        super().__init__(message)
+        self.available_micros = available_micros
+        self.requested_micros = requested_micros
+
+
+class Ledger(abc.ABC):
+    """The async ledger interface. Every method is safe to call concurrently."""
+
+    # lifecycle
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Open storage, create the schema, and expire holds whose ttl has passed."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Finish every queued operation, then close storage. Idempotent."""
+
+    async def __aenter__(self) -> "Ledger":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # the request path
+    @abc.abstractmethod
+    async def lookup_key(self, secret: str) -> KeyRecord | None:
+        """The key for a presented secret; None for unknown or revoked keys."""
+
+    @abc.abstractmethod
+    async def available(self, key_id: str) -> int:
+        """Balance minus the open (unexpired) holds. UnknownKey if there is no such key."""
+
+    @abc.abstractmethod
+    async def hold(self, request_id: str, key_id: str, amount_micros: int, ttl_s: float) -> Hold:
+        """Reserve funds atomically. InsufficientBalance if available < amount;
+        DuplicateRequest if the request id has a hold or was settled; UnknownKey."""
+
+    @abc.abstractmethod
+    async def settle(self, request_id: str, usage: UsageRecord) -> bool:
+        """Record usage and debit its cost exactly once, dropping the hold in the same
+        transaction. The debit is clamped at the balance (never below 0); the record keeps
+        both cost_micros and debited_micros. False (and no debit) if already settled."""
+
+    @abc.abstractmethod
+    async def release(self, request_id: str) -> bool:
+        """Drop a hold without charge. True if there was one."""
+
+    @abc.abstractmethod
+    async def expire_holds(self, now: float | None = None) -> int:
+        """Drop holds with expires_at <= now; returns how many."""
+
+    @abc.abstractmethod
+    async def usage(self, request_id: str) -> UsageRecord | None:
+        """The usage record of a settled request."""
+
+    @abc.abstractmethod
+    async def list_usage(self, key_id: str | None = None, limit: int = 50) -> list[UsageRecord]:
+        """The most recent usage records, newest first (optionally for one key)."""
+
+    # key management (the CLI and tests)
+    @abc.abstractmethod
+    async def create_key(
+        self,
+        name: str,
+        balance_micros: int = 0,
+        allowed_models: list[str] | tuple[str, ...] | None = None,
+        concurrency: int | None = None,
+        rate_per_min: int | None = None,
+    ) -> tuple[str, KeyRecord]:
+        """A new key; returns the secret (shown once, never stored) and the record."""
+
+    @abc.abstractmethod
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        """A key by id, revoked or not."""
+
+    @abc.abstractmethod
+    async def list_keys(self) -> list[KeyRecord]:
+        """Every key, oldest first, revoked included."""
+
+    @abc.abstractmethod
+    async def top_up(self, key_id: str, micros: int) -> int:
+        """Add to the balance (negative corrects it, never below 0); returns the new balance."""
+
+    @abc.abstractmethod
+    async def set_limits(
+        self,
+        key_id: str,
+        *,
+        allowed_models: Any = UNSET,
+        concurrency: Any = UNSET,
+        rate_per_min: Any = UNSET,
+    ) -> KeyRecord:
+        """Change limits; UNSET leaves a limit alone, None clears it."""
+
+    @abc.abstractmethod
+    async def revoke(self, key_id: str) -> None:
+        """Revoke a key (lookup_key returns None for it from now on)."""
+
+
+def resolve_path(path: str, base_dir: str | Path | None = None) -> str:
+    """A relative ledger path is taken relative to base_dir (default: the current directory)."""
+    if path == ":memory:":
+        return path
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        p = Path(base_dir if base_dir is not None else Path.cwd()) / p
+    return str(p)
+
+
+def open_ledger(config_section: dict[str, Any] | None, base_dir: str | Path | None = None) -> Ledger:
+    """The backend named by the "ledger" config section (not started: `await ledger.start()`).
+
+    sqlite: {"backend": "sqlite", "path": "data/ledger.db", "synchronous": "FULL",
+             "busy_timeout_ms": 5000, "max_batch": 1024}
+    """
+    section = dict(config_section or {})
+    backend = str(section.get("backend", "sqlite")).lower()
+    if backend == "sqlite":
+        from proxy.ledger.sqlite import SQLiteLedger
+
+        return SQLiteLedger(
+            resolve_path(str(section.get("path") or "data/ledger.db"), base_dir),
+            synchronous=str(section.get("synchronous", "FULL")),
+            busy_timeout_ms=int(section.get("busy_timeout_ms", 5000)),
+            max_batch=int(section.get("max_batch", 1024)),
+        )
+    raise LedgerError(f"unknown ledger backend {backend!r} (known: sqlite)")

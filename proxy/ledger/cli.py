@@ -1,0 +1,238 @@
+"""Key management on the ledger database (no admin HTTP surface).
+
+    responses-proxy keys create NAME [--balance MICROS | --balance-usd 1.50] [--models a,b]
+                                     [--concurrency N] [--rate N]
+    responses-proxy keys list
+    responses-proxy keys topup KEY_ID MICROS
+    responses-proxy keys limits KEY_ID [--models a,b|*] [--concurrency N|none] [--rate N|none]
+    responses-proxy keys revoke KEY_ID
+    responses-proxy keys usage [--key KEY_ID] [--limit N]
+
+Also `python -m proxy.ledger.cli [--config FILE] [--db PATH] keys ...`.
+The secret is printed once, by `create`; nothing else ever prints it (only its prefix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict
+from decimal import Decimal, InvalidOperation
+from typing import Any, Sequence
+
+from proxy.ledger import UNSET, KeyRecord, LedgerError, open_ledger
+
+MICROS = 1_000_000
+
+
+def _usd(text: str) -> int:
+    try:
+        value = Decimal(text) * MICROS
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not an amount: {text!r}") from None
+    if value != value.to_integral_value() or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative whole number of micro-units")
+    return int(value)
+
+
+def _micros(text: str) -> int:
+    try:
+        return int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer number of micro-units: {text!r}") from None
+
+
+def _nonneg(text: str) -> int:
+    value = _micros(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def _limit(text: str) -> int | None:
+    """A limit for `keys limits`: an integer, or none/off/unlimited to clear it."""
+    if text.lower() in ("none", "off", "unlimited", "-"):
+        return None
+    return _nonneg(text)
+
+
+def _models(text: str) -> list[str] | None:
+    """a,b -> [a, b]; "*" or "all" clears the restriction."""
+    if text.strip().lower() in ("*", "all", "none"):
+        return None
+    models = [m.strip() for m in text.split(",") if m.strip()]
+    if not models:
+        raise argparse.ArgumentTypeError("--models needs at least one model (or * for all)")
+    return models
+
+
+def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `keys ...` to a parser's subparsers; returns the `keys` parser."""
+    json_flag = argparse.ArgumentParser(add_help=False)
+    json_flag.add_argument("--json", action="store_true", help="machine-readable output")
+
+    keys = subparsers.add_parser("keys", help="manage API keys and balances")
+    sub = keys.add_subparsers(dest="keys_command", metavar="COMMAND")
+    sub.required = True
+
+    create = sub.add_parser("create", parents=[json_flag], help="create a key (prints the secret once)")
+    create.add_argument("name")
+    amount = create.add_mutually_exclusive_group()
+    amount.add_argument("--balance", type=_nonneg, default=0, metavar="MICROS", help="initial balance, micro-units")
+    amount.add_argument("--balance-usd", type=_usd, dest="balance_usd", metavar="AMOUNT", help="e.g. 1.50")
+    create.add_argument("--models", type=_models, default=None, metavar="A,B", help="allowed models (default: all)")
+    create.add_argument("--concurrency", type=_nonneg, default=None, metavar="N")
+    create.add_argument("--rate", type=_nonneg, default=None, metavar="N", help="requests per minute")
+
+    sub.add_parser("list", parents=[json_flag], help="list keys (never the secrets)")
+
+    topup = sub.add_parser("topup", parents=[json_flag], help="add to a balance (negative corrects)")
+    topup.add_argument("key_id")
+    topup.add_argument("micros", type=_micros)
+
+    limits = sub.add_parser("limits", parents=[json_flag], help="change a key's limits")
+    limits.add_argument("key_id")
+    limits.add_argument("--models", type=_models, default=UNSET, metavar="A,B|*")
+    limits.add_argument("--concurrency", type=_limit, default=UNSET, metavar="N|none")
+    limits.add_argument("--rate", type=_limit, default=UNSET, metavar="N|none")
+
+    revoke = sub.add_parser("revoke", parents=[json_flag], help="revoke a key")
+    revoke.add_argument("key_id")
+
+    usage = sub.add_parser("usage", parents=[json_flag], help="recent usage records")
+    usage.add_argument("--key", dest="key", default=None, metavar="KEY_ID")
+    usage.add_argument("--limit", type=_nonneg, default=20, metavar="N")
+    return keys
+
+
+def _money(micros: int) -> str:
+    sign = "-" if micros < 0 else ""
+    whole, frac = divmod(abs(micros), MICROS)
+    return f"{sign}{whole}.{frac:06d}"
+
+
+def _key_dict(record: KeyRecord) -> dict[str, Any]:
+    data = asdict(record)
+    data["allowed_models"] = list(record.allowed_models) if record.allowed_models is not None else None
+    return data
+
+
+def _key_line(record: KeyRecord) -> str:
+    models = ",".join(record.allowed_models) if record.allowed_models is not None else "*"
+    conc = "-" if record.concurrency is None else str(record.concurrency)
+    rate = "-" if record.rate_per_min is None else str(record.rate_per_min)
+    return (
+        f"{record.key_id:<20} {record.name[:24]:<24} {record.prefix + '...':<12} "
+        f"{record.balance_micros:>16} {_money(record.balance_micros):>14} {models[:30]:<30} "
+        f"{conc:>5} {rate:>6} {'yes' if record.revoked else 'no':>7}"
+    )
+
+
+_KEY_HEADER = (
+    f"{'KEY_ID':<20} {'NAME':<24} {'PREFIX':<12} {'BALANCE_MICROS':>16} {'BALANCE':>14} {'MODELS':<30} "
+    f"{'CONC':>5} {'RATE':>6} {'REVOKED':>7}"
+)
+
+
+def _ledger_section(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    section: dict[str, Any] = {}
+    if config is not None:
+        section = dict(config.section("ledger") if hasattr(config, "section") else config.get("ledger", {}))
+    db = getattr(args, "db", None)
+    if db:
+        section = {**section, "backend": "sqlite", "path": db}
+    return section
+
+
+async def _run(args: argparse.Namespace, config: Any, out: Any) -> int:
+    ledger = open_ledger(_ledger_section(args, config))
+    await ledger.start()
+    try:
+        cmd = args.keys_command
+        as_json = getattr(args, "json", False)
+        if cmd == "create":
+            balance = args.balance_usd if args.balance_usd is not None else args.balance
+            secret, record = await ledger.create_key(
+                args.name, balance, allowed_models=args.models, concurrency=args.concurrency, rate_per_min=args.rate
+            )
+            if as_json:
+                print(json.dumps({"secret": secret, **_key_dict(record)}), file=out)
+            else:
+                print(f"key_id:  {record.key_id}", file=out)
+                print(f"secret:  {secret}", file=out)
+                print(f"balance: {record.balance_micros} micros ({_money(record.balance_micros)})", file=out)
+                print("The secret is shown once and is not stored; keep it now.", file=out)
+        elif cmd == "list":
+            records = await ledger.list_keys()
+            if as_json:
+                print(json.dumps([_key_dict(r) for r in records]), file=out)
+            else:
+                print(_KEY_HEADER, file=out)
+                for record in records:
+                    print(_key_line(record), file=out)
+        elif cmd == "topup":
+            balance = await ledger.top_up(args.key_id, args.micros)
+            if as_json:
+                print(json.dumps({"key_id": args.key_id, "balance_micros": balance}), file=out)
+            else:
+                print(f"{args.key_id}: balance {balance} micros ({_money(balance)})", file=out)
+        elif cmd == "limits":
+            record = await ledger.set_limits(
+                args.key_id, allowed_models=args.models, concurrency=args.concurrency, rate_per_min=args.rate
+            )
+            print(json.dumps(_key_dict(record)) if as_json else _KEY_HEADER + "\n" + _key_line(record), file=out)
+        elif cmd == "revoke":
+            await ledger.revoke(args.key_id)
+            print(json.dumps({"key_id": args.key_id, "revoked": True}) if as_json else f"{args.key_id}: revoked",
+                  file=out)
+        elif cmd == "usage":
+            records = await ledger.list_usage(args.key, args.limit)
+            if as_json:
+                print(json.dumps([asdict(r) for r in records]), file=out)
+            else:
+                print(f"{'REQUEST_ID':<36} {'KEY_ID':<20} {'MODEL':<24} {'IN':>8} {'CACHED':>8} {'OUT':>8} "
+                      f"{'COST':>12} {'DEBITED':>12} STATUS", file=out)
+                for r in records:
+                    print(f"{r.request_id[:36]:<36} {r.key_id:<20} {r.model[:24]:<24} {r.input_tokens:>8} "
+                          f"{r.cached_tokens:>8} {r.output_tokens:>8} {r.cost_micros:>12} "
+                          f"{r.debited_micros if r.debited_micros is not None else '-':>12} {r.status}", file=out)
+        else:  # pragma: no cover - argparse refuses unknown commands
+            print(f"unknown keys command {cmd!r}", file=sys.stderr)
+            return 2
+        return 0
+    finally:
+        await ledger.close()
+
+
+def run_key_command(args: argparse.Namespace, config: Any = None, out: Any = None) -> int:
+    """Run a parsed `keys ...` command against the ledger in config["ledger"] (or args.db).
+    Returns the exit status: 0 done, 1 refused (unknown key, bad value, storage error)."""
+    try:
+        return asyncio.run(_run(args, config, out or sys.stdout))
+    except (LedgerError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m proxy.ledger.cli", description="ledger key management")
+    parser.add_argument("--config", default=None, help="config.yaml (its ledger section)")
+    parser.add_argument("--db", default=None, help="SQLite ledger path (overrides the config)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    add_key_commands(sub)
+    args = parser.parse_args(argv)
+    from proxy.config import Config, ConfigError
+
+    try:
+        config = Config.load(args.config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return run_key_command(args, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Cost maths, in integers only.
+
+Prices (config "prices") are per million tokens, in micro-units of the account currency:
+    prices:
+      default:        {input: 500000, cached_input: 100000, output: 1500000}
+      Qwen/Qwen3-8B:  {input: 200000, output: 600000}      # cached_input defaults to input
+
+Costs round UP to a whole micro-unit, so a request is never billed below its price, and
+`max_output_tokens_for` is the exact inverse: the largest output that a budget covers.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+PER = 1_000_000  # prices are per million tokens
+UNLIMITED = sys.maxsize  # max_output_tokens_for() when output is free
+_BUILTIN_DEFAULT = {"input": 500_000, "cached_input": 100_000, "output": 1_500_000}
+
+
+@dataclass(frozen=True)
+class Price:
+    input: int  # micros per million uncached input tokens
+    cached_input: int  # micros per million cached input tokens
+    output: int  # micros per million output tokens (reasoning tokens are output tokens)
+
+
+def _micro(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"price {what} must be an integer number of micro-units")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"price {what} must be an integer number of micro-units, got {value}")
+        value = int(value)
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"price {what} must be a non-negative integer number of micro-units")
+    return value
+
+
+def _price(entry: Any, model: str) -> Price:
+    if isinstance(entry, Price):
+        return entry
+    if not isinstance(entry, Mapping) or "input" not in entry or "output" not in entry:
+        raise ValueError(f"prices[{model!r}] needs input and output")
+    input_ = _micro(entry["input"], f"{model}.input")
+    cached = entry.get("cached_input")
+    return Price(
+        input=input_,
+        cached_input=input_ if cached is None else _micro(cached, f"{model}.cached_input"),
+        output=_micro(entry["output"], f"{model}.output"),
+    )
+
+
+def _bare(model: str) -> str:
+    """The model with a leading "vendor/" segment removed."""
+    return model.split("/", 1)[1] if "/" in model else model
+
+
+def price_for(prices: Mapping[str, Any] | None, model: str) -> Price:
+    """The price of `model`: an exact entry, else the entry matching with vendor prefixes
+    stripped (on either side), else prices["default"], else the built-in default."""
+    prices = prices or {}
+    if model in prices and model != "default":
+        return _price(prices[model], model)
+    bare = _bare(model)
+    if bare in prices and bare != "default":
+        return _price(prices[bare], bare)
+    for name in sorted(prices):  # sorted: the same answer whatever the mapping order
+        if name != "default" and _bare(name) == bare:
+            return _price(prices[name], name)
+    if prices.get("default") is not None:
+        return _price(prices["default"], "default")
+    return _price(_BUILTIN_DEFAULT, "default")
+
+
+def _split(input_tokens: int, cached_tokens: int) -> tuple[int, int]:
+    """(uncached, cached). Cached tokens are part of input_tokens (OpenAI usage semantics)."""
+    for what, n in (("input_tokens", input_tokens), ("cached_tokens", cached_tokens)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{what} must be a non-negative integer")
+    cached = min(cached_tokens, input_tokens)
+    return input_tokens - cached, cached
+
+
+def cost_micros(price: Price, input_tokens: int, cached_tokens: int, output_tokens: int) -> int:
+    """ceil((uncached*input + cached*cached_input + output*output) / 1_000_000), integers only."""
+    if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
+        raise ValueError("output_tokens must be a non-negative integer")
+    uncached, cached = _split(input_tokens, cached_tokens)
+    numerator = uncached * price.input + cached * price.cached_input + output_tokens * price.output
+    return -(-numerator // PER)
+
+
+def input_cost_micros(price: Price, input_tokens: int, cached_tokens: int) -> int:
+    return cost_micros(price, input_tokens, cached_tokens, 0)
+
+
+def max_output_tokens_for(price: Price, budget_micros: int, input_tokens: int, cached_tokens: int) -> int:
+    """The largest n with cost_micros(price, input, cached, n) <= budget_micros; 0 when the
+    input alone exceeds the budget; UNLIMITED (sys.maxsize) when output is free."""
+    if isinstance(budget_micros, bool) or not isinstance(budget_micros, int):
+        raise ValueError("budget_micros must be an integer")
+    uncached, cached = _split(input_tokens, cached_tokens)
+    # ceil(x / PER) <= B  <=>  x <= B * PER  (for integer x, B), so no rounding is lost here.
+    room = budget_micros * PER - (uncached * price.input + cached * price.cached_input)
+    if room < 0:
+        return 0
+    if price.output == 0:
+        return UNLIMITED
+    return room // price.output

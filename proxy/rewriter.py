@@ -1,0 +1,663 @@
+"""Chat-completions stream -> Responses stream, as a sans-I/O state machine.
+
+    rw = StreamRewriter(ctx)
+    send(rw.start())                       # response.created + response.in_progress
+    async for chunk in upstream: send(rw.feed(chunk))   # any byte split
+    send(rw.finish())                      # upstream EOF (b"" if [DONE] already ended it)
+    # or, on a timeout / reset after the headers went out:
+    send(rw.fail("upstream timed out", code="upstream_timeout"))
+
+Every call returns the Responses SSE bytes it produced (possibly b""); once `done` is
+set every call returns b"". `response_from_completion` turns a non-stream chat.completion
+into the same Response object by driving the very same accumulator.
+
+Item lifecycle:
+  reasoning  opens on the first reasoning delta, closes on the first content/tool delta
+             (or at the finish); hidden entirely when ctx.reasoning_items is False.
+  message    opens on the first non-empty content delta, closes at the finish.
+  calls      open when their name is known, close at the finish (never earlier: vLLM
+             interleaves parallel calls by index). Custom tools stream no argument deltas:
+             their `input` is only known once the JSON arguments are complete.
+A finish_reason "length"/"content_filter" closes items with status "incomplete" and ends
+in response.incomplete; a failure leaves open items "incomplete" in the failed response
+without emitting their done events (a half-streamed call must not look runnable).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import orjson
+
+from proxy.sse import MAX_LINE, SSEDecoder
+
+if TYPE_CHECKING:  # proxy.translate is written separately; only its shape matters here
+    from proxy.translate import ToolOrigin
+
+__all__ = ["ResponseContext", "StreamRewriter", "response_from_completion", "map_usage"]
+
+# ResponseError.code is a closed set in the SDK; anything else is reported as server_error
+# (the original code travels in error.type).
+_ERROR_CODES = frozenset(
+    {
+        "server_error",
+        "rate_limit_exceeded",
+        "invalid_prompt",
+        "vector_store_timeout",
+        "invalid_image",
+        "invalid_image_format",
+        "invalid_base64_image",
+        "invalid_image_url",
+        "image_too_large",
+        "image_too_small",
+        "image_parse_error",
+        "image_content_policy_violation",
+        "invalid_image_mode",
+        "image_file_too_large",
+        "unsupported_image_media_type",
+        "empty_image_file",
+        "failed_to_download_image",
+        "image_file_not_found",
+    }
+)
+
+# Fields the rewriter owns; ctx.echo cannot override them.
+_OWNED = frozenset({"id", "object", "created_at", "status", "model", "output", "usage", "error", "incomplete_details"})
+
+
+@dataclass
+class ResponseContext:
+    response_id: str  # "resp_" + hex
+    model: str  # as sent
+    created_at: int
+    echo: dict = field(default_factory=dict)  # from Translation.echo
+    tools: dict[str, "ToolOrigin"] = field(default_factory=dict)  # upstream name -> origin
+    ai_markers: bool = True
+    ai_notice: str = "[AI-generated content]"
+    reasoning_items: bool = True
+    seal: Callable[[str], str] | None = None  # reasoning text -> encrypted_content
+
+
+def _hex() -> str:
+    return secrets.token_hex(12)
+
+
+def _origin(origin: Any) -> tuple[str, str | None, str | None]:
+    """(kind, name, namespace) of a ToolOrigin (or anything shaped like one, dicts included)."""
+    if origin is None:
+        return "function", None, None
+    if isinstance(origin, dict):
+        return origin.get("kind") or "function", origin.get("name"), origin.get("namespace")
+    return getattr(origin, "kind", None) or "function", getattr(origin, "name", None), getattr(origin, "namespace", None)
+
+
+def map_usage(u: dict) -> dict:
+    """Chat usage -> Responses usage (input_tokens includes cached and written tokens)."""
+    inp = u.get("prompt_tokens") or 0
+    out = u.get("completion_tokens") or 0
+    ptd = u.get("prompt_tokens_details") or {}
+    ctd = u.get("completion_tokens_details") or {}
+    return {
+        "input_tokens": inp,
+        "input_tokens_details": {
+            "cached_tokens": ptd.get("cached_tokens") or 0,
+            "cache_write_tokens": ptd.get("created_cache_tokens") or ptd.get("cache_write_tokens") or 0,
+        },
+        "output_tokens": out,
+        "output_tokens_details": {"reasoning_tokens": ctd.get("reasoning_tokens") or 0},
+        "total_tokens": inp + out,
+    }
+
+
+class _Item:
+    __slots__ = (
+        "kind", "id", "index", "parts", "open", "final",
+        "upstream_id", "upstream_name", "call_id", "name", "namespace", "announced",
+    )
+
+    def __init__(self, kind: str, prefix: str) -> None:
+        self.kind = kind  # reasoning | message | function_call | custom_tool_call
+        self.id = prefix + _hex()
+        self.index: int | None = None  # output_index; None while not announced / hidden
+        self.parts: list[str] = []
+        self.open = True
+        self.final: dict | None = None
+        self.upstream_id: str | None = None
+        self.upstream_name: str | None = None
+        self.call_id: str | None = None
+        self.name: str | None = None
+        self.namespace: str | None = None
+        self.announced = False
+
+    def text(self) -> str:
+        parts = self.parts
+        if len(parts) > 1:
+            joined = "".join(parts)
+            self.parts = [joined]
+            return joined
+        return parts[0] if parts else ""
+
+
+class StreamRewriter:
+    """Upstream chat-completions SSE bytes in, Responses SSE bytes out. Pure; no I/O."""
+
+    def __init__(self, ctx: ResponseContext, *, max_line: int = MAX_LINE) -> None:
+        self.ctx = ctx
+        self.done = False
+        self.status = "in_progress"
+        self.usage: dict | None = None  # Responses-shaped, only when the upstream reported usage
+        self.output_tokens_seen = 0
+        self.reasoning_deltas_seen = 0
+        self.response: dict = {}
+        self.finish_reason: str | None = None
+        self._decoder = SSEDecoder(max_line)
+        self._started = False
+        self._emit = True
+        self._out: list[bytes] = []
+        self._seq = 0
+        self._items: list[_Item] = []  # announced, visible items in output_index order
+        self._reasoning: _Item | None = None
+        self._message: _Item | None = None
+        self._calls: dict[int, _Item] = {}  # upstream tool_call index -> current call
+        self._all_calls: list[_Item] = []
+        self._call_ids: set[str] = set()
+        self._last_call_index: int | None = None
+        self._base = self._base_response()
+        self.response = self._base
+
+    # ------------------------------------------------------------------ public API
+    def start(self) -> bytes:
+        if self._started or self.done:
+            return b""
+        self._started = True
+        out = self._out = []
+        base = self._base
+        if self._emit:
+            self._event({"type": "response.created", "sequence_number": 0, "response": base})
+            self._event({"type": "response.in_progress", "sequence_number": 0, "response": base})
+        return b"".join(out)
+
+    def feed(self, data: bytes) -> bytes:
+        if self.done:
+            return b""
+        head = self.start() if not self._started else b""
+        out = self._out = []
+        dec = self._decoder
+        for payload in dec.feed(data):
+            self._on_payload(payload)
+            if self.done:
+                break
+        if not self.done and dec.overflow:
+            self._fail(f"upstream sent a line longer than {dec.max_line} bytes", "server_error", 1000, True)
+        body = b"".join(out)
+        return head + body if head else body
+
+    def finish(self) -> bytes:
+        if self.done:
+            return b""
+        head = self.start() if not self._started else b""
+        out = self._out = []
+        for payload in self._decoder.flush():
+            self._on_payload(payload)
+            if self.done:
+                break
+        if not self.done:
+            self._end_of_stream()
+        return head + b"".join(out)
+
+    def fail(
+        self,
+        message: str,
+        *,
+        code: str = "upstream_error",
+        retry_after_ms: int | None = 1000,
+        should_retry: bool = True,
+    ) -> bytes:
+        if self.done:
+            return b""
+        head = self.start() if not self._started else b""
+        out = self._out = []
+        self._fail(message, code, retry_after_ms, should_retry)
+        return head + b"".join(out)
+
+    # ------------------------------------------------------------------ emission
+    def _event(self, ev: dict) -> None:
+        ev["sequence_number"] = self._seq
+        self._seq += 1
+        self._out.append(b"event: " + ev["type"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n")
+
+    def _base_response(self) -> dict:
+        ctx = self.ctx
+        r: dict[str, Any] = {
+            "id": ctx.response_id,
+            "object": "response",
+            "created_at": ctx.created_at,
+            "status": "in_progress",
+            "error": None,
+            "incomplete_details": None,
+            "instructions": None,
+            "max_output_tokens": None,
+            "model": ctx.model,
+            "output": [],
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": None,
+            "text": None,
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": None,
+            "truncation": "disabled",
+            "usage": None,
+            "user": None,
+            "metadata": None,
+            "background": False,
+            "max_tool_calls": None,
+            "prompt_cache_key": None,
+            "safety_identifier": None,
+            "service_tier": "default",
+            "top_logprobs": None,
+            "conversation": None,
+            "prompt": None,
+        }
+        for k, v in (ctx.echo or {}).items():
+            if k not in _OWNED:
+                r[k] = v
+        if r.get("tools") is None:
+            r["tools"] = []
+        if r.get("tool_choice") is None:
+            r["tool_choice"] = "auto"
+        if r.get("parallel_tool_calls") is None:
+            r["parallel_tool_calls"] = True
+        if ctx.ai_markers:
+            r["ai_generated"] = True
+            r["ai_notice"] = ctx.ai_notice
+        return r
+
+    # ------------------------------------------------------------------ upstream events
+    def _on_payload(self, payload: bytes) -> None:
+        stripped = payload.strip()
+        if not stripped:
+            return
+        if stripped == b"[DONE]":
+            self._end_of_stream()
+            return
+        try:
+            obj = orjson.loads(stripped)
+        except orjson.JSONDecodeError:
+            self._fail(f"upstream sent an invalid event (not JSON): {stripped[:200]!r}", "server_error", 1000, True)
+            return
+        if not isinstance(obj, dict):
+            self._fail(f"upstream sent an invalid event (not an object): {stripped[:200]!r}", "server_error", 1000, True)
+            return
+        self._on_chunk(obj)
+
+    def _on_chunk(self, obj: dict) -> None:
+        err = obj.get("error")
+        if err or obj.get("object") == "error":
+            self._upstream_error(err if err else obj)
+            return
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = map_usage(usage)  # continuous usage stats: the last one wins
+        choices = obj.get("choices")
+        if not choices:
+            return
+        for ch in choices:
+            if not isinstance(ch, dict) or (ch.get("index") or 0) != 0:
+                continue  # n > 1: only the first choice becomes the response
+            delta = ch.get("delta")
+            if delta and self.finish_reason is None:
+                self._on_delta(delta)
+            fr = ch.get("finish_reason")
+            if fr and not self.done:
+                self._on_finish(fr if isinstance(fr, str) else str(fr))
+
+    def _on_delta(self, delta: dict) -> None:
+        counted = False
+        r = delta.get("reasoning")
+        if r is None:
+            r = delta.get("reasoning_content")
+        if r and isinstance(r, str):
+            counted = True
+            self.reasoning_deltas_seen += 1
+            if self.ctx.reasoning_items:
+                self._reasoning_delta(r)
+        c = delta.get("content")
+        if c and isinstance(c, str):
+            counted = True
+            self._close_reasoning("completed")
+            self._text_delta(c)
+        tcs = delta.get("tool_calls")
+        if tcs:
+            self._close_reasoning("completed")
+            for tc in tcs:
+                if isinstance(tc, dict) and self._tool_delta(tc):
+                    counted = True
+        if counted:
+            self.output_tokens_seen += 1
+
+    # ------------------------------------------------------------------ items
+    def _add(self, item: _Item, added: dict) -> None:
+        item.index = len(self._items)
+        item.announced = True
+        self._items.append(item)
+        if self._emit:
+            self._event({"type": "response.output_item.added", "sequence_number": 0,
+                         "output_index": item.index, "item": added})
+
+    def _reasoning_delta(self, text: str) -> None:
+        it = self._reasoning
+        if it is None:
+            it = self._reasoning = _Item("reasoning", "rs_")
+            self._add(it, {"type": "reasoning", "id": it.id, "summary": [], "status": "in_progress"})
+            if self._emit:
+                self._event({"type": "response.reasoning_summary_part.added", "sequence_number": 0,
+                             "item_id": it.id, "output_index": it.index, "summary_index": 0,
+                             "part": {"type": "summary_text", "text": ""}})
+        it.parts.append(text)
+        if self._emit:
+            self._event({"type": "response.reasoning_summary_text.delta", "sequence_number": 0,
+                         "item_id": it.id, "output_index": it.index, "summary_index": 0, "delta": text})
+
+    def _close_reasoning(self, status: str) -> None:
+        it = self._reasoning
+        if it is None:
+            return
+        self._reasoning = None
+        it.open = False
+        text = it.text()
+        it.final = final = {"type": "reasoning", "id": it.id,
+                            "summary": [{"type": "summary_text", "text": text}], "status": status}
+        if self.ctx.seal is not None:
+            final["encrypted_content"] = self.ctx.seal(text)
+        if self._emit:
+            self._event({"type": "response.reasoning_summary_text.done", "sequence_number": 0,
+                         "item_id": it.id, "output_index": it.index, "summary_index": 0, "text": text})
+            self._event({"type": "response.reasoning_summary_part.done", "sequence_number": 0,
+                         "item_id": it.id, "output_index": it.index, "summary_index": 0,
+                         "part": {"type": "summary_text", "text": text}})
+            self._event({"type": "response.output_item.done", "sequence_number": 0,
+                         "output_index": it.index, "item": final})
+
+    def _text_delta(self, text: str) -> None:
+        it = self._message
+        if it is None:
+            it = self._message = _Item("message", "msg_")
+            self._add(it, {"type": "message", "id": it.id, "status": "in_progress", "role": "assistant", "content": []})
+            if self._emit:
+                self._event({"type": "response.content_part.added", "sequence_number": 0,
+                             "item_id": it.id, "output_index": it.index, "content_index": 0,
+                             "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+        it.parts.append(text)
+        if self._emit:
+            self._event({"type": "response.output_text.delta", "sequence_number": 0, "item_id": it.id,
+                         "output_index": it.index, "content_index": 0, "delta": text, "logprobs": []})
+
+    def _message_final(self, it: _Item, status: str) -> dict:
+        return {"type": "message", "id": it.id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": it.text(), "annotations": [], "logprobs": []}]}
+
+    def _close_message(self, status: str) -> None:
+        it = self._message
+        if it is None or not it.open:
+            return
+        it.open = False
+        text = it.text()
+        it.final = final = self._message_final(it, status)
+        if self._emit:
+            self._event({"type": "response.output_text.done", "sequence_number": 0, "item_id": it.id,
+                         "output_index": it.index, "content_index": 0, "text": text, "logprobs": []})
+            self._event({"type": "response.content_part.done", "sequence_number": 0, "item_id": it.id,
+                         "output_index": it.index, "content_index": 0, "part": final["content"][0]})
+            self._event({"type": "response.output_item.done", "sequence_number": 0,
+                         "output_index": it.index, "item": final})
+
+    def _tool_delta(self, tc: dict) -> bool:
+        """Apply one tool_calls[] entry; True when it carried argument text."""
+        fn = tc.get("function") or {}
+        tid = tc.get("id") or None
+        name = fn.get("name") or None
+        args = fn.get("arguments")
+        if args is not None and not isinstance(args, str):
+            args = orjson.dumps(args).decode()
+        idx = tc.get("index")
+        if not isinstance(idx, int):
+            if tid or self._last_call_index is None:
+                idx = max(self._calls, default=-1) + 1
+            else:
+                idx = self._last_call_index
+        self._last_call_index = idx
+        call = self._calls.get(idx)
+        if call is not None and tid and call.upstream_id and tid != call.upstream_id:
+            call = None  # a new call reusing the index (one call per chunk, SGLang style)
+        if call is None:
+            call = _Item("function_call", "fc_")
+            self._calls[idx] = call
+            self._all_calls.append(call)
+        if tid and not call.upstream_id:
+            call.upstream_id = tid
+        if args:
+            call.parts.append(args)
+        if not call.announced:
+            if name:
+                self._announce_call(call, name)
+        elif args and call.kind == "function_call" and self._emit:
+            self._event({"type": "response.function_call_arguments.delta", "sequence_number": 0,
+                         "item_id": call.id, "output_index": call.index, "delta": args})
+        return bool(args)
+
+    def _announce_call(self, call: _Item, upstream_name: str) -> None:
+        call.upstream_name = upstream_name
+        kind, name, ns = _origin(self.ctx.tools.get(upstream_name) if self.ctx.tools else None)
+        call.name = name or upstream_name
+        call.namespace = ns
+        cid = call.upstream_id or ("call_" + _hex())
+        while cid in self._call_ids:  # call_id is the SDK's identity for a call: keep it unique
+            cid = "call_" + _hex()
+        self._call_ids.add(cid)
+        call.call_id = cid
+        if kind == "custom":
+            call.kind = "custom_tool_call"
+            call.id = "ctc_" + call.id[3:]
+            added = {"type": "custom_tool_call", "id": call.id, "call_id": cid, "name": call.name, "input": ""}
+        else:
+            added = {"type": "function_call", "id": call.id, "call_id": cid, "name": call.name,
+                     "arguments": "", "status": "in_progress"}
+        if ns:
+            added["namespace"] = ns
+        self._add(call, added)
+        if call.parts and call.kind == "function_call" and self._emit:  # arguments that came before the name
+            self._event({"type": "response.function_call_arguments.delta", "sequence_number": 0,
+                         "item_id": call.id, "output_index": call.index, "delta": call.text()})
+
+    def _call_final(self, call: _Item, status: str) -> dict:
+        args = call.text()
+        if call.kind == "custom_tool_call":
+            final = {"type": "custom_tool_call", "id": call.id, "call_id": call.call_id,
+                     "name": call.name, "input": _custom_input(args)}
+        else:
+            final = {"type": "function_call", "id": call.id, "call_id": call.call_id,
+                     "name": call.name, "arguments": args, "status": status}
+        if call.namespace:
+            final["namespace"] = call.namespace
+        return final
+
+    def _close_call(self, call: _Item, status: str) -> None:
+        if not call.open:
+            return
+        call.open = False
+        if not call.announced:
+            return  # never got a name: nothing a client could run
+        call.final = final = self._call_final(call, status)
+        if not self._emit:
+            return
+        if call.kind == "custom_tool_call":
+            if final["input"]:
+                self._event({"type": "response.custom_tool_call_input.delta", "sequence_number": 0,
+                             "item_id": call.id, "output_index": call.index, "delta": final["input"]})
+            self._event({"type": "response.custom_tool_call_input.done", "sequence_number": 0,
+                         "item_id": call.id, "output_index": call.index, "input": final["input"]})
+        else:
+            self._event({"type": "response.function_call_arguments.done", "sequence_number": 0,
+                         "item_id": call.id, "output_index": call.index, "arguments": final["arguments"]})
+        self._event({"type": "response.output_item.done", "sequence_number": 0,
+                     "output_index": call.index, "item": final})
+
+    # ------------------------------------------------------------------ endings
+    def _on_finish(self, reason: str) -> None:
+        if self.finish_reason is not None:
+            return
+        self.finish_reason = reason
+        if reason == "abort":  # SGLang: the engine gave up on the request
+            self._fail("upstream aborted the generation", "server_error", 1000, True)
+            return
+        item_status = "incomplete" if reason in ("length", "content_filter") else "completed"
+        # Reasoning that was still running when the cap hit is cut short, too.
+        self._close_reasoning(item_status)
+        pending: list[_Item] = []
+        if self._message is not None:
+            pending.append(self._message)
+        pending.extend(c for c in self._all_calls if c.announced)
+        pending.sort(key=lambda it: it.index)
+        for it in pending:
+            if it.kind == "message":
+                self._close_message(item_status)
+            else:
+                self._close_call(it, item_status)
+        for c in self._all_calls:
+            c.open = False
+
+    def _end_of_stream(self) -> None:
+        """[DONE] or EOF: the terminal event."""
+        if self.done:
+            return
+        reason = self.finish_reason
+        if reason is None:
+            self._fail("upstream stream ended without a finish_reason", "server_error", 1000, True)
+            return
+        if reason == "length":
+            self._terminal("incomplete", incomplete={"reason": "max_output_tokens"})
+        elif reason == "content_filter":
+            self._terminal("incomplete", incomplete={"reason": "content_filter"})
+        else:
+            # "stop" after a forced named call and "tool_calls" without calls are both fine
+            self._terminal("completed")
+
+    def _upstream_error(self, err: Any) -> None:
+        if isinstance(err, dict):
+            message = err.get("message") or err.get("detail") or "upstream error"
+            raw = err.get("code")
+            etype = err.get("type")
+        else:
+            message, raw, etype = str(err), None, None
+        status = raw if isinstance(raw, int) else None
+        if isinstance(raw, str) and raw.isdigit():
+            status = int(raw)
+        if status == 429 or raw == "rate_limit_exceeded" or etype == "rate_limit_exceeded":
+            code = "rate_limit_exceeded"
+        elif isinstance(raw, str) and raw in _ERROR_CODES:
+            code = raw
+        else:
+            code = "server_error"
+        retry = not (status is not None and 400 <= status < 500 and status != 429)
+        self._fail(str(message), code, 1000 if retry else None, retry)
+
+    def _fail(self, message: str, code: str, retry_after_ms: int | None, should_retry: bool) -> None:
+        if self.done:
+            return
+        error: dict[str, Any] = {"code": code if code in _ERROR_CODES else "server_error", "message": message}
+        if error["code"] != code:
+            error["type"] = code
+        extra = {"retry_after_ms": retry_after_ms, "x_should_retry": should_retry}
+        self._terminal("failed", error=error, extra=extra)
+
+    def _terminal(self, status: str, *, incomplete: dict | None = None, error: dict | None = None,
+                  extra: dict | None = None) -> None:
+        output = []
+        for it in self._items:
+            if it.final is None:  # still open: only on failure
+                it.open = False
+                if it.kind == "reasoning":
+                    it.final = {"type": "reasoning", "id": it.id,
+                                "summary": [{"type": "summary_text", "text": it.text()}], "status": "incomplete"}
+                elif it.kind == "message":
+                    it.final = self._message_final(it, "incomplete")
+                else:
+                    it.final = self._call_final(it, "incomplete")
+            output.append(it.final)
+        r = dict(self._base)
+        r["status"] = status
+        r["output"] = output
+        r["usage"] = self.usage if self.usage is not None else self._counted_usage()
+        r["incomplete_details"] = incomplete
+        r["error"] = error
+        if extra:
+            r.update(extra)
+        self.response = r
+        self.status = status
+        self.done = True
+        if self._emit:
+            kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
+            self._event({"type": kind, "sequence_number": 0, "response": r})
+
+    def _counted_usage(self) -> dict:
+        out = self.output_tokens_seen
+        return {
+            "input_tokens": 0,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": out,
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_deltas_seen},
+            "total_tokens": out,
+        }
+
+
+def _custom_input(args: str) -> str:
+    """A custom tool travels upstream as a function with one string parameter `input`."""
+    try:
+        parsed = orjson.loads(args)
+    except orjson.JSONDecodeError:
+        return args
+    if isinstance(parsed, dict) and "input" in parsed:
+        v = parsed["input"]
+        return v if isinstance(v, str) else orjson.dumps(v).decode()
+    if isinstance(parsed, str):
+        return parsed
+    return args
+
+
+def response_from_completion(ctx: ResponseContext, completion: dict) -> dict:
+    """A non-stream chat.completion -> the Response object the equivalent stream ends with."""
+    rw = StreamRewriter(ctx)
+    rw._emit = False
+    rw.start()
+    if not isinstance(completion, dict):
+        rw._fail("upstream sent an invalid completion", "server_error", 1000, True)
+        return rw.response
+    chunk: dict[str, Any] = {k: completion[k] for k in ("error", "object", "usage") if k in completion}
+    choices = completion.get("choices")
+    if chunk.get("error") or chunk.get("object") == "error":
+        rw._on_chunk(chunk)
+        return rw.response
+    choice = None
+    if isinstance(choices, list):
+        choice = next((c for c in choices if isinstance(c, dict) and (c.get("index") or 0) == 0), None)
+    if choice is None:
+        rw._on_chunk(chunk)
+        rw._fail("upstream completion has no choices", "server_error", 1000, True)
+        return rw.response
+    msg = choice.get("message") or {}
+    delta: dict[str, Any] = {
+        "reasoning": msg.get("reasoning") if msg.get("reasoning") is not None else msg.get("reasoning_content"),
+        "content": msg.get("content"),
+    }
+    calls = msg.get("tool_calls")
+    if calls:
+        delta["tool_calls"] = [dict(tc, index=i) for i, tc in enumerate(calls) if isinstance(tc, dict)]
+    chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": choice.get("finish_reason") or "stop"}]
+    rw._on_chunk(chunk)
+    rw._end_of_stream()
+    return rw.response

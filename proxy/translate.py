@@ -1,0 +1,878 @@
+"""Responses request body -> chat-completions request body (pure: dicts in, dicts out).
+
+`translate_request(body)` validates a Responses API request and builds the body that vLLM and
+SGLang accept on /v1/chat/completions, plus everything the response side needs (the tool name
+map, the fields echoed in the Response object, notices). Every refusal is an `APIError(400)`;
+no JSON value can make it raise anything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import orjson
+
+from proxy.errors import APIError, bad_request
+
+__all__ = [
+    "ToolOrigin",
+    "Translation",
+    "TranslateOptions",
+    "translate_request",
+    "set_output_cap",
+    "HOSTED_TOOL_TYPES",
+    "REFUSED_TOOL_TYPES",
+    "HOSTED_ITEM_TYPES",
+    "REASONING_EFFORTS",
+]
+
+# Tool types the OpenAI platform runs itself: left out (with a notice), never forwarded.
+HOSTED_TOOL_TYPES: frozenset[str] = frozenset(
+    {
+        "web_search",
+        "web_search_2025_08_26",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "computer_use",
+        "computer_use_preview",
+        "computer",
+        "mcp",
+        "local_shell",
+        "shell",
+        "apply_patch",
+        "tool_search",
+    }
+)
+# Tool types refused outright (the client would expect a result we cannot produce).
+REFUSED_TOOL_TYPES: frozenset[str] = frozenset({"image_generation"})
+_REFUSED_CODES = {"image_generation": "image_generation_unsupported"}
+
+# Input items produced by hosted tools: replayed as an assistant-side note.
+HOSTED_ITEM_TYPES: frozenset[str] = frozenset(
+    {
+        "web_search_call",
+        "file_search_call",
+        "code_interpreter_call",
+        "computer_call",
+        "computer_call_output",
+        "image_generation_call",
+        "local_shell_call",
+        "local_shell_call_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
+        "mcp_call",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "tool_search_call",
+        "tool_search_output",
+        "compaction",
+        "compaction_summary",
+    }
+)
+
+REASONING_EFFORTS: frozenset[str] = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
+
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
+_UNSUPPORTED_PARTS = frozenset({"input_file", "input_audio", "file"})
+_IMAGE_DETAILS = frozenset({"auto", "low", "high"})
+_UNSEAL_FAILED = "reasoning item dropped: encrypted_content could not be opened"
+
+
+@dataclass
+class ToolOrigin:
+    kind: str  # "function" | "custom"
+    name: str  # the name the client knows
+    namespace: str | None = None  # set when the tool came from a {"type":"namespace"} tool
+
+
+@dataclass
+class Translation:
+    chat: dict  # the chat-completions request body; chat["model"] is upstream_model
+    model: str  # the model exactly as the client sent it
+    upstream_model: str  # `model` with a leading "vendor/" segment removed
+    stream: bool
+    tools: dict[str, ToolOrigin]  # upstream function name -> what the client knows it as
+    echo: dict  # Response fields echoed back
+    notices: list[str]
+    include_encrypted_reasoning: bool
+    prompt_cache_key: str | None
+    conversation: str | None
+    max_output_tokens: int | None
+
+
+@dataclass
+class TranslateOptions:
+    unseal: Callable[[str], str | None] | None = None  # encrypted_content -> text, None = cannot open
+
+
+# --------------------------------------------------------------------------- small validators
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt_str(body: dict, key: str) -> str | None:
+    v = body.get(key)
+    if v is None or isinstance(v, str):
+        return v
+    raise bad_request(f"Invalid type for '{key}': expected a string.", param=key)
+
+
+def _opt_bool(body: dict, key: str) -> bool | None:
+    v = body.get(key)
+    if v is None or isinstance(v, bool):
+        return v
+    raise bad_request(f"Invalid type for '{key}': expected a boolean.", param=key)
+
+
+def _opt_number(body: dict, key: str, lo: float, hi: float) -> float | int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_num(v) or not (lo <= v <= hi):
+        raise bad_request(f"Invalid '{key}': expected a number between {lo:g} and {hi:g}.", param=key)
+    return v
+
+
+def _upstream_model(model: str) -> str:
+    head, sep, rest = model.partition("/")
+    if sep and head and rest:
+        return rest
+    return model
+
+
+def _show(v: Any) -> str:
+    """A short printable form of any JSON value, for error messages."""
+    if isinstance(v, str):
+        return v[:64]
+    if v is None or isinstance(v, (bool, float)) or (isinstance(v, int) and v.bit_length() < 200):
+        return repr(v)[:64]
+    return type(v).__name__
+
+
+def _add_notice(notices: list[str], text: str) -> None:
+    if text not in notices:
+        notices.append(text)
+
+
+# --------------------------------------------------------------------------- tools
+
+
+@dataclass
+class _Tools:
+    chat_tools: list[dict] = field(default_factory=list)
+    echo_tools: list[dict] = field(default_factory=list)
+    origins: dict[str, ToolOrigin] = field(default_factory=dict)
+    left_out: list[str] = field(default_factory=list)
+
+
+def _tool_name(tool: dict, param: str) -> str:
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request("Missing required parameter: tool 'name' must be a non-empty string.", param=f"{param}.name")
+    return name
+
+
+def _opt_desc(tool: dict, param: str) -> str | None:
+    d = tool.get("description")
+    if d is None or isinstance(d, str):
+        return d
+    raise bad_request("Invalid type for tool 'description': expected a string.", param=f"{param}.description")
+
+
+def _function_tool(tool: dict, param: str, namespace: str | None) -> tuple[str, dict, dict]:
+    """-> (upstream name, chat tool, echo tool)"""
+    name = _tool_name(tool, param)
+    desc = _opt_desc(tool, param)
+    params = tool.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    elif not isinstance(params, dict):
+        raise bad_request("Invalid type for tool 'parameters': expected an object.", param=f"{param}.parameters")
+    strict = tool.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("Invalid type for tool 'strict': expected a boolean.", param=f"{param}.strict")
+    upstream = f"{namespace}__{name}" if namespace else name
+    fn: dict[str, Any] = {"name": upstream}
+    if desc is not None:
+        fn["description"] = desc
+    fn["parameters"] = params
+    if strict is not None:
+        fn["strict"] = strict
+    echo = dict(tool)
+    echo.setdefault("strict", None)
+    return upstream, {"type": "function", "function": fn}, echo
+
+
+def _custom_tool(tool: dict, param: str, namespace: str | None) -> tuple[str, dict, dict]:
+    name = _tool_name(tool, param)
+    desc = _opt_desc(tool, param)
+    fmt = tool.get("format")
+    hint = ""
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise bad_request("Invalid type for custom tool 'format': expected an object.", param=f"{param}.format")
+        ftype = fmt.get("type")
+        if ftype == "grammar":
+            syntax = fmt.get("syntax")
+            definition = fmt.get("definition")
+            if not isinstance(definition, str):
+                raise bad_request(
+                    "Invalid custom tool grammar: 'definition' must be a string.", param=f"{param}.format.definition"
+                )
+            syntax_name = syntax if isinstance(syntax, str) and syntax else "lark"
+            hint = f"The input must match this {syntax_name} grammar:\n{definition}"
+        elif ftype not in (None, "text"):
+            raise bad_request(f"Invalid custom tool format type '{ftype}'.", param=f"{param}.format.type")
+    input_desc = "The raw input for the tool (a string, not JSON)."
+    if desc:
+        input_desc = f"{desc}\n\n{input_desc}"
+    if hint:
+        input_desc = f"{input_desc}\n\n{hint}"
+    upstream = f"{namespace}__{name}" if namespace else name
+    fn: dict[str, Any] = {"name": upstream}
+    if desc is not None:
+        fn["description"] = desc
+    fn["parameters"] = {
+        "type": "object",
+        "properties": {"input": {"type": "string", "description": input_desc}},
+        "required": ["input"],
+    }
+    return upstream, {"type": "function", "function": fn}, dict(tool)
+
+
+def _register(acc: _Tools, upstream: str, origin: ToolOrigin, chat_tool: dict, param: str) -> None:
+    if upstream in acc.origins:
+        raise bad_request(
+            f"Duplicate tool name '{upstream}': two tools resolve to the same function name.",
+            param=param,
+            code="duplicate_tool_name",
+        )
+    acc.origins[upstream] = origin
+    acc.chat_tools.append(chat_tool)
+
+
+def _refuse_tool_type(ttype: str, param: str) -> APIError:
+    return bad_request(
+        f"Tool type '{ttype}' is not supported by this endpoint.",
+        param=param,
+        code=_REFUSED_CODES.get(ttype, "unsupported_tool"),
+    )
+
+
+def _translate_tools(tools: Any) -> _Tools:
+    acc = _Tools()
+    if tools is None:
+        return acc
+    if not isinstance(tools, list):
+        raise bad_request("Invalid type for 'tools': expected an array.", param="tools")
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad_request("Invalid tool: expected an object.", param=param)
+        ttype = tool.get("type")
+        if ttype == "function":
+            up, chat_tool, echo = _function_tool(tool, param, None)
+            _register(acc, up, ToolOrigin("function", tool["name"]), chat_tool, param)
+            acc.echo_tools.append(echo)
+        elif ttype == "custom":
+            up, chat_tool, echo = _custom_tool(tool, param, None)
+            _register(acc, up, ToolOrigin("custom", tool["name"]), chat_tool, param)
+            acc.echo_tools.append(echo)
+        elif ttype == "namespace":
+            ns = _tool_name(tool, param)
+            _opt_desc(tool, param)
+            inner = tool.get("tools")
+            if not isinstance(inner, list):
+                raise bad_request("Invalid namespace tool: 'tools' must be an array.", param=f"{param}.tools")
+            echo_inner = []
+            for j, sub in enumerate(inner):
+                sparam = f"{param}.tools[{j}]"
+                if not isinstance(sub, dict):
+                    raise bad_request("Invalid tool: expected an object.", param=sparam)
+                stype = sub.get("type")
+                if stype == "function":
+                    up, chat_tool, echo = _function_tool(sub, sparam, ns)
+                    kind = "function"
+                elif stype == "custom":
+                    up, chat_tool, echo = _custom_tool(sub, sparam, ns)
+                    kind = "custom"
+                else:
+                    raise bad_request(
+                        f"Invalid tool type '{stype}' inside namespace '{ns}': only function and custom tools.",
+                        param=f"{sparam}.type",
+                    )
+                _register(acc, up, ToolOrigin(kind, sub["name"], ns), chat_tool, sparam)
+                echo_inner.append(echo)
+            echo_ns = dict(tool)
+            echo_ns["tools"] = echo_inner
+            acc.echo_tools.append(echo_ns)
+        elif isinstance(ttype, str) and ttype in REFUSED_TOOL_TYPES:
+            raise _refuse_tool_type(ttype, f"{param}.type")
+        elif isinstance(ttype, str) and ttype in HOSTED_TOOL_TYPES:
+            if ttype not in acc.left_out:
+                acc.left_out.append(ttype)
+        else:
+            shown = _show(ttype)
+            raise bad_request(f"Unknown tool type '{shown}'.", param=f"{param}.type")
+    return acc
+
+
+def _translate_tool_choice(choice: Any, acc: _Tools, notices: list[str]) -> Any:
+    """-> the chat tool_choice, or None when nothing should be sent."""
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        if choice in ("auto", "none", "required"):
+            return choice
+        raise bad_request(f"Invalid 'tool_choice' value '{choice[:64]}'.", param="tool_choice")
+    if not isinstance(choice, dict):
+        raise bad_request("Invalid type for 'tool_choice': expected a string or an object.", param="tool_choice")
+    ctype = choice.get("type")
+    if ctype in ("function", "custom"):
+        name = choice.get("name")
+        if name is None and ctype == "function" and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")  # chat-completions shape, tolerated
+        if not isinstance(name, str) or not name:
+            raise bad_request("Missing required parameter: 'tool_choice.name'.", param="tool_choice.name")
+        ns = choice.get("namespace")
+        if ns is not None and not isinstance(ns, str):
+            raise bad_request("Invalid type for 'tool_choice.namespace'.", param="tool_choice.namespace")
+        upstream = f"{ns}__{name}" if ns else name
+        origin = acc.origins.get(upstream)
+        if origin is None or origin.kind != ctype:
+            raise bad_request(
+                f"Tool choice '{upstream}' names a {ctype} tool that is not in 'tools'.", param="tool_choice"
+            )
+        return {"type": "function", "function": {"name": upstream}}
+    if ctype == "allowed_tools":
+        mode = choice.get("mode", "auto")
+        if mode not in ("auto", "required"):
+            raise bad_request("Invalid 'tool_choice.mode': expected 'auto' or 'required'.", param="tool_choice.mode")
+        return mode
+    if isinstance(ctype, str) and ctype in REFUSED_TOOL_TYPES:
+        raise _refuse_tool_type(ctype, "tool_choice")
+    if isinstance(ctype, str) and ctype in HOSTED_TOOL_TYPES:
+        if ctype not in acc.left_out:
+            acc.left_out.append(ctype)
+        return "auto"
+    shown = _show(ctype)
+    raise bad_request(f"Unknown tool_choice type '{shown}'.", param="tool_choice.type")
+
+
+# --------------------------------------------------------------------------- input items
+
+
+def _text_of(part: dict, param: str) -> str:
+    t = part.get("text")
+    if t is None and part.get("type") == "refusal":
+        t = part.get("refusal")
+    if not isinstance(t, str):
+        raise bad_request("Invalid content part: 'text' must be a string.", param=f"{param}.text")
+    return t
+
+
+def _image_part(part: dict, param: str) -> dict:
+    url = part.get("image_url")
+    if isinstance(url, dict):  # chat-completions shape, tolerated
+        url = url.get("url")
+    if url is None:
+        if part.get("file_id") is not None:
+            raise bad_request(
+                "input_image with a file_id is not supported: send an image URL or a data URI.",
+                param=param,
+                code="unsupported_content",
+            )
+        raise bad_request("Missing required parameter: 'image_url'.", param=f"{param}.image_url")
+    if not isinstance(url, str) or not (
+        url.startswith("https://") or url.startswith("http://") or url.startswith("data:")
+    ):
+        raise bad_request("Invalid 'image_url': expected an http(s) URL or a data URI.", param=f"{param}.image_url")
+    img: dict[str, Any] = {"url": url}
+    detail = part.get("detail")
+    if isinstance(detail, str) and detail in _IMAGE_DETAILS:
+        img["detail"] = detail
+    return {"type": "image_url", "image_url": img}
+
+
+def _message_content(content: Any, param: str, allow_images: bool) -> tuple[list[dict], bool]:
+    """-> (chat parts, has_images). Parts are {"type":"text"} or {"type":"image_url"}."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}], False
+    if not isinstance(content, list):
+        raise bad_request("Invalid type for message 'content': expected a string or an array.", param=param)
+    out: list[dict] = []
+    has_images = False
+    for j, part in enumerate(content):
+        pparam = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise bad_request("Invalid content part: expected an object.", param=pparam)
+        ptype = part.get("type")
+        if isinstance(ptype, str) and ptype in _TEXT_PARTS:
+            out.append({"type": "text", "text": _text_of(part, pparam)})
+        elif ptype == "input_image":
+            if not allow_images:
+                raise bad_request(
+                    "Images are only supported in user messages.", param=pparam, code="unsupported_content"
+                )
+            out.append(_image_part(part, pparam))
+            has_images = True
+        elif isinstance(ptype, str) and ptype in _UNSUPPORTED_PARTS:
+            raise bad_request(
+                f"Content part type '{ptype}' is not supported: send text or images by URL.",
+                param=pparam,
+                code="unsupported_content",
+            )
+        else:
+            shown = _show(ptype)
+            raise bad_request(f"Unknown content part type '{shown}'.", param=f"{pparam}.type")
+    return out, has_images
+
+
+def _joined_text(parts: list[dict]) -> str:
+    return "\n".join(p["text"] for p in parts if p["type"] == "text")
+
+
+def _tool_output(output: Any, param: str) -> str:
+    if isinstance(output, str):
+        return output
+    if not isinstance(output, list):
+        raise bad_request("Invalid type for 'output': expected a string or an array.", param=param)
+    texts: list[str] = []
+    for j, part in enumerate(output):
+        pparam = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise bad_request("Invalid output part: expected an object.", param=pparam)
+        ptype = part.get("type")
+        if isinstance(ptype, str) and ptype in _TEXT_PARTS:
+            texts.append(_text_of(part, pparam))
+        elif ptype == "input_image":
+            texts.append("[image]")
+        elif ptype == "input_file":
+            texts.append("[file]")
+        else:
+            shown = _show(ptype)
+            raise bad_request(f"Unknown output part type '{shown}'.", param=f"{pparam}.type")
+    return "\n".join(texts)
+
+
+def _req_str(item: dict, key: str, param: str) -> str:
+    v = item.get(key)
+    if not isinstance(v, str) or not v:
+        raise bad_request(f"Missing required parameter: '{key}' must be a non-empty string.", param=f"{param}.{key}")
+    return v
+
+
+def _call_name(item: dict, param: str) -> str:
+    name = _req_str(item, "name", param)
+    ns = item.get("namespace")
+    if ns is None or ns == "":
+        return name
+    if not isinstance(ns, str):
+        raise bad_request("Invalid type for 'namespace': expected a string.", param=f"{param}.namespace")
+    return f"{ns}__{name}"
+
+
+def _reasoning_text(item: dict, param: str, options: TranslateOptions, notices: list[str]) -> str | None:
+    """The text a reasoning item contributes, or None."""
+    content_texts: list[str] = []
+    summary_texts: list[str] = []
+    for key, sink in (("content", content_texts), ("summary", summary_texts)):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise bad_request(f"Invalid type for reasoning '{key}': expected an array.", param=f"{param}.{key}")
+        for j, part in enumerate(parts):
+            if not isinstance(part, dict):
+                raise bad_request("Invalid reasoning part: expected an object.", param=f"{param}.{key}[{j}]")
+            t = part.get("text")
+            if not isinstance(t, str):
+                raise bad_request("Invalid reasoning part: 'text' must be a string.", param=f"{param}.{key}[{j}].text")
+            if t:
+                sink.append(t)
+    # the full reasoning text wins over its summary
+    plain = "\n\n".join(content_texts or summary_texts) or None
+    sealed = item.get("encrypted_content")
+    if sealed is not None and not isinstance(sealed, str):
+        raise bad_request("Invalid type for 'encrypted_content': expected a string.", param=f"{param}.encrypted_content")
+    if sealed and options.unseal is not None:
+        try:
+            opened = options.unseal(sealed)
+        except Exception:  # an unseal hook must never turn a request into a 500
+            opened = None
+        if isinstance(opened, str):
+            return opened or plain
+        if plain is None:
+            _add_notice(notices, _UNSEAL_FAILED)
+        return plain
+    return plain
+
+
+class _Turn:
+    """One assistant turn being assembled from consecutive assistant-side items."""
+
+    __slots__ = ("texts", "reasoning", "calls")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[dict] = []
+
+    def flush_into(self, messages: list[dict]) -> None:
+        if not (self.texts or self.reasoning or self.calls):
+            return
+        msg: dict[str, Any] = {"role": "assistant"}
+        if self.texts:
+            msg["content"] = "\n\n".join(self.texts)
+        else:
+            msg["content"] = None if self.calls else ""
+        if self.reasoning:
+            msg["reasoning_content"] = "\n\n".join(self.reasoning)
+        if self.calls:
+            msg["tool_calls"] = self.calls
+        messages.append(msg)
+        self.texts = []
+        self.reasoning = []
+        self.calls = []
+
+
+def _translate_input(
+    inp: Any, options: TranslateOptions, notices: list[str]
+) -> tuple[list[str], list[dict], str | None]:
+    """-> (system texts in order, non-system chat messages, effort from configuration_update)"""
+    if isinstance(inp, str):
+        return [], [{"role": "user", "content": inp}], None
+    if not isinstance(inp, list):
+        raise bad_request("Invalid type for 'input': expected a string or an array.", param="input")
+    systems: list[str] = []
+    messages: list[dict] = []
+    turn = _Turn()
+    config_effort: str | None = None
+    for i, item in enumerate(inp):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request("Invalid input item: expected an object.", param=param)
+        itype = item.get("type")
+        if itype is None and "role" in item:
+            itype = "message"
+        if itype == "message":
+            role = item.get("role")
+            cparam = f"{param}.content"
+            content = item.get("content")
+            if role in ("system", "developer"):
+                parts, _ = _message_content(content, cparam, allow_images=False)
+                text = _joined_text(parts)
+                if text:
+                    systems.append(text)
+            elif role == "user":
+                turn.flush_into(messages)
+                parts, has_images = _message_content(content, cparam, allow_images=True)
+                if has_images:
+                    messages.append({"role": "user", "content": parts})
+                else:
+                    messages.append({"role": "user", "content": _joined_text(parts)})
+            elif role == "assistant":
+                parts, _ = _message_content(content, cparam, allow_images=False)
+                text = _joined_text(parts)
+                if text:
+                    turn.texts.append(text)
+            else:
+                shown = _show(role)
+                raise bad_request(
+                    f"Invalid message role '{shown}': expected user, assistant, system or developer.",
+                    param=f"{param}.role",
+                )
+        elif itype == "reasoning":
+            text = _reasoning_text(item, param, options, notices)
+            if text:
+                turn.reasoning.append(text)
+        elif itype == "function_call":
+            call_id = _req_str(item, "call_id", param)
+            name = _call_name(item, param)
+            args = item.get("arguments")
+            if not isinstance(args, str):
+                raise bad_request("Invalid type for 'arguments': expected a string.", param=f"{param}.arguments")
+            turn.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+        elif itype == "custom_tool_call":
+            call_id = _req_str(item, "call_id", param)
+            name = _call_name(item, param)
+            raw = item.get("input")
+            if not isinstance(raw, str):
+                raise bad_request("Invalid type for 'input': expected a string.", param=f"{param}.input")
+            try:
+                args = orjson.dumps({"input": raw}).decode()
+            except orjson.JSONEncodeError:
+                raise bad_request("Invalid 'input': not valid UTF-8 text.", param=f"{param}.input") from None
+            turn.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+        elif itype in ("function_call_output", "custom_tool_call_output"):
+            turn.flush_into(messages)
+            call_id = _req_str(item, "call_id", param)
+            if "output" not in item:
+                raise bad_request("Missing required parameter: 'output'.", param=f"{param}.output")
+            out = _tool_output(item["output"], f"{param}.output")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
+        elif isinstance(itype, str) and itype in HOSTED_ITEM_TYPES:
+            turn.texts.append(
+                f"[{itype} replayed from a previous conversation: hosted tool results are not replayed]"
+            )
+        elif itype == "configuration_update":
+            reasoning = item.get("reasoning")
+            if isinstance(reasoning, dict):
+                effort = reasoning.get("effort")
+                if effort is not None:
+                    if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
+                        raise bad_request(
+                            "Invalid reasoning effort in configuration_update.", param=f"{param}.reasoning.effort"
+                        )
+                    config_effort = effort
+        elif itype == "item_reference":
+            raise bad_request(
+                "item_reference input items are not supported: this endpoint is stateless, "
+                "send the whole conversation in input.",
+                param=param,
+                code="stateless_only",
+            )
+        else:
+            shown = _show(itype)
+            raise bad_request(f"Unknown input item type '{shown}'.", param=f"{param}.type")
+    turn.flush_into(messages)
+    return systems, messages, config_effort
+
+
+# --------------------------------------------------------------------------- top level
+
+
+def _text_format(text: Any) -> tuple[dict | None, dict]:
+    """-> (chat response_format or None, echoed text object)"""
+    if text is None:
+        return None, {"format": {"type": "text"}}
+    if not isinstance(text, dict):
+        raise bad_request("Invalid type for 'text': expected an object.", param="text")
+    echo = dict(text)
+    fmt = text.get("format")
+    if fmt is None:
+        echo["format"] = {"type": "text"}
+        return None, echo
+    if not isinstance(fmt, dict):
+        raise bad_request("Invalid type for 'text.format': expected an object.", param="text.format")
+    ftype = fmt.get("type")
+    if ftype == "text":
+        return None, echo
+    if ftype == "json_object":
+        return {"type": "json_object"}, echo
+    if ftype == "json_schema":
+        name = fmt.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("Missing required parameter: 'text.format.name'.", param="text.format.name")
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request("Missing required parameter: 'text.format.schema'.", param="text.format.schema")
+        js: dict[str, Any] = {"name": name, "schema": schema}
+        strict = fmt.get("strict")
+        if strict is not None:
+            if not isinstance(strict, bool):
+                raise bad_request("Invalid type for 'text.format.strict'.", param="text.format.strict")
+            js["strict"] = strict
+        desc = fmt.get("description")
+        if desc is not None:
+            if not isinstance(desc, str):
+                raise bad_request("Invalid type for 'text.format.description'.", param="text.format.description")
+            js["description"] = desc
+        return {"type": "json_schema", "json_schema": js}, echo
+    shown = _show(ftype)
+    raise bad_request(f"Unknown text format type '{shown}'.", param="text.format.type")
+
+
+def _stateless_guard(body: dict) -> None:
+    """Defence in depth: the stateless middleware refuses these first."""
+    if body.get("previous_response_id") is not None:
+        raise bad_request(
+            "previous_response_id is not supported: this endpoint is stateless, send the whole conversation in input.",
+            param="previous_response_id",
+            code="stateless_only",
+        )
+    if body.get("background") is True:
+        raise bad_request(
+            "background is not supported: stream the response or wait for it.",
+            param="background",
+            code="stateless_only",
+        )
+    if body.get("prompt") is not None:
+        raise bad_request(
+            "Stored prompts are not supported: send instructions and input.", param="prompt", code="stateless_only"
+        )
+
+
+def translate_request(body: Any, options: TranslateOptions | None = None) -> Translation:
+    """Validate a Responses request body and build the chat-completions body. Raises APIError(400)."""
+    if options is None:
+        options = TranslateOptions()
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise bad_request("Missing required parameter: 'model' must be a non-empty string.", param="model")
+    upstream_model = _upstream_model(model)
+
+    if "input" not in body or body["input"] is None:
+        raise bad_request("Missing required parameter: 'input'.", param="input")
+
+    _stateless_guard(body)
+    notices: list[str] = []
+
+    # --- scalars
+    instructions = _opt_str(body, "instructions")
+    stream = bool(_opt_bool(body, "stream"))
+    temperature = _opt_number(body, "temperature", 0, 2)
+    top_p = _opt_number(body, "top_p", 0, 1)
+    max_out = body.get("max_output_tokens")
+    if max_out is not None and (not _is_int(max_out) or max_out < 1):
+        raise bad_request("Invalid 'max_output_tokens': expected a positive integer.", param="max_output_tokens")
+    top_logprobs = body.get("top_logprobs")
+    if top_logprobs is not None and (not _is_int(top_logprobs) or not 0 <= top_logprobs <= 20):
+        raise bad_request("Invalid 'top_logprobs': expected an integer between 0 and 20.", param="top_logprobs")
+    parallel = _opt_bool(body, "parallel_tool_calls")
+    user = _opt_str(body, "user")
+    safety_identifier = _opt_str(body, "safety_identifier")
+    prompt_cache_key = _opt_str(body, "prompt_cache_key")
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad_request("Invalid type for 'metadata': expected an object.", param="metadata")
+    max_tool_calls = body.get("max_tool_calls")
+    if max_tool_calls is not None and (not _is_int(max_tool_calls) or max_tool_calls < 0):
+        raise bad_request("Invalid 'max_tool_calls': expected a non-negative integer.", param="max_tool_calls")
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
+        raise bad_request("Invalid type for 'include': expected an array of strings.", param="include")
+    include_encrypted = bool(include) and "reasoning.encrypted_content" in include
+    conv = body.get("conversation")
+    conversation: str | None
+    if conv is None or isinstance(conv, str):
+        conversation = conv
+    elif isinstance(conv, dict) and isinstance(conv.get("id"), str):
+        conversation = conv["id"]
+    else:
+        raise bad_request("Invalid 'conversation': expected a string or an object with an 'id'.", param="conversation")
+
+    # --- reasoning
+    reasoning = body.get("reasoning")
+    effort: str | None = None
+    summary: Any = None
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise bad_request("Invalid type for 'reasoning': expected an object.", param="reasoning")
+        effort = reasoning.get("effort")
+        if effort is not None and (not isinstance(effort, str) or effort not in REASONING_EFFORTS):
+            raise bad_request(
+                "Invalid 'reasoning.effort': expected one of none, minimal, low, medium, high, xhigh.",
+                param="reasoning.effort",
+            )
+        summary = reasoning.get("summary")
+        if not isinstance(summary, str):
+            summary = None
+
+    response_format, text_echo = _text_format(body.get("text"))
+
+    # --- tools
+    acc = _translate_tools(body.get("tools"))
+    raw_choice = body.get("tool_choice")
+    chat_choice = _translate_tool_choice(raw_choice, acc, notices)
+    if acc.left_out:
+        notices.append(f"tools left out: {', '.join(acc.left_out)} (hosted tools are not available)")
+
+    # --- input
+    systems, messages, config_effort = _translate_input(body["input"], options, notices)
+    if effort is None and config_effort is not None:
+        effort = config_effort
+    if instructions:
+        systems.insert(0, instructions)
+    if systems:
+        messages.insert(0, {"role": "system", "content": "\n\n".join(systems)})
+
+    # --- chat body
+    chat: dict[str, Any] = {"model": upstream_model, "messages": messages}
+    if max_out is not None:
+        chat["max_tokens"] = max_out
+    if temperature is not None:
+        chat["temperature"] = temperature
+    if top_p is not None:
+        chat["top_p"] = top_p
+    if effort is not None:
+        chat["reasoning_effort"] = effort
+        chat["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
+    if response_format is not None:
+        chat["response_format"] = response_format
+    chat_user = user if user is not None else safety_identifier
+    if chat_user is not None:
+        chat["user"] = chat_user
+    chat["stream"] = stream
+    if stream:
+        chat["stream_options"] = {"include_usage": True}
+    if top_logprobs is not None:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = top_logprobs
+    if acc.chat_tools:
+        chat["tools"] = acc.chat_tools
+        if chat_choice is not None:
+            chat["tool_choice"] = chat_choice
+        if parallel is not None:
+            chat["parallel_tool_calls"] = parallel
+
+    store = body.get("store")
+    echo: dict[str, Any] = {
+        "instructions": instructions,
+        "tools": acc.echo_tools,
+        "tool_choice": raw_choice if raw_choice is not None else "auto",
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_output_tokens": max_out,
+        "parallel_tool_calls": parallel if parallel is not None else True,
+        "metadata": metadata if metadata is not None else {},
+        "store": store if isinstance(store, bool) else False,
+        "text": text_echo,
+        "reasoning": {"effort": effort, "summary": summary},
+        "user": user,
+        "safety_identifier": safety_identifier,
+        "prompt_cache_key": prompt_cache_key,
+        "top_logprobs": top_logprobs,
+        "service_tier": "default",
+        "truncation": "disabled",
+        "background": False,
+        "max_tool_calls": max_tool_calls,
+    }
+
+    return Translation(
+        chat=chat,
+        model=model,
+        upstream_model=upstream_model,
+        stream=stream,
+        tools=acc.origins,
+        echo=echo,
+        notices=notices,
+        include_encrypted_reasoning=include_encrypted,
+        prompt_cache_key=prompt_cache_key,
+        conversation=conversation,
+        max_output_tokens=max_out,
+    )
+
+
+def set_output_cap(t: Translation, cap: int) -> None:
+    """Set the output cap (e.g. lowered to what the balance covers): chat max_tokens and the echo."""
+    if not _is_int(cap) or cap < 1:
+        raise ValueError(f"output cap must be a positive integer, got {cap!r}")
+    t.chat["max_tokens"] = cap
+    t.echo["max_output_tokens"] = cap
+    t.max_output_tokens = cap

@@ -1,0 +1,95 @@
+"""Shared fixtures: a real simulator and a real proxy, both on 127.0.0.1, real HTTP between.
+
+    async def test_x(sim, make_proxy):
+        proxy = await make_proxy({"pipeline": ["stateless"]})
+        client = proxy.openai()          # openai.AsyncOpenAI pointed at the proxy
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-0.32-cpu"
+if not FIXTURES.exists():  # a clone elsewhere: look beside the checkout's parent too
+    FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm-0.32-cpu"
+
+
+@pytest.fixture
+def fixtures_dir() -> Path:
+    return FIXTURES
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ProxyHandle:
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+    api_key: str
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def openai(self, api_key: str | None = None, **kwargs: Any):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key or self.api_key, max_retries=0, **kwargs)
+
+    @property
+    def ledger(self):
+        from proxy.app import LEDGER
+
+        return self.app[LEDGER]
+
+
+@pytest.fixture
+async def sim():
+    from proxy.simulator import Simulator
+
+    async with Simulator() as simulator:
+        yield simulator
+
+
+@pytest.fixture
+async def make_proxy(sim, tmp_path):
+    from proxy import state
+    from proxy.app import build_app
+    from proxy.config import Config
+
+    runners: list[web.AppRunner] = []
+
+    async def start(overrides: dict[str, Any] | None = None, *, workers: list[dict] | None = None) -> ProxyHandle:
+        base: dict[str, Any] = {
+            "workers": workers or [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": ["tiny-model"],
+                                    "timeouts": {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}}],
+            "ledger": {"path": str(tmp_path / "ledger.db")},
+            "server": {"log_format": "json"},
+        }
+        config = Config.from_dict(base)
+        if overrides:
+            config = Config.from_dict({**base, **overrides})
+        app = build_app(config)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        port = free_port()
+        site = web.TCPSite(runner, "127.0.0.1", port)
+        await site.start()
+        runners.append(runner)
+        return ProxyHandle(url=f"http://127.0.0.1:{port}", app=app, runner=runner,
+                           api_key=app.get(state.DEMO_KEY) or "no-auth")
+
+    yield start
+    for runner in reversed(runners):
+        await runner.cleanup()

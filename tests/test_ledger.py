@@ -1,0 +1,543 @@
+"""The durable ledger: keys, holds, exactly-once settles, crash durability, pricing, CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from proxy.ledger import (
+    UNSET,
+    DuplicateRequest,
+    InsufficientBalance,
+    KeyRecord,
+    LedgerError,
+    UnknownKey,
+    UsageRecord,
+    open_ledger,
+)
+from proxy.ledger import sqlite as ledger_sqlite
+from proxy.ledger.pricing import (
+    UNLIMITED,
+    Price,
+    cost_micros,
+    max_output_tokens_for,
+    price_for,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET_RE = re.compile(r"sk-rp-[A-Za-z0-9_-]{32}")
+
+
+def usage_for(request_id: str, key_id: str, cost: int, status: str = "completed") -> UsageRecord:
+    return UsageRecord(request_id, key_id, "tiny-model", 100, 20, 50, 10, cost, status)
+
+
+@pytest.fixture
+async def ledger(tmp_path):
+    led = open_ledger({"backend": "sqlite", "path": "ledger.db"}, base_dir=tmp_path)
+    await led.start()
+    try:
+        yield led
+    finally:
+        await led.close()
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+# ---------------------------------------------------------------- keys
+
+
+async def test_create_lookup_revoke(ledger, tmp_path):
+    secret, record = await ledger.create_key("alice", 5_000, allowed_models=["a", "vendor/b"], concurrency=3,
+                                             rate_per_min=60)
+    assert SECRET_RE.fullmatch(secret), secret
+    assert isinstance(record, KeyRecord)
+    assert record.prefix == secret[:8]
+    assert record.balance_micros == 5_000
+    assert record.allowed_models == ("a", "vendor/b")
+    assert (record.concurrency, record.rate_per_min, record.revoked) == (3, 60, False)
+    assert record.allows_model("b") and record.allows_model("x/a") and not record.allows_model("c")
+
+    found = await ledger.lookup_key(secret)
+    assert found == record
+    assert (tmp_path / "ledger.db").exists()  # relative path resolved against base_dir
+
+    other_secret, other = await ledger.create_key("bob")
+    assert other.key_id != record.key_id and other_secret != secret
+    assert other.allowed_models is None and other.balance_micros == 0
+
+    await ledger.revoke(record.key_id)
+    assert await ledger.lookup_key(secret) is None
+    assert (await ledger.get_key(record.key_id)).revoked is True
+    assert (await ledger.lookup_key(other_secret)).key_id == other.key_id
+    assert [k.key_id for k in await ledger.list_keys()] == [record.key_id, other.key_id]
+    with pytest.raises(UnknownKey):
+        await ledger.revoke("key_missing")
+
+
+async def test_secret_is_stored_hashed_only(ledger, tmp_path):
+    secret, record = await ledger.create_key("carol", 1)
+    await ledger.close()
+    blob = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("ledger.db"))
+    assert secret.encode() not in blob
+    assert secret[8:].encode() not in blob  # not even the random part
+    assert ledger_sqlite.hash_secret(secret) in blob
+    assert secret not in repr(record)
+
+
+async def test_unknown_secret_takes_the_constant_time_path(ledger, monkeypatch):
+    secret, record = await ledger.create_key("dave", 1)
+    calls: list[tuple[bytes, bytes]] = []
+    real = ledger_sqlite.hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(ledger_sqlite.hmac, "compare_digest", spy)
+    assert await ledger.lookup_key("sk-rp-" + "A" * 32) is None
+    assert len(calls) == 1  # compared (against a dummy) even though no row matched
+    assert await ledger.lookup_key(secret[:-1] + ("A" if secret[-1] != "A" else "B")) is None
+    assert len(calls) == 2
+    assert (await ledger.lookup_key(secret)).key_id == record.key_id
+    assert len(calls) == 3
+    assert calls[-1][0] == calls[-1][1] == ledger_sqlite.hash_secret(secret)
+    for bad in ("", None, 123, "\udcff"):
+        assert await ledger.lookup_key(bad) is None
+
+
+async def test_set_limits_and_top_up(ledger):
+    _, record = await ledger.create_key("erin", 10, allowed_models=["m1"], concurrency=2, rate_per_min=30)
+    updated = await ledger.set_limits(record.key_id, concurrency=None)
+    assert (updated.allowed_models, updated.concurrency, updated.rate_per_min) == (("m1",), None, 30)
+    updated = await ledger.set_limits(record.key_id, allowed_models=None, rate_per_min=7)
+    assert (updated.allowed_models, updated.concurrency, updated.rate_per_min) == (None, None, 7)
+    assert (await ledger.set_limits(record.key_id)) == updated  # nothing given: nothing changes
+    assert await ledger.top_up(record.key_id, 90) == 100
+    assert await ledger.top_up(record.key_id, -40) == 60
+    with pytest.raises(ValueError):
+        await ledger.top_up(record.key_id, -61)
+    assert (await ledger.get_key(record.key_id)).balance_micros == 60
+    with pytest.raises(UnknownKey):
+        await ledger.top_up("key_missing", 1)
+    with pytest.raises(UnknownKey):
+        await ledger.set_limits("key_missing", concurrency=1)
+    assert UNSET is not None and not UNSET
+
+
+# ---------------------------------------------------------------- holds and settles
+
+
+async def test_hold_settle_release(ledger):
+    _, key = await ledger.create_key("frank", 1_000)
+    hold = await ledger.hold("r1", key.key_id, 600, ttl_s=60)
+    assert (hold.request_id, hold.key_id, hold.amount_micros) == ("r1", key.key_id, 600)
+    assert hold.expires_at > time.time() + 50
+    assert await ledger.available(key.key_id) == 400
+
+    with pytest.raises(InsufficientBalance) as info:
+        await ledger.hold("r2", key.key_id, 401, ttl_s=60)
+    assert info.value.available_micros == 400
+    assert key.key_id not in str(info.value)
+    await ledger.hold("r2", key.key_id, 400, ttl_s=60)
+    assert await ledger.available(key.key_id) == 0
+
+    assert await ledger.release("r2") is True
+    assert await ledger.release("r2") is False
+    assert await ledger.available(key.key_id) == 400
+
+    record = usage_for("r1", key.key_id, 250)
+    assert await ledger.settle("r1", record) is True
+    assert record.debited_micros == 250
+    assert (await ledger.get_key(key.key_id)).balance_micros == 750
+    assert await ledger.available(key.key_id) == 750  # the hold went with the settle
+    stored = await ledger.usage("r1")
+    assert stored is not None
+    counts = (stored.input_tokens, stored.cached_tokens, stored.output_tokens, stored.reasoning_tokens)
+    assert counts == (100, 20, 50, 10)
+    assert (stored.cost_micros, stored.debited_micros, stored.status) == (250, 250, "completed")
+    assert await ledger.usage("nope") is None
+    assert await ledger.holds() == []
+
+    with pytest.raises(DuplicateRequest):
+        await ledger.hold("r1", key.key_id, 1, ttl_s=60)  # settled ids cannot be held again
+    await ledger.hold("r3", key.key_id, 1, ttl_s=60)
+    with pytest.raises(DuplicateRequest):
+        await ledger.hold("r3", key.key_id, 1, ttl_s=60)
+    with pytest.raises(UnknownKey):
+        await ledger.hold("r4", "key_missing", 1, ttl_s=60)
+    with pytest.raises(ValueError):
+        await ledger.settle("r5", usage_for("r5", key.key_id, 1, status="weird"))
+
+
+async def test_settle_is_exactly_once(ledger):
+    _, key = await ledger.create_key("gina", 1_000)
+    await ledger.hold("r1", key.key_id, 500, ttl_s=60)
+    assert await ledger.settle("r1", usage_for("r1", key.key_id, 300)) is True
+    assert await ledger.settle("r1", usage_for("r1", key.key_id, 300)) is False
+    assert await ledger.settle("r1", usage_for("r1", key.key_id, 999)) is False
+    assert (await ledger.get_key(key.key_id)).balance_micros == 700
+
+    results = await asyncio.gather(*(ledger.settle("r2", usage_for("r2", key.key_id, 100)) for _ in range(20)))
+    assert results.count(True) == 1 and results.count(False) == 19
+    assert (await ledger.get_key(key.key_id)).balance_micros == 600
+    assert len(await ledger.list_usage(key.key_id)) == 2
+    assert all(balance == expected for _, balance, expected in await ledger.audit())
+
+
+async def test_settle_clamps_the_debit_at_the_balance(ledger):
+    _, key = await ledger.create_key("hank", 100)
+    record = usage_for("r1", key.key_id, 250, status="incomplete")
+    assert await ledger.settle("r1", record) is True  # no hold at all: still billed
+    assert record.debited_micros == 100
+    stored = await ledger.usage("r1")
+    assert (stored.cost_micros, stored.debited_micros, stored.status) == (250, 100, "incomplete")
+    assert (await ledger.get_key(key.key_id)).balance_micros == 0
+    assert await ledger.settle("r2", usage_for("r2", key.key_id, 5)) is True
+    assert (await ledger.usage("r2")).debited_micros == 0
+    assert (await ledger.get_key(key.key_id)).balance_micros == 0
+
+
+async def test_200_concurrent_holds_never_overdraw(ledger):
+    amount = 1_000
+    _, key = await ledger.create_key("ivy", 10 * amount + amount // 2)  # covers exactly 10
+    results = await asyncio.gather(
+        *(ledger.hold(f"req-{i}", key.key_id, amount, ttl_s=60) for i in range(200)), return_exceptions=True
+    )
+    held = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(held) == 10
+    assert len(refused) == 190 and all(isinstance(r, InsufficientBalance) for r in refused)
+    assert all(r.available_micros < amount for r in refused)
+    assert await ledger.available(key.key_id) == amount // 2
+
+    before = (await ledger.get_key(key.key_id)).balance_micros
+    costs = [137 * (i + 1) for i in range(len(held))]  # uneven, each within its hold
+    settled = await asyncio.gather(
+        *(ledger.settle(h.request_id, usage_for(h.request_id, key.key_id, c)) for h, c in zip(held, costs))
+    )
+    assert all(settled)
+    after = (await ledger.get_key(key.key_id)).balance_micros
+    recorded = sum(u.cost_micros for u in await ledger.list_usage(key.key_id, limit=1000))
+    assert before - after == recorded == sum(costs)
+    assert await ledger.available(key.key_id) == after
+    assert await ledger.holds() == []
+    assert all(balance == expected for _, balance, expected in await ledger.audit())
+
+
+async def test_hold_expiry(ledger):
+    _, key = await ledger.create_key("jack", 1_000)
+    await ledger.hold("short", key.key_id, 700, ttl_s=1.0)
+    await ledger.hold("long", key.key_id, 200, ttl_s=600)
+    assert await ledger.available(key.key_id) == 100
+    with pytest.raises(InsufficientBalance):
+        await ledger.hold("x", key.key_id, 500, ttl_s=60)
+    await asyncio.sleep(1.1)
+    assert await ledger.available(key.key_id) == 800  # an expired hold no longer counts...
+    assert {h.request_id for h in await ledger.holds()} == {"short", "long"}  # ...though still a row
+    assert await ledger.expire_holds() == 1
+    assert {h.request_id for h in await ledger.holds()} == {"long"}
+    assert await ledger.expire_holds(now=time.time() + 601) == 1
+    assert await ledger.holds() == []
+    assert await ledger.available(key.key_id) == 1_000
+    assert (await ledger.get_key(key.key_id)).balance_micros == 1_000  # expiry never charges
+
+
+async def test_one_failing_operation_does_not_fail_its_group(ledger):
+    _, key = await ledger.create_key("kate", 1_000)
+    gate = threading.Event()
+
+    def half_done(conn):  # writes, then fails: its write must be rolled back, alone
+        conn.execute("UPDATE keys SET balance_micros = 0 WHERE key_id = ?", (key.key_id,))
+        conn.execute("INSERT INTO holds VALUES ('partial', ?, 1, 9e18)", (key.key_id,))
+        raise RuntimeError("boom")
+
+    blocker = asyncio.ensure_future(ledger._run(lambda conn: gate.wait(10)))
+    await asyncio.sleep(0.05)  # the writer thread is now parked inside the blocker
+    ops = [
+        ledger.hold("ok-1", key.key_id, 100, ttl_s=60),
+        ledger.hold("bad-1", "key_missing", 100, ttl_s=60),
+        ledger.hold("bad-2", key.key_id, 10_000, ttl_s=60),
+        ledger.settle("ok-2", usage_for("ok-2", key.key_id, 50)),
+        ledger._run(lambda conn: conn.execute("INSERT INTO holds VALUES ('bad-3', 'key_missing', 1, 0)")),
+        ledger.top_up(key.key_id, 5),
+        ledger._run(half_done),
+    ]
+    tasks = [asyncio.ensure_future(op) for op in ops]
+    await asyncio.sleep(0.05)  # every op is queued behind the blocker
+    groups_before = ledger.stats["groups"]
+    gate.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    await blocker
+    assert ledger.stats["max_group"] >= len(ops)  # they did run as one group
+    assert ledger.stats["groups"] - groups_before <= 2
+    assert results[0].request_id == "ok-1"
+    assert isinstance(results[1], UnknownKey)
+    assert isinstance(results[2], InsufficientBalance)
+    assert results[3] is True
+    assert isinstance(results[4], sqlite3.IntegrityError)  # foreign key refused, rolled back alone
+    assert results[5] == 955
+    assert isinstance(results[6], RuntimeError)
+    assert {h.request_id for h in await ledger.holds()} == {"ok-1"}
+    assert (await ledger.get_key(key.key_id)).balance_micros == 955
+
+
+async def test_close_finishes_queued_operations_then_refuses(tmp_path):
+    led = open_ledger({"path": str(tmp_path / "l.db")})
+    with pytest.raises(LedgerError):
+        await led.available("x")  # not started
+    await led.start()
+    _, key = await led.create_key("liam", 10_000)
+    tasks = [asyncio.ensure_future(led.hold(f"h{i}", key.key_id, 1, ttl_s=60)) for i in range(100)]
+    await asyncio.sleep(0)
+    await led.close()
+    assert all(t.done() and not t.exception() for t in tasks)
+    await led.close()  # idempotent
+    with pytest.raises(LedgerError):
+        await led.available(key.key_id)
+    led2 = open_ledger({"path": str(tmp_path / "l.db")})
+    async with led2:
+        assert await led2.available(key.key_id) == 10_000 - 100
+    with pytest.raises(LedgerError):
+        open_ledger({"backend": "carrier-pigeon"})
+
+
+async def test_start_fails_cleanly_on_an_unusable_path(tmp_path):
+    (tmp_path / "file").write_text("x")
+    led = open_ledger({"path": str(tmp_path / "file" / "sub" / "l.db")})
+    with pytest.raises(LedgerError):
+        await led.start()
+
+
+# ---------------------------------------------------------------- durability across SIGKILL
+
+CRASH_CHILD = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from proxy.ledger import open_ledger, UsageRecord
+
+    async def main(db, key_id):
+        led = open_ledger({"path": db})
+        await led.start()
+        for i in range(5):
+            rid = f"done-{i}"
+            await led.hold(rid, key_id, 1_000, ttl_s=60)
+            assert await led.settle(rid, UsageRecord(rid, key_id, "m", 10, 0, 5, 0, 100 + i, "completed"))
+        for i in range(5):
+            await led.hold(f"open-{i}", key_id, 2_000, ttl_s=60)
+        # In flight when the process dies: each must end up all there or not there at all.
+        for i in range(50):
+            asyncio.ensure_future(led.settle(f"inflight-{i}",
+                                             UsageRecord(f"inflight-{i}", key_id, "m", 1, 0, 1, 0, 7, "completed")))
+        await asyncio.sleep(0)
+        print("READY", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        await asyncio.sleep(30)
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+async def test_durability_across_a_process_kill(tmp_path):
+    db = str(tmp_path / "crash.db")
+    led = open_ledger({"path": db})
+    await led.start()
+    _, key = await led.create_key("mia", 1_000_000)
+    await led.close()
+
+    script = tmp_path / "child.py"
+    script.write_text(CRASH_CHILD)
+    proc = subprocess.run(
+        [sys.executable, str(script), db, key.key_id], capture_output=True, text=True, timeout=60,
+        env=subprocess_env(),
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "READY" in proc.stdout
+
+    led = open_ledger({"path": db})
+    await led.start()  # start() expires only holds whose ttl has passed: these have not
+    try:
+        done = [await led.usage(f"done-{i}") for i in range(5)]
+        assert all(u is not None and u.status == "completed" for u in done)
+        assert [u.cost_micros for u in done] == [100, 101, 102, 103, 104]
+        inflight = [u for u in await led.list_usage(key.key_id, limit=1000) if u.request_id.startswith("inflight-")]
+        balance = (await led.get_key(key.key_id)).balance_micros
+        assert balance == 1_000_000 - sum(range(100, 105)) - 7 * len(inflight)
+        assert all(b == expected for _, b, expected in await led.audit())  # nothing half-applied
+        open_holds = await led.holds(key.key_id)
+        assert sorted(h.request_id for h in open_holds) == [f"open-{i}" for i in range(5)]
+        assert await led.available(key.key_id) == balance - 5 * 2_000
+
+        assert await led.expire_holds(now=time.time() + 61) == 5
+        assert await led.holds() == []
+        assert await led.available(key.key_id) == balance
+
+        again = UsageRecord("done-0", key.key_id, "m", 10, 0, 5, 0, 100, "completed")
+        assert await led.settle("done-0", again) is False
+        with pytest.raises(DuplicateRequest):
+            await led.hold("done-1", key.key_id, 1, ttl_s=60)
+        assert (await led.get_key(key.key_id)).balance_micros == balance  # no double charge
+    finally:
+        await led.close()
+
+
+# ---------------------------------------------------------------- group commit throughput
+
+
+async def test_group_commit_throughput(ledger):
+    n = 5_000
+    _, key = await ledger.create_key("nora", 10**12)
+    start_groups = ledger.stats["groups"]
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(ledger.settle(f"t-{i}", usage_for(f"t-{i}", key.key_id, 3)) for i in range(n)))
+    elapsed = time.perf_counter() - t0
+    groups = ledger.stats["groups"] - start_groups
+    assert all(results)
+    assert (await ledger.get_key(key.key_id)).balance_micros == 10**12 - 3 * n
+    assert groups < n / 10  # many operations per commit, or there is no group commit
+
+    m = 200
+    t1 = time.perf_counter()
+    for i in range(m):
+        await ledger.settle(f"s-{i}", usage_for(f"s-{i}", key.key_id, 3))
+    serial = time.perf_counter() - t1
+    print(
+        f"\nledger group commit: {n} concurrent settles in {elapsed:.3f}s = {n / elapsed:,.0f} ops/s"
+        f" ({groups} commits, {n / groups:.0f} ops/commit, synchronous=FULL);"
+        f" one-at-a-time: {m / serial:,.0f} ops/s"
+    )
+
+
+# ---------------------------------------------------------------- pricing
+
+PRICES = {
+    "default": {"input": 500_000, "cached_input": 100_000, "output": 1_500_000},
+    "Qwen/Qwen3-8B": {"input": 200_000, "output": 600_000},
+    "tiny-model": {"input": 1, "cached_input": 0, "output": 3},
+}
+
+
+def test_price_for_matching():
+    assert price_for(PRICES, "Qwen/Qwen3-8B") == Price(200_000, 200_000, 600_000)  # cached defaults to input
+    assert price_for(PRICES, "Qwen3-8B") == Price(200_000, 200_000, 600_000)  # key has the vendor prefix
+    assert price_for(PRICES, "someone/tiny-model") == Price(1, 0, 3)  # model has the vendor prefix
+    assert price_for(PRICES, "unknown") == Price(500_000, 100_000, 1_500_000)
+    assert price_for({}, "x") == Price(500_000, 100_000, 1_500_000)
+    assert price_for({"default": {"input": 1.0, "output": 2}}, "x") == Price(1, 1, 2)
+    with pytest.raises(ValueError):
+        price_for({"default": {"input": 0.5, "output": 1}}, "x")
+    with pytest.raises(ValueError):
+        price_for({"m": {"input": -1, "output": 1}}, "m")
+
+
+def test_cost_is_integer_and_rounds_up():
+    p = Price(input=500_000, cached_input=100_000, output=1_500_000)
+    assert cost_micros(p, 0, 0, 0) == 0
+    assert cost_micros(p, 1, 0, 0) == 1  # 0.5 micro rounds up
+    assert cost_micros(p, 2, 0, 0) == 1  # exactly 1
+    assert cost_micros(p, 3, 0, 0) == 2  # 1.5 -> 2
+    assert cost_micros(p, 1_000_000, 0, 0) == 500_000
+    assert cost_micros(p, 1_000, 400, 100) == (600 * 500_000 + 400 * 100_000 + 100 * 1_500_000 + 999_999) // 1_000_000
+    assert cost_micros(p, 10, 50, 0) == 1  # cached is clamped to input: 10 * 0.1 micro -> 1
+    big = 10**15
+    assert cost_micros(p, big, 0, big) == big * 2  # exact at any size (no floats)
+    assert isinstance(cost_micros(p, 7, 3, 5), int)
+    with pytest.raises(ValueError):
+        cost_micros(p, -1, 0, 0)
+    with pytest.raises(ValueError):
+        cost_micros(p, 1.5, 0, 0)
+
+
+def test_max_output_tokens_is_the_exact_inverse():
+    p = Price(input=500_000, cached_input=100_000, output=1_500_000)
+    for budget in (0, 1, 2, 3, 10, 999, 12_345):
+        for inp, cached in ((0, 0), (1, 0), (7, 3), (100, 100), (20_000, 5_000)):
+            n = max_output_tokens_for(p, budget, inp, cached)
+            if cost_micros(p, inp, cached, 0) > budget:
+                assert n == 0
+                continue
+            assert cost_micros(p, inp, cached, n) <= budget
+            assert cost_micros(p, inp, cached, n + 1) > budget
+    assert max_output_tokens_for(p, 1_500_000, 0, 0) == 1_000_000
+    assert max_output_tokens_for(Price(1, 1, 0), 10, 5, 0) == UNLIMITED
+    assert max_output_tokens_for(Price(1, 1, 0), 0, 5_000_000, 0) == 0
+
+
+# ---------------------------------------------------------------- CLI end to end
+
+
+def run_cli(db: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy.ledger.cli", "--db", str(db), "keys", *args],
+        capture_output=True, text=True, timeout=60, env=subprocess_env(), cwd=str(db.parent),
+    )
+
+
+async def test_cli_end_to_end(tmp_path):
+    db = tmp_path / "cli.db"
+    created = run_cli(db, "create", "ops-team", "--balance-usd", "1.50", "--models", "a,b", "--concurrency", "4",
+                      "--rate", "90")
+    assert created.returncode == 0, created.stderr
+    secrets_found = SECRET_RE.findall(created.stdout)
+    assert len(secrets_found) == 1
+    secret = secrets_found[0]
+    key_id = re.search(r"key_id:\s+(key_[0-9a-f]+)", created.stdout).group(1)
+
+    led = open_ledger({"path": str(db)})
+    async with led:
+        record = await led.lookup_key(secret)
+        assert record is not None and record.key_id == key_id
+        assert record.balance_micros == 1_500_000
+        assert (record.allowed_models, record.concurrency, record.rate_per_min) == (("a", "b"), 4, 90)
+
+    listed = run_cli(db, "list")
+    assert listed.returncode == 0 and key_id in listed.stdout and "ops-team" in listed.stdout
+    assert secret not in listed.stdout and secret[8:] not in listed.stdout
+    assert "sk-rp-" in listed.stdout  # the prefix is shown
+    listed_json = run_cli(db, "list", "--json")
+    assert secret[8:] not in listed_json.stdout
+    assert json.loads(listed_json.stdout)[0]["key_id"] == key_id
+
+    topped = run_cli(db, "topup", key_id, "500000")
+    assert topped.returncode == 0 and "2000000" in topped.stdout
+    limited = run_cli(db, "limits", key_id, "--models", "*", "--concurrency", "none", "--rate", "10", "--json")
+    assert limited.returncode == 0, limited.stderr
+    data = json.loads(limited.stdout)
+    assert (data["allowed_models"], data["concurrency"], data["rate_per_min"]) == (None, None, 10)
+
+    led = open_ledger({"path": str(db)})
+    async with led:
+        await led.settle("cli-req", usage_for("cli-req", key_id, 1234))
+    usage = run_cli(db, "usage", "--key", key_id, "--json")
+    assert usage.returncode == 0
+    rows = json.loads(usage.stdout)
+    assert [(r["request_id"], r["cost_micros"], r["debited_micros"]) for r in rows] == [("cli-req", 1234, 1234)]
+    assert "cli-req" in run_cli(db, "usage").stdout
+
+    missing = run_cli(db, "topup", "key_nope", "1")
+    assert missing.returncode == 1 and "key_nope" in missing.stderr
+
+    revoked = run_cli(db, "revoke", key_id)
+    assert revoked.returncode == 0
+    led = open_ledger({"path": str(db)})
+    async with led:
+        assert await led.lookup_key(secret) is None
+    every_output = "".join(p.stdout + p.stderr for p in (listed, listed_json, topped, limited, usage, missing, revoked))
+    assert secret[8:] not in every_output
