@@ -106,7 +106,8 @@ def map_usage(u: dict) -> dict:
             "cache_write_tokens": ptd.get("created_cache_tokens") or ptd.get("cache_write_tokens") or 0,
         },
         "output_tokens": out,
-        "output_tokens_details": {"reasoning_tokens": ctd.get("reasoning_tokens") or 0},
+        # SGLang reports reasoning_tokens at the top level of usage
+        "output_tokens_details": {"reasoning_tokens": ctd.get("reasoning_tokens") or u.get("reasoning_tokens") or 0},
         "total_tokens": inp + out,
     }
 
@@ -637,11 +638,11 @@ def response_from_completion(ctx: ResponseContext, completion: dict) -> dict:
     if not isinstance(completion, dict):
         rw._fail("upstream sent an invalid completion", "server_error", 1000, True)
         return rw.response
-    chunk: dict[str, Any] = {k: completion[k] for k in ("error", "object", "usage") if k in completion}
-    choices = completion.get("choices")
-    if chunk.get("error") or chunk.get("object") == "error":
-        rw._on_chunk(chunk)
+    if completion.get("error") or completion.get("object") == "error":
+        rw._on_chunk(completion)
         return rw.response
+    chunk: dict[str, Any] = {"usage": completion.get("usage")}
+    choices = completion.get("choices")
     choice = None
     if isinstance(choices, list):
         choice = next((c for c in choices if isinstance(c, dict) and (c.get("index") or 0) == 0), None)

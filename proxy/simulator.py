@@ -254,8 +254,7 @@ class Chat:
                              "finish_reason": None}]
         if cont:
             first["usage"] = self.usage_running(0)
-        first["prompt_token_ids"] = None
-        first["prompt_text"] = None
+                first["prompt_text"] = None
         out.append(("role", _sse(first)))
 
         finish_on_last = g.finish == "length" and bool(g.deltas)

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-0.32-cpu"
-if not FIXTURES.exists():  # a clone elsewhere: look beside the checkout's parent too
-    FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm-0.32-cpu"
+# Raw bytes captured from a real vLLM 0.32 (CPU build); a copy of ../shared/fixtures kept in the
+# repository so a clean clone tests the same bytes.
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32-cpu"
 
 
 @pytest.fixture

@@ -68,7 +68,7 @@ async def test_create_lookup_revoke(ledger, tmp_path):
                                              rate_per_min=60)
     assert SECRET_RE.fullmatch(secret), secret
     assert isinstance(record, KeyRecord)
-    assert record.prefix == secret[:8]
+    assert record.prefix == secret[:12]
     assert record.balance_micros == 5_000
     assert record.allowed_models == ("a", "vendor/b")
     assert (record.concurrency, record.rate_per_min, record.revoked) == (3, 60, False)
@@ -541,3 +541,18 @@ async def test_cli_end_to_end(tmp_path):
         assert await led.lookup_key(secret) is None
     every_output = "".join(p.stdout + p.stderr for p in (listed, listed_json, topped, limited, usage, missing, revoked))
     assert secret[8:] not in every_output
+
+
+def test_cli_resolves_a_relative_path_like_the_app(tmp_path):
+    conf_dir = tmp_path / "etc"
+    conf_dir.mkdir()
+    (conf_dir / "config.yaml").write_text("ledger:\n  path: state/keys.db\n")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "proxy.ledger.cli", "--config", str(conf_dir / "config.yaml"), "keys", "create", "x"],
+        capture_output=True, text=True, timeout=60, env=subprocess_env(), cwd=str(elsewhere),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (conf_dir / "state" / "keys.db").exists()  # beside the config, where the app looks
+    assert not (elsewhere / "state").exists()

@@ -53,6 +53,7 @@ STREAMS = _stream_fixtures()
 BODIES = {n: (FIX / f"{n}.body").read_bytes() for n in STREAMS}
 SMALL = [n for n in STREAMS if len(BODIES[n]) <= 10_000]
 LARGE = [n for n in STREAMS if len(BODIES[n]) > 10_000]
+DECODER_ALL_SPLITS = [n for n in LARGE if len(BODIES[n]) <= 25_000]  # O(n^2): keep the suite fast
 
 
 # ---------------------------------------------------------------- helpers
@@ -153,9 +154,18 @@ def sdk_check(events: list[dict]) -> ResponseStreamState:
     if term["type"] == "response.completed":
         got = state._completed_response
         assert got is not None and got.id == final["id"]
-        assert [o.to_dict() for o in got.output] == final["output"]
+        assert [_unparsed(o.to_dict()) for o in got.output] == final["output"]
         assert got.usage.to_dict() == final["usage"]
     return state
+
+
+def _unparsed(o):
+    """Drop the fields the SDK's parse_response adds (parsed, parsed_arguments)."""
+    if isinstance(o, dict):
+        return {k: _unparsed(v) for k, v in o.items() if k not in ("parsed", "parsed_arguments")}
+    if isinstance(o, list):
+        return [_unparsed(v) for v in o]
+    return o
 
 
 def upstream_parts(body: bytes) -> tuple[str, str, dict[int, str]]:
@@ -219,7 +229,7 @@ def test_decoder_flush_unterminated_and_overflow():
     assert d.overflow and d.feed(b"\n\n") == []
 
 
-@pytest.mark.parametrize("name", LARGE)
+@pytest.mark.parametrize("name", DECODER_ALL_SPLITS)
 def test_decoder_every_split_large_fixtures(name):
     body = BODIES[name]
     want = SSEDecoder().feed(body)
@@ -251,10 +261,14 @@ def test_fixture_events_valid_and_faithful(name):
         assert final["incomplete_details"] == {"reason": "max_output_tokens"}
         assert events[-1]["type"] == "response.incomplete"
     # usage: the last upstream usage object, mapped
-    last_usage = [orjson.loads(line[6:])["usage"] for line in body.split(b"\n")
-                  if line.startswith(b"data: {") and orjson.loads(line[6:]).get("usage")][-1]
-    assert final["usage"] == map_usage(last_usage) == rw.usage
-    assert final["usage"]["total_tokens"] == last_usage["prompt_tokens"] + last_usage["completion_tokens"]
+    usages = [orjson.loads(line[6:])["usage"] for line in body.split(b"\n")
+              if line.startswith(b"data: {") and orjson.loads(line[6:]).get("usage")]
+    if usages:
+        assert final["usage"] == map_usage(usages[-1]) == rw.usage
+        assert final["usage"]["total_tokens"] == usages[-1]["prompt_tokens"] + usages[-1]["completion_tokens"]
+    else:  # no usage upstream: counted from the deltas
+        assert rw.usage is None and final["usage"]["output_tokens"] == rw.output_tokens_seen > 0
+        assert final["usage"]["input_tokens"] == 0
     # the deltas' counter: one per upstream chunk carrying text/reasoning/arguments
     assert rw.output_tokens_seen == sum(
         1 for line in body.split(b"\n") if line.startswith(b"data: {")
@@ -393,8 +407,10 @@ def test_function_call_events():
     types = [e["type"] for e in events]
     i = types.index("response.function_call_arguments.done")
     assert types[i + 1] == "response.output_item.done" and types[i + 2] == "response.completed"
-    # no done before the finish: the args deltas run right up to the done event
-    assert types[i - 1] == "response.function_call_arguments.delta"
+    # the message (index 0) stays open until the finish too: every done comes after the last delta
+    last_delta = max(j for j, t in enumerate(types) if t.endswith(".delta"))
+    assert types[last_delta] == "response.function_call_arguments.delta"
+    assert all(not t.endswith(".done") for t in types[:last_delta])
     assert rw.response["output"][-1]["status"] == "completed"
 
 
@@ -766,7 +782,12 @@ def test_response_from_completion_matches_stream(nonstream, stream, exact):
     Response.model_validate(got)
     _, rw = run([BODIES[stream]])
     want = rw.response
-    if exact:  # same seed, same text: the whole Response object is identical
+    if exact:  # same seed, same text: the whole Response object is identical (tool ids are upstream-random)
+        for r in (got, want):
+            for i in r["output"]:
+                if "call_id" in i:
+                    assert i["call_id"].startswith("chatcmpl-tool-")
+                    i["call_id"] = "<upstream>"
         assert normalise(got) == normalise(want)
     else:
         assert _shape(got) == _shape(want) and got["status"] == want["status"]

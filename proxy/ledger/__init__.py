@@ -67,7 +67,7 @@ UNSET: Any = _Unset()
 class KeyRecord:
     key_id: str
     name: str
-    prefix: str  # first 8 characters of the secret, for display only
+    prefix: str  # first 12 characters of the secret ("sk-rp-" + 6), for display only
     balance_micros: int
     allowed_models: tuple[str, ...] | None  # None: every model
     concurrency: int | None

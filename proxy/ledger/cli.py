@@ -124,7 +124,7 @@ def _key_line(record: KeyRecord) -> str:
     conc = "-" if record.concurrency is None else str(record.concurrency)
     rate = "-" if record.rate_per_min is None else str(record.rate_per_min)
     return (
-        f"{record.key_id:<20} {record.name[:24]:<24} {record.prefix + '...':<12} "
+        f"{record.key_id:<20} {record.name[:24]:<24} {record.prefix + '...':<16} "
         f"{record.balance_micros:>16} {_money(record.balance_micros):>14} {models[:30]:<30} "
         f"{conc:>5} {rate:>6} {'yes' if record.revoked else 'no':>7}"
     )
@@ -146,8 +146,17 @@ def _ledger_section(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     return section
 
 
+def _base_dir(args: argparse.Namespace, config: Any) -> Any:
+    """Where a relative ledger path lives: the same rule as the app (proxy/app.py), i.e. the
+    config file's directory, else the current directory; an explicit --db is taken as typed."""
+    if getattr(args, "db", None):
+        return None
+    path = getattr(config, "path", None)
+    return path.parent if path is not None else None
+
+
 async def _run(args: argparse.Namespace, config: Any, out: Any) -> int:
-    ledger = open_ledger(_ledger_section(args, config))
+    ledger = open_ledger(_ledger_section(args, config), base_dir=_base_dir(args, config))
     await ledger.start()
     try:
         cmd = args.keys_command

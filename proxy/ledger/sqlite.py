@@ -576,7 +576,7 @@ class SQLiteLedger(Ledger):
             conn.execute(
                 "INSERT INTO keys (key_id, name, prefix, secret_sha256, balance_micros, allowed_models,"
                 " concurrency, rate_per_min, revoked, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                (key_id, name.strip(), secret[:8], digest, balance, models, conc, rate, now),
+                (key_id, name.strip(), secret[:12], digest, balance, models, conc, rate, now),
             )
             if balance:
                 conn.execute(

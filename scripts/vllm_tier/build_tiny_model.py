@@ -144,7 +144,9 @@ def corpus(seed: int = 0, n: int = 6000):
     rng = random.Random(seed)
     for _ in range(n):
         kind = rng.random()
-        if kind < 0.55:
+        if kind < 0.05:
+            yield "Hello! I am a tiny test model. Let me think about it"
+        elif kind < 0.55:
             yield " ".join(_sentence(rng) for _ in range(rng.randint(1, 4)))
         elif kind < 0.8:
             yield _json_blob(rng)
@@ -186,8 +188,51 @@ def build_tokenizer(vocab_size: int, seed: int):
     return fast
 
 
+REASONING_TEXT = "Let me think about it"
+CONTENT_TEXT = "Hello! I am a tiny test model."
+
+
+def _chain_ids(tokenizer) -> dict:
+    """Token ids of the scripted answer: reasoning words, </think>, content words, <|im_end|>."""
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    reasoning = enc(REASONING_TEXT)
+    content = enc(CONTENT_TEXT)
+    # The last prompt token with thinking on ("...assistant\n") and off ("...</think>\n\n").
+    think_on = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True)
+    think_off = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                              add_generation_prompt=True, enable_thinking=False)
+    start_on = enc(think_on)[-1]
+    start_off = enc(think_off)[-1]
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    chain = [start_on, *reasoning, think_end, *content, eos]
+    sources = chain[:-1]
+    if start_off != start_on:
+        sources_off = [start_off]
+    else:
+        sources_off = []
+    if len(set(sources + sources_off)) != len(sources) + len(sources_off):
+        raise SystemExit(f"scripted answer reuses a token, pick other words: {chain} / {start_off}")
+    transitions = list(zip(chain[:-1], chain[1:]))
+    if sources_off:
+        transitions.append((start_off, content[0]))
+    return {"transitions": transitions, "reasoning": reasoning, "content": content,
+            "start_on": start_on, "start_off": start_off}
+
+
 def build(out_dir: str, *, seed: int = 0, vocab_size: int = 2048, hidden: int = 128,
           layers: int = 2, heads: int = 2, kv_heads: int = 1, max_pos: int = 4096) -> None:
+    """Random Qwen2 weights, except the embeddings and LM head, which are laid out so that
+
+    * logits ~= bias[next] + transition(current token -> next) + noise(current, next): the model is
+      (almost exactly) a bigram model, the two random transformer layers adding a tiny perturbation;
+    * a scripted transition chain with a +30 logit margin makes every unconstrained answer
+      "<reasoning: Let me think about it></think>Hello! I am a tiny test model.<|im_end|>"
+      (deterministic in practice even when sampling at temperature 1, and it stops by itself);
+    * elsewhere (under a grammar: tool calls, json_schema) the next token is random among the
+      allowed ones (noise std ~1), with <|im_end|> favoured (+5) so a finished grammar ends the turn.
+    """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -199,6 +244,7 @@ def build(out_dir: str, *, seed: int = 0, vocab_size: int = 2048, hidden: int = 
     n_vocab = len(tokenizer)
     padded_vocab = (n_vocab + 63) // 64 * 64
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + MARKER_TOKENS}
+    chain = _chain_ids(tokenizer)
 
     torch.manual_seed(seed)
     config = Qwen2Config(
@@ -213,15 +259,40 @@ def build(out_dir: str, *, seed: int = 0, vocab_size: int = 2048, hidden: int = 
         max_window_layers=layers,
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         use_sliding_window=False,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
-        torch_dtype="float32",
     )
     model = Qwen2ForCausalLM(config).to(torch.float32)
     model.eval()
+
+    # Hidden dims: 0 = constant bias channel, 1..n_chain = one per scripted source token, rest = noise.
+    transitions = chain["transitions"]
+    n_chain = len(transitions)
+    noise_lo = 1 + n_chain
+    assert noise_lo < hidden - 32, "hidden size too small for the scripted chain"
+    n_noise = hidden - noise_lo
+    gen = torch.Generator().manual_seed(seed)
+    emb = torch.zeros(padded_vocab, hidden)
+    emb[:, 0] = 8.0
+    emb[:, noise_lo:] = 0.5 * torch.randn(padded_vocab, n_noise, generator=gen)
+    head = torch.zeros(padded_vocab, hidden)
+    head[:, noise_lo:] = 0.2 * torch.randn(padded_vocab, n_noise, generator=gen)
+    bias = torch.zeros(padded_vocab)
+    bias[ids["<|im_end|>"]] = 5.0
+    bias[ids["<|im_start|>"]] = -30.0
+    bias[ids["<|endoftext|>"]] = -30.0
+    bias[n_vocab:] = -60.0                     # padding rows: never sampled
+    head[:, 0] = bias / 9.9                    # the bias channel is ~9.9 after the final RMSNorm
+    for dim, (src, dst) in enumerate(transitions, start=1):
+        emb[src, dim] = 8.0
+        head[dst, dim] = 4.0                   # ~ +30 logits for the scripted next token
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(emb)
+        model.lm_head.weight.copy_(head)
+
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
@@ -243,14 +314,31 @@ def build(out_dir: str, *, seed: int = 0, vocab_size: int = 2048, hidden: int = 
         f.write(CHAT_TEMPLATE)
     with open(os.path.join(tmp, "tiny_model_info.json"), "w") as f:
         json.dump({"seed": seed, "vocab": n_vocab, "padded_vocab": padded_vocab, "token_ids": ids,
-                   "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads}, f, indent=2)
+                   "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
+                   "scripted_reasoning": REASONING_TEXT, "scripted_content": CONTENT_TEXT,
+                   "scripted_transitions": transitions}, f, indent=2)
 
     _self_check(tmp)
+    _generation_check(tmp, model, tokenizer)
 
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     with open(os.path.join(out_dir, ".complete"), "w") as f:
         f.write("ok\n")
+
+
+def _generation_check(path: str, model, tokenizer) -> None:
+    """Greedy-decode one prompt with transformers: the scripted answer must come out."""
+    import torch
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the weather in Paris?"}],
+                                         tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=40, do_sample=False)
+    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
+    expected = f"{REASONING_TEXT}</think>{CONTENT_TEXT}<|im_end|>"
+    assert answer == expected, (answer, expected)
 
 
 def _self_check(path: str) -> None:

@@ -34,10 +34,12 @@ def main(argv=None) -> int:
         print("models:", status, body[:200])
         t0 = time.monotonic()
         status, body = servers.http_post_json(proc.url + "/v1/chat/completions", {
-            "model": servers.SERVED_MODEL, "max_tokens": 16, "seed": 1,
+            "model": servers.SERVED_MODEL, "max_tokens": 64, "seed": 1,
             "messages": [{"role": "user", "content": "What is the weather in Paris?"}]})
         print(f"chat ({time.monotonic() - t0:.2f}s):", status, json.dumps(body)[:600])
         assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length"), body
+        msg = body["choices"][0]["message"]
+        print("  reasoning:", repr(msg.get("reasoning")), " content:", repr(msg.get("content")))
         tools = [{"type": "function", "function": {
             "name": "get_weather", "description": "Get the weather for a city",
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -1,0 +1,112 @@
+"""Concurrency and rate limits on the API routes (POST /v1/responses[/input_tokens]).
+
+    limits:
+      global_concurrency: 1024      # requests in flight over all keys (null: unlimited)
+      default_key_concurrency: 64   # per key, unless the key has its own `concurrency`
+      retry_after_s: 1              # Retry-After on a concurrency 429
+
+Over a concurrency limit -> 429 `concurrency_limit` with Retry-After. A key with
+`rate_per_min` gets an in-memory token bucket holding one minute's allowance and
+refilling continuously; empty -> 429 `rate_limit_exceeded` with Retry-After set to the
+seconds until the next token. A slot is held for the whole request, a stream included
+(the handler returns once the stream has ended), and is given back in a finally, so a
+client that disconnects frees it too. Counters are per process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from aiohttp import web
+
+from middlewares.auth import API_KEY
+from proxy.config import ConfigError
+from proxy.errors import APIError
+
+_GUARDED = ("/v1/responses", "/v1/responses/input_tokens")
+
+
+def _opt_positive(section: dict, name: str, default: Any) -> int | None:
+    value = section.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"limits.{name} must be a positive integer or null, not {value!r}")
+    return value
+
+
+class _Bucket:
+    __slots__ = ("tokens", "stamp")
+
+    def __init__(self, tokens: float, stamp: float) -> None:
+        self.tokens = tokens
+        self.stamp = stamp
+
+
+def create(section: dict[str, Any], app: web.Application):
+    global_limit = _opt_positive(section, "global_concurrency", 1024)
+    key_default = _opt_positive(section, "default_key_concurrency", 64)
+    retry_after = section.get("retry_after_s", 1)
+    if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)) or retry_after < 0:
+        raise ConfigError(f"limits.retry_after_s must be a non-negative number, not {retry_after!r}")
+    retry_header = str(max(0, math.ceil(retry_after)))
+    unknown = set(section) - {"global_concurrency", "default_key_concurrency", "retry_after_s"}
+    if unknown:
+        raise ConfigError(f"limits: unknown setting(s) {', '.join(sorted(unknown))}")
+
+    in_flight: dict[str, int] = {}
+    total = [0]
+    buckets: dict[str, _Bucket] = {}
+
+    def take_token(key_id: str, rate: int) -> float:
+        """0 when a token was taken, else the seconds until one is there."""
+        now = time.monotonic()
+        per_s = rate / 60.0
+        bucket = buckets.get(key_id)
+        if bucket is None:
+            bucket = buckets[key_id] = _Bucket(float(rate), now)
+        bucket.tokens = min(float(rate), bucket.tokens + (now - bucket.stamp) * per_s)
+        bucket.stamp = now
+        if bucket.tokens >= 1.0:
+            bucket.tokens -= 1.0
+            return 0.0
+        return (1.0 - bucket.tokens) / per_s
+
+    def busy(message: str) -> APIError:
+        return APIError(429, message, code="concurrency_limit", headers={"Retry-After": retry_header})
+
+    @web.middleware
+    async def limits(request: web.Request, handler):
+        if request.method != "POST" or request.path not in _GUARDED:
+            return await handler(request)
+        record = request.get(API_KEY)
+        key_id = record.key_id if record is not None else None
+        key_limit = (record.concurrency or key_default) if record is not None else None
+        # Everything from the checks to the increments runs without an await: no other
+        # request can slip in between.
+        if global_limit is not None and total[0] >= global_limit:
+            raise busy("The proxy is at its concurrency limit; retry shortly.")
+        if key_id is not None and key_limit is not None and in_flight.get(key_id, 0) >= key_limit:
+            raise busy(f"This API key already has {key_limit} requests in flight; retry when one finishes.")
+        if record is not None and record.rate_per_min:
+            wait = take_token(key_id, record.rate_per_min)
+            if wait > 0:
+                raise APIError(429, f"Rate limit of {record.rate_per_min} requests per minute reached for this API key.",
+                               code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+        total[0] += 1
+        if key_id is not None:
+            in_flight[key_id] = in_flight.get(key_id, 0) + 1
+        try:
+            return await handler(request)
+        finally:
+            total[0] -= 1
+            if key_id is not None:
+                left = in_flight[key_id] - 1
+                if left:
+                    in_flight[key_id] = left
+                else:
+                    del in_flight[key_id]
+
+    return limits

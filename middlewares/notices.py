@@ -1,0 +1,81 @@
+"""The request's notices in one response header (004 doc: x-token-notice).
+
+    notices:
+      header: x-token-notice
+      max_bytes: 2048
+
+Every middleware and the translation append human-readable notices to
+`state.notices(request)` ("tools left out: web_search", "max_output_tokens lowered to
+123 to fit the balance"). They are joined with "; " into one header, set from
+`app.on_response_prepare`: that runs when the headers go out, so a streamed response
+(prepared before its body) and an error envelope from any middleware carry them too,
+whatever this middleware's position in the pipeline.
+
+The value is made safe for a header: CR and LF are dropped, every other control or
+non-ASCII character becomes "?", and the value is cut at max_bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from aiohttp import web
+
+from proxy import state
+from proxy.config import ConfigError
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token
+_SEPARATOR = "; "
+_ELLIPSIS = "..."
+_INSTALLED = web.AppKey("notices_installed", str)
+
+
+def sanitize(text: str, max_bytes: int = 2048) -> str:
+    """Printable ASCII only: CR/LF dropped, other controls and non-ASCII -> "?", capped."""
+    out = []
+    for ch in text:
+        if ch in "\r\n":
+            continue
+        code = ord(ch)
+        out.append(ch if 0x20 <= code < 0x7F else "?")
+    value = "".join(out).strip()
+    if len(value) > max_bytes:  # ASCII now, so characters are bytes
+        value = value[: max_bytes - len(_ELLIPSIS)].rstrip() + _ELLIPSIS
+    return value
+
+
+def header_value(notices: list[str], max_bytes: int = 2048) -> str:
+    unique = list(dict.fromkeys(n for n in notices if isinstance(n, str) and n.strip()))
+    return sanitize(_SEPARATOR.join(unique), max_bytes)
+
+
+def create(section: dict[str, Any], app: web.Application):
+    unknown = set(section) - {"header", "max_bytes"}
+    if unknown:
+        raise ConfigError(f"notices: unknown setting(s) {', '.join(sorted(unknown))}")
+    header = section.get("header", "x-token-notice")
+    if not isinstance(header, str) or not _HEADER_NAME.match(header):
+        raise ConfigError(f"notices.header must be a valid HTTP header name, not {header!r}")
+    max_bytes = section.get("max_bytes", 2048)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 64 <= max_bytes <= 16384:
+        raise ConfigError(f"notices.max_bytes must be an integer from 64 to 16384, not {max_bytes!r}")
+    if app.get(_INSTALLED) is not None:
+        raise ConfigError("pipeline: 'notices' appears more than once")
+    app[_INSTALLED] = header
+
+    async def set_header(request: web.Request, response: web.StreamResponse) -> None:
+        found = request.get(state.NOTICES)
+        if not found:
+            return
+        value = header_value(found, max_bytes)
+        if value:
+            response.headers[header] = value
+
+    app.on_response_prepare.append(set_header)
+
+    @web.middleware
+    async def notices(request: web.Request, handler):
+        return await handler(request)
+
+    return notices

@@ -1,0 +1,154 @@
+"""Hosted tools: left out (and named in x-token-notice) or refused, before translation.
+
+    tools:
+      drop: null      # tool types left out; null: proxy.translate.HOSTED_TOOL_TYPES
+      refuse: null    # tool types refused with 400; null: REFUSED_TOOL_TYPES (image_generation)
+
+The OpenAI platform runs web_search, file_search, mcp... itself; a chat-completions
+model server cannot, so those tools are removed from `tools` and the request goes on
+without them ("tools left out: web_search, mcp"). A `tool_choice` naming a removed tool
+becomes "auto". A refused type is a 400 (`image_generation_unsupported` for
+image_generation, else `unsupported_tool`); any other type that is not function, custom
+or namespace is a 400 naming it. Duplicate names after namespace flattening are refused
+by the translation itself (400 `duplicate_tool_name`).
+
+This middleware edits the parsed body in place, so it must run before anything calls
+`translation()` (the balance middleware does): a pipeline with balance before tools is a
+start-up error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from proxy import state
+from proxy.config import ConfigError
+from proxy.errors import APIError, bad_request
+from proxy.request import read_json
+
+try:
+    from proxy.translate import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES
+except ImportError:  # pragma: no cover - the translation module is part of the product
+    HOSTED_TOOL_TYPES = frozenset({
+        "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
+        "file_search", "code_interpreter", "computer_use", "computer_use_preview", "computer", "mcp",
+        "local_shell", "shell", "apply_patch", "tool_search",
+    })
+    REFUSED_TOOL_TYPES = frozenset({"image_generation"})
+
+_GUARDED = ("/v1/responses", "/v1/responses/input_tokens")
+_CORE = frozenset({"function", "custom", "namespace"})
+_CODES = {"image_generation": "image_generation_unsupported"}
+
+
+def _type_list(section: dict, name: str, default: frozenset[str]) -> frozenset[str]:
+    value = section.get(name)
+    if value is None:
+        return frozenset(default)
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"tools.{name} must be a list of tool type names (or null for the built-in list)")
+    core = _CORE.intersection(value)
+    if core:
+        raise ConfigError(f"tools.{name} cannot name {', '.join(sorted(core))}: those tools are translated")
+    return frozenset(value)
+
+
+def _show(value: Any) -> str:
+    return value[:64] if isinstance(value, str) else type(value).__name__
+
+
+def _names(entry: Any) -> str | None:
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, dict):
+        return entry.get("type") if isinstance(entry.get("type"), str) else None
+    return None
+
+
+def _check_order(app: web.Application) -> None:
+    names = []
+    for item in app[state.CONFIG].get("pipeline") or []:
+        if isinstance(item, str):
+            names.append(item)
+        elif isinstance(item, dict) and len(item) == 1:
+            names.extend(item)
+    if "tools" in names and "balance" in names and names.index("balance") < names.index("tools"):
+        raise ConfigError("pipeline: 'tools' must come before 'balance' (balance translates the request, "
+                          "and tools edits it before translation)")
+
+
+def create(section: dict[str, Any], app: web.Application):
+    unknown = set(section) - {"drop", "refuse"}
+    if unknown:
+        raise ConfigError(f"tools: unknown setting(s) {', '.join(sorted(unknown))}")
+    drop = _type_list(section, "drop", HOSTED_TOOL_TYPES)
+    refuse = _type_list(section, "refuse", REFUSED_TOOL_TYPES)
+    both = drop & refuse
+    if both:
+        raise ConfigError(f"tools: {', '.join(sorted(both))} is both dropped and refused")
+    _check_order(app)
+
+    def refused(ttype: str, param: str) -> APIError:
+        return bad_request(f"Tool type '{ttype}' is not supported by this endpoint.", param=param,
+                           code=_CODES.get(ttype, "unsupported_tool"))
+
+    def edit(body: dict[str, Any]) -> list[str]:
+        """Remove dropped tools in place; returns the dropped types in first-seen order."""
+        left_out: list[str] = []
+        tools = body.get("tools")
+        if isinstance(tools, list):
+            kept, unknown_types = [], []
+            for i, tool in enumerate(tools):
+                ttype = tool.get("type") if isinstance(tool, dict) else None
+                if not isinstance(ttype, str) or ttype in _CORE:
+                    kept.append(tool)  # translation validates these (and refuses a non-object)
+                elif ttype in refuse:
+                    raise refused(ttype, f"tools[{i}].type")
+                elif ttype in drop:
+                    if ttype not in left_out:
+                        left_out.append(ttype)
+                else:
+                    unknown_types.append(_show(ttype))
+            if unknown_types:
+                shown = ", ".join(dict.fromkeys(unknown_types))
+                raise bad_request(f"Unknown tool type(s): {shown}.", param="tools", code="unsupported_tool")
+            if left_out:
+                body["tools"] = kept
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict):
+            ctype = choice.get("type")
+            if isinstance(ctype, str) and ctype in refuse:
+                raise refused(ctype, "tool_choice")
+            if isinstance(ctype, str) and ctype in drop:
+                body["tool_choice"] = "auto"
+                if ctype not in left_out:
+                    left_out.append(ctype)
+            elif ctype == "allowed_tools" and isinstance(choice.get("tools"), list):
+                allowed = choice["tools"]
+                remaining = [t for t in allowed if _names(t) not in drop]
+                if len(remaining) != len(allowed):
+                    for t in allowed:
+                        name = _names(t)
+                        if name in drop and name not in left_out:
+                            left_out.append(name)
+                    if remaining:
+                        body["tool_choice"] = {**choice, "tools": remaining}
+                    else:
+                        body["tool_choice"] = "auto"
+        return left_out
+
+    @web.middleware
+    async def tools_mw(request: web.Request, handler):
+        if request.method != "POST" or request.path not in _GUARDED:
+            return await handler(request)
+        if request.get(state.TRANSLATION) is not None:  # pragma: no cover - guarded by _check_order
+            raise APIError(500, "The tools middleware ran after the request was translated.", code="internal_error")
+        body = await read_json(request)
+        left_out = edit(body)
+        if left_out:
+            state.notices(request).append(f"tools left out: {', '.join(left_out)}")
+        return await handler(request)
+
+    return tools_mw
