@@ -516,7 +516,7 @@ class StreamRewriter:
         if reason == "abort":  # SGLang: the engine gave up on the request
             self._fail("upstream aborted the generation", "server_error", 1000, True)
             return
-        item_status = "incomplete" if reason in ("length", "content_filter") else "completed"
+        item_status = "completed"
         # Reasoning that was still running when the cap hit is cut short, too.
         self._close_reasoning(item_status)
         pending: list[_Item] = []

@@ -217,7 +217,8 @@ class Chat:
             u["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
             u["reasoning_tokens"] = g.reasoning_tokens
             return u
-        details: dict[str, Any] = {"cached_tokens": self.cached_tokens, "created_cache_tokens": self.created_cache_tokens}
+        details: dict[str, Any] = {"cached_tokens": self.cached_tokens,
+                                   "created_cache_tokens": self.created_cache_tokens}
         if not stream:
             details["multimodal_tokens"] = None
         u["prompt_tokens_details"] = details
@@ -254,7 +255,8 @@ class Chat:
                              "finish_reason": None}]
         if cont:
             first["usage"] = self.usage_running(0)
-                first["prompt_text"] = None
+        first["prompt_token_ids"] = None
+        first["prompt_text"] = None
         out.append(("role", _sse(first)))
 
         finish_on_last = g.finish == "length" and bool(g.deltas)
@@ -401,9 +403,8 @@ def _validate(st: SimState, raw: bytes) -> tuple[dict | None, web.Response | Non
         return None, _validation_error(st, {"type": "json_invalid", "loc": f"body.{pos}", "msg": "JSON decode error",
                                             "input": "<dict of 0 items>", "ctx": {"error": msg}})
     if not isinstance(body, dict):
-        return None, _validation_error(st, {"type": "model_attributes_type", "loc": "body",
-                                            "msg": "Input should be a valid dictionary or object to extract fields from",
-                                            "input": body})
+        msg = "Input should be a valid dictionary or object to extract fields from"
+        return None, _validation_error(st, {"type": "model_attributes_type", "loc": "body", "msg": msg, "input": body})
     st.requests.append(body)
     messages = body.get("messages")
     if "messages" not in body:
@@ -466,7 +467,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return err
     assert body is not None
     messages = body["messages"]
-    tokens = tokenize(render_prompt(messages, body.get("tools")))
+    prompt = render_prompt(messages, body.get("tools"))
+    tokens = tokenize(prompt)
     max_tokens, err = _context_check(st, body, len(tokens))
     if err is not None:
         return err
@@ -478,7 +480,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if isinstance(script.get("cached_tokens"), int):
         cached = script["cached_tokens"]
     tool_id = lambda: new_tool_id(st.dialect)  # noqa: E731
-    plan = default_plan(body, render_prompt(messages, body.get("tools")), st.seed, tool_id)
+    plan = default_plan(body, prompt, st.seed, tool_id)
     if script:
         plan = script_plan(script, plan, tool_id)
     gen = generate(plan, max_tokens, script.get("chunk_chars"))

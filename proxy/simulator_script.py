@@ -252,7 +252,8 @@ def default_plan(body: dict, prompt: str, seed: int, tool_id) -> Plan:
     if tools and choice == "required":
         target, finish = tools[0], "tool_calls"
     elif tools and isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else choice.get("name")
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
         target = next((t for t in tools if t["name"] == name), None)
         finish = "stop"  # vLLM really answers a named tool_choice with finish_reason "stop"
     if target is not None:

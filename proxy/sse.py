@@ -57,7 +57,7 @@ class SSEDecoder:
             self._buf += last
             lines.pop()
         elif tail == b"\r":
-            self._skip_lf = True
+            pass
         out: list[bytes] = []
         for line in lines:
             self._line(line.rstrip(b"\r\n"), out)

@@ -1,49 +1,119 @@
 """The upstream model servers (vLLM or SGLang) and the choice among them.
 
 A worker is one chat-completions server. The pool answers "which worker takes this
-request" and keeps the in-flight count that least-loaded choice and capacity need.
+request" (proxy.routing does the provider-requirement filtering and the least-loaded
+choice), keeps the in-flight counts that choice and capacity need, and keeps each
+worker's health: the active checks' verdict (proxy.health) and passive outlier ejection
+(N consecutive connection failures / 5xx -> ejected for a time that doubles with each
+repeated ejection, re-admitted by the next passing active check once that time is over).
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from proxy.config import ConfigError
-from proxy.errors import APIError
+
+if TYPE_CHECKING:
+    from proxy.routing import ProviderPrefs
 
 DIALECTS = ("vllm", "sglang", "detect")
 
 
 @dataclass(frozen=True)
 class Timeouts:
-    connect: float = 5.0
+    connect: float = 5.0  # TCP connect; past it the next eligible worker is tried (504 if none is left)
     first_byte: float = 120.0  # request sent -> first upstream chunk; past it the client gets 504
     idle: float = 120.0  # between two upstream chunks; past it, response.failed
-    total: float = 1800.0
+    total: float = 1800.0  # the whole upstream exchange; before the first byte 504, after it response.failed
+
+
+@dataclass(frozen=True)
+class OutlierPolicy:
+    """Passive ejection, after Envoy's outlier detection (consecutive gateway failures)."""
+
+    consecutive_failures: int = 5
+    base_ejection_s: float = 30.0
+    max_ejection_s: float = 300.0
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any] | None) -> "OutlierPolicy":
+        section = section or {}
+        try:
+            policy = cls(consecutive_failures=int(section.get("consecutive_failures", 5)),
+                         base_ejection_s=float(section.get("base_ejection_s", 30.0)),
+                         max_ejection_s=float(section.get("max_ejection_s", 300.0)))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"health.outlier: {exc}") from exc
+        if policy.consecutive_failures < 1 or policy.base_ejection_s < 0 or policy.max_ejection_s < policy.base_ejection_s:
+            raise ConfigError("health.outlier: consecutive_failures >= 1 and 0 <= base_ejection_s <= max_ejection_s")
+        return policy
+
+    def ejection_time(self, multiplier: int) -> float:
+        return min(self.base_ejection_s * (2 ** max(multiplier - 1, 0)), self.max_ejection_s)
 
 
 @dataclass(eq=False)
 class Worker:
     name: str
     url: str
-    dialect: str = "vllm"
+    dialect: str = "vllm"  # "detect" until start-up has asked the server
     models: tuple[str, ...] = ()
     api_key: str | None = None
     labels: dict[str, Any] = field(default_factory=dict)
     capacity: int = 256
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_model_len: dict[str, int] = field(default_factory=dict)
+    models_known: bool = True  # False while `models` was omitted and /v1/models has not answered yet
     in_flight: int = 0
+    # Active health (proxy.health): the checker's verdict.
     healthy: bool = True
+    check_failures: int = 0
+    check_successes: int = 0
+    last_check_error: str | None = None
+    # Passive health: outlier ejection.
+    consecutive_failures: int = 0
+    ejected: bool = False
+    ejected_until: float = 0.0
+    ejection_multiplier: int = 0
+    ejections_total: int = 0
+    last_ejected_at: float = 0.0
+    # Time to first byte, exponentially weighted (seconds); None until the first answer.
+    ewma_ttfb: float | None = None
 
     @property
     def chat_url(self) -> str:
         return f"{self.url.rstrip('/')}/v1/chat/completions"
 
+    def endpoint(self, path: str) -> str:
+        return self.url.rstrip("/") + path
+
     def auth_headers(self) -> dict[str, str]:
         # Each worker has its own credential; the client's Authorization never travels upstream.
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    @property
+    def load(self) -> float:
+        return self.in_flight / max(self.capacity, 1)
+
+    @property
+    def available(self) -> bool:
+        """Healthy by the active checks and not ejected by the passive ones."""
+        return self.healthy and not self.ejected and self.dialect != "detect"
+
+
+def _str_list(value: Any, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where} must be a list of non-empty strings")
+    return tuple(value)
 
 
 def parse_workers(raw: Any) -> list[Worker]:
@@ -60,13 +130,22 @@ def parse_workers(raw: Any) -> list[Worker]:
         if dialect not in DIALECTS:
             raise ConfigError(f"workers[{i}].dialect must be one of {DIALECTS}")
         try:
-            timeouts = Timeouts(**(entry.get("timeouts") or {}))
-        except TypeError as exc:
+            timeouts = Timeouts(**{k: float(v) for k, v in (entry.get("timeouts") or {}).items()})
+        except (TypeError, ValueError) as exc:
             raise ConfigError(f"workers[{i}].timeouts: {exc}") from exc
+        if min(timeouts.connect, timeouts.first_byte, timeouts.idle, timeouts.total) <= 0:
+            raise ConfigError(f"workers[{i}].timeouts must all be positive")
+        labels = entry.get("labels") or {}
+        if not isinstance(labels, dict):
+            raise ConfigError(f"workers[{i}].labels must be a mapping")
+        capacity = entry.get("capacity", 256)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigError(f"workers[{i}].capacity must be a positive integer")
+        models = _str_list(entry.get("models"), f"workers[{i}].models")
         workers.append(Worker(
             name=str(entry["name"]), url=str(entry["url"]), dialect=dialect,
-            models=tuple(entry.get("models") or ()), api_key=entry.get("api_key"),
-            labels=dict(entry.get("labels") or {}), capacity=int(entry.get("capacity", 256)), timeouts=timeouts,
+            models=models, api_key=entry.get("api_key"), labels=dict(labels), capacity=capacity,
+            timeouts=timeouts, models_known=bool(models) or entry.get("url") == "embedded",
         ))
     return workers
 
@@ -76,34 +155,86 @@ def upstream_model_name(model: str) -> str:
 
 
 class WorkerPool:
-    def __init__(self, workers: Iterable[Worker]) -> None:
+    def __init__(self, workers: Iterable[Worker], *, outlier: OutlierPolicy | None = None,
+                 ewma_alpha: float = 0.3) -> None:
         self.workers = list(workers)
+        self.outlier = outlier or OutlierPolicy()
+        self.ewma_alpha = ewma_alpha
+        self.active_checks = False  # proxy.health turns this on when its loop runs
+        self.failovers: Counter[tuple[str, str]] = Counter()  # (from worker, reason) -> count
+        self._rotation = 0
 
     def serving(self, model: str) -> list[Worker]:
-        return [w for w in self.workers if model in w.models]
+        return [w for w in self.workers if w.serves(model)]
 
     def models(self) -> dict[str, int | None]:
-        """Every served model with its context window where a worker told us."""
+        """Every served model with its context window where a worker told us (the smallest, if they differ)."""
         found: dict[str, int | None] = {}
         for worker in self.workers:
             for model in worker.models:
                 window = worker.max_model_len.get(model)
-                if found.get(model) is None:
-                    found[model] = window
+                known = found.get(model)
+                found[model] = window if known is None else (known if window is None else min(known, window))
         return found
 
-    def choose(self, model: str, exclude: Iterable[Worker] = ()) -> Worker:
-        candidates = self.serving(model)
-        if not candidates:
-            raise APIError(404, f"The model '{model}' does not exist or is not served here.",
-                           code="model_not_found", param="model")
-        excluded = set(map(id, exclude))
-        healthy = [w for w in candidates if w.healthy and id(w) not in excluded]
-        if not healthy:
-            raise APIError(503, f"No healthy worker serves '{model}' right now.", code="no_worker_available",
-                           headers={"Retry-After": "1"})
-        free = [w for w in healthy if w.in_flight < w.capacity]
-        if not free:
-            raise APIError(429, f"Every worker serving '{model}' is at capacity; retry shortly.",
-                           code="capacity_exhausted", headers={"Retry-After": "1"})
-        return min(free, key=lambda w: w.in_flight / max(w.capacity, 1))
+    def next_rotation(self) -> int:
+        """A moving start index, so equally good workers take turns."""
+        self._rotation += 1
+        return self._rotation
+
+    def choose(self, model: str, exclude: Iterable[Worker] = (), prefs: "ProviderPrefs | None" = None,
+               params: frozenset[str] = frozenset(), need_capacity: bool = True) -> Worker:
+        from proxy.routing import select
+
+        self.readmit_expired()
+        return select(self, model, prefs, exclude=exclude, params=params, need_capacity=need_capacity)
+
+    # ---------------------------------------------------------------- passive health
+
+    def record_success(self, worker: Worker, ttfb_s: float | None = None) -> None:
+        worker.consecutive_failures = 0
+        if ttfb_s is not None:
+            worker.ewma_ttfb = ttfb_s if worker.ewma_ttfb is None else (
+                self.ewma_alpha * ttfb_s + (1 - self.ewma_alpha) * worker.ewma_ttfb)
+        if worker.ejection_multiplier and time.monotonic() - worker.last_ejected_at > self.outlier.max_ejection_s * 2:
+            worker.ejection_multiplier = 0  # long well-behaved: the next ejection starts short again
+
+    def record_failure(self, worker: Worker, reason: str) -> bool:
+        """A connection failure, a 5xx or a first-byte timeout. True when it ejected the worker."""
+        worker.consecutive_failures += 1
+        if worker.ejected or worker.consecutive_failures < self.outlier.consecutive_failures:
+            return False
+        now = time.monotonic()
+        worker.ejection_multiplier += 1
+        worker.ejected = True
+        worker.ejected_until = now + self.outlier.ejection_time(worker.ejection_multiplier)
+        worker.last_ejected_at = now
+        worker.ejections_total += 1
+        from proxy.logs import log
+
+        log.warning("worker ejected", worker=worker.name, reason=reason,
+                    failures=worker.consecutive_failures,
+                    seconds=round(worker.ejected_until - now, 3), ejections=worker.ejections_total)
+        return True
+
+    def readmit(self, worker: Worker) -> bool:
+        """An active check passed: an ejected worker whose ejection time is over comes back."""
+        if worker.ejected and time.monotonic() >= worker.ejected_until:
+            worker.ejected = False
+            worker.consecutive_failures = 0
+            from proxy.logs import log
+
+            log.info("worker re-admitted", worker=worker.name)
+            return True
+        return False
+
+    def readmit_expired(self) -> None:
+        # Without active checks nothing would ever re-admit; then the ejection time alone does.
+        if self.active_checks:
+            return
+        for worker in self.workers:
+            if worker.ejected:
+                self.readmit(worker)
+
+    def note_failover(self, worker: Worker, reason: str) -> None:
+        self.failovers[(worker.name, reason)] += 1

@@ -51,8 +51,8 @@ def _stream_fixtures() -> list[str]:
 
 STREAMS = _stream_fixtures()
 BODIES = {n: (FIX / f"{n}.body").read_bytes() for n in STREAMS}
-SMALL = [n for n in STREAMS if len(BODIES[n]) <= 10_000]
-LARGE = [n for n in STREAMS if len(BODIES[n]) > 10_000]
+SMALL = [n for n in STREAMS if len(BODIES[n]) <= 7_500]
+LARGE = [n for n in STREAMS if len(BODIES[n]) > 7_500]
 DECODER_ALL_SPLITS = [n for n in LARGE if len(BODIES[n]) <= 25_000]  # O(n^2): keep the suite fast
 
 
@@ -299,11 +299,11 @@ def test_fixture_every_two_way_split(name):
 
 @pytest.mark.parametrize("name", LARGE)
 def test_fixture_two_way_splits_near_line_breaks(name):
-    """Large fixtures: every split within 8 bytes of each line break (the decoder itself is
+    """Large fixtures: every split within 4 bytes of each line break (the decoder itself is
     checked at every boundary above)."""
     body = BODIES[name]
     whole, _ = run([body])
-    points = sorted({p + d for p in (m.start() for m in re.finditer(b"\n", body)) for d in range(-8, 9)
+    points = sorted({p + d for p in (m.start() for m in re.finditer(b"\n", body)) for d in range(-4, 5)
                      if 0 <= p + d <= len(body)})
     for i in points:
         assert run([body[:i], body[i:]])[0] == whole, i

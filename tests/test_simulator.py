@@ -146,7 +146,7 @@ async def test_vllm_plain_stream_matches_fixture_shapes(sim, http):
     ours = parse_sse(data)
     theirs = parse_sse(fixture("final_chat_stream.body"))
     assert [kind(e) for e in ours][0] == "role" and ours[-1] == "[DONE]"
-    assert [k for k in dict.fromkeys(kind(e) for e in ours)] == ["role", "reasoning", "content", "finish", "usage", "done"]
+    assert list(dict.fromkeys(kind(e) for e in ours)) == ["role", "reasoning", "content", "finish", "usage", "done"]
     assert shapes_by_kind(ours) == shapes_by_kind(theirs)
     assert data.endswith(b"data: [DONE]\n\n") and data.startswith(b'data: {"id":"chatcmpl-')
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{16}", ours[0]["id"])

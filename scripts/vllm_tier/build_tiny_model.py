@@ -231,7 +231,8 @@ def build(out_dir: str, *, seed: int = 0, vocab_size: int = 2048, hidden: int = 
       "<reasoning: Let me think about it></think>Hello! I am a tiny test model.<|im_end|>"
       (deterministic in practice even when sampling at temperature 1, and it stops by itself);
     * elsewhere (under a grammar: tool calls, json_schema) the next token is random among the
-      allowed ones (noise std ~1), with <|im_end|> favoured (+5) so a finished grammar ends the turn.
+      allowed ones (noise std ~1), with <|im_end|> favoured (+5) so a finished grammar ends the turn,
+      and tokens holding '"' (+4) or '}' (+2) favoured so JSON strings and objects close quickly.
     """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -285,6 +286,14 @@ def build(out_dir: str, *, seed: int = 0, vocab_size: int = 2048, hidden: int = 
     bias[ids["<|im_start|>"]] = -30.0
     bias[ids["<|endoftext|>"]] = -30.0
     bias[n_vocab:] = -60.0                     # padding rows: never sampled
+    # Under a JSON grammar almost every token may continue a string; favour the tokens that
+    # close strings and objects so that forced tool calls / json_schema answers stay short.
+    for tid in range(n_vocab):
+        piece = tokenizer.decode([tid])
+        if '"' in piece:
+            bias[tid] += 4.0
+        if "}" in piece:
+            bias[tid] += 2.0
     head[:, 0] = bias / 9.9                    # the bias channel is ~9.9 after the final RMSNorm
     for dim, (src, dst) in enumerate(transitions, start=1):
         emb[src, dim] = 8.0

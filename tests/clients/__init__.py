@@ -1,0 +1,1 @@
+"""Helpers that drive real clients (Codex CLI) against the proxy in tests."""

@@ -1,0 +1,571 @@
+"""The built-in middlewares (auth, limits, tools, balance, notices), alone and as the whole
+default chain, through real HTTP: a real proxy on loopback in front of the real simulator,
+a real SQLite ledger file."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from middlewares.balance import estimate_input_tokens
+from middlewares.notices import header_value, sanitize
+from proxy.ledger.pricing import cost_micros, price_for
+from proxy.translate import translate_request
+
+# 1 micro per input and output token, 0.1 per cached token: costs are easy to check by hand.
+PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
+MODEL = "tiny-model"
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        yield session
+
+
+def sim_input(**script) -> str:
+    return "SIM:" + json.dumps(script)
+
+
+def sse_events(raw: bytes) -> list[dict]:
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: "):
+            try:
+                out.append(orjson.loads(line[6:]))
+            except orjson.JSONDecodeError:
+                pass
+    return out
+
+
+async def call(http, proxy, body=None, *, key="default", headers=None, path="/v1/responses", method="POST"):
+    """-> (status, headers, parsed JSON or SSE events)"""
+    h = dict(headers or {})
+    if key == "default":
+        key = proxy.api_key
+    if key is not None:
+        h["Authorization"] = f"Bearer {key}"
+    if body is None and method == "POST":
+        body = {"model": MODEL, "input": "hello"}
+    kwargs = {"data": orjson.dumps(body), "headers": {"Content-Type": "application/json", **h}} if body else {"headers": h}
+    async with http.request(method, proxy.url + path, **kwargs) as r:
+        raw = await r.read()
+        if r.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return r.status, r.headers, sse_events(raw)
+        return r.status, r.headers, orjson.loads(raw) if raw else None
+
+
+async def wait_for(probe, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        await asyncio.sleep(0.02)
+
+
+async def usage_of(ledger, request_id: str):
+    return await wait_for(lambda: ledger.usage(request_id))
+
+
+async def balance_of(ledger, key_id: str) -> int:
+    return (await ledger.get_key(key_id)).balance_micros
+
+
+# --------------------------------------------------------------------------- auth
+
+
+async def test_auth_missing_header_is_401(make_proxy, http):
+    p = await make_proxy()
+    status, headers, body = await call(http, p, key=None)
+    assert status == 401
+    assert body["error"]["code"] == "invalid_api_key"
+    assert body["error"]["type"] == "authentication_error"
+    assert headers.get("WWW-Authenticate") == "Bearer"
+
+
+@pytest.mark.parametrize("header", ["Basic dXNlcjpwYXNz", "Bearer", "Bearer ", "Token sk-rp-abc", "sk-rp-abc"])
+async def test_auth_malformed_header_is_401(make_proxy, http, header):
+    p = await make_proxy()
+    status, _, body = await call(http, p, key=None, headers={"Authorization": header})
+    assert status == 401
+    assert body["error"]["code"] == "invalid_api_key"
+
+
+async def test_auth_unknown_key_is_401_and_not_echoed(make_proxy, http):
+    p = await make_proxy()
+    secret = "sk-rp-not-a-real-key-0123456789abcdef"
+    status, _, body = await call(http, p, key=secret)
+    assert status == 401
+    assert body["error"]["code"] == "invalid_api_key"
+    assert secret not in orjson.dumps(body).decode()
+    assert "0123456789abcdef" not in body["error"]["message"]
+
+
+async def test_auth_revoked_key_is_401(make_proxy, http):
+    p = await make_proxy()
+    secret, record = await p.ledger.create_key("soon-revoked", balance_micros=10_000_000)
+    assert (await call(http, p, key=secret))[0] == 200
+    await p.ledger.revoke(record.key_id)
+    status, _, body = await call(http, p, key=secret)
+    assert status == 401
+    assert body["error"]["code"] == "invalid_api_key"
+
+
+async def test_auth_guards_models_but_not_healthz(make_proxy, http):
+    p = await make_proxy()
+    assert (await call(http, p, key=None, path="/v1/models", method="GET"))[0] == 401
+    status, _, body = await call(http, p, path="/v1/models", method="GET")
+    assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
+    assert (await call(http, p, key=None, path="/healthz", method="GET"))[0] == 200
+    assert (await call(http, p, key=None, path="/v1/responses/input_tokens"))[0] == 401
+
+
+async def test_auth_model_not_allowed_is_403(make_proxy, http):
+    p = await make_proxy()
+    secret, _ = await p.ledger.create_key("limited", balance_micros=10_000_000, allowed_models=["other-model"])
+    status, _, body = await call(http, p, key=secret)
+    assert status == 403
+    assert body["error"]["code"] == "model_not_allowed"
+    assert body["error"]["param"] == "model"
+    ok_secret, _ = await p.ledger.create_key("vendor", balance_micros=10_000_000, allowed_models=["acme/tiny-model"])
+    assert (await call(http, p, key=ok_secret))[0] == 200
+
+
+async def test_auth_static_keys_without_ledger_billing(make_proxy, http, monkeypatch):
+    hashed_secret = "sk-static-hashed-000111222333"
+    monkeypatch.setenv("RP_TEST_STATIC_KEY", "sk-static-from-env-444555666")
+    p = await make_proxy({
+        "auth": {"demo_key": False, "static_keys": [
+            {"name": "ci", "sha256": hashlib.sha256(hashed_secret.encode()).hexdigest()},
+            {"name": "ops", "key": "${RP_TEST_STATIC_KEY}", "allowed_models": ["other"]},
+        ]},
+    })
+    status, _, body = await call(http, p, key=hashed_secret)
+    assert status == 200, body
+    assert body["status"] == "completed"
+    status, _, body = await call(http, p, key="sk-static-from-env-444555666")
+    assert status == 403 and body["error"]["code"] == "model_not_allowed"
+    assert (await call(http, p, key="sk-static-hashed-000111222334"))[0] == 401
+    assert await p.ledger.list_usage() == []  # a static key has no account: nothing billed
+
+
+async def test_demo_key_printed_once_and_replaced_on_restart(make_proxy, http, capsys):
+    p1 = await make_proxy()
+    first = p1.api_key
+    assert first.startswith("sk-rp-")
+    out = capsys.readouterr().out
+    assert out.count("demo key: ") == 1 and f"demo key: {first}\n" in out
+    p2 = await make_proxy()  # the same database: the first demo key is revoked
+    second = p2.api_key
+    assert second != first
+    assert (await call(http, p2, key=first))[0] == 401
+    assert (await call(http, p2, key=second))[0] == 200
+    demos = [k for k in await p2.ledger.list_keys() if k.name == "demo"]
+    assert [k.revoked for k in demos] == [True, False]
+    captured = capsys.readouterr()
+    assert second not in captured.err and first not in captured.err  # never in logs
+    assert captured.out.count("demo key: ") == 1
+
+
+# --------------------------------------------------------------------------- limits
+
+
+async def _slow_stream(http, p, key, seconds_per_delta=0.05, words=60):
+    """A stream the simulator answers slowly; returns once the response headers are in."""
+    body = {"model": MODEL, "stream": True, "max_output_tokens": 1000,
+            "input": sim_input(text=" ".join(["word"] * words), delay=seconds_per_delta)}
+    resp = await http.post(p.url + "/v1/responses", data=orjson.dumps(body),
+                           headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    assert resp.status == 200
+    await resp.content.readline()
+    return resp
+
+
+async def test_per_key_concurrency_429_with_retry_after(make_proxy, http, sim):
+    p = await make_proxy({"limits": {"retry_after_s": 3}})
+    secret, _ = await p.ledger.create_key("one-at-a-time", balance_micros=10_000_000, concurrency=1)
+    other, _ = await p.ledger.create_key("other", balance_micros=10_000_000)
+    slow = await _slow_stream(http, p, secret, seconds_per_delta=0.02, words=40)
+    status, headers, body = await call(http, p, key=secret)
+    assert status == 429
+    assert body["error"]["code"] == "concurrency_limit"
+    assert headers["Retry-After"] == "3"
+    assert (await call(http, p, key=other))[0] == 200  # another key is not affected
+    events = sse_events(await slow.read())
+    slow.release()
+    assert events[-1]["type"] == "response.completed"
+    assert (await call(http, p, key=secret))[0] == 200  # the slot was given back
+
+
+async def test_global_concurrency_429_limits_alone(make_proxy, http, sim):
+    p = await make_proxy({"pipeline": ["limits"], "limits": {"global_concurrency": 2}})
+    slow = [await _slow_stream(http, p, "ignored") for _ in range(2)]
+    status, headers, body = await call(http, p, key=None)
+    assert status == 429
+    assert body["error"]["code"] == "concurrency_limit"
+    assert body["error"]["type"] == "rate_limit_error"
+    assert headers["Retry-After"] == "1"
+    for resp in slow:
+        resp.close()
+    await wait_for(lambda: _ok(call(http, p, key=None)))
+
+
+async def _ok(coro) -> bool:
+    return (await coro)[0] == 200
+
+
+async def test_slot_released_when_client_disconnects(make_proxy, http, sim):
+    p = await make_proxy()
+    secret, _ = await p.ledger.create_key("one", balance_micros=10_000_000, concurrency=1)
+    slow = await _slow_stream(http, p, secret, seconds_per_delta=0.5)
+    assert (await call(http, p, key=secret))[0] == 429
+    slow.close()  # the client goes away mid-stream
+    await wait_for(lambda: _ok(call(http, p, key=secret)), timeout=5)
+
+
+async def test_rate_limit_per_key(make_proxy, http):
+    p = await make_proxy()
+    secret, _ = await p.ledger.create_key("two-a-minute", balance_micros=10_000_000, rate_per_min=2)
+    assert (await call(http, p, key=secret))[0] == 200
+    assert (await call(http, p, key=secret))[0] == 200
+    status, headers, body = await call(http, p, key=secret)
+    assert status == 429
+    assert body["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(headers["Retry-After"]) <= 30
+    assert (await call(http, p))[0] == 200  # the demo key has no rate limit
+
+
+# --------------------------------------------------------------------------- tools
+
+HOSTED = [{"type": "web_search"}, {"type": "mcp", "server_label": "x", "server_url": "https://example.com"},
+          {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}]
+
+
+async def test_hosted_tools_left_out_with_notice_json(make_proxy, http, sim):
+    p = await make_proxy()
+    status, headers, body = await call(http, p, {"model": MODEL, "input": "hi", "tools": HOSTED,
+                                                 "tool_choice": {"type": "web_search"}})
+    assert status == 200, body
+    assert headers["x-token-notice"] == "tools left out: web_search, mcp"
+    sent = sim.requests[-1]
+    sent = sent.get("body", sent)
+    assert [t["function"]["name"] for t in sent["tools"]] == ["get_time"]
+    assert sent.get("tool_choice") == "auto"
+    assert [t["type"] for t in body["tools"]] == ["function"]
+
+
+async def test_hosted_tools_notice_on_stream(make_proxy, http, sim):
+    p = await make_proxy()
+    status, headers, events = await call(http, p, {"model": MODEL, "input": "hi", "stream": True, "tools": HOSTED})
+    assert status == 200
+    assert headers["x-token-notice"] == "tools left out: web_search, mcp"
+    assert events[-1]["type"] == "response.completed"
+
+
+async def test_openai_sdk_sees_notice(make_proxy):
+    p = await make_proxy()
+    raw = await p.openai().responses.with_raw_response.create(
+        model=MODEL, input="hi", tools=[{"type": "file_search", "vector_store_ids": ["vs_1"]}])
+    assert raw.headers["x-token-notice"] == "tools left out: file_search"
+    assert raw.parse().status == "completed"
+
+
+async def test_image_generation_refused(make_proxy, http):
+    p = await make_proxy()
+    status, _, body = await call(http, p, {"model": MODEL, "input": "draw", "tools": [{"type": "image_generation"}]})
+    assert status == 400
+    assert body["error"]["code"] == "image_generation_unsupported"
+    assert body["error"]["param"] == "tools[0].type"
+
+
+async def test_duplicate_tool_names_after_flattening_refused(make_proxy, http):
+    p = await make_proxy()
+    tools = [{"type": "function", "name": "ns__f"},
+             {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "f"}]}]
+    status, _, body = await call(http, p, {"model": MODEL, "input": "hi", "tools": tools})
+    assert status == 400
+    assert body["error"]["code"] == "duplicate_tool_name"
+    tools = [{"type": "function", "name": "f"}, {"type": "custom", "name": "f"}]
+    status, _, body = await call(http, p, {"model": MODEL, "input": "hi", "tools": tools})
+    assert status == 400 and body["error"]["code"] == "duplicate_tool_name"
+
+
+async def test_unknown_tool_type_named(make_proxy, http):
+    p = await make_proxy()
+    status, _, body = await call(http, p, {"model": MODEL, "input": "hi",
+                                           "tools": [{"type": "teleport"}, {"type": "web_search"}]})
+    assert status == 400
+    assert "teleport" in body["error"]["message"]
+
+
+async def test_tool_lists_configurable(make_proxy, http, sim):
+    p = await make_proxy({"pipeline": ["tools", "notices"], "tools": {"drop": ["web_search"], "refuse": ["mcp"]}})
+    status, _, body = await call(http, p, {"model": MODEL, "input": "hi", "tools": HOSTED[1:2]}, key=None)
+    assert status == 400 and body["error"]["code"] == "unsupported_tool"
+    status, _, body = await call(http, p, {"model": MODEL, "input": "hi", "tools": [{"type": "file_search"}]}, key=None)
+    assert status == 400 and "file_search" in body["error"]["message"]
+    status, headers, _ = await call(http, p, {"model": MODEL, "input": "hi", "tools": HOSTED[:1]}, key=None)
+    assert status == 200 and headers["x-token-notice"] == "tools left out: web_search"
+
+
+async def test_tools_alone_drops_without_header(make_proxy, http, sim):
+    p = await make_proxy({"pipeline": ["tools"]})
+    status, headers, _ = await call(http, p, {"model": MODEL, "input": "hi", "tools": HOSTED}, key=None)
+    assert status == 200
+    assert "x-token-notice" not in headers
+    sent = sim.requests[-1]
+    sent = sent.get("body", sent)
+    assert [t["function"]["name"] for t in sent["tools"]] == ["get_time"]
+
+
+# --------------------------------------------------------------------------- notices
+
+
+def test_sanitize_unit():
+    assert sanitize("a\r\nX-Evil: 1") == "aX-Evil: 1"
+    assert sanitize("caf\u00e9 \x00\x7f\t") == "caf? ???"
+    assert len(sanitize("x" * 5000, 2048)) == 2048
+    assert header_value(["one", "two", "one", ""]) == "one; two"
+
+
+async def test_notice_header_sanitised_end_to_end(make_proxy, http, sim):
+    evil = "x-tool\r\nX-Evil: 1"
+    p = await make_proxy({"tools": {"drop": [evil, "w\u00e9b_search"]}})
+    tools = [{"type": evil}, {"type": "w\u00e9b_search"},
+             {"type": "namespace", "name": "a\r\nX-Evil: 1", "tools": [{"type": "function", "name": "f"}]}]
+    for stream in (False, True):
+        status, headers, _ = await call(http, p, {"model": MODEL, "input": "hi", "tools": tools, "stream": stream})
+        assert status == 200
+        assert headers["x-token-notice"] == "tools left out: x-toolX-Evil: 1, w?b_search"
+        assert "X-Evil" not in headers
+
+
+async def test_notice_header_capped(make_proxy, http, sim):
+    p = await make_proxy({"pipeline": ["tests.custom_mw:create", "notices"],
+                          "tests.custom_mw:create": {"header": "x-custom", "notice": "n" * 10_000},
+                          "notices": {"max_bytes": 1024}})
+    status, headers, _ = await call(http, p, key=None)
+    assert status == 200
+    assert len(headers["x-token-notice"]) == 1024 and headers["x-token-notice"].endswith("...")
+
+
+async def test_notices_on_error_and_position_independent(make_proxy, http):
+    p = await make_proxy({"pipeline": ["notices", "stateless", "auth", "limits", "tools", "balance"],
+                          "prices": PRICES})
+    secret, _ = await p.ledger.create_key("poor", balance_micros=1)
+    status, headers, body = await call(http, p, {"model": MODEL, "input": "hi", "tools": HOSTED}, key=secret)
+    assert status == 402
+    assert headers["x-token-notice"] == "tools left out: web_search, mcp"
+
+
+async def test_notices_alone_carries_translation_notices(make_proxy, http):
+    p = await make_proxy({"pipeline": ["notices"]})
+    status, headers, _ = await call(http, p, {"model": MODEL, "input": "hi", "tools": HOSTED[:1]}, key=None)
+    assert status == 200
+    assert headers["x-token-notice"].startswith("tools left out: web_search")
+
+
+# --------------------------------------------------------------------------- balance
+
+
+async def test_balance_alone_passes_through(make_proxy, http):
+    p = await make_proxy({"pipeline": ["balance"]})
+    assert (await call(http, p, key=None))[0] == 200
+    assert await p.ledger.list_usage() == []
+
+
+async def test_402_when_balance_cannot_cover_input(make_proxy, http):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("poor", balance_micros=20)
+    status, _, body = await call(http, p, {"model": MODEL, "input": "a long question " * 20}, key=secret)
+    assert status == 402
+    assert body["error"]["code"] == "insufficient_quota"
+    assert body["error"]["type"] == "insufficient_quota"
+    assert await p.ledger.available(record.key_id) == 20  # no hold left behind
+    assert await p.ledger.list_usage(record.key_id) == []
+
+
+async def test_cap_lowered_to_fit_balance_then_incomplete(make_proxy, http):
+    p = await make_proxy({"prices": PRICES})
+    body = {"model": MODEL, "input": "Tell me a story about rivers."}
+    estimate = estimate_input_tokens(translate_request(body).chat)
+    secret, record = await p.ledger.create_key("tight", balance_micros=estimate + 5)
+    status, headers, answer = await call(http, p, body, key=secret)
+    assert status == 200, answer
+    assert headers["x-token-notice"] == "max_output_tokens lowered to 5 to fit the balance"
+    assert answer["status"] == "incomplete"
+    assert answer["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert answer["max_output_tokens"] == 5
+    assert answer["usage"]["output_tokens"] == 5
+    usage = await usage_of(p.ledger, headers["x-request-id"])
+    assert usage.status == "incomplete"
+    assert usage.cost_micros == answer["usage"]["input_tokens"] + 5
+    assert await balance_of(p.ledger, record.key_id) == estimate + 5 - usage.cost_micros
+
+
+async def test_402_when_no_output_fits(make_proxy, http):
+    p = await make_proxy({"prices": PRICES})
+    body = {"model": MODEL, "input": "hi"}
+    estimate = estimate_input_tokens(translate_request(body).chat)
+    secret, _ = await p.ledger.create_key("exact", balance_micros=estimate)  # the input, and not one output token
+    status, _, answer = await call(http, p, body, key=secret)
+    assert status == 402 and answer["error"]["code"] == "insufficient_quota"
+
+
+async def _check_settled(p, key_id, start, request_id, usage_json, status):
+    usage = await usage_of(p.ledger, request_id)
+    assert usage.status == status
+    assert usage.input_tokens == usage_json["input_tokens"]
+    assert usage.cached_tokens == usage_json["input_tokens_details"]["cached_tokens"]
+    assert usage.output_tokens == usage_json["output_tokens"]
+    assert usage.reasoning_tokens == usage_json["output_tokens_details"]["reasoning_tokens"]
+    expected = cost_micros(price_for(PRICES, MODEL), usage.input_tokens, usage.cached_tokens, usage.output_tokens)
+    assert usage.cost_micros == expected > 0
+    assert await balance_of(p.ledger, key_id) == start - usage.cost_micros
+    assert await p.ledger.available(key_id) == start - usage.cost_micros  # the hold is gone
+    return usage
+
+
+async def test_settle_non_stream_with_cached_price(make_proxy, http):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    body = {"model": MODEL, "input": "Please summarise this long shared prefix of words for caching. " * 8}
+    start = 1_000_000
+    for _ in range(2):
+        status, headers, answer = await call(http, p, body, key=secret)
+        assert status == 200
+        usage = await _check_settled(p, record.key_id, start, headers["x-request-id"], answer["usage"], "completed")
+        start -= usage.cost_micros
+    cached = usage.cached_tokens
+    assert cached > 0  # the second request hit the simulator's prefix cache
+    assert usage.cost_micros == -(-((usage.input_tokens - cached) * 1_000_000 + cached * 100_000
+                                    + usage.output_tokens * 1_000_000) // 1_000_000)
+
+
+async def test_settle_stream_completed(make_proxy, http):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    status, headers, events = await call(http, p, {"model": MODEL, "input": "hi", "stream": True}, key=secret)
+    assert status == 200 and events[-1]["type"] == "response.completed"
+    await _check_settled(p, record.key_id, 1_000_000, headers["x-request-id"], events[-1]["response"]["usage"],
+                         "completed")
+
+
+async def test_settle_stream_incomplete(make_proxy, http):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    status, headers, events = await call(http, p, {"model": MODEL, "input": "hi", "stream": True,
+                                                   "max_output_tokens": 3}, key=secret)
+    assert events[-1]["type"] == "response.incomplete"
+    usage = await _check_settled(p, record.key_id, 1_000_000, headers["x-request-id"],
+                                 events[-1]["response"]["usage"], "incomplete")
+    assert usage.output_tokens == 3
+
+
+async def test_settle_stream_failed(make_proxy, http):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    body = {"model": MODEL, "stream": True, "input": sim_input(text="one two three four five six", error_after=3)}
+    status, headers, events = await call(http, p, body, key=secret)
+    assert status == 200 and events[-1]["type"] == "response.failed"
+    usage = await usage_of(p.ledger, headers["x-request-id"])
+    assert usage.status == "failed"
+    assert usage.output_tokens == 3
+    assert usage.cost_micros > 3  # the input estimate plus three output tokens
+    assert await balance_of(p.ledger, record.key_id) == 1_000_000 - usage.cost_micros
+    assert await p.ledger.available(record.key_id) == 1_000_000 - usage.cost_micros
+
+
+async def test_settle_client_disconnect_mid_stream(make_proxy, http, sim):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    resp = await _slow_stream(http, p, secret, seconds_per_delta=0.05, words=200)
+    request_id = resp.headers["x-request-id"]
+    deltas = 0
+    while deltas < 3:
+        line = await resp.content.readline()
+        deltas += line.startswith(b"event: response.output_text.delta")
+    resp.close()
+    usage = await usage_of(p.ledger, request_id)
+    assert usage.status == "cancelled"
+    assert 3 <= usage.output_tokens < 200
+    assert usage.cost_micros > 0
+    assert await balance_of(p.ledger, record.key_id) == 1_000_000 - usage.cost_micros
+    assert await p.ledger.available(record.key_id) == 1_000_000 - usage.cost_micros
+
+
+async def test_hold_released_when_upstream_not_reached(make_proxy, http, sim):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    status, _, _ = await call(http, p, {"model": "no-such-model", "input": "hi"}, key=secret)
+    assert status == 404
+    status, _, _ = await call(http, p, {"model": MODEL, "input": sim_input(status=500)}, key=secret)
+    assert status == 502
+    assert await p.ledger.list_usage(record.key_id) == []
+    assert await p.ledger.available(record.key_id) == 1_000_000
+    assert await balance_of(p.ledger, record.key_id) == 1_000_000
+
+
+async def test_input_tokens_not_billed(make_proxy, http):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    status, _, body = await call(http, p, path="/v1/responses/input_tokens", key=secret)
+    assert status == 200 and body["input_tokens"] > 0
+    assert await p.ledger.list_usage(record.key_id) == []
+
+
+async def test_no_overdraft_under_200_concurrent_requests(make_proxy, http):
+    p = await make_proxy({"prices": PRICES})
+    body = {"model": MODEL, "max_output_tokens": 20, "input": sim_input(delay=0.02)}
+    hold = estimate_input_tokens(translate_request(body).chat) + 20
+    initial = 10 * hold
+    secret, record = await p.ledger.create_key("ten", balance_micros=initial, concurrency=1000)
+    results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(200)))
+    statuses = [r[0] for r in results]
+    ok = statuses.count(200)
+    assert ok >= 10 and statuses.count(402) >= 150 and ok + statuses.count(402) == 200, statuses
+    for status, _, answer in results:
+        if status == 402:
+            assert answer["error"]["code"] == "insufficient_quota"
+    usages = await wait_for(
+        lambda: _usage_count(p.ledger, record.key_id, ok), timeout=10)
+    final = await balance_of(p.ledger, record.key_id)
+    assert final >= 0
+    assert sum(u.cost_micros for u in usages) == initial - final
+    assert all(u.debited_micros == u.cost_micros for u in usages)  # never clamped: nothing overdrawn
+    assert await p.ledger.available(record.key_id) == final
+
+
+async def _usage_count(ledger, key_id, n):
+    found = await ledger.list_usage(key_id, limit=1000)
+    return found if len(found) == n else None
+
+
+# --------------------------------------------------------------------------- the whole chain
+
+
+async def test_whole_default_chain_with_openai_sdk(make_proxy):
+    p = await make_proxy({"prices": PRICES})
+    client = p.openai()
+    answer = await client.responses.create(model=MODEL, input="hello there")
+    assert answer.status == "completed"
+    stream = await client.responses.create(model=MODEL, input="hello there", stream=True)
+    types = [event.type async for event in stream]
+    assert types[-1] == "response.completed"
+    demo = next(k for k in await p.ledger.list_keys() if k.name == "demo" and not k.revoked)
+    usages = await wait_for(lambda: _usage_count(p.ledger, demo.key_id, 2))
+    assert {u.status for u in usages} == {"completed"}
+    assert demo.balance_micros - sum(u.cost_micros for u in usages) == await balance_of(p.ledger, demo.key_id)
+    import openai
+
+    with pytest.raises(openai.AuthenticationError):
+        await p.openai(api_key="sk-rp-wrong").responses.create(model=MODEL, input="hi")
