@@ -24,8 +24,9 @@ Before forwarding:
   * input + cap is held in the ledger (hold); a concurrent request that took the money
     first -> 402. The hold is on the request under HOLD.
 
-After the handler (also when the client disconnected and the handler was cancelled;
-the ledger call runs under asyncio.shield so the disconnect cannot interrupt it):
+After the handler (also when the client disconnected and the handler was cancelled:
+the ledger call runs in a task of its own, which the cancellation cannot reach and
+shutdown waits for):
   * the upstream answered (completed / incomplete / failed / cancelled mid-stream), or
     the client left while the model server was working -> settle once with the real
     usage: the reported tokens, else the counted output deltas and the input estimate;
@@ -176,9 +177,16 @@ def create(section: dict[str, Any], app: web.Application):
             cancelled = True
             raise
         finally:
+            # Its own task: a cancelled handler (the client left) cannot interrupt it, and the
+            # response (and the limits slot) need not wait for the ledger's commit. Shutdown
+            # waits for the settlements still in flight (drain).
             task = asyncio.ensure_future(close(request, ledger, hold, t, price, est, cancelled))
             _PENDING.add(task)
             task.add_done_callback(_PENDING.discard)
-            await asyncio.shield(task)
 
+    async def drain(app: web.Application) -> None:
+        if _PENDING:
+            await asyncio.wait(list(_PENDING), timeout=30)
+
+    app.on_shutdown.append(drain)
     return balance

@@ -18,8 +18,12 @@ from proxy.config import Config, ConfigError
 from proxy.endpoints import healthz_handler, input_tokens_handler, models_handler
 from proxy.errors import APIError
 from proxy.forwarder import POOL, SESSION, responses_handler
+from proxy.health import HealthSettings, health_context
 from proxy.logs import access_log, log
-from proxy.workers import WorkerPool, parse_workers
+from proxy.netguard import IMAGE_POLICY, ImagePolicy
+from proxy.openapi import openapi_handler
+from proxy import metrics
+from proxy.workers import OutlierPolicy, WorkerPool, parse_workers
 
 LEDGER = web.AppKey("ledger", object)
 
@@ -51,6 +55,7 @@ async def envelope_and_access_log(request: web.Request, handler):
         log.exception("unhandled error", request_id=request[state.REQUEST_ID])
         return APIError(500, "The proxy failed to handle this request.", code="internal_error").to_response()
     finally:
+        metrics.observe(request, status, time.perf_counter() - started)
         out = request.get(state.OUTCOME)
         fields = {}
         if out is not None:
@@ -142,12 +147,21 @@ async def _ledger(app: web.Application) -> AsyncIterator[None]:
 def build_app(config: Config) -> web.Application:
     """Build the whole app; raises ConfigError for anything that cannot run."""
     server = config.section("server")
-    app = web.Application(client_max_size=int(server["max_body_bytes"]) + 1)
+    # handler_args reach every runner (cli, tests): the header limits (aiohttp refuses an
+    # oversize request line or header line with a 400 before any middleware runs).
+    app = web.Application(client_max_size=int(server["max_body_bytes"]) + 1, handler_args={
+        "max_line_size": int(server.get("max_line_size", 8190)),
+        "max_field_size": int(server.get("max_field_size", 8190)),
+    })
     app[state.CONFIG] = config
-    app[POOL] = WorkerPool(parse_workers(config.get("workers")))
+    app[IMAGE_POLICY] = ImagePolicy(config.section("images"))
+    health = config.section("health")
+    HealthSettings.from_section(health)  # a bad section stops start-up here, not in the checker
+    app[POOL] = WorkerPool(parse_workers(config.get("workers")), outlier=OutlierPolicy.from_section(health.get("outlier")))
     # Resources first: middleware factories may add their own contexts that need these.
     app.cleanup_ctx.append(_client_session(app))
     app.cleanup_ctx.append(_embedded_simulator)
+    app.cleanup_ctx.append(health_context(SESSION, POOL))  # discovery + active checks, once urls are final
     app.cleanup_ctx.append(_ledger)
     from proxy.seal import install_sealer
 
@@ -159,6 +173,8 @@ def build_app(config: Config) -> web.Application:
     app.router.add_post("/v1/responses/input_tokens", input_tokens_handler)
     app.router.add_get("/v1/models", models_handler)
     app.router.add_get("/healthz", healthz_handler)
+    app.router.add_get("/openapi.json", openapi_handler)
+    metrics.install(app, app[POOL], config.section("metrics"))
     return app
 
 

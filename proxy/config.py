@@ -42,6 +42,15 @@ DEFAULTS: dict[str, Any] = {
             "timeouts": {"connect": 5.0, "first_byte": 120.0, "idle": 120.0, "total": 1800.0},
         }
     ],
+    # Active checks (vLLM GET /health, SGLang GET /v1/models) and passive outlier ejection.
+    "health": {
+        "enabled": True, "interval_s": 5.0, "timeout_s": 2.0, "unhealthy_threshold": 2, "healthy_threshold": 1,
+        "vllm_path": "/health", "sglang_path": "/v1/models",
+        "outlier": {"consecutive_failures": 5, "base_ejection_s": 30.0, "max_ejection_s": 300.0},
+    },
+    # Failover attempts before the first byte; the pre-flight context-window check.
+    "routing": {"max_attempts": 3, "context_check": True, "bytes_per_token_floor": 16},
+    "metrics": {"enabled": True, "path": "/metrics"},
     "responses": {
         "ai_markers": True,
         "ai_notice": "[AI-generated content]",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -12,6 +11,7 @@ from proxy import state
 from proxy.errors import APIError
 from proxy.forwarder import POOL, SESSION
 from proxy.request import translation
+from proxy.routing import TokenCountError, count_tokens, parse_provider, request_parameters
 
 _STARTED = int(time.time())
 
@@ -32,37 +32,52 @@ async def models_handler(request: web.Request) -> web.Response:
 
 
 async def input_tokens_handler(request: web.Request) -> web.Response:
-    """Count with the worker's own tokenizer (vLLM /tokenize, SGLang /v1/tokenize); bill nothing."""
+    """Count with the worker's own tokenizer (vLLM /tokenize, SGLang /v1/tokenize); bill nothing.
+
+    The worker is chosen like a generation's (provider requirements, health), except that a
+    worker at capacity may still count; a worker that cannot be reached is swapped for the next.
+    """
     t = await translation(request)
-    worker = request.app[POOL].choose(t.upstream_model)
-    body = {"model": t.upstream_model, "messages": t.chat["messages"]}
-    if t.chat.get("tools"):
-        body["tools"] = t.chat["tools"]
-    path = "/v1/tokenize" if worker.dialect == "sglang" else "/tokenize"
-    timeout = aiohttp.ClientTimeout(total=worker.timeouts.first_byte, connect=worker.timeouts.connect)
-    try:
-        async with request.app[SESSION].post(worker.url.rstrip("/") + path, data=orjson.dumps(body),
-                                             headers={"Content-Type": "application/json", **worker.auth_headers()},
-                                             timeout=timeout) as upstream:
-            raw = await upstream.read()
-            if upstream.status != 200:
-                raise APIError(502, f"The model server could not count tokens ({upstream.status}).",
-                               code="upstream_error")
-            data = orjson.loads(raw)
-    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-        raise APIError(502, "The model server could not count tokens.", code="upstream_error") from None
-    count = data.get("count") if isinstance(data, dict) else None
-    if not isinstance(count, int):
-        raise APIError(502, "The model server gave no token count.", code="upstream_error")
-    return _json({"object": "response.input_tokens", "input_tokens": count})
+    body = request.get(state.BODY) or {}
+    prefs = parse_provider(body.get("provider"))
+    pool = request.app[POOL]
+    tried = []
+    last: TokenCountError | None = None
+    for _ in range(int(request.app[state.CONFIG].section("routing").get("max_attempts", 3))):
+        try:
+            worker = pool.choose(t.upstream_model, exclude=tried, prefs=prefs,
+                                 params=request_parameters(t.chat), need_capacity=False)
+        except APIError:
+            if last is not None:
+                break
+            raise
+        try:
+            count = await count_tokens(request.app[SESSION], worker, t.upstream_model, t.chat["messages"],
+                                       t.chat.get("tools"))
+        except TokenCountError as exc:
+            if not exc.connection:
+                raise APIError(502, f"The model server could not count tokens: {exc}.",
+                               code="upstream_error") from None
+            pool.record_failure(worker, "tokenize unreachable")
+            tried.append(worker)
+            last = exc
+            continue
+        return _json({"object": "response.input_tokens", "input_tokens": count})
+    raise APIError(502, f"The model server could not count tokens: {last}.", code="upstream_error")
 
 
 async def healthz_handler(request: web.Request) -> web.Response:
+    """Ready (200) while at least one worker takes requests; 503 when none does."""
     pool = request.app[POOL]
-    healthy = [w.name for w in pool.workers if w.healthy]
-    status = 200 if healthy else 503
-    return web.Response(status=status, body=orjson.dumps({"status": "ok" if healthy else "degraded",
-                                                          "workers": {w.name: w.healthy for w in pool.workers}}),
+    workers = {
+        w.name: {"healthy": w.healthy, "ejected": w.ejected, "available": w.available, "in_flight": w.in_flight,
+                 "capacity": w.capacity, "dialect": w.dialect, "models": list(w.models),
+                 "last_check_error": w.last_check_error}
+        for w in pool.workers
+    }
+    ready = any(w.available for w in pool.workers)
+    return web.Response(status=200 if ready else 503,
+                        body=orjson.dumps({"status": "ok" if ready else "unavailable", "workers": workers}),
                         content_type="application/json")
 
 

@@ -20,7 +20,9 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError
 from proxy.request import SEALER, translation
+from proxy.logs import log
 from proxy.rewriter import ResponseContext, StreamRewriter, response_from_completion
+from proxy.routing import check_context_window, parse_provider, request_parameters
 from proxy.translate import set_output_cap
 from proxy.workers import Worker, WorkerPool
 
@@ -110,24 +112,37 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
     cap = request.get(state.OUTPUT_CAP)
     if cap is not None:
         set_output_cap(t, cap)
+    body = request.get(state.BODY) or {}
+    prefs = parse_provider(body.get("provider"))
+    params = request_parameters(t.chat)
     pool = request.app[POOL]
+    routing_cfg = request.app[state.CONFIG].section("routing")
     out = state.outcome(request)
     ctx = _context(request, t)
+    attempts = 1 if prefs is not None and prefs.single_attempt else int(routing_cfg.get("max_attempts", MAX_ATTEMPTS))
     tried: list[Worker] = []
     last: _Retryable | None = None
-    for _ in range(MAX_ATTEMPTS):
+    for _ in range(max(attempts, 1)):
         try:
-            worker = pool.choose(t.upstream_model, exclude=tried)
+            worker = pool.choose(t.upstream_model, exclude=tried, prefs=prefs, params=params)
         except APIError:
             if last is not None:  # every eligible worker failed before the first byte
                 raise last.final from None
             raise
+        if last is not None:
+            pool.note_failover(last.worker, str(last))
+        worker.in_flight += 1  # taken before any await: capacity is never over-committed
         try:
+            if not tried and routing_cfg.get("context_check", True):
+                await check_context_window(request.app[SESSION], worker, t, body.get("max_output_tokens"),
+                                           bytes_per_token_floor=float(routing_cfg.get("bytes_per_token_floor", 16)))
             return await _forward(request, worker, t, ctx, out)
         except _Retryable as exc:
             tried.append(worker)
             last = exc
-            request.app.logger.debug("failover from %s: %s", worker.name, exc)
+            log.info("failover", worker=worker.name, reason=str(exc), request_id=request[state.REQUEST_ID])
+        finally:
+            worker.in_flight -= 1
     assert last is not None
     raise last.final
 
@@ -135,38 +150,56 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
 async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseContext,
                    out: state.Outcome) -> web.StreamResponse:
     session = request.app[SESSION]
+    pool = request.app[POOL]
     timeouts = worker.timeouts
     out.upstream = worker.name
+    loop = asyncio.get_running_loop()
     started = time.perf_counter()
-    client_timeout = aiohttp.ClientTimeout(total=timeouts.total, connect=timeouts.connect, sock_read=timeouts.idle)
+    deadline = loop.time() + timeouts.total
+    # Only the connect phase is aiohttp's; first byte, idle and total are timed here, so each
+    # one is reported as itself.
+    client_timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_connect=timeouts.connect)
     headers = {"Content-Type": "application/json", **worker.auth_headers()}
     payload = orjson.dumps(t.chat)
-    worker.in_flight += 1
     upstream: aiohttp.ClientResponse | None = None
+    first_byte = min(timeouts.first_byte, timeouts.total) if t.stream else timeouts.total
     try:
         try:
-            async with asyncio.timeout(timeouts.first_byte if t.stream else timeouts.total):
+            async with asyncio.timeout(first_byte):
                 upstream = await session.post(worker.chat_url, data=payload, headers=headers, timeout=client_timeout)
                 if upstream.status != 200:
                     error = map_upstream_error(worker, upstream.status, await upstream.read())
+                    if upstream.status >= 500:
+                        pool.record_failure(worker, f"status {upstream.status}")
                     raise error
                 first = await upstream.content.readany() if t.stream else await upstream.read()
+        except aiohttp.ConnectionTimeoutError:
+            # Nothing was sent: another worker may take it.
+            pool.record_failure(worker, "connect timeout")
+            raise _Retryable(worker, "connect_timeout",
+                             APIError(504, f"The model server did not accept a connection within "
+                                           f"{timeouts.connect:g}s.", code="upstream_timeout")) from None
         except (TimeoutError, aiohttp.ServerTimeoutError):
-            raise APIError(504, f"The model server did not answer within {timeouts.first_byte:g}s.",
+            pool.record_failure(worker, "first byte timeout")
+            which = "first_byte" if t.stream and first_byte < timeouts.total else "total"
+            raise APIError(504, f"The model server did not answer within {first_byte:g}s ({which} timeout).",
                            code="upstream_timeout") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            pool.record_failure(worker, type(exc).__name__)
             raise _Retryable(worker, type(exc).__name__,
                              APIError(502, "The model server could not be reached.", code="upstream_unreachable")) from None
         out.ttfb_ms = (time.perf_counter() - started) * 1000
         if not t.stream:
+            pool.record_success(worker, out.ttfb_ms / 1000)
             return _json_answer(worker, ctx, first, out)
         if not first:
-            raise _Retryable(worker, "closed before the first byte",
+            pool.record_failure(worker, "closed before the first byte")
+            raise _Retryable(worker, "empty_stream",
                              APIError(502, "The model server closed the stream before answering.",
                                       code="upstream_error"))
-        return await _stream_answer(request, upstream, ctx, first, out)
+        pool.record_success(worker, out.ttfb_ms / 1000)
+        return await _stream_answer(request, upstream, ctx, first, out, worker=worker, deadline=deadline)
     finally:
-        worker.in_flight -= 1
         if upstream is not None:
             # close(), not release(): an unfinished generation must be aborted upstream (vLLM
             # frees the GPU when the connection drops), never left running for a pooled reuse.
@@ -192,21 +225,30 @@ def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.O
 
 
 async def _stream_answer(request: web.Request, upstream: aiohttp.ClientResponse, ctx: ResponseContext,
-                         first: bytes, out: state.Outcome) -> web.StreamResponse:
+                         first: bytes, out: state.Outcome, *, worker: Worker,
+                         deadline: float) -> web.StreamResponse:
     rewriter = StreamRewriter(ctx)
     response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    loop = asyncio.get_running_loop()
+    idle = worker.timeouts.idle
     try:
         await response.prepare(request)
         await response.write(rewriter.start() + rewriter.feed(first))
         read = upstream.content.readany
         while not rewriter.done:
+            idle_until = loop.time() + idle
             try:
-                data = await read()
+                async with asyncio.timeout_at(min(idle_until, deadline)):
+                    data = await read()
             except (TimeoutError, aiohttp.ServerTimeoutError):
-                await response.write(rewriter.fail("The model server stalled between chunks.",
-                                                   code="upstream_timeout"))
+                if idle_until < deadline:
+                    message = f"The model server sent nothing for {idle:g}s (idle timeout)."
+                else:
+                    message = f"The model server did not finish within {worker.timeouts.total:g}s (total timeout)."
+                await response.write(rewriter.fail(message, code="upstream_timeout"))
                 break
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+                request.app[POOL].record_failure(worker, "disconnected mid-stream")
                 await response.write(rewriter.fail("The connection to the model server was lost mid-stream.",
                                                    code="upstream_disconnected"))
                 break

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError, bad_request
+from proxy.netguard import check_images, policy_for
 
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs
     import zstandard
@@ -126,6 +127,8 @@ async def translation(request: web.Request):
         raise bad_request(f"More than {limits['max_tools']} tools.", param="tools", code="too_many_tools")
     options = TranslateOptions(unseal=sealer.unseal if sealer is not None else None)
     result = translate_request(body, options)
+    # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
+    await check_images(policy_for(request.app), result.chat)
     state.notices(request).extend(result.notices)
     request[state.TRANSLATION] = result
     return result

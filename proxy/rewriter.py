@@ -63,6 +63,8 @@ _ERROR_CODES = frozenset(
     }
 )
 
+_TERMINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete"}
+
 # Fields the rewriter owns; ctx.echo cannot override them.
 _OWNED = frozenset({"id", "object", "created_at", "status", "model", "output", "usage", "error", "incomplete_details"})
 
@@ -78,6 +80,9 @@ class ResponseContext:
     ai_notice: str = "[AI-generated content]"
     reasoning_items: bool = True
     seal: Callable[[str], str] | None = None  # reasoning text -> encrypted_content
+    # Addition to DESIGN.md: with a seal, False sends the reasoning only as ciphertext
+    # (summary [] and no summary events); True (default) sends the summary text as well.
+    reasoning_in_clear: bool = True
 
 
 def _hex() -> str:
@@ -90,7 +95,8 @@ def _origin(origin: Any) -> tuple[str, str | None, str | None]:
         return "function", None, None
     if isinstance(origin, dict):
         return origin.get("kind") or "function", origin.get("name"), origin.get("namespace")
-    return getattr(origin, "kind", None) or "function", getattr(origin, "name", None), getattr(origin, "namespace", None)
+    get = getattr
+    return get(origin, "kind", None) or "function", get(origin, "name", None), get(origin, "namespace", None)
 
 
 def map_usage(u: dict) -> dict:
@@ -156,6 +162,7 @@ class StreamRewriter:
         self._decoder = SSEDecoder(max_line)
         self._started = False
         self._emit = True
+        self._clear = ctx.seal is None or ctx.reasoning_in_clear  # reasoning text may reach the client
         self._out: list[bytes] = []
         self._seq = 0
         self._items: list[_Item] = []  # announced, visible items in output_index order
@@ -292,7 +299,8 @@ class StreamRewriter:
             self._fail(f"upstream sent an invalid event (not JSON): {stripped[:200]!r}", "server_error", 1000, True)
             return
         if not isinstance(obj, dict):
-            self._fail(f"upstream sent an invalid event (not an object): {stripped[:200]!r}", "server_error", 1000, True)
+            self._fail(f"upstream sent an invalid event (not an object): {stripped[:200]!r}",
+                       "server_error", 1000, True)
             return
         self._on_chunk(obj)
 
@@ -355,12 +363,12 @@ class StreamRewriter:
         if it is None:
             it = self._reasoning = _Item("reasoning", "rs_")
             self._add(it, {"type": "reasoning", "id": it.id, "summary": [], "status": "in_progress"})
-            if self._emit:
+            if self._emit and self._clear:
                 self._event({"type": "response.reasoning_summary_part.added", "sequence_number": 0,
                              "item_id": it.id, "output_index": it.index, "summary_index": 0,
                              "part": {"type": "summary_text", "text": ""}})
         it.parts.append(text)
-        if self._emit:
+        if self._emit and self._clear:
             self._event({"type": "response.reasoning_summary_text.delta", "sequence_number": 0,
                          "item_id": it.id, "output_index": it.index, "summary_index": 0, "delta": text})
 
@@ -372,15 +380,17 @@ class StreamRewriter:
         it.open = False
         text = it.text()
         it.final = final = {"type": "reasoning", "id": it.id,
-                            "summary": [{"type": "summary_text", "text": text}], "status": status}
+                            "summary": [{"type": "summary_text", "text": text}] if self._clear else [],
+                            "status": status}
         if self.ctx.seal is not None:
             final["encrypted_content"] = self.ctx.seal(text)
-        if self._emit:
+        if self._emit and self._clear:
             self._event({"type": "response.reasoning_summary_text.done", "sequence_number": 0,
                          "item_id": it.id, "output_index": it.index, "summary_index": 0, "text": text})
             self._event({"type": "response.reasoning_summary_part.done", "sequence_number": 0,
                          "item_id": it.id, "output_index": it.index, "summary_index": 0,
                          "part": {"type": "summary_text", "text": text}})
+        if self._emit:
             self._event({"type": "response.output_item.done", "sequence_number": 0,
                          "output_index": it.index, "item": final})
 
@@ -516,7 +526,7 @@ class StreamRewriter:
         if reason == "abort":  # SGLang: the engine gave up on the request
             self._fail("upstream aborted the generation", "server_error", 1000, True)
             return
-        item_status = "completed"
+        item_status = "incomplete" if reason in ("length", "content_filter") else "completed"
         # Reasoning that was still running when the cap hit is cut short, too.
         self._close_reasoning(item_status)
         pending: list[_Item] = []
@@ -584,7 +594,8 @@ class StreamRewriter:
                 it.open = False
                 if it.kind == "reasoning":
                     it.final = {"type": "reasoning", "id": it.id,
-                                "summary": [{"type": "summary_text", "text": it.text()}], "status": "incomplete"}
+                                "summary": [{"type": "summary_text", "text": it.text()}] if self._clear else [],
+                                "status": "incomplete"}
                 elif it.kind == "message":
                     it.final = self._message_final(it, "incomplete")
                 else:
@@ -602,7 +613,7 @@ class StreamRewriter:
         self.status = status
         self.done = True
         if self._emit:
-            kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
+            kind = _TERMINAL_EVENT.get(status, "response.failed")
             self._event({"type": kind, "sequence_number": 0, "response": r})
 
     def _counted_usage(self) -> dict:

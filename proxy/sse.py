@@ -57,7 +57,7 @@ class SSEDecoder:
             self._buf += last
             lines.pop()
         elif tail == b"\r":
-            pass
+            self._skip_lf = True
         out: list[bytes] = []
         for line in lines:
             self._line(line.rstrip(b"\r\n"), out)

@@ -203,7 +203,7 @@ async def test_per_key_concurrency_429_with_retry_after(make_proxy, http, sim):
     events = sse_events(await slow.read())
     slow.release()
     assert events[-1]["type"] == "response.completed"
-    assert (await call(http, p, key=secret))[0] == 200  # the slot was given back
+    await wait_for(lambda: _ok(call(http, p, key=secret)), timeout=2)  # the slot was given back
 
 
 async def test_global_concurrency_429_limits_alone(make_proxy, http, sim):
@@ -503,6 +503,26 @@ async def test_settle_client_disconnect_mid_stream(make_proxy, http, sim):
     assert await p.ledger.available(record.key_id) == 1_000_000 - usage.cost_micros
 
 
+async def test_settle_client_disconnect_while_upstream_works(make_proxy, http, sim):
+    """A non-stream request whose client leaves while the model server is still working:
+    the upstream was reached, so the prompt is billed (at the estimate: no usage came)."""
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    body = {"model": MODEL, "input": sim_input(first_byte_delay=5)}
+    estimate = estimate_input_tokens(translate_request(body).chat)
+    task = asyncio.ensure_future(call(http, p, body, key=secret))
+    await wait_for(lambda: _true(sim.in_flight >= 1))
+    task.cancel()  # closes the client connection
+    usages = await wait_for(lambda: p.ledger.list_usage(record.key_id))
+    assert usages[0].status == "cancelled"
+    assert (usages[0].input_tokens, usages[0].output_tokens, usages[0].cost_micros) == (estimate, 0, estimate)
+    assert await p.ledger.available(record.key_id) == 1_000_000 - estimate
+
+
+async def _true(value) -> bool:
+    return bool(value)
+
+
 async def test_hold_released_when_upstream_not_reached(make_proxy, http, sim):
     p = await make_proxy({"prices": PRICES})
     secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
@@ -510,8 +530,12 @@ async def test_hold_released_when_upstream_not_reached(make_proxy, http, sim):
     assert status == 404
     status, _, _ = await call(http, p, {"model": MODEL, "input": sim_input(status=500)}, key=secret)
     assert status == 502
+
+    async def released():
+        return await p.ledger.available(record.key_id) == 1_000_000
+
+    await wait_for(released)
     assert await p.ledger.list_usage(record.key_id) == []
-    assert await p.ledger.available(record.key_id) == 1_000_000
     assert await balance_of(p.ledger, record.key_id) == 1_000_000
 
 
@@ -564,7 +588,8 @@ async def test_whole_default_chain_with_openai_sdk(make_proxy):
     demo = next(k for k in await p.ledger.list_keys() if k.name == "demo" and not k.revoked)
     usages = await wait_for(lambda: _usage_count(p.ledger, demo.key_id, 2))
     assert {u.status for u in usages} == {"completed"}
-    assert demo.balance_micros - sum(u.cost_micros for u in usages) == await balance_of(p.ledger, demo.key_id)
+    start = 100_000_000  # balance.demo_balance_micros
+    assert start - sum(u.cost_micros for u in usages) == await balance_of(p.ledger, demo.key_id) < start
     import openai
 
     with pytest.raises(openai.AuthenticationError):

@@ -35,7 +35,9 @@ except Exception:  # pragma: no cover - before proxy/translate.py lands
         namespace: str | None = None
 
 
-FIX = Path("/work/shared/fixtures/vllm-0.32-cpu")
+FIX = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32-cpu"  # the repository's copy of ../shared
+if not FIX.is_dir():  # pragma: no cover
+    FIX = Path("/work/shared/fixtures/vllm-0.32-cpu")
 ADAPTER = TypeAdapter(ResponseStreamEvent)
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 
@@ -76,7 +78,8 @@ class _DetIds:
         rewriter_mod._hex = self._orig
 
 
-def run(chunks, c: ResponseContext | None = None, *, det: bool = True, finish: bool = True) -> tuple[bytes, StreamRewriter]:
+def run(chunks, c: ResponseContext | None = None, *, det: bool = True,
+        finish: bool = True) -> tuple[bytes, StreamRewriter]:
     if det:
         with _DetIds():
             return run(chunks, c, det=False, finish=finish)
@@ -209,8 +212,9 @@ def test_fixture_list_is_complete():
 
 
 def test_decoder_every_split_and_line_endings():
-    body = b": keep-alive\r\nevent: x\r\nid: 3\r\ndata: {\"a\":\"\xc3\xa9\xe2\x82\xac\"}\r\n\r\ndata:1\rdata: 2\r\rdata: [DONE]\n\n"
-    want = [b'{"a":"\xc3\xa9\xe2\x82\xac"}', b"1\n2", b"[DONE]"]
+    body = (b": keep-alive\r\nevent: x\r\nid: 3\r\ndata: {\"a\":\"\xc3\xa9\xe2\x82\xac\"}\r\n\r\n"
+            b"data:1\rdata: 2\r\rdata: a\r\ndata: b\r\n\r\ndata: [DONE]\n\n")
+    want = [b'{"a":"\xc3\xa9\xe2\x82\xac"}', b"1\n2", b"a\nb", b"[DONE]"]
     assert SSEDecoder().feed(body) == want
     for i in range(len(body) + 1):
         d = SSEDecoder()
@@ -229,6 +233,7 @@ def test_decoder_flush_unterminated_and_overflow():
     assert d.overflow and d.feed(b"\n\n") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DECODER_ALL_SPLITS)
 def test_decoder_every_split_large_fixtures(name):
     body = BODIES[name]
@@ -289,6 +294,7 @@ def test_fixture_bytewise_equals_unsplit(name):
     assert a == b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SMALL)
 def test_fixture_every_two_way_split(name):
     body = BODIES[name]
@@ -297,6 +303,7 @@ def test_fixture_every_two_way_split(name):
         assert run([body[:i], body[i:]])[0] == whole, i
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LARGE)
 def test_fixture_two_way_splits_near_line_breaks(name):
     """Large fixtures: every split within 4 bytes of each line break (the decoder itself is
@@ -322,7 +329,8 @@ def test_fixture_random_multi_split(name, cuts):
 def test_crlf_comments_and_fields_change_nothing(name):
     body = BODIES[name]
     whole, _ = run([body])
-    noisy = b": keep-alive\r\n\r\n" + body.replace(b"data: ", b"event: chunk\r\nid: 7\r\n: ping\r\ndata: ").replace(b"\n", b"\r\n")
+    noisy = body.replace(b"data: ", b"event: chunk\r\nid: 7\r\n: ping\r\ndata: ").replace(b"\n", b"\r\n")
+    noisy = b": keep-alive\r\n\r\n" + noisy
     noisy = noisy.replace(b"\r\r\n", b"\r\n")
     assert noisy.count(b"\r\n\r\n") >= body.count(b"\n\n")
     assert run([noisy])[0] == whole
@@ -365,7 +373,8 @@ def test_event_sequence_text_and_reasoning():
     assert msg_added["output_index"] == 1 and msg_added["item"] == {
         "type": "message", "id": msg_added["item"]["id"], "status": "in_progress", "role": "assistant", "content": []}
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
-    assert all(d["delta"] and d["logprobs"] == [] and d["content_index"] == 0 and d["output_index"] == 1 for d in deltas)
+    assert all(d["delta"] and d["logprobs"] == [] and d["content_index"] == 0 and d["output_index"] == 1
+               for d in deltas)
     final = events[-1]["response"]
     assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
     assert all(i["status"] == "completed" for i in final["output"])
@@ -537,7 +546,8 @@ def test_custom_and_namespace_mapping():
         chunk({"tool_calls": [{"id": "c1", "index": 0, "function": {"name": "apply_patch"}}]}),
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{\"input\": \"*** Begin"}}]}),
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": " Patch\\n\"}"}}]}),
-        chunk({"tool_calls": [{"id": "c2", "index": 1, "function": {"name": "files__read", "arguments": "{\"p\":1}"}}]}),
+        chunk({"tool_calls": [{"id": "c2", "index": 1,
+                               "function": {"name": "files__read", "arguments": "{\"p\":1}"}}]}),
         chunk({"tool_calls": [{"id": "c3", "index": 2, "function": {"name": "ns__grammar", "arguments": "not json"}}]}),
         chunk({"tool_calls": [{"id": "c4", "index": 3, "function": {"name": "unknown_fn", "arguments": "{}"}}]}),
         chunk({}, "tool_calls"),
@@ -556,7 +566,8 @@ def test_custom_and_namespace_mapping():
     assert o[3]["name"] == "unknown_fn" and o[3]["type"] == "function_call"
     # custom calls stream no argument deltas; their input comes with the close
     custom_ids = {o[0]["id"], o[2]["id"]}
-    assert not [e for e in events if e["type"] == "response.function_call_arguments.delta" and e["item_id"] in custom_ids]
+    assert not [e for e in events
+                if e["type"] == "response.function_call_arguments.delta" and e["item_id"] in custom_ids]
     dones = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
     assert [d["input"] for d in dones] == ["*** Begin Patch\n", "not json"]
     added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
@@ -602,7 +613,8 @@ def test_length_incomplete_reasoning_only():
 
 
 def test_content_filter_incomplete():
-    body = sse(chunk({"content": "Some"}), chunk({"content": " text"}, "content_filter"), chunk(choices=False, usage=USAGE))
+    body = sse(chunk({"content": "Some"}), chunk({"content": " text"}, "content_filter"),
+               chunk(choices=False, usage=USAGE))
     out, rw = run([body])
     events = parse(out)
     sdk_check(events)
@@ -620,7 +632,8 @@ def test_forced_named_call_ending_in_stop_is_completed():
 
 
 def test_tool_calls_finish_without_calls_is_completed():
-    body = sse(chunk({"reasoning": " 837,],romarn"}), chunk({"content": ""}, "tool_calls"), chunk(choices=False, usage=USAGE))
+    body = sse(chunk({"reasoning": " 837,],romarn"}), chunk({"content": ""}, "tool_calls"),
+               chunk(choices=False, usage=USAGE))
     out, rw = run([body])
     events = parse(out)
     sdk_check(events)
@@ -667,8 +680,10 @@ def test_error_first_event():
 @pytest.mark.parametrize(
     "err,code,retry",
     [
-        ({"object": "error", "message": "slow down", "type": "RateLimitError", "code": 429}, "rate_limit_exceeded", True),
-        ({"object": "error", "message": "context too long", "type": "BadRequestError", "code": 400}, "server_error", False),
+        ({"object": "error", "message": "slow down", "type": "RateLimitError", "code": 429},
+         "rate_limit_exceeded", True),
+        ({"object": "error", "message": "context too long", "type": "BadRequestError", "code": 400},
+         "server_error", False),
         ({"error": "plain string"}, "server_error", True),
     ],
 )
@@ -737,14 +752,16 @@ def test_usage_fallback_counts_deltas():
     out, rw = run([body])
     sdk_check(parse(out))
     assert rw.usage is None and rw.output_tokens_seen == 4
-    assert rw.response["usage"] == {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    assert rw.response["usage"] == {"input_tokens": 0,
+                                    "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                                     "output_tokens": 4, "output_tokens_details": {"reasoning_tokens": 2},
                                     "total_tokens": 4}
 
 
 def test_usage_mapping_cached_and_written():
     u = orjson.loads((FIX / "final_required.body").read_bytes())["usage"]
-    assert map_usage(u) == {"input_tokens": 411, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 384},
+    assert map_usage(u) == {"input_tokens": 411,
+                            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 384},
                             "output_tokens": 59, "output_tokens_details": {"reasoning_tokens": 1}, "total_tokens": 470}
     out, rw = run([BODIES["final_named_stream"]])
     assert rw.usage["input_tokens_details"] == {"cached_tokens": 384, "cache_write_tokens": 0}
@@ -828,3 +845,32 @@ def test_response_from_completion_variants():
     assert got["status"] == "failed" and got["error"]["message"] == "bad" and got["x_should_retry"] is False
     got = response_from_completion(ctx(), {"choices": []})
     assert got["status"] == "failed"
+
+
+def test_late_deltas_ignored_and_reasoning_after_text_opens_new_item():
+    body = sse(chunk({"content": "A"}), chunk({"reasoning": "r2"}), chunk({"content": "B"}, "stop"),
+               chunk({"content": "late"}), chunk(choices=False, usage=USAGE))
+    out, rw = run([body])
+    events = parse(out)
+    sdk_check(events)
+    o = rw.response["output"]
+    assert [(i["type"], i["status"]) for i in o] == [("message", "completed"), ("reasoning", "completed")]
+    assert o[0]["content"][0]["text"] == "AB" and o[1]["summary"][0]["text"] == "r2"
+    assert rw.output_tokens_seen == 3
+
+
+def test_seal_without_clear_text():
+    reasoning = upstream_parts(BODIES["final_chat_stream"])[0]
+    out, rw = run([BODIES["final_chat_stream"]], ctx(seal=lambda t: "rp1." + t.encode().hex(), reasoning_in_clear=False))
+    events = parse(out)
+    sdk_check(events)
+    assert not [e for e in events if e["type"].startswith("response.reasoning_summary")]
+    assert reasoning not in out.decode()
+    item = rw.response["output"][0]
+    assert item["summary"] == [] and item["encrypted_content"] == "rp1." + reasoning.encode().hex()
+    # without a seal the flag changes nothing: the text is all there is
+    _, rw2 = run([BODIES["final_chat_stream"]], ctx(reasoning_in_clear=False))
+    assert rw2.response["output"][0]["summary"][0]["text"] == reasoning
+    # a failure mid-reasoning keeps the text hidden too
+    _, rw3 = run([sse(chunk({"reasoning": "secret"}), done=False)], ctx(seal=str.upper, reasoning_in_clear=False))
+    assert rw3.status == "failed" and rw3.response["output"][0]["summary"] == []

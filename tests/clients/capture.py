@@ -8,6 +8,7 @@ decoded JSON body) before any other middleware sees it.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -38,6 +39,11 @@ def create(section: dict[str, Any], app: web.Application):
             response = await handler(request)
         except APIError as exc:
             record["status"] = exc.status
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            # Codex closes the stream as soon as it has response.completed; aiohttp then
+            # cancels the handler while it winds down. The answer was already out.
+            record["status"] = "client_closed"
             raise
         record["status"] = response.status
         return response

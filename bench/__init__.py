@@ -1,0 +1,1 @@
+"""The benchmark: `python -m bench` (see bench/__main__.py)."""

@@ -1,0 +1,438 @@
+"""`make bench` / `python -m bench`: the proxy's cost against the floor, in one table.
+
+Starts, on loopback only:
+  * a C fake upstream (bench/fake_upstream.c, compiled into .cache/bench/ at run time),
+    vLLM-shaped answers chosen by the model name: bench-json, bench-coalesced (100 deltas
+    in one write), bench-chunked (100 deltas, one per write, FAKE_GAP_US apart), bench-hold;
+  * a bare aiohttp pass-through (bench/passthrough.py: bytes forwarded unchanged);
+  * the proxy, `python -m proxy --config <tmp> serve`, with its full default chain (stateless,
+    auth with a real key in a temp SQLite ledger, limits, tools, balance, notices) and JSON
+    access logs to a file.
+Pins the server under test to core 0 and the load generator + fake upstream to core 1,
+drives each with wrk (JSON POSTs, Lua script) or bench/sse_client.py (streams), reads CPU
+from /proc/<pid>/stat (utime+stime) and peak RSS from VmHWM (reset before every cell),
+prints one table and writes it to bench/results.md.
+
+    python -m bench                 # everything, ~3 minutes
+    python -m bench --quick         # 1 s per cell
+    python -m bench --hold 1000     # only: 1,000 concurrent open streams through the proxy
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+CACHE = ROOT / ".cache" / "bench"
+PY = sys.executable
+TICK = os.sysconf("SC_CLK_TCK")
+NCPU = len(os.sched_getaffinity(0))
+SERVER_CORE = "0"
+LOAD_CORE = "1" if NCPU > 1 else "0"
+ALL_CORES = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+QUESTION = "What is the capital of France?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+def raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def hwm_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_hwm(pid: int) -> None:
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    port: int
+    path: str  # the URL path the load goes to
+    body_kind: str  # chat | responses
+    headers: dict = field(default_factory=dict)
+
+    def pids(self) -> list[int]:
+        kids = children(self.proc.pid)
+        return kids or [self.proc.pid]  # --workers N: the children serve, the parent waits
+
+    def cpu(self) -> float:
+        return sum(cpu_seconds(p) for p in self.pids())
+
+    def reset_hwm(self) -> None:
+        for p in self.pids():
+            reset_hwm(p)
+
+    def hwm_mb(self) -> float:
+        return sum(hwm_kb(p) for p in self.pids()) / 1024
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}{self.path}"
+
+    def body(self, model: str, stream: bool) -> str:
+        if self.body_kind == "responses":
+            return json.dumps({"model": model, "input": QUESTION, "max_output_tokens": 128, "stream": stream},
+                              separators=(",", ":"))
+        return json.dumps({"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 128,
+                           "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})},
+                          separators=(",", ":"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def build_upstream() -> Path:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    src, exe = BENCH / "fake_upstream.c", CACHE / "fake_upstream"
+    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
+        subprocess.run(["gcc", "-O2", "-Wall", "-o", str(exe), str(src)], check=True)
+    return exe
+
+
+def start(cmd: list[str], cores: str, *, env: dict | None = None, stdout=None, stderr=None) -> subprocess.Popen:
+    return subprocess.Popen(["taskset", "-c", cores, *cmd], env={**os.environ, **(env or {})}, cwd=ROOT,
+                            stdout=stdout or subprocess.DEVNULL, stderr=stderr or subprocess.DEVNULL,
+                            preexec_fn=raise_nofile)
+
+
+async def _create_key(db: str) -> str:
+    sys.path.insert(0, str(ROOT))
+    from proxy.ledger import open_ledger
+
+    ledger = open_ledger({"path": db})
+    await ledger.start()
+    try:
+        secret, _ = await ledger.create_key("bench", balance_micros=10**15, concurrency=100_000)
+    finally:
+        await ledger.close()
+    return secret
+
+
+def proxy_config(tmp: Path, port: int, upstream_port: int, workers: int) -> Path:
+    cfg = {
+        "server": {"host": "127.0.0.1", "port": port, "log_format": "json", "workers": workers},
+        "workers": [{"name": "fake", "url": f"http://127.0.0.1:{upstream_port}", "dialect": "vllm",
+                     "models": ["bench-json", "bench-coalesced", "bench-chunked", "bench-hold"],
+                     "capacity": 100_000, "timeouts": {"connect": 5, "first_byte": 60, "idle": 60, "total": 600}}],
+        "pipeline": ["stateless", "auth", "limits", "tools", "balance", "notices"],
+        "auth": {"demo_key": False},
+        "limits": {"global_concurrency": 4096},
+        "ledger": {"path": str(tmp / "ledger.db")},
+    }
+    path = tmp / f"config-{workers}.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
+
+
+def start_proxy(tmp: Path, upstream_port: int, key: str, workers: int, cores: str) -> Server:
+    port = free_port()
+    cfg = proxy_config(tmp, port, upstream_port, workers)
+    log = open(tmp / f"proxy-{workers}.log", "ab")
+    proc = start([PY, "-m", "proxy", "--config", str(cfg), "serve"], cores, stdout=log, stderr=log)
+    wait_port(port)
+    if workers > 1:
+        deadline = time.monotonic() + 20
+        while len(children(proc.pid)) < workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # every child listening
+    name = "proxy" if workers == 1 else f"proxy x{workers}"
+    return Server(name, proc, port, "/v1/responses", "responses", {"Authorization": f"Bearer {key}"})
+
+
+# ---------------------------------------------------------------------------- load generators
+
+WRK_LUA = """wrk.method = "POST"
+wrk.body = {body}
+wrk.headers["Content-Type"] = "application/json"
+{auth}
+"""
+
+
+def _ms(text: str) -> float:
+    m = re.match(r"([\d.]+)(us|ms|s)", text)
+    value, unit = float(m.group(1)), m.group(2)
+    return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+
+def run_wrk(server: Server, conc: int, seconds: float, tmp: Path, cores: str) -> dict:
+    auth = "".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in server.headers.items())
+    script = tmp / f"wrk-{server.port}.lua"
+    script.write_text(WRK_LUA.format(body=json.dumps(server.body("bench-json", False)), auth=auth))
+    # warm-up (connections, caches), not counted
+    subprocess.run(["taskset", "-c", cores, "wrk", "-t1", f"-c{conc}", "-d1s", "-s", str(script), server.url],
+                   capture_output=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu0 = server.cpu()
+    out = subprocess.run(["taskset", "-c", cores, "wrk", "-t1", f"-c{conc}", f"-d{seconds:g}s", "--latency",
+                          "-s", str(script), server.url], capture_output=True, text=True, check=True).stdout
+    cpu = server.cpu() - cpu0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    errors = 0
+    m = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if m:
+        errors += int(m.group(1))
+    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    if m:
+        errors += sum(int(x) for x in m.groups())
+    lat = dict(re.findall(r"^\s+(50|99)%\s+(\S+)", out, re.M))
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    return {"rps": rps, "p50": _ms(lat["50"]), "p99": _ms(lat["99"]), "n": total, "errors": errors,
+            "cpu": cpu, "load_cpu": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
+
+
+def run_sse(server: Server, model: str, conc: int, seconds: float, cores: str, hold: int = 0) -> dict:
+    cmd = ["taskset", "-c", cores, PY, "-m", "bench.sse_client", server.url, server.body(model, True), str(conc),
+           str(seconds)]
+    for k, v in server.headers.items():
+        cmd += ["--header", f"{k}:{v}"]
+    if hold:
+        cmd += ["--hold", str(hold)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, preexec_fn=raise_nofile)
+    # CPU is read around the client's measured part: it reports its warm-up as done on stdout? No:
+    # the warm-up is short (one stream per client); its cost is included, and divided by the
+    # streams it completed, so it is counted on the side of the proxy (pessimistic, small).
+    cpu0 = server.cpu()
+    server.reset_hwm()
+    out, _ = proc.communicate()
+    cpu = server.cpu() - cpu0
+    result = json.loads(out.strip().splitlines()[-1])
+    warm = 1 if hold else min(conc, 64)
+    streams = result["streams"] + warm
+    return {"rps": result["rps"], "p50": result["full_p50"], "p99": result["full_p99"],
+            "ttft50": result["ttft_p50"], "ttft99": result["ttft_p99"], "n": result["streams"],
+            "errors": result["errors"], "cpu": cpu, "cpu_streams": streams, "load_cpu": result["client_cpu_s"]}
+
+
+# ---------------------------------------------------------------------------- the run
+
+def fmt(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 s per cell instead of 3")
+    ap.add_argument("--seconds", type=float, help="seconds per cell")
+    ap.add_argument("--conc", default="1,16,64", help="concurrencies (default 1,16,64)")
+    ap.add_argument("--hold", type=int, default=None,
+                    help="only the held-streams test with this many concurrent streams (default run: 1000 at the end)")
+    ap.add_argument("--no-scaling", action="store_true", help="skip the 1 -> 2 workers rows")
+    ap.add_argument("--out", default=str(BENCH / "results.md"))
+    args = ap.parse_args()
+    seconds = args.seconds or (1.0 if args.quick else 3.0)
+    concs = [int(c) for c in args.conc.split(",")]
+    raise_nofile()
+    if shutil.which("wrk") is None:
+        print("wrk not found: apt-get install -y wrk", file=sys.stderr)
+        return 2
+    exe = build_upstream()
+    tmp = Path(tempfile.mkdtemp(prefix="rp-bench-"))
+    servers: list[Server] = []
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    try:
+        up_port = free_port()
+        up_proc = start([str(exe), str(up_port)], LOAD_CORE, env={"FAKE_GAP_US": "1000", "FAKE_HOLD_MS": "50"})
+        wait_port(up_port)
+        upstream = Server("direct", up_proc, up_port, "/v1/chat/completions", "chat")
+        key = asyncio.run(_create_key(str(tmp / "ledger.db")))
+
+        if args.hold:
+            proxy = start_proxy(tmp, up_port, key, 1, SERVER_CORE)
+            servers.append(proxy)
+            say(hold_test(proxy, upstream, args.hold, LOAD_CORE))
+            return 0
+
+        pt_port = free_port()
+        pt = Server("pass-through", start([PY, "-m", "bench.passthrough", str(pt_port),
+                                           f"http://127.0.0.1:{up_port}"], SERVER_CORE), pt_port,
+                    "/v1/chat/completions", "chat")
+        wait_port(pt_port)
+        proxy = start_proxy(tmp, up_port, key, 1, SERVER_CORE)
+        servers += [pt, proxy]
+
+        results: dict[tuple, dict] = {}
+        workloads = [("non-stream", "bench-json"), ("stream coalesced", "bench-coalesced"),
+                     ("stream 1 chunk/write", "bench-chunked")]
+        total_cells = len(workloads) * len(concs) * 3
+        done = 0
+        for wname, model in workloads:
+            for conc in concs:
+                for srv in (upstream, pt, proxy):
+                    up_cpu0 = upstream.cpu()
+                    srv.reset_hwm()
+                    if model == "bench-json":
+                        r = run_wrk(srv, conc, seconds, tmp, LOAD_CORE)
+                    else:
+                        r = run_sse(srv, model, conc, seconds, LOAD_CORE)
+                    r["upstream_cpu"] = upstream.cpu() - up_cpu0
+                    r["hwm"] = srv.hwm_mb()
+                    results[(wname, conc, srv.name)] = r
+                    done += 1
+                    print(f"  [{done}/{total_cells}] {wname:22s} c={conc:<3d} {srv.name:13s} "
+                          f"{r['rps']:9.0f}/s p50 {fmt(r['p50'])} ms  errors {r['errors']}", file=sys.stderr, flush=True)
+
+        scaling: list[tuple] = []
+        if not args.no_scaling and NCPU > 1:
+            proxy.stop()
+            servers.remove(proxy)
+            for workers in (1, 2):
+                srv = start_proxy(tmp, up_port, key, workers, ALL_CORES)
+                servers.append(srv)
+                for wname, model in workloads[:2]:
+                    conc = max(concs)
+                    r = (run_wrk(srv, conc, seconds, tmp, ALL_CORES) if model == "bench-json"
+                         else run_sse(srv, model, conc, seconds, ALL_CORES))
+                    scaling.append((workers, wname, conc, r))
+                    print(f"  scaling: {workers} worker(s) {wname} c={conc}: {r['rps']:.0f}/s", file=sys.stderr,
+                          flush=True)
+                srv.stop()
+                servers.remove(srv)
+            proxy = start_proxy(tmp, up_port, key, 1, SERVER_CORE)
+            servers.append(proxy)
+
+        hold_line = hold_test(proxy, upstream, 1000, LOAD_CORE)
+        report(say, results, workloads, concs, seconds, scaling, hold_line)
+    finally:
+        for srv in servers:
+            srv.stop()
+        if "up_proc" in locals():
+            up_proc.terminate()
+        shutil.rmtree(tmp, ignore_errors=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"\nwritten to {args.out}", file=sys.stderr)
+    return 0
+
+
+def hold_test(proxy: Server, upstream: Server, n: int, cores: str) -> str:
+    proxy.reset_hwm()
+    rss0 = hwm_kb(proxy.pids()[0]) / 1024
+    r = run_sse(proxy, "bench-hold", n, 0, cores, hold=n)
+    return (f"{n} concurrent streams held open (100 deltas, 50 ms apart: ~5 s each) through the proxy: "
+            f"{r['n']} completed, {r['errors']} errors, proxy peak RSS {proxy.hwm_mb():.0f} MB "
+            f"(idle {rss0:.0f} MB), full-stream p50 {fmt(r['p50'], '.0f')} ms / p99 {fmt(r['p99'], '.0f')} ms, "
+            f"first delta p99 {fmt(r['ttft99'], '.1f')} ms")
+
+
+def report(say, results, workloads, concs, seconds, scaling, hold_line) -> None:
+    machine = f"{NCPU} cores ({os.uname().machine}), Python {sys.version.split()[0]}"
+    say(f"## Benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {machine}, {seconds:g} s per cell)")
+    say()
+    say("Server under test pinned to core 0; load generator and C fake upstream on core 1. `direct` = the fake "
+        "upstream alone; `pass-through` = bench/passthrough.py (bytes forwarded unchanged); `proxy` = "
+        "`python -m proxy serve` with the full default chain (auth against a SQLite ledger, limits, tools, "
+        "balance hold+settle, notices, JSON access log). CPU from /proc/<pid>/stat; chunk = one of the 100 "
+        "upstream content deltas. Streams: latency = full stream; first delta = time to the first text delta.")
+    say()
+    say("| workload | c | server | req/s | p50 ms | p99 ms | added p50 ms | first delta p50 / p99 ms "
+        "| added first delta p50 ms | CPU/req ms | CPU/chunk us | x pass-through CPU | peak RSS MB | errors "
+        "| upstream CPU/req ms | loadgen CPU/req ms |")
+    say("|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for wname, model in workloads:
+        stream = model != "bench-json"
+        for conc in concs:
+            d = results[(wname, conc, "direct")]
+            p = results[(wname, conc, "pass-through")]
+            for name in ("direct", "pass-through", "proxy"):
+                r = results[(wname, conc, name)]
+                n = r.get("cpu_streams") or r["n"] or 1
+                cpu_req = r["cpu"] / n * 1000
+                pn = p.get("cpu_streams") or p["n"] or 1
+                pt_cpu = p["cpu"] / pn * 1000
+                ratio = cpu_req / pt_cpu if name == "proxy" and pt_cpu else None
+                added = r["p50"] - d["p50"] if name != "direct" and r["p50"] is not None else None
+                ttft = f"{fmt(r.get('ttft50'))} / {fmt(r.get('ttft99'))}" if stream else "-"
+                added_ttft = (r["ttft50"] - d["ttft50"]) if stream and name != "direct" and r.get("ttft50") else None
+                per_chunk = cpu_req * 1000 / 100 if stream and name != "direct" else None
+                say(f"| {wname} | {conc} | {name} | {r['rps']:.0f} | {fmt(r['p50'])} | {fmt(r['p99'])} | {fmt(added)} "
+                    f"| {ttft} | {fmt(added_ttft)} | {fmt(cpu_req, '.3f') if name != 'direct' else fmt(cpu_req, '.4f')} "
+                    f"| {fmt(per_chunk, '.1f')} | {fmt(ratio)} | {r['hwm']:.0f} | {r['errors']} "
+                    f"| {fmt(r['upstream_cpu'] / n * 1000, '.4f')} | {fmt(r['load_cpu'] / n * 1000, '.3f')} |")
+    if scaling:
+        say()
+        say("Scaling (`serve --workers N`; every process, the load generator and the fake upstream on both cores):")
+        say()
+        say("| workload | c | workers | req/s | p50 ms | p99 ms | proxy CPU/req ms | errors | x 1 worker |")
+        say("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+        base = {}
+        for workers, wname, conc, r in scaling:
+            n = r.get("cpu_streams") or r["n"] or 1
+            if workers == 1:
+                base[wname] = r["rps"]
+            say(f"| {wname} | {conc} | {workers} | {r['rps']:.0f} | {fmt(r['p50'])} | {fmt(r['p99'])} "
+                f"| {r['cpu'] / n * 1000:.3f} | {r['errors']} | {fmt(r['rps'] / base[wname] if base.get(wname) else None)} |")
+    say()
+    say(hold_line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Worker discovery at start-up and active health checks in the background.
+
+Start-up asks every worker's GET /v1/models once: the models it serves (when `models` is
+omitted in config.yaml), each model's max_model_len (the context window), and the dialect
+(when `dialect: detect`: `owned_by` "vllm" / "sglang", else the Server header). A worker
+that does not answer is retried by every round of the checker.
+
+The checker (a task owned by a cleanup context) probes each worker every `interval_s`:
+vLLM GET /health; SGLang GET /v1/models (SGLang's /health runs a generation, so it is
+never polled). `unhealthy_threshold` failures in a row mark a worker unhealthy,
+`healthy_threshold` passes in a row healthy again; a passing check also re-admits a
+passively ejected worker once its ejection time is over (WorkerPool.readmit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy import state
+from proxy.config import ConfigError
+from proxy.logs import log
+from proxy.workers import Worker, WorkerPool
+
+_WINDOW_KEYS = ("max_model_len", "context_window", "context_length", "max_context_length")
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    enabled: bool = True
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+    vllm_path: str = "/health"
+    sglang_path: str = "/v1/models"
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any]) -> "HealthSettings":
+        known = {"enabled", "interval_s", "timeout_s", "unhealthy_threshold", "healthy_threshold",
+                 "vllm_path", "sglang_path", "outlier"}
+        unknown = set(section) - known
+        if unknown:
+            raise ConfigError(f"health: unknown setting(s) {', '.join(sorted(unknown))}")
+        try:
+            settings = cls(
+                enabled=bool(section.get("enabled", True)),
+                interval_s=float(section.get("interval_s", 5.0)),
+                timeout_s=float(section.get("timeout_s", 2.0)),
+                unhealthy_threshold=int(section.get("unhealthy_threshold", 2)),
+                healthy_threshold=int(section.get("healthy_threshold", 1)),
+                vllm_path=str(section.get("vllm_path", "/health")),
+                sglang_path=str(section.get("sglang_path", "/v1/models")),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"health: {exc}") from exc
+        if settings.interval_s <= 0 or settings.timeout_s <= 0:
+            raise ConfigError("health.interval_s and health.timeout_s must be positive")
+        if settings.unhealthy_threshold < 1 or settings.healthy_threshold < 1:
+            raise ConfigError("health.unhealthy_threshold and health.healthy_threshold must be at least 1")
+        return settings
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def _detect_dialect(owned_by: set[str], server: str) -> str | None:
+    for dialect in ("sglang", "vllm"):
+        if dialect in owned_by or dialect in server:
+            return dialect
+    return None
+
+
+async def discover(session: aiohttp.ClientSession, worker: Worker, timeout_s: float) -> None:
+    """GET /v1/models: models (if omitted), context windows, dialect (if "detect")."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with session.get(worker.endpoint("/v1/models"), headers=worker.auth_headers(),
+                               timeout=timeout) as resp:
+            raw = await resp.read()
+            server = resp.headers.get("Server", "").lower()
+            if resp.status != 200:
+                raise CheckFailed(f"/v1/models answered {resp.status}")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise CheckFailed(f"/v1/models: {type(exc).__name__}: {exc}") from None
+    try:
+        data = orjson.loads(raw)
+        entries = [e for e in data["data"] if isinstance(e, dict) and isinstance(e.get("id"), str)]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckFailed(f"/v1/models: not an OpenAI model list ({type(exc).__name__})") from None
+    windows: dict[str, int] = {}
+    for entry in entries:
+        for key in _WINDOW_KEYS:
+            value = entry.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                windows[entry["id"]] = value
+                break
+    if worker.dialect == "detect":
+        owned = {str(e.get("owned_by", "")).lower() for e in entries}
+        detected = _detect_dialect(owned, server)
+        if detected is None:
+            detected = "vllm"
+            log.warning("dialect not detected; assuming vllm", worker=worker.name, server=server,
+                        owned_by=sorted(owned))
+        worker.dialect = detected
+        log.info("worker dialect detected", worker=worker.name, dialect=detected)
+    served = [e["id"] for e in entries]
+    if not worker.models_known:
+        worker.models = tuple(served)
+        worker.models_known = True
+        log.info("worker models discovered", worker=worker.name, models=served)
+    else:
+        missing = [m for m in worker.models if m not in served]
+        if missing and served:
+            log.warning("configured models not listed by the worker", worker=worker.name, missing=missing)
+    for model in worker.models:
+        if model in windows:
+            worker.max_model_len[model] = windows[model]
+
+
+class HealthChecker:
+    def __init__(self, pool: WorkerPool, session: aiohttp.ClientSession, settings: HealthSettings) -> None:
+        self.pool = pool
+        self.session = session
+        self.settings = settings
+        self.discovered: set[int] = set()
+        self.rounds = 0
+
+    def _path(self, worker: Worker) -> str:
+        return self.settings.vllm_path if worker.dialect == "vllm" else self.settings.sglang_path
+
+    async def probe(self, worker: Worker) -> None:
+        """One check; raises CheckFailed. A worker not yet discovered is discovered instead."""
+        if id(worker) not in self.discovered:
+            await discover(self.session, worker, self.settings.timeout_s)
+            self.discovered.add(id(worker))
+            return
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
+        try:
+            async with self.session.get(worker.endpoint(self._path(worker)), headers=worker.auth_headers(),
+                                        timeout=timeout) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise CheckFailed(f"{self._path(worker)} answered {resp.status}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise CheckFailed(f"{self._path(worker)}: {type(exc).__name__}: {exc}") from None
+
+    def record(self, worker: Worker, error: str | None) -> None:
+        s = self.settings
+        if error is None:
+            worker.check_failures = 0
+            worker.check_successes += 1
+            worker.last_check_error = None
+            if not worker.healthy and worker.check_successes >= s.healthy_threshold:
+                worker.healthy = True
+                log.info("worker healthy", worker=worker.name)
+            self.pool.readmit(worker)
+        else:
+            worker.check_successes = 0
+            worker.check_failures += 1
+            worker.last_check_error = error
+            if worker.healthy and worker.check_failures >= s.unhealthy_threshold:
+                worker.healthy = False
+                log.warning("worker unhealthy", worker=worker.name, error=error)
+
+    async def check(self, worker: Worker) -> None:
+        try:
+            await self.probe(worker)
+            error = None
+        except CheckFailed as exc:
+            error = str(exc)
+        except Exception as exc:  # never let one odd answer kill the checker
+            error = f"{type(exc).__name__}: {exc}"
+        if self.settings.enabled:
+            self.record(worker, error)
+        elif error is not None:
+            log.warning("worker discovery failed", worker=worker.name, error=error)
+
+    async def round(self) -> None:
+        workers = [w for w in self.pool.workers
+                   if self.settings.enabled or id(w) not in self.discovered]
+        await asyncio.gather(*(self.check(w) for w in workers))
+        self.rounds += 1
+
+    async def start(self) -> None:
+        """Start-up: every worker's /v1/models at once (models, windows, dialect)."""
+        await asyncio.gather(*(self.check(w) for w in self.pool.workers))
+        self.rounds += 1
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            try:
+                await self.round()
+            except Exception:  # keep checking; the next round retries
+                log.exception("health round failed")
+
+
+CHECKER = web.AppKey("health_checker", HealthChecker)
+
+
+def health_context(session_key: Any, pool_key: Any):
+    """The cleanup context: discovery at start-up, then the checker task until shutdown."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        settings = HealthSettings.from_section(app[state.CONFIG].section("health"))
+        pool: WorkerPool = app[pool_key]
+        checker = HealthChecker(pool, app[session_key], settings)
+        app[CHECKER] = checker
+        await checker.start()
+        pool.active_checks = settings.enabled
+        task = asyncio.create_task(checker.run_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    return ctx

@@ -1,0 +1,443 @@
+"""Which worker takes a request: the `provider` object, eligibility, least-loaded choice,
+and the pre-flight context-window check.
+
+The `provider` object (000 doc, "worker requirements") is modelled on OpenRouter's
+provider preferences; the README's "Provider requirements" section lists what each
+field does here. Selection is pure (no I/O); `count_tokens` and `check_context_window`
+are the only upstream calls, made only when a request could overflow its window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import aiohttp
+import orjson
+
+from proxy.errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from proxy.workers import Worker, WorkerPool
+
+SORTS = ("load", "latency", "price")
+SORT_ALIASES = {"throughput": "load"}  # OpenRouter's "throughput": the least loaded worker has the most to give
+FIELDS = ("order", "only", "ignore", "quantizations", "allow_fallbacks", "sort", "max_price",
+          "data_collection", "zdr", "require_parameters", "labels")
+PARAMETERS = ("tools", "json_schema", "json_object")
+
+
+# --------------------------------------------------------------------------- the provider object
+
+
+@dataclass
+class ProviderPrefs:
+    order: list[str] | None = None
+    only: list[str] | None = None
+    ignore: list[str] | None = None
+    quantizations: list[str] | None = None
+    allow_fallbacks: bool = True
+    sort: str = "load"
+    max_price: dict[str, float] | None = None
+    data_collection: str | None = None  # "allow" | "deny"
+    zdr: bool | None = None
+    require_parameters: bool = False
+    labels: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def single_attempt(self) -> bool:
+        """allow_fallbacks: false with no order: only the first choice, no failover."""
+        return not self.allow_fallbacks and not self.order
+
+
+def _invalid(message: str) -> APIError:
+    return bad_request(message, param="provider", code="invalid_provider")
+
+
+def _names(raw: dict, key: str) -> list[str] | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise _invalid(f"Invalid 'provider.{key}': expected an array of non-empty strings.")
+    return [v.strip() for v in value]
+
+
+def _bool(raw: dict, key: str) -> bool | None:
+    value = raw.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise _invalid(f"Invalid 'provider.{key}': expected a boolean.")
+    return value
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool)) and not (isinstance(value, float) and math.isnan(value))
+
+
+def parse_provider(raw: Any) -> ProviderPrefs | None:
+    """The request's `provider` object, validated; a bad shape is a 400 with param "provider"."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _invalid("Invalid type for 'provider': expected an object.")
+    unknown = sorted(set(raw) - set(FIELDS))
+    if unknown:
+        raise _invalid(f"Unsupported field(s) in 'provider': {', '.join(unknown)}. "
+                       f"Supported: {', '.join(FIELDS)}.")
+    prefs = ProviderPrefs(order=_names(raw, "order"), only=_names(raw, "only"), ignore=_names(raw, "ignore"),
+                          quantizations=_names(raw, "quantizations"))
+    fallbacks = _bool(raw, "allow_fallbacks")
+    prefs.allow_fallbacks = True if fallbacks is None else fallbacks
+    prefs.zdr = _bool(raw, "zdr")
+    prefs.require_parameters = bool(_bool(raw, "require_parameters"))
+    sort = raw.get("sort")
+    if sort is not None:
+        if not isinstance(sort, str) or SORT_ALIASES.get(sort, sort) not in SORTS:
+            raise _invalid(f"Invalid 'provider.sort': expected one of {', '.join(SORTS + tuple(SORT_ALIASES))}.")
+        prefs.sort = SORT_ALIASES.get(sort, sort)
+    max_price = raw.get("max_price")
+    if max_price is not None:
+        if (not isinstance(max_price, dict) or not max_price or set(max_price) - {"prompt", "completion"}
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                           for v in max_price.values())):
+            raise _invalid("Invalid 'provider.max_price': expected an object with 'prompt' and/or 'completion', "
+                           "non-negative prices per million tokens.")
+        prefs.max_price = {k: float(v) for k, v in max_price.items()}
+    data_collection = raw.get("data_collection")
+    if data_collection is not None:
+        if data_collection not in ("allow", "deny"):
+            raise _invalid("Invalid 'provider.data_collection': expected 'allow' or 'deny'.")
+        prefs.data_collection = data_collection
+    labels = raw.get("labels")
+    if labels is not None:
+        if not isinstance(labels, dict) or not all(
+                isinstance(k, str) and (_scalar(v) or (isinstance(v, list) and v and all(map(_scalar, v))))
+                for k, v in labels.items()):
+            raise _invalid("Invalid 'provider.labels': expected an object of label -> value "
+                           "(a string, number or boolean, or an array of them: any of).")
+        prefs.labels = dict(labels)
+    return prefs
+
+
+def request_parameters(chat: dict) -> frozenset[str]:
+    """What `require_parameters` asks the worker to support, from the chat request."""
+    found = set()
+    if chat.get("tools"):
+        found.add("tools")
+    fmt = chat.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object"):
+        found.add(fmt["type"])
+    return frozenset(found)
+
+
+# --------------------------------------------------------------------------- matching workers
+
+
+def _norm(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip().lower()
+
+
+def _label_values(worker: "Worker", key: str) -> set[str]:
+    value = worker.labels.get(key)
+    if value is None:
+        return set()
+    if isinstance(value, list):
+        return {_norm(v) for v in value}
+    if key == "supports" and isinstance(value, str):
+        return {_norm(v) for v in value.split(",") if v.strip()}
+    return {_norm(value)}
+
+
+def matches(worker: "Worker", entry: str) -> bool:
+    """An order/only/ignore entry: the worker's name, `key=value` on a label, or any label's value."""
+    wanted = entry.strip().lower()
+    if wanted == worker.name.lower():
+        return True
+    if "=" in wanted:
+        key, _, value = entry.partition("=")
+        return _norm(value) in _label_values(worker, key.strip())
+    return any(wanted in _label_values(worker, key) for key in worker.labels)
+
+
+def _truthy(worker: "Worker", key: str) -> bool:
+    return _label_values(worker, key) & {"true", "1", "yes"} != set()
+
+
+def _price(worker: "Worker", key: str) -> float | None:
+    value = worker.labels.get(key)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.inf  # a price label that is not a number never passes a max_price
+
+
+def _within_price(worker: "Worker", limits: dict[str, float]) -> bool:
+    for part, limit in limits.items():
+        price = _price(worker, f"price_{part}")
+        if price is not None and price > limit:
+            return False
+    return True
+
+
+def _supports(worker: "Worker", params: frozenset[str]) -> bool:
+    supported = _label_values(worker, "supports")
+    for param in params:
+        if param == "json_object":
+            if not supported & {"json_object", "json_schema"}:
+                return False
+        elif param not in supported:
+            return False
+    return True
+
+
+def _labels_match(worker: "Worker", labels: dict[str, Any]) -> bool:
+    for key, value in labels.items():
+        wanted = {_norm(v) for v in value} if isinstance(value, list) else {_norm(value)}
+        if not wanted & _label_values(worker, key):
+            return False
+    return True
+
+
+def requirements(prefs: ProviderPrefs, params: frozenset[str]) -> list[tuple[str, Callable[["Worker"], bool]]]:
+    """(how the failure is named, predicate) for each requirement the request sets, in order."""
+    out: list[tuple[str, Callable[[Worker], bool]]] = []
+    if prefs.only is not None:
+        only = prefs.only
+        out.append((f"provider.only={only!r}", lambda w: any(matches(w, e) for e in only)))
+    if prefs.ignore:
+        ignore = prefs.ignore
+        out.append((f"provider.ignore={ignore!r}", lambda w: not any(matches(w, e) for e in ignore)))
+    if prefs.quantizations is not None:
+        quants = {q.lower() for q in prefs.quantizations}
+        out.append((f"provider.quantizations={prefs.quantizations!r}",
+                    lambda w: bool(_label_values(w, "quantization") & quants)))
+    if prefs.max_price is not None:
+        limits = prefs.max_price
+        out.append((f"provider.max_price={limits!r}", lambda w: _within_price(w, limits)))
+    if prefs.data_collection == "deny":
+        out.append(("provider.data_collection='deny'",
+                    lambda w: "deny" in _label_values(w, "data_collection") or _truthy(w, "zdr")))
+    if prefs.zdr:
+        out.append(("provider.zdr=true", lambda w: _truthy(w, "zdr")))
+    if prefs.require_parameters and params:
+        out.append((f"provider.require_parameters=true (the request uses {', '.join(sorted(params))})",
+                    lambda w: _supports(w, params)))
+    if prefs.labels:
+        labels = prefs.labels
+        out.append((f"provider.labels={labels!r}", lambda w: _labels_match(w, labels)))
+    if prefs.order and not prefs.allow_fallbacks:
+        order = prefs.order
+        out.append((f"provider.order={order!r} with allow_fallbacks=false",
+                    lambda w: any(matches(w, e) for e in order)))
+    return out
+
+
+def tiers(prefs: ProviderPrefs | None, workers: list["Worker"]) -> list[list["Worker"]]:
+    """Workers in the order `provider.order` names them; the rest last (when fallbacks are allowed)."""
+    if prefs is None or not prefs.order:
+        return [workers]
+    out, placed = [], set()
+    for entry in prefs.order:
+        tier = [w for w in workers if id(w) not in placed and matches(w, entry)]
+        placed.update(map(id, tier))
+        if tier:
+            out.append(tier)
+    if prefs.allow_fallbacks:
+        rest = [w for w in workers if id(w) not in placed]
+        if rest:
+            out.append(rest)
+    return out
+
+
+def _sort_key(sort: str) -> Callable[["Worker"], Any]:
+    if sort == "latency":
+        # No sample yet counts as fastest, so a new or re-admitted worker gets measured.
+        return lambda w: (w.ewma_ttfb or 0.0, w.load)
+    if sort == "price":
+        def price(w: "Worker") -> tuple[float, float]:
+            parts = [_price(w, "price_prompt"), _price(w, "price_completion")]
+            known = [p for p in parts if p is not None]
+            return (sum(known) if known else math.inf, w.load)
+        return price
+    return lambda w: w.load
+
+
+def _best(workers: list["Worker"], sort: str, rotation: int) -> "Worker":
+    start = rotation % len(workers)
+    rotated = workers[start:] + workers[:start]  # ties go round-robin
+    return min(rotated, key=_sort_key(sort))
+
+
+def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclude: Iterable["Worker"] = (),
+           params: frozenset[str] = frozenset(), need_capacity: bool = True) -> "Worker":
+    candidates = pool.serving(model)
+    if not candidates:
+        pending = [w.name for w in pool.workers if not w.models_known]
+        if pending:
+            raise APIError(503, f"No worker is known to serve '{model}' yet: the model list of "
+                                f"{', '.join(pending)} could not be read.", code="no_worker_available",
+                           headers={"Retry-After": "1"})
+        raise APIError(404, f"The model '{model}' does not exist or is not served here.",
+                       code="model_not_found", param="model")
+    if prefs is not None:
+        for label, keep in requirements(prefs, params):
+            kept = [w for w in candidates if keep(w)]
+            if not kept:
+                raise APIError(503, f"No worker meets {label} for model '{model}'.",
+                               code="provider_requirements_unmet", param="provider")
+            candidates = kept
+    excluded = set(map(id, exclude))
+    ranked = [[w for w in tier if w.available and id(w) not in excluded] for tier in tiers(prefs, candidates)]
+    ranked = [tier for tier in ranked if tier]
+    if not ranked:
+        raise APIError(503, f"No healthy worker that meets the request's requirements serves '{model}' right now.",
+                       code="no_worker_available", headers={"Retry-After": "1"})
+    sort = prefs.sort if prefs is not None else "load"
+    rotation = pool.next_rotation()
+    for tier in ranked:
+        free = [w for w in tier if w.in_flight < w.capacity] if need_capacity else tier
+        if free:
+            return _best(free, sort, rotation)
+    raise APIError(429, f"Every eligible worker serving '{model}' is at capacity; retry shortly.",
+                   code="capacity_exhausted", headers={"Retry-After": "1"})
+
+
+# --------------------------------------------------------------------------- token counting
+
+
+class TokenCountError(Exception):
+    def __init__(self, message: str, *, connection: bool = False) -> None:
+        super().__init__(message)
+        self.connection = connection
+
+
+async def count_tokens(session: aiohttp.ClientSession, worker: "Worker", model: str, messages: list,
+                       tools: list | None = None) -> int:
+    """The worker's own count (vLLM POST /tokenize, SGLang POST /v1/tokenize), chat template included."""
+    body: dict[str, Any] = {"model": model, "messages": messages}
+    if tools:
+        body["tools"] = tools
+    path = "/v1/tokenize" if worker.dialect == "sglang" else "/tokenize"
+    timeout = aiohttp.ClientTimeout(total=worker.timeouts.first_byte, connect=worker.timeouts.connect)
+    try:
+        async with session.post(worker.endpoint(path), data=orjson.dumps(body), timeout=timeout,
+                                headers={"Content-Type": "application/json", **worker.auth_headers()}) as upstream:
+            raw = await upstream.read()
+            if upstream.status != 200:
+                raise TokenCountError(f"the model server could not count tokens ({upstream.status})")
+            data = orjson.loads(raw)
+    except aiohttp.ClientConnectionError as exc:
+        raise TokenCountError(f"the model server could not be reached ({type(exc).__name__})",
+                              connection=not isinstance(exc, aiohttp.ServerTimeoutError)) from None
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+        raise TokenCountError(f"the model server could not count tokens ({type(exc).__name__})") from None
+    count = data.get("count") if isinstance(data, dict) else None
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TokenCountError("the model server gave no token count")
+    return count
+
+
+# --------------------------------------------------------------------------- the context window
+
+# Upper bound of a prompt's tokens: every token of a byte-level (or byte-fallback) tokenizer
+# covers at least one byte of text, plus what the chat template adds around each message and
+# in front of a tool list.
+_PER_MESSAGE = 16
+_BASE = 256
+_TOOLS_PREAMBLE = 512
+
+
+def prompt_bytes(chat: dict) -> tuple[int, bool]:
+    """(UTF-8 bytes of every text the template renders, whether the prompt carries media)."""
+    total, media = 0, False
+
+    def text(value: Any) -> None:
+        nonlocal total, media
+        if isinstance(value, str):
+            total += len(value.encode())
+        elif isinstance(value, list):
+            for part in value:
+                if isinstance(part, dict):
+                    if isinstance(part.get("text"), str):
+                        total += len(part["text"].encode())
+                    elif part.get("type") not in (None, "text"):
+                        media = True
+                elif isinstance(part, str):
+                    total += len(part.encode())
+
+    for message in chat.get("messages") or []:
+        if not isinstance(message, dict):
+            continue
+        for key in ("content", "reasoning_content", "reasoning", "name", "tool_call_id"):
+            text(message.get(key))
+        for call in message.get("tool_calls") or []:
+            if isinstance(call, dict):
+                total += len(orjson.dumps(call.get("function") or {}))
+    if chat.get("tools"):
+        total += len(orjson.dumps(chat["tools"]))
+    return total, media
+
+
+def _too_long(window: int, prompt: int, wanted: int | None, *, estimated: bool) -> APIError:
+    counted = f"at least {prompt} input tokens (estimated from its size)" if estimated else f"{prompt} input tokens"
+    if wanted is None:
+        message = (f"This model's maximum context length is {window} tokens, but the input has {counted}. "
+                   "Shorten the input.")
+        return APIError(400, message, code="context_length_exceeded", param="input")
+    message = (f"This model's maximum context length is {window} tokens, but the request asks for {counted} "
+               f"plus max_output_tokens={wanted} output tokens ({prompt + wanted} in total). Lower "
+               "max_output_tokens or shorten the input.")
+    return APIError(400, message, code="context_length_exceeded", param="max_output_tokens")
+
+
+async def check_context_window(session: aiohttp.ClientSession, worker: "Worker", t: Any, client_max: Any,
+                               *, bytes_per_token_floor: float = 16.0) -> str:
+    """Refuse (400 context_length_exceeded) a request whose prompt + max_output_tokens cannot fit.
+
+    Returns what was decided ("no_window", "fits", "counted", "clamped", ...) for tests and logs.
+    The common case costs no upstream call: an upper bound from the prompt's size settles it.
+    """
+    window = worker.max_model_len.get(t.upstream_model)
+    max_tokens = t.chat.get("max_tokens")
+    if not window or max_tokens is None:
+        return "no_window"
+    text, media = prompt_bytes(t.chat)
+    if media:
+        return "media"  # image tokens are the model server's to count
+    asked = isinstance(client_max, int) and not isinstance(client_max, bool)
+    n = len(t.chat.get("messages") or [])
+    upper = text + _PER_MESSAGE * n + _BASE + (_TOOLS_PREAMBLE if t.chat.get("tools") else 0)
+    if not asked:
+        # The client set no max_output_tokens: the cap is ours (the balance's or the default).
+        # vLLM lowers it to the room left by itself; SGLang refuses, so lower it here, from
+        # the bound, with no upstream call.
+        if worker.dialect != "sglang" or upper + max_tokens <= window:
+            return "fits"
+        if window - upper >= 1:
+            t.chat["max_tokens"] = window - upper
+            return "clamped"
+    wanted = int(client_max) if asked else int(max_tokens)
+    if upper + wanted <= window:
+        return "fits"
+    lower = int(text / bytes_per_token_floor) if bytes_per_token_floor > 0 else 0
+    if asked and lower + wanted > window:
+        raise _too_long(window, lower, wanted, estimated=True)  # clearly over: no need to ask
+    try:
+        count = await count_tokens(session, worker, t.upstream_model, t.chat["messages"], t.chat.get("tools"))
+    except TokenCountError:
+        return "uncounted"  # the model server will judge
+    if count >= window:
+        raise _too_long(window, count, wanted if asked else None, estimated=False)
+    if asked and count + wanted > window:
+        raise _too_long(window, count, wanted, estimated=False)
+    if count + int(max_tokens) > window:
+        t.chat["max_tokens"] = window - count
+        return "clamped"
+    return "counted"

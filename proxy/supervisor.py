@@ -1,0 +1,153 @@
+"""`serve --workers N`: N serving processes on one port (SO_REUSEPORT), one supervisor.
+
+The parent does the once-only start-up work (the demo key: created and printed once,
+here, so `make run` still prints exactly one `demo key:` line), then forks N children.
+Each child builds its own app (its own event loop, client session, ledger connection and
+writer thread, embedded simulator if any) and listens with SO_REUSEPORT; the kernel
+spreads new connections over them. The parent forwards SIGTERM/SIGINT/SIGHUP to the
+children and exits when they have exited; if one child dies on its own, the others are
+stopped too (the process manager restarts the whole set), and the exit code says so.
+
+Shared state across processes:
+  * the SQLite ledger is shared safely: WAL mode, each process has its own connection
+    and writer thread, and every hold is checked and written inside BEGIN IMMEDIATE
+    (the database-wide write lock), so two processes cannot both spend the same money.
+  * concurrency limits are per process (middlewares/limits.py counts in memory), so the
+    configured `limits.global_concurrency` and `limits.default_key_concurrency` are
+    divided by N (rounded up) for each child. This is an approximation: the kernel hashes
+    connections onto processes, so one process may refuse while another has room, and a
+    key's own `concurrency` (set with `keys limits`) and `rate_per_min` apply per process
+    (up to N times the value in total).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+from proxy.config import Config
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _auth_section(config: Config) -> dict[str, Any] | None:
+    for item in config.get("pipeline") or []:
+        if item == "auth":
+            if config.get("auth") is None:
+                config.data["auth"] = {}
+            section = config.data["auth"]
+            return section if isinstance(section, dict) else None
+        if isinstance(item, dict) and list(item) == ["auth"]:
+            section = item["auth"]
+            if section is None:
+                section = item["auth"] = {}
+            return section if isinstance(section, dict) else None
+    return None
+
+
+async def _create_demo_key(config: Config) -> None:
+    """What middlewares/auth.py does at start, done once for all the children."""
+    from proxy.ledger import open_ledger
+
+    section = config.section("ledger")
+    if section.get("backend", "sqlite") == "none":
+        return
+    base = config.path.parent if config.path else None
+    ledger = open_ledger(section, base_dir=base)
+    await ledger.start()
+    try:
+        for record in await ledger.list_keys():
+            if record.name == "demo" and not record.revoked:
+                await ledger.revoke(record.key_id)
+        balance = int(config.section("balance").get("demo_balance_micros", 0) or 0)
+        secret, _ = await ledger.create_key("demo", balance_micros=balance)
+        print(f"demo key: {secret}", file=sys.stdout, flush=True)
+    finally:
+        await ledger.close()
+
+
+def _child_config(config: Config, workers: int) -> None:
+    """Per-process shares of the in-memory limits (documented above)."""
+    limits = config.get("limits")
+    if isinstance(limits, dict):
+        for name in ("global_concurrency", "default_key_concurrency"):
+            value = limits.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                limits[name] = max(1, math.ceil(value / workers))
+
+
+def supervise(config: Config, host: str, port: int, workers: int,
+              serve_one: Callable[..., int]) -> int:
+    auth = _auth_section(config)
+    if auth is not None and auth.get("demo_key", True) is True:
+        asyncio.run(_create_demo_key(config))
+        auth["demo_key"] = False  # the children must not create (and revoke) their own
+    _child_config(config, workers)
+    print(f"responses-proxy listening on http://{host}:{port} ({workers} processes)", flush=True)
+
+    children: dict[int, int] = {}
+    stopping = False
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in children:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    for index in range(workers):
+        pid = os.fork()
+        if pid == 0:  # the child
+            for sig in FORWARDED:
+                signal.signal(sig, signal.SIG_DFL)
+            os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only; it forwards once
+            os.environ["RESPONSES_PROXY_WORKER"] = str(index)
+            code = 1
+            try:
+                code = serve_one(config, host, port, reuse_port=True, announce=False)
+            except BaseException as exc:  # noqa: BLE001 - report and leave with a code, never return into the parent's code
+                if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    print(f"responses-proxy worker {index}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[pid] = index
+
+    exit_code = 0
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for clarity
+            continue
+        children.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        if not stopping:
+            # A child died on its own: stop the rest, report failure.
+            print(f"responses-proxy: worker process {pid} exited ({code}); stopping the others",
+                  file=sys.stderr, flush=True)
+            exit_code = 1
+            forward(signal.SIGTERM, None)
+            deadline = time.monotonic() + 30
+            while children and time.monotonic() < deadline:
+                done, _ = os.waitpid(-1, os.WNOHANG)
+                if done:
+                    children.pop(done, None)
+                else:
+                    time.sleep(0.05)
+            for left in children:
+                os.kill(left, signal.SIGKILL)
+        elif code not in (0, -signal.SIGTERM, -signal.SIGINT):
+            exit_code = exit_code or 1
+    return exit_code

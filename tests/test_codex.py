@@ -1,0 +1,228 @@
+"""Codex CLI end to end: the real `codex exec` (pinned, from npm) -> the proxy (default
+pipeline, demo key) -> the simulator, scripted per request.
+
+Codex is installed once into .cache/codex/<version> (git-ignored) by tests/clients/codex.py.
+These tests skip only when that npm install is impossible (no npm, no network); the
+reason is printed. Everything else is a failure.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.clients.capture import CAPTURED, ENTRY as CAPTURE
+from tests.clients.codex import CodexUnavailable, ensure_codex, run_codex, write_codex_home
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+PIPELINE = [CAPTURE, "stateless", "auth", "limits", "tools", "balance", "notices"]
+# Codex offers apply_patch as a custom (freeform, lark grammar) tool only for models of its
+# bundled catalog; "gpt-5.5" is one in 0.171. Unknown names ("tiny-model") get function tools.
+CATALOG_MODEL = "gpt-5.5"
+MODELS = ("tiny-model", CATALOG_MODEL)
+
+
+@pytest.fixture(scope="session")
+def codex_cmd() -> list[str]:
+    try:
+        return ensure_codex()
+    except CodexUnavailable as exc:
+        print(f"\nCodex CLI tests skipped: {exc}")
+        pytest.skip(f"Codex CLI unavailable: {exc}")
+
+
+@pytest.fixture
+async def sim():
+    # Overrides conftest's: this simulator also serves the catalog model name.
+    from proxy.simulator import Simulator
+
+    async with Simulator(models=MODELS) as simulator:
+        yield simulator
+
+
+def _key() -> str:
+    return base64.urlsafe_b64encode(os.urandom(32)).decode()
+
+
+@pytest.fixture
+def start(sim, make_proxy, tmp_path, codex_cmd):
+    """start(model, overrides) -> (proxy, run): run(prompt, workdir=None, api_key=None) runs codex exec."""
+
+    async def go(model: str = "tiny-model", overrides: dict | None = None):
+        workers = [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": list(MODELS),
+                    "timeouts": {"connect": 2, "first_byte": 20, "idle": 20, "total": 60}}]
+        proxy = await make_proxy({"pipeline": PIPELINE, **(overrides or {})}, workers=workers)
+        home = write_codex_home(tmp_path, base_url=proxy.base_url, model=model)
+        workdir = tmp_path / "work"
+        workdir.mkdir(exist_ok=True)
+
+        async def run(prompt: str, *, api_key: str | None = None, timeout: float = 150):
+            return await run_codex(codex_cmd, home, workdir, prompt, api_key=api_key or proxy.api_key,
+                                   timeout=timeout)
+
+        return proxy, workdir, run
+
+    return go
+
+
+def captured(proxy) -> list[dict]:
+    return proxy.app[CAPTURED]
+
+
+def tool_names(body: dict) -> dict[str, dict]:
+    return {t.get("name") or t["type"]: t for t in body.get("tools") or []}
+
+
+async def test_codex_runs_a_shell_command_through_the_proxy(sim, start):
+    proxy, workdir, run = await start()
+    command = "printf made-by-codex > made.txt"
+    sim.script(
+        {"tool_calls": [{"name": "exec_command", "arguments": {"cmd": command}}]},
+        {"text": "I created made.txt."},
+    )
+    result = await run("Create a file named made.txt containing made-by-codex.")
+    assert result.returncode == 0, result.explain()
+
+    # The tool really ran, in the working folder, and the turn completed.
+    assert (workdir / "made.txt").read_text() == "made-by-codex", result.explain()
+    executions = result.items("command_execution")
+    assert executions and executions[0]["exit_code"] == 0 and "made.txt" in executions[0]["command"]
+    assert [m["text"] for m in result.items("agent_message")] == ["I created made.txt."]
+    assert any(e.get("type") == "turn.completed" for e in result.events), result.explain()
+    assert not [e for e in result.events if e.get("type") in ("turn.failed", "error")], result.explain()
+
+    # What Codex sent: the shape the proxy must accept unchanged.
+    first = captured(proxy)[0]
+    body = first["body"]
+    assert first["status"] in (200, "client_closed")
+    assert body["stream"] is True and body["store"] is False
+    assert "reasoning.encrypted_content" in body["include"]
+    assert body.get("instructions") is None and body.get("previous_response_id") is None
+    assert first["headers"]["Accept"] == "text/event-stream"
+    tools = tool_names(body)
+    assert tools["exec_command"]["type"] == "function" and tools["exec_command"]["strict"] is False
+    assert "cmd" in tools["exec_command"]["parameters"]["properties"]
+    assert any(t["type"] == "namespace" for t in body["tools"])
+    assert any(t["type"] == "web_search" for t in body["tools"])
+    roles = [i.get("role") for i in body["input"] if i.get("type") == "message"]
+    assert roles[0] == "developer"
+
+    # Two model requests; the second replays the call (with id and status) and its output.
+    assert len(sim.requests) == 2 and len(captured(proxy)) == 2
+    replay = captured(proxy)[1]["body"]["input"]
+    call = next(i for i in replay if i.get("type") == "function_call")
+    assert call["id"].startswith("fc_") and call["status"] == "completed" and call["name"] == "exec_command"
+    output = next(i for i in replay if i.get("type") == "function_call_output")
+    assert output["call_id"] == call["call_id"] and isinstance(output["output"], str)
+
+    upstream = sim.requests[1]
+    assert upstream["messages"][0]["role"] == "system"
+    assert sum(m["role"] == "system" for m in upstream["messages"]) == 1
+    assistant = next(m for m in upstream["messages"] if m["role"] == "assistant")
+    assert assistant["tool_calls"][0]["function"]["name"] == "exec_command"
+    assert orjson.loads(assistant["tool_calls"][0]["function"]["arguments"]) == {"cmd": command}
+    tool_msg = upstream["messages"][-1]
+    assert tool_msg["role"] == "tool" and tool_msg["tool_call_id"] == assistant["tool_calls"][0]["id"]
+    # Hosted tools (web_search) are left out; namespace tools are flattened.
+    upstream_tools = {t["function"]["name"] for t in upstream["tools"]}
+    assert "exec_command" in upstream_tools and "web_search" not in upstream_tools
+    assert any("__" in name for name in upstream_tools)
+
+
+async def test_codex_reasoning_is_replayed_sealed(sim, start):
+    proxy, workdir, run = await start(overrides={"reasoning_seal": {"keys": {"k1": _key()}, "active": "k1"}})
+    thought = "The user wants a file; I will write it with printf and then confirm."
+    sim.script(
+        {"reasoning": thought, "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "printf x > r.txt"}}]},
+        {"reasoning": "It worked.", "text": "Done."},
+    )
+    result = await run("Write r.txt")
+    assert result.returncode == 0, result.explain()
+    assert (workdir / "r.txt").exists(), result.explain()
+    assert len(sim.requests) == 2, result.explain()
+
+    # Codex replayed the reasoning item as it came: a proxy ciphertext, and nothing in clear.
+    replay = captured(proxy)[1]["body"]["input"]
+    reasoning = [i for i in replay if i.get("type") == "reasoning"]
+    assert len(reasoning) == 1, replay
+    sealed = reasoning[0]["encrypted_content"]
+    assert isinstance(sealed, str) and sealed.startswith("rp1.k1.")
+    assert thought not in json.dumps(reasoning[0])
+    assert thought not in result.stdout, "the client only ever sees the ciphertext"
+
+    # The upstream got the reasoning text back, in the assistant turn that made the call.
+    assistant = next(m for m in sim.requests[1]["messages"] if m["role"] == "assistant")
+    assert assistant["reasoning_content"] == thought
+    assert assistant["tool_calls"][0]["function"]["name"] == "exec_command"
+
+
+async def test_codex_reasoning_without_a_seal_key_travels_in_clear(sim, start, monkeypatch):
+    monkeypatch.delenv("RESPONSES_PROXY_SEAL_KEY", raising=False)
+    proxy, workdir, run = await start()
+    thought = "Plain reasoning that the client may read."
+    sim.script(
+        {"reasoning": thought, "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "true"}}]},
+        {"text": "ok"},
+    )
+    result = await run("Run true")
+    assert result.returncode == 0, result.explain()
+    replay = captured(proxy)[1]["body"]["input"]
+    reasoning = next(i for i in replay if i.get("type") == "reasoning")
+    assert not reasoning.get("encrypted_content")
+    assert thought in json.dumps(reasoning)
+    assistant = next(m for m in sim.requests[1]["messages"] if m["role"] == "assistant")
+    assert assistant["reasoning_content"] == thought
+
+
+async def test_codex_apply_patch_custom_tool_edits_a_file(sim, start):
+    proxy, workdir, run = await start(CATALOG_MODEL)
+    (workdir / "hello.txt").write_text("hello\nworld\n")
+    patch = "*** Begin Patch\n*** Update File: hello.txt\n@@\n hello\n-world\n+proxy\n*** End Patch\n"
+    sim.script(
+        {"tool_calls": [{"name": "apply_patch", "arguments": {"input": patch}}]},
+        {"text": "Patched hello.txt."},
+    )
+    result = await run("Replace world with proxy in hello.txt")
+    assert result.returncode == 0, result.explain()
+
+    body = captured(proxy)[0]["body"]
+    apply_patch = tool_names(body)["apply_patch"]
+    assert apply_patch["type"] == "custom" and apply_patch["format"]["syntax"] == "lark"
+    assert (workdir / "hello.txt").read_text() == "hello\nproxy\n", result.explain()
+    assert result.items("file_change"), result.explain()
+    assert [m["text"] for m in result.items("agent_message")] == ["Patched hello.txt."]
+
+    # Upstream: a function with one string parameter `input`; the replay pairs call and output.
+    fn = next(t["function"] for t in sim.requests[0]["tools"] if t["function"]["name"] == "apply_patch")
+    assert fn["parameters"]["required"] == ["input"]
+    replay = captured(proxy)[1]["body"]["input"]
+    call = next(i for i in replay if i.get("type") == "custom_tool_call")
+    assert call["input"] == patch
+    out = next(i for i in replay if i.get("type") == "custom_tool_call_output")
+    assert out["call_id"] == call["call_id"]
+    messages = sim.requests[1]["messages"]
+    assistant = next(m for m in messages if m["role"] == "assistant")
+    assert orjson.loads(assistant["tool_calls"][0]["function"]["arguments"]) == {"input": patch}
+    assert messages[-1]["role"] == "tool" and messages[-1]["tool_call_id"] == call["call_id"]
+
+
+async def test_codex_stops_when_the_balance_runs_out(sim, start):
+    proxy, workdir, run = await start()
+    secret, _record = await proxy.ledger.create_key("broke", balance_micros=0)
+    sim.script({"text": "never sent"})
+    result = await run("Say hello", api_key=secret, timeout=120)
+
+    statuses = [r["status"] for r in captured(proxy)]
+    assert statuses and set(statuses) == {402}, statuses
+    assert len(statuses) <= 2, f"retry storm: {len(statuses)} requests\n" + result.explain()
+    assert sim.requests == []  # nothing reached the model server
+    shown = (result.stdout + result.stderr).lower()
+    assert "quota" in shown, result.explain()
+    assert result.returncode != 0 or any(e.get("type") in ("turn.failed", "error") for e in result.events), \
+        result.explain()

@@ -1,0 +1,149 @@
+"""GET /metrics: Prometheus text, one registry per app, counters that move with traffic."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.forwarder import POOL
+from proxy.metrics import METRICS
+from tests.test_workers import NO_AUTH, ask, call, dead_url, settings, start_sim, wait_for, worker  # noqa: F401
+
+
+async def scrape(proxy) -> tuple[str, dict[tuple[str, tuple], float]]:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.url + "/metrics") as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            text = await resp.text()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return text, samples
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+NAMES = [
+    "responses_proxy_requests_total", "responses_proxy_request_duration_seconds",
+    "responses_proxy_time_to_first_byte_seconds", "responses_proxy_input_tokens_total",
+    "responses_proxy_output_tokens_total", "responses_proxy_worker_in_flight", "responses_proxy_worker_healthy",
+    "responses_proxy_worker_ejections_total", "responses_proxy_failovers_total",
+]
+
+
+async def test_names_present_and_counters_move(sim, make_proxy):
+    proxy = await make_proxy(NO_AUTH)
+    text, before = await scrape(proxy)
+    for name in ("responses_proxy_worker_in_flight", "responses_proxy_worker_healthy",
+                 "responses_proxy_worker_ejections_total", "responses_proxy_worker_capacity"):
+        assert name in text
+    sim.script({"text": "Hello there, friend."}, {"text": "Again."})
+    status, _, body = await call(proxy, ask())
+    assert status == 200
+    status, _, events = await call(proxy, ask(stream=True))
+    assert status == 200
+    text, after = await scrape(proxy)
+    for name in NAMES[:5]:
+        assert name in text, name
+    assert value(after, "responses_proxy_requests_total", endpoint="responses", model="tiny-model", status="200",
+                 outcome="completed") == 2
+    assert value(after, "responses_proxy_input_tokens_total", model="tiny-model") == (
+        body["usage"]["input_tokens"] + events[-1]["response"]["usage"]["input_tokens"])
+    assert value(after, "responses_proxy_output_tokens_total", model="tiny-model") == (
+        body["usage"]["output_tokens"] + events[-1]["response"]["usage"]["output_tokens"])
+    assert value(after, "responses_proxy_time_to_first_byte_seconds_count", model="tiny-model", worker="sim") == 2
+    assert value(after, "responses_proxy_request_duration_seconds_count", endpoint="responses",
+                 model="tiny-model") == 2
+    assert value(after, "responses_proxy_worker_healthy", worker="sim") == 1
+    assert value(after, "responses_proxy_worker_capacity", worker="sim") == 256
+
+
+async def test_errors_are_counted_by_status_and_unknown_models_are_bounded(make_proxy):
+    proxy = await make_proxy(NO_AUTH)
+    for i in range(3):
+        status, _, _ = await call(proxy, {"model": f"made-up-{i}", "input": "hi"})
+        assert status == 404
+    _, samples = await scrape(proxy)
+    assert value(samples, "responses_proxy_requests_total", endpoint="responses", model="other", status="404",
+                 outcome="pending") == 3
+    assert not any("made-up" in str(labels) for _, labels in samples)
+
+
+async def test_input_tokens_count_nothing_toward_usage(sim, make_proxy):
+    proxy = await make_proxy(NO_AUTH)
+    status, _, body = await call(proxy, ask(), "/v1/responses/input_tokens")
+    assert status == 200 and body["input_tokens"] > 0
+    _, samples = await scrape(proxy)
+    assert value(samples, "responses_proxy_requests_total", endpoint="input_tokens", model="tiny-model",
+                 status="200", outcome="") == 1
+    assert total(samples, "responses_proxy_input_tokens_total") == 0
+
+
+async def test_in_flight_gauge_during_a_stream(sim, make_proxy):
+    proxy = await make_proxy(NO_AUTH)
+    sim.script({"text": "slow", "first_byte_delay": 1.0})
+    busy = asyncio.create_task(call(proxy, ask(stream=True)))
+    await wait_for(lambda: sim.in_flight == 1)
+    _, samples = await scrape(proxy)
+    assert value(samples, "responses_proxy_worker_in_flight", worker="sim") == 1
+    assert (await busy)[0] == 200
+    _, samples = await scrape(proxy)
+    assert value(samples, "responses_proxy_worker_in_flight", worker="sim") == 0
+
+
+async def test_failovers_and_ejections_and_health(start_sim, make_proxy):
+    live = await start_sim()
+    proxy = await make_proxy({**NO_AUTH, "health": {"enabled": False, "outlier": {"consecutive_failures": 2}}},
+                             workers=[worker("dead", dead_url()), worker("live", live.url)])
+    for _ in range(2):
+        assert (await call(proxy, ask({"order": ["dead"]})))[0] == 200
+    _, samples = await scrape(proxy)
+    assert total(samples, "responses_proxy_failovers_total", worker="dead") == 2
+    assert value(samples, "responses_proxy_worker_ejections_total", worker="dead") == 1
+    assert value(samples, "responses_proxy_worker_ejected", worker="dead") == 1
+    assert value(samples, "responses_proxy_worker_healthy", worker="dead") == 0
+    assert value(samples, "responses_proxy_worker_healthy", worker="live") == 1
+
+
+async def test_health_gauge_follows_active_checks(make_proxy):
+    proxy = await make_proxy(settings(interval_s=0.05, unhealthy_threshold=1), workers=[worker("x", dead_url())])
+    await wait_for(lambda: not proxy.app[POOL].workers[0].healthy)
+    _, samples = await scrape(proxy)
+    assert value(samples, "responses_proxy_worker_healthy", worker="x") == 0
+
+
+async def test_ledger_holds_gauge_with_a_ledger(sim, make_proxy):
+    proxy = await make_proxy()  # the default pipeline: auth + balance over the SQLite ledger
+    text, samples = await scrape(proxy)
+    assert "responses_proxy_ledger_holds" in text
+    assert value(samples, "responses_proxy_ledger_holds") == 0
+
+
+async def test_each_app_has_its_own_registry(sim, make_proxy):
+    one = await make_proxy(NO_AUTH)
+    two = await make_proxy(NO_AUTH)
+    assert one.app[METRICS].registry is not two.app[METRICS].registry
+    assert (await call(one, ask()))[0] == 200
+    _, first = await scrape(one)
+    _, second = await scrape(two)
+    assert total(first, "responses_proxy_requests_total", endpoint="responses") == 1
+    assert total(second, "responses_proxy_requests_total", endpoint="responses") == 0
+
+
+async def test_metrics_can_be_turned_off(make_proxy):
+    proxy = await make_proxy({**NO_AUTH, "metrics": {"enabled": False}})
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.url + "/metrics") as resp:
+            assert resp.status == 404
+    assert (await call(proxy, ask()))[0] == 200  # the hook copes with no metrics
