@@ -17,7 +17,7 @@ from proxy import state
 from proxy.config import Config, ConfigError
 from proxy.endpoints import healthz_handler, input_tokens_handler, models_handler
 from proxy.errors import APIError
-from proxy.forwarder import POOL, SESSION, responses_handler
+from proxy.forwarder import POOL, SESSION, refusal_as_event, responses_handler
 from proxy.health import HealthSettings, health_context
 from proxy.logs import access_log, log
 from proxy.netguard import IMAGE_POLICY, ImagePolicy
@@ -41,7 +41,8 @@ async def envelope_and_access_log(request: web.Request, handler):
         return response
     except APIError as exc:
         status = exc.status
-        return exc.to_response()
+        streamed = await refusal_as_event(request, exc)  # Codex reads a spent balance only as an event
+        return streamed if streamed is not None else exc.to_response()
     except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and methods
         status = exc.status
         if exc.status < 400:
@@ -152,6 +153,10 @@ def build_app(config: Config) -> web.Application:
     app = web.Application(client_max_size=int(server["max_body_bytes"]) + 1, handler_args={
         "max_line_size": int(server.get("max_line_size", 8190)),
         "max_field_size": int(server.get("max_field_size", 8190)),
+        # Request bodies are decoded by proxy/request.py alone (gzip, deflate, zstd, bounded by
+        # max_body_bytes): aiohttp's own decoding would run first, so a gzip body was decoded
+        # twice (400) and a zstd body refused outright without backports.zstd.
+        "auto_decompress": False,
     })
     app[state.CONFIG] = config
     app[IMAGE_POLICY] = ImagePolicy(config.section("images"))

@@ -55,6 +55,8 @@ DEFAULTS: dict[str, Any] = {
         "ai_markers": True,
         "ai_notice": "[AI-generated content]",
         "reasoning_items": True,  # False: leave reasoning out of output, as the 000 doc does
+        # With a seal key and include=reasoning.encrypted_content: False sends only the ciphertext.
+        "reasoning_in_clear": True,
         "default_max_output_tokens": None,
     },
     # The order of the chain, by name; built-ins live in middlewares/, custom ones as "pkg.mod:factory".

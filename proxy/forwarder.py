@@ -92,6 +92,7 @@ def _context(request: web.Request, t: Any) -> ResponseContext:
         ai_markers=bool(cfg.get("ai_markers", True)),
         ai_notice=str(cfg.get("ai_notice", "[AI-generated content]")),
         reasoning_items=bool(cfg.get("reasoning_items", True)),
+        reasoning_in_clear=bool(cfg.get("reasoning_in_clear", True)),
         seal=sealer.seal if sealer is not None and t.include_encrypted_reasoning else None,
     )
 
@@ -220,7 +221,7 @@ def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.O
         raise APIError(502, message or "The model server failed.", code="upstream_error")
     response = response_from_completion(ctx, completion)
     out.status = response["status"]
-    _record_usage(out, response.get("usage"), 0)
+    _record_usage(out, response.get("usage") if completion.get("usage") else None, 0)
     return web.Response(body=orjson.dumps(response), content_type="application/json")
 
 
@@ -263,4 +264,43 @@ async def _stream_answer(request: web.Request, upstream: aiohttp.ClientResponse,
         if out.status != "cancelled":
             out.status = rewriter.status if rewriter.done else "cancelled"
         _record_usage(out, rewriter.usage, rewriter.output_tokens_seen)
+    return response
+
+
+# Refusals an event-stream-only client must read as an event. Codex sends
+# `Accept: text/event-stream` and reads a spent balance only from a response.failed event
+# with error.code "insufficient_quota" (then it stops: "Quota exceeded"); an HTTP 402 it
+# treats as a transient status and retries five times. The openai SDKs accept JSON and
+# keep getting the HTTP 402 envelope.
+_STREAMED_REFUSALS = frozenset({"insufficient_quota"})
+
+
+def _event_stream_only(request: web.Request) -> bool:
+    accept = request.headers.get("Accept", "").lower()
+    if "text/event-stream" not in accept or "application/json" in accept or "*/*" in accept:
+        return False
+    body = request.get(state.BODY)
+    return isinstance(body, dict) and body.get("stream") is True
+
+
+async def refusal_as_event(request: web.Request, exc: APIError) -> web.StreamResponse | None:
+    """The refusal as response.created + response.failed (HTTP 200) for an event-stream-only
+    client, when Accept leaves no other way to tell it; None: answer with the JSON envelope."""
+    if exc.code not in _STREAMED_REFUSALS or request.path != "/v1/responses" or not _event_stream_only(request):
+        return None
+    t = request.get(state.TRANSLATION)
+    if t is None:
+        return None
+    rewriter = StreamRewriter(_context(request, t))
+    head = rewriter.start()
+    failed = dict(rewriter.response)
+    failed.update(status="failed", output=[], usage=None,
+                  error={"code": exc.code, "message": exc.message},
+                  retry_after_ms=None, x_should_retry=False)
+    event = {"type": "response.failed", "sequence_number": rewriter._seq, "response": failed}
+    response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **exc.headers, "x-should-retry": "false"})
+    await response.prepare(request)
+    await response.write(head + b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n")
+    await response.write_eof()
+    state.outcome(request).status = "error"
     return response

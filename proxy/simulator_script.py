@@ -196,7 +196,7 @@ def example_value(schema: Any, depth: int = 0) -> Any:
         return []
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
-    return {k: example_value(props.get(k), depth + 1) for k in required}
+    return {k: example_value(props.get(k), depth + 1) for k in required if isinstance(k, str)}
 
 
 def _function_tools(tools: Any) -> list[dict]:

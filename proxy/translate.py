@@ -801,6 +801,10 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         systems.insert(0, instructions)
     if systems:
         messages.insert(0, {"role": "system", "content": "\n\n".join(systems)})
+    if not messages:
+        # An empty input (or one of items that translate to nothing) would reach the model
+        # server as an empty chat, which it refuses after the balance was held.
+        raise bad_request("Invalid 'input': it contains no message to answer.", param="input", code="empty_input")
 
     # --- chat body
     chat: dict[str, Any] = {"model": upstream_model, "messages": messages}

@@ -223,6 +223,7 @@ async def test_codex_stops_when_the_balance_runs_out(sim, start):
     assert len(statuses) <= 2, f"retry storm: {len(statuses)} requests\n" + result.explain()
     assert sim.requests == []  # nothing reached the model server
     shown = (result.stdout + result.stderr).lower()
-    assert "quota" in shown, result.explain()
+    assert "quota exceeded" in shown, result.explain()
+    assert "reconnecting" not in shown, result.explain()
     assert result.returncode != 0 or any(e.get("type") in ("turn.failed", "error") for e in result.events), \
         result.explain()

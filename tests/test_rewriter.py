@@ -861,7 +861,8 @@ def test_late_deltas_ignored_and_reasoning_after_text_opens_new_item():
 
 def test_seal_without_clear_text():
     reasoning = upstream_parts(BODIES["final_chat_stream"])[0]
-    out, rw = run([BODIES["final_chat_stream"]], ctx(seal=lambda t: "rp1." + t.encode().hex(), reasoning_in_clear=False))
+    c = ctx(seal=lambda t: "rp1." + t.encode().hex(), reasoning_in_clear=False)
+    out, rw = run([BODIES["final_chat_stream"]], c)
     events = parse(out)
     sdk_check(events)
     assert not [e for e in events if e["type"].startswith("response.reasoning_summary")]

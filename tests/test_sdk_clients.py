@@ -121,6 +121,34 @@ async def test_402_insufficient_quota(sim, proxy):
         await proxy.openai(api_key=secret).responses.create(model="tiny-model", input="hi")
     assert caught.value.status_code == 402
     assert caught.value.code == "insufficient_quota"
+    # Streamed too: the SDK accepts JSON, so the refusal stays an HTTP 402 before any event.
+    with pytest.raises(openai.APIStatusError) as caught:
+        async with proxy.openai(api_key=secret).responses.stream(model="tiny-model", input="hi") as stream:
+            await stream.get_final_response()
+    assert caught.value.status_code == 402 and caught.value.code == "insufficient_quota"
+    assert sim.requests == []
+
+
+async def test_402_as_an_event_for_an_event_stream_only_client(sim, proxy):
+    """Codex (Accept: text/event-stream) reads a spent balance only from response.failed."""
+    secret, _ = await proxy.ledger.create_key("broke", balance_micros=0)
+    body = {"model": "tiny-model", "input": "hi", "stream": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.url + "/v1/responses", json=body, headers={
+                "Authorization": f"Bearer {secret}", "Accept": "text/event-stream"}) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            events = parse_sse(await resp.read())
+        assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
+        failed = events[-1]["response"]
+        assert failed["error"]["code"] == "insufficient_quota" and failed["x_should_retry"] is False
+        assert failed["id"] == events[0]["response"]["id"] and failed["status"] == "failed"
+        assert RESPONSE_FIELDS <= set(failed)
+        # JSON accepted, or no stream: the HTTP 402 envelope.
+        for accept, stream in (("application/json", True), ("text/event-stream", False)):
+            async with http.post(proxy.url + "/v1/responses", json={**body, "stream": stream}, headers={
+                    "Authorization": f"Bearer {secret}", "Accept": accept}) as resp:
+                assert resp.status == 402
+                assert (await resp.json())["error"]["code"] == "insufficient_quota"
     assert sim.requests == []
 
 

@@ -74,7 +74,7 @@ def _timings_note(workdir: str, line: str) -> None:
 @pytest.fixture(scope="session")
 def tier() -> Tier:
     python = os.environ.get("VLLM_TIER_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-    model_dir = os.environ.get("VLLM_TIER_MODEL") or str(REPO / ".vllm-tier" / "tiny-model")
+    model_dir = os.environ.get("VLLM_TIER_MODEL") or str(REPO / ".cache" / "vllm-tier" / "tiny-model")
     if not os.path.exists(python):
         pytest.fail(f"no vLLM venv at {python}: run `bash scripts/vllm_tier/run.sh` (make test-vllm)")
     if not os.path.exists(os.path.join(model_dir, ".complete")):
