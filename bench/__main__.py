@@ -252,9 +252,8 @@ def run_sse(server: Server, model: str, conc: int, seconds: float, cores: str, h
     if hold:
         cmd += ["--hold", str(hold)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, preexec_fn=raise_nofile)
-    # CPU is read around the client's measured part: it reports its warm-up as done on stdout? No:
-    # the warm-up is short (one stream per client); its cost is included, and divided by the
-    # streams it completed, so it is counted on the side of the proxy (pessimistic, small).
+    # The server's CPU is read around the whole client run, warm-up streams (one per client) included;
+    # they are added to the count the CPU is divided by.
     cpu0 = server.cpu()
     server.reset_hwm()
     out, _ = proc.communicate()

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="config.yaml (default: ./config.yaml if present, else the embedded defaults)")
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the proxy (the default command)")
+    # Also accepted after the subcommand (`serve --config X`); SUPPRESS keeps the top-level value otherwise.
+    serve.add_argument("--config", default=argparse.SUPPRESS, help="as the top-level --config")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--workers", type=_workers_arg,

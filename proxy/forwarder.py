@@ -21,7 +21,7 @@ from proxy import state
 from proxy.errors import APIError
 from proxy.request import SEALER, translation
 from proxy.logs import log
-from proxy.rewriter import ResponseContext, StreamRewriter, response_from_completion
+from proxy.rewriter import ResponseContext, StreamRewriter, public_message, response_from_completion
 from proxy.routing import check_context_window, parse_provider, request_parameters
 from proxy.translate import set_output_cap
 from proxy.workers import Worker, WorkerPool
@@ -35,6 +35,24 @@ _SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
+
+
+# A non-stream answer is buffered whole: past this size it is an upstream fault (an endless
+# body), refused instead of held in memory until the total timeout. Error bodies are only
+# read for their message.
+MAX_JSON_BODY = 16 * 1024 * 1024
+MAX_ERROR_BODY = 64 * 1024
+
+
+async def _read_capped(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body, or its first limit + 1 bytes when it is longer (the caller decides)."""
+    buf = bytearray()
+    while len(buf) <= limit:
+        chunk = await upstream.content.read(min(1 << 16, limit + 1 - len(buf)))
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
 
 
 class _Retryable(Exception):
@@ -57,7 +75,7 @@ def _upstream_message(body: bytes) -> tuple[str | None, Any]:
         if isinstance(message, str):
             # Upstream messages are useful to the client ("maximum context length is ..."),
             # but never pass on what looks like an internal trace.
-            message = message.split("\nTraceback", 1)[0][:1000]
+            message = public_message(message, 1000)
             return message, err.get("param")
     return None, None
 
@@ -169,11 +187,15 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
             async with asyncio.timeout(first_byte):
                 upstream = await session.post(worker.chat_url, data=payload, headers=headers, timeout=client_timeout)
                 if upstream.status != 200:
-                    error = map_upstream_error(worker, upstream.status, await upstream.read())
+                    error = map_upstream_error(worker, upstream.status, await _read_capped(upstream, MAX_ERROR_BODY))
                     if upstream.status >= 500:
                         pool.record_failure(worker, f"status {upstream.status}")
                     raise error
-                first = await upstream.content.readany() if t.stream else await upstream.read()
+                first = await upstream.content.readany() if t.stream else await _read_capped(upstream, MAX_JSON_BODY)
+                if len(first) > MAX_JSON_BODY:
+                    raise _Retryable(worker, "answer too large", APIError(
+                        502, f"The model server sent an answer larger than {MAX_JSON_BODY} bytes.",
+                        code="upstream_error"))
         except aiohttp.ConnectionTimeoutError:
             # Nothing was sent: another worker may take it.
             pool.record_failure(worker, "connect timeout")

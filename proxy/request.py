@@ -86,7 +86,14 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise _too_large(limit)
     try:
         async with asyncio.timeout(float(limits["body_read_timeout"])):
-            raw = await request.content.read(limit + 1)
+            # read(n) returns what has arrived so far, not n bytes: loop to the end of the body.
+            buf = bytearray()
+            while len(buf) <= limit:
+                chunk = await request.content.read(limit + 1 - len(buf))
+                if not chunk:
+                    break
+                buf += chunk
+            raw = bytes(buf)
     except TimeoutError:
         raise APIError(408, "The request body arrived too slowly.", code="request_timeout") from None
     except web.HTTPRequestEntityTooLarge:

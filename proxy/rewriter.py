@@ -25,6 +25,7 @@ without emitting their done events (a half-streamed call must not look runnable)
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -32,6 +33,19 @@ from typing import TYPE_CHECKING, Any, Callable
 import orjson
 
 from proxy.sse import MAX_LINE, SSEDecoder
+
+_TRACE_START = re.compile(r"\s*(?:Traceback \(most recent call last\)|File \")")
+_ABS_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.@+-]+){2,}[\\/]?")
+
+
+def public_message(message: str, limit: int = 500) -> str:
+    """An upstream message as the client may see it: no traceback, no file-system paths
+    (the model server's internals), bounded in length."""
+    found = _TRACE_START.search(message)
+    if found:
+        message = message[: found.start()]
+    message = _ABS_PATH.sub("<path>", message).strip()
+    return message[:limit] or "The model server failed."
 
 if TYPE_CHECKING:  # proxy.translate is written separately; only its shape matters here
     from proxy.translate import ToolOrigin
@@ -580,6 +594,7 @@ class StreamRewriter:
     def _fail(self, message: str, code: str, retry_after_ms: int | None, should_retry: bool) -> None:
         if self.done:
             return
+        message = public_message(message)
         error: dict[str, Any] = {"code": code if code in _ERROR_CODES else "server_error", "message": message}
         if error["code"] != code:
             error["type"] = code

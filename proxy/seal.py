@@ -22,7 +22,9 @@ PREFIX = "rp1"
 
 
 def _b64d(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    # Strict: urlsafe_b64decode silently skips characters outside the alphabet, so a token
+    # with junk appended would still open; validate=True refuses it.
+    return base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
 
 
 def _b64e(data: bytes) -> str:

@@ -36,6 +36,19 @@ class SSEDecoder:
         if self.overflow or not chunk:
             return []
         chunk = bytes(chunk)
+        if (self._data is None and not self._buf and not self._skip_lf and chunk[-2:] == b"\n\n"
+                and b"\r" not in chunk):
+            # Fast path, the usual case: the chunk is whole events ("data: {...}\n\n" each),
+            # nothing pending. Same result as the line-by-line path below.
+            out: list[bytes] = []
+            for block in chunk[:-2].split(b"\n\n"):
+                if block[:6] == b"data: " and b"\n" not in block:
+                    out.append(block[6:])
+                else:
+                    for line in block.split(b"\n"):
+                        self._line(line, out)
+                    self._line(b"", out)
+            return out
         if self._skip_lf:
             self._skip_lf = False
             if chunk[:1] == b"\n":

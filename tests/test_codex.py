@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from tests.clients.capture import CAPTURED, ENTRY as CAPTURE
-from tests.clients.codex import CodexUnavailable, ensure_codex, run_codex, write_codex_home
+from tests.clients.codex import CodexUnavailable, EgressTrap, ensure_codex, run_codex, write_codex_home
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -63,8 +63,12 @@ def start(sim, make_proxy, tmp_path, codex_cmd):
         workdir.mkdir(exist_ok=True)
 
         async def run(prompt: str, *, api_key: str | None = None, timeout: float = 150):
-            return await run_codex(codex_cmd, home, workdir, prompt, api_key=api_key or proxy.api_key,
-                                   timeout=timeout)
+            async with EgressTrap() as trap:
+                result = await run_codex(codex_cmd, home, workdir, prompt, api_key=api_key or proxy.api_key,
+                                         timeout=timeout, egress_port=trap.port)
+            # The config keeps Codex on the proxy: no update check, analytics, plugins... anywhere else.
+            assert trap.attempts == [], f"Codex tried to reach beyond the proxy: {trap.attempts}"
+            return result
 
         return proxy, workdir, run
 
@@ -136,7 +140,9 @@ async def test_codex_runs_a_shell_command_through_the_proxy(sim, start):
 
 
 async def test_codex_reasoning_is_replayed_sealed(sim, start):
-    proxy, workdir, run = await start(overrides={"reasoning_seal": {"keys": {"k1": _key()}, "active": "k1"}})
+    # responses.reasoning_in_clear: false -> with a seal the reasoning reaches the client only sealed.
+    proxy, workdir, run = await start(overrides={"reasoning_seal": {"keys": {"k1": _key()}, "active": "k1"},
+                                                 "responses": {"reasoning_in_clear": False}})
     thought = "The user wants a file; I will write it with printf and then confirm."
     sim.script(
         {"reasoning": thought, "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "printf x > r.txt"}}]},
@@ -227,3 +233,18 @@ async def test_codex_stops_when_the_balance_runs_out(sim, start):
     assert "reconnecting" not in shown, result.explain()
     assert result.returncode != 0 or any(e.get("type") in ("turn.failed", "error") for e in result.events), \
         result.explain()
+
+
+async def test_codex_retries_a_failed_stream_and_recovers(sim, start):
+    """A mid-stream upstream failure is a response.failed event (retryable): Codex retries once
+    and the retried turn completes."""
+    proxy, workdir, run = await start()
+    sim.script(
+        {"text": "this answer breaks off half way through", "error_after": 2},
+        {"text": "Recovered."},
+    )
+    result = await run("Say something")
+    assert result.returncode == 0, result.explain()
+    assert [m["text"] for m in result.items("agent_message")] == ["Recovered."], result.explain()
+    assert len(sim.requests) == 2 and len(captured(proxy)) == 2
+    assert any("Reconnecting" in (e.get("message") or "") for e in result.events), result.explain()

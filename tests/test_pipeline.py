@@ -101,11 +101,7 @@ def test_default_pipeline_builds():
     assert len(app.middlewares) == 7
 
 
-@pytest.mark.parametrize("form", [
-    "top-level",
-    pytest.param("after-serve", marks=pytest.mark.xfail(
-        reason="proxy/cli.py: --config is a top-level option only (`-m proxy --config X serve`)", strict=False)),
-])
+@pytest.mark.parametrize("form", ["top-level", "after-serve"])
 def test_cli_serve_bad_config_exits_2_with_one_line(tmp_path, form):
     bad = tmp_path / "bad.yaml"
     bad.write_text("pipeline: [stateless, nope]\nledger: {path: %s}\n" % (tmp_path / "l.db"))

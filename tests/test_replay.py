@@ -79,6 +79,7 @@ async def test_ten_turn_tool_loop_replays_exactly(sim, make_proxy, monkeypatch, 
     if sealed:
         overrides["reasoning_seal"] = {"keys": {"k1": base64.urlsafe_b64encode(os.urandom(32)).decode()},
                                        "active": "k1"}
+        overrides["responses"] = {"reasoning_in_clear": False}  # the reasoning comes back only sealed
     proxy = await make_proxy(overrides)
     client = proxy.openai()
 

@@ -15,6 +15,7 @@ from proxy.seal import PREFIX, Sealer, sealer_from_config
 from tests.sdk_check import check_sequence, parse_sse, validate_response
 
 PIPELINE = ["stateless", "tools", "notices"]
+CIPHER_ONLY = {"reasoning_in_clear": False}  # responses section: with a seal, send only the ciphertext
 NOTICE = "reasoning item dropped: encrypted_content could not be opened"
 THOUGHT = "First I look at the weather tool, then I answer in one line."
 WEATHER = {
@@ -150,7 +151,8 @@ def follow_up(output: list[dict]) -> dict:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_sealed_reasoning_round_trip(sim, make_proxy, stream):
-    proxy = await make_proxy({"pipeline": PIPELINE, "reasoning_seal": {"keys": {"k1": key()}, "active": "k1"}})
+    proxy = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+                              "reasoning_seal": {"keys": {"k1": key()}, "active": "k1"}})
     output = await sealed_first_turn(sim, proxy, stream)
     reasoning = next(i for i in output if i["type"] == "reasoning")
     assert reasoning["encrypted_content"].startswith(f"{PREFIX}.k1.")
@@ -177,12 +179,13 @@ async def test_without_include_no_ciphertext_is_produced(sim, make_proxy):
 
 async def test_rotation_through_the_proxy(sim, make_proxy):
     k1, k2 = key(), key()
-    first = await make_proxy({"pipeline": PIPELINE, "reasoning_seal": {"keys": {"k1": k1}, "active": "k1"}})
+    first = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+                              "reasoning_seal": {"keys": {"k1": k1}, "active": "k1"}})
     output = await sealed_first_turn(sim, first, False)
 
     # k2 active, k1 still configured: the old ciphertext opens.
-    rotated = await make_proxy({"pipeline": PIPELINE, "reasoning_seal": {"keys": {"k1": k1, "k2": k2},
-                                                                         "active": "k2"}})
+    rotated = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+                                "reasoning_seal": {"keys": {"k1": k1, "k2": k2}, "active": "k2"}})
     sim.script({"reasoning": "again", "text": "Sunny."})
     status, headers, data = await post(rotated, follow_up(output))
     assert status == 200, data
@@ -192,7 +195,8 @@ async def test_rotation_through_the_proxy(sim, make_proxy):
     assert new["encrypted_content"].startswith(f"{PREFIX}.k2.")
 
     # k1 removed: dropped with a notice; the call and its output still go through.
-    retired = await make_proxy({"pipeline": PIPELINE, "reasoning_seal": {"keys": {"k2": k2}, "active": "k2"}})
+    retired = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+                                "reasoning_seal": {"keys": {"k2": k2}, "active": "k2"}})
     sim.script({"text": "Sunny."})
     status, headers, data = await post(retired, follow_up(output))
     assert status == 200, data
@@ -206,7 +210,8 @@ async def test_rotation_through_the_proxy(sim, make_proxy):
 @pytest.mark.parametrize("case", ["tampered", "foreign", "garbage", "other_key_id"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_unopenable_ciphertext_is_dropped_with_a_notice(sim, make_proxy, case, stream):
-    proxy = await make_proxy({"pipeline": PIPELINE, "reasoning_seal": {"keys": {"k1": key()}, "active": "k1"}})
+    proxy = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+                              "reasoning_seal": {"keys": {"k1": key()}, "active": "k1"}})
     output = await sealed_first_turn(sim, proxy, False)
     reasoning = next(i for i in output if i["type"] == "reasoning")
     token = reasoning["encrypted_content"]
@@ -228,7 +233,8 @@ async def test_unopenable_ciphertext_is_dropped_with_a_notice(sim, make_proxy, c
 
 async def test_ciphertext_without_a_configured_key_is_dropped_not_a_500(sim, make_proxy, monkeypatch):
     monkeypatch.delenv("RESPONSES_PROXY_SEAL_KEY", raising=False)
-    sealed = await make_proxy({"pipeline": PIPELINE, "reasoning_seal": {"keys": {"k1": key()}}})
+    sealed = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+                               "reasoning_seal": {"keys": {"k1": key()}}})
     output = await sealed_first_turn(sim, sealed, False)
     keyless = await make_proxy({"pipeline": PIPELINE})
     sim.script({"text": "Sunny."})
@@ -260,3 +266,24 @@ async def test_seal_key_from_the_environment(sim, make_proxy, monkeypatch):
     status, _, _ = await post(proxy, follow_up(output))
     assert status == 200
     assert sim.requests[-1]["messages"][1]["reasoning_content"] == THOUGHT
+
+
+async def test_default_sends_the_summary_too_and_the_ciphertext_wins(sim, make_proxy):
+    """responses.reasoning_in_clear defaults to true: the summary carries the text beside the
+    ciphertext. On replay the opened ciphertext is what the model gets, not the client's copy."""
+    proxy = await make_proxy({"pipeline": PIPELINE, "reasoning_seal": {"keys": {"k1": key()}, "active": "k1"}})
+    output = await sealed_first_turn(sim, proxy, True)
+    reasoning = next(i for i in output if i["type"] == "reasoning")
+    assert reasoning["summary"][0]["text"] == THOUGHT
+    assert reasoning["encrypted_content"].startswith(f"{PREFIX}.k1.")
+    reasoning["summary"][0]["text"] = "edited by the client"
+    sim.script({"text": "Sunny."})
+    status, headers, _ = await post(proxy, follow_up(output))
+    assert status == 200
+    assert sim.requests[-1]["messages"][1]["reasoning_content"] == THOUGHT
+    # A ciphertext that cannot be opened falls back to the summary text, silently: not a 500.
+    reasoning["encrypted_content"] = FOREIGN
+    sim.script({"text": "Sunny."})
+    status, headers, _ = await post(proxy, follow_up(output))
+    assert status == 200
+    assert sim.requests[-1]["messages"][1]["reasoning_content"] == "edited by the client"

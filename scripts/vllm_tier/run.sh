@@ -18,7 +18,7 @@
 #    is removed after a green run unless VLLM_TIER_KEEP=1.
 #
 # Environment: VLLM_TIER_PORT_A / VLLM_TIER_PORT_B (default 8101 / 8102, any free port if taken),
-# VLLM_TIER_STARTUP_TIMEOUT (s, default 240), VLLM_TIER_REBUILD_MODEL=1 to rebuild the model.
+# VLLM_TIER_STARTUP_TIMEOUT (s, default 300), VLLM_TIER_REBUILD_MODEL=1 to rebuild the model.
 # Quick check without the proxy: .venv-vllm/bin/python scripts/vllm_tier/sanity.py --model <model dir>
 set -euo pipefail
 

@@ -116,13 +116,16 @@ def start_vllm(python: str, model_dir: str, port: int, workdir: str, name: str =
 def start_proxy(python: str, config_path: str, port: int, workdir: str, name: str = "proxy") -> Proc:
     os.makedirs(workdir, exist_ok=True)
     log_path = os.path.join(workdir, f"{name}.log")
-    cmd = [python, "-m", "proxy", "serve", "--config", config_path, "--host", "127.0.0.1",
+    # --config is an option of the top-level parser (before the sub-command); the environment
+    # variable says the same for a CLI that would read it from there instead.
+    cmd = [python, "-m", "proxy", "--config", config_path, "serve", "--host", "127.0.0.1",
            "--port", str(port)]
     log = open(log_path, "ab")
     log.write(("$ " + " ".join(cmd) + "\n").encode())
     log.flush()
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
+    env["RESPONSES_PROXY_CONFIG"] = config_path
     popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              env=env, cwd=REPO, start_new_session=True)
     log.close()

@@ -136,16 +136,50 @@ class CodexRun:
         return f"exit {self.returncode}\n--- stdout\n{self.stdout[-6000:]}\n--- stderr\n{self.stderr[-6000:]}"
 
 
+class EgressTrap:
+    """A local HTTP(S) proxy that answers nothing and records every connection attempt: Codex is
+    given it as HTTPS_PROXY / HTTP_PROXY / ALL_PROXY, so anything but loopback lands here."""
+
+    def __init__(self) -> None:
+        self.attempts: list[str] = []
+        self.port = 0
+        self._server: asyncio.base_events.Server | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            self.attempts.append(line.decode(errors="replace").strip() or "<no request line>")
+            writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            self.attempts.append("<connection>")
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> "EgressTrap":
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
 async def run_codex(command: list[str], home: Path, workdir: Path, prompt: str, *, api_key: str,
-                    timeout: float = 120, extra_args: list[str] | None = None) -> CodexRun:
+                    timeout: float = 120, extra_args: list[str] | None = None,
+                    egress_port: int = 9) -> CodexRun:
+    trap = f"http://127.0.0.1:{egress_port}"
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home.parent),
         "CODEX_HOME": str(home),
         KEY_ENV: api_key,
         # Anything that is not loopback goes to a dead proxy and fails at once.
-        "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
-        "ALL_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost",
+        "HTTPS_PROXY": trap, "HTTP_PROXY": trap, "ALL_PROXY": trap,
+        "https_proxy": trap, "http_proxy": trap, "all_proxy": trap,
+        "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
         "RUST_LOG": os.environ.get("CODEX_RUST_LOG", "warn"),
         "NO_COLOR": "1", "TERM": "dumb",
     }

@@ -34,7 +34,7 @@ MAX_MODEL_LEN = servers.MAX_MODEL_LEN
 SCRIPTED_REASONING = "Let me think about it"
 SCRIPTED_CONTENT = "Hello! I am a tiny test model."
 
-STARTUP_TIMEOUT = float(os.environ.get("VLLM_TIER_STARTUP_TIMEOUT", "240"))
+STARTUP_TIMEOUT = float(os.environ.get("VLLM_TIER_STARTUP_TIMEOUT", "300"))
 
 
 @dataclass

@@ -41,7 +41,9 @@ TOOLS = [WEATHER_TOOL, TIME_TOOL]
 
 
 def _as_chat_tools(tools):
-    return [{"type": "function", "function": {k: v for k, v in t.items() if k in ("name", "description", "parameters")}}
+    """The chat-completions form of Responses function tools (strict rides along, as OpenAI's does)."""
+    return [{"type": "function",
+             "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}}
             for t in tools]
 
 
@@ -126,10 +128,13 @@ def test_truncation_at_max_output_tokens(client):
 
 
 def test_truncation_streaming(client):
+    # The SDK's get_final_response() wants response.completed; the terminal event carries the response.
     with client.responses.stream(model=MODEL, input="Write a long essay.", max_output_tokens=5) as stream:
-        types = [event.type for event in stream]
-        final = stream.get_final_response()
+        events = list(stream)
+    types = [event.type for event in events]
     assert types[-1] == "response.incomplete"
+    assert "response.completed" not in types
+    final = events[-1].response
     assert final.status == "incomplete"
     assert final.incomplete_details.reason == "max_output_tokens"
 
@@ -246,10 +251,10 @@ def test_input_tokens_count_equals_vllm_tokenize(client, proxy_single, with_tool
                               [{"role": "system", "content": "Be brief."},
                                {"role": "user", "content": "Hello, who are you?"}],
                               _as_chat_tools(TOOLS) if with_tools else None)
-    assert counted.input_tokens == expected
-    # ...and a generation of the same request reports the same prompt size.
+    # A generation of the same request: vLLM's own prompt size for what the proxy really sent.
     resp = client.responses.create(max_output_tokens=8, **kwargs)
-    assert resp.usage.input_tokens == expected
+    assert counted.input_tokens == resp.usage.input_tokens
+    assert counted.input_tokens == expected
 
 
 def test_input_tokens_raw_endpoint(proxy_single):
