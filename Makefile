@@ -27,5 +27,8 @@ test-vllm: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
+soak: $(STAMP)
+	$(BIN)/python -m soak --minutes $${SOAK_MINUTES:-3}
+
 clean:
 	rm -rf $(VENV) data .pytest_cache

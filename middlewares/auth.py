@@ -8,9 +8,24 @@ database, from `static_keys` in the section:
 
     auth:
       demo_key: true                # on start: a fresh "demo" key, printed once to stdout
+      key_cache_ttl_s: 5            # successful ledger lookups are cached this long (0: off)
+      key_cache_size: 10000         # at most this many cached keys (least recently used out)
       static_keys:
         - {name: ci, sha256: 3f4c...}            # hex sha256 of the secret
         - {name: ops, key: "${OPS_KEY}", allowed_models: [tiny-model], concurrency: 4}
+
+Key cache. A ledger lookup is a trip through the ledger's writer thread, so successful
+lookups are cached in the process, keyed by the secret's sha256 (the secret itself is
+never kept), for `key_cache_ttl_s`, in an LRU bounded by `key_cache_size`. Unknown and
+revoked keys are never cached (no negative cache: a flood of made-up keys cannot fill
+memory or evict real ones; each costs one indexed read, as before). Consequences:
+  * a revoke or limit change made through this process's ledger object empties the cache
+    at once (`Ledger.key_generation`);
+  * one made elsewhere (`responses-proxy keys revoke` from the CLI, another worker of
+    `serve --workers N`) takes effect within key_cache_ttl_s: that is the revocation
+    bound. Set 0 to look every request up in the ledger.
+  * a cached KeyRecord's balance_micros is as old as the entry; nothing on the request
+    path reads it (the balance middleware asks the ledger).
 
 Every failure (missing header, another scheme, unknown or revoked key) is the same 401
 `invalid_api_key`, whose message never repeats what was sent. A key limited to some
@@ -27,6 +42,8 @@ import hashlib
 import hmac
 import re
 import sys
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,6 +69,60 @@ _GUARDED = {
 _MODEL_ROUTES = ("/v1/responses", "/v1/responses/input_tokens")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
+
+
+class KeyCache:
+    """Successful ledger lookups by sha256 of the secret: TTL'd, LRU-bounded, dropped
+    wholesale when the ledger's key_generation moves on. No negative entries."""
+
+    __slots__ = ("ttl", "size", "_entries", "_generation", "hits", "misses")
+
+    def __init__(self, ttl_s: float, size: int) -> None:
+        self.ttl = ttl_s
+        self.size = size if ttl_s > 0 else 0
+        self._entries: OrderedDict[bytes, tuple[KeyRecord, float]] = OrderedDict()
+        self._generation = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:  # never the digests
+        return f"KeyCache(ttl_s={self.ttl}, size={self.size}, entries={len(self._entries)})"
+
+    def get(self, digest: bytes, generation: int) -> KeyRecord | None:
+        if generation != self._generation:
+            self._entries.clear()
+            self._generation = generation
+            return None
+        entry = self._entries.get(digest)
+        if entry is None:
+            self.misses += 1
+            return None
+        if time.monotonic() >= entry[1]:
+            del self._entries[digest]
+            self.misses += 1
+            return None
+        self._entries.move_to_end(digest)
+        self.hits += 1
+        return entry[0]
+
+    def put(self, digest: bytes, record: KeyRecord, generation: int) -> None:
+        """`generation`: the ledger's key_generation read BEFORE the lookup that found
+        `record`, so a revoke that committed meanwhile makes this entry stale at once."""
+        if self.size <= 0 or generation != self._generation:
+            return
+        self._entries[digest] = (record, time.monotonic() + self.ttl)
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+KEY_CACHE = web.AppKey("key_cache", KeyCache)
 
 
 def is_static(record: KeyRecord) -> bool:
@@ -145,6 +216,14 @@ def create(section: dict[str, Any], app: web.Application):
     if not isinstance(demo, bool):
         raise ConfigError(f"auth.demo_key must be true or false, not {demo!r}")
     statics = _static_keys(section.get("static_keys"))
+    cache_ttl = section.get("key_cache_ttl_s", 5)
+    if isinstance(cache_ttl, bool) or not isinstance(cache_ttl, (int, float)) or not 0 <= cache_ttl <= 3600:
+        raise ConfigError(f"auth.key_cache_ttl_s must be a number of seconds from 0 to 3600, not {cache_ttl!r}")
+    cache_size = section.get("key_cache_size", 10000)
+    if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
+        raise ConfigError(f"auth.key_cache_size must be a non-negative integer, not {cache_size!r}")
+    cache = KeyCache(float(cache_ttl), cache_size)
+    app[KEY_CACHE] = cache
     if demo:
         balance = app[state.CONFIG].section("balance")
         micros = balance.get("demo_balance_micros", 0)
@@ -154,8 +233,7 @@ def create(section: dict[str, Any], app: web.Application):
         # one runs after it (cleanup contexts start in order) and finds app[LEDGER] set.
         app.cleanup_ctx.append(_demo_key_ctx(balance))
 
-    def match_static(secret: str) -> KeyRecord | None:
-        digest = hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+    def match_static(digest: bytes) -> KeyRecord | None:
         found = None
         for hashed, record in statics:  # compare against every entry: no early exit
             if hmac.compare_digest(hashed, digest):
@@ -173,13 +251,19 @@ def create(section: dict[str, Any], app: web.Application):
         secret = secret.strip()
         if scheme.lower() != "bearer" or not secret or not _TOKEN.match(secret):
             raise _unauthorized("Malformed Authorization header: expected 'Authorization: Bearer <key>'.")
-        record = match_static(secret) if statics else None
+        digest = hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+        record = match_static(digest) if statics else None
         if record is None:
             from proxy.app import LEDGER
 
             ledger = request.app.get(LEDGER)
             if ledger is not None:
-                record = await ledger.lookup_key(secret)
+                generation = getattr(ledger, "key_generation", 0)
+                record = cache.get(digest, generation)
+                if record is None:
+                    record = await ledger.lookup_key(secret)
+                    if record is not None and not record.revoked:
+                        cache.put(digest, record, generation)
         if record is None or record.revoked:
             raise _unauthorized("Incorrect API key provided, or the key was revoked.")
         request[API_KEY] = record

@@ -16,13 +16,16 @@ Before forwarding:
     as compact JSON, / bytes_per_token) + 16 for the chat template. Real tokenizers
     average 3-4 bytes per token on English and JSON, so 2 over-estimates; the estimate
     is only a reservation (and the bill when the model server reports no usage).
-  * available balance < the input at the full input price -> 402 insufficient_quota.
   * the output cap is max_output_tokens, else the model's window from the worker pool,
-    else default_max_output_tokens. When the balance cannot cover input + cap, the cap
-    is lowered to what it covers (request[OUTPUT_CAP], applied by the forwarder) with a
-    notice "max_output_tokens lowered to N to fit the balance"; a cap below 1 -> 402.
-  * input + cap is held in the ledger (hold); a concurrent request that took the money
-    first -> 402. The hold is on the request under HOLD.
+    else default_max_output_tokens.
+  * ONE ledger operation, hold_up_to(min = input + 1 output token, max = input + cap),
+    atomically holds min(available, max), or fails when available < min -> 402
+    insufficient_quota (its message says whether not even the input is covered). When
+    less than input + cap was held, the cap is lowered to what the held amount covers
+    (pricing.max_output_tokens_for; request[OUTPUT_CAP], applied by the forwarder) with a
+    notice "max_output_tokens lowered to N to fit the balance". Concurrent requests of
+    one key cannot overdraw it: the check and the hold are one transaction under the
+    database write lock. The hold is on the request under HOLD.
 
 After the handler (also when the client disconnected and the handler was cancelled:
 the ledger call runs in a task of its own, which the cancellation cannot reach and
@@ -32,6 +35,10 @@ shutdown waits for):
     usage: the reported tokens, else the counted output deltas and the input estimate;
     cached tokens at the cached price.
   * the model server was never reached, or refused before producing anything -> release.
+
+Nothing on the response path waits for an fsync: the hold commits without one (the ledger's
+hold_synchronous, see proxy/ledger/sqlite.py for why that is safe) and the settle, which
+is fsync'd, runs after the response in its own task.
 """
 
 from __future__ import annotations
@@ -104,27 +111,22 @@ def create(section: dict[str, Any], app: web.Application):
 
     async def reserve(request: web.Request, ledger: Any, key_id: str, t: Any, price: Price, est: int) -> Hold:
         wanted = output_cap(request, t)
-        input_cost = cost_micros(price, est, 0, 0)
-        for attempt in range(2):
-            available = await ledger.available(key_id)
-            if available < input_cost:
+        if wanted < 1:
+            raise _insufficient("The available balance does not cover any output for this request.")
+        least = cost_micros(price, est, 0, 1)  # the input and one output token
+        most = cost_micros(price, est, 0, wanted)
+        try:
+            found = await ledger.hold_up_to(request[state.REQUEST_ID], key_id, least, most, hold_ttl)
+        except InsufficientBalance as exc:
+            if exc.available_micros < cost_micros(price, est, 0, 0):
                 raise _insufficient("The available balance does not cover the input of this request. "
-                                    "Top up the key or send a shorter input.")
-            cap = min(wanted, max_output_tokens_for(price, available, est, 0))
-            if cap < 1:
-                raise _insufficient("The available balance does not cover any output for this request.")
-            try:
-                found = await ledger.hold(request[state.REQUEST_ID], key_id, cost_micros(price, est, 0, cap), hold_ttl)
-            except InsufficientBalance:
-                if attempt:
-                    raise _insufficient("The available balance does not cover this request "
-                                        "(other requests of this key hold the rest).") from None
-                continue  # another request took part of it meanwhile: recompute once
-            if cap < wanted:
-                request[state.OUTPUT_CAP] = cap
-                state.notices(request).append(f"max_output_tokens lowered to {cap} to fit the balance")
-            return found
-        raise AssertionError("unreachable")
+                                    "Top up the key or send a shorter input.") from None
+            raise _insufficient("The available balance does not cover any output for this request.") from None
+        cap = min(wanted, max_output_tokens_for(price, found.amount_micros, est, 0))
+        if cap < wanted:  # >= 1: at least `least` was held
+            request[state.OUTPUT_CAP] = cap
+            state.notices(request).append(f"max_output_tokens lowered to {cap} to fit the balance")
+        return found
 
     async def close(request: web.Request, ledger: Any, hold: Hold, t: Any, price: Price, est: int,
                     cancelled: bool) -> None:

@@ -19,6 +19,7 @@ from proxy.endpoints import healthz_handler, input_tokens_handler, models_handle
 from proxy.errors import APIError
 from proxy.forwarder import POOL, SESSION, refusal_as_event, responses_handler
 from proxy.health import HealthSettings, health_context
+from proxy.routing import validate_settings as validate_routing
 from proxy.logs import access_log, log
 from proxy.netguard import IMAGE_POLICY, ImagePolicy
 from proxy.openapi import openapi_handler
@@ -162,6 +163,7 @@ def build_app(config: Config) -> web.Application:
     app[IMAGE_POLICY] = ImagePolicy(config.section("images"))
     health = config.section("health")
     HealthSettings.from_section(health)  # a bad section stops start-up here, not in the checker
+    validate_routing(config.section("routing"))
     app[POOL] = WorkerPool(parse_workers(config.get("workers")), outlier=OutlierPolicy.from_section(health.get("outlier")))
     # Resources first: middleware factories may add their own contexts that need these.
     app.cleanup_ctx.append(_client_session(app))

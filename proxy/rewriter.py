@@ -284,6 +284,17 @@ class StreamRewriter:
             "top_logprobs": None,
             "conversation": None,
             "prompt": None,
+            # Fields of the SDK's Response this proxy has nothing to say about (completed_at
+            # too: the rewriter is pure, so its bytes do not depend on the clock).
+            "completed_at": None,
+            "prompt_cache_retention": None,
+            "prompt_cache_options": None,
+            "prompt_cache_diagnostics": None,
+            "input_transformations": None,
+            "moderation": None,
+            "tool_usage": None,
+            "image": None,
+            "access_programs": None,
         }
         for k, v in (ctx.echo or {}).items():
             if k not in _OWNED:

@@ -441,3 +441,20 @@ async def check_context_window(session: aiohttp.ClientSession, worker: "Worker",
         t.chat["max_tokens"] = window - count
         return "clamped"
     return "counted"
+
+
+def validate_settings(section: dict[str, Any]) -> None:
+    """config.yaml `routing`: checked at build time, so a typo stops start-up, not a request."""
+    from proxy.config import ConfigError
+
+    unknown = set(section) - {"max_attempts", "context_check", "bytes_per_token_floor"}
+    if unknown:
+        raise ConfigError(f"routing: unknown setting(s) {', '.join(sorted(unknown))}")
+    attempts = section.get("max_attempts", 3)
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise ConfigError("routing.max_attempts must be a positive integer")
+    if not isinstance(section.get("context_check", True), bool):
+        raise ConfigError("routing.context_check must be true or false")
+    floor = section.get("bytes_per_token_floor", 16)
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor < 0:
+        raise ConfigError("routing.bytes_per_token_floor must be a non-negative number (0: never estimate)")

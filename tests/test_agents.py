@@ -7,7 +7,9 @@ import orjson
 import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
-PIPELINE = ["stateless", "auth", "limits", "tools", "balance", "notices"]
+from proxy.config import DEFAULTS
+
+PIPELINE = list(DEFAULTS["pipeline"])  # the default chain: auth (demo key), balance...
 
 set_tracing_disabled(True)
 

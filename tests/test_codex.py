@@ -9,19 +9,24 @@ reason is printed. Everything else is a failure.
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import os
-from pathlib import Path
 
+import aiohttp
 import orjson
 import pytest
+import zstandard
 
+from proxy.config import DEFAULTS
 from tests.clients.capture import CAPTURED, ENTRY as CAPTURE
 from tests.clients.codex import CodexUnavailable, EgressTrap, ensure_codex, run_codex, write_codex_home
+from tests.sdk_check import parse_sse
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
-PIPELINE = [CAPTURE, "stateless", "auth", "limits", "tools", "balance", "notices"]
+# The default chain (auth with the demo key, balance...), with the capture in front.
+PIPELINE = [CAPTURE, *DEFAULTS["pipeline"]]
 # Codex offers apply_patch as a custom (freeform, lark grammar) tool only for models of its
 # bundled catalog; "gpt-5.5" is one in 0.171. Unknown names ("tiny-model") get function tools.
 CATALOG_MODEL = "gpt-5.5"
@@ -52,7 +57,7 @@ def _key() -> str:
 
 @pytest.fixture
 def start(sim, make_proxy, tmp_path, codex_cmd):
-    """start(model, overrides) -> (proxy, run): run(prompt, workdir=None, api_key=None) runs codex exec."""
+    """start(model, overrides) -> (proxy, workdir, run); run(prompt, api_key=None) runs codex exec."""
 
     async def go(model: str = "tiny-model", overrides: dict | None = None):
         workers = [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": list(MODELS),
@@ -137,6 +142,24 @@ async def test_codex_runs_a_shell_command_through_the_proxy(sim, start):
     upstream_tools = {t["function"]["name"] for t in upstream["tools"]}
     assert "exec_command" in upstream_tools and "web_search" not in upstream_tools
     assert any("__" in name for name in upstream_tools)
+
+    # Codex compresses request bodies (zstd, or gzip) when it talks to OpenAI: the same second
+    # request, byte for byte, compressed, with Codex's own headers, is answered the same way.
+    second = captured(proxy)[1]
+    raw_body = orjson.dumps(second["body"])
+    headers = {k: v for k, v in second["headers"].items()
+               if k.lower() not in ("host", "content-length", "content-encoding")}
+    for encoding, packed in (("zstd", zstandard.ZstdCompressor().compress(raw_body)),
+                             ("gzip", gzip.compress(raw_body))):
+        sim.script({"text": f"again via {encoding}"})
+        async with aiohttp.ClientSession() as http:
+            async with http.post(proxy.base_url + "/responses", data=packed,
+                                 headers={**headers, "Content-Encoding": encoding}) as resp:
+                assert resp.status == 200, await resp.text()
+                events = parse_sse(await resp.read())
+        assert events[-1]["type"] == "response.completed"
+        assert events[-1]["response"]["output"][-1]["content"][0]["text"] == f"again via {encoding}"
+        assert sim.requests[-1]["messages"] == upstream["messages"]
 
 
 async def test_codex_reasoning_is_replayed_sealed(sim, start):

@@ -216,7 +216,8 @@ async def test_endless_non_stream_body_is_cut_off_not_buffered(sim, make_proxy):
                                        "timeouts": slow_total}])
     for script in ({"endless_line": True}, {"status": 500, "body": "x" * (4 << 20)}):
         started = time.monotonic()
-        status, headers, data = await call(proxy, body(script, stream=False))
+        sim.script(script)
+        status, headers, data = await call(proxy, body(None, stream=False))
         assert_envelope(status, data, {502})
         assert time.monotonic() - started < 10, script
         await settled(proxy, headers["x-request-id"], None)

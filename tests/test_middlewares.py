@@ -13,6 +13,7 @@ import aiohttp
 import orjson
 import pytest
 
+import middlewares.balance as balance_mw
 from middlewares.balance import estimate_input_tokens
 from middlewares.notices import header_value, sanitize
 from proxy.ledger.pricing import cost_micros, price_for
@@ -118,6 +119,82 @@ async def test_auth_revoked_key_is_401(make_proxy, http):
     status, _, body = await call(http, p, key=secret)
     assert status == 401
     assert body["error"]["code"] == "invalid_api_key"
+
+
+async def test_auth_cache_hit_costs_no_ledger_trip(make_proxy, http):
+    p = await make_proxy()
+    assert (await call(http, p, path="/v1/models", method="GET"))[0] == 200  # fills the cache
+    ops = p.ledger.stats["ops"]
+    for _ in range(5):
+        assert (await call(http, p, path="/v1/models", method="GET"))[0] == 200
+    assert p.ledger.stats["ops"] == ops
+
+
+async def test_auth_cache_off_looks_up_every_time(make_proxy, http):
+    p = await make_proxy({"auth": {"key_cache_ttl_s": 0}})
+    assert (await call(http, p, path="/v1/models", method="GET"))[0] == 200
+    ops = p.ledger.stats["ops"]
+    for _ in range(3):
+        assert (await call(http, p, path="/v1/models", method="GET"))[0] == 200
+    assert p.ledger.stats["ops"] == ops + 3
+
+
+async def test_auth_cache_revoke_elsewhere_takes_effect_within_the_ttl(make_proxy, http, tmp_path):
+    """A revoke through another connection to the database (the CLI, another worker) is only
+    seen once the cached entry's TTL has passed: the TTL is the revocation bound."""
+    from proxy.ledger import open_ledger
+
+    ttl = 1.0
+    p = await make_proxy({"auth": {"key_cache_ttl_s": ttl}})
+    secret, record = await p.ledger.create_key("revoked-elsewhere", balance_micros=10_000_000)
+    assert (await call(http, p, key=secret, path="/v1/models", method="GET"))[0] == 200
+    cached_at = time.monotonic()
+    async with open_ledger({"path": str(tmp_path / "ledger.db")}) as cli:  # what `keys revoke` does
+        await cli.revoke(record.key_id)
+    status = (await call(http, p, key=secret, path="/v1/models", method="GET"))[0]
+    if time.monotonic() - cached_at < ttl * 0.8:
+        assert status == 200  # still cached: this process has not seen the revoke yet
+    await asyncio.sleep(max(0.0, cached_at + ttl + 0.05 - time.monotonic()))
+    status, _, body = await call(http, p, key=secret, path="/v1/models", method="GET")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, _, _ = await call(http, p, key=secret)
+    assert status == 401  # and stays out (revoked keys are never cached)
+
+
+async def test_auth_cache_revoke_and_limits_in_process_take_effect_at_once(make_proxy, http):
+    p = await make_proxy({"auth": {"key_cache_ttl_s": 3600}})
+    secret, record = await p.ledger.create_key("changing", balance_micros=10_000_000)
+    assert (await call(http, p, key=secret))[0] == 200
+    await p.ledger.set_limits(record.key_id, allowed_models=["other-model"])
+    status, _, body = await call(http, p, key=secret)
+    assert status == 403 and body["error"]["code"] == "model_not_allowed"
+    await p.ledger.revoke(record.key_id)
+    assert (await call(http, p, key=secret))[0] == 401
+
+
+async def test_auth_cache_is_bounded_and_never_caches_unknown_keys(make_proxy, http):
+    from middlewares.auth import KEY_CACHE
+
+    p = await make_proxy({"auth": {"key_cache_size": 2}})
+    cache = p.app[KEY_CACHE]
+    for i in range(50):
+        status, _, _ = await call(http, p, key=f"sk-rp-unknown-{i:032d}", path="/v1/models", method="GET")
+        assert status == 401
+    assert len(cache) == 0
+    secrets = [(await p.ledger.create_key(f"k{i}", balance_micros=1))[0] for i in range(3)]
+    for secret in secrets:
+        assert (await call(http, p, key=secret, path="/v1/models", method="GET"))[0] == 200
+    assert len(cache) == 2  # least recently used out
+    for secret in secrets:
+        assert secret not in repr(cache)
+
+
+@pytest.mark.parametrize("bad", [-1, "5", True, 7200])
+async def test_auth_cache_settings_are_checked(make_proxy, bad):
+    from proxy.config import ConfigError
+
+    with pytest.raises(ConfigError, match="key_cache_ttl_s"):
+        await make_proxy({"auth": {"key_cache_ttl_s": bad}})
 
 
 async def test_auth_guards_models_but_not_healthz(make_proxy, http):
@@ -566,6 +643,47 @@ async def test_no_overdraft_under_200_concurrent_requests(make_proxy, http):
     assert final >= 0
     assert sum(u.cost_micros for u in usages) == initial - final
     assert all(u.debited_micros == u.cost_micros for u in usages)  # never clamped: nothing overdrawn
+    assert await p.ledger.available(record.key_id) == final
+
+
+async def test_non_stream_request_costs_two_ledger_operations(make_proxy, http):
+    """With the key cached: one hold_up_to before forwarding, one settle after."""
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("counted", balance_micros=1_000_000)
+    assert (await call(http, p, key=secret, path="/v1/models", method="GET"))[0] == 200
+    ops = p.ledger.stats["ops"]
+    status, headers, _ = await call(http, p, key=secret)
+    assert status == 200
+    await wait_for(lambda: _true(not balance_mw._PENDING))  # the settle task has finished
+    assert p.ledger.stats["ops"] - ops == 2  # hold_up_to + settle
+    assert await p.ledger.usage(headers["x-request-id"]) is not None
+
+
+async def test_partial_holds_under_200_concurrent_requests(make_proxy, http):
+    """A balance that is not a multiple of one request's hold: the request that finds less
+    than input + cap gets a lowered cap (hold_up_to holds what is left), none overdraws,
+    and the costs add up to the balance decrease."""
+    p = await make_proxy({"prices": PRICES})
+    body = {"model": MODEL, "max_output_tokens": 20, "input": sim_input(delay=0.02)}
+    estimate = estimate_input_tokens(translate_request(body).chat)
+    hold = estimate + 20
+    initial = 7 * hold + estimate + 9  # room for 7 whole requests and one with a cap of <= 9
+    secret, record = await p.ledger.create_key("partial", balance_micros=initial, concurrency=1000)
+    results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(200)))
+    statuses = [r[0] for r in results]
+    ok = statuses.count(200)
+    assert ok >= 8 and ok + statuses.count(402) == 200, statuses
+    lowered = [r for r in results if r[0] == 200 and "x-token-notice" in r[1]]
+    assert lowered, "no request got a lowered cap"
+    for _, headers, answer in lowered:
+        cap = answer["max_output_tokens"]
+        assert 1 <= cap < 20
+        assert headers["x-token-notice"] == f"max_output_tokens lowered to {cap} to fit the balance"
+    usages = await wait_for(lambda: _usage_count(p.ledger, record.key_id, ok), timeout=10)
+    final = await balance_of(p.ledger, record.key_id)
+    assert final >= 0
+    assert sum(u.cost_micros for u in usages) == initial - final
+    assert all(u.debited_micros == u.cost_micros for u in usages)
     assert await p.ledger.available(record.key_id) == final
 
 

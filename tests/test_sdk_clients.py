@@ -16,9 +16,10 @@ import pytest
 import zstandard
 from openai.types.responses import Response
 
+from proxy.config import DEFAULTS
 from tests.sdk_check import check_sequence, parse_sse, validate_response
 
-PIPELINE = ["stateless", "auth", "limits", "tools", "balance", "notices"]
+PIPELINE = list(DEFAULTS["pipeline"])  # the default chain: auth (demo key), balance...
 WEATHER = {
     "type": "function", "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},

@@ -597,3 +597,27 @@ async def test_context_check_leaves_vllm_uncapped_requests_alone():
     t, w = _t({"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 32768})
     assert await check_context_window(_NoSession(), w, t, None) == "fits"
     assert t.chat["max_tokens"] == 32768
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("overrides", [
+    {"routing": {"max_attempts": 0}},
+    {"routing": {"retries": 2}},
+    {"health": {"interval_s": 0}},
+    {"health": {"unhealthy_threshold": 0}},
+    {"health": {"outlier": {"consecutive_failures": 0}}},
+    {"health": {"outlier": {"base_ejection_s": 60, "max_ejection_s": 30}}},
+    {"workers": [{"name": "a", "url": "http://x", "dialect": "tgi"}]},
+    {"workers": [{"name": "a", "url": "http://x", "capacity": 0}]},
+    {"workers": [{"name": "a", "url": "http://x", "labels": ["fp8"]}]},
+    {"workers": [{"name": "a", "url": "http://x", "models": "tiny-model"}]},
+    {"workers": [{"name": "a", "url": "http://x", "timeouts": {"idle": 0}}]},
+])
+def test_bad_configuration_stops_start_up(overrides):
+    from proxy.app import build_app
+    from proxy.config import Config, ConfigError
+
+    with pytest.raises(ConfigError):
+        build_app(Config.from_dict({**NO_AUTH, "ledger": {"backend": "none"}, **overrides}))

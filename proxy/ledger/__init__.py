@@ -7,8 +7,10 @@ the backend from the "ledger" config section.
 Money is integer micro-units of the account currency everywhere (no floats).
 
 The flow for one request:
-  lookup_key(secret)              -> KeyRecord (auth)
-  hold(request_id, key_id, amount, ttl_s)  reserves funds; InsufficientBalance if it cannot
+  lookup_key(secret)              -> KeyRecord (auth; callers may cache it, see key_generation)
+  hold_up_to(request_id, key_id, min, max, ttl_s)  reserves min(available, max) in one
+                                  atomic step; InsufficientBalance if available < min
+  hold(request_id, key_id, amount, ttl_s)  reserves exactly `amount`; InsufficientBalance if it cannot
   settle(request_id, usage)       debits the real cost exactly once and drops the hold
   release(request_id)             drops the hold without charge (nothing was produced)
   expire_holds()                  drops holds whose ttl has passed (crashed requests)
@@ -141,6 +143,13 @@ class InsufficientBalance(LedgerError):
 class Ledger(abc.ABC):
     """The async ledger interface. Every method is safe to call concurrently."""
 
+    # Bumped (after the commit) by every change to a key made through THIS object (revoke,
+    # set_limits). An in-process cache of lookup_key results remembers the value it saw
+    # before its lookup and drops entries filled under an older one, so a revoke through
+    # the same ledger takes effect at once; changes by other processes (the CLI, other
+    # workers) are only bounded by the cache's TTL.
+    key_generation: int = 0
+
     # lifecycle
     @abc.abstractmethod
     async def start(self) -> None:
@@ -170,6 +179,28 @@ class Ledger(abc.ABC):
     async def hold(self, request_id: str, key_id: str, amount_micros: int, ttl_s: float) -> Hold:
         """Reserve funds atomically. InsufficientBalance if available < amount;
         DuplicateRequest if the request id has a hold or was settled; UnknownKey."""
+
+    async def hold_up_to(
+        self, request_id: str, key_id: str, min_micros: int, max_micros: int, ttl_s: float
+    ) -> Hold:
+        """Hold min(available, max_micros) if available >= min_micros, else raise
+        InsufficientBalance(available, min_micros); DuplicateRequest / UnknownKey as hold().
+
+        This default is correct for any backend whose hold() is atomic (hold() re-checks, so
+        a race can only make it retry, never overdraw) but costs two round trips; backends
+        override it with a single atomic operation (SQLiteLedger does)."""
+        if not 0 <= min_micros <= max_micros:
+            raise ValueError("need 0 <= min_micros <= max_micros")
+        available = 0
+        for _ in range(3):
+            available = await self.available(key_id)
+            if available < min_micros:
+                break
+            try:
+                return await self.hold(request_id, key_id, min(available, max_micros), ttl_s)
+            except InsufficientBalance:
+                continue  # another request took part of it meanwhile
+        raise InsufficientBalance(max(available, 0), min_micros)
 
     @abc.abstractmethod
     async def settle(self, request_id: str, usage: UsageRecord) -> bool:
@@ -247,7 +278,7 @@ def open_ledger(config_section: dict[str, Any] | None, base_dir: str | Path | No
     """The backend named by the "ledger" config section (not started: `await ledger.start()`).
 
     sqlite: {"backend": "sqlite", "path": "data/ledger.db", "synchronous": "FULL",
-             "busy_timeout_ms": 5000, "max_batch": 1024}
+             "hold_synchronous": "NORMAL", "busy_timeout_ms": 5000, "max_batch": 1024}
     """
     section = dict(config_section or {})
     backend = str(section.get("backend", "sqlite")).lower()
@@ -257,6 +288,7 @@ def open_ledger(config_section: dict[str, Any] | None, base_dir: str | Path | No
         return SQLiteLedger(
             resolve_path(str(section.get("path") or "data/ledger.db"), base_dir),
             synchronous=str(section.get("synchronous", "FULL")),
+            hold_synchronous=str(section.get("hold_synchronous", "NORMAL")),
             busy_timeout_ms=int(section.get("busy_timeout_ms", 5000)),
             max_batch=int(section.get("max_batch", 1024)),
         )

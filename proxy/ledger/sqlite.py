@@ -6,7 +6,8 @@ connection. The thread takes everything queued, runs it as one transaction (grou
 commit: one fsync for the whole group) with a SAVEPOINT around each operation, so one
 failing operation rolls back alone and the others commit. After COMMIT it resolves each
 operation's asyncio future with loop.call_soon_threadsafe (one call per loop per group).
-A result is only ever delivered after it is durable.
+A result is only ever delivered after it is committed, and after it is fsync'd except for
+holds (see "Holds commit without fsync" below).
 
 Atomicity. One thread serialises all writes of this process, and each group runs in
 BEGIN IMMEDIATE (the database write lock), so "check available, then insert the hold"
@@ -17,6 +18,28 @@ table, inserted in the same savepoint as the debit and the hold release.
 Durability. Holds are rows: after a SIGKILL nothing is lost (every acknowledged
 operation was committed) and nothing is double-charged (usage is UNIQUE per request id);
 holds of the dead process are dropped by expire_holds once their ttl passes.
+
+Holds commit without fsync. Every queued batch is split in two groups: first the ops
+that need no fsync (reads, and holds: the only ledger write on a request's response path),
+committed at `hold_synchronous` (default NORMAL), then everything else (settle, release,
+top-up, revoke, key changes...) at `synchronous` (default FULL). So no request waits for an
+fsync before it is forwarded, and a hold never waits behind a settle's fsync. Why this is
+safe (with WAL; NORMAL is never weaker than the process-crash guarantee above):
+  * SIGKILL / process crash: a NORMAL commit is in the WAL in the OS page cache, exactly
+    as durable as a FULL one. Holds survive and expire as before.
+  * OS crash / power cut: the newest NORMAL commits may be lost, i.e. holds. Every process
+    that could have served a request under such a hold died in the same crash (a WAL
+    database is shared only by processes on one host), so no settle can ever follow a lost
+    hold: losing it is the same as its expiring early, and a request in flight at a power
+    cut goes unbilled exactly as it already did with FULL (its hold would have expired
+    unsettled). Nothing is overdrawn: no request is running that the hold was protecting
+    against, and a settle's debit is clamped at the balance in any case.
+  * The WAL is append-only and an fsync covers every earlier frame, so a FULL commit
+    (settle, top-up, revoke) made after a hold makes that hold durable too; an
+    acknowledged settle, top-up or revoke is never lost, and a settle never survives
+    without the usage row that made it exactly-once (they are one transaction).
+Reordering the two groups is linearizable: all ops of one batch were pending at the same
+time, none had been acknowledged, so any serial order of them is a valid one.
 """
 
 from __future__ import annotations
@@ -106,7 +129,8 @@ _USAGE_COLUMNS = (
     "request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
     " cost_micros, status, created_at, debited_micros"
 )
-_SYNCHRONOUS = {"OFF", "NORMAL", "FULL", "EXTRA"}
+_SYNC_ORDER = ("OFF", "NORMAL", "FULL", "EXTRA")
+_SYNCHRONOUS = set(_SYNC_ORDER)
 # Compared against when the hash is unknown, so both paths do the same work.
 _DUMMY_HASH = hashlib.sha256(b"responses-proxy: no such key").digest()
 
@@ -173,6 +197,7 @@ class _Op:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     readonly: bool
+    fast: bool  # may commit at hold_synchronous (reads and holds), see the module docstring
 
 
 _STOP = object()
@@ -194,6 +219,7 @@ class SQLiteLedger(Ledger):
         path: str | Path,
         *,
         synchronous: str = "FULL",
+        hold_synchronous: str = "NORMAL",
         busy_timeout_ms: int = 5000,
         max_batch: int = 1024,
     ) -> None:
@@ -201,7 +227,13 @@ class SQLiteLedger(Ledger):
         synchronous = synchronous.upper()
         if synchronous not in _SYNCHRONOUS:
             raise LedgerError(f"ledger.synchronous must be one of {sorted(_SYNCHRONOUS)}")
+        hold_synchronous = hold_synchronous.upper()
+        if hold_synchronous not in _SYNCHRONOUS:
+            raise LedgerError(f"ledger.hold_synchronous must be one of {sorted(_SYNCHRONOUS)}")
         self.synchronous = synchronous
+        # Never stronger than `synchronous` (a hold needs no more than a settle).
+        self.hold_synchronous = min(hold_synchronous, synchronous, key=_SYNC_ORDER.index)
+        self._conn_sync = ""  # the connection's current PRAGMA synchronous (writer thread)
         self.busy_timeout_ms = busy_timeout_ms
         self.max_batch = max(1, max_batch)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -262,8 +294,10 @@ class SQLiteLedger(Ledger):
         # acknowledged settle would vanish (the request goes unbilled) and so might an
         # acknowledged top-up or revoke. FULL fsyncs the WAL at every COMMIT, and group
         # commit makes that one fsync per *group*, not per operation, so the price is
-        # small (see the throughput test). Configurable as ledger.synchronous.
+        # small (see the throughput test). Configurable as ledger.synchronous. Holds alone
+        # commit at ledger.hold_synchronous (NORMAL): see the module docstring for why.
         conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+        self._conn_sync = self.synchronous
         conn.execute("PRAGMA foreign_keys = ON")
         conn.executescript(SCHEMA)
         return conn
@@ -292,9 +326,19 @@ class SQLiteLedger(Ledger):
                         item = self._queue.get_nowait()
                     except queue.Empty:
                         break
-                if batch:
+                if not batch:
+                    continue
+                # Reads and holds first, without waiting for an fsync; then the rest.
+                fast = [op for op in batch if op.fast]
+                groups = [(fast, self.hold_synchronous)] if fast else []
+                if len(fast) < len(batch):
+                    groups.append(([op for op in batch if not op.fast], self.synchronous))
+                for group, level in groups:
                     try:
-                        self._run_group(conn, batch)
+                        if level != self._conn_sync and not all(op.readonly for op in group):
+                            conn.execute(f"PRAGMA synchronous = {level}")  # outside a transaction
+                            self._conn_sync = level
+                        self._run_group(conn, group)
                     except BaseException as exc:  # never leave a caller waiting forever
                         log.exception("ledger writer: unexpected error")
                         try:
@@ -302,7 +346,7 @@ class SQLiteLedger(Ledger):
                                 conn.execute("ROLLBACK")
                         except sqlite3.Error:
                             pass
-                        self._deliver([(op, None, LedgerError(f"ledger error: {exc}")) for op in batch])
+                        self._deliver([(op, None, LedgerError(f"ledger error: {exc}")) for op in group])
                         if not isinstance(exc, Exception):
                             raise
         finally:
@@ -334,7 +378,10 @@ class SQLiteLedger(Ledger):
             if op.future.cancelled():  # racy but harmless: a late cancel just drops the result
                 results.append((op, None, None))
                 continue
-            conn.execute("SAVEPOINT op")
+            # A read-only op has nothing to roll back: no savepoint (two statements saved).
+            savepoint = not op.readonly
+            if savepoint:
+                conn.execute("SAVEPOINT op")
             try:
                 result = op.fn(conn)
             except Exception as exc:
@@ -343,13 +390,15 @@ class SQLiteLedger(Ledger):
                     # the ops before this one are gone too, so the whole group fails.
                     aborted = exc
                     break
-                conn.execute("ROLLBACK TO op")
-                conn.execute("RELEASE op")
+                if savepoint:
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
                 if isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError):
                     exc = LedgerError(f"ledger error: {exc}")
                 results.append((op, None, exc))
             else:
-                conn.execute("RELEASE op")
+                if savepoint:
+                    conn.execute("RELEASE op")
                 results.append((op, result, None))
         if aborted is None:
             try:
@@ -383,13 +432,16 @@ class SQLiteLedger(Ledger):
             except RuntimeError:  # the caller's loop is closed; nobody is waiting
                 pass
 
-    async def _run(self, fn: Callable[[sqlite3.Connection], Any], *, readonly: bool = False) -> Any:
-        """Queue `fn(conn)` to the writer thread; its result once the group has committed."""
+    async def _run(
+        self, fn: Callable[[sqlite3.Connection], Any], *, readonly: bool = False, fast: bool = False
+    ) -> Any:
+        """Queue `fn(conn)` to the writer thread; its result once the group has committed
+        (fsync'd unless `fast`: reads and holds only)."""
         if self._closed or self._thread is None:
             raise LedgerError("ledger is closed" if self._closed else "ledger is not started")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put(_Op(fn, future, loop, readonly))
+        self._queue.put(_Op(fn, future, loop, readonly, fast or readonly))
         return await future
 
     # ------------------------------------------------------------------ helpers (writer thread)
@@ -397,14 +449,14 @@ class SQLiteLedger(Ledger):
     @staticmethod
     def _available(conn: sqlite3.Connection, key_id: str, now: float) -> tuple[int, int]:
         """(balance, available) for a key; UnknownKey if missing."""
-        row = conn.execute("SELECT balance_micros FROM keys WHERE key_id = ?", (key_id,)).fetchone()
+        row = conn.execute(
+            "SELECT balance_micros, (SELECT COALESCE(SUM(amount_micros), 0) FROM holds"
+            " WHERE holds.key_id = keys.key_id AND expires_at > ?) FROM keys WHERE key_id = ?",
+            (now, key_id),
+        ).fetchone()
         if row is None:
             raise UnknownKey(key_id)
-        held = conn.execute(
-            "SELECT COALESCE(SUM(amount_micros), 0) FROM holds WHERE key_id = ? AND expires_at > ?",
-            (key_id, now),
-        ).fetchone()[0]
-        return row[0], row[0] - held
+        return row[0], row[0] - row[1]
 
     @staticmethod
     def _get_key(conn: sqlite3.Connection, key_id: str) -> KeyRecord | None:
@@ -443,13 +495,36 @@ class SQLiteLedger(Ledger):
         if not ttl > 0:
             raise ValueError("ttl_s must be positive")
 
+        return await self._run(self._hold_op(request_id, key_id, amount, amount, ttl), fast=True)
+
+    async def hold_up_to(
+        self, request_id: str, key_id: str, min_micros: int, max_micros: int, ttl_s: float
+    ) -> Hold:
+        low = _int(min_micros, "min_micros")
+        high = _int(max_micros, "max_micros")
+        if low > high:
+            raise ValueError("min_micros must not exceed max_micros")
+        if not request_id:
+            raise ValueError("request_id is required")
+        ttl = float(ttl_s)
+        if not ttl > 0:
+            raise ValueError("ttl_s must be positive")
+        return await self._run(self._hold_op(request_id, key_id, low, high, ttl), fast=True)
+
+    def _hold_op(
+        self, request_id: str, key_id: str, low: int, high: int, ttl: float
+    ) -> Callable[[sqlite3.Connection], Hold]:
+        """Hold min(available, high) if available >= low: check and insert in one
+        transaction under the write lock (BEGIN IMMEDIATE), so nothing can interleave."""
+
         def op(conn: sqlite3.Connection) -> Hold:
             now = time.time()
             _, available = self._available(conn, key_id, now)
             if conn.execute("SELECT 1 FROM usage WHERE request_id = ?", (request_id,)).fetchone():
                 raise DuplicateRequest(request_id)
-            if available < amount:
-                raise InsufficientBalance(max(available, 0), amount)
+            if available < low:
+                raise InsufficientBalance(max(available, 0), low)
+            amount = min(available, high)
             expires_at = now + ttl
             try:
                 conn.execute(
@@ -460,7 +535,7 @@ class SQLiteLedger(Ledger):
                 raise DuplicateRequest(request_id) from None
             return Hold(request_id, key_id, amount, expires_at)
 
-        return await self._run(op)
+        return op
 
     async def settle(self, request_id: str, usage: UsageRecord) -> bool:
         if not request_id:
@@ -640,14 +715,20 @@ class SQLiteLedger(Ledger):
                 raise UnknownKey(key_id)
             return record
 
-        return await self._run(op)
+        try:
+            return await self._run(op)
+        finally:
+            self.key_generation += 1  # also on error: a cache flush is always safe
 
     async def revoke(self, key_id: str) -> None:
         def op(conn: sqlite3.Connection) -> None:
             if conn.execute("UPDATE keys SET revoked = 1 WHERE key_id = ?", (key_id,)).rowcount == 0:
                 raise UnknownKey(key_id)
 
-        await self._run(op)
+        try:
+            await self._run(op)
+        finally:
+            self.key_generation += 1  # after the commit: caches filled before it are stale
 
     async def audit(self) -> list[tuple[str, int, int]]:
         """Per key: (key_id, balance, sum(topups) - sum(debited)); the two must be equal."""
