@@ -51,7 +51,9 @@ async def envelope_and_access_log(request: web.Request, handler):
         message = {404: "Unknown endpoint.", 405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
         return APIError(exc.status, f"{message} ({request.method} {request.path})", code=None).to_response()
     except (asyncio.CancelledError, ConnectionResetError):
-        status = 499  # the client went away; nothing to answer
+        out = request.get(state.OUTCOME)
+        # 499: the client went away before its answer was whole (after it, the answer stands).
+        status = 200 if out is not None and out.status in ("completed", "incomplete", "failed") else 499
         raise
     except Exception:
         log.exception("unhandled error", request_id=request[state.REQUEST_ID])

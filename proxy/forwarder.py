@@ -279,12 +279,13 @@ async def _stream_answer(request: web.Request, upstream: aiohttp.ClientResponse,
             if chunk:
                 await response.write(chunk)
         await response.write_eof()
-    except (ConnectionResetError, asyncio.CancelledError):
-        out.status = "cancelled"
-        raise
+    except ConnectionResetError:
+        # Clients such as Codex hang up as soon as they read the terminal event: an answer
+        # that was whole is a success, not a disconnect.
+        if not rewriter.done:
+            raise
     finally:
-        if out.status != "cancelled":
-            out.status = rewriter.status if rewriter.done else "cancelled"
+        out.status = rewriter.status if rewriter.done else "cancelled"
         _record_usage(out, rewriter.usage, rewriter.output_tokens_seen)
     return response
 
