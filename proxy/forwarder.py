@@ -315,15 +315,10 @@ async def refusal_as_event(request: web.Request, exc: APIError) -> web.StreamRes
     if t is None:
         return None
     rewriter = StreamRewriter(_context(request, t))
-    head = rewriter.start()
-    failed = dict(rewriter.response)
-    failed.update(status="failed", output=[], usage=None,
-                  error={"code": exc.code, "message": exc.message},
-                  retry_after_ms=None, x_should_retry=False)
-    event = {"type": "response.failed", "sequence_number": rewriter._seq, "response": failed}
+    body = rewriter.fail(exc.message, code=exc.code, retry_after_ms=None, should_retry=False, verbatim_code=True)
     response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **exc.headers, "x-should-retry": "false"})
     await response.prepare(request)
-    await response.write(head + b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n")
+    await response.write(body)
     await response.write_eof()
     state.outcome(request).status = "error"
     return response

@@ -236,12 +236,15 @@ class StreamRewriter:
         code: str = "upstream_error",
         retry_after_ms: int | None = 1000,
         should_retry: bool = True,
+        verbatim_code: bool = False,
     ) -> bytes:
+        """End the stream as response.failed. `verbatim_code` keeps a code outside the SDK's
+        closed set (insufficient_quota: what Codex reads as "stop, do not retry")."""
         if self.done:
             return b""
         head = self.start() if not self._started else b""
         out = self._out = []
-        self._fail(message, code, retry_after_ms, should_retry)
+        self._fail(message, code, retry_after_ms, should_retry, verbatim_code)
         return head + b"".join(out)
 
     # ------------------------------------------------------------------ emission
@@ -602,11 +605,13 @@ class StreamRewriter:
         retry = not (status is not None and 400 <= status < 500 and status != 429)
         self._fail(str(message), code, 1000 if retry else None, retry)
 
-    def _fail(self, message: str, code: str, retry_after_ms: int | None, should_retry: bool) -> None:
+    def _fail(self, message: str, code: str, retry_after_ms: int | None, should_retry: bool,
+              verbatim_code: bool = False) -> None:
         if self.done:
             return
         message = public_message(message)
-        error: dict[str, Any] = {"code": code if code in _ERROR_CODES else "server_error", "message": message}
+        known = verbatim_code or code in _ERROR_CODES
+        error: dict[str, Any] = {"code": code if known else "server_error", "message": message}
         if error["code"] != code:
             error["type"] = code
         extra = {"retry_after_ms": retry_after_ms, "x_should_retry": should_retry}
