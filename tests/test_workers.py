@@ -599,6 +599,15 @@ async def test_context_check_leaves_vllm_uncapped_requests_alone():
     assert t.chat["max_tokens"] == 32768
 
 
+async def test_context_check_lowers_the_proxys_own_cap_for_sglang():
+    # SGLang refuses prompt + max_tokens over the window (vLLM lowers it): the proxy's cap is lowered
+    # from the size bound, still without an upstream call.
+    t, w = _t({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 32768})
+    w.dialect = "sglang"
+    assert await check_context_window(_NoSession(), w, t, None) == "clamped"
+    assert 32768 - 400 < t.chat["max_tokens"] < 32768
+
+
 # --------------------------------------------------------------------------- configuration
 
 
