@@ -48,8 +48,10 @@ DEFAULTS: dict[str, Any] = {
         "vllm_path": "/health", "sglang_path": "/v1/models",
         "outlier": {"consecutive_failures": 5, "base_ejection_s": 30.0, "max_ejection_s": 300.0},
     },
-    # Failover attempts before the first byte; the pre-flight context-window check.
-    "routing": {"max_attempts": 3, "context_check": True, "bytes_per_token_floor": 16},
+    # Failover attempts before the first byte; the pre-flight context-window check; prompt-cache
+    # affinity (proxy/affinity.py: consistent hashing with bounded loads; enabled: false = least loaded).
+    "routing": {"max_attempts": 3, "context_check": True, "bytes_per_token_floor": 16,
+                "affinity": {"enabled": True, "epsilon": 0.25, "vnodes": 160, "hash_messages": True}},
     "metrics": {"enabled": True, "path": "/metrics"},
     "responses": {
         "ai_markers": True,
@@ -71,6 +73,7 @@ DEFAULTS: dict[str, Any] = {
     # Per model, per million tokens, in micro-units of the account currency.
     "prices": {"default": {"input": 500_000, "cached_input": 100_000, "output": 1_500_000}},
     "reasoning_seal": {"keys": {}, "active": None},
+    "images": {"allow_hosts": [], "allow_private": False, "resolve_timeout_s": 2.0},
 }
 
 _ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")

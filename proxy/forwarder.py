@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from proxy import state
+from proxy.affinity import request_key
 from proxy.errors import APIError
 from proxy.request import SEALER, translation
 from proxy.logs import log
@@ -136,6 +137,7 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
     params = request_parameters(t.chat)
     pool = request.app[POOL]
     routing_cfg = request.app[state.CONFIG].section("routing")
+    affinity = request_key(t, routing_cfg.get("affinity"))  # prompt-cache affinity (proxy.affinity)
     out = state.outcome(request)
     ctx = _context(request, t)
     attempts = 1 if prefs is not None and prefs.single_attempt else int(routing_cfg.get("max_attempts", MAX_ATTEMPTS))
@@ -143,7 +145,7 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
     last: _Retryable | None = None
     for _ in range(max(attempts, 1)):
         try:
-            worker = pool.choose(t.upstream_model, exclude=tried, prefs=prefs, params=params)
+            worker = pool.choose(t.upstream_model, exclude=tried, prefs=prefs, params=params, affinity=affinity)
         except APIError:
             if last is not None:  # every eligible worker failed before the first byte
                 raise last.final from None

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from proxy import state
+from proxy import affinity, state
 from proxy.workers import WorkerPool
 
 PREFIX = "responses_proxy"
@@ -67,7 +67,19 @@ class _PoolCollector:
                                         labels=["worker", "reason"])
         for (worker, reason), count in sorted(self.pool.failovers.items()):
             failovers.add_metric([worker, reason], count)
-        yield from (in_flight, capacity, healthy, ejected, ewma, ejections, failovers)
+        # Prompt-cache affinity (proxy/affinity.py): hit = the key's primary ring owner took the
+        # request; miss = load (bounded load or capacity moved it), ineligible (its owner is
+        # unhealthy, ejected or excluded by the provider object) or failover.
+        st = affinity.state(self.pool)
+        routed = CounterMetricFamily(f"{PREFIX}_affinity_routing",
+                                     "Requests routed by prompt-cache affinity, by hit or miss and why.",
+                                     labels=["result", "reason"])
+        for result, reason in (("hit", ""), ("miss", "load"), ("miss", "ineligible"), ("miss", "failover")):
+            routed.add_metric([result, reason], st.outcomes.get((result, reason), 0))
+        builds = CounterMetricFamily(f"{PREFIX}_affinity_ring_builds",
+                                     "Consistent-hash rings built (one per eligible-set signature).")
+        builds.add_metric([], st.ring_builds)
+        yield from (in_flight, capacity, healthy, ejected, ewma, ejections, failovers, routed, builds)
 
 
 class Metrics:
@@ -88,6 +100,17 @@ class Metrics:
                                      ["model"], registry=r)
         self.output_tokens = Counter(f"{PREFIX}_output_tokens", "Output tokens (reasoning included).", ["model"],
                                      registry=r)
+        # Per worker, for the prompt-cache hit ratio (what affinity is for): prompt tokens and
+        # the part of them the worker reported as read from its prefix cache.
+        self.worker_prompt_tokens = Counter(f"{PREFIX}_worker_prompt_tokens",
+                                            "Prompt tokens of the requests each worker answered.", ["worker"],
+                                            registry=r)
+        self.worker_cached_tokens = Counter(f"{PREFIX}_worker_cached_tokens",
+                                            "Prompt tokens each worker read from its prefix cache.", ["worker"],
+                                            registry=r)
+        self.worker_cached_ratio = Gauge(f"{PREFIX}_worker_cached_token_ratio",
+                                         "Cached / prompt tokens of each worker since start.", ["worker"], registry=r)
+        self._worker_tokens: dict[str, list[int]] = {}
         self.holds = Gauge(f"{PREFIX}_ledger_holds", "Balance holds not yet settled.", registry=r)
         self.holds_available = True
         r.register(_PoolCollector(pool))
@@ -116,6 +139,14 @@ class Metrics:
             self.cached_tokens.labels(model).inc(out.cached_tokens)
         if out.output_tokens:
             self.output_tokens.labels(model).inc(out.output_tokens)
+        if out.upstream and out.input_tokens and any(w.name == out.upstream for w in self.pool.workers):
+            cached = min(out.cached_tokens, out.input_tokens)
+            self.worker_prompt_tokens.labels(out.upstream).inc(out.input_tokens)
+            self.worker_cached_tokens.labels(out.upstream).inc(cached)
+            totals = self._worker_tokens.setdefault(out.upstream, [0, 0])
+            totals[0] += out.input_tokens
+            totals[1] += cached
+            self.worker_cached_ratio.labels(out.upstream).set(totals[1] / totals[0])
 
     async def refresh_ledger(self, app: web.Application) -> None:
         from proxy.app import LEDGER

@@ -1,5 +1,5 @@
-"""Which worker takes a request: the `provider` object, eligibility, least-loaded choice,
-and the pre-flight context-window check.
+"""Which worker takes a request: the `provider` object, eligibility, prompt-cache affinity
+(proxy.affinity) or the least-loaded choice, and the pre-flight context-window check.
 
 The `provider` object (000 doc, "worker requirements") is modelled on OpenRouter's
 provider preferences; the README's "Provider requirements" section lists what each
@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import aiohttp
 import orjson
 
+from proxy.affinity import AffinitySettings
+from proxy.affinity import pick as pick_by_affinity
 from proxy.errors import APIError, bad_request
 
 if TYPE_CHECKING:
+    from proxy.affinity import AffinityKey
     from proxy.workers import Worker, WorkerPool
 
 SORTS = ("load", "latency", "price")
@@ -276,7 +279,11 @@ def _best(workers: list["Worker"], sort: str, rotation: int) -> "Worker":
 
 
 def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclude: Iterable["Worker"] = (),
-           params: frozenset[str] = frozenset(), need_capacity: bool = True) -> "Worker":
+           params: frozenset[str] = frozenset(), need_capacity: bool = True,
+           affinity: "AffinityKey | None" = None) -> "Worker":
+    """The worker for one attempt. With an affinity key (proxy.affinity) and the default `load`
+    sort, the choice within the first tier with room is the key's worker on the bounded-load
+    ring of that tier's eligible workers; otherwise the best by `sort`."""
     candidates = pool.serving(model)
     if not candidates:
         pending = [w.name for w in pool.workers if not w.models_known]
@@ -294,16 +301,22 @@ def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclu
                                code="provider_requirements_unmet", param="provider")
             candidates = kept
     excluded = set(map(id, exclude))
-    ranked = [[w for w in tier if w.available and id(w) not in excluded] for tier in tiers(prefs, candidates)]
-    ranked = [tier for tier in ranked if tier]
-    if not ranked:
+    healthy = [[w for w in tier if w.available] for tier in tiers(prefs, candidates)]
+    ranked = [[w for w in tier if id(w) not in excluded] for tier in healthy]
+    if not any(ranked):
         raise APIError(503, f"No healthy worker that meets the request's requirements serves '{model}' right now.",
                        code="no_worker_available", headers={"Retry-After": "1"})
     sort = prefs.sort if prefs is not None else "load"
     rotation = pool.next_rotation()
-    for tier in ranked:
+    for eligible, tier in zip(healthy, ranked):
         free = [w for w in tier if w.in_flight < w.capacity] if need_capacity else tier
         if free:
+            if affinity is not None and sort == "load":
+                # The ring is over the tier's eligible workers before failover's exclusions, so a
+                # retry continues on the same ring past the worker that failed.
+                chosen = pick_by_affinity(pool, affinity, pool.serving(model), eligible, excluded, need_capacity)
+                if chosen is not None:
+                    return chosen
             return _best(free, sort, rotation)
     raise APIError(429, f"Every eligible worker serving '{model}' is at capacity; retry shortly.",
                    code="capacity_exhausted", headers={"Retry-After": "1"})
@@ -447,7 +460,7 @@ def validate_settings(section: dict[str, Any]) -> None:
     """config.yaml `routing`: checked at build time, so a typo stops start-up, not a request."""
     from proxy.config import ConfigError
 
-    unknown = set(section) - {"max_attempts", "context_check", "bytes_per_token_floor"}
+    unknown = set(section) - {"max_attempts", "context_check", "bytes_per_token_floor", "affinity"}
     if unknown:
         raise ConfigError(f"routing: unknown setting(s) {', '.join(sorted(unknown))}")
     attempts = section.get("max_attempts", 3)
@@ -458,3 +471,4 @@ def validate_settings(section: dict[str, Any]) -> None:
     floor = section.get("bytes_per_token_floor", 16)
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor < 0:
         raise ConfigError("routing.bytes_per_token_floor must be a non-negative number (0: never estimate)")
+    AffinitySettings.from_section(section.get("affinity"))

@@ -183,11 +183,12 @@ class WorkerPool:
         return self._rotation
 
     def choose(self, model: str, exclude: Iterable[Worker] = (), prefs: "ProviderPrefs | None" = None,
-               params: frozenset[str] = frozenset(), need_capacity: bool = True) -> Worker:
+               params: frozenset[str] = frozenset(), need_capacity: bool = True, affinity: Any = None) -> Worker:
         from proxy.routing import select
 
         self.readmit_expired()
-        return select(self, model, prefs, exclude=exclude, params=params, need_capacity=need_capacity)
+        return select(self, model, prefs, exclude=exclude, params=params, need_capacity=need_capacity,
+                      affinity=affinity)
 
     # ---------------------------------------------------------------- passive health
 

@@ -361,6 +361,48 @@ async def test_holds_commit_at_hold_synchronous_and_the_rest_at_synchronous(ledg
         open_ledger({"path": ledger.path, "hold_synchronous": "SOMETIMES"})
 
 
+async def test_settles_linger_for_company_but_never_hold_anything_up(tmp_path):
+    db = str(tmp_path / "linger.db")
+    led = open_ledger({"path": db, "settle_linger_ms": 60_000})
+    await led.start()
+    try:
+        _, key = await led.create_key("liv", 10_000)
+        for i in range(3):
+            await led.hold(f"l-{i}", key.key_id, 100, ttl_s=60)
+        groups = led.stats["groups"]
+        settles = [asyncio.ensure_future(led.settle(f"l-{i}", usage_for(f"l-{i}", key.key_id, 10)))
+                   for i in range(2)]
+        await asyncio.sleep(0.2)
+        assert not any(t.done() for t in settles)  # lingering: nothing committed yet
+        t0 = time.monotonic()
+        hold = await led.hold_up_to("other", key.key_id, 1, 50, ttl_s=60)  # not held up by them
+        assert hold.amount_micros == 50 and time.monotonic() - t0 < 1
+        assert await led.available(key.key_id) == 10_000 - 350  # reads neither
+        assert not any(t.done() for t in settles)
+        assert await led.top_up(key.key_id, 1) == 10_000 - 20 + 1  # needs an fsync: takes them along
+        assert all(t.done() and t.result() for t in settles)
+        assert led.stats["groups"] - groups == 3  # the hold's, the read's, ONE for both settles + top-up
+        late = asyncio.ensure_future(led.settle("l-2", usage_for("l-2", key.key_id, 10)))
+        await asyncio.sleep(0.05)
+        assert not late.done()
+    finally:
+        await led.close()  # flushes the lingering settle
+    assert late.result() is True
+    async with open_ledger({"path": db}) as again:
+        assert (await again.usage("l-2")).cost_micros == 10
+        assert (await again.get_key(key.key_id)).balance_micros == 10_000 - 30 + 1
+
+    quick = open_ledger({"path": db, "settle_linger_ms": 20})
+    await quick.start()
+    try:
+        await quick.hold("q-1", key.key_id, 100, ttl_s=60)
+        t0 = time.monotonic()
+        assert await quick.settle("q-1", usage_for("q-1", key.key_id, 10))
+        assert 0.015 <= time.monotonic() - t0 < 2  # alone: committed once its linger ran out
+    finally:
+        await quick.close()
+
+
 async def test_key_generation_moves_on_key_changes(ledger):
     _, key = await ledger.create_key("xan", 10)
     g0 = ledger.key_generation
@@ -428,6 +470,28 @@ async def test_one_failing_operation_does_not_fail_its_group(ledger):
     assert isinstance(results[6], RuntimeError)
     assert {h.request_id for h in await ledger.holds()} == {"ok-1"}
     assert (await ledger.get_key(key.key_id)).balance_micros == 955
+
+
+async def test_a_failing_operation_alone_in_its_group_is_rolled_back(ledger):
+    """A group of one op runs without a savepoint: its failure must roll back the whole
+    transaction instead of committing what it wrote before failing."""
+    _, key = await ledger.create_key("lou", 1_000)
+
+    def half_done(conn):
+        conn.execute("UPDATE keys SET balance_micros = 0 WHERE key_id = ?", (key.key_id,))
+        conn.execute("INSERT INTO holds VALUES ('partial', ?, 1, 9e18)", (key.key_id,))
+        raise RuntimeError("boom")
+
+    groups = ledger.stats["groups"]
+    with pytest.raises(RuntimeError):
+        await ledger._run(half_done)
+    assert ledger.stats["groups"] == groups + 1  # it did run alone
+    assert (await ledger.get_key(key.key_id)).balance_micros == 1_000
+    assert await ledger.holds() == []
+    # an atomic op (a hold) failing alone leaves nothing behind either
+    with pytest.raises(InsufficientBalance):
+        await ledger.hold_up_to("too-much", key.key_id, 1_001, 2_000, ttl_s=60)
+    assert await ledger.holds() == [] and await ledger.available(key.key_id) == 1_000
 
 
 async def test_close_finishes_queued_operations_then_refuses(tmp_path):

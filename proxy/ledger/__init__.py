@@ -278,7 +278,8 @@ def open_ledger(config_section: dict[str, Any] | None, base_dir: str | Path | No
     """The backend named by the "ledger" config section (not started: `await ledger.start()`).
 
     sqlite: {"backend": "sqlite", "path": "data/ledger.db", "synchronous": "FULL",
-             "hold_synchronous": "NORMAL", "busy_timeout_ms": 5000, "max_batch": 1024}
+             "hold_synchronous": "NORMAL", "busy_timeout_ms": 5000, "max_batch": 1024,
+             "settle_linger_ms": 5}
     """
     section = dict(config_section or {})
     backend = str(section.get("backend", "sqlite")).lower()
@@ -291,5 +292,6 @@ def open_ledger(config_section: dict[str, Any] | None, base_dir: str | Path | No
             hold_synchronous=str(section.get("hold_synchronous", "NORMAL")),
             busy_timeout_ms=int(section.get("busy_timeout_ms", 5000)),
             max_batch=int(section.get("max_batch", 1024)),
+            settle_linger_s=float(section.get("settle_linger_ms", 5)) / 1000,
         )
     raise LedgerError(f"unknown ledger backend {backend!r} (known: sqlite)")

@@ -1,0 +1,243 @@
+"""Prompt-cache affinity: a conversation goes back to the worker that holds its prefix.
+
+vLLM and SGLang cache prompt prefixes per server, so a conversation that lands on another
+worker each turn recomputes its whole history. The request's affinity key is, in order,
+`prompt_cache_key` (Codex sends its thread id), `conversation`, else (setting
+`hash_messages`, on by default) a hash of the leading system message and the first user
+message, which stay the same for every turn of one conversation.
+
+The key is placed on a consistent-hash ring with bounded loads (Mirrokni, Thorup and
+Zadimoghaddam, "Consistent Hashing with Bounded Loads"): each worker has `vnodes` points on
+the ring; from the key's point the walk takes the first worker whose in-flight count is under
+ceil((1 + epsilon) * average load), the average counting this request (weighted by capacity
+when capacities differ). A hot key therefore spills to the next worker on the ring instead of
+overloading its owner, and adding or losing a worker moves only the keys it owned.
+
+Affinity only chooses among the workers routing already found eligible (model, provider
+requirements, health, ejection, capacity, the `order` tier); the ring is over that set.
+Rings are cached by the set's signature, so a request costs a bisect and a short walk,
+never a ring rebuild. Failover excludes the failed worker and the walk continues on the ring.
+
+Pure, no I/O. proxy.routing calls `pick`; the forwarder computes `request_key` once per request.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import weakref
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import orjson
+
+if TYPE_CHECKING:
+    from proxy.workers import Worker, WorkerPool
+
+SETTINGS = ("enabled", "epsilon", "vnodes", "hash_messages")
+RING_CACHE_SIZE = 128  # rings kept per pool (one per eligible-set signature seen recently)
+
+
+@dataclass(frozen=True)
+class AffinitySettings:
+    enabled: bool = True
+    epsilon: float = 0.25  # a worker takes at most ceil((1 + epsilon) * average load)
+    vnodes: int = 160  # points per worker on the ring
+    hash_messages: bool = True  # no prompt_cache_key / conversation: key on system + first user message
+
+    @classmethod
+    def from_section(cls, section: Any) -> "AffinitySettings":
+        """config.yaml `routing.affinity`, validated (a bad value stops start-up)."""
+        from proxy.config import ConfigError
+
+        if section is None:
+            return cls()
+        if not isinstance(section, dict):
+            raise ConfigError("routing.affinity must be a mapping")
+        unknown = set(section) - set(SETTINGS)
+        if unknown:
+            raise ConfigError(f"routing.affinity: unknown setting(s) {', '.join(sorted(unknown))}")
+        for name in ("enabled", "hash_messages"):
+            if not isinstance(section.get(name, True), bool):
+                raise ConfigError(f"routing.affinity.{name} must be true or false")
+        epsilon = section.get("epsilon", 0.25)
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 < epsilon <= 100:
+            raise ConfigError("routing.affinity.epsilon must be a number above 0 (e.g. 0.25)")
+        vnodes = section.get("vnodes", 160)
+        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or not 1 <= vnodes <= 4096:
+            raise ConfigError("routing.affinity.vnodes must be an integer from 1 to 4096")
+        return cls(enabled=section.get("enabled", True), epsilon=float(epsilon), vnodes=vnodes,
+                   hash_messages=section.get("hash_messages", True))
+
+
+_SETTINGS_CACHE: dict[int, tuple[Any, AffinitySettings]] = {}
+
+
+def settings_for(section: Any) -> AffinitySettings:
+    """Parsed settings for a config section, parsed once per section object."""
+    found = _SETTINGS_CACHE.get(id(section))
+    if found is not None and found[0] is section:
+        return found[1]
+    parsed = AffinitySettings.from_section(section)
+    if len(_SETTINGS_CACHE) > 64:
+        _SETTINGS_CACHE.clear()
+    _SETTINGS_CACHE[id(section)] = (section, parsed)  # keeps the section alive: its id stays unique
+    return parsed
+
+
+def _h64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+@dataclass(frozen=True)
+class AffinityKey:
+    """Where one request sits on the ring, and how the walk is bounded."""
+
+    source: str  # prompt_cache_key | conversation | messages
+    point: int
+    epsilon: float = 0.25
+    vnodes: int = 160
+
+
+def _leading(messages: list) -> tuple[Any, Any]:
+    system = user = None
+    if messages and isinstance(messages[0], dict) and messages[0].get("role") in ("system", "developer"):
+        system = messages[0].get("content")
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "user":
+            user = m.get("content")
+            break
+    return system, user
+
+
+def request_key(t: Any, section: Any) -> AffinityKey | None:
+    """The request's affinity key (None: affinity off, or nothing to key on)."""
+    settings = settings_for(section)
+    if not settings.enabled:
+        return None
+    if getattr(t, "prompt_cache_key", None):
+        source, data = "prompt_cache_key", b"k\x00" + t.prompt_cache_key.encode()
+    elif getattr(t, "conversation", None):
+        source, data = "conversation", b"c\x00" + t.conversation.encode()
+    elif settings.hash_messages:
+        system, user = _leading(t.chat.get("messages") or [])
+        if system is None and user is None:
+            return None
+        try:
+            data = b"m\x00" + orjson.dumps([system, user])
+        except TypeError:
+            return None
+        source = "messages"
+    else:
+        return None
+    return AffinityKey(source, _h64(data), settings.epsilon, settings.vnodes)
+
+
+# --------------------------------------------------------------------------- the ring
+
+
+class Ring:
+    """`vnodes` points per worker, sorted; a worker's points depend only on its name, so the
+    ring of a subset is the full ring with the other workers' points left out."""
+
+    __slots__ = ("workers", "points", "owners")
+
+    def __init__(self, workers: list["Worker"], vnodes: int) -> None:
+        self.workers = workers  # held: the ids in the cache signature stay valid
+        pairs = sorted((_h64(f"{w.name}\x00{i}".encode()), idx) for idx, w in enumerate(workers)
+                       for i in range(vnodes))
+        self.points = [p for p, _ in pairs]
+        self.owners = [idx for _, idx in pairs]
+
+    def walk(self, point: int) -> Iterator["Worker"]:
+        """Distinct workers in ring order, starting at the key's point."""
+        points, owners, workers = self.points, self.owners, self.workers
+        n = len(points)
+        if not n:
+            return
+        start = bisect.bisect_left(points, point)
+        seen: set[int] = set()
+        for j in range(n):
+            idx = owners[(start + j) % n]
+            if idx not in seen:
+                seen.add(idx)
+                yield workers[idx]
+                if len(seen) == len(workers):
+                    return
+
+    def owner(self, point: int) -> "Worker | None":
+        if not self.points:
+            return None
+        i = bisect.bisect_left(self.points, point) % len(self.points)
+        return self.workers[self.owners[i]]
+
+
+class AffinityState:
+    """Per pool: the ring cache and the hit / miss counters (read by proxy.metrics)."""
+
+    def __init__(self) -> None:
+        self.rings: OrderedDict[tuple, Ring] = OrderedDict()
+        self.ring_builds = 0
+        self.outcomes: Counter[tuple[str, str]] = Counter()  # (result, reason) -> count
+
+    def ring(self, workers: list["Worker"], vnodes: int) -> Ring:
+        signature = (vnodes, *map(id, workers))
+        ring = self.rings.get(signature)
+        if ring is None:
+            ring = Ring(list(workers), vnodes)
+            self.ring_builds += 1
+            self.rings[signature] = ring
+            while len(self.rings) > RING_CACHE_SIZE:
+                self.rings.popitem(last=False)
+        else:
+            self.rings.move_to_end(signature)
+        return ring
+
+
+_STATES: "weakref.WeakKeyDictionary[WorkerPool, AffinityState]" = weakref.WeakKeyDictionary()
+
+
+def state(pool: "WorkerPool") -> AffinityState:
+    found = _STATES.get(pool)
+    if found is None:
+        found = _STATES[pool] = AffinityState()
+    return found
+
+
+def _bounds(workers: list["Worker"], epsilon: float) -> dict[int, int]:
+    """ceil((1 + epsilon) * average load), this request included, per worker (capacity-weighted)."""
+    total = sum(w.in_flight for w in workers) + 1
+    capacity = sum(max(w.capacity, 1) for w in workers)
+    return {id(w): math.ceil((1 + epsilon) * total * max(w.capacity, 1) / capacity) for w in workers}
+
+
+def pick(pool: "WorkerPool", key: AffinityKey, serving: list["Worker"], eligible: list["Worker"],
+         excluded: set[int], need_capacity: bool) -> "Worker | None":
+    """The first worker on the ring of `eligible` from the key's point that is not excluded,
+    has room and is under the load bound; counts a hit when it is the key's primary owner
+    (the owner on the ring of every worker serving the model). None: no worker can take it."""
+    st = state(pool)
+    ring = st.ring(eligible, key.vnodes)
+    usable = [w for w in eligible if id(w) not in excluded]
+    bounds = _bounds(usable, key.epsilon)
+    chosen = None
+    for w in ring.walk(key.point):
+        if id(w) in excluded or (need_capacity and w.in_flight >= w.capacity):
+            continue
+        if w.in_flight < bounds[id(w)]:
+            chosen = w
+            break
+    if chosen is None:
+        return None
+    primary = st.ring(serving, key.vnodes).owner(key.point)
+    if chosen is primary:
+        st.outcomes[("hit", "")] += 1
+    elif primary is not None and id(primary) in excluded:
+        st.outcomes[("miss", "failover")] += 1
+    elif primary is not None and any(w is primary for w in eligible):
+        st.outcomes[("miss", "load")] += 1
+    else:
+        st.outcomes[("miss", "ineligible")] += 1
+    return chosen
