@@ -64,6 +64,12 @@ _ANSWERED = ("completed", "incomplete", "failed", "cancelled")
 _PENDING: set[asyncio.Task] = set()  # settlements in flight (a strong reference each)
 
 
+async def wait_for_settlements(timeout: float = 30) -> None:
+    """Wait for the settlements still in flight (shutdown, and tests that read the ledger)."""
+    if _PENDING:
+        await asyncio.wait(list(_PENDING), timeout=timeout)
+
+
 def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = 2) -> int:
     """An over-estimate of the prompt tokens of a chat-completions body."""
     size = len(orjson.dumps(chat.get("messages") or []))
@@ -187,8 +193,7 @@ def create(section: dict[str, Any], app: web.Application):
             task.add_done_callback(_PENDING.discard)
 
     async def drain(app: web.Application) -> None:
-        if _PENDING:
-            await asyncio.wait(list(_PENDING), timeout=30)
+        await wait_for_settlements()
 
     app.on_shutdown.append(drain)
     return balance

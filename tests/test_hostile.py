@@ -274,4 +274,7 @@ async def test_limits_answer_clear_4xx(sim, make_proxy):
     assert 400 <= status < 500
     status, error = await send(orjson.dumps({"model": "tiny-model", "input": "fine"}))
     assert status == 200, error
+    from middlewares.balance import wait_for_settlements
+
+    await wait_for_settlements()  # settlement runs after the answer, in its own task
     assert await proxy.ledger.holds() == []

@@ -8,8 +8,9 @@ and sets:
 
 The servers are started here, by session fixtures, only when a test needs them, one after the
 other (2 cores): worker "vllm-a" for every test, worker "vllm-b" only for the two-worker tests.
-Two proxies: `proxy_single` (vllm-a only: deterministic routing for cached tokens and counts)
-and `proxy_pair` (vllm-a + vllm-b: affinity and failover). Every process started here is
+Three proxies: `proxy_single` (vllm-a only: deterministic routing for cached tokens and counts),
+`proxy_pair` (vllm-a + vllm-b: affinity and failover) and `proxy_pair_no_affinity` (the same two
+workers, prompt-cache affinity off: the baseline the affinity test compares against). Every process started here is
 stopped at the end of the session (its whole process group), logs are kept in the workdir.
 """
 from __future__ import annotations
@@ -113,7 +114,7 @@ def vllm_b(tier, vllm_a):  # depends on vllm_a: start-ups run one after the othe
     servers.stop(proc)
 
 
-def _proxy_config(path: str, workers: dict[str, servers.Proc], ledger: str) -> None:
+def _proxy_config(path: str, workers: dict[str, servers.Proc], ledger: str, routing: dict | None = None) -> None:
     import yaml
 
     config = {
@@ -127,15 +128,17 @@ def _proxy_config(path: str, workers: dict[str, servers.Proc], ledger: str) -> N
         "health": {"interval_s": 1.0, "timeout_s": 2.0},
         "ledger": {"path": ledger},
     }
+    if routing:
+        config["routing"] = routing
     with open(path, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)
 
 
-def _start_proxy(tier: Tier, name: str, workers: dict[str, servers.Proc]) -> ProxyInfo:
+def _start_proxy(tier: Tier, name: str, workers: dict[str, servers.Proc], routing: dict | None = None) -> ProxyInfo:
     folder = os.path.join(tier.workdir, name)
     os.makedirs(folder, exist_ok=True)
     config_path = os.path.join(folder, "config.yaml")
-    _proxy_config(config_path, workers, os.path.join(folder, "ledger.db"))
+    _proxy_config(config_path, workers, os.path.join(folder, "ledger.db"), routing)
     port = servers.free_port()
     proc = servers.start_proxy(str(REPO / ".venv" / "bin" / "python"), config_path, port, folder, name=name)
     try:
@@ -157,6 +160,16 @@ def proxy_single(tier, vllm_a):
 @pytest.fixture(scope="session")
 def proxy_pair(tier, vllm_a, vllm_b):
     info = _start_proxy(tier, "proxy-pair", {"vllm-a": vllm_a, "vllm-b": vllm_b})
+    yield info
+    servers.stop(info.proc)
+
+
+@pytest.fixture(scope="session")
+def proxy_pair_no_affinity(tier, vllm_a, vllm_b):
+    """A second proxy on the same two workers with prompt-cache affinity off: least loaded, ties
+    take turns, so sequential turns of one conversation alternate between the workers."""
+    info = _start_proxy(tier, "proxy-pair-no-affinity", {"vllm-a": vllm_a, "vllm-b": vllm_b},
+                        routing={"affinity": {"enabled": False}})
     yield info
     servers.stop(info.proc)
 

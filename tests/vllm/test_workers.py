@@ -1,9 +1,11 @@
-"""Two real vLLM workers behind one proxy: prompt-cache affinity, then failover when one dies.
+"""Two real vLLM workers behind one proxy: prompt-cache affinity (against a second proxy with
+affinity off on the same workers), then failover when one dies.
 
 Runs after test_responses.py (file order); the failover test kills worker vllm-b, so it stays last.
 """
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -59,6 +61,85 @@ def test_prompt_cache_key_affinity(proxy_pair):
                                        prompt_cache_key=key)
         cached.append(resp.usage.input_tokens_details.cached_tokens)
     assert all(c > 0 for c in cached), f"cached_tokens per repeat: {cached} (repeats left the worker)"
+
+
+def _system_prompt(salt: str) -> str:
+    # ~600 tokens of the tiny model's BPE (a rule is ~10 tokens), distinct per conversation.
+    return f"Session {salt}. " + " ".join(
+        f"Rule {i}: answer questions about the weather in city number {i} politely." for i in range(60))
+
+
+def _turn(salt: str, turn: int) -> str:
+    # ~150 tokens per user turn.
+    return f"Turn {turn} of {salt[:6]}. " + " ".join(
+        f"Note {j}: the temperature in city {j + turn} is {turn * 7 + j} degrees today." for j in range(11))
+
+
+def _conversations(proxy, n_conv: int = 3, turns: int = 6) -> list[list[tuple[int, int, float]]]:
+    """n_conv conversations interleaved turn by turn, each turn re-sending the whole history,
+    streamed. Per conversation: [(input_tokens, cached_tokens, seconds to the first delta)]."""
+    client = proxy.client()
+    run = uuid.uuid4().hex
+    convs = [{"key": f"thread-{run}-{c}", "system": _system_prompt(f"{run}-{c}"), "history": [], "turns": []}
+             for c in range(n_conv)]
+    try:
+        for turn in range(turns):
+            for conv in convs:
+                conv["history"].append({"role": "user", "content": _turn(conv["key"], turn)})
+                started = time.perf_counter()
+                ttft = None
+                final = None
+                stream = client.responses.create(model=MODEL, instructions=conv["system"], input=list(conv["history"]),
+                                                 max_output_tokens=8, prompt_cache_key=conv["key"], stream=True)
+                for event in stream:
+                    if ttft is None and event.type.endswith(".delta"):
+                        ttft = time.perf_counter() - started
+                    if event.type in ("response.completed", "response.incomplete"):
+                        final = event.response
+                assert final is not None and final.usage is not None
+                conv["turns"].append((final.usage.input_tokens, final.usage.input_tokens_details.cached_tokens,
+                                      ttft if ttft is not None else time.perf_counter() - started))
+                conv["history"].append({"role": "assistant", "content": final.output_text or f"Noted {turn}."})
+    finally:
+        client.close()
+    assert max(t[0] for conv in convs for t in conv["turns"]) < servers.MAX_MODEL_LEN
+    return [conv["turns"] for conv in convs]
+
+
+def test_affinity_cached_ratio_and_ttft_against_no_affinity(proxy_pair, proxy_pair_no_affinity):
+    """Three 6-turn conversations, interleaved, over the same two vLLM workers: through the proxy
+    with affinity every turn after the first finds its history in its worker's prefix cache; through
+    a proxy without (least loaded, ties take turns: each conversation alternates between the
+    workers) a turn only finds the history of two turns back, on the other worker."""
+    on = _conversations(proxy_pair)
+    off = _conversations(proxy_pair_no_affinity)
+
+    def ratio(convs):
+        return sum(c for conv in convs for _, c, _ in conv[1:]) / sum(i for conv in convs for i, _, _ in conv[1:])
+
+    def uncached(convs):
+        return sum(i - c for conv in convs for i, c, _ in conv[1:])
+
+    def mean_ttft(convs):
+        samples = [t for conv in convs for _, _, t in conv[1:]]
+        return sum(samples) / len(samples) * 1000
+
+    ratio_on, ratio_off = ratio(on), ratio(off)
+    print(f"\nreal vLLM, 2 workers, 3 interleaved 6-turn conversations (turns 2-6), prompt "
+          f"{on[0][0][0]}..{on[0][-1][0]} tokens:\n"
+          f"  affinity on : cached/input {ratio_on:.1%}, recomputed {uncached(on)} tokens, "
+          f"mean TTFT {mean_ttft(on):.1f} ms\n"
+          f"  affinity off: cached/input {ratio_off:.1%}, recomputed {uncached(off)} tokens, "
+          f"mean TTFT {mean_ttft(off):.1f} ms\n"
+          f"  per turn on : {[[c for _, c, _ in conv] for conv in on]}\n"
+          f"  per turn off: {[[c for _, c, _ in conv] for conv in off]}")
+    for conv in on:  # from turn 2 on, most of each prompt is cached
+        assert all(c / i > 0.6 for i, c, _ in conv[1:]), conv
+    assert ratio_on > 0.7
+    # Without affinity turn 2 always lands on the other worker: nothing of its history is there.
+    assert all(conv[1][1] == 0 for conv in off), off
+    assert ratio_on - ratio_off > 0.15, (ratio_on, ratio_off)
+    assert uncached(off) > 1.5 * uncached(on)
 
 
 def test_failover_when_a_worker_is_killed(proxy_pair):
