@@ -271,6 +271,19 @@ def _refuse_tool_type(ttype: str, param: str) -> APIError:
     )
 
 
+
+_LEAF_TOOLS = ("function", "custom")
+
+
+def _leaf_tool(acc: "_Tools", tool: dict, param: str, namespace: str | None) -> dict:
+    """Register one function or custom tool (top level or inside a namespace); -> its echo."""
+    kind = tool.get("type")
+    build = _function_tool if kind == "function" else _custom_tool
+    up, chat_tool, echo = build(tool, param, namespace)
+    _register(acc, up, ToolOrigin(kind, tool["name"], namespace), chat_tool, param)
+    return echo
+
+
 def _translate_tools(tools: Any) -> _Tools:
     acc = _Tools()
     if tools is None:
@@ -282,14 +295,8 @@ def _translate_tools(tools: Any) -> _Tools:
         if not isinstance(tool, dict):
             raise bad_request("Invalid tool: expected an object.", param=param)
         ttype = tool.get("type")
-        if ttype == "function":
-            up, chat_tool, echo = _function_tool(tool, param, None)
-            _register(acc, up, ToolOrigin("function", tool["name"]), chat_tool, param)
-            acc.echo_tools.append(echo)
-        elif ttype == "custom":
-            up, chat_tool, echo = _custom_tool(tool, param, None)
-            _register(acc, up, ToolOrigin("custom", tool["name"]), chat_tool, param)
-            acc.echo_tools.append(echo)
+        if ttype in _LEAF_TOOLS:
+            acc.echo_tools.append(_leaf_tool(acc, tool, param, None))
         elif ttype == "namespace":
             ns = _tool_name(tool, param)
             _opt_desc(tool, param)
@@ -302,19 +309,12 @@ def _translate_tools(tools: Any) -> _Tools:
                 if not isinstance(sub, dict):
                     raise bad_request("Invalid tool: expected an object.", param=sparam)
                 stype = sub.get("type")
-                if stype == "function":
-                    up, chat_tool, echo = _function_tool(sub, sparam, ns)
-                    kind = "function"
-                elif stype == "custom":
-                    up, chat_tool, echo = _custom_tool(sub, sparam, ns)
-                    kind = "custom"
-                else:
+                if stype not in _LEAF_TOOLS:
                     raise bad_request(
-                        f"Invalid tool type '{stype}' inside namespace '{ns}': only function and custom tools.",
+                        f"Invalid tool type '{_show(stype)}' inside namespace '{ns}': only function and custom tools.",
                         param=f"{sparam}.type",
                     )
-                _register(acc, up, ToolOrigin(kind, sub["name"], ns), chat_tool, sparam)
-                echo_inner.append(echo)
+                echo_inner.append(_leaf_tool(acc, sub, sparam, ns))
             echo_ns = dict(tool)
             echo_ns["tools"] = echo_inner
             acc.echo_tools.append(echo_ns)

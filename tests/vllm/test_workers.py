@@ -64,15 +64,17 @@ def test_prompt_cache_key_affinity(proxy_pair):
 
 
 def _system_prompt(salt: str) -> str:
-    # ~600 tokens of the tiny model's BPE (a rule is ~10 tokens), distinct per conversation.
+    # ~620 tokens of the tiny model's BPE (a rule is ~24 tokens, the salt ~40), distinct per conversation
+    # from its first block on, so no conversation finds another's prefix.
     return f"Session {salt}. " + " ".join(
-        f"Rule {i}: answer questions about the weather in city number {i} politely." for i in range(60))
+        f"Rule {i}: answer questions about the weather in city number {i} politely." for i in range(24))
 
 
 def _turn(salt: str, turn: int) -> str:
-    # ~150 tokens per user turn.
+    # ~150 tokens per user turn (a note is ~18 tokens): six turns stay near 1,550 tokens, under the
+    # 2,048 window, and every turn adds more than one 128-token block.
     return f"Turn {turn} of {salt[:6]}. " + " ".join(
-        f"Note {j}: the temperature in city {j + turn} is {turn * 7 + j} degrees today." for j in range(11))
+        f"Note {j}: the temperature in city {j + turn} is {turn * 7 + j} degrees today." for j in range(7))
 
 
 def _conversations(proxy, n_conv: int = 3, turns: int = 6) -> list[list[tuple[int, int, float]]]:
