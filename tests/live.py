@@ -80,8 +80,10 @@ class LiveStack:
             self.loop.close()
 
     async def _ledger_state(self):
+        from middlewares.balance import wait_for_settlements
         from proxy.app import LEDGER
 
+        await wait_for_settlements()  # settlement runs after the answer, in its own task
         ledger = self.app[LEDGER]
         return await ledger.holds(), await ledger.audit()
 
