@@ -66,8 +66,10 @@ _PENDING: set[asyncio.Task] = set()  # settlements in flight (a strong reference
 
 async def wait_for_settlements(timeout: float = 30) -> None:
     """Wait for the settlements still in flight (shutdown, and tests that read the ledger)."""
-    if _PENDING:
-        await asyncio.wait(list(_PENDING), timeout=timeout)
+    loop = asyncio.get_running_loop()  # tests run apps on several loops; wait only on this one's
+    pending = [task for task in _PENDING if task.get_loop() is loop]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
 
 
 def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = 2) -> int:
