@@ -6,6 +6,11 @@
       default_max_output_tokens: 32768 # the output cap to reserve for when neither the request
                                        # nor the worker pool says one
       bytes_per_token: 2               # the input estimate (see below)
+      lease_max_micros: 10000000       # leases (below); 0: every hold is a ledger round trip
+      lease_min_rate: 16               # requests/s of a key in this process before a lease
+      lease_seconds: 2                 # lease size: ~this long of the key's spend (+2x peak)
+      lease_idle_s: 2                  # an unused lease is given back after this
+      lease_ttl_s: 30                  # lease row expiry after its last renewal (<= hold_ttl_s)
 
 Only POST /v1/responses is billed (input_tokens bills nothing), and only for a ledger
 key: without the auth middleware, or for a static key (no account), this passes through.
@@ -36,6 +41,13 @@ shutdown waits for):
     cached tokens at the cached price.
   * the model server was never reached, or refused before producing anything -> release.
 
+Leases. The ledger calls go through proxy.ledger.lease.Leases (one per app): for a busy key
+the hold above is taken in memory from the process's lease (a hold row of its own in the
+ledger) and the settle / release is an in-memory debit whose usage row is committed with
+others a few ms later; only a request the lease cannot cover does the ledger operation
+above (and gives the lease's free part back in it, so the exact semantics hold near the end
+of a balance). See README "Keys and balances" for the guarantees and the crash window.
+
 Nothing on the response path waits for an fsync: the hold commits without one (the ledger's
 hold_synchronous, see proxy/ledger/sqlite.py for why that is safe) and the settle, which
 is fsync'd, runs after the response in its own task.
@@ -44,6 +56,7 @@ is fsync'd, runs after the response in its own task.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 import orjson
@@ -54,6 +67,7 @@ from proxy import state
 from proxy.config import ConfigError
 from proxy.errors import APIError
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
+from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.pricing import Price, cost_micros, max_output_tokens_for, price_for
 from proxy.logs import log
 from proxy.request import translation
@@ -61,12 +75,18 @@ from proxy.request import translation
 HOLD = web.RequestKey("hold", Hold)
 TEMPLATE_OVERHEAD = 16
 _ANSWERED = ("completed", "incomplete", "failed", "cancelled")
-_PENDING: set[asyncio.Task] = set()  # settlements in flight (a strong reference each)
+_PENDING: set[asyncio.Task] = set()  # ledger calls in flight (a strong reference each)
+_LEASES: "weakref.WeakSet[Leases]" = weakref.WeakSet()  # every app's Leases
+_LEASE_SETTINGS = {"lease_max_micros", "lease_seconds", "lease_min_rate", "lease_idle_s", "lease_ttl_s"}
 
 
 async def wait_for_settlements(timeout: float = 30) -> None:
-    """Wait for the settlements still in flight (shutdown, and tests that read the ledger)."""
+    """Wait for the settlements still in flight and commit the queued ones, then give back
+    the leases nothing holds (shutdown, and tests that read the ledger)."""
     loop = asyncio.get_running_loop()  # tests run apps on several loops; wait only on this one's
+    for leases in list(_LEASES):
+        if leases.loop is loop:
+            await asyncio.wait_for(leases.quiesce(), timeout)
     pending = [task for task in _PENDING if task.get_loop() is loop]
     if pending:
         await asyncio.wait(pending, timeout=timeout)
@@ -92,7 +112,8 @@ def _positive(section: dict, name: str, default: Any, kind=(int,)) -> Any:
 
 
 def create(section: dict[str, Any], app: web.Application):
-    unknown = set(section) - {"hold_ttl_s", "demo_balance_micros", "default_max_output_tokens", "bytes_per_token"}
+    unknown = set(section) - {"hold_ttl_s", "demo_balance_micros", "default_max_output_tokens",
+                              "bytes_per_token"} - _LEASE_SETTINGS
     if unknown:
         raise ConfigError(f"balance: unknown setting(s) {', '.join(sorted(unknown))}")
     hold_ttl = float(_positive(section, "hold_ttl_s", 900, (int, float)))
@@ -101,6 +122,26 @@ def create(section: dict[str, Any], app: web.Application):
     demo = section.get("demo_balance_micros", 0)
     if isinstance(demo, bool) or not isinstance(demo, int) or demo < 0:
         raise ConfigError("balance.demo_balance_micros must be a non-negative integer")
+    lease_max = section.get("lease_max_micros", 10_000_000)
+    if isinstance(lease_max, bool) or not isinstance(lease_max, int) or lease_max < 0:
+        raise ConfigError("balance.lease_max_micros must be a non-negative integer (0: no leases)")
+    lease_settings = {
+        "max_micros": lease_max,
+        "seconds": float(_positive(section, "lease_seconds", 2, (int, float))),
+        "min_rate": int(_positive(section, "lease_min_rate", 16)),
+        "idle_s": float(_positive(section, "lease_idle_s", 2, (int, float))),
+        "ttl_s": float(_positive(section, "lease_ttl_s", 30, (int, float))),
+    }
+    accounts: list[Leases] = []  # this app's, made on first use (the ledger opens at startup)
+
+    def leases_for(ledger: Any) -> Leases:
+        if accounts and accounts[0].ledger is ledger:
+            return accounts[0]
+        made = Leases(ledger, hold_ttl_s=hold_ttl, tasks=_PENDING, **lease_settings)
+        accounts[:] = [made]
+        _LEASES.add(made)
+        return made
+
     prices = app[state.CONFIG].section("prices")
     try:
         for name in list(prices) or ["default"]:
@@ -117,14 +158,14 @@ def create(section: dict[str, Any], app: web.Application):
         window = models.get(t.upstream_model) or models.get(t.model)
         return int(window) if window else default_cap
 
-    async def reserve(request: web.Request, ledger: Any, key_id: str, t: Any, price: Price, est: int) -> Hold:
+    async def reserve(request: web.Request, leases: Leases, key_id: str, t: Any, price: Price, est: int) -> Hold:
         wanted = output_cap(request, t)
         if wanted < 1:
             raise _insufficient("The available balance does not cover any output for this request.")
         least = cost_micros(price, est, 0, 1)  # the input and one output token
         most = cost_micros(price, est, 0, wanted)
         try:
-            found = await ledger.hold_up_to(request[state.REQUEST_ID], key_id, least, most, hold_ttl)
+            found = await leases.hold_up_to(request[state.REQUEST_ID], key_id, least, most)
         except InsufficientBalance as exc:
             if exc.available_micros < cost_micros(price, est, 0, 0):
                 raise _insufficient("The available balance does not cover the input of this request. "
@@ -136,32 +177,39 @@ def create(section: dict[str, Any], app: web.Application):
             state.notices(request).append(f"max_output_tokens lowered to {cap} to fit the balance")
         return found
 
-    async def close(request: web.Request, ledger: Any, hold: Hold, t: Any, price: Price, est: int,
-                    cancelled: bool) -> None:
+    def close(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
+              cancelled: bool) -> None:
         request_id = hold.request_id
         try:
-            out = request.get(state.OUTCOME)
-            reached = out is not None and out.upstream is not None
-            answered = reached and (out.status in _ANSWERED or out.usage_reported or out.output_tokens > 0)
-            if not answered and not (reached and cancelled):
-                await ledger.release(request_id)
-                return
-            if out.usage_reported:
-                input_tokens, cached = out.input_tokens, out.cached_tokens
-            else:
-                input_tokens, cached = est, 0
-            status = out.status if out.status in USAGE_STATUSES else ("cancelled" if cancelled else "error")
-            output = max(0, int(out.output_tokens))
-            usage = UsageRecord(
-                request_id=request_id, key_id=hold.key_id, model=t.model,
-                input_tokens=int(input_tokens), cached_tokens=int(cached), output_tokens=output,
-                reasoning_tokens=max(0, int(out.reasoning_tokens)),
-                cost_micros=cost_micros(price, int(input_tokens), int(cached), output), status=status,
-            )
-            await ledger.settle(request_id, usage)
+            usage = usage_of(request, hold, t, price, est, cancelled)
         except Exception:
-            # The hold stays and expires after hold_ttl_s: never a charge without a record.
             log.exception("settlement failed", request_id=request_id)
+            if isinstance(hold, LeaseHold):  # back to the lease: never a charge without a record
+                leases.finish(hold, None)
+            return  # a hold row stays and expires after hold_ttl_s
+        leases.finish(hold, usage)
+
+    def usage_of(request: web.Request, hold: Hold, t: Any, price: Price, est: int,
+                 cancelled: bool) -> UsageRecord | None:
+        """The usage to settle, or None to release the hold."""
+        request_id = hold.request_id
+        out = request.get(state.OUTCOME)
+        reached = out is not None and out.upstream is not None
+        answered = reached and (out.status in _ANSWERED or out.usage_reported or out.output_tokens > 0)
+        if not answered and not (reached and cancelled):
+            return None
+        if out.usage_reported:
+            input_tokens, cached = out.input_tokens, out.cached_tokens
+        else:
+            input_tokens, cached = est, 0
+        status = out.status if out.status in USAGE_STATUSES else ("cancelled" if cancelled else "error")
+        output = max(0, int(out.output_tokens))
+        return UsageRecord(
+            request_id=request_id, key_id=hold.key_id, model=t.model,
+            input_tokens=int(input_tokens), cached_tokens=int(cached), output_tokens=output,
+            reasoning_tokens=max(0, int(out.reasoning_tokens)),
+            cost_micros=cost_micros(price, int(input_tokens), int(cached), output), status=status,
+        )
 
     @web.middleware
     async def balance(request: web.Request, handler):
@@ -178,7 +226,8 @@ def create(section: dict[str, Any], app: web.Application):
         t = await translation(request)
         price = price_for(prices, t.model)
         est = estimate_input_tokens(t.chat, bytes_per_token)
-        hold = await reserve(request, ledger, record.key_id, t, price, est)
+        leases = leases_for(ledger)
+        hold = await reserve(request, leases, record.key_id, t, price, est)
         request[HOLD] = hold
         cancelled = False
         try:
@@ -187,14 +236,15 @@ def create(section: dict[str, Any], app: web.Application):
             cancelled = True
             raise
         finally:
-            # Its own task: a cancelled handler (the client left) cannot interrupt it, and the
-            # response (and the limits slot) need not wait for the ledger's commit. Shutdown
-            # waits for the settlements still in flight (drain).
-            task = asyncio.ensure_future(close(request, ledger, hold, t, price, est, cancelled))
-            _PENDING.add(task)
-            task.add_done_callback(_PENDING.discard)
+            # Never waits: a hold from a lease settles in memory and its usage row is queued
+            # for the next commit; a per-request hold settles in a task of its own, which a
+            # cancelled handler (the client left) cannot interrupt. Shutdown commits and waits
+            # for both (drain).
+            close(request, leases, hold, t, price, est, cancelled)
 
     async def drain(app: web.Application) -> None:
+        for leases in accounts:
+            await leases.close()
         await wait_for_settlements()
 
     app.on_shutdown.append(drain)

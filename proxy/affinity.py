@@ -220,13 +220,20 @@ def pick(pool: "WorkerPool", key: AffinityKey, serving: list["Worker"], eligible
     (the owner on the ring of every worker serving the model). None: no worker can take it."""
     st = state(pool)
     ring = st.ring(eligible, key.vnodes)
-    usable = [w for w in eligible if id(w) not in excluded]
-    bounds = _bounds(usable, key.epsilon)
+    # _bounds() of the usable (not excluded) workers, computed only for the workers the walk
+    # reaches (the same arithmetic, in the same order, without building the dict).
+    total = 1
+    capacity = 0
+    for w in eligible:
+        if id(w) not in excluded:
+            total += w.in_flight
+            capacity += max(w.capacity, 1)
+    scaled = (1 + key.epsilon) * total
     chosen = None
     for w in ring.walk(key.point):
         if id(w) in excluded or (need_capacity and w.in_flight >= w.capacity):
             continue
-        if w.in_flight < bounds[id(w)]:
+        if w.in_flight < math.ceil(scaled * max(w.capacity, 1) / capacity):
             chosen = w
             break
     if chosen is None:

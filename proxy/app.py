@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
+import os
+import random
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from proxy.errors import APIError
 from proxy.forwarder import POOL, SESSION, refusal_as_event, responses_handler
 from proxy.health import HealthSettings, health_context
 from proxy.routing import validate_settings as validate_routing
-from proxy.logs import access_log, log
+from proxy.logs import access, log
 from proxy.netguard import IMAGE_POLICY, ImagePolicy
 from proxy.openapi import openapi_handler
 from proxy import metrics
@@ -28,12 +29,24 @@ from proxy.workers import OutlierPolicy, WorkerPool, parse_workers
 
 LEDGER = web.AppKey("ledger", object)
 
+# Request ids (and the response ids made from them, and the ledger's hold ids) need to be
+# unique, not secret: 96 bits from a private generator seeded from os.urandom, re-seeded
+# in every forked child (serve --workers N), instead of a getrandom() call per request.
+_ids = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ids.seed)
+
+
+def new_request_id() -> str:
+    """"req_" + 24 hex digits."""
+    return f"req_{_ids.getrandbits(96):024x}"
+
 
 @web.middleware
 async def envelope_and_access_log(request: web.Request, handler):
     """Outermost: gives every request an id, turns every failure into the OpenAI envelope
     (never a traceback or an HTML page), and writes one access-log line."""
-    request[state.REQUEST_ID] = "req_" + secrets.token_hex(12)
+    request[state.REQUEST_ID] = request_id = new_request_id()
     started = time.perf_counter()
     status = 500
     try:
@@ -56,24 +69,23 @@ async def envelope_and_access_log(request: web.Request, handler):
         status = 200 if out is not None and out.status in ("completed", "incomplete", "failed") else 499
         raise
     except Exception:
-        log.exception("unhandled error", request_id=request[state.REQUEST_ID])
+        log.exception("unhandled error", request_id=request_id)
         return APIError(500, "The proxy failed to handle this request.", code="internal_error").to_response()
     finally:
         metrics.observe(request, status, time.perf_counter() - started)
         out = request.get(state.OUTCOME)
-        fields = {}
-        if out is not None:
-            fields = {
-                "upstream": out.upstream, "outcome": out.status, "input_tokens": out.input_tokens,
-                "cached_tokens": out.cached_tokens, "output_tokens": out.output_tokens,
-                "ttfb_ms": round(out.ttfb_ms, 2) if out.ttfb_ms is not None else None,
-            }
         translation = request.get(state.TRANSLATION)
-        access_log.info(
-            "request", request_id=request[state.REQUEST_ID], method=request.method, path=request.path,
-            model=translation.model if translation is not None else None, status=status,
-            latency_ms=round((time.perf_counter() - started) * 1000, 2), **fields,
-        )
+        model = translation.model if translation is not None else None
+        latency_ms = round((time.perf_counter() - started) * 1000, 2)
+        request_id = request[state.REQUEST_ID]
+        if out is None:
+            access(request_id=request_id, method=request.method, path=request.path, model=model, status=status,
+                   latency_ms=latency_ms)
+        else:
+            access(request_id=request_id, method=request.method, path=request.path, model=model, status=status,
+                   latency_ms=latency_ms, upstream=out.upstream, outcome=out.status, input_tokens=out.input_tokens,
+                   cached_tokens=out.cached_tokens, output_tokens=out.output_tokens,
+                   ttfb_ms=round(out.ttfb_ms, 2) if out.ttfb_ms is not None else None)
 
 
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:

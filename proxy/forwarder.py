@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy import state
 from proxy.affinity import request_key
@@ -47,7 +48,11 @@ MAX_ERROR_BODY = 64 * 1024
 
 async def _read_capped(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
     """The body, or its first limit + 1 bytes when it is longer (the caller decides)."""
-    buf = bytearray()
+    content = upstream.content
+    first = await content.read(min(1 << 16, limit + 1))
+    if not first or content.at_eof():
+        return first  # the common case: the whole body in one read, no copies
+    buf = bytearray(first)
     while len(buf) <= limit:
         chunk = await upstream.content.read(min(1 << 16, limit + 1 - len(buf)))
         if not chunk:
@@ -99,8 +104,26 @@ def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _
     return _Retryable(worker, f"status {status}", final)
 
 
+_RESPONSES_SETTINGS: dict[int, tuple[dict, tuple[bool, str, bool, bool]]] = {}
+
+
+def _responses_settings(section: dict) -> tuple[bool, str, bool, bool]:
+    """config.yaml `responses` as (ai_markers, ai_notice, reasoning_items, reasoning_in_clear),
+    read once per section object instead of on every request."""
+    found = _RESPONSES_SETTINGS.get(id(section))
+    if found is not None and found[0] is section:
+        return found[1]
+    parsed = (bool(section.get("ai_markers", True)), str(section.get("ai_notice", "[AI-generated content]")),
+              bool(section.get("reasoning_items", True)), bool(section.get("reasoning_in_clear", True)))
+    if len(_RESPONSES_SETTINGS) > 64:
+        _RESPONSES_SETTINGS.clear()
+    _RESPONSES_SETTINGS[id(section)] = (section, parsed)  # keeps the section alive: its id stays unique
+    return parsed
+
+
 def _context(request: web.Request, t: Any) -> ResponseContext:
-    cfg = request.app[state.CONFIG].section("responses")
+    ai_markers, ai_notice, reasoning_items, reasoning_in_clear = _responses_settings(
+        request.app[state.CONFIG].section("responses"))
     sealer = request.app.get(SEALER)
     return ResponseContext(
         response_id="resp_" + request[state.REQUEST_ID].removeprefix("req_"),
@@ -108,12 +131,37 @@ def _context(request: web.Request, t: Any) -> ResponseContext:
         created_at=int(time.time()),
         echo=t.echo,
         tools=t.tools,
-        ai_markers=bool(cfg.get("ai_markers", True)),
-        ai_notice=str(cfg.get("ai_notice", "[AI-generated content]")),
-        reasoning_items=bool(cfg.get("reasoning_items", True)),
-        reasoning_in_clear=bool(cfg.get("reasoning_in_clear", True)),
+        ai_markers=ai_markers,
+        ai_notice=ai_notice,
+        reasoning_items=reasoning_items,
+        reasoning_in_clear=reasoning_in_clear,
         seal=sealer.seal if sealer is not None and t.include_encrypted_reasoning else None,
     )
+
+
+# Per-request constants, built once: ClientTimeout per connect timeout (a frozen attrs
+# object), the upstream headers per worker credential (a CIMultiDict aiohttp takes as is).
+_CLIENT_TIMEOUTS: dict[float, aiohttp.ClientTimeout] = {}
+_UPSTREAM_HEADERS: dict[str | None, CIMultiDict] = {}
+
+
+def _client_timeout(connect: float) -> aiohttp.ClientTimeout:
+    found = _CLIENT_TIMEOUTS.get(connect)
+    if found is None:
+        if len(_CLIENT_TIMEOUTS) > 256:
+            _CLIENT_TIMEOUTS.clear()
+        found = _CLIENT_TIMEOUTS[connect] = aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect)
+    return found
+
+
+def _upstream_headers(worker: Worker) -> CIMultiDict:
+    key = worker.api_key
+    found = _UPSTREAM_HEADERS.get(key)
+    if found is None:
+        if len(_UPSTREAM_HEADERS) > 256:
+            _UPSTREAM_HEADERS.clear()
+        found = _UPSTREAM_HEADERS[key] = CIMultiDict({"Content-Type": "application/json", **worker.auth_headers()})
+    return found
 
 
 def _record_usage(out: state.Outcome, usage: dict | None, counted: int) -> None:
@@ -179,8 +227,8 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
     deadline = loop.time() + timeouts.total
     # Only the connect phase is aiohttp's; first byte, idle and total are timed here, so each
     # one is reported as itself.
-    client_timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_connect=timeouts.connect)
-    headers = {"Content-Type": "application/json", **worker.auth_headers()}
+    client_timeout = _client_timeout(timeouts.connect)
+    headers = _upstream_headers(worker)
     payload = orjson.dumps(t.chat)
     upstream: aiohttp.ClientResponse | None = None
     first_byte = min(timeouts.first_byte, timeouts.total) if t.stream else timeouts.total
@@ -256,30 +304,64 @@ async def _stream_answer(request: web.Request, upstream: aiohttp.ClientResponse,
     response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
     loop = asyncio.get_running_loop()
     idle = worker.timeouts.idle
+    # The idle and total timeouts of each upstream read, as one lazy watchdog timer instead of
+    # an asyncio.timeout per read (~9 us each on the bench machine, more than the rewriting of
+    # the chunk): a read only stamps its start time; the timer, when due, re-arms itself at the
+    # stamp of the read in progress (if any) and cancels the task only once a read has lasted
+    # `idle` or runs past `deadline`. Same semantics as timeout_at(min(start + idle, deadline))
+    # around each read; writes to the client are not timed (nor were they).
+    task = asyncio.current_task()
+    assert task is not None
+    cancelling = task.cancelling()
+    read_since: float | None = None  # start of the read in progress, None between reads
+    fired = False
+    timer: asyncio.TimerHandle | None = None
+
+    def watchdog() -> None:
+        nonlocal timer, fired
+        timer = None
+        if read_since is None or rewriter.done:
+            return  # not reading: the next read re-arms
+        due = min(read_since + idle, deadline)
+        if loop.time() >= due:
+            fired = True
+            task.cancel()
+        else:
+            timer = loop.call_at(due, watchdog)
+
     try:
         await response.prepare(request)
         await response.write(rewriter.start() + rewriter.feed(first))
         read = upstream.content.readany
+        write = response.write
+        feed = rewriter.feed
         while not rewriter.done:
-            idle_until = loop.time() + idle
+            read_since = loop.time()
+            if timer is None:
+                timer = loop.call_at(min(read_since + idle, deadline), watchdog)
             try:
-                async with asyncio.timeout_at(min(idle_until, deadline)):
-                    data = await read()
-            except (TimeoutError, aiohttp.ServerTimeoutError):
-                if idle_until < deadline:
+                data = await read()
+            except (asyncio.CancelledError, aiohttp.ServerTimeoutError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and (not fired or task.uncancel() > cancelling):
+                    raise  # not (only) ours: a real cancellation
+                fired = False
+                if read_since + idle < deadline:
                     message = f"The model server sent nothing for {idle:g}s (idle timeout)."
                 else:
                     message = f"The model server did not finish within {worker.timeouts.total:g}s (total timeout)."
-                await response.write(rewriter.fail(message, code="upstream_timeout"))
+                read_since = None
+                await write(rewriter.fail(message, code="upstream_timeout"))
                 break
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+                read_since = None
                 request.app[POOL].record_failure(worker, "disconnected mid-stream")
-                await response.write(rewriter.fail("The connection to the model server was lost mid-stream.",
-                                                   code="upstream_disconnected"))
+                await write(rewriter.fail("The connection to the model server was lost mid-stream.",
+                                          code="upstream_disconnected"))
                 break
-            chunk = rewriter.feed(data) if data else rewriter.finish()
-            if chunk:
-                await response.write(chunk)
+            read_since = None
+            chunk = feed(data) if data else rewriter.finish()
+            if chunk:  # one write per upstream read, none for a read that completed no event
+                await write(chunk)
         await response.write_eof()
     except ConnectionResetError:
         # Clients such as Codex hang up as soon as they read the terminal event: an answer
@@ -287,6 +369,9 @@ async def _stream_answer(request: web.Request, upstream: aiohttp.ClientResponse,
         if not rewriter.done:
             raise
     finally:
+        read_since = None
+        if timer is not None:
+            timer.cancel()
         out.status = rewriter.status if rewriter.done else "cancelled"
         _record_usage(out, rewriter.usage, rewriter.output_tokens_seen)
     return response

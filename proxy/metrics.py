@@ -111,6 +111,7 @@ class Metrics:
         self.worker_cached_ratio = Gauge(f"{PREFIX}_worker_cached_token_ratio",
                                          "Cached / prompt tokens of each worker since start.", ["worker"], registry=r)
         self._worker_tokens: dict[str, list[int]] = {}
+        self._children: dict[tuple, Any] = {}  # (id(metric), label values) -> labelled child
         self.holds = Gauge(f"{PREFIX}_ledger_holds", "Balance holds not yet settled.", registry=r)
         self.holds_available = True
         r.register(_PoolCollector(pool))
@@ -120,33 +121,44 @@ class Metrics:
         if t is None:
             return ""
         # Bounded: only models some worker serves become a label value.
-        return t.upstream_model if self.pool.serving(t.upstream_model) else "other"
+        model = t.upstream_model
+        return model if any(w.serves(model) for w in self.pool.workers) else "other"
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """metric.labels(*labels), cached: the label values are bounded (served models, statuses,
+        outcomes, workers), and labels() takes a lock and builds a tuple every time."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def observe(self, request: web.Request, status: int, elapsed_s: float) -> None:
         endpoint = _ENDPOINTS.get(request.path, "other")
         model = self.model_label(request)
         out = request.get(state.OUTCOME)
         outcome = out.status if out is not None and endpoint == "responses" else ""
-        self.requests.labels(endpoint, model, str(status), outcome).inc()
-        self.latency.labels(endpoint, model).observe(elapsed_s)
+        child = self._child
+        child(self.requests, endpoint, model, str(status), outcome).inc()
+        child(self.latency, endpoint, model).observe(elapsed_s)
         if out is None or endpoint != "responses":
             return  # input_tokens counts nothing toward usage
         if out.ttfb_ms is not None:
-            self.ttfb.labels(model, out.upstream or "").observe(out.ttfb_ms / 1000)
+            child(self.ttfb, model, out.upstream or "").observe(out.ttfb_ms / 1000)
         if out.input_tokens:
-            self.input_tokens.labels(model).inc(out.input_tokens)
+            child(self.input_tokens, model).inc(out.input_tokens)
         if out.cached_tokens:
-            self.cached_tokens.labels(model).inc(out.cached_tokens)
+            child(self.cached_tokens, model).inc(out.cached_tokens)
         if out.output_tokens:
-            self.output_tokens.labels(model).inc(out.output_tokens)
+            child(self.output_tokens, model).inc(out.output_tokens)
         if out.upstream and out.input_tokens and any(w.name == out.upstream for w in self.pool.workers):
             cached = min(out.cached_tokens, out.input_tokens)
-            self.worker_prompt_tokens.labels(out.upstream).inc(out.input_tokens)
-            self.worker_cached_tokens.labels(out.upstream).inc(cached)
+            child(self.worker_prompt_tokens, out.upstream).inc(out.input_tokens)
+            child(self.worker_cached_tokens, out.upstream).inc(cached)
             totals = self._worker_tokens.setdefault(out.upstream, [0, 0])
             totals[0] += out.input_tokens
             totals[1] += cached
-            self.worker_cached_ratio.labels(out.upstream).set(totals[1] / totals[0])
+            child(self.worker_cached_ratio, out.upstream).set(totals[1] / totals[0])
 
     async def refresh_ledger(self, app: web.Application) -> None:
         from proxy.app import LEDGER

@@ -84,20 +84,26 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     limit = int(limits["max_body_bytes"])
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
-    try:
-        async with asyncio.timeout(float(limits["body_read_timeout"])):
-            # read(n) returns what has arrived so far, not n bytes: loop to the end of the body.
-            buf = bytearray()
-            while len(buf) <= limit:
-                chunk = await request.content.read(limit + 1 - len(buf))
-                if not chunk:
-                    break
-                buf += chunk
-            raw = bytes(buf)
-    except TimeoutError:
-        raise APIError(408, "The request body arrived too slowly.", code="request_timeout") from None
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large(limit) from None
+    content = request.content
+    if content.is_eof():
+        # The whole body is buffered already (a small body arrives with the headers): take
+        # it without a timer or an await; the same bytes the loop below would read.
+        raw = content.read_nowait(limit + 1)
+    else:
+        try:
+            async with asyncio.timeout(float(limits["body_read_timeout"])):
+                # read(n) returns what has arrived so far, not n bytes: loop to the end of the body.
+                buf = bytearray()
+                while len(buf) <= limit:
+                    chunk = await content.read(limit + 1 - len(buf))
+                    if not chunk:
+                        break
+                    buf += chunk
+                raw = bytes(buf)
+        except TimeoutError:
+            raise APIError(408, "The request body arrived too slowly.", code="request_timeout") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise _too_large(limit) from None
     if len(raw) > limit:
         raise _too_large(limit)
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
@@ -111,7 +117,10 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise bad_request(f"The request body is not valid JSON: {exc.msg}.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    if not _depth_ok(body, int(limits["max_json_depth"])):
+    depth = int(limits["max_json_depth"])
+    # Every nesting level opens with its own { or [, so a body with no more of them than the
+    # limit cannot nest deeper than it: the walk is only for the rest.
+    if raw.count(b"{") + raw.count(b"[") > depth and not _depth_ok(body, depth):
         raise bad_request(f"The request body nests deeper than {limits['max_json_depth']} levels.", code="too_deep")
     request[state.BODY] = body
     return body

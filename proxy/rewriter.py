@@ -135,7 +135,7 @@ def map_usage(u: dict) -> dict:
 class _Item:
     __slots__ = (
         "kind", "id", "index", "parts", "open", "final",
-        "upstream_id", "upstream_name", "call_id", "name", "namespace", "announced",
+        "upstream_id", "upstream_name", "call_id", "name", "namespace", "announced", "tpl",
     )
 
     def __init__(self, kind: str, prefix: str) -> None:
@@ -151,14 +151,54 @@ class _Item:
         self.name: str | None = None
         self.namespace: str | None = None
         self.announced = False
+        self.tpl: tuple[bytes, bytes, bytes] | None = None  # delta-event byte template (fast path)
 
     def text(self) -> str:
         parts = self.parts
         if len(parts) > 1:
             joined = "".join(parts)
-            self.parts = [joined]
+            parts.clear()  # in place: the fast path holds on to this list
+            parts.append(joined)
             return joined
         return parts[0] if parts else ""
+
+
+# ---------------------------------------------------------------------- delta fast path
+# The three per-token events are written from byte templates instead of dict + orjson.dumps:
+#   head + sequence_number + mid + orjson.dumps(delta) + tail
+# byte for byte what _event() writes for the same dict (same key order, orjson's compact form).
+_SEQ = tuple(b"%d" % i for i in range(8192))  # sequence_number digits, precomputed
+_NSEQ = len(_SEQ)
+_JSONDecodeError = orjson.JSONDecodeError
+
+
+def _delta_template(event_type: str, item_id: str, output_index: int, index_field: str | None,
+                    tail: bytes) -> tuple[bytes, bytes, bytes]:
+    t = orjson.dumps(event_type)
+    head = b"event: " + event_type.encode() + b'\ndata: {"type":' + t + b',"sequence_number":'
+    mid = b',"item_id":' + orjson.dumps(item_id) + b',"output_index":' + orjson.dumps(output_index)
+    if index_field is not None:
+        mid += b',"' + index_field.encode() + b'":0'
+    return head, mid + b',"delta":', tail + b"}\n\n"
+
+
+def _text_template(it: "_Item") -> tuple[bytes, bytes, bytes]:
+    # {"type","sequence_number","item_id","output_index","content_index","delta","logprobs"}
+    tpl = it.tpl = _delta_template("response.output_text.delta", it.id, it.index, "content_index",
+                                   b',"logprobs":[]')
+    return tpl
+
+
+def _reasoning_template(it: "_Item") -> tuple[bytes, bytes, bytes]:
+    # {"type","sequence_number","item_id","output_index","summary_index","delta"}
+    tpl = it.tpl = _delta_template("response.reasoning_summary_text.delta", it.id, it.index, "summary_index", b"")
+    return tpl
+
+
+def _args_template(it: "_Item") -> tuple[bytes, bytes, bytes]:
+    # {"type","sequence_number","item_id","output_index","delta"}
+    tpl = it.tpl = _delta_template("response.function_call_arguments.delta", it.id, it.index, None, b"")
+    return tpl
 
 
 class StreamRewriter:
@@ -188,6 +228,7 @@ class StreamRewriter:
         self._last_call_index: int | None = None
         self._base = self._base_response()
         self.response = self._base
+        self._fs: tuple | None = None  # _feed_fast's view of the state, None once stale
 
     # ------------------------------------------------------------------ public API
     def start(self) -> bytes:
@@ -207,10 +248,15 @@ class StreamRewriter:
         head = self.start() if not self._started else b""
         out = self._out = []
         dec = self._decoder
-        for payload in dec.feed(data):
-            self._on_payload(payload)
-            if self.done:
-                break
+        payloads = dec.feed(data)
+        if payloads:
+            if self._fast and self._emit:
+                self._feed_fast(payloads)
+            else:
+                for payload in payloads:
+                    self._on_payload(payload)
+                    if self.done:
+                        break
         if not self.done and dec.overflow:
             self._fail(f"upstream sent a line longer than {dec.max_line} bytes", "server_error", 1000, True)
         body = b"".join(out)
@@ -246,6 +292,147 @@ class StreamRewriter:
         out = self._out = []
         self._fail(message, code, retry_after_ms, should_retry, verbatim_code)
         return head + b"".join(out)
+
+    # ------------------------------------------------------------------ fast path
+    _fast = True  # False: every payload takes the general path (tests compare the two)
+
+    def _feed_fast(self, payloads: list[bytes]) -> None:
+        """Same as `for p in payloads: self._on_payload(p)`, with the per-token chunks (one
+        choice, no finish_reason, a delta with only text, only reasoning, or the argument text
+        of an already announced call) handled inline: parsed once, checked for exactly that
+        shape, written from the item's byte template. Anything else (the first delta of an
+        item, tool-call starts, finish, errors, [DONE], odd shapes) goes through the general
+        path unchanged, after the state kept in locals has been written back."""
+        loads = orjson.loads
+        dumps = orjson.dumps
+        append = self._out.append
+        seq_digits = _SEQ
+        nseq = _NSEQ
+        seq = self._seq
+        ntok = 0  # output_tokens_seen increments not yet written back
+        nrsn = 0  # reasoning_deltas_seen increments not yet written back
+        fs = self._fs  # the state below, kept from the last feed unless the general path ran since
+        if fs is not None:
+            open_, m_tpl, m_parts, r_tpl, r_parts, hide_rs, calls = fs
+        for payload in payloads:
+            if fs is None:  # (re)load the state the general path may have changed
+                if self.done:
+                    break
+                fs = self._fast_state()
+                open_, m_tpl, m_parts, r_tpl, r_parts, hide_rs, calls = fs
+            try:
+                obj = loads(payload)
+            except _JSONDecodeError:
+                obj = None
+            if open_ and obj.__class__ is dict and not obj.get("error") and obj.get("object") != "error":
+                choices = obj.get("choices")
+                usage = obj.get("usage")
+                handled = False
+                if not choices:
+                    handled = True
+                elif choices.__class__ is list and len(choices) == 1:
+                    ch = choices[0]
+                    if ch.__class__ is dict and not ch.get("index") and not ch.get("finish_reason"):
+                        delta = ch.get("delta")
+                        if not delta:
+                            handled = True
+                        elif delta.__class__ is dict:
+                            c = delta.get("content")
+                            if len(delta) == 1 and c.__class__ is str:  # vLLM: {"content": "..."}
+                                r = tcs = None
+                            else:
+                                r = delta.get("reasoning")
+                                if r is None:
+                                    r = delta.get("reasoning_content")
+                                if c.__class__ is not str:
+                                    c = None  # not text: ignored, as in _on_delta
+                                tcs = delta.get("tool_calls")
+                            if not tcs:
+                                if not r:
+                                    if not c:
+                                        handled = True  # e.g. the role-only first chunk
+                                    elif m_tpl is not None:
+                                        m_parts.append(c)
+                                        append(m_tpl[0] + (seq_digits[seq] if seq < nseq else b"%d" % seq)
+                                               + m_tpl[1] + dumps(c) + m_tpl[2])
+                                        seq += 1
+                                        ntok += 1
+                                        handled = True
+                                elif not c and r.__class__ is str:
+                                    if hide_rs:
+                                        ntok += 1
+                                        nrsn += 1
+                                        handled = True
+                                    elif r_parts is not None:
+                                        r_parts.append(r)
+                                        if r_tpl is not None:
+                                            append(r_tpl[0] + (seq_digits[seq] if seq < nseq else b"%d" % seq)
+                                                   + r_tpl[1] + dumps(r) + r_tpl[2])
+                                            seq += 1
+                                        ntok += 1
+                                        nrsn += 1
+                                        handled = True
+                            elif (not r and not c and calls is not None and tcs.__class__ is list
+                                  and len(tcs) == 1):
+                                tc = tcs[0]
+                                if tc.__class__ is dict and not tc.get("id"):
+                                    fn = tc.get("function")
+                                    idx = tc.get("index")
+                                    if fn.__class__ is dict and idx.__class__ is int:
+                                        args = fn.get("arguments")
+                                        call = calls.get(idx)
+                                        if args.__class__ is str and call is not None and call.announced:
+                                            self._last_call_index = idx
+                                            if args:
+                                                call.parts.append(args)
+                                                if call.kind == "function_call":
+                                                    tpl = call.tpl or _args_template(call)
+                                                    append(tpl[0] + (seq_digits[seq] if seq < nseq else b"%d" % seq)
+                                                           + tpl[1] + dumps(args) + tpl[2])
+                                                    seq += 1
+                                                ntok += 1
+                                            handled = True
+                if handled:
+                    if usage.__class__ is dict:
+                        self.usage = map_usage(usage)  # continuous usage stats: the last one wins
+                    continue
+            # the general path, with the state written back first
+            self._seq = seq
+            if ntok:
+                self.output_tokens_seen += ntok
+                ntok = 0
+            if nrsn:
+                self.reasoning_deltas_seen += nrsn
+                nrsn = 0
+            if obj.__class__ is dict:
+                self._on_chunk(obj)
+            else:
+                self._on_payload(payload)
+            seq = self._seq
+            fs = None
+        self._fs = fs
+        self._seq = seq
+        if ntok:
+            self.output_tokens_seen += ntok
+        if nrsn:
+            self.reasoning_deltas_seen += nrsn
+
+    def _fast_state(self) -> tuple:
+        """What _feed_fast needs to know, read once: (open, message template, message parts,
+        reasoning template, reasoning parts, reasoning hidden, calls)."""
+        open_ = self.finish_reason is None
+        rs = self._reasoning
+        msg = self._message
+        m_tpl = m_parts = r_tpl = r_parts = None
+        if open_ and rs is None and msg is not None and msg.open:
+            m_parts = msg.parts
+            m_tpl = msg.tpl or _text_template(msg)
+        if open_ and rs is not None:
+            r_parts = rs.parts
+            if self._clear:
+                r_tpl = rs.tpl or _reasoning_template(rs)
+        calls = self._calls if open_ and rs is None else None
+        return open_, m_tpl, m_parts, r_tpl, r_parts, not self.ctx.reasoning_items, calls
 
     # ------------------------------------------------------------------ emission
     def _event(self, ev: dict) -> None:

@@ -1,7 +1,8 @@
 """Crash safety under load: the proxy (a real process, the full chain, SQLite ledger) is
 SIGKILLed while dozens of streams and JSON requests are in flight, then restarted on the
-same database. Afterwards: every JSON answer a client received has its usage row (nothing
-lost), no request is billed twice, the ledger audits (balance == top-ups - debits for every
+same database. Afterwards: every JSON answer a client received before the settle window
+(settles are group-committed every few ms, after the answer: README "Keys and balances")
+has its usage row, no request is billed twice, the ledger audits (balance == top-ups - debits for every
 key), and the holds the crash left behind are released once their ttl passes."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 CONCURRENCY = 40
 LOAD_SECONDS = 2.0
+SETTLE_WINDOW_S = 0.5  # generous: the ledger commits settles every settle_linger_ms (5 ms) under load
 
 
 def query(db, sql: str):
@@ -38,7 +40,7 @@ async def test_sigkill_under_load_then_restart(sim, tmp_path):
     db = tmp_path / "ledger.db"
     proc, port, key, log = await start_proxy(tmp_path, sim.url, extra)
     url = f"http://127.0.0.1:{port}"
-    answered: list[str] = []  # request ids of JSON answers the clients received
+    answered: list[tuple[str, float]] = []  # (request id, when) of JSON answers the clients received
     errors: list[str] = []
     stop = asyncio.Event()
 
@@ -58,7 +60,7 @@ async def test_sigkill_under_load_then_restart(sim, tmp_path):
                     if r.status != 200:
                         errors.append(f"{r.status} {raw[:200]!r}")
                     elif not stream and orjson.loads(raw)["status"] == "completed":
-                        answered.append(r.headers["x-request-id"])
+                        answered.append((r.headers["x-request-id"], time.monotonic()))
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 return  # the proxy died under us
 
@@ -67,6 +69,7 @@ async def test_sigkill_under_load_then_restart(sim, tmp_path):
             tasks = [asyncio.create_task(client(i, http)) for i in range(CONCURRENCY)]
             await asyncio.sleep(LOAD_SECONDS)
             in_flight_holds = query(db, "SELECT COUNT(*) FROM holds")[0][0]
+            killed_at = time.monotonic()
             proc.send_signal(signal.SIGKILL)
             await proc.wait()
             stop.set()
@@ -91,7 +94,11 @@ async def test_sigkill_under_load_then_restart(sim, tmp_path):
         rows = query(db, "SELECT request_id FROM usage")
         ids = [r[0] for r in rows]
         assert len(ids) == len(set(ids))  # no request billed twice
-        missing = set(answered) - set(ids)
+        # The documented crash window: settles queued in the last few ms (linger + one commit)
+        # may be lost, unbilled and never double-billed; anything answered before it is durable.
+        settled_before_kill = {rid for rid, at in answered if at < killed_at - SETTLE_WINDOW_S}
+        assert len(settled_before_kill) > 20
+        missing = settled_before_kill - set(ids)
         assert not missing, f"{len(missing)} answered requests have no usage row"
         audit = query(db, "SELECT k.key_id, k.balance_micros,"
                           " (SELECT COALESCE(SUM(micros),0) FROM topups t WHERE t.key_id=k.key_id)"

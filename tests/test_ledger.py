@@ -755,3 +755,210 @@ def test_cli_resolves_a_relative_path_like_the_app(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (conf_dir / "state" / "keys.db").exists()  # beside the config, where the app looks
     assert not (elsewhere / "state").exists()
+
+
+# ---------------------------------------------------------------- balance leases (proxy/ledger/lease.py)
+
+from proxy.ledger.lease import LeaseHold, Leases  # noqa: E402
+
+
+async def _lease_traffic(leases: Leases, key_id: str, n: int, concurrency: int, prefix: str,
+                         low: int = 100, high: int = 1_000, cost=None, on_hold=None) -> list:
+    """n hold -> settle cycles, `concurrency` at a time; returns the holds (None for a 402)."""
+    todo = iter(range(n))
+    got: list = []
+
+    async def worker() -> None:
+        for i in todo:
+            request_id = f"{prefix}-{i}"
+            try:
+                hold = await leases.hold_up_to(request_id, key_id, low, high)
+            except InsufficientBalance:
+                got.append(None)
+                continue
+            if on_hold is not None:
+                on_hold(hold)
+            got.append(hold)
+            await asyncio.sleep(0)
+            amount = hold.amount_micros if cost is None else min(hold.amount_micros, cost(i))
+            if on_hold is not None:
+                on_hold(hold, amount)
+            leases.finish(hold, usage_for(request_id, key_id, amount))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return got
+
+
+async def test_lease_burst_balance_decrease_equals_costs(ledger):
+    """A concurrent burst served from a lease: balance decrease == sum of recorded costs,
+    every request recorded exactly once, nothing clamped, no hold left once quiet."""
+    _, key = await ledger.create_key("burst", 100_000_000)
+    leases = Leases(ledger, hold_ttl_s=60, min_rate=4)
+    holds = await _lease_traffic(leases, key.key_id, 3000, 64, "b", cost=lambda i: 100 + i % 900)
+    await leases.flush()
+    assert leases.stats["lease_holds"] > 2000, leases.stats  # the lease really served most of them
+    assert any(isinstance(h, LeaseHold) for h in holds)
+    assert ledger.stats["ops"] < 1000  # not two writer trips per request
+    used = await ledger.list_usage(key.key_id, limit=10_000)
+    assert len(used) == 3000 and len({u.request_id for u in used}) == 3000
+    assert all(u.debited_micros == u.cost_micros for u in used)
+    balance = (await ledger.get_key(key.key_id)).balance_micros
+    assert 100_000_000 - balance == sum(u.cost_micros for u in used) == sum(100 + i % 900 for i in range(3000))
+    lease_rows = [h for h in await ledger.holds(key.key_id) if h.request_id.startswith("lease:")]
+    assert len(lease_rows) == 1 and lease_rows[0].amount_micros > 0  # a lease is a real hold row
+    state = leases._keys[key.key_id]
+    assert state.held == state.queued == 0
+    assert lease_rows[0].amount_micros == state.free  # the row reserves exactly the lease's free part
+    assert await ledger.available(key.key_id) == balance - lease_rows[0].amount_micros
+    await leases.quiesce()  # idle: the lease is given back
+    assert await ledger.holds() == []
+    assert await ledger.available(key.key_id) == balance
+    assert all(b == expected for _, b, expected in await ledger.audit())
+    await leases.close()
+
+
+async def test_leases_on_two_connections_never_overdraw(tmp_path):
+    """Two ledgers (two connections, two writer threads, two event loops: what two worker
+    processes are) on one file, each with its own leases, hammer one key whose balance
+    covers a fraction of the requests. At no moment do the holds granted by both exceed
+    what the balance still has; every cost is debited in full; the sums add up."""
+    db = str(tmp_path / "shared.db")
+    setup = open_ledger({"path": db})
+    await setup.start()
+    initial = 400_000
+    _, key = await setup.create_key("shared", initial)
+    await setup.close()
+    lock = threading.Lock()
+    book = {"out": 0, "spent": 0, "worst": 0, "granted": 0}
+
+    def on_hold(hold, cost=None):
+        with lock:
+            if cost is None:
+                book["out"] += hold.amount_micros
+                book["granted"] += 1
+            else:
+                book["out"] -= hold.amount_micros
+                book["spent"] += cost
+            book["worst"] = max(book["worst"], book["out"] + book["spent"] - initial)
+
+    errors: list[BaseException] = []
+
+    def side(name: str) -> None:
+        async def run() -> None:
+            led = open_ledger({"path": db, "settle_linger_ms": 2})
+            await led.start()
+            try:
+                leases = Leases(led, hold_ttl_s=60, min_rate=2, max_micros=200_000)
+                # first plenty (leases grow), then the key runs dry (exact path, 402s)
+                await _lease_traffic(leases, key.key_id, 1500, 32, name, low=500, high=1_000,
+                                     on_hold=on_hold)
+                await leases.close()
+            finally:
+                await led.close()
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=side, args=(name,)) for name in ("p1", "p2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert book["worst"] <= 0, f"holds exceeded the balance by {book['worst']}"
+    led = open_ledger({"path": db})
+    await led.start()
+    try:
+        used = await led.list_usage(key.key_id, limit=10_000)
+        assert len(used) == book["granted"] >= initial // 1_000
+        assert all(u.debited_micros == u.cost_micros for u in used)  # never clamped: no overdraft
+        balance = (await led.get_key(key.key_id)).balance_micros
+        assert initial - balance == sum(u.cost_micros for u in used) == book["spent"]
+        assert balance < 1_000  # the key was really drained to the end
+        assert await led.holds() == []
+        assert all(b == expected for _, b, expected in await led.audit())
+    finally:
+        await led.close()
+
+
+async def test_a_balance_smaller_than_a_lease_gets_exact_holds(ledger):
+    """A key whose balance covers a few requests never has its balance locked in a lease:
+    every hold is an exact per-request hold row, and the last one is a partial hold."""
+    _, key = await ledger.create_key("small", 3_500)
+    leases = Leases(ledger, hold_ttl_s=60, min_rate=1)
+    seen: list = []
+    for round_ in range(3):  # plenty of requests per second: a lease would be wanted
+        holds = await _lease_traffic(leases, key.key_id, 20, 8, f"s{round_}", low=100, high=1_000, cost=lambda i: 0)
+        seen += holds
+    assert leases.stats["lease_holds"] == 0
+    assert not any(isinstance(h, LeaseHold) for h in seen)
+    assert all(not h.request_id.startswith("lease:") for h in await ledger.holds())
+    got = [h for h in seen if h is not None]
+    assert {h.amount_micros for h in got} == {1_000, 500}  # 3 x 1000 + a partial 500, each round
+    await leases.flush()
+    # and with a real spend, to the last micro: nothing overdrawn, the sums add up
+    holds = await _lease_traffic(leases, key.key_id, 50, 8, "spend", low=100, high=1_000)
+    await leases.flush()
+    used = [u for u in await ledger.list_usage(key.key_id, limit=1000) if u.request_id.startswith("spend")]
+    assert sum(u.cost_micros for u in used) == 3_500 - (await ledger.get_key(key.key_id)).balance_micros
+    assert sum(h.amount_micros for h in holds if h) == sum(u.cost_micros for u in used)
+    assert all(u.debited_micros == u.cost_micros for u in used)
+    await leases.close()
+
+
+LEASE_CRASH_CHILD = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from proxy.ledger import open_ledger, UsageRecord
+    from proxy.ledger.lease import Leases, LeaseHold
+
+    async def main(path, key_id):
+        led = open_ledger({"path": path})
+        await led.start()
+        leases = Leases(led, hold_ttl_s=1, min_rate=2)
+        for i in range(200):  # steady traffic: a lease is granted and used
+            h = await leases.hold_up_to(f"done-{i}", key_id, 100, 1000)
+            leases.finish(h, UsageRecord(f"done-{i}", key_id, "m", 1, 0, 1, 0, 100, "completed"))
+            await asyncio.sleep(0)
+        await leases.flush()  # these 200 are committed
+        inflight = [await leases.hold_up_to(f"open-{i}", key_id, 100, 1000) for i in range(5)]
+        assert all(isinstance(h, LeaseHold) for h in inflight), inflight
+        print("READY", leases.stats["lease_holds"], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+async def test_lease_expiry_after_sigkill_releases_the_reservation(tmp_path):
+    db = str(tmp_path / "crash.db")
+    led = open_ledger({"path": db})
+    await led.start()
+    _, key = await led.create_key("mia", 1_000_000)
+    await led.close()
+    script = tmp_path / "child.py"
+    script.write_text(LEASE_CRASH_CHILD)
+    proc = subprocess.run([sys.executable, str(script), db, key.key_id], capture_output=True, text=True,
+                          timeout=60, env=subprocess_env())
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "READY" in proc.stdout
+    led = open_ledger({"path": db})
+    await led.start()
+    try:
+        balance = (await led.get_key(key.key_id)).balance_micros
+        assert balance == 1_000_000 - 200 * 100  # every committed settle, once
+        rows = await led.holds(key.key_id)
+        assert len(rows) == 1 and rows[0].request_id.startswith("lease:")  # the dead process's lease
+        assert rows[0].amount_micros >= 5 * 1000  # it still covers the requests that were in flight
+        assert await led.available(key.key_id) == balance - rows[0].amount_micros
+        await asyncio.sleep(max(0.0, rows[0].expires_at - time.time()) + 0.05)
+        assert await led.available(key.key_id) == balance  # expired: it reserves nothing any more
+        assert await led.expire_holds() == 1
+        assert await led.holds() == []
+        assert all(b == expected for _, b, expected in await led.audit())
+        assert [u for u in await led.list_usage(key.key_id) if u.request_id.startswith("open-")] == []
+    finally:
+        await led.close()

@@ -687,6 +687,35 @@ async def test_partial_holds_under_200_concurrent_requests(make_proxy, http):
     assert await p.ledger.available(record.key_id) == final
 
 
+async def test_leased_key_drained_by_a_burst_never_overdraws(make_proxy, http):
+    """Steady traffic gives the key a lease (holds and settles in memory); then a burst of
+    200 drains it: the lease runs dry, requests fall back to exact holds (partial, then
+    402), nothing is overdrawn and the balance falls by exactly the recorded costs."""
+    p = await make_proxy({"prices": PRICES, "balance": {"lease_min_rate": 2}})
+    body = {"model": MODEL, "max_output_tokens": 20, "input": sim_input(delay=0.02)}
+    hold = estimate_input_tokens(translate_request(body).chat) + 20
+    initial = 60 * hold + 7
+    secret, record = await p.ledger.create_key("leased", balance_micros=initial, concurrency=1000)
+    for _ in range(3):  # steady traffic: a lease is granted
+        results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(8)))
+        assert [r[0] for r in results] == [200] * 8
+    holds = await p.ledger.holds(record.key_id)
+    assert any(h.request_id.startswith("lease:") for h in holds), holds
+    results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(200)))
+    statuses = [r[0] for r in results]
+    assert statuses.count(200) >= 20 and statuses.count(402) >= 100, statuses
+    assert statuses.count(200) + statuses.count(402) == 200
+    await balance_mw.wait_for_settlements()
+    usages = await p.ledger.list_usage(record.key_id, limit=1000)
+    assert len(usages) == 24 + statuses.count(200)
+    final = await balance_of(p.ledger, record.key_id)
+    assert final >= 0
+    assert sum(u.cost_micros for u in usages) == initial - final
+    assert all(u.debited_micros == u.cost_micros for u in usages)  # never clamped: nothing overdrawn
+    assert await p.ledger.holds() == []  # quiet: the lease was given back
+    assert await p.ledger.available(record.key_id) == final
+
+
 async def _usage_count(ledger, key_id, n):
     found = await ledger.list_usage(key_id, limit=1000)
     return found if len(found) == n else None

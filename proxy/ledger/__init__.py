@@ -15,6 +15,10 @@ The flow for one request:
   release(request_id)             drops the hold without charge (nothing was produced)
   expire_holds()                  drops holds whose ttl has passed (crashed requests)
 
+Backends with `supports_leases` (SQLiteLedger) also offer lease_grow / lease_commit, which
+proxy.ledger.lease.Leases uses to take request holds from a per-process lease in memory and
+commit settles in batches (see that module); the balance middleware goes through Leases.
+
 Secrets never appear in logs, exception messages or reprs; they are stored as sha256.
 """
 
@@ -142,6 +146,10 @@ class InsufficientBalance(LedgerError):
 
 class Ledger(abc.ABC):
     """The async ledger interface. Every method is safe to call concurrently."""
+
+    # True when lease_grow / lease_commit exist (proxy/ledger/lease.py); else Leases always
+    # takes the exact per-request path.
+    supports_leases: bool = False
 
     # Bumped (after the commit) by every change to a key made through THIS object (revoke,
     # set_limits). An in-process cache of lookup_key results remembers the value it saw

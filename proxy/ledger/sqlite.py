@@ -41,6 +41,12 @@ safe (with WAL; NORMAL is never weaker than the process-crash guarantee above):
 Reordering the two groups is linearizable: all ops of one batch were pending at the same
 time, none had been acknowledged, so any serial order of them is a valid one.
 
+Leases. lease_grow() and lease_commit() back proxy/ledger/lease.py: a lease is one ordinary
+hold row per process and busy key ("lease:<pid>:<nonce>..."), grown like a hold (fast, no
+fsync) and reduced in the same fsync'd transaction that inserts a batch of usage rows and
+debits their costs, so balance - holds does not move when a leased request settles. Holds
+taken from a lease and their settles never reach this thread one by one.
+
 Settles linger. settle() and release() run after the response (the balance middleware
 settles in a task of its own), so nobody waits on them: the writer keeps them up to
 `settle_linger_s` (default 5 ms) for others to share their fsync'd commit. At low
@@ -542,8 +548,12 @@ class SQLiteLedger(Ledger):
         return await self._run(self._hold_op(request_id, key_id, amount, amount, ttl), fast=True, atomic=True)
 
     async def hold_up_to(
-        self, request_id: str, key_id: str, min_micros: int, max_micros: int, ttl_s: float
+        self, request_id: str, key_id: str, min_micros: int, max_micros: int, ttl_s: float,
+        *, lease_return: tuple[str, int] | None = None,
     ) -> Hold:
+        """`lease_return` = (lease id, micros): first give that much of a lease back (its
+        amount, never below 0), in the same transaction, kept even when the hold is refused
+        (proxy/ledger/lease.py: a request its process's lease cannot cover)."""
         low = _int(min_micros, "min_micros")
         high = _int(max_micros, "max_micros")
         if low > high:
@@ -553,15 +563,34 @@ class SQLiteLedger(Ledger):
         ttl = float(ttl_s)
         if not ttl > 0:
             raise ValueError("ttl_s must be positive")
-        return await self._run(self._hold_op(request_id, key_id, low, high, ttl), fast=True, atomic=True)
+        if lease_return is None or lease_return[1] <= 0:
+            return await self._run(self._hold_op(request_id, key_id, low, high, ttl), fast=True, atomic=True)
+        result = await self._run(self._hold_op(request_id, key_id, low, high, ttl, lease_return), fast=True)
+        if isinstance(result, LedgerError):
+            raise result
+        return result
 
     def _hold_op(
-        self, request_id: str, key_id: str, low: int, high: int, ttl: float
+        self, request_id: str, key_id: str, low: int, high: int, ttl: float,
+        lease_return: tuple[str, int] | None = None,
     ) -> Callable[[sqlite3.Connection], Hold]:
         """Hold min(available, high) if available >= low: check and insert in one
-        transaction under the write lock (BEGIN IMMEDIATE), so nothing can interleave."""
+        transaction under the write lock (BEGIN IMMEDIATE), so nothing can interleave.
+        With a lease_return the refusals are returned, not raised, so the give-back commits."""
 
         def op(conn: sqlite3.Connection) -> Hold:
+            if lease_return is not None:
+                conn.execute(
+                    "UPDATE holds SET amount_micros = MAX(0, amount_micros - ?) WHERE request_id = ?",
+                    (int(lease_return[1]), lease_return[0]),
+                )
+                try:
+                    return hold(conn)
+                except (InsufficientBalance, DuplicateRequest, UnknownKey) as exc:
+                    return exc
+            return hold(conn)
+
+        def hold(conn: sqlite3.Connection) -> Hold:
             now = time.time()
             # One statement: the balance, the open holds, and whether it was settled already.
             row = conn.execute(
@@ -644,6 +673,152 @@ class SQLiteLedger(Ledger):
             lambda conn: conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,)).rowcount > 0,
             lazy=True,
         )
+
+    # ------------------------------------------------------------------ leases (proxy/ledger/lease.py)
+
+    supports_leases = True
+
+    async def lease_grow(
+        self, lease_id: str, key_id: str, min_micros: int, max_micros: int, ttl_s: float, share: int = 2
+    ) -> tuple[int, bool]:
+        """Add min(max_micros, available // share) to the hold row `lease_id` (created if
+        missing) and push its expiry to now + ttl_s; nothing when that is below min_micros.
+        available excludes the lease itself. Returns (granted, whether the row was still
+        there unexpired before). Commits without fsync, like every hold."""
+        low = _int(min_micros, "min_micros")
+        high = _int(max_micros, "max_micros")
+        share = max(1, int(share))
+        ttl = float(ttl_s)
+
+        def op(conn: sqlite3.Connection) -> tuple[int, bool]:
+            now = time.time()
+            row = conn.execute(
+                "SELECT balance_micros, (SELECT COALESCE(SUM(amount_micros), 0) FROM holds"
+                " WHERE holds.key_id = keys.key_id AND expires_at > ? AND request_id != ?),"
+                " (SELECT amount_micros FROM holds WHERE request_id = ? AND expires_at > ?)"
+                " FROM keys WHERE key_id = ?",
+                (now, lease_id, lease_id, now, key_id),
+            ).fetchone()
+            if row is None:
+                raise UnknownKey(key_id)
+            own = row[2]
+            available = row[0] - row[1] - (own or 0)
+            grant = min(high, max(0, available) // share)
+            if grant < low:
+                grant = 0
+            if own is None:  # absent, or expired (then it counts for nothing: start afresh)
+                if not grant:
+                    conn.execute("DELETE FROM holds WHERE request_id = ?", (lease_id,))
+                    return 0, False
+                conn.execute(
+                    "INSERT INTO holds (request_id, key_id, amount_micros, expires_at) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT(request_id) DO UPDATE SET amount_micros = excluded.amount_micros,"
+                    " expires_at = excluded.expires_at",
+                    (lease_id, key_id, grant, now + ttl),
+                )
+            else:
+                conn.execute(
+                    "UPDATE holds SET amount_micros = amount_micros + ?, expires_at = ? WHERE request_id = ?",
+                    (grant, now + ttl, lease_id),
+                )
+            return grant, own is not None
+
+        return await self._run(op, fast=True)
+
+    async def lease_commit(
+        self,
+        usages: list[tuple[str, UsageRecord]],
+        leases: list[tuple[str, int, float | None, bool]],
+    ) -> tuple[list[int | BaseException | None], set[str]]:
+        """One transaction (fsync'd): record each (lease id, usage) exactly once (UNIQUE
+        request_id) and debit its cost from the balance (clamped at it), taking the debit off
+        the lease's hold row too, so available = balance - holds does not move; then for each
+        (lease id, give back, ttl, drop) of `leases`: give that much back (the row, never
+        below 0), push the expiry to now + ttl (None: leave it), or drop the row.
+        Returns (per usage: the debit, None if already recorded, or the error;
+        the lease ids whose row had expired or vanished)."""
+        checked: list[tuple[str, UsageRecord, tuple | BaseException]] = []
+        for lease_id, usage in usages:
+            try:
+                if not usage.request_id:
+                    raise ValueError("request_id is required")
+                if usage.status not in USAGE_STATUSES:
+                    raise ValueError(f"usage.status must be one of {sorted(USAGE_STATUSES)}")
+                counts = tuple(
+                    _int(getattr(usage, name), name)
+                    for name in ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
+                )
+                cost = _int(usage.cost_micros, "cost_micros")
+                checked.append((lease_id, usage, (counts, cost)))
+            except ValueError as exc:
+                checked.append((lease_id, usage, exc))
+
+        def op(conn: sqlite3.Connection) -> tuple[list, set[str]]:
+            now = time.time()
+            balances: dict[str, int | None] = {}
+            debits: dict[str, int] = defaultdict(int)
+            taken: dict[str, int] = defaultdict(int)
+            results: list[int | BaseException | None] = []
+            for lease_id, usage, parsed in checked:
+                if isinstance(parsed, BaseException):
+                    results.append(parsed)
+                    continue
+                counts, cost = parsed
+                key_id = usage.key_id
+                balance = balances.get(key_id, -1)
+                if balance == -1:
+                    found = conn.execute("SELECT balance_micros FROM keys WHERE key_id = ?", (key_id,)).fetchone()
+                    balance = balances[key_id] = found[0] if found else None
+                if balance is None:
+                    results.append(UnknownKey(key_id))
+                    continue
+                debit = min(cost, balance)
+                # The exactly-once guarantee: UNIQUE(request_id), in this same transaction.
+                inserted = conn.execute(
+                    "INSERT OR IGNORE INTO usage (request_id, key_id, model, input_tokens, cached_tokens,"
+                    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (usage.request_id, key_id, str(usage.model), *counts, cost, debit, usage.status,
+                     float(usage.created_at)),
+                ).rowcount
+                if not inserted:
+                    results.append(None)
+                    continue
+                balances[key_id] = balance - debit
+                debits[key_id] += debit
+                taken[lease_id] += debit
+                results.append(debit)
+            for key_id, debit in debits.items():
+                if debit:
+                    conn.execute(
+                        "UPDATE keys SET balance_micros = balance_micros - ? WHERE key_id = ?", (debit, key_id)
+                    )
+            lapsed: set[str] = set()
+            changes = {lease_id: [taken.get(lease_id, 0), None, False] for lease_id in taken}
+            for lease_id, give_back, ttl, drop in leases:
+                change = changes.setdefault(lease_id, [0, None, False])
+                change[0] += max(0, int(give_back))
+                if ttl is not None:
+                    change[1] = now + float(ttl)
+                change[2] = change[2] or bool(drop)
+            for lease_id, (total, expires_at, drop) in changes.items():
+                if drop:
+                    conn.execute("DELETE FROM holds WHERE request_id = ?", (lease_id,))
+                    continue
+                done = conn.execute(
+                    "UPDATE holds SET amount_micros = MAX(0, amount_micros - ?),"
+                    " expires_at = COALESCE(?, expires_at) WHERE request_id = ? AND expires_at > ?",
+                    (total, expires_at, lease_id, now),
+                ).rowcount
+                if not done:
+                    lapsed.add(lease_id)
+            return results, lapsed
+
+        results, lapsed = await self._run(op)
+        for (_, usage, _), result in zip(checked, results):
+            if isinstance(result, int):
+                usage.debited_micros = result
+        return results, lapsed
 
     async def expire_holds(self, now: float | None = None) -> int:
         def op(conn: sqlite3.Connection) -> int:

@@ -1,0 +1,374 @@
+"""Balance leases: per-request holds and settles without a ledger round trip.
+
+A `Leases` object (one per process and ledger, on the event loop) sits between the balance
+middleware and the ledger. For a key with steady traffic it keeps a LEASE: an amount
+reserved in the database as ONE ordinary hold row (request id "lease:<pid>:<key>:<nonce>"),
+from which request holds are taken in memory, with no await:
+
+    hold_up_to(...)   in memory when the lease's free part covers the request's max; else
+                      the exact ledger path: ONE op that gives the lease's free part back to
+                      the database and does the ledger's atomic hold_up_to (so a key near
+                      the end of its balance is served exactly as without leases: partial
+                      holds, 402s, no overdraft)
+    finish(hold, usage)   a lease hold: in memory, and the usage row is queued; the queue is
+                      committed every `linger_s` in ONE ledger transaction that inserts the
+                      rows (exactly once: UNIQUE request_id), debits the balance and takes
+                      the same amount off the lease row. A per-request hold: settle / release
+                      in a task, as before.
+
+Invariants (every commit boundary, across processes sharing the file):
+  * balance decrease == sum of recorded debits (each row and its debit are one transaction);
+  * available = balance - holds never goes below what it would be with per-request holds:
+    a process only holds in memory what its lease row reserves in the database (free +
+    held + queued costs == the row), and every lease row is a hold that other processes'
+    hold_up_to and lease grows see;
+  * a grow takes at most available // 2 of what the others left, and only when that covers
+    at least one request like the current one, so small balances are not locked up by one
+    process: they stay on the exact path.
+
+Size. The lease is grown in the background ("ahead of need") when its free part drops under
+half of its target: target = min(max_micros, 2 x the peak reservations of the key in flight
+over the last second + lease_seconds x the key's spend per second). A key gets a lease only
+after `min_rate` requests in (about) the last second in this process; a lease unused for
+`idle_s` is dropped (its row deleted), and a free part beyond 2 x target is given back.
+
+Expiry. The row expires `ttl_s` after its last renewal; renewals run every ttl_s / 3 while
+the process lives. After a SIGKILL the row stays until it expires, then counts for nothing
+(the ledger ignores expired holds) and the sweeper deletes it: nothing is charged for it.
+
+The crash window: a SIGKILL loses the usage rows still queued (settled in the last
+`linger_s` + one commit, a few ms): those requests go unbilled, exactly like a settle
+lingering in the writer. Nothing is billed twice and nothing is overdrawn.
+
+If the event loop stalls longer than ttl_s, the row can expire under requests in flight;
+the next commit or grow notices ("lapsed") and starts a new row with what is available,
+the same as a per-request hold outliving its ttl (their costs are still debited, clamped
+at the balance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from typing import Any
+
+from proxy.ledger import Hold, Ledger, UsageRecord
+
+log = logging.getLogger("proxy.ledger")
+
+__all__ = ["Leases", "LeaseHold"]
+
+_FORGET_S = 30.0  # a key without a lease, quiet this long, is forgotten (its rate starts afresh)
+
+
+class LeaseHold(Hold):
+    """A hold taken in memory from a lease (not a row of its own)."""
+
+    __slots__ = ()
+
+
+class _Key:
+    __slots__ = (
+        "key_id", "lease_id", "row", "free", "held", "queued", "committing", "growing", "grow_after",
+        "last_used", "win_start", "count", "count_prev", "spend", "spend_prev", "peak", "peak_prev",
+        "reserved", "typical",
+    )
+
+    def __init__(self, key_id: str, now: float) -> None:
+        self.key_id = key_id
+        self.lease_id = ""
+        self.row = False  # a lease row is believed to exist
+        self.free = 0  # reserved by the row, not held by a request, not queued to be debited
+        self.held = 0  # held in memory by requests in flight
+        self.queued = 0  # costs settled in memory, not committed yet
+        self.committing = 0  # commits in flight that touch this lease
+        self.growing = False
+        self.grow_after = 0.0
+        self.last_used = now
+        self.win_start = now
+        self.count = self.count_prev = 0  # requests in this / the previous 1 s window
+        self.spend = self.spend_prev = 0  # costs settled in this / the previous window
+        self.peak = self.peak_prev = 0  # peak reservations in flight (memory + rows)
+        self.reserved = 0  # reservations in flight now, lease holds and per-request holds
+        self.typical = 0  # the max hold of the latest request
+
+    def roll(self, now: float) -> None:
+        if now - self.win_start >= 1.0:
+            if now - self.win_start >= 2.0:
+                self.count_prev = self.spend_prev = self.peak_prev = 0
+            else:
+                self.count_prev, self.spend_prev, self.peak_prev = self.count, self.spend, self.peak
+            self.count = self.spend = 0
+            self.peak = self.reserved
+            self.win_start = now
+
+    def target(self, max_micros: int, seconds: float) -> int:
+        peak = max(self.peak, self.peak_prev, self.typical)
+        spend = max(self.spend, self.spend_prev)
+        return min(max_micros, 2 * peak + int(spend * seconds))
+
+
+class Leases:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        hold_ttl_s: float,
+        max_micros: int = 10_000_000,
+        seconds: float = 2.0,
+        min_rate: int = 16,
+        idle_s: float = 2.0,
+        ttl_s: float = 30.0,
+        linger_s: float | None = None,
+        tasks: set[asyncio.Task] | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.hold_ttl_s = float(hold_ttl_s)
+        self.enabled = bool(getattr(ledger, "supports_leases", False)) and max_micros > 0
+        self.max_micros = int(max_micros)
+        self.seconds = float(seconds)
+        self.min_rate = int(min_rate)
+        self.idle_s = float(idle_s)
+        self.ttl_s = min(float(ttl_s), self.hold_ttl_s)  # never outlive a request hold
+        if linger_s is None:
+            linger_s = getattr(ledger, "settle_linger_s", 0.005)
+        self.linger_s = max(0.0, float(linger_s))
+        self._keys: dict[str, _Key] = {}
+        self._leased: dict[str, _Key] = {}  # request id -> key, for holds taken from a lease
+        self._queue: list[tuple[_Key, str, UsageRecord]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        # commits, grows, per-request settles (shared with the caller's set when given)
+        self._tasks: set[asyncio.Task] = tasks if tasks is not None else set()
+        self._ticker: asyncio.Task | None = None
+        self._nonce = f"{os.getpid()}:{secrets.token_hex(4)}"
+        self._serial = 0
+        self._closed = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stats = {"lease_holds": 0, "exact_holds": 0, "grows": 0, "commits": 0, "lapsed": 0}
+
+    # ------------------------------------------------------------------ the request path
+
+    async def hold_up_to(self, request_id: str, key_id: str, low: int, high: int) -> Hold:
+        """As Ledger.hold_up_to (ttl: hold_ttl_s), from the key's lease when it can."""
+        now = time.monotonic()
+        k = self._keys.get(key_id)
+        if k is None:
+            if self.loop is None:
+                self.loop = asyncio.get_running_loop()
+            if self._ticker is None and not self._closed:
+                self._ticker = asyncio.ensure_future(self._tick_forever())
+            k = self._keys[key_id] = _Key(key_id, now)
+        k.roll(now)
+        k.count += 1
+        k.last_used = now
+        k.typical = high
+        if self.enabled and not self._closed:
+            if k.row and k.free >= high:  # the common case: no await at all
+                k.free -= high
+                k.held += high
+                self._reserve(k, high)
+                self._leased[request_id] = k
+                self.stats["lease_holds"] += 1
+                if k.free * 2 < k.target(self.max_micros, self.seconds):
+                    self._grow(k, now)
+                return LeaseHold(request_id, key_id, high, 0.0)
+            if k.count + k.count_prev >= self.min_rate:
+                self._grow(k, now)
+        # The exact path; the lease's free part goes back to the database in the same op.
+        give_back = k.free if k.row and k.free > 0 else 0
+        k.free -= give_back
+        self.stats["exact_holds"] += 1
+        if give_back:
+            hold = await self.ledger.hold_up_to(
+                request_id, key_id, low, high, self.hold_ttl_s, lease_return=(k.lease_id, give_back)
+            )
+        else:
+            hold = await self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s)
+        self._reserve(k, hold.amount_micros)
+        return hold
+
+    def finish(self, hold: Hold, usage: UsageRecord | None) -> None:
+        """Settle (usage) or release (None) a hold from hold_up_to; never waits."""
+        k = self._keys.get(hold.key_id)
+        if k is not None:
+            k.reserved -= hold.amount_micros
+            if usage is not None:
+                k.roll(time.monotonic())
+                k.spend += usage.cost_micros
+        if k is not None and self._leased.pop(hold.request_id, None) is k:
+            k.held -= hold.amount_micros
+            if usage is None:
+                k.free += hold.amount_micros
+                return
+            k.queued += usage.cost_micros
+            k.free += hold.amount_micros - usage.cost_micros
+            self._queue.append((k, k.lease_id, usage))
+            if self._timer is None and self.loop is not None:
+                self._timer = self.loop.call_later(self.linger_s, self._flush)
+            return
+        self._spawn(self._settle_exact(hold, usage))
+
+    async def _settle_exact(self, hold: Hold, usage: UsageRecord | None) -> None:
+        try:
+            if usage is None:
+                await self.ledger.release(hold.request_id)
+            else:
+                await self.ledger.settle(hold.request_id, usage)
+        except Exception:
+            # The hold stays and expires after hold_ttl_s: never a charge without a record.
+            log.exception("settlement failed (request %s)", hold.request_id)
+
+    # ------------------------------------------------------------------ background work
+
+    def _reserve(self, k: _Key, amount: int) -> None:
+        k.reserved += amount
+        if k.reserved > k.peak:
+            k.peak = k.reserved
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _grow(self, k: _Key, now: float) -> None:
+        if k.growing or now < k.grow_after or self._closed:
+            return
+        want = k.target(self.max_micros, self.seconds) - max(0, k.free)
+        if want < k.typical:
+            return
+        k.growing = True
+        if not k.lease_id:
+            self._serial += 1
+            k.lease_id = f"lease:{self._nonce}:{k.key_id}:{self._serial}"
+        self._spawn(self._do_grow(k, want))
+
+    async def _do_grow(self, k: _Key, want: int) -> None:
+        try:
+            self.stats["grows"] += 1
+            # At least one request like the latest, or nothing (then stay on the exact path).
+            granted, existed = await self.ledger.lease_grow(
+                k.lease_id, k.key_id, min(k.typical, want), want, self.ttl_s
+            )
+            if k.row and not existed:
+                self._lapsed(k)
+            k.row = bool(granted or existed)
+            k.free += granted
+            if granted == 0:
+                k.grow_after = time.monotonic() + 1.0  # the balance is short: back off
+        except Exception:
+            k.grow_after = time.monotonic() + 1.0
+            log.exception("lease grow failed (key %s)", k.key_id)
+        finally:
+            k.growing = False
+
+    def _lapsed(self, k: _Key) -> None:
+        # The row expired under us: it reserves nothing any more, so neither may we.
+        self.stats["lapsed"] += 1
+        log.warning("ledger lease %s lapsed (event loop stalled beyond its ttl?)", k.lease_id)
+        k.free = -(k.held + k.queued)
+
+    def _flush(self, adjust: list[tuple[_Key, str, int, bool]] | None = None) -> asyncio.Task | None:
+        self._timer = None
+        batch, self._queue = self._queue, []
+        if not batch and not adjust:
+            return None
+        touched = {k for k, _, _ in batch} | {k for k, _, _, _ in adjust or ()}
+        for k in touched:
+            k.committing += 1
+        return self._spawn(self._commit(batch, adjust or [], touched))
+
+    async def _commit(self, batch: list[tuple[_Key, str, UsageRecord]],
+                      adjust: list[tuple[_Key, str, int, bool]], touched: set[_Key]) -> None:
+        self.stats["commits"] += 1
+        leases = [(lease_id, give_back, None if drop else self.ttl_s, drop)
+                  for _, lease_id, give_back, drop in adjust]
+        try:
+            results, lapsed = await self.ledger.lease_commit([(lid, u) for _, lid, u in batch], leases)
+        except Exception:
+            log.exception("committing %d usage records failed; they stay unbilled", len(batch))
+            results, lapsed = [None] * len(batch), set()
+        for (k, _, usage), result in zip(batch, results):
+            k.queued -= usage.cost_micros
+            debited = result if isinstance(result, int) else 0
+            if isinstance(result, BaseException):
+                log.error("usage of request %s not recorded: %s", usage.request_id, result)
+            # Only `debited` left the row; the rest of what was set aside is free again.
+            k.free += usage.cost_micros - debited
+        for k in touched:
+            k.committing -= 1
+            if k.row and k.lease_id in lapsed:
+                k.row = False
+                self._lapsed(k)
+
+    async def _tick_forever(self) -> None:
+        period = max(0.05, min(self.ttl_s / 3, self.idle_s / 2, 1.0))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self._tick()
+            except Exception:
+                log.exception("lease renewal failed")
+
+    def _tick(self, drop_idle_now: bool = False) -> asyncio.Task | None:
+        """Renew every lease row; drop idle ones; give back a free part beyond 2 x target;
+        forget keys without a lease that have been quiet for a while (bounded memory)."""
+        now = time.monotonic()
+        adjust: list[tuple[_Key, str, int, bool]] = []
+        quiet: list[str] = []
+        for k in self._keys.values():
+            k.roll(now)
+            if not k.row:
+                if (k.reserved == 0 and k.held == 0 and k.queued == 0 and not k.growing
+                        and k.committing == 0 and now - k.last_used > _FORGET_S):
+                    quiet.append(k.key_id)
+                continue
+            idle = k.held == 0 and k.queued == 0 and not k.growing and k.committing == 0
+            if idle and (drop_idle_now or now - k.last_used >= self.idle_s):
+                adjust.append((k, k.lease_id, 0, True))
+                k.row = False
+                k.free = 0
+                k.lease_id = ""  # a later lease is a new row: never confused with this drop
+                continue
+            give_back = 0
+            target = k.target(self.max_micros, self.seconds)
+            if k.free > 2 * target:
+                give_back = k.free - target
+                k.free -= give_back
+            adjust.append((k, k.lease_id, give_back, False))
+        for key_id in quiet:
+            del self._keys[key_id]
+        if self._timer is not None:
+            self._timer.cancel()
+        return self._flush(adjust)
+
+    # ------------------------------------------------------------------ draining
+
+    async def flush(self) -> None:
+        """Commit the queued usage rows and wait for everything in flight."""
+        while True:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._flush()
+            loop = asyncio.get_running_loop()
+            tasks = [t for t in self._tasks if not t.done() and t.get_loop() is loop]
+            if not tasks:
+                return
+            await asyncio.wait(tasks, timeout=30)
+
+    async def quiesce(self) -> None:
+        """flush(), then give back every lease no request holds anything from."""
+        await self.flush()
+        if any(k.row for k in self._keys.values()):
+            self._tick(drop_idle_now=True)
+            await self.flush()
+
+    async def close(self) -> None:
+        self._closed = True
+        await self.quiesce()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None

@@ -1,0 +1,47 @@
+"""The access-log line: JSON output at info goes around structlog's processor chain, with
+the same fields, in the same order, as structlog's JSONRenderer would write."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import structlog
+
+from proxy import logs
+
+
+def test_json_access_line_has_the_structlog_fields(capsys):
+    # Only logs.access() runs while configured: a structlog logger used now would cache this
+    # configuration (cache_logger_on_first_use) for the rest of the session.
+    try:
+        logs.configure("json", "info")
+        capsys.readouterr()
+        logs.access(request_id="req_" + "0" * 24, method="POST", path="/v1/responses", model="m", status=200,
+                    latency_ms=1.25, upstream="w", outcome="completed", input_tokens=3, cached_tokens=0,
+                    output_tokens=2, ttfb_ms=None)
+        lines = capsys.readouterr().err.splitlines()
+    finally:
+        structlog.reset_defaults()
+        logs._access_writer = None
+    assert len(lines) == 1
+    line = json.loads(lines[0])
+    assert list(line) == ["request_id", "method", "path", "model", "status", "latency_ms", "upstream", "outcome",
+                          "input_tokens", "cached_tokens", "output_tokens", "ttfb_ms", "event", "level", "timestamp"]
+    assert line["event"] == "request" and line["level"] == "info" and line["ttfb_ms"] is None
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z", line["timestamp"])
+
+
+def test_structlog_writes_the_access_line_for_console_output_or_a_level_above_info():
+    try:
+        for fmt, level in (("json", "warning"), ("console", "info")):
+            logs.configure(fmt, level)
+            assert logs._access_writer is None, (fmt, level)
+    finally:
+        structlog.reset_defaults()
+        logs._access_writer = None
+
+
+def test_timestamp_is_structlogs_iso_utc_format():
+    stamp = logs._timestamp()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z", stamp)

@@ -1,0 +1,372 @@
+"""The rewriter's per-token fast path (StreamRewriter._feed_fast, byte templates, the decoder's
+single-"data:"-line fast path) against the general path: identical bytes out, identical state.
+
+The general path is the same class with `_fast = False` (every payload through _on_payload ->
+_on_chunk -> dict + orjson.dumps per event). Item ids are made deterministic so that both runs
+can be compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.rewriter import _SEQ, StreamRewriter, _args_template, _reasoning_template, _text_template
+from proxy.sse import SSEDecoder
+from tests.test_rewriter import BODIES, STREAMS, ToolOrigin, _DetIds, ctx, parse, sdk_check
+
+
+def _run(chunks: list[bytes], c, fast: bool, finish: bool = True) -> tuple[bytes, StreamRewriter]:
+    with _DetIds():
+        rw = StreamRewriter(c)
+        rw._fast = fast
+        out = [rw.start()]
+        for ch in chunks:
+            out.append(rw.feed(ch))
+        if finish:
+            out.append(rw.finish())
+    return b"".join(out), rw
+
+
+def _state(rw: StreamRewriter) -> tuple:
+    return (rw.done, rw.status, rw.usage, rw.output_tokens_seen, rw.reasoning_deltas_seen, rw.finish_reason,
+            rw.response, rw._seq, rw._last_call_index)
+
+
+def assert_same(chunks: list[bytes], c, finish: bool = True) -> bytes:
+    fast, rw_fast = _run(chunks, c, True, finish)
+    slow, rw_slow = _run(chunks, c, False, finish)
+    assert fast == slow
+    assert _state(rw_fast) == _state(rw_slow)
+    return fast
+
+
+def events_of(body: bytes) -> list[bytes]:
+    return [p + b"\n\n" for p in body.replace(b"\r\n", b"\n").split(b"\n\n") if p.strip()]
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.mark.parametrize("name", STREAMS)
+def test_fixture_fast_equals_general(name):
+    body = BODIES[name]
+    whole = assert_same([body], ctx())
+    assert assert_same(events_of(body), ctx()) == whole  # one feed per upstream event
+    sdk_check(parse(whole))
+
+
+@pytest.mark.parametrize("name", ["r1_stream", "final_chat_stream", "final_required_stream"])
+@pytest.mark.parametrize("variant", ["hidden", "sealed", "sealed_clear"])
+def test_fixture_fast_equals_general_reasoning_variants(name, variant):
+    kw = {"hidden": dict(reasoning_items=False),
+          "sealed": dict(seal=lambda t: "S:" + t, reasoning_in_clear=False),
+          "sealed_clear": dict(seal=lambda t: "S:" + t)}[variant]
+    body = BODIES[name]
+    whole = assert_same([body], ctx(**kw))
+    assert assert_same(events_of(body), ctx(**kw)) == whole
+
+
+def test_templates_match_event_dicts():
+    """Each template, filled in, is byte for byte what _event() writes for the dict."""
+    with _DetIds():
+        rw = StreamRewriter(ctx())
+        rw.start()
+        rw.feed(b'data: {"choices":[{"index":0,"delta":{"reasoning":"a"}}]}\n\n')
+        rs = rw._reasoning
+        rw.feed(b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n')
+        msg = rw._message
+        rw.feed(b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1",'
+                b'"function":{"name":"f","arguments":""}}]}}]}\n\n')
+        call = rw._calls[0]
+    for seq in (0, 7, len(_SEQ) - 1, len(_SEQ), 123456):
+        for text in ("x", "", "h\u00e9\"\\\n\u2028\U0001f600", "</script>"):
+            cases = [
+                (_text_template(msg), {"type": "response.output_text.delta", "sequence_number": seq,
+                                       "item_id": msg.id, "output_index": msg.index, "content_index": 0,
+                                       "delta": text, "logprobs": []}),
+                (_reasoning_template(rs), {"type": "response.reasoning_summary_text.delta", "sequence_number": seq,
+                                           "item_id": rs.id, "output_index": rs.index, "summary_index": 0,
+                                           "delta": text}),
+                (_args_template(call), {"type": "response.function_call_arguments.delta", "sequence_number": seq,
+                                        "item_id": call.id, "output_index": call.index, "delta": text}),
+            ]
+            for (head, mid, tail), ev in cases:
+                digits = _SEQ[seq] if seq < len(_SEQ) else b"%d" % seq
+                got = head + digits + mid + orjson.dumps(text) + tail
+                want = b"event: " + ev["type"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n"
+                assert got == want
+
+
+def test_long_stream_past_the_precomputed_sequence_numbers():
+    n = len(_SEQ) + 50
+    parts = [b'data: {"choices":[{"index":0,"delta":{"content":"w"}}]}\n\n'] * n
+    parts.append(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+    body = b"".join(parts)
+    out = assert_same([body], ctx())
+    events = parse(out)  # sequence numbers 0..N without a gap
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "w" * n
+
+
+# ---------------------------------------------------------------- randomised streams
+_TEXT = st.text(alphabet=st.sampled_from(list("ab \"\\\n{}é€😀") + ["\u2028", "\x00"]), max_size=6)
+_NOISE = st.sampled_from([None, "", 0, 1, [], {}, ["x"], {"a": 1}, True])
+
+
+def _choice(delta, finish=None, index=0, extra=None):
+    ch = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if extra:
+        ch.update(extra)
+    return ch
+
+
+# Weighted: the stream-ending kinds are rare, so that streams get long enough to interleave
+# items (reasoning -> message -> calls, parallel calls by index) before they end.
+_KINDS = st.sampled_from(
+    ["content"] * 8 + ["content_vllm"] * 4 + ["reasoning"] * 6 + ["reasoning_content"] * 3
+    + ["tool_start"] * 4 + ["tool_start_noname"] * 2 + ["tool_args"] * 12 + ["tool_args_noindex"] * 3
+    + ["tool_args_id"] * 3 + ["usage_in_delta"] * 2
+    + ["both", "role", "usage", "empty_choices", "second_choice", "two_choices", "odd_delta", "odd_content",
+       "odd_reasoning", "comment", "blank_data", "no_index", "index_none"]
+    + ["finish", "finish_length", "error", "done", "not_json", "array"])
+
+
+@st.composite
+def upstream_event(draw) -> bytes:
+    kind = draw(_KINDS)
+    text = draw(_TEXT)
+    base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    if kind == "content":
+        base["choices"] = [_choice({"content": text})]
+    elif kind == "content_vllm":
+        base["choices"] = [_choice({"content": text}, extra={"token_ids": None})]
+    elif kind == "reasoning":
+        base["choices"] = [_choice({"reasoning": text})]
+    elif kind == "reasoning_content":  # SGLang
+        base["choices"] = [_choice({"role": None, "content": None, "reasoning_content": text, "tool_calls": None})]
+    elif kind == "both":
+        base["choices"] = [_choice({"reasoning": text, "content": draw(_TEXT)})]
+    elif kind == "role":
+        base["choices"] = [_choice({"role": "assistant", "content": ""})]
+    elif kind == "tool_start":
+        idx = draw(st.integers(0, 2))
+        fn = {"name": draw(st.sampled_from(["get_time", "apply_patch", "ns__grammar", "f"]))}
+        if draw(st.booleans()):
+            fn["arguments"] = text
+        tc = {"id": draw(st.sampled_from(["call_a", "call_b", "call_c", None])), "type": "function",
+              "index": idx, "function": fn}
+        base["choices"] = [_choice({"content": None, "tool_calls": [tc]})]
+    elif kind == "tool_start_noname":  # arguments (and maybe an id) before the name
+        tc = {"index": draw(st.integers(0, 2)), "function": {"arguments": text}}
+        if draw(st.booleans()):
+            tc["id"] = draw(st.sampled_from(["call_a", "call_b", "call_c"]))
+        base["choices"] = [_choice({"tool_calls": [tc]})]
+    elif kind in ("tool_args", "tool_args_noindex", "tool_args_id"):
+        tc: dict = {"function": {"arguments": text if draw(st.booleans()) else draw(_NOISE)}}
+        if kind != "tool_args_noindex":
+            tc["index"] = draw(st.sampled_from([0, 0, 1, 2, True, "0"]))
+        if kind == "tool_args_id":
+            tc["id"] = draw(st.sampled_from(["call_a", "call_b", ""]))
+        tcs = [tc] if draw(st.integers(0, 4)) else [tc, {"index": 1, "function": {"arguments": "x"}}]
+        base["choices"] = [_choice({"content": draw(st.sampled_from([None, None, ""])), "tool_calls": tcs})]
+    elif kind == "usage":
+        base["choices"] = []
+        base["usage"] = {"prompt_tokens": 3, "completion_tokens": draw(st.integers(0, 9)), "total_tokens": 12}
+    elif kind == "usage_in_delta":  # continuous usage stats
+        base["choices"] = [_choice({"content": text})]
+        base["usage"] = {"prompt_tokens": 3, "completion_tokens": draw(st.integers(0, 9))}
+    elif kind == "empty_choices":
+        base["choices"] = draw(st.sampled_from([[], None]))
+    elif kind == "finish":
+        base["choices"] = [_choice({"content": text} if draw(st.booleans()) else {}, "stop")]
+    elif kind == "finish_length":
+        base["choices"] = [_choice({}, draw(st.sampled_from(["length", "tool_calls", "content_filter"])))]
+    elif kind == "second_choice":
+        base["choices"] = [_choice({"content": text}, index=1)]
+    elif kind == "two_choices":
+        base["choices"] = [_choice({"content": text}), _choice({"content": "other"}, index=1)]
+    elif kind == "odd_delta":
+        base["choices"] = [_choice(draw(st.sampled_from([None, {}, [], ""])))]
+    elif kind == "odd_content":
+        base["choices"] = [_choice({"content": draw(_NOISE)})]
+    elif kind == "odd_reasoning":
+        base["choices"] = [_choice({"reasoning": draw(_NOISE), "reasoning_content": text})]
+    elif kind == "error":
+        return b"data: " + orjson.dumps({"error": {"message": "boom", "code": 500}}) + b"\n\n"
+    elif kind == "done":
+        return b"data: [DONE]\n\n"
+    elif kind == "not_json":
+        return b"data: {not json\n\n"
+    elif kind == "array":
+        return b"data: [1,2]\n\n"
+    elif kind == "comment":
+        return b": keep-alive\n\n"
+    elif kind == "blank_data":
+        return b"data: \n\n"
+    elif kind == "no_index":
+        base["choices"] = [{"delta": {"content": text}}]
+    elif kind == "index_none":
+        base["choices"] = [{"index": None, "delta": {"reasoning": text}, "finish_reason": None}]
+    return b"data: " + orjson.dumps(base) + b"\n\n"
+
+
+_CTXS = {
+    "plain": dict(),
+    "tools": dict(tools={"apply_patch": ToolOrigin(kind="custom", name="apply_patch"),
+                         "ns__grammar": ToolOrigin(kind="custom", name="grammar", namespace="ns"),
+                         "get_time": ToolOrigin(kind="function", name="get_time")}),
+    "hidden": dict(reasoning_items=False),
+    "sealed": dict(seal=lambda t: "S:" + t, reasoning_in_clear=False),
+    "sealed_clear": dict(seal=lambda t: "S:" + t),
+}
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(upstream_event(), min_size=1, max_size=60),
+       mode=st.sampled_from(["coalesced", "per_event", "random_cuts", "crlf"]),
+       cuts=st.lists(st.integers(0, 10_000), max_size=8),
+       which=st.sampled_from(sorted(_CTXS)),
+       finish=st.booleans())
+def test_random_streams_fast_equals_general(events, mode, cuts, which, finish):
+    body = b"".join(events)
+    if mode == "coalesced":
+        chunks = [body]
+    elif mode == "per_event":
+        chunks = events
+    elif mode == "crlf":
+        chunks = [body.replace(b"\n", b"\r\n")]
+    else:
+        points = sorted({c % (len(body) + 1) for c in cuts})
+        chunks = [body[a:b] for a, b in zip([0, *points], [*points, len(body)])]
+    out = assert_same(chunks, ctx(**_CTXS[which]), finish)
+    if finish:
+        parse(out)  # framing and gap-free sequence numbers
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=st.lists(st.sampled_from(["content", "reasoning", "args"]), min_size=1, max_size=30),
+       per_event=st.booleans())
+def test_random_well_formed_streams_pass_the_sdk(events, per_event):
+    """Streams of the common shape, through the fast path, validated by the openai SDK."""
+    parts = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n']
+    call_open = False
+    for i, kind in enumerate(events):
+        if kind == "content":
+            d = {"content": f"w{i} "}
+        elif kind == "reasoning":
+            d = {"reasoning": f"r{i} "}
+        elif not call_open:
+            call_open = True
+            d = {"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": ""}}]}
+        else:
+            d = {"tool_calls": [{"index": 0, "function": {"arguments": f"{i}"}}]}
+        parts.append(b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": d, "finish_reason": None}]}) + b"\n\n")
+    parts.append(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+    chunks = parts if per_event else [b"".join(parts)]
+    out = assert_same(chunks, ctx())
+    sdk_check(parse(out))
+
+
+# ---------------------------------------------------------------- decoder fast path
+def _decode_slow(chunks: list[bytes]) -> list[bytes]:
+    """The line-by-line path only (a byte at a time never takes a fast path)."""
+    d = SSEDecoder()
+    out = []
+    for ch in chunks:
+        for i in range(len(ch)):
+            out += d.feed(ch[i:i + 1])
+    return out + d.flush()
+
+
+@settings(max_examples=400, deadline=None)
+@given(blocks=st.lists(st.sampled_from([
+    b"data: {}\n\n", b"data: x\n\n", b"data: \n\n", b"data:x\n\n", b"data:  two spaces\n\n",
+    b"data: a\ndata: b\n\n", b": ping\n\n", b"event: e\ndata: y\n\n", b"\n", b"\n\n", b"data: c\r\n\r\n",
+    b"data: d\r\r", b"id: 1\n\n", b"data: data: nested\n\n", b"data: e\n\ndata: f\n\n", b"data: g",
+]), max_size=12), split=st.booleans())
+def test_decoder_fast_paths_equal_line_by_line(blocks, split):
+    body = b"".join(blocks)
+    chunks = blocks if split else [body]
+    d = SSEDecoder()
+    got = [p for ch in chunks for p in d.feed(ch)] + d.flush()
+    assert got == _decode_slow([body])
+
+
+@pytest.mark.parametrize("per_event", [False, True])
+def test_tool_argument_chunks_that_must_leave_the_fast_path(per_event):
+    """A new id on an index already in use (SGLang: one call per chunk), arguments before the
+    name, a custom tool (no argument deltas), and a reasoning item still open."""
+    c = ctx(tools={"apply_patch": ToolOrigin(kind="custom", name="apply_patch")})
+
+    def tc(**kw):
+        return b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [kw]}}]}) + b"\n\n"
+
+    parts = [
+        b'data: {"choices":[{"index":0,"delta":{"reasoning":"think"}}]}\n\n',
+        tc(index=0, id="call_a", function={"name": "f", "arguments": ""}),
+        tc(index=0, function={"arguments": "{\"a\":"}),
+        tc(index=0, function={"arguments": "1}"}),
+        tc(index=0, id="call_b", function={"arguments": "{\"b\":"}),  # a new call, no name yet
+        tc(index=0, function={"arguments": "2}"}),
+        tc(index=0, function={"name": "g"}),
+        tc(index=0, function={"arguments": ""}),
+        tc(index=1, id="call_c", function={"name": "apply_patch", "arguments": "{\"input\":"}),
+        tc(index=1, function={"arguments": "\"diff\"}"}),
+        tc(index=0, function={"arguments": " "}),
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}\n\ndata: [DONE]\n\n',
+    ]
+    out = assert_same(parts if per_event else [b"".join(parts)], c)
+    events = parse(out)
+    sdk_check(events)
+    final = events[-1]["response"]["output"]
+    assert [(o["type"], o.get("call_id"), o.get("arguments", o.get("input"))) for o in final] == [
+        ("reasoning", None, None), ("function_call", "call_a", '{"a":1}'),
+        ("function_call", "call_b", '{"b":2} '), ("custom_tool_call", "call_c", "diff")]
+
+
+# ---------------------------------------------------------------- forwarder: the read watchdog
+# _stream_answer times each upstream read with one lazy timer (not an asyncio.timeout per read).
+def _timeouts(idle: float, total: float) -> dict:
+    return {"connect": 1, "first_byte": 0.6, "idle": idle, "total": total}
+
+
+async def _stream(sim, make_proxy, timeouts: dict, script: dict):
+    from tests.test_faults import body, call
+
+    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-model"],
+                                       "timeouts": timeouts}])
+    status, _, events = await call(proxy, body(script, stream=True))
+    assert status == 200
+    return events
+
+
+async def test_watchdog_idle_timeout_mid_stream(sim, make_proxy):
+    from tests.test_faults import assert_failed_stream
+
+    events = await _stream(sim, make_proxy, _timeouts(0.5, 10), {"text": "one two three four", "stall_after": 2})
+    error = assert_failed_stream(events)["error"]
+    assert "(idle timeout)" in error["message"] and error.get("type") == "upstream_timeout", error
+    assert any(e["type"] == "response.output_text.delta" for e in events)
+
+
+async def test_watchdog_total_timeout_mid_stream(sim, make_proxy):
+    from tests.test_faults import assert_failed_stream
+
+    words = " ".join(f"w{i}" for i in range(40))
+    t0 = asyncio.get_running_loop().time()
+    events = await _stream(sim, make_proxy, _timeouts(0.6, 1.2), {"text": words, "delay": 0.15})
+    elapsed = asyncio.get_running_loop().time() - t0
+    error = assert_failed_stream(events)["error"]
+    assert "(total timeout)" in error["message"] and error.get("type") == "upstream_timeout", error
+    assert elapsed < 4, elapsed
+
+
+async def test_watchdog_rearms_across_reads(sim, make_proxy):
+    """Gaps shorter than `idle` that add up to several times `idle`: no timeout."""
+    words = " ".join(f"w{i}" for i in range(12))
+    events = await _stream(sim, make_proxy, _timeouts(0.4, 10), {"text": words, "delay": 0.15})
+    assert events[-1]["type"] == "response.completed", events[-1]
+    text = events[-1]["response"]["output"][-1]["content"][0]["text"]
+    assert text.split() == words.split()
