@@ -24,7 +24,10 @@ test: $(STAMP)
 test-vllm: $(STAMP)
 	bash scripts/vllm_tier/run.sh
 
+# wrk is the JSON load generator; taken from Debian's packages when missing (root only).
 bench: $(STAMP)
+	@command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get install -y -q wrk >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null)); } || true
 	$(BIN)/python -m bench
 
 soak: $(STAMP)
