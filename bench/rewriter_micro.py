@@ -26,33 +26,23 @@ FIX = ROOT / "tests" / "fixtures" / "vllm-0.32-cpu"
 _WORDS = [" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", "."]
 
 
-def synthetic(n: int = 100) -> bytes:
-    """The same shape as bench/fake_upstream.c's bench-coalesced answer (vLLM 0.32)."""
+def synthetic(n: int = 100, *, reasoning: bool = False) -> bytes:
+    """The shape of bench/fake_upstream.c's bench-coalesced answer (vLLM 0.32); with
+    `reasoning`, the first half of the deltas are reasoning (vLLM's `reasoning` field)."""
     cid = "chatcmpl-0123456789abcdef"
     head = f'data: {{"id":"{cid}","object":"chat.completion.chunk","created":1795979497,"model":"bench",'
     parts = [head + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
              '"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n']
     for i in range(1, n + 1):
         fr = '"stop"' if i == n else "null"
-        parts.append(head + f'"choices":[{{"index":0,"delta":{{"content":"{_WORDS[(i - 1) % 10]}"}},"logprobs":null,'
-                     f'"finish_reason":{fr},"token_ids":null}}]}}\n\n')
-    parts.append(head + '"choices":[],"usage":{"prompt_tokens":28,"total_tokens":128,"completion_tokens":100,'
-                 '"prompt_tokens_details":null,"completion_tokens_details":null}}\n\ndata: [DONE]\n\n')
-    return "".join(parts).encode()
-
-
-def synthetic_reasoning(n: int = 100) -> bytes:
-    """50 reasoning deltas then 50 content deltas (vLLM's `reasoning` field)."""
-    cid = "chatcmpl-0123456789abcdef"
-    head = f'data: {{"id":"{cid}","object":"chat.completion.chunk","created":1795979497,"model":"bench",'
-    parts = [head + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
-             '"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n']
-    for i in range(1, n + 1):
-        fr = '"stop"' if i == n else "null"
-        field = "reasoning" if i <= n // 2 else "content"
+        field = "reasoning" if reasoning and i <= n // 2 else "content"
         parts.append(head + f'"choices":[{{"index":0,"delta":{{"{field}":"{_WORDS[(i - 1) % 10]}"}},"logprobs":null,'
                      f'"finish_reason":{fr},"token_ids":null}}]}}\n\n')
-    parts.append("data: [DONE]\n\n")
+    if reasoning:
+        parts.append("data: [DONE]\n\n")
+    else:
+        parts.append(head + '"choices":[],"usage":{"prompt_tokens":28,"total_tokens":128,"completion_tokens":100,'
+                     '"prompt_tokens_details":null,"completion_tokens_details":null}}\n\ndata: [DONE]\n\n')
     return "".join(parts).encode()
 
 
@@ -64,7 +54,7 @@ def split_events(body: bytes) -> list[bytes]:
 
 
 def streams() -> dict[str, bytes]:
-    out = {"synthetic-100": synthetic(), "synthetic-reasoning-100": synthetic_reasoning()}
+    out = {"synthetic-100": synthetic(), "synthetic-reasoning-100": synthetic(reasoning=True)}
     for path in sorted(FIX.glob("*_stream.body")):
         name = path.name[: -len(".body")]
         if name.startswith("anthropic"):
