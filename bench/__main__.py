@@ -171,26 +171,30 @@ async def _create_key(db: str) -> str:
     return secret
 
 
-def proxy_config(tmp: Path, port: int, upstream_port: int, workers: int) -> Path:
+FULL_CHAIN = ["stateless", "auth", "limits", "tools", "balance", "notices"]
+NO_CHAIN = "proxy no chain"  # the same proxy with an empty pipeline: what the middlewares cost
+
+
+def proxy_config(tmp: Path, port: int, upstream_port: int, workers: int, chain: bool = True) -> Path:
     cfg = {
         "server": {"host": "127.0.0.1", "port": port, "log_format": "json", "workers": workers},
         "workers": [{"name": "fake", "url": f"http://127.0.0.1:{upstream_port}", "dialect": "vllm",
                      "models": ["bench-json", "bench-coalesced", "bench-chunked", "bench-hold"],
                      "capacity": 100_000, "timeouts": {"connect": 5, "first_byte": 60, "idle": 60, "total": 600}}],
-        "pipeline": ["stateless", "auth", "limits", "tools", "balance", "notices"],
+        "pipeline": FULL_CHAIN if chain else [],
         "auth": {"demo_key": False},
         "limits": {"global_concurrency": 4096},
         "ledger": {"path": str(tmp / "ledger.db")},
     }
-    path = tmp / f"config-{workers}.yaml"
+    path = tmp / f"config-{workers}{'' if chain else '-nochain'}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     return path
 
 
-def start_proxy(tmp: Path, upstream_port: int, key: str, workers: int, cores: str) -> Server:
+def start_proxy(tmp: Path, upstream_port: int, key: str, workers: int, cores: str, chain: bool = True) -> Server:
     port = free_port()
-    cfg = proxy_config(tmp, port, upstream_port, workers)
-    log = open(tmp / f"proxy-{workers}.log", "ab")
+    cfg = proxy_config(tmp, port, upstream_port, workers, chain)
+    log = open(tmp / f"proxy-{workers}{'' if chain else '-nochain'}.log", "ab")
     proc = start([PY, "-m", "proxy", "--config", str(cfg), "serve"], cores, stdout=log, stderr=log)
     wait_port(port)
     if workers > 1:
@@ -198,7 +202,7 @@ def start_proxy(tmp: Path, upstream_port: int, key: str, workers: int, cores: st
         while len(children(proc.pid)) < workers and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1.0)  # every child listening
-    name = "proxy" if workers == 1 else f"proxy x{workers}"
+    name = ("proxy" if chain else NO_CHAIN) if workers == 1 else f"proxy x{workers}"
     return Server(name, proc, port, "/v1/responses", "responses", {"Authorization": f"Bearer {key}"})
 
 
@@ -317,16 +321,17 @@ def main() -> int:
                     "/v1/chat/completions", "chat")
         wait_port(pt_port)
         proxy = start_proxy(tmp, up_port, key, 1, SERVER_CORE)
-        servers += [pt, proxy]
+        bare = start_proxy(tmp, up_port, key, 1, SERVER_CORE, chain=False)
+        servers += [pt, proxy, bare]
 
         results: dict[tuple, dict] = {}
         workloads = [("non-stream", "bench-json"), ("stream coalesced", "bench-coalesced"),
                      ("stream 1 chunk/write", "bench-chunked")]
-        total_cells = len(workloads) * len(concs) * 3
+        total_cells = len(workloads) * len(concs) * 3 + len(concs)
         done = 0
         for wname, model in workloads:
             for conc in concs:
-                for srv in (upstream, pt, proxy):
+                for srv in (upstream, pt, proxy) + ((bare,) if model == "bench-json" else ()):
                     up_cpu0 = upstream.cpu()
                     srv.reset_hwm()
                     if model == "bench-json":
@@ -389,7 +394,8 @@ def report(say, results, workloads, concs, seconds, scaling, hold_line) -> None:
     say("Server under test pinned to core 0; load generator and C fake upstream on core 1. `direct` = the fake "
         "upstream alone; `pass-through` = bench/passthrough.py (bytes forwarded unchanged); `proxy` = "
         "`python -m proxy serve` with the full default chain (auth against a SQLite ledger, limits, tools, "
-        "balance hold+settle, notices, JSON access log). CPU from /proc/<pid>/stat; chunk = one of the 100 "
+        "balance hold+settle, notices, JSON access log); `proxy no chain` = the same with an empty pipeline "
+        "(non-stream only: what the middleware chain costs). CPU from /proc/<pid>/stat; chunk = one of the 100 "
         "upstream content deltas. Streams: latency = full stream; first delta = time to the first text delta.")
     say()
     say("| workload | c | server | req/s | p50 ms | p99 ms | added p50 ms | first delta p50 / p99 ms "
@@ -401,13 +407,15 @@ def report(say, results, workloads, concs, seconds, scaling, hold_line) -> None:
         for conc in concs:
             d = results[(wname, conc, "direct")]
             p = results[(wname, conc, "pass-through")]
-            for name in ("direct", "pass-through", "proxy"):
-                r = results[(wname, conc, name)]
+            for name in ("direct", "pass-through", "proxy", NO_CHAIN):
+                r = results.get((wname, conc, name))
+                if r is None:
+                    continue
                 n = r.get("cpu_streams") or r["n"] or 1
                 cpu_req = r["cpu"] / n * 1000
                 pn = p.get("cpu_streams") or p["n"] or 1
                 pt_cpu = p["cpu"] / pn * 1000
-                ratio = cpu_req / pt_cpu if name == "proxy" and pt_cpu else None
+                ratio = cpu_req / pt_cpu if name in ("proxy", NO_CHAIN) and pt_cpu else None
                 added = r["p50"] - d["p50"] if name != "direct" and r["p50"] is not None else None
                 ttft = f"{fmt(r.get('ttft50'))} / {fmt(r.get('ttft99'))}" if stream else "-"
                 added_ttft = (r["ttft50"] - d["ttft50"]) if stream and name != "direct" and r.get("ttft50") else None
