@@ -18,7 +18,7 @@ from proxy import state
 from proxy.config import Config, ConfigError
 from proxy.endpoints import healthz_handler, input_tokens_handler, models_handler
 from proxy.errors import APIError
-from proxy.forwarder import POOL, SESSION, refusal_as_event, responses_handler
+from proxy.forwarder import POOL, RESPONSE_SETTINGS, SESSION, ResponseSettings, refusal_as_event, responses_handler
 from proxy.health import HealthSettings, health_context
 from proxy.routing import validate_settings as validate_routing
 from proxy.logs import access, log
@@ -182,6 +182,7 @@ def build_app(config: Config) -> web.Application:
     HealthSettings.from_section(health)  # a bad section stops start-up here, not in the checker
     validate_routing(config.section("routing"))
     app[POOL] = WorkerPool(parse_workers(config.get("workers")), outlier=OutlierPolicy.from_section(health.get("outlier")))
+    app[RESPONSE_SETTINGS] = ResponseSettings.from_section(config.section("responses"))
     # Resources first: middleware factories may add their own contexts that need these.
     app.cleanup_ctx.append(_client_session(app))
     app.cleanup_ctx.append(_embedded_simulator)

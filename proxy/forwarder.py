@@ -10,6 +10,7 @@ problem becomes a response.failed event with retry hints.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 import time
 from typing import Any
 
@@ -104,26 +105,26 @@ def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _
     return _Retryable(worker, f"status {status}", final)
 
 
-_RESPONSES_SETTINGS: dict[int, tuple[dict, tuple[bool, str, bool, bool]]] = {}
+@dataclass(frozen=True)
+class ResponseSettings:
+    """config.yaml `responses`, read once when the app is built (not on every request)."""
+
+    ai_markers: bool = True
+    ai_notice: str = "[AI-generated content]"
+    reasoning_items: bool = True
+    reasoning_in_clear: bool = True
+
+    @classmethod
+    def from_section(cls, section: dict) -> "ResponseSettings":
+        return cls(bool(section.get("ai_markers", True)), str(section.get("ai_notice", "[AI-generated content]")),
+                   bool(section.get("reasoning_items", True)), bool(section.get("reasoning_in_clear", True)))
 
 
-def _responses_settings(section: dict) -> tuple[bool, str, bool, bool]:
-    """config.yaml `responses` as (ai_markers, ai_notice, reasoning_items, reasoning_in_clear),
-    read once per section object instead of on every request."""
-    found = _RESPONSES_SETTINGS.get(id(section))
-    if found is not None and found[0] is section:
-        return found[1]
-    parsed = (bool(section.get("ai_markers", True)), str(section.get("ai_notice", "[AI-generated content]")),
-              bool(section.get("reasoning_items", True)), bool(section.get("reasoning_in_clear", True)))
-    if len(_RESPONSES_SETTINGS) > 64:
-        _RESPONSES_SETTINGS.clear()
-    _RESPONSES_SETTINGS[id(section)] = (section, parsed)  # keeps the section alive: its id stays unique
-    return parsed
+RESPONSE_SETTINGS = web.AppKey("response_settings", ResponseSettings)
 
 
 def _context(request: web.Request, t: Any) -> ResponseContext:
-    ai_markers, ai_notice, reasoning_items, reasoning_in_clear = _responses_settings(
-        request.app[state.CONFIG].section("responses"))
+    settings = request.app[RESPONSE_SETTINGS]
     sealer = request.app.get(SEALER)
     return ResponseContext(
         response_id="resp_" + request[state.REQUEST_ID].removeprefix("req_"),
@@ -131,10 +132,10 @@ def _context(request: web.Request, t: Any) -> ResponseContext:
         created_at=int(time.time()),
         echo=t.echo,
         tools=t.tools,
-        ai_markers=ai_markers,
-        ai_notice=ai_notice,
-        reasoning_items=reasoning_items,
-        reasoning_in_clear=reasoning_in_clear,
+        ai_markers=settings.ai_markers,
+        ai_notice=settings.ai_notice,
+        reasoning_items=settings.reasoning_items,
+        reasoning_in_clear=settings.reasoning_in_clear,
         seal=sealer.seal if sealer is not None and t.include_encrypted_reasoning else None,
     )
 
