@@ -110,8 +110,8 @@ def main() -> None:
     args = ap.parse_args()
     mod = importlib.import_module(args.impl)
     print(f"rewriter: {args.impl}  (CPU us per upstream event, best of {args.rounds} rounds)")
-    print(f"| stream | upstream events | bytes | coalesced us/event | per-event us/event |")
-    print(f"|---|--:|--:|--:|--:|")
+    print("| stream | upstream events | bytes | coalesced us/event | per-event us/event |")
+    print("|---|--:|--:|--:|--:|")
     for name, body in streams().items():
         if args.only and args.only not in name:
             continue

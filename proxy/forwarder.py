@@ -17,7 +17,6 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
 from proxy import state
 from proxy.affinity import request_key
@@ -140,31 +139,6 @@ def _context(request: web.Request, t: Any) -> ResponseContext:
     )
 
 
-# Per-request constants, built once: ClientTimeout per connect timeout (a frozen attrs
-# object), the upstream headers per worker credential (a CIMultiDict aiohttp takes as is).
-_CLIENT_TIMEOUTS: dict[float, aiohttp.ClientTimeout] = {}
-_UPSTREAM_HEADERS: dict[str | None, CIMultiDict] = {}
-
-
-def _client_timeout(connect: float) -> aiohttp.ClientTimeout:
-    found = _CLIENT_TIMEOUTS.get(connect)
-    if found is None:
-        if len(_CLIENT_TIMEOUTS) > 256:
-            _CLIENT_TIMEOUTS.clear()
-        found = _CLIENT_TIMEOUTS[connect] = aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect)
-    return found
-
-
-def _upstream_headers(worker: Worker) -> CIMultiDict:
-    key = worker.api_key
-    found = _UPSTREAM_HEADERS.get(key)
-    if found is None:
-        if len(_UPSTREAM_HEADERS) > 256:
-            _UPSTREAM_HEADERS.clear()
-        found = _UPSTREAM_HEADERS[key] = CIMultiDict({"Content-Type": "application/json", **worker.auth_headers()})
-    return found
-
-
 def _record_usage(out: state.Outcome, usage: dict | None, counted: int) -> None:
     if usage:
         out.usage_reported = True
@@ -228,8 +202,8 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
     deadline = loop.time() + timeouts.total
     # Only the connect phase is aiohttp's; first byte, idle and total are timed here, so each
     # one is reported as itself.
-    client_timeout = _client_timeout(timeouts.connect)
-    headers = _upstream_headers(worker)
+    client_timeout = worker.client_timeout
+    headers = worker.chat_headers
     payload = orjson.dumps(t.chat)
     upstream: aiohttp.ClientResponse | None = None
     first_byte = min(timeouts.first_byte, timeouts.total) if t.stream else timeouts.total

@@ -10,10 +10,14 @@ repeated ejection, re-admitted by the next passing active check once that time i
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
+
+import aiohttp
+from multidict import CIMultiDict
 
 from proxy.config import ConfigError
 
@@ -94,6 +98,17 @@ class Worker:
     def auth_headers(self) -> dict[str, str]:
         # Each worker has its own credential; the client's Authorization never travels upstream.
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @functools.cached_property
+    def chat_headers(self) -> CIMultiDict:
+        """The headers of every chat request, built once (aiohttp takes a CIMultiDict as is)."""
+        return CIMultiDict({"Content-Type": "application/json", **self.auth_headers()})
+
+    @functools.cached_property
+    def client_timeout(self) -> aiohttp.ClientTimeout:
+        # Only the connect phase is bounded here; first byte, idle and total are the
+        # forwarder's own timers (each one answers differently).
+        return aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect, sock_connect=self.timeouts.connect)
 
     def serves(self, model: str) -> bool:
         return model in self.models

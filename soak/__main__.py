@@ -158,7 +158,6 @@ async def main(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.5)
         counts: Counter = Counter()
         samples: list[tuple[float, int, int, int, int]] = []
-        rnd = random.Random(args.seed)
         deadline = time.monotonic() + args.minutes * 60
         started = time.monotonic()
 

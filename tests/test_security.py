@@ -5,7 +5,6 @@ admin surface, no CR/LF from user input in any header we set."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import re
 
