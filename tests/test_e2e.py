@@ -273,3 +273,15 @@ async def test_models_and_input_tokens(sim, make_proxy):
     answered = await client.responses.create(model="tiny-model", input="hello there")
     assert counted.input_tokens == answered.usage.input_tokens
     validate_response(answered.model_dump(mode="json"))
+
+
+async def test_line_separator_characters_survive_the_stream(sim, make_proxy):
+    # JSON strings may carry U+2028, U+2029 and U+0085 raw; SSE lines end only at CR/LF.
+    proxy = await make_proxy(NO_AUTH)
+    text = "a\u2028b\u2029c\x85d"
+    sim.script({"text": text, "chunk_chars": 2}, {"text": text, "chunk_chars": 2})
+    status, _, events = await raw_stream(proxy, {"model": "tiny-model", "input": "x", "instructions": "i\u2028j"})
+    final = check_sequence(events)
+    assert final["output"][-1]["content"][0]["text"] == text and final["instructions"] == "i\u2028j"
+    async with proxy.openai().responses.stream(model="tiny-model", input="x") as stream:
+        assert (await stream.get_final_response()).output_text == text

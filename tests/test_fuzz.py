@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from proxy.errors import APIError
 from proxy.translate import TranslateOptions, Translation, translate_request
 from tests.live import LiveStack
+from tests.sdk_check import parse_sse
 
 FUZZ_TRANSLATE = 300
 FUZZ_HTTP = 100  # per live test; four live tests -> 400 HTTP bodies
@@ -214,7 +215,9 @@ def _post(live: LiveStack, session: requests.Session, raw: bytes, path: str = "/
         assert isinstance(envelope["error"]["message"], str)
     elif path == "/v1/responses":
         if r.headers["Content-Type"].startswith("text/event-stream"):
-            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+            # SSE lines end only at CR or LF (str.splitlines would also cut at U+2028, U+0085,
+            # ... which JSON strings may carry raw): parse the bytes as a client must.
+            events = parse_sse(r.content)
             assert events and events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed")
         else:
             answer = r.json()
