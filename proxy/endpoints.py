@@ -81,4 +81,4 @@ async def healthz_handler(request: web.Request) -> web.Response:
                         content_type="application/json")
 
 
-__all__ = ["models_handler", "input_tokens_handler", "healthz_handler", "state"]
+__all__ = ["models_handler", "input_tokens_handler", "healthz_handler"]
