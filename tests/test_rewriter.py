@@ -79,11 +79,13 @@ class _DetIds:
 
 
 def run(chunks, c: ResponseContext | None = None, *, det: bool = True,
-        finish: bool = True) -> tuple[bytes, StreamRewriter]:
+        finish: bool = True, fast: bool = True) -> tuple[bytes, StreamRewriter]:
+    """Feed `chunks` through a rewriter; `fast=False` forces the general (non-template) path."""
     if det:
         with _DetIds():
-            return run(chunks, c, det=False, finish=finish)
+            return run(chunks, c, det=False, finish=finish, fast=fast)
     rw = StreamRewriter(c or ctx())
+    rw._fast = fast
     out = [rw.start()]
     for ch in chunks:
         out.append(rw.feed(ch))

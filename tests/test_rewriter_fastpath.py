@@ -17,19 +17,11 @@ from hypothesis import strategies as st
 
 from proxy.rewriter import _SEQ, StreamRewriter, _args_template, _reasoning_template, _text_template
 from proxy.sse import SSEDecoder
-from tests.test_rewriter import BODIES, STREAMS, ToolOrigin, _DetIds, ctx, parse, sdk_check
+from tests.test_rewriter import BODIES, STREAMS, ToolOrigin, _DetIds, ctx, parse, run, sdk_check
 
 
 def _run(chunks: list[bytes], c, fast: bool, finish: bool = True) -> tuple[bytes, StreamRewriter]:
-    with _DetIds():
-        rw = StreamRewriter(c)
-        rw._fast = fast
-        out = [rw.start()]
-        for ch in chunks:
-            out.append(rw.feed(ch))
-        if finish:
-            out.append(rw.finish())
-    return b"".join(out), rw
+    return run(chunks, c, finish=finish, fast=fast)
 
 
 def _state(rw: StreamRewriter) -> tuple:
