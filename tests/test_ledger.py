@@ -554,24 +554,27 @@ CRASH_CHILD = textwrap.dedent(
 )
 
 
-async def test_durability_across_a_process_kill(tmp_path):
+async def _killed_child(tmp_path, source: str):
+    """A key with 1,000,000 micros, then a child process that runs `source` on the same
+    database and SIGKILLs itself after printing READY; -> (the reopened ledger, the key)."""
     db = str(tmp_path / "crash.db")
     led = open_ledger({"path": db})
     await led.start()
     _, key = await led.create_key("mia", 1_000_000)
     await led.close()
-
     script = tmp_path / "child.py"
-    script.write_text(CRASH_CHILD)
-    proc = subprocess.run(
-        [sys.executable, str(script), db, key.key_id], capture_output=True, text=True, timeout=60,
-        env=subprocess_env(),
-    )
+    script.write_text(source)
+    proc = subprocess.run([sys.executable, str(script), db, key.key_id], capture_output=True, text=True,
+                          timeout=60, env=subprocess_env())
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "READY" in proc.stdout
-
     led = open_ledger({"path": db})
-    await led.start()  # start() expires only holds whose ttl has passed: these have not
+    await led.start()  # start() expires only holds whose ttl has passed
+    return led, key
+
+
+async def test_durability_across_a_process_kill(tmp_path):
+    led, key = await _killed_child(tmp_path, CRASH_CHILD)  # the child's holds have not expired yet
     try:
         done = [await led.usage(f"done-{i}") for i in range(5)]
         assert all(u is not None and u.status == "completed" for u in done)
@@ -934,19 +937,7 @@ LEASE_CRASH_CHILD = textwrap.dedent(
 
 
 async def test_lease_expiry_after_sigkill_releases_the_reservation(tmp_path):
-    db = str(tmp_path / "crash.db")
-    led = open_ledger({"path": db})
-    await led.start()
-    _, key = await led.create_key("mia", 1_000_000)
-    await led.close()
-    script = tmp_path / "child.py"
-    script.write_text(LEASE_CRASH_CHILD)
-    proc = subprocess.run([sys.executable, str(script), db, key.key_id], capture_output=True, text=True,
-                          timeout=60, env=subprocess_env())
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    assert "READY" in proc.stdout
-    led = open_ledger({"path": db})
-    await led.start()
+    led, key = await _killed_child(tmp_path, LEASE_CRASH_CHILD)
     try:
         balance = (await led.get_key(key.key_id)).balance_micros
         assert balance == 1_000_000 - 200 * 100  # every committed settle, once
