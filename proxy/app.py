@@ -18,7 +18,9 @@ from proxy import state
 from proxy.config import Config, ConfigError
 from proxy.endpoints import healthz_handler, input_tokens_handler, models_handler
 from proxy.errors import APIError
-from proxy.forwarder import POOL, RESPONSE_SETTINGS, SESSION, ResponseSettings, refusal_as_event, responses_handler
+from proxy.forwarder import (POOL, RESPONSE_SETTINGS, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event,
+                             responses_handler)
+from proxy.upstream import UpstreamPool
 from proxy.health import HealthSettings, health_context
 from proxy.routing import validate_settings as validate_routing
 from proxy.logs import access, log
@@ -100,7 +102,11 @@ def _client_session(app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             app[SESSION] = session
-            yield
+            app[UPSTREAMS] = upstreams = UpstreamPool()  # the chat POSTs: proxy.upstream says why
+            try:
+                yield
+            finally:
+                await upstreams.close()
     return ctx
 
 

@@ -26,9 +26,11 @@ from proxy.logs import log
 from proxy.rewriter import ResponseContext, StreamRewriter, public_message, response_from_completion
 from proxy.routing import check_context_window, parse_provider, request_parameters
 from proxy.translate import set_output_cap
+from proxy.upstream import BadResponse, ConnectFailed, ConnectTimeout, Disconnected, UpstreamPool, UpstreamResponse
 from proxy.workers import Worker, WorkerPool
 
-SESSION = web.AppKey("client_session", aiohttp.ClientSession)
+SESSION = web.AppKey("client_session", aiohttp.ClientSession)  # every upstream call but the chat POST
+UPSTREAMS = web.AppKey("upstreams", UpstreamPool)  # the chat POST (proxy.upstream: why)
 POOL = web.AppKey("worker_pool", WorkerPool)
 
 MAX_ATTEMPTS = 3
@@ -44,21 +46,6 @@ _SSE_HEADERS = {
 # read for their message.
 MAX_JSON_BODY = 16 * 1024 * 1024
 MAX_ERROR_BODY = 64 * 1024
-
-
-async def _read_capped(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The body, or its first limit + 1 bytes when it is longer (the caller decides)."""
-    content = upstream.content
-    first = await content.read(min(1 << 16, limit + 1))
-    if not first or content.at_eof():
-        return first  # the common case: the whole body in one read, no copies
-    buf = bytearray(first)
-    while len(buf) <= limit:
-        chunk = await upstream.content.read(min(1 << 16, limit + 1 - len(buf)))
-        if not chunk:
-            break
-        buf += chunk
-    return bytes(buf)
 
 
 class _Retryable(Exception):
@@ -193,46 +180,44 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
 
 async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseContext,
                    out: state.Outcome) -> web.StreamResponse:
-    session = request.app[SESSION]
     pool = request.app[POOL]
     timeouts = worker.timeouts
     out.upstream = worker.name
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
     deadline = loop.time() + timeouts.total
-    # Only the connect phase is aiohttp's; first byte, idle and total are timed here, so each
-    # one is reported as itself.
-    client_timeout = worker.client_timeout
-    headers = worker.chat_headers
     payload = orjson.dumps(t.chat)
-    upstream: aiohttp.ClientResponse | None = None
+    upstream: UpstreamResponse | None = None
     first_byte = min(timeouts.first_byte, timeouts.total) if t.stream else timeouts.total
     try:
         try:
+            # The connect phase is bounded by its own timeout inside post(); first byte, idle
+            # and total are timed here, so each one is reported as itself.
             async with asyncio.timeout(first_byte):
-                upstream = await session.post(worker.chat_url, data=payload, headers=headers, timeout=client_timeout)
+                upstream = await request.app[UPSTREAMS].post(worker.chat_url, worker.chat_headers, payload,
+                                                             connect_timeout=timeouts.connect)
                 if upstream.status != 200:
-                    error = map_upstream_error(worker, upstream.status, await _read_capped(upstream, MAX_ERROR_BODY))
+                    error = map_upstream_error(worker, upstream.status, await upstream.read_capped(MAX_ERROR_BODY))
                     if upstream.status >= 500:
                         pool.record_failure(worker, f"status {upstream.status}")
                     raise error
-                first = await upstream.content.readany() if t.stream else await _read_capped(upstream, MAX_JSON_BODY)
+                first = await upstream.read() if t.stream else await upstream.read_capped(MAX_JSON_BODY)
                 if len(first) > MAX_JSON_BODY:
                     raise _Retryable(worker, "answer too large", APIError(
                         502, f"The model server sent an answer larger than {MAX_JSON_BODY} bytes.",
                         code="upstream_error"))
-        except aiohttp.ConnectionTimeoutError:
+        except ConnectTimeout:
             # Nothing was sent: another worker may take it.
             pool.record_failure(worker, "connect timeout")
             raise _Retryable(worker, "connect_timeout",
                              APIError(504, f"The model server did not accept a connection within "
                                            f"{timeouts.connect:g}s.", code="upstream_timeout")) from None
-        except (TimeoutError, aiohttp.ServerTimeoutError):
+        except TimeoutError:
             pool.record_failure(worker, "first byte timeout")
             which = "first_byte" if t.stream and first_byte < timeouts.total else "total"
             raise APIError(504, f"The model server did not answer within {first_byte:g}s ({which} timeout).",
                            code="upstream_timeout") from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+        except (ConnectFailed, Disconnected, BadResponse) as exc:
             pool.record_failure(worker, type(exc).__name__)
             raise _Retryable(worker, type(exc).__name__,
                              APIError(502, "The model server could not be reached.", code="upstream_unreachable")) from None
@@ -249,9 +234,9 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
         return await _stream_answer(request, upstream, ctx, first, out, worker=worker, deadline=deadline)
     finally:
         if upstream is not None:
-            # close(), not release(): an unfinished generation must be aborted upstream (vLLM
+            # An unfinished generation is aborted upstream by closing its connection (vLLM
             # frees the GPU when the connection drops), never left running for a pooled reuse.
-            if upstream.content.at_eof():
+            if upstream.at_eof():
                 upstream.release()
             else:
                 upstream.close()
@@ -272,7 +257,21 @@ def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.O
     return web.Response(body=orjson.dumps(response), content_type="application/json")
 
 
-async def _stream_answer(request: web.Request, upstream: aiohttp.ClientResponse, ctx: ResponseContext,
+# A first read this big holds many events (a server that coalesces its chunks, or a client
+# that connected late): its first two events (vLLM: the role, then the first text) are
+# rewritten and written on their own, so the first delta does not wait for all the others.
+EARLY_WRITE_BYTES = 2048
+
+
+def _early_cut(first: bytes) -> int:
+    """Where to split a big first read: after its second event; 0: do not split."""
+    if len(first) < EARLY_WRITE_BYTES:
+        return 0
+    end = first.find(b"\n\n", first.find(b"\n\n") + 2)
+    return end + 2 if 0 < end < len(first) - 2 else 0
+
+
+async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: ResponseContext,
                          first: bytes, out: state.Outcome, *, worker: Worker,
                          deadline: float) -> web.StreamResponse:
     rewriter = StreamRewriter(ctx)
@@ -306,8 +305,13 @@ async def _stream_answer(request: web.Request, upstream: aiohttp.ClientResponse,
 
     try:
         await response.prepare(request)
-        await response.write(rewriter.start() + rewriter.feed(first))
-        read = upstream.content.readany
+        head = rewriter.start()
+        cut = _early_cut(first)
+        if cut:  # the first delta goes out before the rest of a big first read is rewritten
+            await response.write(head + rewriter.feed(first[:cut]))
+            head, first = b"", first[cut:]
+        await response.write(head + rewriter.feed(first))
+        read = upstream.read
         write = response.write
         feed = rewriter.feed
         while not rewriter.done:
@@ -316,8 +320,8 @@ async def _stream_answer(request: web.Request, upstream: aiohttp.ClientResponse,
                 timer = loop.call_at(min(read_since + idle, deadline), watchdog)
             try:
                 data = await read()
-            except (asyncio.CancelledError, aiohttp.ServerTimeoutError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and (not fired or task.uncancel() > cancelling):
+            except asyncio.CancelledError:
+                if not fired or task.uncancel() > cancelling:
                     raise  # not (only) ours: a real cancellation
                 fired = False
                 if read_since + idle < deadline:
@@ -327,7 +331,7 @@ async def _stream_answer(request: web.Request, upstream: aiohttp.ClientResponse,
                 read_since = None
                 await write(rewriter.fail(message, code="upstream_timeout"))
                 break
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+            except (Disconnected, BadResponse):
                 read_since = None
                 request.app[POOL].record_failure(worker, "disconnected mid-stream")
                 await write(rewriter.fail("The connection to the model server was lost mid-stream.",

@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.forwarder import SESSION
+from proxy.forwarder import UPSTREAMS
 from tests.conftest import free_port
 from tests.sdk_check import parse_sse
 
@@ -70,11 +70,11 @@ def assert_failed_stream(events: list[dict]) -> dict:
 
 
 def resources(proxy) -> dict[str, int]:
-    connector = proxy.app[SESSION].connector
+    upstreams = proxy.app[UPSTREAMS].stats()
     return {
         "tasks": len([t for t in asyncio.all_tasks() if not t.done()]),
-        "acquired": len(connector._acquired),
-        "pooled": sum(len(v) for v in connector._conns.values()),
+        "acquired": upstreams["in_use"],
+        "pooled": upstreams["idle"],
         "fds": len(os.listdir("/proc/self/fd")),
     }
 

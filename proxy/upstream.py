@@ -1,0 +1,361 @@
+"""The chat-completions leg to the model servers: a lean pooled HTTP/1.1 client.
+
+Why not aiohttp's ClientSession here (it still serves health checks, discovery, /tokenize
+and every other upstream call): on the bench machine one ClientSession POST and read costs
+~145 us of CPU against a C upstream, a bare asyncio protocol ~14 us, and the proxy pays it
+on every request, before the first token. The generality behind that cost (cookies,
+redirects, proxies, tracing, content decoding) is unused on this leg: a known model server,
+one JSON POST, an answer framed by Content-Length, chunked encoding or the connection's end.
+httptools (the C parser uvicorn uses) does the framing; this module only pools connections.
+
+Semantics the forwarder relies on:
+  * keep-alive: a connection goes back to the pool only after a whole answer; an answer left
+    unfinished (client gone, failure, timeout) closes its connection, which is how vLLM and
+    SGLang learn to abort the generation;
+  * a pooled connection the server closed while idle (uvicorn closes after 5 s) is retried
+    once on a fresh one, and only when not one byte of an answer came back;
+  * backpressure: past HIGH_WATER unread body bytes the socket stops being read until the
+    consumer catches up, so a slow client slows the model server's socket, not our memory;
+  * errors are UpstreamError subclasses: ConnectFailed (nothing was sent: safe to fail over),
+    Disconnected and BadResponse (maybe sent: the forwarder decides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from typing import Any
+
+import httptools
+from yarl import URL
+
+HIGH_WATER = 256 * 1024  # unread body bytes before the socket is paused
+KEEPALIVE_S = 30.0  # an idle pooled connection older than this is closed, not reused
+
+
+class UpstreamError(Exception):
+    """The model server could not be talked to."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection: nothing was sent."""
+
+
+class ConnectTimeout(ConnectFailed):
+    pass
+
+
+class Disconnected(UpstreamError):
+    """The connection ended before the whole answer."""
+
+
+class BadResponse(UpstreamError):
+    """The bytes are not an HTTP/1.1 answer."""
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; the parser's callbacks fill `chunks` for the reader."""
+
+    __slots__ = ("pool", "key", "transport", "parser", "status", "headers_done", "complete", "chunks",
+                 "buffered", "paused", "waiter", "error", "closed", "got_bytes", "idle_since", "keep_alive",
+                 "framed")
+
+    def __init__(self, pool: "UpstreamPool", key: tuple) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers_done = False
+        self.complete = False
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.paused = False
+        self.waiter: asyncio.Future | None = None
+        self.error: UpstreamError | None = None
+        self.got_bytes = False
+        self.keep_alive = False
+        self.framed = False  # Content-Length or chunked: otherwise the body ends with the connection
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(BadResponse(f"unparseable answer: {exc}"))
+            self.transport.abort()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        if not self.complete and self.error is None:
+            if self.headers_done and not self.framed:
+                self.complete = True  # a close-delimited body ends here
+            else:
+                self.error = Disconnected("the model server closed the connection" +
+                                          (f": {exc}" if exc else ""))
+        self._wake()
+
+    # -- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lower = name.lower()
+        if lower == b"content-length" or (lower == b"transfer-encoding" and b"chunked" in value.lower()):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # -- for the reader
+    def _fail(self, error: UpstreamError) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self) -> None:
+        waiter = self.waiter = self.pool.loop.create_future()
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+
+    def send(self, data: bytes) -> None:
+        self._reset()
+        self.transport.write(data)
+
+
+class UpstreamResponse:
+    """One answer: status, then the body as it arrives (read) or whole (read_capped)."""
+
+    __slots__ = ("_conn", "status", "_done")
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self.status = conn.status
+        self._done = False
+
+    async def read(self) -> bytes:
+        """The body bytes that have arrived (waiting for some), b"" at the end."""
+        conn = self._conn
+        while not conn.chunks:
+            if conn.complete:
+                return b""
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait()
+        chunks = conn.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        conn.chunks = []
+        conn.buffered = 0
+        if conn.paused:
+            conn.paused = False
+            if not conn.closed:
+                conn.transport.resume_reading()
+        return data
+
+    async def read_capped(self, limit: int) -> bytes:
+        """The whole body, or its first limit + 1 bytes or more when it is longer (the caller decides)."""
+        first = await self.read()
+        if not first or self.at_eof():
+            return first  # the common case: the whole body at once, no copies
+        buf = bytearray(first)
+        while len(buf) <= limit:
+            chunk = await self.read()
+            if not chunk:
+                break
+            buf += chunk
+        return bytes(buf)
+
+    def at_eof(self) -> bool:
+        conn = self._conn
+        return conn.complete and not conn.chunks
+
+    def release(self) -> None:
+        """Done with the answer: the connection is pooled if it is whole and reusable, else closed."""
+        if self._done:
+            return
+        self._done = True
+        conn = self._conn
+        if conn.complete and not conn.chunks and conn.keep_alive and conn.framed and not conn.closed:
+            conn.pool._put(conn)
+        else:
+            conn.pool._close(conn)
+
+    def close(self) -> None:
+        """Abandon the answer: closing the connection is what tells the model server to stop."""
+        if not self._done:
+            self._done = True
+            self._conn.pool._close(self._conn)
+
+
+class _Target:
+    """What a chat URL resolves to, computed once per URL."""
+
+    __slots__ = ("key", "host", "port", "ssl", "head")
+
+    def __init__(self, url: str, headers: Any) -> None:
+        parsed = URL(url)
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"not an http(s) URL: {url}")
+        self.host = parsed.host
+        self.port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        self.ssl = parsed.scheme == "https"
+        self.key = (self.host, self.port, self.ssl)
+        host_header = parsed.raw_host if parsed.is_default_port() else f"{parsed.raw_host}:{self.port}"
+        lines = [f"POST {parsed.raw_path_qs} HTTP/1.1", f"Host: {host_header}"]
+        for name, value in headers.items():
+            if name.lower() in ("host", "content-length", "connection", "transfer-encoding"):
+                continue
+            lines.append(f"{name}: {value}")
+        self.head = ("\r\n".join(lines) + "\r\nContent-Length: ").encode("latin-1")
+
+
+class UpstreamPool:
+    """Keep-alive connections per (host, port, tls), shared by every request of the app."""
+
+    def __init__(self, *, keepalive_s: float = KEEPALIVE_S) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.keepalive_s = keepalive_s
+        self._idle: dict[tuple, deque[_Connection]] = {}
+        self._busy: set[_Connection] = set()
+        self._targets: dict[tuple[str, int], _Target] = {}
+        self._ssl: ssl.SSLContext | None = None
+        self._closed = False
+
+    def stats(self) -> dict[str, int]:
+        return {"in_use": len(self._busy), "idle": sum(len(q) for q in self._idle.values())}
+
+    def _target(self, url: str, headers: Any) -> _Target:
+        # Keyed by the headers object too: a worker's headers are built once (cached), so
+        # a new object means new settings.
+        cache_key = (url, id(headers))
+        target = self._targets.get(cache_key)
+        if target is None:
+            if len(self._targets) > 1024:
+                self._targets.clear()
+            target = self._targets[cache_key] = _Target(url, headers)
+        return target
+
+    async def post(self, url: str, headers: Any, body: bytes, *, connect_timeout: float) -> UpstreamResponse:
+        """Send one POST and wait for the answer's status line and headers."""
+        target = self._target(url, headers)
+        request = b"%s%d\r\n\r\n%s" % (target.head, len(body), body)
+        conn = self._take(target.key)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, request)
+            except Disconnected:
+                if conn.got_bytes:
+                    raise
+                # The server closed it while idle, before our request: once more on a new one.
+        conn = await self._connect(target, connect_timeout)
+        return await self._exchange(conn, request)
+
+    async def _exchange(self, conn: _Connection, request: bytes) -> UpstreamResponse:
+        self._busy.add(conn)
+        try:
+            conn.send(request)
+            while not conn.headers_done:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait()
+        except BaseException:
+            self._close(conn)
+            raise
+        return UpstreamResponse(conn)
+
+    async def _connect(self, target: _Target, timeout: float) -> _Connection:
+        if self._closed:
+            raise ConnectFailed("the proxy is shutting down")
+        ssl_ctx = None
+        if target.ssl:
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            ssl_ctx = self._ssl
+        try:
+            async with asyncio.timeout(timeout):
+                _, conn = await self.loop.create_connection(
+                    lambda: _Connection(self, target.key), target.host, target.port, ssl=ssl_ctx)
+        except TimeoutError:
+            raise ConnectTimeout(f"no connection to {target.host}:{target.port} within {timeout:g}s") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise ConnectFailed(f"cannot connect to {target.host}:{target.port}: {exc}") from None
+        return conn
+
+    def _take(self, key: tuple) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()  # the most recently used: the least likely to be closed by the server
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.transport.close()
+        return None
+
+    def _put(self, conn: _Connection) -> None:
+        self._busy.discard(conn)
+        if self._closed:
+            conn.transport.close()
+            return
+        conn.idle_since = now = time.monotonic()
+        idle = self._idle.setdefault(conn.key, deque())
+        while idle and now - idle[0].idle_since >= self.keepalive_s:  # the oldest first
+            idle.popleft().transport.close()
+        idle.append(conn)
+
+    def _close(self, conn: _Connection) -> None:
+        self._busy.discard(conn)
+        if not conn.closed and conn.transport is not None:
+            conn.transport.close()
+
+    def _forget(self, conn: _Connection) -> None:
+        """connection_lost: never hand out a dead connection."""
+        self._busy.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    async def close(self) -> None:
+        self._closed = True
+        conns = [c for q in self._idle.values() for c in q] + list(self._busy)
+        self._idle.clear()
+        for conn in conns:
+            if conn.transport is not None and not conn.closed:
+                conn.transport.close()
+        if conns:
+            await asyncio.sleep(0)  # let the transports run connection_lost
