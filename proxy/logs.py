@@ -12,6 +12,8 @@ level above info, or structlog never configured, as in the tests) it is `access_
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import datetime
 import json
 import logging
@@ -73,13 +75,33 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
     _access_writer = None
     if fmt != "console" and threshold <= logging.INFO:
         printer = structlog.PrintLogger(file=sys.stderr)
+        # Under load many requests end in one turn of the event loop: their lines are written
+        # together at the end of it, one write and flush instead of one per request. A line
+        # waits at most that turn; outside a loop it is written at once.
+        pending: list[str] = []
+
+        def flush() -> None:
+            if pending:
+                lines = "\n".join(pending)
+                pending.clear()
+                printer.msg(lines)
 
         def write(fields: dict[str, Any]) -> None:
             fields["event"] = "request"
             fields["level"] = "info"
             fields["timestamp"] = _timestamp()
-            printer.msg(_dumps(fields))
+            line = _dumps(fields)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                flush()
+                printer.msg(line)
+                return
+            if not pending:
+                loop.call_soon(flush)
+            pending.append(line)
 
+        atexit.register(flush)
         _access_writer = write
 
 

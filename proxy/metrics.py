@@ -2,19 +2,26 @@
 
 Each app has its own CollectorRegistry (tests run many apps in one process). Request
 metrics are updated in one place, `observe()`, called by the outermost middleware once a
-request has finished (from its Outcome); worker gauges and the failover / ejection
-counters are read from the WorkerPool at scrape time, so nothing else has to know
-about Prometheus.
+request has finished (from its Outcome); they are kept in plain dicts and lists (no
+prometheus_client lock per update) and turned into metric families by _RequestCollector
+when scraped. Worker gauges and the failover / ejection counters are read from the
+WorkerPool at scrape time, so nothing else has to know about Prometheus. With
+`--workers N` each process keeps and serves its own figures, as before.
 """
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
+from itertools import accumulate
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import metrics as prometheus_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 
 from proxy import affinity, state
 from proxy.workers import WorkerPool
@@ -82,36 +89,125 @@ class _PoolCollector:
         yield from (in_flight, capacity, healthy, ejected, ewma, ejections, failovers, routed, builds)
 
 
+class _Counter:
+    """A labelled counter as a plain dict (label values -> total), exposed by _RequestCollector.
+
+    prometheus_client's Counter takes a lock per inc() and its labels() another; each serving
+    process runs its requests on one asyncio thread (the ledger's writer thread never touches
+    metrics, and a scrape reads them on that same thread), so plain updates are safe.
+    """
+
+    __slots__ = ("name", "help", "labels", "values", "created")
+
+    def __init__(self, name: str, help: str, labels: tuple[str, ...]) -> None:
+        self.name, self.help, self.labels = name, help, labels
+        self.values: dict[tuple[str, ...], float] = {}  # insertion order = exposition order
+        self.created: dict[tuple[str, ...], float] = {}  # the series' _created timestamp
+
+    def inc(self, key: tuple[str, ...], amount: float = 1) -> None:
+        values = self.values
+        value = values.get(key)
+        if value is None:  # a new series, at 0 from here on (as labels() makes it), even if refused below
+            self.created[key] = time.time()
+            value = values[key] = 0.0
+        if amount < 0:  # refused, as prometheus_client's Counter.inc() refuses it
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        values[key] = value + amount
+
+    def family(self, with_created: bool) -> CounterMetricFamily:
+        family = CounterMetricFamily(self.name, self.help, labels=self.labels)
+        created = self.created
+        for key, value in self.values.items():
+            family.add_metric(key, value, created[key] if with_created else None)
+        return family
+
+
+class _Histogram:
+    """A labelled histogram with fixed buckets: per series a list of per-bucket counts (the last
+    one +Inf) followed by the sum, updated with one bisect; made cumulative only when scraped."""
+
+    __slots__ = ("name", "help", "labels", "bounds", "les", "series", "created")
+
+    def __init__(self, name: str, help: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.labels = name, help, labels
+        self.bounds = tuple(float(b) for b in buckets)  # finite, sorted: an index past them is +Inf
+        self.les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self.series: dict[tuple[str, ...], list[float]] = {}
+        self.created: dict[tuple[str, ...], float] = {}
+
+    def observe(self, key: tuple[str, ...], value: float) -> None:
+        counts = self.series.get(key)
+        if counts is None:
+            self.created[key] = time.time()
+            counts = self.series[key] = [0] * (len(self.bounds) + 1) + [0.0]
+        # bisect_left: the first bucket whose upper bound is >= value (le is inclusive).
+        counts[bisect_left(self.bounds, value)] += 1
+        counts[-1] += value
+
+    def family(self, with_created: bool) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.help, labels=self.labels)
+        for key, counts in self.series.items():
+            family.add_metric(key, list(zip(self.les, accumulate(counts[:-1]))), counts[-1])
+            if with_created:
+                family.add_sample(self.name + "_created", dict(zip(self.labels, key)), self.created[key])
+        return family
+
+
+class _RequestCollector:
+    """Exposes the request metrics kept in plain Python by Metrics, when scraped."""
+
+    def __init__(self, metrics: "Metrics") -> None:
+        self.metrics = metrics
+
+    def describe(self):  # no describe-time collect
+        return []
+
+    def collect(self):
+        m = self.metrics
+        # Read per scrape, so prometheus_client.disable_created_metrics() and
+        # PROMETHEUS_DISABLE_CREATED_SERIES keep working as they do for its own metrics.
+        with_created = getattr(prometheus_metrics, "_use_created", True)
+        yield m.requests.family(with_created)
+        yield m.latency.family(with_created)
+        yield m.ttfb.family(with_created)
+        yield m.input_tokens.family(with_created)
+        yield m.cached_tokens.family(with_created)
+        yield m.output_tokens.family(with_created)
+        yield m.worker_prompt_tokens.family(with_created)
+        yield m.worker_cached_tokens.family(with_created)
+        ratio = GaugeMetricFamily(f"{PREFIX}_worker_cached_token_ratio",
+                                  "Cached / prompt tokens of each worker since start.", labels=["worker"])
+        for worker, (prompt, cached) in m._worker_tokens.items():
+            ratio.add_metric([worker], cached / prompt)
+        yield ratio
+
+
 class Metrics:
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.requests = Counter(f"{PREFIX}_requests", "Requests by endpoint, model, HTTP status and outcome.",
-                                ["endpoint", "model", "status", "outcome"], registry=r)
-        self.latency = Histogram(f"{PREFIX}_request_duration_seconds",
-                                 "Whole request time (a stream until its last event).",
-                                 ["endpoint", "model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttfb = Histogram(f"{PREFIX}_time_to_first_byte_seconds",
-                              "Upstream request sent -> first upstream byte.", ["model", "worker"],
-                              buckets=TTFB_BUCKETS, registry=r)
-        self.input_tokens = Counter(f"{PREFIX}_input_tokens", "Input tokens (cached included).", ["model"], registry=r)
-        self.cached_tokens = Counter(f"{PREFIX}_cached_input_tokens", "Input tokens read from the prompt cache.",
-                                     ["model"], registry=r)
-        self.output_tokens = Counter(f"{PREFIX}_output_tokens", "Output tokens (reasoning included).", ["model"],
-                                     registry=r)
+        self.requests = _Counter(f"{PREFIX}_requests", "Requests by endpoint, model, HTTP status and outcome.",
+                                 ("endpoint", "model", "status", "outcome"))
+        self.latency = _Histogram(f"{PREFIX}_request_duration_seconds",
+                                  "Whole request time (a stream until its last event).",
+                                  ("endpoint", "model"), LATENCY_BUCKETS)
+        self.ttfb = _Histogram(f"{PREFIX}_time_to_first_byte_seconds",
+                               "Upstream request sent -> first upstream byte.", ("model", "worker"), TTFB_BUCKETS)
+        self.input_tokens = _Counter(f"{PREFIX}_input_tokens", "Input tokens (cached included).", ("model",))
+        self.cached_tokens = _Counter(f"{PREFIX}_cached_input_tokens", "Input tokens read from the prompt cache.",
+                                      ("model",))
+        self.output_tokens = _Counter(f"{PREFIX}_output_tokens", "Output tokens (reasoning included).", ("model",))
         # Per worker, for the prompt-cache hit ratio (what affinity is for): prompt tokens and
         # the part of them the worker reported as read from its prefix cache.
-        self.worker_prompt_tokens = Counter(f"{PREFIX}_worker_prompt_tokens",
-                                            "Prompt tokens of the requests each worker answered.", ["worker"],
-                                            registry=r)
-        self.worker_cached_tokens = Counter(f"{PREFIX}_worker_cached_tokens",
-                                            "Prompt tokens each worker read from its prefix cache.", ["worker"],
-                                            registry=r)
-        self.worker_cached_ratio = Gauge(f"{PREFIX}_worker_cached_token_ratio",
-                                         "Cached / prompt tokens of each worker since start.", ["worker"], registry=r)
+        self.worker_prompt_tokens = _Counter(f"{PREFIX}_worker_prompt_tokens",
+                                             "Prompt tokens of the requests each worker answered.", ("worker",))
+        self.worker_cached_tokens = _Counter(f"{PREFIX}_worker_cached_tokens",
+                                             "Prompt tokens each worker read from its prefix cache.", ("worker",))
+        # worker -> [prompt, cached] totals; exposed as worker_cached_token_ratio.
         self._worker_tokens: dict[str, list[int]] = {}
-        self._children: dict[tuple, Any] = {}  # (id(metric), label values) -> labelled child
+        r.register(_RequestCollector(self))
+        # Set once per scrape (refresh_ledger), not per request: prometheus_client's Gauge is fine.
         self.holds = Gauge(f"{PREFIX}_ledger_holds", "Balance holds not yet settled.", registry=r)
         self.holds_available = True
         r.register(_PoolCollector(pool))
@@ -120,45 +216,51 @@ class Metrics:
         t = request.get(state.TRANSLATION)
         if t is None:
             return ""
-        # Bounded: only models some worker serves become a label value.
+        # Bounded: only models some worker serves become a label value. Asked per request (a
+        # worker's models can change at run time); a plain loop, not any() over a generator,
+        # which costs several times more for a handful of workers.
         model = t.upstream_model
-        return model if any(w.serves(model) for w in self.pool.workers) else "other"
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        """metric.labels(*labels), cached: the label values are bounded (served models, statuses,
-        outcomes, workers), and labels() takes a lock and builds a tuple every time."""
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+        for w in self.pool.workers:
+            if w.serves(model):
+                return model
+        return "other"
 
     def observe(self, request: web.Request, status: int, elapsed_s: float) -> None:
         endpoint = _ENDPOINTS.get(request.path, "other")
         model = self.model_label(request)
         out = request.get(state.OUTCOME)
         outcome = out.status if out is not None and endpoint == "responses" else ""
-        child = self._child
-        child(self.requests, endpoint, model, str(status), outcome).inc()
-        child(self.latency, endpoint, model).observe(elapsed_s)
+        self.requests.inc((endpoint, model, str(status), outcome))
+        self.latency.observe((endpoint, model), elapsed_s)
         if out is None or endpoint != "responses":
             return  # input_tokens counts nothing toward usage
         if out.ttfb_ms is not None:
-            child(self.ttfb, model, out.upstream or "").observe(out.ttfb_ms / 1000)
+            self.ttfb.observe((model, out.upstream or ""), out.ttfb_ms / 1000)
+        by_model = (model,)
         if out.input_tokens:
-            child(self.input_tokens, model).inc(out.input_tokens)
+            self.input_tokens.inc(by_model, out.input_tokens)
         if out.cached_tokens:
-            child(self.cached_tokens, model).inc(out.cached_tokens)
+            self.cached_tokens.inc(by_model, out.cached_tokens)
         if out.output_tokens:
-            child(self.output_tokens, model).inc(out.output_tokens)
-        if out.upstream and out.input_tokens and any(w.name == out.upstream for w in self.pool.workers):
+            self.output_tokens.inc(by_model, out.output_tokens)
+        upstream = out.upstream
+        if upstream and out.input_tokens and self._is_worker(upstream):
             cached = min(out.cached_tokens, out.input_tokens)
-            child(self.worker_prompt_tokens, out.upstream).inc(out.input_tokens)
-            child(self.worker_cached_tokens, out.upstream).inc(cached)
-            totals = self._worker_tokens.setdefault(out.upstream, [0, 0])
+            by_worker = (upstream,)
+            self.worker_prompt_tokens.inc(by_worker, out.input_tokens)
+            self.worker_cached_tokens.inc(by_worker, cached)
+            totals = self._worker_tokens.setdefault(upstream, [0, 0])
             totals[0] += out.input_tokens
             totals[1] += cached
-            child(self.worker_cached_ratio, out.upstream).set(totals[1] / totals[0])
+
+    def _is_worker(self, name: str) -> bool:
+        # Worker names never change: one already counted needs no walk over the pool.
+        if name in self._worker_tokens:
+            return True
+        for w in self.pool.workers:
+            if w.name == name:
+                return True
+        return False
 
     async def refresh_ledger(self, app: web.Application) -> None:
         from proxy.app import LEDGER

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import aiohttp
+import prometheus_client.metrics
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import metrics as proxy_metrics
+from proxy import state
 from proxy.forwarder import POOL
 from proxy.metrics import METRICS
+from proxy.workers import WorkerPool, parse_workers
 from tests.test_workers import NO_AUTH, ask, call, dead_url, settings, start_sim, wait_for, worker  # noqa: F401
 
 
@@ -18,6 +31,10 @@ async def scrape(proxy) -> tuple[str, dict[tuple[str, tuple], float]]:
             assert resp.status == 200
             assert resp.headers["Content-Type"].startswith("text/plain")
             text = await resp.text()
+    return _parse(text)
+
+
+def _parse(text: str) -> tuple[str, dict[tuple[str, tuple], float]]:
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -147,3 +164,99 @@ async def test_metrics_can_be_turned_off(make_proxy):
         async with http.get(proxy.url + "/metrics") as resp:
             assert resp.status == 404
     assert (await call(proxy, ask()))[0] == 200  # the hook copes with no metrics
+
+
+# --------------------------------------------------------------------------- exposition bytes
+# The exposition for a fixed sequence of requests, captured from the prometheus_client Counter /
+# Histogram / Gauge implementation (before request metrics became plain Python behind a
+# collector): names, HELP, TYPE, label sets and order, buckets and values must not move.
+# Only the _created timestamps vary from run to run; they are masked.
+EXPOSITION = Path(__file__).resolve().parent / "fixtures" / "metrics_exposition.txt"
+_CREATED = re.compile(r"(?m)^(\w+_created(?:\{[^}]*\})?) (\S+)$")
+
+# (path, upstream model or None for no translation, HTTP status, seconds, Outcome fields or None)
+SEQUENCE = [
+    ("/v1/responses", "tiny-model", 200, 0.031,
+     {"status": "completed", "upstream": "a", "input_tokens": 120, "cached_tokens": 64, "output_tokens": 33,
+      "ttfb_ms": 12.5}),
+    ("/v1/responses", "tiny-model", 200, 1.0,  # on a bucket bound: le is inclusive
+     {"status": "completed", "upstream": "b", "input_tokens": 50, "output_tokens": 7, "ttfb_ms": 250.0}),
+    ("/v1/responses", "big", 200, 2000.0,  # past the last bound: +Inf only; cached > input for the worker
+     {"status": "incomplete", "upstream": "a", "input_tokens": 10, "cached_tokens": 20, "output_tokens": 1,
+      "ttfb_ms": 0.01}),
+    ("/v1/responses", "tiny-model", 499, 0.05, {"status": "cancelled", "upstream": "a"}),
+    ("/v1/responses", "made-up", 404, 0.001, {}),  # an unknown model is labelled "other"
+    ("/v1/responses", "tiny-model", 502, 0.1,  # an upstream that is no worker: no per-worker tokens
+     {"status": "failed", "upstream": "ghost", "input_tokens": 5, "ttfb_ms": 100.0}),
+    ("/v1/responses/input_tokens", "tiny-model", 200, 0.002, {"status": "completed", "upstream": "a",
+                                                              "input_tokens": 9}),
+    ("/v1/models", None, 200, 0.0001, None),
+    ("/healthz", None, 200, 0.5, None),
+    ("/nope", None, 404, 10.0, None),
+    ("/v1/responses", None, 400, 0.25, {}),
+    ("/v1/responses", "tiny-model", 200, 0.031,  # a second request on an existing series
+     {"status": "completed", "upstream": "a", "input_tokens": 1, "output_tokens": 2, "ttfb_ms": 12.5}),
+]
+
+
+def _observed_app(module) -> tuple[web.Application, Any]:
+    """An app with `module`'s Metrics over two workers, after SEQUENCE went through module.observe()."""
+    app = web.Application()
+    app[module.METRICS] = found = module.Metrics(WorkerPool(parse_workers([
+        {"name": "a", "url": "http://a", "models": ["tiny-model", "big"]},
+        {"name": "b", "url": "http://b", "models": ["tiny-model"], "capacity": 8}])))
+    for path, model, status, seconds, outcome in SEQUENCE:
+        request = make_mocked_request("POST", path, app=app)
+        if model is not None:
+            request[state.TRANSLATION] = SimpleNamespace(upstream_model=model)
+        if outcome is not None:
+            request[state.OUTCOME] = state.Outcome(**outcome)
+        module.observe(request, status, seconds)
+    found.holds.set(3)
+    return app, found
+
+
+def _exposition(module) -> str:
+    return generate_latest(_observed_app(module)[1].registry).decode()
+
+
+def test_exposition_is_unchanged():
+    before = time.time()
+    text = _exposition(proxy_metrics)
+    created = [float(m.group(2)) for m in _CREATED.finditer(text)]
+    assert created and all(before - 1 <= c <= time.time() + 1 for c in created)
+    assert _CREATED.sub(r"\1 <created>", text) == EXPOSITION.read_text()
+
+
+def test_exposition_without_created_series(monkeypatch):
+    monkeypatch.setattr(prometheus_client.metrics, "_use_created", False)  # disable_created_metrics(), undone
+    expected = re.sub(r"(?m)^(# (HELP|TYPE) \w+_created .*|\w+_created(\{[^}]*\})? <created>)\n", "",
+                      EXPOSITION.read_text())
+    assert "_created" not in expected
+    assert _exposition(proxy_metrics) == expected
+
+
+def test_the_worker_ratio_follows_the_totals():
+    _, found = _observed_app(proxy_metrics)
+    _, samples = _parse(generate_latest(found.registry).decode())
+    # worker a: prompt 120 + 10 + 1, cached 64 + min(20, 10) + 0
+    assert value(samples, "responses_proxy_worker_cached_token_ratio", worker="a") == 74 / 131
+    assert value(samples, "responses_proxy_worker_cached_token_ratio", worker="b") == 0
+
+
+def test_a_negative_token_count_is_refused_as_before():
+    app = web.Application()
+    app[proxy_metrics.METRICS] = found = proxy_metrics.Metrics(WorkerPool(parse_workers([
+        {"name": "a", "url": "http://a", "models": ["tiny-model"]}])))
+    request = make_mocked_request("POST", "/v1/responses", app=app)
+    request[state.TRANSLATION] = SimpleNamespace(upstream_model="tiny-model")
+    request[state.OUTCOME] = state.Outcome(status="completed", input_tokens=-1)
+    with pytest.raises(ValueError):
+        found.observe(request, 200, 0.1)
+    proxy_metrics.observe(request, 200, 0.1)  # the hook logs it and never raises
+    _, samples = _parse(generate_latest(found.registry).decode())
+    # As with prometheus_client's labels().inc(): the series is made, at 0, before the refusal.
+    assert ("responses_proxy_input_tokens_total", (("model", "tiny-model"),)) in samples
+    assert value(samples, "responses_proxy_input_tokens_total", model="tiny-model") == 0
+    assert value(samples, "responses_proxy_requests_total", endpoint="responses", model="tiny-model", status="200",
+                 outcome="completed") == 2
