@@ -15,26 +15,27 @@ overloading its owner, and adding or losing a worker moves only the keys it owne
 
 Affinity only chooses among the workers routing already found eligible (model, provider
 requirements, health, ejection, capacity, the `order` tier); the ring is over that set.
-Rings are cached by the set's signature, so a request costs a bisect and a short walk,
-never a ring rebuild. Failover excludes the failed worker and the walk continues on the ring.
+Rings are cached by the set's signature (and, for the common request, on the pool's cached
+route of the model), so a request costs a bisect and a short walk, never a ring rebuild.
+Failover excludes the failed worker and the walk continues on the ring.
 
 Pure, no I/O. proxy.routing calls `pick`; the forwarder computes `request_key` once per request.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import math
-import weakref
+import zlib
+from bisect import bisect_left
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import orjson
 
 if TYPE_CHECKING:
-    from proxy.workers import Worker, WorkerPool
+    from proxy.workers import Route, Worker, WorkerPool
 
 SETTINGS = ("enabled", "epsilon", "vnodes", "hash_messages")
 RING_CACHE_SIZE = 128  # rings kept per pool (one per eligible-set signature seen recently)
@@ -88,11 +89,20 @@ def settings_for(section: Any) -> AffinitySettings:
 
 
 def _h64(data: bytes) -> int:
+    """A ring point of a worker's vnode (built once per ring, so the cost does not matter)."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-@dataclass(frozen=True)
-class AffinityKey:
+def key_point(data: bytes, tag: bytes = b"") -> int:
+    """A request key's point on the ring: the CRC-32 of tag + data in the top 32 bits (as
+    nginx's consistent `hash` does), stable across processes and a few times cheaper than a
+    blake2b per request. Keys land on the workers in the same proportions as with _h64: the
+    spread comes from the vnode points. The tag is chained, not concatenated: a long
+    prompt is not copied."""
+    return zlib.crc32(data, zlib.crc32(tag)) << 32
+
+
+class AffinityKey(NamedTuple):
     """Where one request sits on the ring, and how the walk is bounded."""
 
     source: str  # prompt_cache_key | conversation | messages
@@ -118,21 +128,21 @@ def request_key(t: Any, section: Any) -> AffinityKey | None:
     if not settings.enabled:
         return None
     if getattr(t, "prompt_cache_key", None):
-        source, data = "prompt_cache_key", b"k\x00" + t.prompt_cache_key.encode()
+        source, tag, data = "prompt_cache_key", b"k\x00", t.prompt_cache_key.encode()
     elif getattr(t, "conversation", None):
-        source, data = "conversation", b"c\x00" + t.conversation.encode()
+        source, tag, data = "conversation", b"c\x00", t.conversation.encode()
     elif settings.hash_messages:
         system, user = _leading(t.chat.get("messages") or [])
         if system is None and user is None:
             return None
         try:
-            data = b"m\x00" + orjson.dumps([system, user])
+            data = orjson.dumps([system, user])
         except TypeError:
             return None
-        source = "messages"
+        source, tag = "messages", b"m\x00"
     else:
         return None
-    return AffinityKey(source, _h64(data), settings.epsilon, settings.vnodes)
+    return AffinityKey(source, key_point(data, tag), settings.epsilon, settings.vnodes)
 
 
 # --------------------------------------------------------------------------- the ring
@@ -157,7 +167,7 @@ class Ring:
         n = len(points)
         if not n:
             return
-        start = bisect.bisect_left(points, point)
+        start = bisect_left(points, point)
         seen: set[int] = set()
         for j in range(n):
             idx = owners[(start + j) % n]
@@ -170,7 +180,7 @@ class Ring:
     def owner(self, point: int) -> "Worker | None":
         if not self.points:
             return None
-        i = bisect.bisect_left(self.points, point) % len(self.points)
+        i = bisect_left(self.points, point) % len(self.points)
         return self.workers[self.owners[i]]
 
 
@@ -196,14 +206,8 @@ class AffinityState:
         return ring
 
 
-_STATES: "weakref.WeakKeyDictionary[WorkerPool, AffinityState]" = weakref.WeakKeyDictionary()
-
-
 def state(pool: "WorkerPool") -> AffinityState:
-    found = _STATES.get(pool)
-    if found is None:
-        found = _STATES[pool] = AffinityState()
-    return found
+    return pool.affinity_state
 
 
 def _bounds(workers: list["Worker"], epsilon: float) -> dict[int, int]:
@@ -213,32 +217,65 @@ def _bounds(workers: list["Worker"], epsilon: float) -> dict[int, int]:
     return {id(w): math.ceil((1 + epsilon) * total * max(w.capacity, 1) / capacity) for w in workers}
 
 
+_NOTHING: frozenset[int] = frozenset()
+
+
 def pick(pool: "WorkerPool", key: AffinityKey, serving: list["Worker"], eligible: list["Worker"],
-         excluded: set[int], need_capacity: bool) -> "Worker | None":
+         excluded: set[int] | frozenset[int], need_capacity: bool) -> "Worker | None":
     """The first worker on the ring of `eligible` from the key's point that is not excluded,
     has room and is under the load bound; counts a hit when it is the key's primary owner
     (the owner on the ring of every worker serving the model). None: no worker can take it."""
     st = state(pool)
-    ring = st.ring(eligible, key.vnodes)
+    return _walk(st, key, st.ring(eligible, key.vnodes), st.ring(serving, key.vnodes), eligible, excluded,
+                 need_capacity)
+
+
+def pick_on_route(pool: "WorkerPool", key: AffinityKey, route: "Route", need_capacity: bool) -> "Worker | None":
+    """pick() for a request with no provider object and nothing excluded: the eligible set is
+    the route's available workers, and both rings are kept on the route."""
+    st = state(pool)
+    rings = route.rings.get(key.vnodes)
+    if rings is None:
+        rings = route.rings[key.vnodes] = (st.ring(route.available, key.vnodes),
+                                           st.ring(route.serving, key.vnodes))
+    return _walk(st, key, rings[0], rings[1], route.available, _NOTHING, need_capacity)
+
+
+def _walk(st: AffinityState, key: AffinityKey, ring: Ring, primary_ring: Ring, eligible: list["Worker"],
+          excluded: set[int] | frozenset[int], need_capacity: bool) -> "Worker | None":
+    """Ring.walk() from the key's point, inline (no generator), bounded as _bounds() says."""
     # _bounds() of the usable (not excluded) workers, computed only for the workers the walk
     # reaches (the same arithmetic, in the same order, without building the dict).
     total = 1
     capacity = 0
     for w in eligible:
-        if id(w) not in excluded:
+        if not excluded or id(w) not in excluded:
             total += w.in_flight
             capacity += max(w.capacity, 1)
     scaled = (1 + key.epsilon) * total
+    points, owners, workers = ring.points, ring.owners, ring.workers
+    n = len(points)
+    if not n:
+        return None
+    start = bisect_left(points, key.point)
     chosen = None
-    for w in ring.walk(key.point):
-        if id(w) in excluded or (need_capacity and w.in_flight >= w.capacity):
+    seen: set[int] = set()
+    for j in range(n):
+        idx = owners[(start + j) % n]
+        if idx in seen:
             continue
-        if w.in_flight < math.ceil(scaled * max(w.capacity, 1) / capacity):
+        seen.add(idx)
+        w = workers[idx]
+        if (id(w) not in excluded and not (need_capacity and w.in_flight >= w.capacity)
+                and w.in_flight < math.ceil(scaled * max(w.capacity, 1) / capacity)):
             chosen = w
+            break
+        if len(seen) == len(workers):
             break
     if chosen is None:
         return None
-    primary = st.ring(serving, key.vnodes).owner(key.point)
+    # The same ring (every serving worker eligible): its owner is the one at the key's point.
+    primary = workers[owners[start % n]] if primary_ring is ring else primary_ring.owner(key.point)
     if chosen is primary:
         st.outcomes[("hit", "")] += 1
     elif primary is not None and id(primary) in excluded:

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import aiohttp
 import orjson
 
-from proxy.affinity import AffinitySettings
+from proxy.affinity import AffinitySettings, pick_on_route
 from proxy.affinity import pick as pick_by_affinity
 from proxy.errors import APIError, bad_request
 
 if TYPE_CHECKING:
     from proxy.affinity import AffinityKey
-    from proxy.workers import Worker, WorkerPool
+    from proxy.workers import Route, Worker, WorkerPool
 
 SORTS = ("load", "latency", "price")
 SORT_ALIASES = {"throughput": "load"}  # OpenRouter's "throughput": the least loaded worker has the most to give
@@ -123,8 +123,13 @@ def parse_provider(raw: Any) -> ProviderPrefs | None:
     return prefs
 
 
+_NO_PARAMETERS: frozenset[str] = frozenset()
+
+
 def request_parameters(chat: dict) -> frozenset[str]:
     """What `require_parameters` asks the worker to support, from the chat request."""
+    if not chat.get("tools") and chat.get("response_format") is None:
+        return _NO_PARAMETERS  # the common request: no set to build
     found = set()
     if chat.get("tools"):
         found.add("tools")
@@ -273,6 +278,8 @@ def _sort_key(sort: str) -> Callable[["Worker"], Any]:
 
 
 def _best(workers: list["Worker"], sort: str, rotation: int) -> "Worker":
+    if len(workers) == 1:
+        return workers[0]
     start = rotation % len(workers)
     rotated = workers[start:] + workers[:start]  # ties go round-robin
     return min(rotated, key=_sort_key(sort))
@@ -284,7 +291,10 @@ def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclu
     """The worker for one attempt. With an affinity key (proxy.affinity) and the default `load`
     sort, the choice within the first tier with room is the key's worker on the bounded-load
     ring of that tier's eligible workers; otherwise the best by `sort`."""
-    candidates = pool.serving(model)
+    route = pool.route(model)
+    if prefs is None and route.available and not exclude:
+        return _select_plain(pool, route, model, need_capacity, affinity)
+    candidates = route.serving
     if not candidates:
         pending = [w.name for w in pool.workers if not w.models_known]
         if pending:
@@ -314,12 +324,34 @@ def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclu
             if affinity is not None and sort == "load":
                 # The ring is over the tier's eligible workers before failover's exclusions, so a
                 # retry continues on the same ring past the worker that failed.
-                chosen = pick_by_affinity(pool, affinity, pool.serving(model), eligible, excluded, need_capacity)
+                chosen = pick_by_affinity(pool, affinity, route.serving, eligible, excluded, need_capacity)
                 if chosen is not None:
                     return chosen
             return _best(free, sort, rotation)
-    raise APIError(429, f"Every eligible worker serving '{model}' is at capacity; retry shortly.",
-                   code="capacity_exhausted", headers={"Retry-After": "1"})
+    raise _at_capacity(model)
+
+
+def _select_plain(pool: "WorkerPool", route: "Route", model: str, need_capacity: bool,
+                  affinity: "AffinityKey | None") -> "Worker":
+    """select() for the common request: no provider object, nothing excluded and some worker
+    available. One tier, the route's available workers, so the choice (and the rotation and
+    affinity counters) is the general path's without rebuilding its lists."""
+    rotation = pool.next_rotation()
+    if affinity is not None:
+        # Only a worker with room passes the walk: a choice here means `free` was not empty.
+        chosen = pick_on_route(pool, affinity, route, need_capacity)
+        if chosen is not None:
+            return chosen
+    eligible = route.available
+    free = [w for w in eligible if w.in_flight < w.capacity] if need_capacity else eligible
+    if not free:
+        raise _at_capacity(model)
+    return _best(free, "load", rotation)
+
+
+def _at_capacity(model: str) -> APIError:
+    return APIError(429, f"Every eligible worker serving '{model}' is at capacity; retry shortly.",
+                    code="capacity_exhausted", headers={"Retry-After": "1"})
 
 
 # --------------------------------------------------------------------------- token counting
@@ -367,32 +399,47 @@ _BASE = 256
 _TOOLS_PREAMBLE = 512
 
 
+_TEXT_KEYS = frozenset(("content", "reasoning_content", "reasoning", "name", "tool_call_id"))
+
+
+def _utf8_len(text: str) -> int:
+    # isascii() is a flag check in CPython: an ASCII string's length is its UTF-8 size, no copy.
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def _parts_bytes(parts: list) -> tuple[int, bool]:
+    total, media = 0, False
+    for part in parts:
+        if isinstance(part, dict):
+            text = part.get("text")
+            if isinstance(text, str):
+                total += _utf8_len(text)
+            elif part.get("type") not in (None, "text"):
+                media = True
+        elif isinstance(part, str):
+            total += _utf8_len(part)
+    return total, media
+
+
 def prompt_bytes(chat: dict) -> tuple[int, bool]:
     """(UTF-8 bytes of every text the template renders, whether the prompt carries media)."""
     total, media = 0, False
-
-    def text(value: Any) -> None:
-        nonlocal total, media
-        if isinstance(value, str):
-            total += len(value.encode())
-        elif isinstance(value, list):
-            for part in value:
-                if isinstance(part, dict):
-                    if isinstance(part.get("text"), str):
-                        total += len(part["text"].encode())
-                    elif part.get("type") not in (None, "text"):
-                        media = True
-                elif isinstance(part, str):
-                    total += len(part.encode())
-
     for message in chat.get("messages") or []:
         if not isinstance(message, dict):
             continue
-        for key in ("content", "reasoning_content", "reasoning", "name", "tool_call_id"):
-            text(message.get(key))
-        for call in message.get("tool_calls") or []:
-            if isinstance(call, dict):
-                total += len(orjson.dumps(call.get("function") or {}))
+        # A message's own keys (usually just role and content), not a lookup of every text key.
+        for key, value in message.items():
+            if key in _TEXT_KEYS:
+                if isinstance(value, str):
+                    total += _utf8_len(value)
+                elif isinstance(value, list):
+                    size, has_media = _parts_bytes(value)
+                    total += size
+                    media = media or has_media
+            elif key == "tool_calls" and value:
+                for call in value:
+                    if isinstance(call, dict):
+                        total += len(orjson.dumps(call.get("function") or {}))
     if chat.get("tools"):
         total += len(orjson.dumps(chat["tools"]))
     return total, media

@@ -6,6 +6,10 @@ choice), keeps the in-flight counts that choice and capacity need, and keeps eac
 worker's health: the active checks' verdict (proxy.health) and passive outlier ejection
 (N consecutive connection failures / 5xx -> ejected for a time that doubles with each
 repeated ejection, re-admitted by the next passing active check once that time is over).
+
+Per request, the pool hands routing a cached Route of the model (who serves it, who is
+available, the affinity rings over them), rebuilt only after a worker's health, ejection,
+dialect or models change, so the common request builds no list, set or ring.
 """
 
 from __future__ import annotations
@@ -19,12 +23,48 @@ from typing import TYPE_CHECKING, Any, Iterable
 import aiohttp
 from multidict import CIMultiDict
 
+from proxy.affinity import AffinityState
 from proxy.config import ConfigError
+from proxy.routing import select
 
 if TYPE_CHECKING:
     from proxy.routing import ProviderPrefs
 
 DIALECTS = ("vllm", "sglang", "detect")
+
+# Moves whenever a worker field that cached routes depend on changes (see _RoutingField);
+# a pool whose routes were built at another epoch rebuilds them on its next request.
+_epoch = 0
+_UNSET = object()
+
+
+class _RoutingField:
+    """A Worker field the pools' cached routes depend on (health, ejection, dialect, models).
+
+    Setting it to a different value moves the epoch, whoever sets it (proxy.health, the pool's
+    outlier ejection, start-up discovery, a test), so a route can never outlive the state it
+    was built from. Reads cost a Python call; the per-request path reads the cached route
+    instead. The value lives in the instance under "_<name>". What routing reads live on
+    every request (in_flight, capacity, labels, ewma_ttfb) needs no tracking.
+    """
+
+    def __init__(self, default: Any) -> None:
+        self.default = default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self.default  # what dataclass takes as the field's default
+        return obj.__dict__[self.slot]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        global _epoch
+        values = obj.__dict__
+        if values.get(self.slot, _UNSET) != value:
+            _epoch += 1
+        values[self.slot] = value
 
 
 @dataclass(frozen=True)
@@ -64,8 +104,8 @@ class OutlierPolicy:
 class Worker:
     name: str
     url: str
-    dialect: str = "vllm"  # "detect" until start-up has asked the server
-    models: tuple[str, ...] = ()
+    dialect: str = _RoutingField("vllm")  # "detect" until start-up has asked the server
+    models: tuple[str, ...] = _RoutingField(())
     api_key: str | None = None
     labels: dict[str, Any] = field(default_factory=dict)
     capacity: int = 256
@@ -74,13 +114,13 @@ class Worker:
     models_known: bool = True  # False while `models` was omitted and /v1/models has not answered yet
     in_flight: int = 0
     # Active health (proxy.health): the checker's verdict.
-    healthy: bool = True
+    healthy: bool = _RoutingField(True)
     check_failures: int = 0
     check_successes: int = 0
     last_check_error: str | None = None
     # Passive health: outlier ejection.
     consecutive_failures: int = 0
-    ejected: bool = False
+    ejected: bool = _RoutingField(False)
     ejected_until: float = 0.0
     ejection_multiplier: int = 0
     ejections_total: int = 0
@@ -110,8 +150,11 @@ class Worker:
         # forwarder's own timers (each one answers differently).
         return aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect, sock_connect=self.timeouts.connect)
 
+    # serves() and available are asked per request (metrics, health): they read the
+    # _RoutingField slots as plain attributes, without the descriptor call.
+
     def serves(self, model: str) -> bool:
-        return model in self.models
+        return model in self._models
 
     @property
     def load(self) -> float:
@@ -120,7 +163,7 @@ class Worker:
     @property
     def available(self) -> bool:
         """Healthy by the active checks and not ejected by the passive ones."""
-        return self.healthy and not self.ejected and self.dialect != "detect"
+        return self._healthy and not self._ejected and self._dialect != "detect"
 
 
 def _str_list(value: Any, where: str) -> tuple[str, ...]:
@@ -169,7 +212,24 @@ def upstream_model_name(model: str) -> str:
     return model.split("/", 1)[1] if "/" in model else model
 
 
+class Route:
+    """What routing needs of one model, built once per epoch: the workers serving it, the
+    available ones among them (in pool order), and proxy.affinity's rings over those two
+    sets by vnodes. Lists are never mutated once built: a change builds a new Route."""
+
+    __slots__ = ("serving", "available", "rings")
+
+    def __init__(self, serving: list[Worker]) -> None:
+        self.serving = serving
+        self.available = [w for w in serving if w.available]
+        self.rings: dict[int, tuple[Any, Any]] = {}  # vnodes -> (ring of available, ring of serving)
+
+
 class WorkerPool:
+    """The workers (a fixed list: `workers` is not changed after construction), their
+    in-flight counts and health, and per-model routes cached until a worker's routing
+    fields change."""
+
     def __init__(self, workers: Iterable[Worker], *, outlier: OutlierPolicy | None = None,
                  ewma_alpha: float = 0.3) -> None:
         self.workers = list(workers)
@@ -177,10 +237,31 @@ class WorkerPool:
         self.ewma_alpha = ewma_alpha
         self.active_checks = False  # proxy.health turns this on when its loop runs
         self.failovers: Counter[tuple[str, str]] = Counter()  # (from worker, reason) -> count
+        self.affinity_state = AffinityState()  # proxy.affinity's ring cache and hit / miss counters
         self._rotation = 0
+        self._epoch = -1  # the epoch _routes and _ejected were built at
+        self._routes: dict[str, Route] = {}
+        self._ejected: list[Worker] = []
 
     def serving(self, model: str) -> list[Worker]:
         return [w for w in self.workers if w.serves(model)]
+
+    def _refresh(self) -> None:
+        """A worker's routing fields changed: drop the routes, list the ejected workers again."""
+        self._epoch = _epoch
+        self._routes = {}
+        self._ejected = [w for w in self.workers if w.ejected]
+
+    def route(self, model: str) -> Route:
+        """The model's cached Route, rebuilt after any change to a worker's routing fields."""
+        if self._epoch != _epoch:
+            self._refresh()
+        route = self._routes.get(model)
+        if route is None:
+            route = Route(self.serving(model))
+            if route.serving:  # only served models: made-up names from clients must not grow the cache
+                self._routes[model] = route
+        return route
 
     def models(self) -> dict[str, int | None]:
         """Every served model with its context window where a worker told us (the smallest, if they differ)."""
@@ -199,9 +280,8 @@ class WorkerPool:
 
     def choose(self, model: str, exclude: Iterable[Worker] = (), prefs: "ProviderPrefs | None" = None,
                params: frozenset[str] = frozenset(), need_capacity: bool = True, affinity: Any = None) -> Worker:
-        from proxy.routing import select
-
-        self.readmit_expired()
+        if self._ejected or self._epoch != _epoch:  # else nothing is ejected: nothing to re-admit
+            self.readmit_expired()
         return select(self, model, prefs, exclude=exclude, params=params, need_capacity=need_capacity,
                       affinity=affinity)
 
@@ -248,9 +328,10 @@ class WorkerPool:
         # Without active checks nothing would ever re-admit; then the ejection time alone does.
         if self.active_checks:
             return
-        for worker in self.workers:
-            if worker.ejected:
-                self.readmit(worker)
+        if self._epoch != _epoch:
+            self._refresh()
+        for worker in self._ejected:  # every ejection moves the epoch: this list is current
+            self.readmit(worker)
 
     def note_failover(self, worker: Worker, reason: str) -> None:
         self.failovers[(worker.name, reason)] += 1

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from proxy import affinity
-from proxy.affinity import AffinityKey, Ring, _h64
+from proxy.affinity import AffinityKey, Ring, key_point
 from proxy.config import Config, ConfigError
 from proxy.forwarder import POOL
 from proxy.ledger.pricing import Price, cost_micros
@@ -160,8 +160,8 @@ async def test_failover_continues_on_the_ring(make_proxy):
         ring = Ring(pool.workers, 160)
         # A key whose owner is the dead worker: the answer comes from the next worker on its ring.
         key = next(k for k in (f"k{i}" for i in range(1000))
-                   if ring.owner(_h64(b"k\x00" + k.encode())).name == "a")
-        order = [w.name for w in ring.walk(_h64(b"k\x00" + key.encode()))]
+                   if ring.owner(key_point(b"k\x00" + k.encode())).name == "a")
+        order = [w.name for w in ring.walk(key_point(b"k\x00" + key.encode()))]
         status, _, body = await post(proxy, ask(prompt_cache_key=key))
         assert status == 200, body
         served = {"b": len(live[0].requests), "c": len(live[1].requests)}
@@ -183,7 +183,7 @@ def _owners(pool: WorkerPool, keys: list[AffinityKey]) -> list[str]:
     return [select(pool, "m", None, affinity=k).name for k in keys]
 
 
-KEYS = [AffinityKey("prompt_cache_key", _h64(f"key-{i}".encode())) for i in range(1000)]
+KEYS = [AffinityKey("prompt_cache_key", key_point(b"k\x00" + f"key-{i}".encode())) for i in range(1000)]
 
 
 def test_ejecting_a_worker_moves_only_its_keys():
@@ -289,7 +289,7 @@ async def test_provider_requirements_still_decide_who_is_eligible(three):
     proxy = await start(a={"labels": {"region": "eu"}}, b={"labels": {"region": "us"}}, c={"labels": {"region": "us"}})
     pool = proxy.app[POOL]
     ring = Ring(pool.workers, 160)
-    key = next(k for k in (f"p{i}" for i in range(1000)) if ring.owner(_h64(b"k\x00" + k.encode())).name == "a")
+    key = next(k for k in (f"p{i}" for i in range(1000)) if ring.owner(key_point(b"k\x00" + k.encode())).name == "a")
     before = counts(sims)
     for _ in range(4):  # the owner is "a" but the request wants the US: one US worker, always the same
         status, _, body = await post(proxy, ask(prompt_cache_key=key, provider={"only": ["region=us"]}))
@@ -420,7 +420,7 @@ async def test_metrics_move(three):
     await _conversations(proxy, n_conv=2, turns=3, keyed=True)
     pool = proxy.app[POOL]
     ring = Ring(pool.workers, 160)
-    key = next(k for k in (f"m{i}" for i in range(1000)) if ring.owner(_h64(b"k\x00" + k.encode())).name == "b")
+    key = next(k for k in (f"m{i}" for i in range(1000)) if ring.owner(key_point(b"k\x00" + k.encode())).name == "b")
     pool.workers[1].in_flight = 5
     try:
         await post(proxy, ask(prompt_cache_key=key))
