@@ -26,7 +26,8 @@ from proxy.logs import log
 from proxy.rewriter import ResponseContext, StreamRewriter, public_message, response_from_completion
 from proxy.routing import check_context_window, parse_provider, request_parameters
 from proxy.translate import set_output_cap
-from proxy.upstream import BadResponse, ConnectFailed, ConnectTimeout, Disconnected, UpstreamPool, UpstreamResponse
+from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected, UpstreamPool,
+                            UpstreamResponse)
 from proxy.workers import Worker, WorkerPool
 
 SESSION = web.AppKey("client_session", aiohttp.ClientSession)  # every upstream call but the chat POST
@@ -193,26 +194,28 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
         try:
             # The connect phase is bounded by its own timeout inside post(); first byte, idle
             # and total are timed here, so each one is reported as itself.
-            async with asyncio.timeout(first_byte):
-                upstream = await request.app[UPSTREAMS].post(worker.chat_url, worker.chat_headers, payload,
-                                                             connect_timeout=timeouts.connect)
-                if upstream.status != 200:
-                    error = map_upstream_error(worker, upstream.status, await upstream.read_capped(MAX_ERROR_BODY))
-                    if upstream.status >= 500:
-                        pool.record_failure(worker, f"status {upstream.status}")
-                    raise error
-                first = await upstream.read() if t.stream else await upstream.read_capped(MAX_JSON_BODY)
-                if len(first) > MAX_JSON_BODY:
-                    raise _Retryable(worker, "answer too large", APIError(
-                        502, f"The model server sent an answer larger than {MAX_JSON_BODY} bytes.",
-                        code="upstream_error"))
+            first_deadline = loop.time() + first_byte
+            upstream = await request.app[UPSTREAMS].post(worker.chat_url, worker.chat_headers, payload,
+                                                         connect_timeout=timeouts.connect, deadline=first_deadline)
+            if upstream.status != 200:
+                error = map_upstream_error(worker, upstream.status,
+                                           await upstream.read_capped(MAX_ERROR_BODY, first_deadline))
+                if upstream.status >= 500:
+                    pool.record_failure(worker, f"status {upstream.status}")
+                raise error
+            first = (await upstream.read(first_deadline) if t.stream
+                     else await upstream.read_capped(MAX_JSON_BODY, first_deadline))
+            if len(first) > MAX_JSON_BODY:
+                raise _Retryable(worker, "answer too large", APIError(
+                    502, f"The model server sent an answer larger than {MAX_JSON_BODY} bytes.",
+                    code="upstream_error"))
         except ConnectTimeout:
             # Nothing was sent: another worker may take it.
             pool.record_failure(worker, "connect timeout")
             raise _Retryable(worker, "connect_timeout",
                              APIError(504, f"The model server did not accept a connection within "
                                            f"{timeouts.connect:g}s.", code="upstream_timeout")) from None
-        except TimeoutError:
+        except DeadlinePassed:
             pool.record_failure(worker, "first byte timeout")
             which = "first_byte" if t.stream and first_byte < timeouts.total else "total"
             raise APIError(504, f"The model server did not answer within {first_byte:g}s ({which} timeout).",

@@ -17,6 +17,7 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError, bad_request
 from proxy.netguard import check_images, policy_for
+from proxy.translate import TranslateOptions, translate_request
 
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs
     import zstandard
@@ -131,8 +132,6 @@ async def translation(request: web.Request):
     cached = request.get(state.TRANSLATION)
     if cached is not None:
         return cached
-    from proxy.translate import TranslateOptions, translate_request
-
     body = await read_json(request)
     sealer = request.app.get(SEALER)
     limits = _limits(request)

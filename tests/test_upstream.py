@@ -206,3 +206,17 @@ async def test_close_abandons_the_answer_and_the_connection():
         await asyncio.sleep(0.01)
         assert pool.stats() == {"in_use": 0, "idle": 0}
         await pool.close()
+
+
+async def test_deadline_passes_while_waiting_for_the_answer():
+    async def silent(writer):
+        await asyncio.sleep(1)
+        return "close"
+
+    async with RawServer([silent]) as srv:
+        pool = UpstreamPool()
+        loop = asyncio.get_running_loop()
+        with pytest.raises(up.DeadlinePassed):
+            await pool.post(srv.url, HEADERS, b"{}", connect_timeout=5, deadline=loop.time() + 0.05)
+        assert pool.stats() == {"in_use": 0, "idle": 0}  # the connection is not reused
+        await pool.close()
