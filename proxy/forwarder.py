@@ -35,6 +35,7 @@ UPSTREAMS = web.AppKey("upstreams", UpstreamPool)  # the chat POST (proxy.upstre
 POOL = web.AppKey("worker_pool", WorkerPool)
 
 MAX_ATTEMPTS = 3
+STREAM_END_GRACE_S = 1.0  # after [DONE], how long the last chunk of a stream may take to keep its connection
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -241,6 +242,8 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
             # frees the GPU when the connection drops), never left running for a pooled reuse.
             if upstream.at_eof():
                 upstream.release()
+            elif t.stream and out.status in ("completed", "incomplete"):
+                upstream.release_when_complete(STREAM_END_GRACE_S)  # only the stream's framing is left
             else:
                 upstream.close()
 

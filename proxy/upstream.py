@@ -64,7 +64,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers_done", "complete", "chunks",
                  "buffered", "paused", "waiter", "error", "closed", "got_bytes", "idle_since", "keep_alive",
-                 "framed")
+                 "framed", "linger")
 
     def __init__(self, pool: "UpstreamPool", key: tuple) -> None:
         self.pool = pool
@@ -72,6 +72,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.linger: asyncio.TimerHandle | None = None  # see UpstreamResponse.release_when_complete
         self._reset()
 
     def _reset(self) -> None:
@@ -105,6 +106,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.linger is not None:
+            self.linger.cancel()
+            self.linger = None
         self.pool._forget(self)
         if not self.complete and self.error is None:
             if self.headers_done and not self.framed:
@@ -127,6 +131,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.linger is not None:
+            return  # the reader is gone: only the end of the message matters
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused and not self.closed:
@@ -136,6 +142,13 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
+        if self.linger is not None:
+            self.linger.cancel()
+            self.linger = None
+            if self.keep_alive and self.framed:
+                self.pool._put(self)
+            else:
+                self.pool._close(self)
         self._wake()
 
     # -- for the reader
@@ -231,6 +244,23 @@ class UpstreamResponse:
             conn.pool._put(conn)
         else:
             conn.pool._close(conn)
+
+    def release_when_complete(self, grace: float) -> None:
+        """The answer is whole for the caller (a stream's `data: [DONE]` came), but its framing
+        may still be on the way: uvicorn sends the last chunk of a stream on its own, after
+        [DONE]. The connection is pooled when the message ends, closed if that takes more
+        than `grace` seconds; without this, every stream would cost a new connection."""
+        conn = self._conn
+        if self._done or conn.complete or conn.closed or conn.error is not None:
+            self.release()
+            return
+        self._done = True
+        conn.chunks = []
+        conn.buffered = 0
+        if conn.paused:
+            conn.paused = False
+            conn.transport.resume_reading()
+        conn.linger = conn.pool.loop.call_later(grace, conn.pool._close, conn)
 
     def close(self) -> None:
         """Abandon the answer: closing the connection is what tells the model server to stop."""

@@ -220,3 +220,51 @@ async def test_deadline_passes_while_waiting_for_the_answer():
             await pool.post(srv.url, HEADERS, b"{}", connect_timeout=5, deadline=loop.time() + 0.05)
         assert pool.stats() == {"in_use": 0, "idle": 0}  # the connection is not reused
         await pool.close()
+
+
+async def test_a_stream_over_at_done_keeps_its_connection_when_the_last_chunk_follows():
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def done_then_terminator(writer):
+        writer.write(head + b"e\r\ndata: [DONE]\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # uvicorn sends the last chunk on its own
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with RawServer([done_then_terminator, ok(b"{}")]) as srv:
+        pool = UpstreamPool()
+        resp = await pool.post(srv.url, HEADERS, b"{}", connect_timeout=5)
+        assert await resp.read() == b"data: [DONE]\n\n"
+        assert not resp.at_eof()
+        resp.release_when_complete(5)
+        assert pool.stats() == {"in_use": 1, "idle": 0}
+        for _ in range(100):
+            if pool.stats()["idle"]:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.stats() == {"in_use": 0, "idle": 1}
+        resp = await pool.post(srv.url, HEADERS, b"{}", connect_timeout=5)
+        assert await resp.read_capped(10) == b"{}"
+        resp.release()
+        assert srv.connections == 1
+        await pool.close()
+
+
+async def test_a_stream_whose_framing_never_ends_is_closed_after_the_grace():
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def never_ends(writer):
+        writer.write(head + b"e\r\ndata: [DONE]\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(2)
+        return "close"
+
+    async with RawServer([never_ends]) as srv:
+        pool = UpstreamPool()
+        resp = await pool.post(srv.url, HEADERS, b"{}", connect_timeout=5)
+        assert await resp.read() == b"data: [DONE]\n\n"
+        resp.release_when_complete(0.05)
+        await asyncio.sleep(0.2)
+        assert pool.stats() == {"in_use": 0, "idle": 0}
+        await pool.close()
