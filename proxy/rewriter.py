@@ -9,7 +9,8 @@
 
 Every call returns the Responses SSE bytes it produced (possibly b""); once `done` is
 set every call returns b"". `response_from_completion` turns a non-stream chat.completion
-into the same Response object by driving the very same accumulator.
+into the same Response object the stream would end with: what the accumulator makes of the
+message as one delta (built directly for the usual shapes; the tests hold the two equal).
 
 Item lifecycle:
   reasoning  opens on the first reasoning delta, closes on the first content/tool delta
@@ -25,8 +26,9 @@ without emitting their done events (a half-streamed call must not look runnable)
 
 from __future__ import annotations
 
+import os
+import random
 import re
-import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -83,7 +85,7 @@ _TERMINAL_EVENT = {"completed": "response.completed", "incomplete": "response.in
 _OWNED = frozenset({"id", "object", "created_at", "status", "model", "output", "usage", "error", "incomplete_details"})
 
 
-@dataclass
+@dataclass(slots=True)
 class ResponseContext:
     response_id: str  # "resp_" + hex
     model: str  # as sent
@@ -99,8 +101,18 @@ class ResponseContext:
     reasoning_in_clear: bool = True
 
 
+# Item and call ids must be unique, not secret: a private Mersenne Twister (seeded from
+# os.urandom, re-seeded in forked children so that workers do not share a sequence) instead
+# of secrets.token_hex, which costs a getrandom syscall per id.
+_ids = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ids.seed)
+_randbytes = _ids.randbytes
+
+
 def _hex() -> str:
-    return secrets.token_hex(12)
+    """24 hex digits (looked up by name at each call: tests swap it for a counter)."""
+    return _randbytes(12).hex()
 
 
 def _origin(origin: Any) -> tuple[str, str | None, str | None]:
@@ -130,6 +142,81 @@ def map_usage(u: dict) -> dict:
         "output_tokens_details": {"reasoning_tokens": ctd.get("reasoning_tokens") or u.get("reasoning_tokens") or 0},
         "total_tokens": inp + out,
     }
+
+
+# The Response object before any output, in the SDK's field order. Copied per response
+# (one C-level dict copy instead of building 40 keys); None marks what _base_response fills
+# in: id, created_at, model, and fresh "output" and "tools" lists (never shared).
+_BASE: dict[str, Any] = {
+    "id": None,
+    "object": "response",
+    "created_at": None,
+    "status": "in_progress",
+    "error": None,
+    "incomplete_details": None,
+    "instructions": None,
+    "max_output_tokens": None,
+    "model": None,
+    "output": None,
+    "parallel_tool_calls": True,
+    "previous_response_id": None,
+    "reasoning": None,
+    "store": False,
+    "temperature": None,
+    "text": None,
+    "tool_choice": "auto",
+    "tools": None,
+    "top_p": None,
+    "truncation": "disabled",
+    "usage": None,
+    "user": None,
+    "metadata": None,
+    "background": False,
+    "max_tool_calls": None,
+    "prompt_cache_key": None,
+    "safety_identifier": None,
+    "service_tier": "default",
+    "top_logprobs": None,
+    "conversation": None,
+    "prompt": None,
+    # Fields of the SDK's Response this proxy has nothing to say about (completed_at
+    # too: the rewriter is pure, so its bytes do not depend on the clock).
+    "completed_at": None,
+    "prompt_cache_retention": None,
+    "prompt_cache_options": None,
+    "prompt_cache_diagnostics": None,
+    "input_transformations": None,
+    "moderation": None,
+    "tool_usage": None,
+    "image": None,
+    "access_programs": None,
+}
+assert _OWNED <= _BASE.keys()  # so that resetting an owned field keeps its place
+
+
+def _base_response(ctx: ResponseContext) -> dict:
+    """The in-progress Response: the template, the echoed request fields, the AI markers."""
+    r = _BASE.copy()
+    echo = ctx.echo
+    if echo:
+        r.update(echo)  # new keys land after the template's, in echo order
+        if not _OWNED.isdisjoint(echo):  # ctx.echo cannot override the rewriter's fields
+            for k in _OWNED.intersection(echo):
+                r[k] = _BASE[k]
+        if r["tool_choice"] is None:
+            r["tool_choice"] = "auto"
+        if r["parallel_tool_calls"] is None:
+            r["parallel_tool_calls"] = True
+    if r["tools"] is None:
+        r["tools"] = []
+    r["id"] = ctx.response_id
+    r["created_at"] = ctx.created_at
+    r["model"] = ctx.model
+    r["output"] = []
+    if ctx.ai_markers:
+        r["ai_generated"] = True
+        r["ai_notice"] = ctx.ai_notice
+    return r
 
 
 class _Item:
@@ -172,33 +259,54 @@ _NSEQ = len(_SEQ)
 _JSONDecodeError = orjson.JSONDecodeError
 
 
-def _delta_template(event_type: str, item_id: str, output_index: int, index_field: str | None,
-                    tail: bytes) -> tuple[bytes, bytes, bytes]:
-    t = orjson.dumps(event_type)
-    head = b"event: " + event_type.encode() + b'\ndata: {"type":' + t + b',"sequence_number":'
-    mid = b',"item_id":' + orjson.dumps(item_id) + b',"output_index":' + orjson.dumps(output_index)
-    if index_field is not None:
-        mid += b',"' + index_field.encode() + b'":0'
-    return head, mid + b',"delta":', tail + b"}\n\n"
+def _event_head(event_type: str) -> bytes:
+    """What an event of that type starts with, up to its sequence_number."""
+    return b'event: %s\ndata: {"type":%s,"sequence_number":' % (event_type.encode(), orjson.dumps(event_type))
+
+
+# (head, mid % (JSON item id, output_index), tail) per delta event, the constant parts built once:
+_TEXT_DELTA = (_event_head("response.output_text.delta"),  # ..."content_index","delta","logprobs"}
+               b',"item_id":%s,"output_index":%d,"content_index":0,"delta":', b',"logprobs":[]}\n\n')
+_REASONING_DELTA = (_event_head("response.reasoning_summary_text.delta"),  # ..."summary_index","delta"}
+                    b',"item_id":%s,"output_index":%d,"summary_index":0,"delta":', b"}\n\n")
+_ARGS_DELTA = (_event_head("response.function_call_arguments.delta"),  # ..."output_index","delta"}
+               b',"item_id":%s,"output_index":%d,"delta":', b"}\n\n")
+
+
+def _delta_template(it: "_Item", kind: tuple[bytes, bytes, bytes]) -> tuple[bytes, bytes, bytes]:
+    head, mid, tail = kind
+    tpl = it.tpl = (head, mid % (orjson.dumps(it.id), it.index), tail)
+    return tpl
 
 
 def _text_template(it: "_Item") -> tuple[bytes, bytes, bytes]:
-    # {"type","sequence_number","item_id","output_index","content_index","delta","logprobs"}
-    tpl = it.tpl = _delta_template("response.output_text.delta", it.id, it.index, "content_index",
-                                   b',"logprobs":[]')
-    return tpl
+    return _delta_template(it, _TEXT_DELTA)
 
 
 def _reasoning_template(it: "_Item") -> tuple[bytes, bytes, bytes]:
-    # {"type","sequence_number","item_id","output_index","summary_index","delta"}
-    tpl = it.tpl = _delta_template("response.reasoning_summary_text.delta", it.id, it.index, "summary_index", b"")
-    return tpl
+    return _delta_template(it, _REASONING_DELTA)
 
 
 def _args_template(it: "_Item") -> tuple[bytes, bytes, bytes]:
-    # {"type","sequence_number","item_id","output_index","delta"}
-    tpl = it.tpl = _delta_template("response.function_call_arguments.delta", it.id, it.index, None, b"")
-    return tpl
+    return _delta_template(it, _ARGS_DELTA)
+
+
+# The per-stream events, also from templates; same bytes as _event() for the same dicts.
+_CREATED = b'event: response.created\ndata: {"type":"response.created","sequence_number":0,"response":'
+_IN_PROGRESS = b'}\n\nevent: response.in_progress\ndata: {"type":"response.in_progress","sequence_number":1,"response":'
+# output_item.added: % (sequence_number, output_index, JSON item id)
+_MSG_ADDED = (b'event: response.output_item.added\ndata: {"type":"response.output_item.added","sequence_number":%d,'
+              b'"output_index":%d,"item":{"type":"message","id":%s,"status":"in_progress","role":"assistant",'
+              b'"content":[]}}\n\n')
+_RS_ADDED = (b'event: response.output_item.added\ndata: {"type":"response.output_item.added","sequence_number":%d,'
+             b'"output_index":%d,"item":{"type":"reasoning","id":%s,"summary":[],"status":"in_progress"}}\n\n')
+# content_part.added / reasoning_summary_part.added: % (sequence_number, JSON item id, output_index)
+_TEXT_PART_ADDED = (b'event: response.content_part.added\ndata: {"type":"response.content_part.added",'
+                    b'"sequence_number":%d,"item_id":%s,"output_index":%d,"content_index":0,'
+                    b'"part":{"type":"output_text","text":"","annotations":[],"logprobs":[]}}\n\n')
+_SUMMARY_PART_ADDED = (b'event: response.reasoning_summary_part.added\ndata: {"type":'
+                       b'"response.reasoning_summary_part.added","sequence_number":%d,"item_id":%s,'
+                       b'"output_index":%d,"summary_index":0,"part":{"type":"summary_text","text":""}}\n\n')
 
 
 class StreamRewriter:
@@ -211,7 +319,6 @@ class StreamRewriter:
         self.usage: dict | None = None  # Responses-shaped, only when the upstream reported usage
         self.output_tokens_seen = 0
         self.reasoning_deltas_seen = 0
-        self.response: dict = {}
         self.finish_reason: str | None = None
         self._decoder = SSEDecoder(max_line)
         self._started = False
@@ -226,8 +333,8 @@ class StreamRewriter:
         self._all_calls: list[_Item] = []
         self._call_ids: set[str] = set()
         self._last_call_index: int | None = None
-        self._base = self._base_response()
-        self.response = self._base
+        self._base = _base_response(ctx)
+        self.response: dict = self._base  # the terminal response once done
         self._fs: tuple | None = None  # _feed_fast's view of the state, None once stale
 
     # ------------------------------------------------------------------ public API
@@ -238,6 +345,10 @@ class StreamRewriter:
         out = self._out = []
         base = self._base
         if self._emit:
+            if self._fast:  # the same two events, with the response serialised once
+                body = orjson.dumps(base)
+                self._seq = 2
+                return _CREATED + body + _IN_PROGRESS + body + b"}\n\n"
             self._event({"type": "response.created", "sequence_number": 0, "response": base})
             self._event({"type": "response.in_progress", "sequence_number": 0, "response": base})
         return b"".join(out)
@@ -245,7 +356,8 @@ class StreamRewriter:
     def feed(self, data: bytes) -> bytes:
         if self.done:
             return b""
-        head = self.start() if not self._started else b""
+        if not self._started:
+            return self.start() + self.feed(data)
         out = self._out = []
         dec = self._decoder
         payloads = dec.feed(data)
@@ -257,10 +369,9 @@ class StreamRewriter:
                     self._on_payload(payload)
                     if self.done:
                         break
-        if not self.done and dec.overflow:
+        if dec.overflow and not self.done:
             self._fail(f"upstream sent a line longer than {dec.max_line} bytes", "server_error", 1000, True)
-        body = b"".join(out)
-        return head + body if head else body
+        return b"".join(out)
 
     def finish(self) -> bytes:
         if self.done:
@@ -294,18 +405,21 @@ class StreamRewriter:
         return head + b"".join(out)
 
     # ------------------------------------------------------------------ fast path
-    _fast = True  # False: every payload takes the general path (tests compare the two)
+    # False: every payload takes the general path and every event is built as a dict, then
+    # serialised (the reference the tests compare the byte templates with).
+    _fast = True
 
     def _feed_fast(self, payloads: list[bytes]) -> None:
         """Same as `for p in payloads: self._on_payload(p)`, with the per-token chunks (one
         choice, no finish_reason, a delta with only text, only reasoning, or the argument text
         of an already announced call) handled inline: parsed once, checked for exactly that
-        shape, written from the item's byte template. Anything else (the first delta of an
-        item, tool-call starts, finish, errors, [DONE], odd shapes) goes through the general
-        path unchanged, after the state kept in locals has been written back."""
+        shape, written from the item's byte template. The first text or reasoning of an item
+        calls the item methods directly (as _on_delta would, then the state is reloaded).
+        Anything else (tool-call starts, finish, errors, [DONE], odd shapes) goes through the
+        general path unchanged, after the state kept in locals has been written back."""
         loads = orjson.loads
         dumps = orjson.dumps
-        append = self._out.append
+        write = self._out.extend  # the event's five pieces; feed() joins them all once
         seq_digits = _SEQ
         nseq = _NSEQ
         seq = self._seq
@@ -353,10 +467,18 @@ class StreamRewriter:
                                         handled = True  # e.g. the role-only first chunk
                                     elif m_tpl is not None:
                                         m_parts.append(c)
-                                        append(m_tpl[0] + (seq_digits[seq] if seq < nseq else b"%d" % seq)
-                                               + m_tpl[1] + dumps(c) + m_tpl[2])
+                                        write((m_tpl[0], seq_digits[seq] if seq < nseq else b"%d" % seq,
+                                               m_tpl[1], dumps(c), m_tpl[2]))
                                         seq += 1
                                         ntok += 1
+                                        handled = True
+                                    else:  # the message opens (or reasoning ends): _on_delta's steps
+                                        self._seq = seq
+                                        self._close_reasoning("completed")
+                                        self._text_delta(c)
+                                        seq = self._seq
+                                        ntok += 1
+                                        fs = None
                                         handled = True
                                 elif not c and r.__class__ is str:
                                     if hide_rs:
@@ -366,11 +488,19 @@ class StreamRewriter:
                                     elif r_parts is not None:
                                         r_parts.append(r)
                                         if r_tpl is not None:
-                                            append(r_tpl[0] + (seq_digits[seq] if seq < nseq else b"%d" % seq)
-                                                   + r_tpl[1] + dumps(r) + r_tpl[2])
+                                            write((r_tpl[0], seq_digits[seq] if seq < nseq else b"%d" % seq,
+                                                   r_tpl[1], dumps(r), r_tpl[2]))
                                             seq += 1
                                         ntok += 1
                                         nrsn += 1
+                                        handled = True
+                                    else:  # the reasoning item opens
+                                        self._seq = seq
+                                        self._reasoning_delta(r)
+                                        seq = self._seq
+                                        ntok += 1
+                                        nrsn += 1
+                                        fs = None
                                         handled = True
                             elif (not r and not c and calls is not None and tcs.__class__ is list
                                   and len(tcs) == 1):
@@ -387,8 +517,8 @@ class StreamRewriter:
                                                 call.parts.append(args)
                                                 if call.kind == "function_call":
                                                     tpl = call.tpl or _args_template(call)
-                                                    append(tpl[0] + (seq_digits[seq] if seq < nseq else b"%d" % seq)
-                                                           + tpl[1] + dumps(args) + tpl[2])
+                                                    write((tpl[0], seq_digits[seq] if seq < nseq else b"%d" % seq,
+                                                           tpl[1], dumps(args), tpl[2]))
                                                     seq += 1
                                                 ntok += 1
                                             handled = True
@@ -439,66 +569,6 @@ class StreamRewriter:
         ev["sequence_number"] = self._seq
         self._seq += 1
         self._out.append(b"event: " + ev["type"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n")
-
-    def _base_response(self) -> dict:
-        ctx = self.ctx
-        r: dict[str, Any] = {
-            "id": ctx.response_id,
-            "object": "response",
-            "created_at": ctx.created_at,
-            "status": "in_progress",
-            "error": None,
-            "incomplete_details": None,
-            "instructions": None,
-            "max_output_tokens": None,
-            "model": ctx.model,
-            "output": [],
-            "parallel_tool_calls": True,
-            "previous_response_id": None,
-            "reasoning": None,
-            "store": False,
-            "temperature": None,
-            "text": None,
-            "tool_choice": "auto",
-            "tools": [],
-            "top_p": None,
-            "truncation": "disabled",
-            "usage": None,
-            "user": None,
-            "metadata": None,
-            "background": False,
-            "max_tool_calls": None,
-            "prompt_cache_key": None,
-            "safety_identifier": None,
-            "service_tier": "default",
-            "top_logprobs": None,
-            "conversation": None,
-            "prompt": None,
-            # Fields of the SDK's Response this proxy has nothing to say about (completed_at
-            # too: the rewriter is pure, so its bytes do not depend on the clock).
-            "completed_at": None,
-            "prompt_cache_retention": None,
-            "prompt_cache_options": None,
-            "prompt_cache_diagnostics": None,
-            "input_transformations": None,
-            "moderation": None,
-            "tool_usage": None,
-            "image": None,
-            "access_programs": None,
-        }
-        for k, v in (ctx.echo or {}).items():
-            if k not in _OWNED:
-                r[k] = v
-        if r.get("tools") is None:
-            r["tools"] = []
-        if r.get("tool_choice") is None:
-            r["tool_choice"] = "auto"
-        if r.get("parallel_tool_calls") is None:
-            r["parallel_tool_calls"] = True
-        if ctx.ai_markers:
-            r["ai_generated"] = True
-            r["ai_notice"] = ctx.ai_notice
-        return r
 
     # ------------------------------------------------------------------ upstream events
     def _on_payload(self, payload: bytes) -> None:
@@ -565,6 +635,26 @@ class StreamRewriter:
             self.output_tokens_seen += 1
 
     # ------------------------------------------------------------------ items
+    def _add_from_templates(self, item: _Item, added: bytes, part_added: bytes | None) -> None:
+        """_add + the part.added event, written from byte templates (%-formatted with the
+        sequence number, the item id and the output index: see _MSG_ADDED)."""
+        item.index = index = len(self._items)
+        item.announced = True
+        self._items.append(item)
+        seq = self._seq
+        item_id = orjson.dumps(item.id)
+        ev = added % (seq, index, item_id)
+        if part_added is not None:
+            seq += 1
+            ev += part_added % (seq, item_id, index)
+        self._seq = seq + 1
+        self._out.append(ev)
+
+    def _delta_event(self, tpl: tuple[bytes, bytes, bytes], delta: str) -> None:
+        seq = self._seq
+        self._seq = seq + 1
+        self._out.extend((tpl[0], _SEQ[seq] if seq < _NSEQ else b"%d" % seq, tpl[1], orjson.dumps(delta), tpl[2]))
+
     def _add(self, item: _Item, added: dict) -> None:
         item.index = len(self._items)
         item.announced = True
@@ -577,15 +667,21 @@ class StreamRewriter:
         it = self._reasoning
         if it is None:
             it = self._reasoning = _Item("reasoning", "rs_")
-            self._add(it, {"type": "reasoning", "id": it.id, "summary": [], "status": "in_progress"})
-            if self._emit and self._clear:
-                self._event({"type": "response.reasoning_summary_part.added", "sequence_number": 0,
-                             "item_id": it.id, "output_index": it.index, "summary_index": 0,
-                             "part": {"type": "summary_text", "text": ""}})
+            if self._fast and self._emit:
+                self._add_from_templates(it, _RS_ADDED, _SUMMARY_PART_ADDED if self._clear else None)
+            else:
+                self._add(it, {"type": "reasoning", "id": it.id, "summary": [], "status": "in_progress"})
+                if self._emit and self._clear:
+                    self._event({"type": "response.reasoning_summary_part.added", "sequence_number": 0,
+                                 "item_id": it.id, "output_index": it.index, "summary_index": 0,
+                                 "part": {"type": "summary_text", "text": ""}})
         it.parts.append(text)
         if self._emit and self._clear:
-            self._event({"type": "response.reasoning_summary_text.delta", "sequence_number": 0,
-                         "item_id": it.id, "output_index": it.index, "summary_index": 0, "delta": text})
+            if self._fast:
+                self._delta_event(it.tpl or _reasoning_template(it), text)
+            else:
+                self._event({"type": "response.reasoning_summary_text.delta", "sequence_number": 0,
+                             "item_id": it.id, "output_index": it.index, "summary_index": 0, "delta": text})
 
     def _close_reasoning(self, status: str) -> None:
         it = self._reasoning
@@ -613,15 +709,22 @@ class StreamRewriter:
         it = self._message
         if it is None:
             it = self._message = _Item("message", "msg_")
-            self._add(it, {"type": "message", "id": it.id, "status": "in_progress", "role": "assistant", "content": []})
-            if self._emit:
-                self._event({"type": "response.content_part.added", "sequence_number": 0,
-                             "item_id": it.id, "output_index": it.index, "content_index": 0,
-                             "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+            if self._fast and self._emit:
+                self._add_from_templates(it, _MSG_ADDED, _TEXT_PART_ADDED)
+            else:
+                self._add(it, {"type": "message", "id": it.id, "status": "in_progress", "role": "assistant",
+                               "content": []})
+                if self._emit:
+                    self._event({"type": "response.content_part.added", "sequence_number": 0,
+                                 "item_id": it.id, "output_index": it.index, "content_index": 0,
+                                 "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
         it.parts.append(text)
         if self._emit:
-            self._event({"type": "response.output_text.delta", "sequence_number": 0, "item_id": it.id,
-                         "output_index": it.index, "content_index": 0, "delta": text, "logprobs": []})
+            if self._fast:
+                self._delta_event(it.tpl or _text_template(it), text)
+            else:
+                self._event({"type": "response.output_text.delta", "sequence_number": 0, "item_id": it.id,
+                             "output_index": it.index, "content_index": 0, "delta": text, "logprobs": []})
 
     def _message_final(self, it: _Item, status: str) -> dict:
         return {"type": "message", "id": it.id, "status": status, "role": "assistant",
@@ -822,7 +925,8 @@ class StreamRewriter:
         r = dict(self._base)
         r["status"] = status
         r["output"] = output
-        r["usage"] = self.usage if self.usage is not None else self._counted_usage()
+        r["usage"] = (self.usage if self.usage is not None
+                      else _counted_usage(self.output_tokens_seen, self.reasoning_deltas_seen))
         r["incomplete_details"] = incomplete
         r["error"] = error
         if extra:
@@ -834,15 +938,16 @@ class StreamRewriter:
             kind = _TERMINAL_EVENT.get(status, "response.failed")
             self._event({"type": kind, "sequence_number": 0, "response": r})
 
-    def _counted_usage(self) -> dict:
-        out = self.output_tokens_seen
-        return {
-            "input_tokens": 0,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": out,
-            "output_tokens_details": {"reasoning_tokens": self.reasoning_deltas_seen},
-            "total_tokens": out,
-        }
+
+def _counted_usage(output_tokens: int, reasoning_tokens: int) -> dict:
+    """Usage when the upstream reported none: the deltas counted."""
+    return {
+        "input_tokens": 0,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": output_tokens,
+    }
 
 
 def _custom_input(args: str) -> str:
@@ -860,7 +965,121 @@ def _custom_input(args: str) -> str:
 
 
 def response_from_completion(ctx: ResponseContext, completion: dict) -> dict:
-    """A non-stream chat.completion -> the Response object the equivalent stream ends with."""
+    """A non-stream chat.completion -> the Response object the equivalent stream ends with.
+
+    The usual shapes are built directly (_response_direct); anything odd (errors, no choice
+    at index 0 in front, "abort", a message or a function that is not an object, ...) drives
+    the StreamRewriter with the message as one delta, which defines what the answer is."""
+    if completion.__class__ is dict and not completion.get("error") and completion.get("object") != "error":
+        choices = completion.get("choices")
+        if choices.__class__ is list and choices:
+            choice = choices[0]
+            if choice.__class__ is dict and not choice.get("index"):
+                msg = choice.get("message") or {}
+                fr = choice.get("finish_reason") or "stop"
+                if msg.__class__ is dict and fr.__class__ is str and fr != "abort":
+                    calls = msg.get("tool_calls")
+                    calls = _plain_calls(calls) if calls else []
+                    if calls is not None:
+                        return _response_direct(ctx, msg, fr, completion.get("usage"), calls)
+    return _response_via_rewriter(ctx, completion)
+
+
+def _plain_calls(calls: Any) -> list[dict] | None:
+    """The tool_calls entries the rewriter would take (the objects), or None when one of
+    them has a `function` that is not an object (left to the rewriter, which fails on it)."""
+    if calls.__class__ is not list:
+        return None
+    plain = []
+    for tc in calls:
+        if isinstance(tc, dict):
+            if not isinstance(tc.get("function") or {}, dict):
+                return None
+            plain.append(tc)
+    return plain
+
+
+def _response_direct(ctx: ResponseContext, msg: dict, fr: str, usage: Any, calls: list[dict]) -> dict:
+    """What StreamRewriter makes of one delta {reasoning, content, tool_calls} and finish
+    reason `fr` (not "abort"), without the rewriter, its items and the intermediate chunk.
+    Ids are drawn in the same order: reasoning, message, then each call (and its call_id)."""
+    reasoning = msg.get("reasoning")
+    if reasoning is None:
+        reasoning = msg.get("reasoning_content")
+    has_reasoning = bool(reasoning) and isinstance(reasoning, str)
+    content = msg.get("content")
+    has_text = bool(content) and isinstance(content, str)
+    item_status = "incomplete" if fr == "length" or fr == "content_filter" else "completed"
+    output: list[dict] = []
+    if has_reasoning and ctx.reasoning_items:
+        # closed as completed by the text or calls after it, else by the finish
+        item = {"type": "reasoning", "id": "rs_" + _hex(),
+                "summary": [{"type": "summary_text", "text": reasoning}]
+                if ctx.seal is None or ctx.reasoning_in_clear else [],
+                "status": "completed" if has_text or calls else item_status}
+        if ctx.seal is not None:
+            item["encrypted_content"] = ctx.seal(reasoning)
+        output.append(item)
+    if has_text:
+        output.append({"type": "message", "id": "msg_" + _hex(), "status": item_status, "role": "assistant",
+                       "content": [{"type": "output_text", "text": content, "annotations": [], "logprobs": []}]})
+    counted = has_reasoning or has_text
+    if calls and _append_calls(output, ctx, calls, item_status):
+        counted = True
+    r = _base_response(ctx)
+    if fr == "length":
+        r["status"] = "incomplete"
+        r["incomplete_details"] = {"reason": "max_output_tokens"}
+    elif fr == "content_filter":
+        r["status"] = "incomplete"
+        r["incomplete_details"] = {"reason": "content_filter"}
+    else:
+        r["status"] = "completed"
+    r["output"] = output
+    r["usage"] = map_usage(usage) if isinstance(usage, dict) else _counted_usage(int(counted), int(has_reasoning))
+    return r
+
+
+def _append_calls(output: list[dict], ctx: ResponseContext, calls: list[dict], status: str) -> bool:
+    """Append the final item of each named call (one without a name is nothing a client
+    could run); True when any carried argument text. As _tool_delta + _announce_call +
+    _call_final do for a call that arrives whole."""
+    tools = ctx.tools
+    call_ids: set = set()
+    counted = False
+    for tc in calls:
+        fn = tc.get("function") or {}
+        item_id = "fc_" + _hex()
+        tid = tc.get("id") or None
+        upstream_name = fn.get("name") or None
+        args = fn.get("arguments")
+        if args is not None and not isinstance(args, str):
+            args = orjson.dumps(args).decode()
+        if args:
+            counted = True
+        else:
+            args = ""
+        if not upstream_name:
+            continue
+        kind, name, ns = _origin(tools.get(upstream_name) if tools else None)
+        cid = tid or ("call_" + _hex())
+        while cid in call_ids:  # call_id is the SDK's identity for a call: keep it unique
+            cid = "call_" + _hex()
+        call_ids.add(cid)
+        if kind == "custom":
+            item = {"type": "custom_tool_call", "id": "ctc_" + item_id[3:], "call_id": cid,
+                    "name": name or upstream_name, "input": _custom_input(args)}
+        else:
+            item = {"type": "function_call", "id": item_id, "call_id": cid, "name": name or upstream_name,
+                    "arguments": args, "status": status}
+        if ns:
+            item["namespace"] = ns
+        output.append(item)
+    return counted
+
+
+def _response_via_rewriter(ctx: ResponseContext, completion: Any) -> dict:
+    """The general case: the completion replayed through a StreamRewriter as one chunk."""
     rw = StreamRewriter(ctx)
     rw._emit = False
     rw.start()

@@ -37,25 +37,23 @@ class SSEDecoder:
             return []
         if chunk.__class__ is not bytes:
             chunk = bytes(chunk)
-        pending = self._data is not None or self._buf or self._skip_lf
-        if not pending and chunk.startswith(b"data: ") and chunk.endswith(b"\n\n"):
-            # Fastest path, the usual case: nothing pending and the chunk is whole events of
-            # one "data: " line each. Checked by counting: exactly two "\n" per event means no
-            # payload holds one (no other line, no extra blank line); no "\r" anywhere.
-            # Same result as the line-by-line path below.
-            n = chunk.count(b"\n")
-            if n == 2:
-                if b"\r" not in chunk:
+        # Byte membership and find() by int: memchr, several times cheaper than by b"\r".
+        if (self._data is None and not self._buf and not self._skip_lf and chunk[-2:] == b"\n\n"
+                and 13 not in chunk):
+            # Whole events, nothing pending, no "\r": the fast paths, same result as the
+            # line-by-line path below.
+            if chunk[:6] == b"data: ":
+                # Fastest, the usual case: events of one "data: " line each. One event when
+                # its first line break is the final blank line's; several when there are
+                # exactly two "\n" per event (no payload holds one, no other line).
+                if chunk.find(10) == len(chunk) - 2:
                     return [chunk[6:-2]]
-            else:
                 payloads = chunk[6:-2].split(b"\n\ndata: ")
-                if n == 2 * len(payloads) and b"\r" not in chunk:
+                if chunk.count(10) == 2 * len(payloads):
                     return payloads
-        if not pending and chunk.endswith(b"\n\n") and b"\r" not in chunk:
-            # Fast path: whole events, nothing pending.
             out: list[bytes] = []
             for block in chunk[:-2].split(b"\n\n"):
-                if block[:6] == b"data: " and b"\n" not in block:
+                if block[:6] == b"data: " and 10 not in block:
                     out.append(block[6:])
                 else:
                     for line in block.split(b"\n"):
@@ -68,7 +66,7 @@ class SSEDecoder:
                 chunk = chunk[1:]
                 if not chunk:
                     return []
-        if b"\n" not in chunk and b"\r" not in chunk:
+        if 10 not in chunk and 13 not in chunk:
             self._buf += chunk
             if len(self._buf) + self._data_len > self.max_line:
                 self.overflow = True

@@ -9,15 +9,21 @@ can be compared byte for byte.
 from __future__ import annotations
 
 import asyncio
+import copy
+import os
+import re
 
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai.types.responses import Response
 
-from proxy.rewriter import _SEQ, StreamRewriter, _args_template, _reasoning_template, _text_template
+import proxy.rewriter as rewriter_mod
+from proxy.rewriter import (_SEQ, StreamRewriter, _args_template, _reasoning_template, _text_template,
+                            response_from_completion)
 from proxy.sse import SSEDecoder
-from tests.test_rewriter import BODIES, STREAMS, ToolOrigin, _DetIds, ctx, parse, run, sdk_check
+from tests.test_rewriter import FIX, BODIES, STREAMS, ToolOrigin, _DetIds, ctx, parse, run, sdk_check
 
 
 def _run(chunks: list[bytes], c, fast: bool, finish: bool = True) -> tuple[bytes, StreamRewriter]:
@@ -362,3 +368,161 @@ async def test_watchdog_rearms_across_reads(sim, make_proxy):
     assert events[-1]["type"] == "response.completed", events[-1]
     text = events[-1]["response"]["output"][-1]["content"][0]["text"]
     assert text.split() == words.split()
+
+
+# ---------------------------------------------------------------- non-stream: the direct build
+# response_from_completion builds the usual completions directly (_response_direct) and replays
+# the rest through a StreamRewriter (_response_via_rewriter): both must give the same bytes.
+def _both_ways(c, completion) -> list:
+    got = []
+    for build in (response_from_completion, rewriter_mod._response_via_rewriter):
+        with _DetIds():
+            try:
+                got.append(orjson.dumps(build(c, copy.deepcopy(completion))))
+            except Exception as exc:  # the same failure both ways (e.g. a function that is a string)
+                got.append(type(exc))
+    return got
+
+
+_NONSTREAM = [p.name[: -len(".body")] for p in sorted(FIX.glob("*.body")) if not p.name.endswith("stream.body")]
+
+
+@pytest.mark.parametrize("which", sorted(_CTXS))
+def test_nonstream_fixtures_direct_equals_rewriter(which):
+    for name in _NONSTREAM:
+        try:
+            completion = orjson.loads((FIX / f"{name}.body").read_bytes())
+        except orjson.JSONDecodeError:
+            continue
+        direct, replayed = _both_ways(ctx(**_CTXS[which]), completion)
+        assert direct == replayed, name
+
+
+def _comp(msg, finish="stop", usage=None) -> dict:
+    comp = {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": msg, "finish_reason": finish}]}
+    if usage is not None:
+        comp["usage"] = usage
+    return comp
+
+
+def _tc(name, args, call_id=None) -> dict:
+    fn = {k: v for k, v in (("name", name), ("arguments", args)) if v is not None}
+    return {"id": call_id, "type": "function", "function": fn} if call_id is not None else {"function": fn}
+
+
+_USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+          "prompt_tokens_details": {"cached_tokens": 1}, "completion_tokens_details": {"reasoning_tokens": 1}}
+_COMPLETIONS = {
+    "text": _comp({"content": "hi"}),
+    "text_usage": _comp({"content": "hi"}, usage=_USAGE),
+    "empty": _comp({"content": ""}),
+    "reasoning_only": _comp({"content": None, "reasoning": "think"}),
+    "reasoning_only_length": _comp({"reasoning": "think"}, "length"),
+    "reasoning_text_length": _comp({"content": "a", "reasoning": "think"}, "length", _USAGE),
+    "reasoning_calls_length": _comp({"reasoning": "think", "tool_calls": [_tc("f", '{"a"', "c1")]}, "length"),
+    "reasoning_content": _comp({"content": "a", "reasoning_content": "rc", "reasoning": None}),
+    "reasoning_empty": _comp({"content": "a", "reasoning": "", "reasoning_content": "rc"}),
+    "content_filter": _comp({"reasoning": "r", "content": "a"}, "content_filter"),
+    "abort": _comp({"content": "a"}, "abort"),
+    "finish_other": _comp({"content": "a"}, "eos"),
+    "calls": _comp({"tool_calls": [_tc("get_time", '{"a":1}', "call_1"), _tc("f", "", "call_2")]}, "tool_calls",
+                   _USAGE),
+    "calls_without_ids": _comp({"content": "pre", "tool_calls": [_tc("f", '{"x":1}'), _tc("g", None)]}, "tool_calls"),
+    "calls_same_id": _comp({"tool_calls": [_tc("f", "{}", "c"), _tc("g", "{}", "c"), _tc("h", "{}", "c")]}),
+    "call_without_name": _comp({"tool_calls": [_tc(None, '{"a":1}', "c1"), _tc("g", "{}", "c2")]}, "tool_calls"),
+    "call_object_arguments": _comp({"tool_calls": [_tc("f", {"a": [1, 2]}, "c1")]}, "tool_calls"),
+    "custom_and_namespace": _comp({"reasoning": "r", "tool_calls": [
+        _tc("apply_patch", '{"input":"diff"}', "c1"), _tc("apply_patch", '"s"', "c2"), _tc("apply_patch", "[1]", "c3"),
+        _tc("apply_patch", '{"input":{"a":1}}', "c4"), _tc("ns__grammar", "bad", "c5")]}, "tool_calls"),
+    "calls_not_objects": _comp({"reasoning": "r", "tool_calls": ["x", None]}),
+    "calls_an_object": _comp({"content": "a", "tool_calls": {"a": 1}}),
+    "function_not_an_object": _comp({"tool_calls": [{"id": "c", "function": "f"}]}, "tool_calls"),
+    "usage_not_an_object": _comp({"content": "a"}, usage=[1]),
+    "second_choice_first": {"choices": [{"index": 1, "message": {"content": "b"}},
+                                        {"index": 0, "message": {"content": "a"}}]},
+    "no_choices": {"choices": []},
+    "error": {"object": "error", "message": "bad", "code": 400},
+}
+
+
+@pytest.mark.parametrize("which", sorted(_CTXS))
+@pytest.mark.parametrize("name", sorted(_COMPLETIONS))
+def test_nonstream_shapes_direct_equals_rewriter(name, which):
+    direct, replayed = _both_ways(ctx(**_CTXS[which]), _COMPLETIONS[name])
+    assert direct == replayed
+
+
+def test_nonstream_usual_answers_take_the_direct_path(monkeypatch):
+    def replay(*_):
+        raise AssertionError("took the rewriter")
+
+    monkeypatch.setattr(rewriter_mod, "_response_via_rewriter", replay)
+    for name in ("final_chat", "r1_nonstream", "final_required", "final_named", "toolmodel_auto_seed2",
+                 "qwen3_required_seed6", "chat_n2_logprobs"):
+        completion = orjson.loads((FIX / f"{name}.body").read_bytes())
+        Response.model_validate(response_from_completion(ctx(), completion))
+
+
+_TOOL_NAMES = st.sampled_from(["f", "apply_patch", "ns__grammar", "get_time", None, ""])
+
+
+@st.composite
+def tool_call(draw):
+    if not draw(st.integers(0, 9)):
+        return draw(_NOISE)
+    fn: dict = {}
+    if draw(st.integers(0, 4)):
+        fn["name"] = draw(_TOOL_NAMES)
+    if draw(st.integers(0, 4)):
+        fn["arguments"] = draw(st.one_of(_TEXT, _NOISE, st.just('{"input": "diff"}'), st.just('"s"')))
+    tc = {"type": "function", "function": fn if draw(st.integers(0, 9)) else draw(st.sampled_from([None, {}, "x"]))}
+    if draw(st.integers(0, 3)):
+        tc["id"] = draw(st.sampled_from(["call_a", "call_a", "call_b", "", None]))
+    return tc
+
+
+@st.composite
+def completion(draw):
+    msg: dict = {"role": "assistant"}
+    for key in ("content", "reasoning", "reasoning_content"):
+        if draw(st.booleans()):
+            msg[key] = draw(st.one_of(_TEXT, _NOISE))
+    if draw(st.booleans()):
+        msg["tool_calls"] = draw(st.lists(tool_call(), max_size=4)) if draw(st.integers(0, 5)) else draw(_NOISE)
+    choice = {"index": draw(st.sampled_from([0, 0, 0, None, 1])),
+              "message": msg if draw(st.integers(0, 9)) else draw(_NOISE),
+              "finish_reason": draw(st.sampled_from([None, "stop", "length", "tool_calls", "content_filter",
+                                                     "abort", 7, ""]))}
+    choices = [choice, {"index": 0, "message": {"content": "second"}}] if draw(st.integers(0, 5)) == 0 else [choice]
+    comp: dict = {"id": "chatcmpl-x", "object": "chat.completion", "choices": choices}
+    if draw(st.booleans()):
+        comp["usage"] = draw(st.sampled_from([None, [], {"prompt_tokens": 3, "completion_tokens": 2},
+                                              {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                               "completion_tokens_details": {"reasoning_tokens": 1}}]))
+    return comp
+
+
+@settings(max_examples=500, deadline=None)
+@given(comp=completion(), which=st.sampled_from(sorted(_CTXS)))
+def test_random_completions_direct_equals_rewriter(comp, which):
+    direct, replayed = _both_ways(ctx(**_CTXS[which]), comp)
+    assert direct == replayed
+
+
+# ---------------------------------------------------------------- ids
+def test_ids_are_hex_unique_and_reseeded_in_forked_children():
+    ids = {rewriter_mod._hex() for _ in range(2000)}
+    assert len(ids) == 2000 and all(re.fullmatch("[0-9a-f]{24}", i) for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its first id, then out (no pytest teardown in the child)
+        try:
+            os.write(write, rewriter_mod._hex().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert re.fullmatch("[0-9a-f]{24}", child)
+    assert child != rewriter_mod._hex()  # without the re-seed, the child repeats the parent's next id
