@@ -3,9 +3,11 @@
 Each entry is a built-in name (a module of this package with a `create` factory) or a
 dotted path `package.module:factory` to an operator's own module. A factory is called as
 `factory(section, app)` with the entry's config section and returns an aiohttp
-middleware; it may also register app signals or cleanup contexts. Any broken entry
-(unknown name, import error, bad section) raises ConfigError here, so the proxy refuses
-to start instead of failing at the first request.
+middleware; it may also register app signals or cleanup contexts. A middleware whose work
+is all in such signals may say so with `pass_through = True`: it is checked like any other
+but left out of the chain (aiohttp would otherwise call it, for nothing, on every request).
+Any broken entry (unknown name, import error, bad section) raises ConfigError here, so the
+proxy refuses to start instead of failing at the first request.
 """
 
 from __future__ import annotations
@@ -71,5 +73,7 @@ def build_chain(config: Config, app: web.Application) -> list[Any]:
             raise ConfigError(f"pipeline: {name!r} rejected its config section: {type(exc).__name__}: {exc}") from exc
         if not callable(middleware):
             raise ConfigError(f"pipeline: the factory of {name!r} did not return a middleware")
+        if getattr(middleware, "pass_through", False) is True:
+            continue
         chain.append(middleware)
     return chain

@@ -233,6 +233,10 @@ def create(section: dict[str, Any], app: web.Application):
         # one runs after it (cleanup contexts start in order) and finds app[LEDGER] set.
         app.cleanup_ctx.append(_demo_key_ctx(balance))
 
+    # Imported here, not at the top (proxy.app imports this package), and once: an import
+    # statement on the request path costs microseconds per request.
+    from proxy.app import LEDGER
+
     def match_static(digest: bytes) -> KeyRecord | None:
         found = None
         for hashed, record in statics:  # compare against every entry: no early exit
@@ -251,12 +255,10 @@ def create(section: dict[str, Any], app: web.Application):
         secret = secret.strip()
         if scheme.lower() != "bearer" or not secret or not _TOKEN.match(secret):
             raise _unauthorized("Malformed Authorization header: expected 'Authorization: Bearer <key>'.")
-        digest = hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+        digest = hashlib.sha256(secret.encode()).digest()  # ASCII: checked by _TOKEN above
         record = match_static(digest) if statics else None
         if record is None:
-            from proxy.app import LEDGER
-
-            ledger = request.app.get(LEDGER)
+            ledger = app.get(LEDGER)  # this middleware's app: the one whose keys it checks
             if ledger is not None:
                 generation = getattr(ledger, "key_generation", 0)
                 record = cache.get(digest, generation)
@@ -267,7 +269,7 @@ def create(section: dict[str, Any], app: web.Application):
         if record is None or record.revoked:
             raise _unauthorized("Incorrect API key provided, or the key was revoked.")
         request[API_KEY] = record
-        if request.method == "POST" and request.path in _MODEL_ROUTES and record.allowed_models is not None:
+        if record.allowed_models is not None and request.method == "POST" and request.path in _MODEL_ROUTES:
             body = await read_json(request)
             model = body.get("model")
             if isinstance(model, str) and not record.allows_model(model):

@@ -68,7 +68,7 @@ from proxy.config import ConfigError
 from proxy.errors import APIError
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
 from proxy.ledger.lease import LeaseHold, Leases
-from proxy.ledger.pricing import Price, cost_micros, max_output_tokens_for, price_for
+from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.logs import log
 from proxy.request import translation
 
@@ -142,24 +142,24 @@ def create(section: dict[str, Any], app: web.Application):
         _LEASES.add(made)
         return made
 
-    prices = app[state.CONFIG].section("prices")
     try:
-        for name in list(prices) or ["default"]:
-            price_for(prices, name)
+        price_of = PriceTable(app[state.CONFIG].section("prices"))
     except ValueError as exc:
         raise ConfigError(f"prices: {exc}") from None
+    # Imported here, not at the top (proxy.app imports this package), and once: an import
+    # statement on the request path costs microseconds per request.
+    from proxy.app import LEDGER
+    from proxy.forwarder import POOL
 
-    def output_cap(request: web.Request, t: Any) -> int:
+    def output_cap(t: Any) -> int:
         if t.max_output_tokens is not None:
             return int(t.max_output_tokens)
-        from proxy.forwarder import POOL
-
-        models = request.app[POOL].models()
+        models = app[POOL].models()
         window = models.get(t.upstream_model) or models.get(t.model)
         return int(window) if window else default_cap
 
     async def reserve(request: web.Request, leases: Leases, key_id: str, t: Any, price: Price, est: int) -> Hold:
-        wanted = output_cap(request, t)
+        wanted = output_cap(t)
         if wanted < 1:
             raise _insufficient("The available balance does not cover any output for this request.")
         least = cost_micros(price, est, 0, 1)  # the input and one output token
@@ -218,13 +218,11 @@ def create(section: dict[str, Any], app: web.Application):
         record = request.get(API_KEY)
         if record is None or is_static(record):
             return await handler(request)
-        from proxy.app import LEDGER
-
-        ledger = request.app.get(LEDGER)
+        ledger = app.get(LEDGER)  # this middleware's app: the one whose ledger bills its requests
         if ledger is None:
             return await handler(request)
         t = await translation(request)
-        price = price_for(prices, t.model)
+        price = price_of(t.model)
         est = estimate_input_tokens(t.chat, bytes_per_token)
         leases = leases_for(ledger)
         hold = await reserve(request, leases, record.key_id, t, price, est)

@@ -9,7 +9,8 @@ Every middleware and the translation append human-readable notices to
 123 to fit the balance"). They are joined with "; " into one header, set from
 `app.on_response_prepare`: that runs when the headers go out, so a streamed response
 (prepared before its body) and an error envelope from any middleware carry them too,
-whatever this middleware's position in the pipeline.
+whatever this middleware's position in the pipeline. Having nothing to do per request,
+the middleware itself is marked pass_through and left out of the aiohttp chain.
 
 The value is made safe for a header: CR and LF are dropped, every other control or
 non-ASCII character becomes "?", and the value is cut at max_bytes.
@@ -78,4 +79,5 @@ def create(section: dict[str, Any], app: web.Application):
     async def notices(request: web.Request, handler):
         return await handler(request)
 
+    notices.pass_through = True  # all its work is set_header above: build_chain leaves it out
     return notices

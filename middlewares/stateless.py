@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 from aiohttp import web
@@ -19,6 +20,21 @@ _GUARDED_PATHS = ("/v1/responses", "/v1/responses/input_tokens")
 
 def _refuse(message: str, param: str) -> APIError:
     return APIError(400, message, code="stateless_only", param=param)
+
+
+def _item_reference_at(items: list) -> int | None:
+    """The index of the first item_reference item, if any."""
+    # Long conversations have hundreds of items: look through their types in C first
+    # (dict.get over the list); only a hit, or an item that is not an object, walks them.
+    try:
+        if "item_reference" not in map(dict.get, items, repeat("type")):
+            return None
+    except TypeError:  # an item that is not an object: the translation refuses it later
+        pass
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            return i
+    return None
 
 
 def create(section: dict[str, Any], app: web.Application):
@@ -42,9 +58,9 @@ def create(section: dict[str, Any], app: web.Application):
             raise _refuse("Stored prompts are not supported: send instructions and input.", "prompt")
         items = body.get("input")
         if isinstance(items, list):
-            for i, item in enumerate(items):
-                if isinstance(item, dict) and item.get("type") == "item_reference":
-                    raise _refuse("item_reference points at stored state: send the item itself.", f"input[{i}]")
+            at = _item_reference_at(items)
+            if at is not None:
+                raise _refuse("item_reference points at stored state: send the item itself.", f"input[{at}]")
         return await handler(request)
 
     return stateless

@@ -143,9 +143,11 @@ def create(section: dict[str, Any], app: web.Application):
     async def tools_mw(request: web.Request, handler):
         if request.method != "POST" or request.path not in _GUARDED:
             return await handler(request)
+        body = await read_json(request)
+        if not body.get("tools") and not isinstance(body.get("tool_choice"), dict):
+            return await handler(request)  # nothing edit() would touch
         if request.get(state.TRANSLATION) is not None:  # pragma: no cover - guarded by _check_order
             raise APIError(500, "The tools middleware ran after the request was translated.", code="internal_error")
-        body = await read_json(request)
         left_out = edit(body)
         if left_out:
             state.notices(request).append(f"tools left out: {', '.join(left_out)}")

@@ -7,6 +7,7 @@ Prices (config "prices") are per million tokens, in micro-units of the account c
 
 Costs round UP to a whole micro-unit, so a request is never billed below its price, and
 `max_output_tokens_for` is the exact inverse: the largest output that a budget covers.
+`PriceTable` is the section checked once, for the request path (a model's Price resolved once).
 """
 
 from __future__ import annotations
@@ -75,19 +76,53 @@ def price_for(prices: Mapping[str, Any] | None, model: str) -> Price:
     return _price(_BUILTIN_DEFAULT, "default")
 
 
+class PriceTable:
+    """The `prices` section, validated once, with each model's Price resolved once.
+
+    price_for() builds and checks a Price from the section on every call; the request path
+    asks for the same few models again and again, so their answers are kept. Model names
+    come from clients, so the memo is bounded: when full it starts afresh (a flood of made-up
+    names costs them the lookup they cost before, and evicts nothing for good)."""
+
+    __slots__ = ("_prices", "_memo", "_max")
+
+    def __init__(self, prices: Mapping[str, Any] | None, max_models: int = 1024) -> None:
+        self._prices = prices or {}
+        self._memo: dict[str, Price] = {}
+        self._max = max_models
+        for name in list(self._prices) or ["default"]:  # every entry checked now (ValueError)
+            price_for(self._prices, name)
+
+    def __call__(self, model: str) -> Price:
+        """price_for(prices, model), from the memo."""
+        price = self._memo.get(model)
+        if price is None:
+            price = price_for(self._prices, model)
+            if len(self._memo) >= self._max:
+                self._memo.clear()
+            self._memo[model] = price
+        return price
+
+
+def _check_count(what: str, n: Any) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{what} must be a non-negative integer")
+
+
 def _split(input_tokens: int, cached_tokens: int) -> tuple[int, int]:
     """(uncached, cached). Cached tokens are part of input_tokens (OpenAI usage semantics)."""
-    for what, n in (("input_tokens", input_tokens), ("cached_tokens", cached_tokens)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{what} must be a non-negative integer")
-    cached = min(cached_tokens, input_tokens)
+    # Plain non-negative ints (every call on the request path) skip the checks' calls.
+    if not (type(input_tokens) is int and type(cached_tokens) is int and input_tokens >= 0 and cached_tokens >= 0):
+        _check_count("input_tokens", input_tokens)
+        _check_count("cached_tokens", cached_tokens)
+    cached = cached_tokens if cached_tokens < input_tokens else input_tokens
     return input_tokens - cached, cached
 
 
 def cost_micros(price: Price, input_tokens: int, cached_tokens: int, output_tokens: int) -> int:
     """ceil((uncached*input + cached*cached_input + output*output) / 1_000_000), integers only."""
-    if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
-        raise ValueError("output_tokens must be a non-negative integer")
+    if not (type(output_tokens) is int and output_tokens >= 0):
+        _check_count("output_tokens", output_tokens)
     uncached, cached = _split(input_tokens, cached_tokens)
     numerator = uncached * price.input + cached * price.cached_input + output_tokens * price.output
     return -(-numerator // PER)
