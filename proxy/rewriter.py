@@ -336,6 +336,8 @@ class StreamRewriter:
         self._base = _base_response(ctx)
         self.response: dict = self._base  # the terminal response once done
         self._fs: tuple | None = None  # _feed_fast's view of the state, None once stale
+        # The bytes around the content string of the last plain text chunk (see _feed_fast).
+        self._raw: tuple[bytes, bytes] | None = None
 
     # ------------------------------------------------------------------ public API
     def start(self) -> bytes:
@@ -428,12 +430,31 @@ class StreamRewriter:
         fs = self._fs  # the state below, kept from the last feed unless the general path ran since
         if fs is not None:
             open_, m_tpl, m_parts, r_tpl, r_parts, hide_rs, calls = fs
+        raw = self._raw
+        if raw is not None:
+            raw_head, raw_tail = raw
+            head_len, tail_len = len(raw_head), len(raw_tail)
         for payload in payloads:
             if fs is None:  # (re)load the state the general path may have changed
                 if self.done:
                     break
                 fs = self._fast_state()
                 open_, m_tpl, m_parts, r_tpl, r_parts, hide_rs, calls = fs
+            # Text chunks differ from each other only in their content string (same id, model,
+            # created, nulls): a payload that is the last plain text chunk's bytes around
+            # another string is that same chunk with other text, and when that string holds no
+            # escape, no control character and no non-ASCII byte, its JSON bytes are what
+            # orjson.dumps would write. No parse, no checks, no dump.
+            if (raw is not None and m_tpl is not None and payload.startswith(raw_head)
+                    and payload.endswith(raw_tail)):
+                enc = payload[head_len:len(payload) - tail_len]
+                if (len(enc) > 2 and enc[0] == 34 and enc[-1] == 34 and enc.count(34) == 2 and 92 not in enc
+                        and enc.isascii() and min(enc) > 31):
+                    m_parts.append(enc[1:-1].decode())
+                    write((m_tpl[0], seq_digits[seq] if seq < nseq else b"%d" % seq, m_tpl[1], enc, m_tpl[2]))
+                    seq += 1
+                    ntok += 1
+                    continue
             try:
                 obj = loads(payload)
             except _JSONDecodeError:
@@ -467,11 +488,17 @@ class StreamRewriter:
                                         handled = True  # e.g. the role-only first chunk
                                     elif m_tpl is not None:
                                         m_parts.append(c)
+                                        enc = dumps(c)
                                         write((m_tpl[0], seq_digits[seq] if seq < nseq else b"%d" % seq,
-                                               m_tpl[1], dumps(c), m_tpl[2]))
+                                               m_tpl[1], enc, m_tpl[2]))
                                         seq += 1
                                         ntok += 1
                                         handled = True
+                                        if raw is None and usage is None:
+                                            raw = self._learn_raw(payload, enc)
+                                            if raw is not None:
+                                                raw_head, raw_tail = raw
+                                                head_len, tail_len = len(raw_head), len(raw_tail)
                                     else:  # the message opens (or reasoning ends): _on_delta's steps
                                         self._seq = seq
                                         self._close_reasoning("completed")
@@ -541,11 +568,25 @@ class StreamRewriter:
             seq = self._seq
             fs = None
         self._fs = fs
+        self._raw = raw
         self._seq = seq
         if ntok:
             self.output_tokens_seen += ntok
         if nrsn:
             self.reasoning_deltas_seen += nrsn
+
+    @staticmethod
+    def _learn_raw(payload: bytes, enc: bytes) -> tuple[bytes, bytes] | None:
+        """The bytes before and after the content string of a plain text chunk, when that
+        string is written as orjson writes it (ASCII, no escapes) and appears once."""
+        if 92 in enc or not enc.isascii():
+            return None
+        needle = b'"content":' + enc
+        at = payload.find(needle)
+        if at < 0 or payload.find(needle, at + 1) >= 0:
+            return None
+        cut = at + 10
+        return payload[:cut], payload[cut + len(enc):]
 
     def _fast_state(self) -> tuple:
         """What _feed_fast needs to know, read once: (open, message template, message parts,

@@ -526,3 +526,54 @@ def test_ids_are_hex_unique_and_reseeded_in_forked_children():
     os.waitpid(pid, 0)
     assert re.fullmatch("[0-9a-f]{24}", child)
     assert child != rewriter_mod._hex()  # without the re-seed, the child repeats the parent's next id
+
+
+# ---------------------------------------------------------------- raw text chunks (no parse)
+_HEAD = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+         b'[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')
+
+
+def _text_chunk(content_json: bytes) -> bytes:
+    return (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+            b'[{"index":0,"delta":{"content":' + content_json + b'},"logprobs":null,"finish_reason":null,'
+            b'"token_ids":null}]}\n\n')
+
+
+_TAIL = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+         b'[{"index":0,"delta":{"content":""},"logprobs":null,"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+
+
+def test_plain_text_chunks_take_the_raw_path_and_write_the_same_bytes():
+    chunks = [_HEAD] + [_text_chunk(orjson.dumps(f" word{i}")) for i in range(20)] + [_TAIL]
+    body = assert_same(chunks, ctx())
+    _, rw = _run(chunks[:3], ctx(), True, finish=False)
+    assert rw._raw is not None  # learned from the first text chunk, used by the next ones
+    assert b" word19" in body
+    sdk_check(parse(body))
+
+
+@pytest.mark.parametrize("middle", [
+    b'"a","role":"b"',        # two strings: the middle is not one content string
+    b'"caf\\u00e9"',          # an escape: orjson would write the character itself
+    '"café"'.encode(),        # non-ASCII
+    b'"tab\\there"',
+    b'"\x01"',                # a raw control character: not valid JSON at all
+    b'""',                    # empty text
+    b'null',
+    b'"unterminated',
+])
+def test_chunks_the_raw_path_must_not_take_still_match_the_general_path(middle):
+    # The first text opens the message, the second is learned from, the third is the test.
+    chunks = [_HEAD, _text_chunk(b'" first"'), _text_chunk(b'" second"'), _text_chunk(middle),
+              _text_chunk(b'" last"'), _TAIL]
+    assert_same(chunks, ctx())
+    assert_same([b"".join(chunks)], ctx())
+
+
+@given(texts=st.lists(st.text(max_size=6), min_size=1, max_size=12), per_event=st.booleans())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_random_text_chunks_raw_path_equals_general(texts, per_event):
+    chunks = [_HEAD] + [_text_chunk(orjson.dumps(t)) for t in texts] + [_TAIL]
+    if not per_event:
+        chunks = [b"".join(chunks)]
+    assert_same(chunks, ctx())
