@@ -78,9 +78,10 @@ def _depth_ok(value: Any, limit: int) -> bool:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    cached = request.get(state.BODY)
-    if cached is not None:
-        return cached
+    try:  # request[...] rather than request.get(): one Python frame less (aiohttp's Request is a Mapping)
+        return request[state.BODY]
+    except KeyError:
+        pass
     limits = _limits(request)
     limit = int(limits["max_body_bytes"])
     if request.content_length is not None and request.content_length > limit:
@@ -129,9 +130,10 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 async def translation(request: web.Request):
     """The request's `Translation`, translated once (and after any middleware edits of the body)."""
-    cached = request.get(state.TRANSLATION)
-    if cached is not None:
-        return cached
+    try:
+        return request[state.TRANSLATION]
+    except KeyError:
+        pass
     body = await read_json(request)
     sealer = request.app.get(SEALER)
     limits = _limits(request)
