@@ -282,7 +282,7 @@ class _Target:
         self.port = parsed.port or (443 if parsed.scheme == "https" else 80)
         self.ssl = parsed.scheme == "https"
         self.key = (self.host, self.port, self.ssl)
-        host_header = parsed.raw_host if parsed.is_default_port() else f"{parsed.raw_host}:{self.port}"
+        host_header = parsed.host_port_subcomponent  # IPv6 in brackets, the port only when not the default
         lines = [f"POST {parsed.raw_path_qs} HTTP/1.1", f"Host: {host_header}"]
         for name, value in headers.items():
             if name.lower() in ("host", "content-length", "connection", "transfer-encoding"):

@@ -268,3 +268,13 @@ async def test_a_stream_whose_framing_never_ends_is_closed_after_the_grace():
         await asyncio.sleep(0.2)
         assert pool.stats() == {"in_use": 0, "idle": 0}
         await pool.close()
+
+
+def test_host_header_and_path_of_the_target():
+    t = up._Target("http://[::1]:8000/prefix/v1/chat/completions?x=1", HEADERS)
+    assert t.key == ("::1", 8000, False)
+    assert t.head.startswith(b"POST /prefix/v1/chat/completions?x=1 HTTP/1.1\r\nHost: [::1]:8000\r\n")
+    t = up._Target("https://models.example/v1/chat/completions", HEADERS)
+    assert t.key == ("models.example", 443, True) and b"\r\nHost: models.example\r\n" in t.head
+    with pytest.raises(ValueError):
+        up._Target("ftp://x/y", HEADERS)
