@@ -10,11 +10,18 @@ Starts, on loopback only:
     access logs to a file.
 Pins the server under test to core 0 and the load generator + fake upstream to core 1,
 drives each with wrk (JSON POSTs, Lua script) or bench/sse_client.py (streams), reads CPU
-from /proc/<pid>/stat (utime+stime) and peak RSS from VmHWM (reset before every cell),
-prints one table and writes it to bench/results.md.
+from the kernel's per-process CPU clock (every thread, to the ns) and peak RSS from VmHWM,
+both over the measured part of a cell only (after its warm-up), prints one table and writes
+it to bench/results.md.
 
-    python -m bench                 # everything, ~3 minutes
-    python -m bench --quick         # 1 s per cell
+The machine is shared and noisy: one cell's CPU per request can be off by +-30%. So every
+(workload, concurrency) is run for --rounds rounds, the servers interleaved within a round
+(direct, pass-through, proxy, proxy no chain, then again), and the table shows, per server,
+the round with the median CPU per request, the ratio of the medians, and the min-max of the
+per-round ratios (each round's proxy over the same round's pass-through).
+
+    python -m bench                 # everything, 3 rounds of 2 s cells (3 s: 1 chunk/write), ~6 minutes
+    python -m bench --quick         # 3 rounds of 1 s cells, ~3.5 minutes
     python -m bench --hold 1000     # only: 1,000 concurrent open streams through the proxy
 """
 
@@ -46,6 +53,9 @@ SERVER_CORE = "0"
 LOAD_CORE = "1" if NCPU > 1 else "0"
 ALL_CORES = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 QUESTION = "What is the capital of France?"
+# Pause between a cell's warm-up and its measured part, so that the warm-up's tail (ledger group
+# commit, access-log writes) is not read as the measured part's CPU.
+SETTLE_S = 0.1
 
 
 def free_port() -> int:
@@ -71,9 +81,18 @@ def raise_nofile() -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+    """The CPU time of a process, all its threads (exited ones too), to the nanosecond.
+
+    /proc/<pid>/stat counts utime and stime in 10 ms clock ticks, each truncated: a cell's CPU
+    could be up to 20 ms off, a tenth of what a 1-chunk/write stream cell at c=1 spends. The
+    kernel's per-process CPU clock (what clock_getcpuclockid(3) returns) is exact.
+    """
+    try:
+        return time.clock_gettime((~pid << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+    except OSError:  # no such clock here: fall back to the ticks
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
 
 
 def hwm_kb(pid: int) -> int:
@@ -221,18 +240,39 @@ def _ms(text: str) -> float:
     return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
 
 
-def run_wrk(server: Server, conc: int, seconds: float, tmp: Path, cores: str) -> dict:
+class Window:
+    """The measured part of a cell: CPU of the server under test and of the fake upstream, peak RSS.
+
+    Opened after the warm-up, so that connection set-up and first-request costs are not counted.
+    """
+
+    def __init__(self, server: Server, upstream: Server):
+        self.server, self.upstream = server, upstream
+
+    def open(self) -> None:
+        time.sleep(SETTLE_S)
+        self.cpu0, self.up_cpu0 = self.server.cpu(), self.upstream.cpu()
+        self.server.reset_hwm()
+
+    def close(self) -> dict:
+        return {"cpu": self.server.cpu() - self.cpu0, "upstream_cpu": self.upstream.cpu() - self.up_cpu0,
+                "hwm": self.server.hwm_mb()}
+
+
+def run_wrk(server: Server, upstream: Server, conc: int, seconds: float, tmp: Path, cores: str) -> dict:
     auth = "".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in server.headers.items())
     script = tmp / f"wrk-{server.port}.lua"
     script.write_text(WRK_LUA.format(body=json.dumps(server.body("bench-json", False)), auth=auth))
     # warm-up (connections, caches), not counted
     subprocess.run(["taskset", "-c", cores, "wrk", "-t1", f"-c{conc}", "-d1s", "-s", str(script), server.url],
                    capture_output=True)
+    window = Window(server, upstream)
+    window.open()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu0 = server.cpu()
     out = subprocess.run(["taskset", "-c", cores, "wrk", "-t1", f"-c{conc}", f"-d{seconds:g}s", "--latency",
                           "-s", str(script), server.url], capture_output=True, text=True, check=True).stdout
-    cpu = server.cpu() - cpu0
+    # Read at once: the requests wrk leaves in flight when it stops are not counted in its total.
+    measured = window.close()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = int(re.search(r"(\d+) requests in", out).group(1))
     errors = 0
@@ -245,32 +285,67 @@ def run_wrk(server: Server, conc: int, seconds: float, tmp: Path, cores: str) ->
     lat = dict(re.findall(r"^\s+(50|99)%\s+(\S+)", out, re.M))
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     return {"rps": rps, "p50": _ms(lat["50"]), "p99": _ms(lat["99"]), "n": total, "errors": errors,
-            "cpu": cpu, "load_cpu": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
+            "load_cpu": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), **measured}
 
 
-def run_sse(server: Server, model: str, conc: int, seconds: float, cores: str, hold: int = 0) -> dict:
+def run_sse(server: Server, upstream: Server, model: str, conc: int, seconds: float, cores: str,
+            hold: int = 0) -> dict:
     cmd = ["taskset", "-c", cores, PY, "-m", "bench.sse_client", server.url, server.body(model, True), str(conc),
-           str(seconds)]
+           str(seconds), "--wait"]
     for k, v in server.headers.items():
         cmd += ["--header", f"{k}:{v}"]
     if hold:
         cmd += ["--hold", str(hold)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, preexec_fn=raise_nofile)
-    # The server's CPU is read around the whole client run, warm-up streams (one per client) included;
-    # they are added to the count the CPU is divided by.
-    cpu0 = server.cpu()
-    server.reset_hwm()
-    out, _ = proc.communicate()
-    cpu = server.cpu() - cpu0
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=raise_nofile)
+    # The client runs its warm-up streams (one per client: new connections), says `warm` and
+    # waits: the server's CPU is read around the measured streams only.
+    if proc.stdout.readline().strip() != "warm":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"bench.sse_client failed before its warm-up ended ({server.name}, {model}, c={conc})")
+    window = Window(server, upstream)
+    window.open()
+    out, _ = proc.communicate("go\n")  # it exits once its last stream has ended: that stream's tail is in
+    measured = window.close()
     result = json.loads(out.strip().splitlines()[-1])
-    warm = 1 if hold else min(conc, 64)
-    streams = result["streams"] + warm
     return {"rps": result["rps"], "p50": result["full_p50"], "p99": result["full_p99"],
             "ttft50": result["ttft_p50"], "ttft99": result["ttft_p99"], "n": result["streams"],
-            "errors": result["errors"], "cpu": cpu, "cpu_streams": streams, "load_cpu": result["client_cpu_s"]}
+            "errors": result["errors"], "load_cpu": result["client_cpu_s"], **measured}
 
 
 # ---------------------------------------------------------------------------- the run
+
+WORKLOADS = [("non-stream", "bench-json"), ("stream coalesced", "bench-coalesced"),
+             ("stream 1 chunk/write", "bench-chunked")]
+
+
+def cell_seconds(args: argparse.Namespace, model: str) -> float:
+    if args.seconds:
+        return args.seconds
+    if args.quick:
+        return 1.0
+    # A 1-chunk-per-write stream lasts ~110 ms (100 deltas 1 ms apart): c=1 needs ~3 s for ~25 streams.
+    return 3.0 if model == "bench-chunked" else 2.0
+
+
+def cells_text(args: argparse.Namespace) -> str:
+    per_model = {cell_seconds(args, model) for _, model in WORKLOADS}
+    if len(per_model) == 1:
+        return f"{per_model.pop():g} s per cell"
+    return (f"{cell_seconds(args, 'bench-json'):g} s per cell "
+            f"({cell_seconds(args, 'bench-chunked'):g} s for 1 chunk/write)")
+
+
+def cpu_per_req(r: dict) -> float:
+    """Milliseconds of the server's CPU per request (per stream)."""
+    return r["cpu"] / (r["n"] or 1) * 1000
+
+
+def median_cell(cells: list[dict]) -> dict:
+    """The round with the median CPU per request (the lower middle one for an even number of rounds)."""
+    return sorted(cells, key=cpu_per_req)[(len(cells) - 1) // 2]
+
 
 def fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
@@ -279,20 +354,25 @@ def fmt(value, spec: str = ".2f") -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 s per cell instead of 3")
-    ap.add_argument("--seconds", type=float, help="seconds per cell")
+    ap.add_argument("--quick", action="store_true", help="1 s per cell instead of 2 (3 for 1 chunk/write)")
+    ap.add_argument("--seconds", type=float, help="seconds per cell, every workload")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds per (workload, concurrency), servers interleaved; the median round is shown "
+                         "(default 3)")
     ap.add_argument("--conc", default="1,16,64", help="concurrencies (default 1,16,64)")
     ap.add_argument("--hold", type=int, default=None,
                     help="only the held-streams test with this many concurrent streams (default run: 1000 at the end)")
     ap.add_argument("--no-scaling", action="store_true", help="skip the 1 -> 2 workers rows")
     ap.add_argument("--out", default=str(BENCH / "results.md"))
     args = ap.parse_args()
-    seconds = args.seconds or (1.0 if args.quick else 3.0)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     concs = [int(c) for c in args.conc.split(",")]
     raise_nofile()
     if shutil.which("wrk") is None:
         print("wrk not found: apt-get install -y wrk", file=sys.stderr)
         return 2
+    started, load0 = time.monotonic(), os.getloadavg()[0]
     exe = build_upstream()
     tmp = Path(tempfile.mkdtemp(prefix="rp-bench-"))
     servers: list[Server] = []
@@ -324,26 +404,25 @@ def main() -> int:
         bare = start_proxy(tmp, up_port, key, 1, SERVER_CORE, chain=False)
         servers += [pt, proxy, bare]
 
-        results: dict[tuple, dict] = {}
-        workloads = [("non-stream", "bench-json"), ("stream coalesced", "bench-coalesced"),
-                     ("stream 1 chunk/write", "bench-chunked")]
-        total_cells = len(workloads) * len(concs) * 3 + len(concs)
+        # (workload, c, server name) -> its cells, one per round, in round order
+        results: dict[tuple, list[dict]] = {}
+        total_cells = args.rounds * len(concs) * (4 + 3 + 3)
         done = 0
-        for wname, model in workloads:
+        for wname, model in WORKLOADS:
+            seconds = cell_seconds(args, model)
+            line_up = (upstream, pt, proxy) + ((bare,) if model == "bench-json" else ())
             for conc in concs:
-                for srv in (upstream, pt, proxy) + ((bare,) if model == "bench-json" else ()):
-                    up_cpu0 = upstream.cpu()
-                    srv.reset_hwm()
-                    if model == "bench-json":
-                        r = run_wrk(srv, conc, seconds, tmp, LOAD_CORE)
-                    else:
-                        r = run_sse(srv, model, conc, seconds, LOAD_CORE)
-                    r["upstream_cpu"] = upstream.cpu() - up_cpu0
-                    r["hwm"] = srv.hwm_mb()
-                    results[(wname, conc, srv.name)] = r
-                    done += 1
-                    print(f"  [{done}/{total_cells}] {wname:22s} c={conc:<3d} {srv.name:13s} "
-                          f"{r['rps']:9.0f}/s p50 {fmt(r['p50'])} ms  errors {r['errors']}", file=sys.stderr, flush=True)
+                # Interleaved: a round's proxy cell runs right after that round's pass-through cell,
+                # so both see about the same machine; the rounds spread the noise for the median.
+                for rnd in range(1, args.rounds + 1):
+                    for srv in line_up:
+                        r = (run_wrk(srv, upstream, conc, seconds, tmp, LOAD_CORE) if model == "bench-json"
+                             else run_sse(srv, upstream, model, conc, seconds, LOAD_CORE))
+                        results.setdefault((wname, conc, srv.name), []).append(r)
+                        done += 1
+                        print(f"  [{done}/{total_cells}] {wname:22s} c={conc:<3d} round {rnd} {srv.name:14s} "
+                              f"{r['rps']:9.0f}/s p50 {fmt(r['p50'])} ms  CPU/req {cpu_per_req(r):.3f} ms  "
+                              f"errors {r['errors']}", file=sys.stderr, flush=True)
 
         scaling: list[tuple] = []
         if not args.no_scaling and NCPU > 1:
@@ -352,10 +431,11 @@ def main() -> int:
             for workers in (1, 2):
                 srv = start_proxy(tmp, up_port, key, workers, ALL_CORES)
                 servers.append(srv)
-                for wname, model in workloads[:2]:
+                for wname, model in WORKLOADS[:2]:
                     conc = max(concs)
-                    r = (run_wrk(srv, conc, seconds, tmp, ALL_CORES) if model == "bench-json"
-                         else run_sse(srv, model, conc, seconds, ALL_CORES))
+                    seconds = cell_seconds(args, model)
+                    r = (run_wrk(srv, upstream, conc, seconds, tmp, ALL_CORES) if model == "bench-json"
+                         else run_sse(srv, upstream, model, conc, seconds, ALL_CORES))
                     scaling.append((workers, wname, conc, r))
                     print(f"  scaling: {workers} worker(s) {wname} c={conc}: {r['rps']:.0f}/s", file=sys.stderr,
                           flush=True)
@@ -365,7 +445,10 @@ def main() -> int:
             servers.append(proxy)
 
         hold_line = hold_test(proxy, upstream, 1000, LOAD_CORE)
-        report(say, results, workloads, concs, seconds, scaling, hold_line)
+        run = (f"{cells_text(args)}, median of {args.rounds} round{'s' * (args.rounds > 1)}, "
+               f"{(time.monotonic() - started) / 60:.1f} min in all, "
+               f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
+        report(say, results, concs, args.rounds, run, scaling, hold_line)
     finally:
         for srv in servers:
             srv.stop()
@@ -380,63 +463,82 @@ def main() -> int:
 def hold_test(proxy: Server, upstream: Server, n: int, cores: str) -> str:
     proxy.reset_hwm()
     rss0 = hwm_kb(proxy.pids()[0]) / 1024
-    r = run_sse(proxy, "bench-hold", n, 0, cores, hold=n)
+    r = run_sse(proxy, upstream, "bench-hold", n, 0, cores, hold=n)
     return (f"{n} concurrent streams held open (100 deltas, 50 ms apart: ~5 s each) through the proxy: "
-            f"{r['n']} completed, {r['errors']} errors, proxy peak RSS {proxy.hwm_mb():.0f} MB "
+            f"{r['n']} completed, {r['errors']} errors, proxy peak RSS {r['hwm']:.0f} MB "
             f"(idle {rss0:.0f} MB), full-stream p50 {fmt(r['p50'], '.0f')} ms / p99 {fmt(r['p99'], '.0f')} ms, "
             f"first delta p99 {fmt(r['ttft99'], '.1f')} ms")
 
 
-def report(say, results, workloads, concs, seconds, scaling, hold_line) -> None:
+def ratio_range(cells: list[dict], pt_cells: list[dict]) -> str:
+    """min-max over the rounds of (that round's CPU per request over that round's pass-through's)."""
+    ratios = [cpu_per_req(c) / cpu_per_req(p) for c, p in zip(cells, pt_cells) if p["cpu"]]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+
+
+def report(say, results, concs, rounds, run, scaling, hold_line) -> None:
     machine = f"{NCPU} cores ({os.uname().machine}), Python {sys.version.split()[0]}"
-    say(f"## Benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {machine}, {seconds:g} s per cell)")
+    say(f"## Benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {machine}, {run})")
     say()
     say("Server under test pinned to core 0; load generator and C fake upstream on core 1. `direct` = the fake "
         "upstream alone; `pass-through` = bench/passthrough.py (bytes forwarded unchanged); `proxy` = "
         "`python -m proxy serve` with the full default chain (auth against a SQLite ledger, limits, tools, "
         "balance hold+settle, notices, JSON access log); `proxy no chain` = the same with an empty pipeline "
-        "(non-stream only: what the middleware chain costs). CPU from /proc/<pid>/stat; chunk = one of the 100 "
-        "upstream content deltas. Streams: latency = full stream; first delta = time to the first text delta.")
+        "(non-stream only: what the middleware chain costs). CPU: the process's CPU clock (all threads) over the "
+        "measured part of a cell only (not its warm-up: 1 s of wrk, or one stream per client); chunk = one of the "
+        "100 upstream content deltas. Streams: latency = full stream; first delta = time to the first text delta.")
+    say()
+    say(f"The machine is shared and noisy (one cell's CPU per request varies by up to +-30%), so every "
+        f"(workload, c) ran {rounds} round{'s' * (rounds > 1)}, the servers interleaved within a round (direct, "
+        "pass-through, proxy, proxy no chain). Each row is, per server, the round with the median CPU per "
+        "request, and all its columns come from that same round (added latencies: against the median `direct` "
+        "round); errors are summed over all rounds. `x pass-through CPU` = the median CPU per request over the "
+        "pass-through's median; `x pass-through min-max` = the lowest and highest over the rounds of that "
+        "round's CPU per request over the same round's pass-through's.")
     say()
     say("| workload | c | server | req/s | p50 ms | p99 ms | added p50 ms | first delta p50 / p99 ms "
-        "| added first delta p50 ms | CPU/req ms | CPU/chunk us | x pass-through CPU | peak RSS MB | errors "
-        "| upstream CPU/req ms | loadgen CPU/req ms |")
-    say("|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
-    for wname, model in workloads:
+        "| added first delta p50 ms | CPU/req ms | CPU/chunk us | x pass-through CPU | x pass-through min-max "
+        "| peak RSS MB | errors | upstream CPU/req ms | loadgen CPU/req ms |")
+    say("|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for wname, model in WORKLOADS:
         stream = model != "bench-json"
         for conc in concs:
-            d = results[(wname, conc, "direct")]
-            p = results[(wname, conc, "pass-through")]
+            d = median_cell(results[(wname, conc, "direct")])
+            pt_cells = results[(wname, conc, "pass-through")]
+            pt_cpu = cpu_per_req(median_cell(pt_cells))
             for name in ("direct", "pass-through", "proxy", NO_CHAIN):
-                r = results.get((wname, conc, name))
-                if r is None:
+                cells = results.get((wname, conc, name))
+                if cells is None:
                     continue
-                n = r.get("cpu_streams") or r["n"] or 1
-                cpu_req = r["cpu"] / n * 1000
-                pn = p.get("cpu_streams") or p["n"] or 1
-                pt_cpu = p["cpu"] / pn * 1000
-                ratio = cpu_req / pt_cpu if name in ("proxy", NO_CHAIN) and pt_cpu else None
+                r = median_cell(cells)
+                n = r["n"] or 1
+                cpu_req = cpu_per_req(r)
+                is_proxy = name in ("proxy", NO_CHAIN)
+                ratio = cpu_req / pt_cpu if is_proxy and pt_cpu else None
+                spread = ratio_range(cells, pt_cells) if is_proxy else "-"
                 added = r["p50"] - d["p50"] if name != "direct" and r["p50"] is not None else None
                 ttft = f"{fmt(r.get('ttft50'))} / {fmt(r.get('ttft99'))}" if stream else "-"
                 added_ttft = (r["ttft50"] - d["ttft50"]) if stream and name != "direct" and r.get("ttft50") else None
                 per_chunk = cpu_req * 1000 / 100 if stream and name != "direct" else None
+                errors = sum(c["errors"] for c in cells)
                 say(f"| {wname} | {conc} | {name} | {r['rps']:.0f} | {fmt(r['p50'])} | {fmt(r['p99'])} | {fmt(added)} "
-                    f"| {ttft} | {fmt(added_ttft)} | {fmt(cpu_req, '.3f') if name != 'direct' else fmt(cpu_req, '.4f')} "
-                    f"| {fmt(per_chunk, '.1f')} | {fmt(ratio)} | {r['hwm']:.0f} | {r['errors']} "
+                    f"| {ttft} | {fmt(added_ttft)} | {fmt(cpu_req, '.4f' if name == 'direct' else '.3f')} "
+                    f"| {fmt(per_chunk, '.1f')} | {fmt(ratio)} | {spread} | {r['hwm']:.0f} | {errors} "
                     f"| {fmt(r['upstream_cpu'] / n * 1000, '.4f')} | {fmt(r['load_cpu'] / n * 1000, '.3f')} |")
     if scaling:
         say()
-        say("Scaling (`serve --workers N`; every process, the load generator and the fake upstream on both cores):")
+        say("Scaling (`serve --workers N`, one run each; every process, the load generator and the fake upstream "
+            "on both cores):")
         say()
         say("| workload | c | workers | req/s | p50 ms | p99 ms | proxy CPU/req ms | errors | x 1 worker |")
         say("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
         base = {}
         for workers, wname, conc, r in scaling:
-            n = r.get("cpu_streams") or r["n"] or 1
             if workers == 1:
                 base[wname] = r["rps"]
             say(f"| {wname} | {conc} | {workers} | {r['rps']:.0f} | {fmt(r['p50'])} | {fmt(r['p99'])} "
-                f"| {r['cpu'] / n * 1000:.3f} | {r['errors']} | {fmt(r['rps'] / base[wname] if base.get(wname) else None)} |")
+                f"| {cpu_per_req(r):.3f} | {r['errors']} "
+                f"| {fmt(r['rps'] / base[wname] if base.get(wname) else None)} |")
     say()
     say(hold_line)
 

@@ -1,11 +1,13 @@
 """The streaming load generator: C concurrent clients, each posting and reading whole SSE streams.
 
-    python -m bench.sse_client URL BODY_JSON CONCURRENCY SECONDS [--header K:V] [--hold N]
+    python -m bench.sse_client URL BODY_JSON CONCURRENCY SECONDS [--header K:V] [--hold N] [--wait]
 
 Prints one JSON line: streams, errors, streams/s, time to first delta and full-stream time
 (p50/p99, ms), and this client's own CPU seconds. Per stream it does the least it can: it
 reads whatever arrived, looks for the first delta's marker and the terminal marker.
 --hold N opens N streams at once, all together, and reports once all have ended.
+--wait: after the warm-up streams, print `warm` and wait for a line on stdin before the
+measured streams, so that the caller can read the server's CPU around the measured part only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import asyncio
 import json
 import resource
+import sys
 import time
 
 import aiohttp
@@ -60,6 +63,7 @@ async def main() -> None:
     ap.add_argument("seconds", type=float)
     ap.add_argument("--header", action="append", default=[])
     ap.add_argument("--hold", type=int, default=0)
+    ap.add_argument("--wait", action="store_true", help="after the warm-up, print `warm`, wait for a line on stdin")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -77,6 +81,10 @@ async def main() -> None:
         await asyncio.gather(*(one(session, args.url, body, headers, [], [])
                                for _ in range(min(args.concurrency, 64) if not args.hold else 1)),
                              return_exceptions=True)
+        if args.wait:
+            print("warm", flush=True)
+            # the idle pooled connections wait too: the caller reads the server's CPU meanwhile
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         started = time.perf_counter()
         cpu0 = time.process_time()
         if args.hold:
