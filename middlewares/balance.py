@@ -7,7 +7,7 @@
                                        # nor the worker pool says one
       bytes_per_token: 2               # the input estimate (see below)
       lease_max_micros: 10000000       # leases (below); 0: every hold is a ledger round trip
-      lease_min_rate: 16               # requests/s of a key in this process before a lease
+      lease_min_rate: 4                # requests/s of a key in this process before a lease
       lease_seconds: 2                 # lease size: ~this long of the key's spend (+2x peak)
       lease_idle_s: 2                  # an unused lease is given back after this
       lease_ttl_s: 30                  # lease row expiry after its last renewal (<= hold_ttl_s)
@@ -128,7 +128,7 @@ def create(section: dict[str, Any], app: web.Application):
     lease_settings = {
         "max_micros": lease_max,
         "seconds": float(_positive(section, "lease_seconds", 2, (int, float))),
-        "min_rate": int(_positive(section, "lease_min_rate", 16)),
+        "min_rate": int(_positive(section, "lease_min_rate", 4)),
         "idle_s": float(_positive(section, "lease_idle_s", 2, (int, float))),
         "ttl_s": float(_positive(section, "lease_ttl_s", 30, (int, float))),
     }

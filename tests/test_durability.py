@@ -87,7 +87,8 @@ async def test_sigkill_mid_stream_then_restart(tmp_path):
         "server": {"log_format": "json"},
         "workers": [{"name": "local", "url": "embedded", "dialect": "vllm", "models": ["tiny-model"]}],
         "ledger": {"path": str(db), "expire_interval_s": 0.25},
-        "balance": {"hold_ttl_s": 2, "demo_balance_micros": 1_000_000},
+        # Per-request holds: this test counts their rows (a lease's crash is tested in test_ledger).
+        "balance": {"hold_ttl_s": 2, "demo_balance_micros": 1_000_000, "lease_min_rate": 16},
         "prices": {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}},
     }))
     log = tmp_path / "proxy.log"

@@ -124,7 +124,7 @@ class Leases:
         hold_ttl_s: float,
         max_micros: int = 10_000_000,
         seconds: float = 2.0,
-        min_rate: int = 16,
+        min_rate: int = 4,
         idle_s: float = 2.0,
         ttl_s: float = 30.0,
         linger_s: float | None = None,
