@@ -94,12 +94,20 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        # The parser's callbacks only record; the reader is woken once per read, not once per
+        # HTTP chunk (a coalesced stream brings ~100 of them in one read).
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(BadResponse(f"unparseable answer: {exc}"))
             self.transport.abort()
+            return
+        if self.buffered > HIGH_WATER and not self.paused and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+        if self.waiter is not None:
+            self._wake()
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -128,17 +136,11 @@ class _Connection(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
-        self._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self.linger is not None:
-            return  # the reader is gone: only the end of the message matters
-        self.chunks.append(body)
-        self.buffered += len(body)
-        if self.buffered > HIGH_WATER and not self.paused and not self.closed:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
+        if self.linger is None:  # else the reader is gone: only the end of the message matters
+            self.chunks.append(body)
+            self.buffered += len(body)
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -149,7 +151,6 @@ class _Connection(asyncio.Protocol):
                 self.pool._put(self)
             else:
                 self.pool._close(self)
-        self._wake()
 
     # -- for the reader
     def _fail(self, error: UpstreamError) -> None:
