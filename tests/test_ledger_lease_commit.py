@@ -10,17 +10,8 @@ import time
 
 import pytest
 
-from proxy.ledger import UnknownKey, UsageRecord, open_ledger
-
-
-@pytest.fixture
-async def ledger(tmp_path):
-    led = open_ledger({"backend": "sqlite", "path": "ledger.db"}, base_dir=tmp_path)
-    await led.start()
-    try:
-        yield led
-    finally:
-        await led.close()
+from proxy.ledger import UnknownKey, UsageRecord
+from tests.test_ledger import ledger  # noqa: F401  (the same temp-file ledger fixture)
 
 
 def usage(request_id: str, key_id: str, cost, **changes) -> UsageRecord:

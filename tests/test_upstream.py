@@ -222,12 +222,16 @@ async def test_deadline_passes_while_waiting_for_the_answer():
         await pool.close()
 
 
-async def test_a_stream_over_at_done_keeps_its_connection_when_the_last_chunk_follows():
-    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+async def stream_up_to_done(writer) -> None:
+    """A chunked SSE answer up to its `data: [DONE]` chunk, without the terminating chunk."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"e\r\ndata: [DONE]\n\n\r\n")
+    await writer.drain()
 
+
+async def test_a_stream_over_at_done_keeps_its_connection_when_the_last_chunk_follows():
     async def done_then_terminator(writer):
-        writer.write(head + b"e\r\ndata: [DONE]\n\n\r\n")
-        await writer.drain()
+        await stream_up_to_done(writer)
         await asyncio.sleep(0.05)  # uvicorn sends the last chunk on its own
         writer.write(b"0\r\n\r\n")
         await writer.drain()
@@ -252,11 +256,8 @@ async def test_a_stream_over_at_done_keeps_its_connection_when_the_last_chunk_fo
 
 
 async def test_a_stream_whose_framing_never_ends_is_closed_after_the_grace():
-    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-
     async def never_ends(writer):
-        writer.write(head + b"e\r\ndata: [DONE]\n\n\r\n")
-        await writer.drain()
+        await stream_up_to_done(writer)
         await asyncio.sleep(2)
         return "close"
 
