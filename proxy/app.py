@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import random
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +20,7 @@ from proxy.forwarder import (POOL, RESPONSE_SETTINGS, SESSION, UPSTREAMS, Respon
                              responses_handler)
 from proxy.upstream import UpstreamPool
 from proxy.health import HealthSettings, health_context
+from proxy.ids import random_bits
 from proxy.routing import validate_settings as validate_routing
 from proxy.logs import access, log
 from proxy.netguard import IMAGE_POLICY, ImagePolicy
@@ -32,19 +31,12 @@ from proxy.workers import OutlierPolicy, WorkerPool, parse_workers
 LEDGER = web.AppKey("ledger", object)
 
 # Request ids (and the response ids made from them, and the ledger's hold ids) need to be
-# unique, not secret: 48 bits of milliseconds then 48 bits from a private generator seeded
-# from os.urandom, re-seeded in every forked child (serve --workers N), instead of a
-# getrandom() call per request. Time first (as in UUIDv7): the ledger's UNIQUE(request_id)
+# unique, not secret (proxy.ids). Time first (as in UUIDv7): the ledger's UNIQUE(request_id)
 # index then grows at its right edge instead of dirtying a random leaf page per usage row
 # (writer thread CPU per leased request ~39 -> ~33 us on a fresh ledger, more on a big one).
-_ids = random.Random()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_ids.seed)
-
-
 def new_request_id() -> str:
     """"req_" + 24 hex digits: 12 of Unix milliseconds, 12 random."""
-    return f"req_{time.time_ns() // 1_000_000:012x}{_ids.getrandbits(48):012x}"
+    return f"req_{time.time_ns() // 1_000_000:012x}{random_bits(48):012x}"
 
 
 @web.middleware

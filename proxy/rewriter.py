@@ -26,14 +26,13 @@ without emitting their done events (a half-streamed call must not look runnable)
 
 from __future__ import annotations
 
-import os
-import random
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import orjson
 
+from proxy.ids import random_bytes
 from proxy.sse import MAX_LINE, SSEDecoder
 
 _TRACE_START = re.compile(r"\s*(?:Traceback \(most recent call last\)|File \")")
@@ -101,18 +100,9 @@ class ResponseContext:
     reasoning_in_clear: bool = True
 
 
-# Item and call ids must be unique, not secret: a private Mersenne Twister (seeded from
-# os.urandom, re-seeded in forked children so that workers do not share a sequence) instead
-# of secrets.token_hex, which costs a getrandom syscall per id.
-_ids = random.Random()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_ids.seed)
-_randbytes = _ids.randbytes
-
-
 def _hex() -> str:
-    """24 hex digits (looked up by name at each call: tests swap it for a counter)."""
-    return _randbytes(12).hex()
+    """24 hex digits, unique (proxy.ids); looked up by name at each call: tests swap it for a counter."""
+    return random_bytes(12).hex()
 
 
 def _origin(origin: Any) -> tuple[str, str | None, str | None]:
