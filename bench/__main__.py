@@ -424,21 +424,25 @@ def main() -> int:
                               f"{r['rps']:9.0f}/s p50 {fmt(r['p50'])} ms  CPU/req {cpu_per_req(r):.3f} ms  "
                               f"errors {r['errors']}", file=sys.stderr, flush=True)
 
-        scaling: list[tuple] = []
+        # Scaling: the 1-worker and 2-worker proxies side by side, interleaved over the rounds
+        # like the cells above (one run each swung from 1.0x to 2.4x on this shared machine).
+        scaling: dict[tuple, list[dict]] = {}
         if not args.no_scaling and NCPU > 1:
             proxy.stop()
             servers.remove(proxy)
-            for workers in (1, 2):
-                srv = start_proxy(tmp, up_port, key, workers, ALL_CORES)
-                servers.append(srv)
+            scalers = {workers: start_proxy(tmp, up_port, key, workers, ALL_CORES) for workers in (1, 2)}
+            servers.extend(scalers.values())
+            conc = max(concs)
+            for rnd in range(1, args.rounds + 1):
                 for wname, model in WORKLOADS[:2]:
-                    conc = max(concs)
-                    seconds = cell_seconds(args, model)
-                    r = (run_wrk(srv, upstream, conc, seconds, tmp, ALL_CORES) if model == "bench-json"
-                         else run_sse(srv, upstream, model, conc, seconds, ALL_CORES))
-                    scaling.append((workers, wname, conc, r))
-                    print(f"  scaling: {workers} worker(s) {wname} c={conc}: {r['rps']:.0f}/s", file=sys.stderr,
-                          flush=True)
+                    for workers, srv in scalers.items():
+                        seconds = cell_seconds(args, model)
+                        r = (run_wrk(srv, upstream, conc, seconds, tmp, ALL_CORES) if model == "bench-json"
+                             else run_sse(srv, upstream, model, conc, seconds, ALL_CORES))
+                        scaling.setdefault((wname, conc, workers), []).append(r)
+                        print(f"  scaling round {rnd}: {workers} worker(s) {wname} c={conc}: {r['rps']:.0f}/s",
+                              file=sys.stderr, flush=True)
+            for srv in scalers.values():
                 srv.stop()
                 servers.remove(srv)
             proxy = start_proxy(tmp, up_port, key, 1, SERVER_CORE)
@@ -527,18 +531,21 @@ def report(say, results, concs, rounds, run, scaling, hold_line) -> None:
                     f"| {fmt(r['upstream_cpu'] / n * 1000, '.4f')} | {fmt(r['load_cpu'] / n * 1000, '.3f')} |")
     if scaling:
         say()
-        say("Scaling (`serve --workers N`, one run each; every process, the load generator and the fake upstream "
-            "on both cores):")
+        say(f"Scaling (`serve --workers N`; every process, the load generator and the fake upstream on both cores; "
+            f"{rounds} round{'s' * (rounds > 1)}, 1 and 2 workers interleaved; req/s and its columns from the "
+            f"median round by req/s; `x 1 worker` = median over median, min-max over the rounds):")
         say()
-        say("| workload | c | workers | req/s | p50 ms | p99 ms | proxy CPU/req ms | errors | x 1 worker |")
-        say("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
-        base = {}
-        for workers, wname, conc, r in scaling:
-            if workers == 1:
-                base[wname] = r["rps"]
+        say("| workload | c | workers | req/s | p50 ms | p99 ms | proxy CPU/req ms | errors | x 1 worker | min-max |")
+        say("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+        for (wname, conc, workers), runs in scaling.items():
+            r = sorted(runs, key=lambda x: x["rps"])[(len(runs) - 1) // 2]
+            one = scaling.get((wname, conc, 1)) or runs
+            base = sorted(x["rps"] for x in one)[(len(one) - 1) // 2]
+            per_round = [a["rps"] / b["rps"] for a, b in zip(runs, one) if b["rps"]]
+            spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if workers > 1 and per_round else "-"
             say(f"| {wname} | {conc} | {workers} | {r['rps']:.0f} | {fmt(r['p50'])} | {fmt(r['p99'])} "
-                f"| {cpu_per_req(r):.3f} | {r['errors']} "
-                f"| {fmt(r['rps'] / base[wname] if base.get(wname) else None)} |")
+                f"| {cpu_per_req(r):.3f} | {sum(x['errors'] for x in runs)} "
+                f"| {fmt(r['rps'] / base if base else None)} | {spread} |")
     say()
     say(hold_line)
 
