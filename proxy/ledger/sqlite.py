@@ -233,6 +233,11 @@ def _check_usage(usage: UsageRecord) -> None:
     """ValueError unless `usage` can be recorded (the first problem, in field order)."""
     if not usage.request_id:
         raise ValueError("request_id is required")
+    _check_usage_values(usage)
+
+
+def _check_usage_values(usage: UsageRecord) -> None:
+    """ValueError unless usage's status and counts can be recorded (settle and lease_commit)."""
     if usage.status not in USAGE_STATUSES:
         raise ValueError(f"usage.status must be one of {sorted(USAGE_STATUSES)}")
     a, b, c, d, cost = (
@@ -728,13 +733,9 @@ class SQLiteLedger(Ledger):
     async def settle(self, request_id: str, usage: UsageRecord) -> bool:
         if not request_id:
             raise ValueError("request_id is required")
-        if usage.status not in USAGE_STATUSES:
-            raise ValueError(f"usage.status must be one of {sorted(USAGE_STATUSES)}")
-        counts = [
-            _int(getattr(usage, name), name)
-            for name in ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
-        ]
-        cost = _int(usage.cost_micros, "cost_micros")
+        _check_usage_values(usage)
+        counts = (usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens)
+        cost = usage.cost_micros
         key_id, model, status = usage.key_id, str(usage.model), usage.status
         created_at = float(usage.created_at)
 
@@ -762,9 +763,7 @@ class SQLiteLedger(Ledger):
                     return None
                 raise
             if debit:
-                conn.execute(
-                    "UPDATE keys SET balance_micros = balance_micros - ? WHERE key_id = ?", (debit, key_id)
-                )
+                conn.execute(_DEBIT_KEY, (debit, key_id))
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
             return debit
 
