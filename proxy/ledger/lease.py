@@ -166,8 +166,7 @@ class Leases:
             if self._ticker is None and not self._closed:
                 self._ticker = asyncio.ensure_future(self._tick_forever())
             k = self._keys[key_id] = _Key(key_id, now)
-        if now - k.win_start >= 1.0:  # roll()'s own test, without the call on most requests
-            k.roll(now)
+        k.roll(now)
         k.count += 1
         k.last_used = now
         k.typical = high
@@ -202,9 +201,7 @@ class Leases:
         if k is not None:
             k.reserved -= hold.amount_micros
             if usage is not None:
-                now = time.monotonic()
-                if now - k.win_start >= 1.0:  # as in hold_up_to
-                    k.roll(now)
+                k.roll(time.monotonic())
                 k.spend += usage.cost_micros
         if k is not None and self._leased.pop(hold.request_id, None) is k:
             k.held -= hold.amount_micros
