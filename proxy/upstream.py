@@ -273,9 +273,10 @@ class UpstreamResponse:
 class _Target:
     """What a chat URL resolves to, computed once per URL."""
 
-    __slots__ = ("key", "host", "port", "ssl", "head")
+    __slots__ = ("key", "host", "port", "ssl", "head", "headers")
 
     def __init__(self, url: str, headers: Any) -> None:
+        self.headers = headers  # the object it was built from (see UpstreamPool._target)
         parsed = URL(url)
         if parsed.scheme not in ("http", "https") or not parsed.host:
             raise ValueError(f"not an http(s) URL: {url}")
@@ -300,7 +301,7 @@ class UpstreamPool:
         self.keepalive_s = keepalive_s
         self._idle: dict[tuple, deque[_Connection]] = {}
         self._busy: set[_Connection] = set()
-        self._targets: dict[tuple[str, int], _Target] = {}
+        self._targets: dict[str, _Target] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
@@ -308,14 +309,13 @@ class UpstreamPool:
         return {"in_use": len(self._busy), "idle": sum(len(q) for q in self._idle.values())}
 
     def _target(self, url: str, headers: Any) -> _Target:
-        # Keyed by the headers object too: a worker's headers are built once (cached), so
-        # a new object means new settings.
-        cache_key = (url, id(headers))
-        target = self._targets.get(cache_key)
-        if target is None:
+        # A worker's headers object is built once (Worker.chat_headers is cached): another
+        # object for the same URL means other settings, and the target is built again.
+        target = self._targets.get(url)
+        if target is None or target.headers is not headers:
             if len(self._targets) > 1024:
                 self._targets.clear()
-            target = self._targets[cache_key] = _Target(url, headers)
+            target = self._targets[url] = _Target(url, headers)
         return target
 
     async def post(self, url: str, headers: Any, body: bytes, *, connect_timeout: float,
