@@ -177,8 +177,9 @@ class _RequestCollector:
         yield m.worker_cached_tokens.family(with_created)
         ratio = GaugeMetricFamily(f"{PREFIX}_worker_cached_token_ratio",
                                   "Cached / prompt tokens of each worker since start.", labels=["worker"])
-        for worker, (prompt, cached) in m._worker_tokens.items():
-            ratio.add_metric([worker], cached / prompt)
+        cached = m.worker_cached_tokens.values
+        for key, prompt in m.worker_prompt_tokens.values.items():  # both counted together, prompt > 0
+            ratio.add_metric(list(key), cached[key] / prompt)
         yield ratio
 
 
@@ -204,8 +205,6 @@ class Metrics:
                                              "Prompt tokens of the requests each worker answered.", ("worker",))
         self.worker_cached_tokens = _Counter(f"{PREFIX}_worker_cached_tokens",
                                              "Prompt tokens each worker read from its prefix cache.", ("worker",))
-        # worker -> [prompt, cached] totals; exposed as worker_cached_token_ratio.
-        self._worker_tokens: dict[str, list[int]] = {}
         r.register(_RequestCollector(self))
         # Set once per scrape (refresh_ledger), not per request: prometheus_client's Gauge is fine.
         self.holds = Gauge(f"{PREFIX}_ledger_holds", "Balance holds not yet settled.", registry=r)
@@ -249,13 +248,10 @@ class Metrics:
             by_worker = (upstream,)
             self.worker_prompt_tokens.inc(by_worker, out.input_tokens)
             self.worker_cached_tokens.inc(by_worker, cached)
-            totals = self._worker_tokens.setdefault(upstream, [0, 0])
-            totals[0] += out.input_tokens
-            totals[1] += cached
 
     def _is_worker(self, name: str) -> bool:
         # Worker names never change: one already counted needs no walk over the pool.
-        if name in self._worker_tokens:
+        if (name,) in self.worker_prompt_tokens.values:
             return True
         for w in self.pool.workers:
             if w.name == name:
