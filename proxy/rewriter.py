@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import and_, itemgetter
 from typing import TYPE_CHECKING, Any, Callable
 
 import orjson
@@ -247,6 +249,10 @@ class _Item:
 _SEQ = tuple(b"%d" % i for i in range(8192))  # sequence_number digits, precomputed
 _NSEQ = len(_SEQ)
 _JSONDecodeError = orjson.JSONDecodeError
+# Feeds of at least this many events try _feed_runs; a byte other than these in a content string
+# (a quote, a backslash, a control character, non-ASCII) sends its run to the per-chunk path.
+_RUNS_MIN = 4
+_NOT_PLAIN = re.compile(rb"[^\x20\x21\x23-\x5b\x5d-\x7f]")
 
 
 def _event_head(event_type: str) -> bytes:
@@ -355,7 +361,12 @@ class StreamRewriter:
         payloads = dec.feed(data)
         if payloads:
             if self._fast and self._emit:
-                self._feed_fast(payloads)
+                if self._raw is not None and len(payloads) >= _RUNS_MIN:
+                    self._feed_runs(payloads)
+                else:
+                    rest = self._feed_fast(payloads)
+                    if rest:  # the text chunk's bytes became known with many events to go
+                        self._feed_runs(payloads[rest:])
             else:
                 for payload in payloads:
                     self._on_payload(payload)
@@ -401,7 +412,7 @@ class StreamRewriter:
     # serialised (the reference the tests compare the byte templates with).
     _fast = True
 
-    def _feed_fast(self, payloads: list[bytes]) -> None:
+    def _feed_fast(self, payloads: list[bytes]) -> int:
         """Same as `for p in payloads: self._on_payload(p)`, with the per-token chunks (one
         choice, no finish_reason, a delta with only text, only reasoning, or the argument text
         of an already announced call) handled inline: parsed once, checked for exactly that
@@ -421,10 +432,12 @@ class StreamRewriter:
         if fs is not None:
             open_, m_tpl, m_parts, r_tpl, r_parts, hide_rs, calls = fs
         raw = self._raw
+        first_learn = raw is None
         if raw is not None:
             raw_head, raw_tail = raw
             head_len, tail_len = len(raw_head), len(raw_tail)
-        for payload in payloads:
+        rest = 0
+        for i, payload in enumerate(payloads):
             if fs is None:  # (re)load the state the general path may have changed
                 if self.done:
                     break
@@ -484,11 +497,6 @@ class StreamRewriter:
                                         seq += 1
                                         ntok += 1
                                         handled = True
-                                        if raw is None and usage is None:
-                                            raw = self._learn_raw(payload, enc)
-                                            if raw is not None:
-                                                raw_head, raw_tail = raw
-                                                head_len, tail_len = len(raw_head), len(raw_tail)
                                     else:  # the message opens (or reasoning ends): _on_delta's steps
                                         self._seq = seq
                                         self._close_reasoning("completed")
@@ -497,6 +505,20 @@ class StreamRewriter:
                                         ntok += 1
                                         fs = None
                                         handled = True
+                                        enc = None
+                                    # A plain text chunk whose bytes are not (yet) the raw
+                                    # path's: learn them (SGLang's first text chunk also carries
+                                    # the role, vLLM's does not; later ones are alike).
+                                    if c and usage is None and (raw is None or not (
+                                            payload.startswith(raw_head) and payload.endswith(raw_tail))):
+                                        learned = self._learn_raw(payload, enc or dumps(c))
+                                        if learned is not None:
+                                            raw = learned
+                                            raw_head, raw_tail = raw
+                                            head_len, tail_len = len(raw_head), len(raw_tail)
+                                            if first_learn and len(payloads) - i > _RUNS_MIN:
+                                                rest = i + 1  # the rest of this read: _feed_runs
+                                                break
                                 elif not c and r.__class__ is str:
                                     if hide_rs:
                                         ntok += 1
@@ -564,6 +586,92 @@ class StreamRewriter:
             self.output_tokens_seen += ntok
         if nrsn:
             self.reasoning_deltas_seen += nrsn
+        return rest
+
+    def _feed_runs(self, payloads: list[bytes]) -> None:
+        """_feed_fast for a read of many events once the plain text chunk's bytes are known
+        (a coalescing server, a reader that fell behind): each run of consecutive chunks that
+        are those bytes around another plain string is written with a handful of C-level
+        calls for the whole run (the per-chunk checks as map()s over the list, the events as
+        one interleaved join) instead of a dozen interpreted steps per chunk. Everything else,
+        and the one chunk of a run whose string holds anything unusual, goes through
+        _feed_fast, in order."""
+        head, tail = self._raw  # type: ignore[misc]
+        head += b'"'
+        tail = b'"' + tail
+        head_len, tail_len = len(head), len(tail)
+        flags = list(map(and_, map(bytes.startswith, payloads, repeat(head)),
+                         map(bytes.endswith, payloads, repeat(tail))))
+        flags.append(False)  # the end: every run stops there
+        n = len(payloads)
+        at = 0
+        while at < n:
+            try:
+                start = flags.index(True, at, n)
+            except ValueError:
+                start = n
+            if start > at:
+                self._feed_fast(payloads[at:start])
+                if self.done or start == n:
+                    return
+            end = flags.index(False, start)
+            while start < end:
+                written = self._write_run(payloads[start:end], head_len, tail_len)
+                if written < 0:  # no open message: the general path decides, for the whole run
+                    self._feed_fast(payloads[start:end])
+                    start = end
+                else:
+                    start += written
+                    if start < end:  # the chunk the run stopped at
+                        self._feed_fast(payloads[start:start + 1])
+                        start += 1
+                if self.done:
+                    return
+            at = end
+
+    def _write_run(self, run: list[bytes], head_len: int, tail_len: int) -> int:
+        """Write the delta events of the leading chunks of a run of raw text chunks, byte for
+        byte what _feed_fast writes for each, up to the first whose content string is empty
+        or holds anything orjson would write differently. How many were written; -1 (none)
+        when no message is open."""
+        fs = self._fs
+        if fs is None:
+            if self.done:
+                return -1
+            fs = self._fs = self._fast_state()
+        tpl = fs[1]
+        if tpl is None:  # reasoning still open, a call, the finish seen: not plain text deltas
+            return -1
+        texts = list(map(itemgetter(slice(head_len, -tail_len)), run))
+        joined = b"".join(texts)
+        if not all(texts) or _NOT_PLAIN.search(joined) is not None:
+            n = 0
+            for text in texts:
+                if not text or _NOT_PLAIN.search(text) is not None:
+                    break
+                n += 1
+            if not n:
+                return 0
+            texts = texts[:n]
+            joined = b"".join(texts)
+        else:
+            n = len(texts)
+        seq = self._seq
+        seqs = _SEQ[seq:seq + n] if seq + n <= _NSEQ else [b"%d" % i for i in range(seq, seq + n)]
+        head, mid, end = tpl
+        # head, then per event: seq, mid + quote, text, quote + end + the next head (the last: end)
+        pieces = [mid + b'"'] * (4 * n)
+        pieces[0::4] = seqs
+        pieces[2::4] = texts
+        pieces[3::4] = repeat(b'"' + end + head, n)
+        pieces[-1] = b'"' + end
+        out = self._out
+        out.append(head)
+        out.extend(pieces)
+        fs[2].append(joined.decode())  # the message text: one part for the whole run
+        self._seq = seq + n
+        self.output_tokens_seen += n
+        return n
 
     @staticmethod
     def _learn_raw(payload: bytes, enc: bytes) -> tuple[bytes, bytes] | None:

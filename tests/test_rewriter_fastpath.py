@@ -577,3 +577,64 @@ def test_random_text_chunks_raw_path_equals_general(texts, per_event):
     if not per_event:
         chunks = [b"".join(chunks)]
     assert_same(chunks, ctx())
+
+
+# ---------------------------------------------------------------- runs of raw chunks (one read, many events)
+def _lookalike_stream(middles: list[bytes]) -> list[bytes]:
+    return [_HEAD] + [_text_chunk(m) for m in middles] + [_TAIL]
+
+
+def _count_runs(monkeypatch) -> list[int]:
+    written: list[int] = []
+    real = StreamRewriter._write_run
+
+    def spy(self, run, head_len, tail_len):
+        n = real(self, run, head_len, tail_len)
+        written.append(n)
+        return n
+    monkeypatch.setattr(StreamRewriter, "_write_run", spy)
+    return written
+
+
+def test_a_coalesced_read_is_written_as_runs_and_the_same_bytes(monkeypatch):
+    written = _count_runs(monkeypatch)
+    chunks = _lookalike_stream([orjson.dumps(f" w{i}") for i in range(40)])
+    # As the forwarder feeds a coalesced answer: the first two events, then all the others.
+    first, rest = b"".join(chunks[:2]), b"".join(chunks[2:])
+    body = assert_same([first, rest], ctx())
+    assert written == [39]  # one run: every chunk after the first text (learned from), in one go
+    sdk_check(parse(body))
+
+
+@pytest.mark.parametrize("middle", [
+    b'"a","role":"b"', b'"caf\\u00e9"', '"café"'.encode(), b'"tab\\there"', b'"\x01"', b'""', b'null',
+    b'"unterminated', b'"quote\\"inside"', b'"del\x7f"',
+])
+def test_runs_broken_by_chunks_the_raw_path_must_not_take(middle, monkeypatch):
+    written = _count_runs(monkeypatch)
+    middles = [orjson.dumps(f" a{i}") for i in range(6)] + [middle] + [orjson.dumps(f" b{i}") for i in range(6)]
+    chunks = _lookalike_stream(middles)
+    assert_same([b"".join(chunks[:2]), b"".join(chunks[2:])], ctx())
+    # The run stops at the odd chunk (per-chunk path) and goes on after it; DEL is plain JSON;
+    # a raw control character is not JSON at all: the stream fails there.
+    assert written == {b'"del\x7f"': [12], b'"\x01"': [5], b'"unterminated': [5]}.get(middle, [5, 6])
+
+
+def test_sglang_first_text_chunk_with_role_then_plain_chunks_are_learned_again():
+    first = (b'data: {"id":"1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+             b'"delta":{"role":"assistant","content":"Hi"},"logprobs":null,"finish_reason":null}]}\n\n')
+    chunks = [first] + [_text_chunk(orjson.dumps(f" w{i}")) for i in range(12)] + [_TAIL]
+    out = assert_same([b"".join(chunks)], ctx())
+    _, rw = _run([b"".join(chunks[:3])], ctx(), True, finish=False)
+    assert rw._raw is not None and b'"role"' not in rw._raw[0]  # the later chunks' shape, not the first's
+    assert b'"text":"Hi w0 w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11"' in out
+
+
+@given(texts=st.lists(st.text(alphabet=st.sampled_from(['a', ' ', '"', '\\', '\x01', 'é', '\x7f']), max_size=4),
+                      min_size=1, max_size=30),
+       cut=st.integers(min_value=1, max_value=6))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_random_runs_equal_general(texts, cut):
+    chunks = [_HEAD] + [_text_chunk(orjson.dumps(t)) for t in texts] + [_TAIL]
+    cut = min(cut, len(chunks) - 1)
+    assert_same([b"".join(chunks[:cut]), b"".join(chunks[cut:])], ctx())
