@@ -252,6 +252,8 @@ _JSONDecodeError = orjson.JSONDecodeError
 # Feeds of at least this many events try _feed_runs; a byte other than these in a content string
 # (a quote, a backslash, a control character, non-ASCII) sends its run to the per-chunk path.
 _RUNS_MIN = 4
+_SPLIT_MIN = 2048  # bytes: a read this big holds several chunks (vLLM's are ~200 bytes)
+_SPLIT_KEY = 32  # bytes of a raw chunk's start that _feed_split splits a read on
 _NOT_PLAIN = re.compile(rb"[^\x20\x21\x23-\x5b\x5d-\x7f]")
 
 
@@ -358,23 +360,31 @@ class StreamRewriter:
             return self.start() + self.feed(data)
         out = self._out = []
         dec = self._decoder
-        payloads = dec.feed(data)
-        if payloads:
-            if self._fast and self._emit:
-                if self._raw is not None and len(payloads) >= _RUNS_MIN:
-                    self._feed_runs(payloads)
-                else:
-                    rest = self._feed_fast(payloads)
-                    if rest:  # the text chunk's bytes became known with many events to go
-                        self._feed_runs(payloads[rest:])
-            else:
-                for payload in payloads:
-                    self._on_payload(payload)
-                    if self.done:
-                        break
+        raw = self._raw
+        if (raw is not None and len(data) > _SPLIT_MIN and self._fast and self._emit and dec.at_event_start
+                and data[-2:] == b"\n\n" and 13 not in data):
+            self._feed_split(data, raw)
+        else:
+            self._feed_payloads(dec.feed(data))
         if dec.overflow and not self.done:
             self._fail(f"upstream sent a line longer than {dec.max_line} bytes", "server_error", 1000, True)
         return b"".join(out)
+
+    def _feed_payloads(self, payloads: list[bytes]) -> None:
+        if not payloads:
+            return
+        if self._fast and self._emit:
+            if self._raw is not None and len(payloads) >= _RUNS_MIN:
+                self._feed_runs(payloads)
+            else:
+                rest = self._feed_fast(payloads)
+                if rest:  # the text chunk's bytes became known with many events to go
+                    self._feed_runs(payloads[rest:])
+        else:
+            for payload in payloads:
+                self._on_payload(payload)
+                if self.done:
+                    break
 
     def finish(self) -> bytes:
         if self.done:
@@ -458,10 +468,13 @@ class StreamRewriter:
                     seq += 1
                     ntok += 1
                     continue
-            try:
-                obj = loads(payload)
-            except _JSONDecodeError:
+            if payload == b"[DONE]":  # not JSON: spare orjson raising (an exception object per stream)
                 obj = None
+            else:
+                try:
+                    obj = loads(payload)
+                except _JSONDecodeError:
+                    obj = None
             if open_ and obj.__class__ is dict and not obj.get("error") and obj.get("object") != "error":
                 choices = obj.get("choices")
                 usage = obj.get("usage")
@@ -634,14 +647,6 @@ class StreamRewriter:
         byte what _feed_fast writes for each, up to the first whose content string is empty
         or holds anything orjson would write differently. How many were written; -1 (none)
         when no message is open."""
-        fs = self._fs
-        if fs is None:
-            if self.done:
-                return -1
-            fs = self._fs = self._fast_state()
-        tpl = fs[1]
-        if tpl is None:  # reasoning still open, a call, the finish seen: not plain text deltas
-            return -1
         texts = list(map(itemgetter(slice(head_len, -tail_len)), run))
         joined = b"".join(texts)
         if not all(texts) or _NOT_PLAIN.search(joined) is not None:
@@ -651,11 +656,29 @@ class StreamRewriter:
                     break
                 n += 1
             if not n:
-                return 0
+                return 0 if self._text_template() is not None else -1
             texts = texts[:n]
             joined = b"".join(texts)
-        else:
-            n = len(texts)
+        return self._write_texts(texts, joined)
+
+    def _text_template(self) -> tuple[bytes, bytes, bytes] | None:
+        """The open message's delta template (from _fast_state, kept), None when no message
+        takes plain text deltas now."""
+        fs = self._fs
+        if fs is None:
+            if self.done:
+                return None
+            fs = self._fs = self._fast_state()
+        return fs[1]
+
+    def _write_texts(self, texts: list[bytes], joined: bytes) -> int:
+        """The delta events of these plain, non-empty content strings (their JSON bytes without
+        the quotes; `joined` is all of them), in one interleaved join: len(texts), or -1
+        (nothing written) when no message is open."""
+        tpl = self._text_template()
+        if tpl is None:  # reasoning still open, a call, the finish seen: not plain text deltas
+            return -1
+        n = len(texts)
         seq = self._seq
         seqs = _SEQ[seq:seq + n] if seq + n <= _NSEQ else [b"%d" % i for i in range(seq, seq + n)]
         head, mid, end = tpl
@@ -668,10 +691,57 @@ class StreamRewriter:
         out = self._out
         out.append(head)
         out.extend(pieces)
-        fs[2].append(joined.decode())  # the message text: one part for the whole run
+        self._fs[2].append(joined.decode())  # type: ignore[index]  # the message text: one part
         self._seq = seq + n
         self.output_tokens_seen += n
         return n
+
+    def _feed_split(self, data: bytes, raw: tuple[bytes, bytes]) -> None:
+        """feed() for a read of whole events once the plain text chunk's bytes are known: the
+        run of such chunks in it is found with one split of the read on the last bytes before
+        their string (a short needle: bytes.split is several times slower with a long one),
+        each part then checked to end with the rest of what lies between two such strings, so
+        the run's events are neither decoded nor parsed one by one. What comes before and
+        after the run takes the usual path; anything unexpected (a string that is not plain,
+        the run not made of whole events), the whole read."""
+        head, tail = raw
+        opener = b"data: " + head + b'"'  # a raw chunk's bytes up to its string
+        closer = b'"' + tail + b"\n\n"  # and after it
+        key = opener[-_SPLIT_KEY:]
+        lead = opener[:-len(key)]
+        between = closer + lead  # what comes between a string and the needle before the next one
+        parts = data.split(key)
+        dec = self._decoder
+        if len(parts) < 3:
+            return self._feed_payloads(dec.feed(data))
+        first = parts[0]  # the events before the run, then the start of its first chunk
+        at = len(first) - len(lead)
+        last = parts[-1]  # the string of the run's last chunk, then the events after the run
+        to = last.find(closer)
+        if (not first.endswith(lead) or (at and not first.endswith(b"\n\n", 0, at))
+                or not all(map(bytes.endswith, parts[1:-1], repeat(between)))):
+            return self._feed_payloads(dec.feed(data))
+        texts = list(map(itemgetter(slice(None, -len(between))), parts[1:-1]))
+        text = last[:to]
+        if to > 0 and _NOT_PLAIN.search(text) is None:
+            texts.append(text)
+            to = len(data) - len(last) + to + len(closer)
+        else:  # that chunk only starts like a raw one: the run ends with the one before
+            to = len(data) - len(last) - len(opener)
+        joined = b"".join(texts)  # no "\n" in a plain string: each text is one chunk's string
+        if len(texts) < 2 or not all(texts) or _NOT_PLAIN.search(joined) is not None:
+            return self._feed_payloads(dec.feed(data))
+        if at:
+            self._feed_payloads(dec.feed(data[:at]))
+            if self.done:
+                return
+        if self._write_texts(texts, joined) < 0:  # no open message: the general path decides
+            self._feed_payloads(dec.feed(data[at:to]))
+            if self.done:
+                return
+        if to < len(data):
+            self._feed_payloads(dec.feed(data[to:]))
+
 
     @staticmethod
     def _learn_raw(payload: bytes, enc: bytes) -> tuple[bytes, bytes] | None:

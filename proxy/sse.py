@@ -28,6 +28,11 @@ class SSEDecoder:
         self.overflow = False  # set when a line or an event grew past max_line
 
     @property
+    def at_event_start(self) -> bool:
+        """Nothing pending: the next byte fed starts a new event."""
+        return self._data is None and not self._buf and not self._skip_lf and not self.overflow
+
+    @property
     def buffered(self) -> int:
         return len(self._buf) + self._data_len
 

@@ -585,14 +585,15 @@ def _lookalike_stream(middles: list[bytes]) -> list[bytes]:
 
 
 def _count_runs(monkeypatch) -> list[int]:
+    """How many delta events each bulk write wrote (one entry per run written in one go)."""
     written: list[int] = []
-    real = StreamRewriter._write_run
+    real = StreamRewriter._write_texts
 
-    def spy(self, run, head_len, tail_len):
-        n = real(self, run, head_len, tail_len)
+    def spy(self, texts, joined):
+        n = real(self, texts, joined)
         written.append(n)
         return n
-    monkeypatch.setattr(StreamRewriter, "_write_run", spy)
+    monkeypatch.setattr(StreamRewriter, "_write_texts", spy)
     return written
 
 
@@ -638,3 +639,71 @@ def test_random_runs_equal_general(texts, cut):
     chunks = [_HEAD] + [_text_chunk(orjson.dumps(t)) for t in texts] + [_TAIL]
     cut = min(cut, len(chunks) - 1)
     assert_same([b"".join(chunks[:cut]), b"".join(chunks[cut:])], ctx())
+
+
+# ---------------------------------------------------------------- one split per read (_feed_split)
+def _role_text_chunk(text: str) -> bytes:  # same tail as a raw chunk, another head (SGLang's first)
+    return (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+            b'[{"index":0,"delta":{"role":"assistant","content":' + orjson.dumps(text) + b'},"logprobs":null,'
+            b'"finish_reason":null,"token_ids":null}]}\n\n')
+
+
+def _reasoning_chunk(text: str) -> bytes:
+    return (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+            b'[{"index":0,"delta":{"reasoning":' + orjson.dumps(text) + b'},"logprobs":null,'
+            b'"finish_reason":null,"token_ids":null}]}\n\n')
+
+
+_PLAIN = st.text(alphabet=st.sampled_from(list("ab .")), min_size=1, max_size=4)
+_EVENT = st.one_of(
+    _PLAIN.map(lambda t: _text_chunk(orjson.dumps(t))),  # the run's chunks, most of the time
+    _PLAIN.map(lambda t: _text_chunk(orjson.dumps(t))),
+    _PLAIN.map(lambda t: _text_chunk(orjson.dumps(t))),
+    st.text(alphabet=st.sampled_from(['a', '"', '\\', '\n', 'é']), max_size=3).map(
+        lambda t: _text_chunk(orjson.dumps(t))),  # not plain (or empty)
+    _PLAIN.map(_role_text_chunk),
+    _PLAIN.map(_reasoning_chunk),
+    st.just(b": keep-alive\n\n"),
+    _PLAIN.map(lambda t: b"event: message\n" + _text_chunk(orjson.dumps(t))),  # an ignored field
+    _PLAIN.map(lambda t: b"data: x\n" + _text_chunk(orjson.dumps(t))),  # two data lines: not JSON
+    st.just(_text_chunk(b'"x"').replace(b"\n\n", b"\n\n", 1).replace(b"data: ", b"data:", 1)),  # no space
+)
+
+
+@given(events=st.lists(_EVENT, min_size=2, max_size=60), cuts=st.lists(st.integers(0, 20000), max_size=3))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_random_reads_split_once_equal_general(events, cuts):
+    # The raw shape is learned from the first two text chunks (first read), then the rest comes
+    # in reads cut anywhere (a cut inside an event leaves the decoder mid-event: no split).
+    body = b"".join(events) + _TAIL
+    first = b"".join([_HEAD, _text_chunk(b'" one"'), _text_chunk(b'" two"')])
+    bounds = sorted({0, len(body), *(c % (len(body) + 1) for c in cuts)})
+    reads = [first] + [body[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert_same(reads, ctx())
+
+
+def test_a_read_starting_and_ending_with_look_alikes_is_still_split(monkeypatch):
+    written = _count_runs(monkeypatch)
+    runs: list[int] = []
+    real_runs = StreamRewriter._feed_runs
+    monkeypatch.setattr(StreamRewriter, "_feed_runs", lambda self, p: (runs.append(len(p)), real_runs(self, p)))
+    first = b"".join([_HEAD, _text_chunk(b'" one"'), _text_chunk(b'" two"')])
+    finish = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+              b'[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+    # Before the run a chunk with the raw chunk's tail but another head; after it one with the
+    # raw chunk's head and tail around a string that is not plain: both outside the run.
+    read = (_role_text_chunk("r") + b"".join(_text_chunk(orjson.dumps(f" t{i}")) for i in range(30))
+            + _text_chunk(b'"not \\"plain\\""') + finish)
+    out = assert_same([first, read], ctx())
+    assert written == [30] and runs == []  # the 30 in one go, found by the split (no fallback)
+    assert b'"delta":"r"' in out and b'not \\"plain\\"' in out
+
+
+@pytest.mark.parametrize("before", [b"data: x\n", b"event: message\n", b"id: 7\n"])
+def test_a_run_whose_first_chunk_has_another_line_first(before):
+    # The raw chunk's bytes right after another line of the same event: not a run chunk (two
+    # data lines are one payload that is not JSON; other fields are ignored).
+    first = b"".join([_HEAD, _text_chunk(b'" one"'), _text_chunk(b'" two"')])
+    for pre in (_text_chunk(b'" pre"'), b": keep-alive\n\n"):
+        read = pre + before + b"".join(_text_chunk(orjson.dumps(f" t{i}")) for i in range(30)) + _TAIL
+        assert_same([first, read], ctx())
