@@ -277,11 +277,18 @@ def _early_cut(first: bytes) -> int:
     return end + 2 if 0 < end < len(first) - 2 else 0
 
 
+class _EventStream(web.StreamResponse):
+    # prepare() is always followed at once by the first write (response.created and whatever
+    # the first read held): the headers go out with it, one send instead of two, as aiohttp's
+    # own web.Response does (tests/test_forwarder_writes.py holds aiohttp to this attribute).
+    _send_headers_immediately = False
+
+
 async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: ResponseContext,
                          first: bytes, out: state.Outcome, *, worker: Worker,
                          deadline: float) -> web.StreamResponse:
     rewriter = StreamRewriter(ctx)
-    response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    response = _EventStream(status=200, headers=_SSE_HEADERS)
     loop = asyncio.get_running_loop()
     idle = worker.timeouts.idle
     # The idle and total timeouts of each upstream read, as one lazy watchdog timer instead of
@@ -311,16 +318,25 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
 
     try:
         await response.prepare(request)
-        head = rewriter.start()
+        pending = rewriter.start()  # what the next write sends
         cut = _early_cut(first)
-        if cut:  # the first delta goes out before the rest of a big first read is rewritten
-            await response.write(head + rewriter.feed(first[:cut]))
-            head, first = b"", first[cut:]
-        await response.write(head + rewriter.feed(first))
+        if cut:
+            # The first two events rewritten on their own (the rest is then rewritten in bulk,
+            # see StreamRewriter._feed_split) and, unless this read holds the whole answer,
+            # written on their own: the first delta does not wait for the rest of a big read.
+            pending += rewriter.feed(first[:cut])
+            first = first[cut:]
+            if not first.endswith(b"data: [DONE]\n\n"):
+                await response.write(pending)
+                pending = b""
+        pending += rewriter.feed(first)
         read = upstream.read
         write = response.write
         feed = rewriter.feed
         while not rewriter.done:
+            if pending:  # one write per upstream read, none for a read that completed no event
+                await write(pending)
+                pending = b""
             read_since = loop.time()
             if timer is None:
                 timer = loop.call_at(min(read_since + idle, deadline), watchdog)
@@ -335,19 +351,17 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
                 else:
                     message = f"The model server did not finish within {worker.timeouts.total:g}s (total timeout)."
                 read_since = None
-                await write(rewriter.fail(message, code="upstream_timeout"))
+                pending = rewriter.fail(message, code="upstream_timeout")
                 break
             except (Disconnected, BadResponse):
                 read_since = None
                 request.app[POOL].record_failure(worker, "disconnected mid-stream")
-                await write(rewriter.fail("The connection to the model server was lost mid-stream.",
-                                          code="upstream_disconnected"))
+                pending = rewriter.fail("The connection to the model server was lost mid-stream.",
+                                        code="upstream_disconnected")
                 break
             read_since = None
-            chunk = feed(data) if data else rewriter.finish()
-            if chunk:  # one write per upstream read, none for a read that completed no event
-                await write(chunk)
-        await response.write_eof()
+            pending = feed(data) if data else rewriter.finish()
+        await response.write_eof(pending)  # the last events and the end of the body: one send
     except ConnectionResetError:
         # Clients such as Codex hang up as soon as they read the terminal event: an answer
         # that was whole is a success, not a disconnect.
