@@ -64,7 +64,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers_done", "complete", "chunks",
                  "buffered", "paused", "waiter", "error", "closed", "got_bytes", "idle_since", "keep_alive",
-                 "framed", "linger")
+                 "framed", "linger", "on_body")
 
     def __init__(self, pool: "UpstreamPool", key: tuple) -> None:
         self.pool = pool
@@ -76,11 +76,15 @@ class _Connection(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
+        # httptools calls on_body once per HTTP chunk (a coalesced stream: ~100 per read): the
+        # list's own append, a C call, instead of a Python method. The parser takes its
+        # callbacks when it is made, so `chunks` is only ever cleared, never replaced.
+        self.chunks: list[bytes] = []
+        self.on_body = self.chunks.append
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers_done = False
         self.complete = False
-        self.chunks: list[bytes] = []
         self.buffered = 0
         self.paused = False
         self.waiter: asyncio.Future | None = None
@@ -103,6 +107,10 @@ class _Connection(asyncio.Protocol):
             self._fail(BadResponse(f"unparseable answer: {exc}"))
             self.transport.abort()
             return
+        if self.linger is not None:  # the reader is gone: only the end of the message matters
+            self.chunks.clear()
+            return
+        self.buffered += len(data)  # with the framing: close enough for a high-water mark
         if self.buffered > HIGH_WATER and not self.paused and not self.closed:
             self.paused = True
             self.transport.pause_reading()
@@ -136,11 +144,6 @@ class _Connection(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
-
-    def on_body(self, body: bytes) -> None:
-        if self.linger is None:  # else the reader is gone: only the end of the message matters
-            self.chunks.append(body)
-            self.buffered += len(body)
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -210,7 +213,7 @@ class UpstreamResponse:
             await conn.wait(deadline)
         chunks = conn.chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        conn.chunks = []
+        chunks.clear()
         conn.buffered = 0
         if conn.paused:
             conn.paused = False
@@ -256,7 +259,7 @@ class UpstreamResponse:
             self.release()
             return
         self._done = True
-        conn.chunks = []
+        conn.chunks.clear()
         conn.buffered = 0
         if conn.paused:
             conn.paused = False
