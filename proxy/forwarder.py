@@ -371,6 +371,9 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
         read_since = None
         if timer is not None:
             timer.cancel()
+        # watchdog re-arms itself, so its closure holds it: a cycle that would keep this
+        # stream's task, rewriter and response alive until the cyclic GC (per stream).
+        watchdog = None  # type: ignore[assignment]  # noqa: F841
         out.status = rewriter.status if rewriter.done else "cancelled"
         _record_usage(out, rewriter.usage, rewriter.output_tokens_seen)
     return response
