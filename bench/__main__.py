@@ -474,10 +474,16 @@ def hold_test(proxy: Server, upstream: Server, n: int, cores: str) -> str:
             f"first delta p99 {fmt(r['ttft99'], '.1f')} ms")
 
 
+def round_ratios(cells: list[dict], pt_cells: list[dict]) -> list[float]:
+    """Per round: that round's CPU per request over the same round's pass-through's (the two
+    cells ran back to back, so they saw about the same machine)."""
+    return sorted(cpu_per_req(c) / cpu_per_req(p) for c, p in zip(cells, pt_cells) if p["cpu"])
+
+
 def ratio_range(cells: list[dict], pt_cells: list[dict]) -> str:
-    """min-max over the rounds of (that round's CPU per request over that round's pass-through's)."""
-    ratios = [cpu_per_req(c) / cpu_per_req(p) for c, p in zip(cells, pt_cells) if p["cpu"]]
-    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+    """min-max over the rounds of round_ratios."""
+    ratios = round_ratios(cells, pt_cells)
+    return f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "-"
 
 
 def report(say, results, concs, rounds, run, scaling, hold_line) -> None:
@@ -496,14 +502,15 @@ def report(say, results, concs, rounds, run, scaling, hold_line) -> None:
         f"(workload, c) ran {rounds} round{'s' * (rounds > 1)}, the servers interleaved within a round (direct, "
         "pass-through, proxy, proxy no chain). Each row is, per server, the round with the median CPU per "
         "request, and all its columns come from that same round (added latencies: against the median `direct` "
-        "round); errors are summed over all rounds. `x pass-through CPU` = the median CPU per request over the "
-        "pass-through's median; `x pass-through min-max` = the lowest and highest over the rounds of that "
-        "round's CPU per request over the same round's pass-through's.")
+        "round); errors are summed over all rounds. `x pass-through CPU` = the median over the rounds of that "
+        "round's CPU per request over the same round's pass-through's (paired: the two cells ran back to back, "
+        "so a slow minute of the shared machine weighs on both), `x pass-through min-max` = the lowest and "
+        "highest of those; `x of medians` = the median CPU per request over the pass-through's median.")
     say()
     say("| workload | c | server | req/s | p50 ms | p99 ms | added p50 ms | first delta p50 / p99 ms "
         "| added first delta p50 ms | CPU/req ms | CPU/chunk us | x pass-through CPU | x pass-through min-max "
-        "| peak RSS MB | errors | upstream CPU/req ms | loadgen CPU/req ms |")
-    say("|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+        "| x of medians | peak RSS MB | errors | upstream CPU/req ms | loadgen CPU/req ms |")
+    say("|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for wname, model in WORKLOADS:
         stream = model != "bench-json"
         for conc in concs:
@@ -518,7 +525,9 @@ def report(say, results, concs, rounds, run, scaling, hold_line) -> None:
                 n = r["n"] or 1
                 cpu_req = cpu_per_req(r)
                 is_proxy = name in ("proxy", NO_CHAIN)
-                ratio = cpu_req / pt_cpu if is_proxy and pt_cpu else None
+                of_medians = cpu_req / pt_cpu if is_proxy and pt_cpu else None
+                paired = round_ratios(cells, pt_cells) if is_proxy else []
+                ratio = paired[(len(paired) - 1) // 2] if paired else None
                 spread = ratio_range(cells, pt_cells) if is_proxy else "-"
                 added = r["p50"] - d["p50"] if name != "direct" and r["p50"] is not None else None
                 ttft = f"{fmt(r.get('ttft50'))} / {fmt(r.get('ttft99'))}" if stream else "-"
@@ -527,7 +536,7 @@ def report(say, results, concs, rounds, run, scaling, hold_line) -> None:
                 errors = sum(c["errors"] for c in cells)
                 say(f"| {wname} | {conc} | {name} | {r['rps']:.0f} | {fmt(r['p50'])} | {fmt(r['p99'])} | {fmt(added)} "
                     f"| {ttft} | {fmt(added_ttft)} | {fmt(cpu_req, '.4f' if name == 'direct' else '.3f')} "
-                    f"| {fmt(per_chunk, '.1f')} | {fmt(ratio)} | {spread} | {r['hwm']:.0f} | {errors} "
+                    f"| {fmt(per_chunk, '.1f')} | {fmt(ratio)} | {spread} | {fmt(of_medians)} | {r['hwm']:.0f} | {errors} "
                     f"| {fmt(r['upstream_cpu'] / n * 1000, '.4f')} | {fmt(r['load_cpu'] / n * 1000, '.3f')} |")
     if scaling:
         say()
