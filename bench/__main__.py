@@ -17,10 +17,11 @@ it to bench/results.md.
 The machine is shared and noisy: one cell's CPU per request can be off by +-30%. So every
 (workload, concurrency) is run for --rounds rounds, the servers interleaved within a round
 (direct, pass-through, proxy, proxy no chain, then again), and the table shows, per server,
-the round with the median CPU per request, the ratio of the medians, and the min-max of the
-per-round ratios (each round's proxy over the same round's pass-through).
+the round with the median CPU per request; the ratio to the pass-through is the median of the
+per-round ratios (each round's proxy over the same round's pass-through, run back to back),
+shown with their min-max and with the ratio of the medians.
 
-    python -m bench                 # everything, 3 rounds of 2 s cells (3 s: 1 chunk/write), ~6 minutes
+    python -m bench                 # everything, 5 rounds of 1.5 s cells (2.5 s: 1 chunk/write), ~8 minutes
     python -m bench --quick         # 3 rounds of 1 s cells, ~3.5 minutes
     python -m bench --hold 1000     # only: 1,000 concurrent open streams through the proxy
 """
@@ -325,8 +326,8 @@ def cell_seconds(args: argparse.Namespace, model: str) -> float:
         return args.seconds
     if args.quick:
         return 1.0
-    # A 1-chunk-per-write stream lasts ~110 ms (100 deltas 1 ms apart): c=1 needs ~3 s for ~25 streams.
-    return 3.0 if model == "bench-chunked" else 2.0
+    # A 1-chunk-per-write stream lasts ~110 ms (100 deltas 1 ms apart): c=1 needs ~2.5 s for ~20 streams.
+    return 2.5 if model == "bench-chunked" else 1.5
 
 
 def cells_text(args: argparse.Namespace) -> str:
@@ -354,17 +355,20 @@ def fmt(value, spec: str = ".2f") -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 s per cell instead of 2 (3 for 1 chunk/write)")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 1 s cells instead of 5 of 1.5 s (2.5 for 1 chunk/write)")
     ap.add_argument("--seconds", type=float, help="seconds per cell, every workload")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=int, default=None,
                     help="rounds per (workload, concurrency), servers interleaved; the median round is shown "
-                         "(default 3)")
+                         "(default 5; 3 with --quick). One cell's CPU per request swings by +-30%% on a shared "
+                         "machine, two identical proxies included: more rounds, a steadier median")
     ap.add_argument("--conc", default="1,16,64", help="concurrencies (default 1,16,64)")
     ap.add_argument("--hold", type=int, default=None,
                     help="only the held-streams test with this many concurrent streams (default run: 1000 at the end)")
     ap.add_argument("--no-scaling", action="store_true", help="skip the 1 -> 2 workers rows")
     ap.add_argument("--out", default=str(BENCH / "results.md"))
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 5
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     concs = [int(c) for c in args.conc.split(",")]
