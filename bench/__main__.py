@@ -21,7 +21,7 @@ the round with the median CPU per request; the ratio to the pass-through is the 
 per-round ratios (each round's proxy over the same round's pass-through, run back to back),
 shown with their min-max and with the ratio of the medians.
 
-    python -m bench                 # everything, 5 rounds of 1.5 s cells (2.5 s: 1 chunk/write), ~8 minutes
+    python -m bench                 # everything, 5 rounds (cells of 2 s JSON, 1.5 s coalesced, 2.5 s chunked), ~8 minutes
     python -m bench --quick         # 3 rounds of 1 s cells, ~3.5 minutes
     python -m bench --hold 1000     # only: 1,000 concurrent open streams through the proxy
 """
@@ -270,7 +270,8 @@ def run_wrk(server: Server, upstream: Server, conc: int, seconds: float, tmp: Pa
     window = Window(server, upstream)
     window.open()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run(["taskset", "-c", cores, "wrk", "-t1", f"-c{conc}", f"-d{seconds:g}s", "--latency",
+    seconds = max(1, round(seconds))  # wrk takes whole seconds
+    out = subprocess.run(["taskset", "-c", cores, "wrk", "-t1", f"-c{conc}", f"-d{seconds}s", "--latency",
                           "-s", str(script), server.url], capture_output=True, text=True, check=True).stdout
     # Read at once: the requests wrk leaves in flight when it stops are not counted in its total.
     measured = window.close()
@@ -326,16 +327,16 @@ def cell_seconds(args: argparse.Namespace, model: str) -> float:
         return args.seconds
     if args.quick:
         return 1.0
-    # A 1-chunk-per-write stream lasts ~110 ms (100 deltas 1 ms apart): c=1 needs ~2.5 s for ~20 streams.
-    return 2.5 if model == "bench-chunked" else 1.5
+    # A 1-chunk-per-write stream lasts ~110 ms (100 deltas 1 ms apart): c=1 needs ~2.5 s for ~20
+    # streams. wrk (JSON) takes whole seconds.
+    return {"bench-chunked": 2.5, "bench-json": 2.0}.get(model, 1.5)
 
 
 def cells_text(args: argparse.Namespace) -> str:
     per_model = {cell_seconds(args, model) for _, model in WORKLOADS}
     if len(per_model) == 1:
         return f"{per_model.pop():g} s per cell"
-    return (f"{cell_seconds(args, 'bench-json'):g} s per cell "
-            f"({cell_seconds(args, 'bench-chunked'):g} s for 1 chunk/write)")
+    return "cells of " + ", ".join(f"{cell_seconds(args, model):g} s ({name})" for name, model in WORKLOADS)
 
 
 def cpu_per_req(r: dict) -> float:
@@ -355,7 +356,7 @@ def fmt(value, spec: str = ".2f") -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="3 rounds of 1 s cells instead of 5 of 1.5 s (2.5 for 1 chunk/write)")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 1 s cells instead of 5 of 1.5-2.5 s")
     ap.add_argument("--seconds", type=float, help="seconds per cell, every workload")
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds per (workload, concurrency), servers interleaved; the median round is shown "
