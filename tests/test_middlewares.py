@@ -716,6 +716,25 @@ async def test_leased_key_drained_by_a_burst_never_overdraws(make_proxy, http):
     assert await p.ledger.available(record.key_id) == final
 
 
+@pytest.mark.parametrize("section, linger", [({}, 0.02), ({"lease_commit_ms": 50}, 0.05)])
+async def test_lease_commits_every_lease_commit_ms(make_proxy, http, section, linger):
+    p = await make_proxy({"prices": PRICES, "balance": section})
+    status, _, _ = await call(http, p, {"model": MODEL, "input": "hello"})
+    assert status == 200
+    (leases,) = [lz for lz in balance_mw._LEASES if lz.ledger is p.ledger]
+    assert leases.linger_s == linger
+
+
+@pytest.mark.parametrize("bad", [0, -5, "20", True])
+def test_lease_commit_ms_must_be_a_positive_number(bad):
+    from aiohttp import web
+
+    from proxy.config import ConfigError
+
+    with pytest.raises(ConfigError, match="lease_commit_ms"):
+        balance_mw.create({"lease_commit_ms": bad}, web.Application())
+
+
 async def _usage_count(ledger, key_id, n):
     found = await ledger.list_usage(key_id, limit=1000)
     return found if len(found) == n else None

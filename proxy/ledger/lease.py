@@ -11,9 +11,10 @@ from which request holds are taken in memory, with no await:
                       the end of its balance is served exactly as without leases: partial
                       holds, 402s, no overdraft)
     finish(hold, usage)   a lease hold: in memory, and the usage row is queued; the queue is
-                      committed every `linger_s` in ONE ledger transaction that inserts the
-                      rows (exactly once: UNIQUE request_id), debits the balance and takes
-                      the same amount off the lease row. A per-request hold: settle / release
+                      committed every `linger_s` (balance.lease_commit_ms, 20 ms) in ONE
+                      ledger transaction that inserts the rows (exactly once: UNIQUE
+                      request_id), debits the balance and takes the same amount off the
+                      lease row. A per-request hold: settle / release
                       in a task, as before.
 
 Invariants (every commit boundary, across processes sharing the file):
@@ -37,8 +38,8 @@ the process lives. After a SIGKILL the row stays until it expires, then counts f
 (the ledger ignores expired holds) and the sweeper deletes it: nothing is charged for it.
 
 The crash window: a SIGKILL loses the usage rows still queued (settled in the last
-`linger_s` + one commit, a few ms): those requests go unbilled, exactly like a settle
-lingering in the writer. Nothing is billed twice and nothing is overdrawn.
+`linger_s` + one commit, ~20 ms): those requests go unbilled, like a settle lingering in the
+writer (5 ms there: a lease batches many requests per commit, a per-request settle does not). Nothing is billed twice and nothing is overdrawn.
 
 If the event loop stalls longer than ttl_s, the row can expire under requests in flight;
 the next commit or grow notices ("lapsed") and starts a new row with what is available,
