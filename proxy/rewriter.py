@@ -249,11 +249,11 @@ class _Item:
 _SEQ = tuple(b"%d" % i for i in range(8192))  # sequence_number digits, precomputed
 _NSEQ = len(_SEQ)
 _JSONDecodeError = orjson.JSONDecodeError
-# Feeds of at least this many events try _feed_runs; a byte other than these in a content string
-# (a quote, a backslash, a control character, non-ASCII) sends its run to the per-chunk path.
-_RUNS_MIN = 4
-_SPLIT_MIN = 2048  # bytes: a read this big holds several chunks (vLLM's are ~200 bytes)
+_RUNS_MIN = 4  # events in a feed before _feed_runs looks for runs of raw text chunks
+_SPLIT_MIN = 2048  # bytes in a read before _feed_split (vLLM's chunks are ~200 bytes)
 _SPLIT_KEY = 32  # bytes of a raw chunk's start that _feed_split splits a read on
+# A byte other than these in a content string (a quote, a backslash, a control character,
+# non-ASCII: orjson would write the string otherwise) sends its chunk to the per-chunk path.
 _NOT_PLAIN = re.compile(rb"[^\x20\x21\x23-\x5b\x5d-\x7f]")
 
 

@@ -101,13 +101,14 @@ class _Connection(asyncio.Protocol):
         # The parser's callbacks only record; the reader is woken once per read, not once per
         # HTTP chunk (a coalesced stream brings ~100 of them in one read).
         self.got_bytes = True
+        lingering = self.linger is not None  # (the end of the message, parsed below, ends it)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(BadResponse(f"unparseable answer: {exc}"))
             self.transport.abort()
             return
-        if self.linger is not None:  # the reader is gone: only the end of the message matters
+        if lingering:  # the reader is gone: only the end of the message mattered
             self.chunks.clear()
             return
         self.buffered += len(data)  # with the framing: close enough for a high-water mark
