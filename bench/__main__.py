@@ -485,12 +485,6 @@ def round_ratios(cells: list[dict], pt_cells: list[dict]) -> list[float]:
     return sorted(cpu_per_req(c) / cpu_per_req(p) for c, p in zip(cells, pt_cells) if p["cpu"])
 
 
-def ratio_range(cells: list[dict], pt_cells: list[dict]) -> str:
-    """min-max over the rounds of round_ratios."""
-    ratios = round_ratios(cells, pt_cells)
-    return f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "-"
-
-
 def report(say, results, concs, rounds, run, scaling, hold_line) -> None:
     machine = f"{NCPU} cores ({os.uname().machine}), Python {sys.version.split()[0]}"
     say(f"## Benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {machine}, {run})")
@@ -533,7 +527,7 @@ def report(say, results, concs, rounds, run, scaling, hold_line) -> None:
                 of_medians = cpu_req / pt_cpu if is_proxy and pt_cpu else None
                 paired = round_ratios(cells, pt_cells) if is_proxy else []
                 ratio = paired[(len(paired) - 1) // 2] if paired else None
-                spread = ratio_range(cells, pt_cells) if is_proxy else "-"
+                spread = f"{paired[0]:.2f}-{paired[-1]:.2f}" if paired else "-"
                 added = r["p50"] - d["p50"] if name != "direct" and r["p50"] is not None else None
                 ttft = f"{fmt(r.get('ttft50'))} / {fmt(r.get('ttft99'))}" if stream else "-"
                 added_ttft = (r["ttft50"] - d["ttft50"]) if stream and name != "direct" and r.get("ttft50") else None

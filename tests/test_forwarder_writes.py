@@ -17,17 +17,19 @@ WORDS = " ".join(f"w{i}" for i in range(60))
 def sends(monkeypatch) -> dict[int, list[bytes]]:
     """Every send of every response writer, by writer: the bytes handed to the transport."""
     sent: dict[int, list[bytes]] = {}
-    keep: list[StreamWriter] = []  # ids stay unique while the test runs
+    writers: dict[int, StreamWriter] = {}  # held, so that no id is reused while the test runs
     real_write, real_writelines = StreamWriter._write, StreamWriter._writelines
 
+    def record(writer: StreamWriter, data: bytes) -> None:
+        writers[id(writer)] = writer
+        sent.setdefault(id(writer), []).append(data)
+
     def write(self, chunk):
-        keep.append(self)
-        sent.setdefault(id(self), []).append(bytes(chunk))
+        record(self, bytes(chunk))
         return real_write(self, chunk)
 
     def writelines(self, chunks):
-        keep.append(self)
-        sent.setdefault(id(self), []).append(b"".join(bytes(c) for c in chunks))
+        record(self, b"".join(bytes(c) for c in chunks))
         return real_writelines(self, chunks)
 
     monkeypatch.setattr(StreamWriter, "_write", write)
