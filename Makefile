@@ -4,16 +4,23 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+# A .venv whose python is missing, broken or older than 3.11 (made by another Python) is rebuilt.
+VENV_OK := $(shell $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && echo yes)
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: run test test-vllm bench soak clean
+.PHONY: run test test-vllm bench soak clean venv-rebuild
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(if $(VENV_OK),,venv-rebuild)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "responses-proxy needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1). Use: make PYTHON=python3.11 ..." >&2; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,fast]'
 	@rm -f $(VENV)/.installed-* && touch $@
+
+venv-rebuild:
+	@if [ -e $(VENV) ]; then echo "$(VENV) is broken or not Python >= 3.11: rebuilding it" >&2; rm -rf $(VENV); fi
 
 run: $(STAMP)
 	$(BIN)/responses-proxy serve --host $(HOST) --port $(PORT)
@@ -33,5 +40,6 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m soak --minutes $${SOAK_MINUTES:-3}
 
+# Never deletes data/: the ledger (every key and balance) lives there.
 clean:
-	rm -rf $(VENV) data .pytest_cache
+	rm -rf $(VENV) .pytest_cache .hypothesis
