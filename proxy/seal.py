@@ -88,12 +88,10 @@ class Sealer:
         try:
             blob = _b64d(parts[2])
             payload = self._aead[parts[1]].decrypt(blob[:12], blob[12:], _ad(parts[1], bound_to))
+            (issued,) = _ISSUED.unpack_from(payload)
             text = payload[_ISSUED.size:].decode()
         except (ValueError, binascii.Error, UnicodeDecodeError, Exception):  # InvalidTag is not a ValueError
             return None
-        if len(payload) < _ISSUED.size:
-            return None
-        (issued,) = _ISSUED.unpack_from(payload)
         if time.time() - issued > self.ttl_s:
             raise SealExpired(self.ttl_s)
         return text

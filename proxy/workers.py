@@ -237,15 +237,14 @@ class Route:
     available ones among them (in pool order), and proxy.affinity's rings over those two
     sets by vnodes. Lists are never mutated once built: a change builds a new Route."""
 
-    __slots__ = ("serving", "available", "available_ids", "panic", "rings")
+    __slots__ = ("serving", "available", "available_ids", "rings")
 
     def __init__(self, serving: list[Worker]) -> None:
         self.serving = serving
         self.available = [w for w in serving if w.available]
-        # Panic routing: every worker the active checks pass is ejected. Ejection is a guess
-        # from failed requests, a passing check a fact: those workers take the traffic.
-        self.panic = not self.available and any(w.ejected for w in serving)
-        if self.panic:
+        if not self.available and any(w.ejected for w in serving):
+            # Panic routing: every worker of the model that passes its checks is ejected.
+            # Ejection is a guess from failed requests, a passing check a fact: they take the traffic.
             self.available = [w for w in serving if w._healthy and w._dialect != "detect"]
         self.available_ids = frozenset(map(id, self.available))
         self.rings: dict[int, tuple[Any, Any]] = {}  # vnodes -> (ring of available, ring of serving)
@@ -401,8 +400,10 @@ class WorkerPool:
         if worker.available:
             return 0.0
         if not self.active_checks:
-            # No checks: only the ejection time re-admits; a worker never discovered stays out.
-            return at - now if worker.healthy and worker.models_known and worker.dialect != "detect" else None
+            # No checks: the ejection time alone re-admits; discovery is still retried every round.
+            if not worker.models_known or worker.dialect == "detect":
+                at = self._next_check_at(at)
+            return at - now if worker.healthy else None
         at = self._next_check_at(at)
         if not worker.healthy and not worker.awaiting_first_check:
             needed = max(self.healthy_threshold - worker.check_successes, 1)
