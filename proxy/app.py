@@ -69,8 +69,12 @@ async def envelope_and_access_log(request: web.Request, handler):
         log.exception("unhandled error", request_id=request_id)
         return APIError(500, "The proxy failed to handle this request.", code="internal_error").to_response()
     finally:
-        metrics.observe(request, status, time.perf_counter() - started)
         out = request.get(state.OUTCOME)
+        if out is not None and out.status == "pending" and status >= 400:
+            # Refused or failed before any answer (a 502/503/504 after failover, a 4xx): no
+            # request ends "pending" in the log or the metrics.
+            out.status = "cancelled" if status == 499 else "error"
+        metrics.observe(request, status, time.perf_counter() - started)
         translation = request.get(state.TRANSLATION)
         model = translation.model if translation is not None else None
         latency_ms = round((time.perf_counter() - started) * 1000, 2)

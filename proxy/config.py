@@ -72,7 +72,7 @@ DEFAULTS: dict[str, Any] = {
     "ledger": {"backend": "sqlite", "path": "data/ledger.db"},
     # Per model, per million tokens, in micro-units of the account currency.
     "prices": {"default": {"input": 500_000, "cached_input": 100_000, "output": 1_500_000}},
-    "reasoning_seal": {"keys": {}, "active": None},
+    "reasoning_seal": {"keys": {}, "active": None, "ttl_s": 604800},
     "images": {"allow_hosts": [], "allow_private": False, "resolve_timeout_s": 2.0},
 }
 

@@ -25,6 +25,7 @@ from proxy.request import SEALER, translation
 from proxy.logs import log
 from proxy.rewriter import ResponseContext, StreamRewriter, public_message, response_from_completion
 from proxy.routing import check_context_window, parse_provider, request_parameters
+from proxy.seal import binding
 from proxy.translate import set_output_cap
 from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected, UpstreamPool,
                             UpstreamResponse)
@@ -124,7 +125,7 @@ def _context(request: web.Request, t: Any) -> ResponseContext:
         ai_notice=settings.ai_notice,
         reasoning_items=settings.reasoning_items,
         reasoning_in_clear=settings.reasoning_in_clear,
-        seal=sealer.seal if sealer is not None and t.include_encrypted_reasoning else None,
+        seal=sealer.bound(binding(request))[0] if sealer is not None and t.include_encrypted_reasoning else None,
     )
 
 
@@ -162,8 +163,10 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
             if last is not None:  # every eligible worker failed before the first byte
                 raise last.final from None
             raise
-        if last is not None:
+        if last is not None:  # logged here, once there is a worker to fail over to
             pool.note_failover(last.worker, str(last))
+            log.info("failover", worker=last.worker.name, to=worker.name, reason=str(last),
+                     request_id=request[state.REQUEST_ID])
         worker.in_flight += 1  # taken before any await: capacity is never over-committed
         try:
             if not tried and routing_cfg.get("context_check", True):
@@ -173,7 +176,6 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
         except _Retryable as exc:
             tried.append(worker)
             last = exc
-            log.info("failover", worker=worker.name, reason=str(exc), request_id=request[state.REQUEST_ID])
         finally:
             worker.in_flight -= 1
     assert last is not None

@@ -10,11 +10,17 @@ vLLM GET /health; SGLang GET /v1/models (SGLang's /health runs a generation, so 
 never polled). `unhealthy_threshold` failures in a row mark a worker unhealthy,
 `healthy_threshold` passes in a row healthy again; a passing check also re-admits a
 passively ejected worker once its ejection time is over (WorkerPool.readmit).
+
+With checks enabled a worker starts unhealthy and takes no traffic until a check passes:
+the first round runs at start-up (a worker that is up is in before the first request),
+and a single pass is enough for that first verdict (Envoy's initial health check). A
+worker down at start-up is retried by every round, as any unhealthy worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -158,14 +164,17 @@ class HealthChecker:
             worker.check_failures = 0
             worker.check_successes += 1
             worker.last_check_error = None
-            if not worker.healthy and worker.check_successes >= s.healthy_threshold:
+            if not worker.healthy and (worker.awaiting_first_check or worker.check_successes >= s.healthy_threshold):
                 worker.healthy = True
                 log.info("worker healthy", worker=worker.name)
+            worker.awaiting_first_check = False
             self.pool.readmit(worker)
         else:
             worker.check_successes = 0
             worker.check_failures += 1
             worker.last_check_error = error
+            if worker.awaiting_first_check and worker.check_failures == 1:
+                log.warning("worker down at start-up", worker=worker.name, error=error)
             if worker.healthy and worker.check_failures >= s.unhealthy_threshold:
                 worker.healthy = False
                 log.warning("worker unhealthy", worker=worker.name, error=error)
@@ -196,6 +205,7 @@ class HealthChecker:
 
     async def run_forever(self) -> None:
         while True:
+            self.pool.next_check_at = time.monotonic() + self.settings.interval_s
             await asyncio.sleep(self.settings.interval_s)
             try:
                 await self.round()
@@ -214,6 +224,12 @@ def health_context(session_key: Any, pool_key: Any):
         pool: WorkerPool = app[pool_key]
         checker = HealthChecker(pool, app[session_key], settings)
         app[CHECKER] = checker
+        if settings.enabled:
+            for worker in pool.workers:
+                worker.healthy = False
+                worker.awaiting_first_check = True
+        pool.check_interval_s = settings.interval_s
+        pool.healthy_threshold = settings.healthy_threshold
         await checker.start()
         pool.active_checks = settings.enabled
         task = asyncio.create_task(checker.run_forever())

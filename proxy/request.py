@@ -17,6 +17,7 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError, bad_request
 from proxy.netguard import check_images, policy_for
+from proxy.seal import binding
 from proxy.translate import TranslateOptions, translate_request
 
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs
@@ -142,7 +143,7 @@ async def translation(request: web.Request):
         raise bad_request(f"input has more than {limits['max_input_items']} items.", param="input", code="too_many_items")
     if isinstance(body.get("tools"), list) and len(body["tools"]) > int(limits["max_tools"]):
         raise bad_request(f"More than {limits['max_tools']} tools.", param="tools", code="too_many_tools")
-    options = TranslateOptions(unseal=sealer.unseal if sealer is not None else None)
+    options = TranslateOptions(unseal=sealer.bound(binding(request))[1] if sealer is not None else None)
     result = translate_request(body, options)
     # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
     await check_images(policy_for(request.app), result.chat)

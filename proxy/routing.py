@@ -296,11 +296,11 @@ def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclu
         return _select_plain(pool, route, model, need_capacity, affinity)
     candidates = route.serving
     if not candidates:
-        pending = [w.name for w in pool.workers if not w.models_known]
+        pending = [w for w in pool.workers if not w.models_known]
         if pending:
             raise APIError(503, f"No worker is known to serve '{model}' yet: the model list of "
-                                f"{', '.join(pending)} could not be read.", code="no_worker_available",
-                           headers={"Retry-After": "1"})
+                                f"{', '.join(w.name for w in pending)} could not be read.",
+                           code="no_worker_available", headers={"Retry-After": pool.retry_after(pending)})
         raise APIError(404, f"The model '{model}' does not exist or is not served here.",
                        code="model_not_found", param="model")
     if prefs is not None:
@@ -311,11 +311,14 @@ def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclu
                                code="provider_requirements_unmet", param="provider")
             candidates = kept
     excluded = set(map(id, exclude))
-    healthy = [[w for w in tier if w.available] for tier in tiers(prefs, candidates)]
+    usable = route.available_ids  # available, or in panic the ejected ones the checks pass
+    healthy = [[w for w in tier if id(w) in usable] for tier in tiers(prefs, candidates)]
     ranked = [[w for w in tier if id(w) not in excluded] for tier in healthy]
     if not any(ranked):
+        # Retry-After: until the earliest of these workers can be back (ejection over, next check).
+        waiting = [w for w in candidates if id(w) not in excluded]
         raise APIError(503, f"No healthy worker that meets the request's requirements serves '{model}' right now.",
-                       code="no_worker_available", headers={"Retry-After": "1"})
+                       code="no_worker_available", headers={"Retry-After": pool.retry_after(waiting)})
     sort = prefs.sort if prefs is not None else "load"
     rotation = pool.next_rotation()
     for eligible, tier in zip(healthy, ranked):

@@ -3,8 +3,13 @@ reasoning item's `encrypted_content` and comes back on the next turn, so the mod
 its own reasoning across a tool loop and nothing is stored anywhere.
 
 AES-256-GCM with a key id in clear (keys rotate: seal with the active key, open with any
-configured one). A ciphertext the proxy cannot open (another provider's, a rotated-out
-key, tampered) opens to None and the translation drops it with a notice.
+configured one). The associated data binds a ciphertext to the API key it was made for
+(the auth record's key_id; "anonymous" without auth), so reasoning sealed for one key does
+not open for another, and the sealed payload starts with its issue time, so it expires
+after `reasoning_seal.ttl_s`. A ciphertext the proxy cannot open (another provider's, a
+rotated-out key, another API key's, tampered) opens to None, an expired one raises
+SealExpired; either way the translation drops it with a notice, as a client replaying an
+old history must not be locked out of its conversation by a 400.
 """
 
 from __future__ import annotations
@@ -12,13 +17,39 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import struct
+import time
 from typing import Any
 
 from aiohttp import web
 
 from proxy.config import ConfigError
 
-PREFIX = "rp1"
+PREFIX = "rp2"  # rp1 tokens carried no binding: they no longer open
+ANONYMOUS = "anonymous"  # the binding of requests no auth middleware identified
+DEFAULT_TTL_S = 7 * 24 * 3600
+_ISSUED = struct.Struct(">Q")  # the payload's first 8 bytes: Unix seconds at sealing
+
+
+class SealExpired(Exception):
+    """Opened, but sealed longer ago than the ttl allows; `notice` says so to the client."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.notice = f"reasoning item dropped: encrypted_content expired (sealed more than {ttl_s:g}s ago)"
+        super().__init__(self.notice)
+
+
+def binding(request: web.Request) -> str:
+    """Whom a request's ciphertexts are bound to: its API key's key_id ("static:<name>" for a
+    static key), or ANONYMOUS when no auth middleware identified the caller."""
+    from middlewares.auth import API_KEY
+
+    record = request.get(API_KEY)
+    return record.key_id if record is not None else ANONYMOUS
+
+
+def _ad(kid: str, bound_to: str) -> bytes:
+    return f"{PREFIX}\0{kid}\0{bound_to}".encode()
 
 
 def _b64d(text: str) -> bytes:
@@ -32,20 +63,23 @@ def _b64e(data: bytes) -> str:
 
 
 class Sealer:
-    def __init__(self, keys: dict[str, bytes], active: str) -> None:
+    def __init__(self, keys: dict[str, bytes], active: str, ttl_s: float = DEFAULT_TTL_S) -> None:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         if active not in keys:
             raise ConfigError(f"reasoning_seal.active {active!r} is not among the configured keys")
         self._aead = {kid: AESGCM(key) for kid, key in keys.items()}
         self.active = active
+        self.ttl_s = ttl_s
 
-    def seal(self, text: str) -> str:
+    def seal(self, text: str, bound_to: str = ANONYMOUS) -> str:
         nonce = os.urandom(12)
-        sealed = self._aead[self.active].encrypt(nonce, text.encode(), self.active.encode())
+        payload = _ISSUED.pack(int(time.time())) + text.encode()
+        sealed = self._aead[self.active].encrypt(nonce, payload, _ad(self.active, bound_to))
         return f"{PREFIX}.{self.active}.{_b64e(nonce + sealed)}"
 
-    def unseal(self, token: str) -> str | None:
+    def unseal(self, token: str, bound_to: str = ANONYMOUS) -> str | None:
+        """The text, or None if this proxy cannot open it for `bound_to`; SealExpired past the ttl."""
         if not isinstance(token, str):
             return None
         parts = token.split(".", 2)
@@ -53,9 +87,18 @@ class Sealer:
             return None
         try:
             blob = _b64d(parts[2])
-            return self._aead[parts[1]].decrypt(blob[:12], blob[12:], parts[1].encode()).decode()
+            payload = self._aead[parts[1]].decrypt(blob[:12], blob[12:], _ad(parts[1], bound_to))
+            (issued,) = _ISSUED.unpack_from(payload)
+            text = payload[_ISSUED.size:].decode()
         except (ValueError, binascii.Error, UnicodeDecodeError, Exception):  # InvalidTag is not a ValueError
             return None
+        if time.time() - issued > self.ttl_s:
+            raise SealExpired(self.ttl_s)
+        return text
+
+    def bound(self, bound_to: str) -> tuple[Any, Any]:
+        """(seal, unseal) for one caller: the callables a request's translation and answer use."""
+        return (lambda text: self.seal(text, bound_to)), (lambda token: self.unseal(token, bound_to))
 
 
 def sealer_from_config(section: dict[str, Any]) -> Sealer | None:
@@ -78,8 +121,11 @@ def sealer_from_config(section: dict[str, Any]) -> Sealer | None:
         keys[str(kid)] = raw
     if not keys:
         return None
+    ttl = section.get("ttl_s", DEFAULT_TTL_S)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+        raise ConfigError(f"reasoning_seal.ttl_s must be a positive number of seconds, not {ttl!r}")
     active = section.get("active") or next(iter(keys))
-    return Sealer(keys, str(active))
+    return Sealer(keys, str(active), float(ttl))
 
 
 def install_sealer(app: web.Application, section: dict[str, Any]) -> None:

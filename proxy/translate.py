@@ -81,7 +81,10 @@ REASONING_EFFORTS: frozenset[str] = frozenset({"none", "minimal", "low", "medium
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
 _UNSUPPORTED_PARTS = frozenset({"input_file", "input_audio", "file"})
 _IMAGE_DETAILS = frozenset({"auto", "low", "high"})
-_UNSEAL_FAILED = "reasoning item dropped: encrypted_content could not be opened"
+_UNSEAL_FAILED = ("reasoning item dropped: encrypted_content could not be opened (sealed elsewhere, "
+                  "for another API key, with a retired key, or altered)")
+_NO_SEAL_KEY = "encrypted_content ignored: no reasoning seal key is configured on this proxy"
+_NO_SEAL_INCLUDE = "reasoning.encrypted_content not returned: no reasoning seal key is configured on this proxy"
 
 
 @dataclass
@@ -508,15 +511,19 @@ def _reasoning_text(item: dict, param: str, options: TranslateOptions, notices: 
     if sealed is not None and not isinstance(sealed, str):
         raise bad_request("Invalid type for 'encrypted_content': expected a string.", param=f"{param}.encrypted_content")
     if sealed and options.unseal is not None:
+        failed = _UNSEAL_FAILED
         try:
             opened = options.unseal(sealed)
-        except Exception:  # an unseal hook must never turn a request into a 500
+        except Exception as exc:  # an unseal hook must never turn a request into a 500
             opened = None
+            failed = getattr(exc, "notice", None) or failed  # e.g. proxy.seal.SealExpired
         if isinstance(opened, str):
             return opened or plain
         if plain is None:
-            _add_notice(notices, _UNSEAL_FAILED)
+            _add_notice(notices, failed)
         return plain
+    if sealed:
+        _add_notice(notices, _NO_SEAL_KEY)
     return plain
 
 
@@ -758,6 +765,8 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
         raise bad_request("Invalid type for 'include': expected an array of strings.", param="include")
     include_encrypted = bool(include) and "reasoning.encrypted_content" in include
+    if include_encrypted and options.unseal is None:  # no seal key: nothing to seal with
+        notices.append(_NO_SEAL_INCLUDE)
     conv = body.get("conversation")
     conversation: str | None
     if conv is None or isinstance(conv, str):

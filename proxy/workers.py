@@ -7,6 +7,12 @@ worker's health: the active checks' verdict (proxy.health) and passive outlier e
 (N consecutive connection failures / 5xx -> ejected for a time that doubles with each
 repeated ejection, re-admitted by the next passing active check once that time is over).
 
+Ejection is bounded (Envoy's max_ejection_percent, with a floor): it never takes out more
+than `max_ejection_percent` of a model's workers, nor, below 100, the last available worker
+of a model. And a model whose every checked-healthy worker is ejected routes to those
+ejected workers anyway (Envoy's panic routing, at a threshold of none left): a request that
+fails the same way on every retry must not turn into an outage for every client.
+
 Per request, the pool hands routing a cached Route of the model (who serves it, who is
 available, the affinity rings over them), rebuilt only after a worker's health, ejection,
 dialect or models change, so the common request builds no list, set or ring.
@@ -15,6 +21,7 @@ dialect or models change, so the common request builds no list, set or ring.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -82,18 +89,28 @@ class OutlierPolicy:
     consecutive_failures: int = 5
     base_ejection_s: float = 30.0
     max_ejection_s: float = 300.0
+    # The largest share of a model's workers passive ejection may take out. Below 100 the
+    # last available worker of a model is never ejected either, so a 1-worker pool is never
+    # ejected (Envoy ejects at least one host whatever the percent: that is the outage).
+    max_ejection_percent: float = 50.0
 
     @classmethod
     def from_section(cls, section: dict[str, Any] | None) -> "OutlierPolicy":
         section = section or {}
+        unknown = set(section) - {"consecutive_failures", "base_ejection_s", "max_ejection_s", "max_ejection_percent"}
+        if unknown:
+            raise ConfigError(f"health.outlier: unknown setting(s) {', '.join(sorted(unknown))}")
         try:
             policy = cls(consecutive_failures=int(section.get("consecutive_failures", 5)),
                          base_ejection_s=float(section.get("base_ejection_s", 30.0)),
-                         max_ejection_s=float(section.get("max_ejection_s", 300.0)))
+                         max_ejection_s=float(section.get("max_ejection_s", 300.0)),
+                         max_ejection_percent=float(section.get("max_ejection_percent", 50.0)))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"health.outlier: {exc}") from exc
         if policy.consecutive_failures < 1 or policy.base_ejection_s < 0 or policy.max_ejection_s < policy.base_ejection_s:
             raise ConfigError("health.outlier: consecutive_failures >= 1 and 0 <= base_ejection_s <= max_ejection_s")
+        if not 0 <= policy.max_ejection_percent <= 100:
+            raise ConfigError("health.outlier.max_ejection_percent must be from 0 to 100")
         return policy
 
     def ejection_time(self, multiplier: int) -> float:
@@ -115,6 +132,9 @@ class Worker:
     in_flight: int = 0
     # Active health (proxy.health): the checker's verdict.
     healthy: bool = _RoutingField(True)
+    # Down until proven up: with active checks a worker starts unhealthy and its first
+    # passing check (whatever healthy_threshold says) lets it in.
+    awaiting_first_check: bool = False
     check_failures: int = 0
     check_successes: int = 0
     last_check_error: str | None = None
@@ -217,11 +237,16 @@ class Route:
     available ones among them (in pool order), and proxy.affinity's rings over those two
     sets by vnodes. Lists are never mutated once built: a change builds a new Route."""
 
-    __slots__ = ("serving", "available", "rings")
+    __slots__ = ("serving", "available", "available_ids", "rings")
 
     def __init__(self, serving: list[Worker]) -> None:
         self.serving = serving
         self.available = [w for w in serving if w.available]
+        if not self.available and any(w.ejected for w in serving):
+            # Panic routing: every worker of the model that passes its checks is ejected.
+            # Ejection is a guess from failed requests, a passing check a fact: they take the traffic.
+            self.available = [w for w in serving if w._healthy and w._dialect != "detect"]
+        self.available_ids = frozenset(map(id, self.available))
         self.rings: dict[int, tuple[Any, Any]] = {}  # vnodes -> (ring of available, ring of serving)
 
 
@@ -236,6 +261,11 @@ class WorkerPool:
         self.outlier = outlier or OutlierPolicy()
         self.ewma_alpha = ewma_alpha
         self.active_checks = False  # proxy.health turns this on when its loop runs
+        # Set by proxy.health: when its next round starts (monotonic), how far apart rounds
+        # are, and the passes that bring a worker back; Retry-After is computed from them.
+        self.next_check_at = 0.0
+        self.check_interval_s = 0.0
+        self.healthy_threshold = 1
         self.failovers: Counter[tuple[str, str]] = Counter()  # (from worker, reason) -> count
         self.affinity_state = AffinityState()  # proxy.affinity's ring cache and hit / miss counters
         self._rotation = 0
@@ -295,10 +325,30 @@ class WorkerPool:
         if worker.ejection_multiplier and time.monotonic() - worker.last_ejected_at > self.outlier.max_ejection_s * 2:
             worker.ejection_multiplier = 0  # long well-behaved: the next ejection starts short again
 
+    def _ejection_bound(self, worker: Worker) -> str | None:
+        """Why ejecting `worker` now would go past the bound (None: it may be ejected)."""
+        percent = self.outlier.max_ejection_percent
+        for model in worker.models:
+            serving = self.route(model).serving
+            ejected = sum(1 for w in serving if w.ejected) + 1
+            if ejected * 100 > percent * len(serving):
+                return f"max_ejection_percent={percent:g} ({model}: {ejected} of {len(serving)} workers)"
+            if percent < 100 and not any(w.available for w in serving if w is not worker):
+                return f"the last available worker of {model}"
+        return None
+
     def record_failure(self, worker: Worker, reason: str) -> bool:
         """A connection failure, a 5xx or a first-byte timeout. True when it ejected the worker."""
         worker.consecutive_failures += 1
         if worker.ejected or worker.consecutive_failures < self.outlier.consecutive_failures:
+            return False
+        bound = self._ejection_bound(worker)
+        if bound is not None:
+            if worker.consecutive_failures == self.outlier.consecutive_failures:  # once per streak
+                from proxy.logs import log
+
+                log.warning("worker not ejected", worker=worker.name, reason=reason, bound=bound,
+                            failures=worker.consecutive_failures)
             return False
         now = time.monotonic()
         worker.ejection_multiplier += 1
@@ -332,6 +382,39 @@ class WorkerPool:
             self._refresh()
         for worker in self._ejected:  # every ejection moves the epoch: this list is current
             self.readmit(worker)
+
+    # ---------------------------------------------------------------- Retry-After
+
+    def _next_check_at(self, after: float) -> float:
+        """The start of the first active-check round at or after `after` (monotonic)."""
+        first, interval = self.next_check_at, self.check_interval_s
+        if first >= after or interval <= 0:
+            return max(first, after)
+        return first + math.ceil((after - first) / interval) * interval
+
+    def back_in(self, worker: Worker, now: float) -> float | None:
+        """Seconds until `worker` could take traffic again; None: nothing scheduled would bring it back."""
+        at = now
+        if worker.ejected:
+            at = max(at, worker.ejected_until)
+        if worker.available:
+            return 0.0
+        if not self.active_checks:
+            # No checks: the ejection time alone re-admits; discovery is still retried every round.
+            if not worker.models_known or worker.dialect == "detect":
+                at = self._next_check_at(at)
+            return at - now if worker.healthy else None
+        at = self._next_check_at(at)
+        if not worker.healthy and not worker.awaiting_first_check:
+            needed = max(self.healthy_threshold - worker.check_successes, 1)
+            at += (needed - 1) * self.check_interval_s
+        return at - now
+
+    def retry_after(self, workers: Iterable[Worker]) -> str:
+        """Retry-After (whole seconds, at least 1): until the earliest of `workers` can return."""
+        now = time.monotonic()
+        times = [t for t in (self.back_in(w, now) for w in workers) if t is not None]
+        return str(max(1, math.ceil(min(times)))) if times else "1"
 
     def note_failover(self, worker: Worker, reason: str) -> None:
         self.failovers[(worker.name, reason)] += 1

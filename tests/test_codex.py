@@ -181,7 +181,7 @@ async def test_codex_reasoning_is_replayed_sealed(sim, start):
     reasoning = [i for i in replay if i.get("type") == "reasoning"]
     assert len(reasoning) == 1, replay
     sealed = reasoning[0]["encrypted_content"]
-    assert isinstance(sealed, str) and sealed.startswith("rp1.k1.")
+    assert isinstance(sealed, str) and sealed.startswith("rp2.k1.")
     assert thought not in json.dumps(reasoning[0])
     assert thought not in result.stdout, "the client only ever sees the ciphertext"
 

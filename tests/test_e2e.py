@@ -246,7 +246,8 @@ async def test_sdk_raises_the_right_exception_classes(sim, make_proxy):
 
 
 async def test_upstream_unreachable_is_502(make_proxy):
-    proxy = await make_proxy(NO_AUTH, workers=[{"name": "dead", "url": "http://127.0.0.1:9", "models": ["tiny-model"],
+    # Active checks off: with them, a worker down at start-up is never tried (503, tests/test_startup_health.py).
+    proxy = await make_proxy({**NO_AUTH, "health": {"enabled": False}}, workers=[{"name": "dead", "url": "http://127.0.0.1:9", "models": ["tiny-model"],
                                                 "timeouts": {"connect": 1, "first_byte": 2}}])
     with pytest.raises(openai.InternalServerError) as caught:
         await proxy.openai().responses.create(model="tiny-model", input="hi")

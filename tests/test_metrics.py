@@ -93,7 +93,7 @@ async def test_errors_are_counted_by_status_and_unknown_models_are_bounded(make_
         assert status == 404
     _, samples = await scrape(proxy)
     assert value(samples, "responses_proxy_requests_total", endpoint="responses", model="other", status="404",
-                 outcome="pending") == 3
+                 outcome="error") == 3  # refused: never "pending"
     assert not any("made-up" in str(labels) for _, labels in samples)
 
 

@@ -111,7 +111,7 @@ async def test_ten_turn_tool_loop_replays_exactly(sim, make_proxy, monkeypatch, 
         assert len(reasoning) == (1 if script.get("reasoning") else 0), kinds
         for r in reasoning:
             if sealed:
-                assert r["encrypted_content"].startswith("rp1.k1.")
+                assert r["encrypted_content"].startswith("rp2.k1.")
                 assert script["reasoning"] not in json.dumps(r)
             else:
                 assert not r.get("encrypted_content")

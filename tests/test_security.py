@@ -123,8 +123,9 @@ async def test_client_credentials_and_hop_by_hop_headers_never_reach_the_upstrea
     await site.start()
     port = runner.addresses[0][1]
     try:
-        proxy = await make_proxy(workers=[{"name": "up", "url": f"http://127.0.0.1:{port}", "models": ["tiny-model"],
-                                           "api_key": "worker-secret-1"}])
+        # This upstream has no /v1/models or /health: no active check would ever let it in.
+        proxy = await make_proxy({"health": {"enabled": False}}, workers=[{
+            "name": "up", "url": f"http://127.0.0.1:{port}", "models": ["tiny-model"], "api_key": "worker-secret-1"}])
         status, _, raw = await post(proxy, {"model": "tiny-model", "input": "hi"}, headers={
             "Connection": "keep-alive, X-Secret-Hop", "X-Secret-Hop": "1", "Keep-Alive": "timeout=5",
             "Proxy-Authorization": "Basic abc", "TE": "trailers", "Upgrade": "h2c", "Cookie": "session=1",

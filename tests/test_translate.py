@@ -14,6 +14,9 @@ from proxy.translate import (
     HOSTED_ITEM_TYPES,
     HOSTED_TOOL_TYPES,
     REFUSED_TOOL_TYPES,
+    _NO_SEAL_INCLUDE,
+    _NO_SEAL_KEY,
+    _UNSEAL_FAILED,
     ToolOrigin,
     TranslateOptions,
     Translation,
@@ -290,7 +293,7 @@ def test_reasoning_unseal_fails_dropped_with_notice():
            unseal=lambda s: None)
     assert t.chat["messages"][1] == {"role": "assistant", "content": "a"}
     assert t.chat["messages"][3] == {"role": "assistant", "content": "b"}
-    assert t.notices == ["reasoning item dropped: encrypted_content could not be opened"]
+    assert t.notices == [_UNSEAL_FAILED]
 
 
 def test_reasoning_unseal_fails_falls_back_to_summary_text():
@@ -306,14 +309,14 @@ def test_reasoning_unseal_exception_is_a_failure_not_a_500():
 
     t = tr(body([msg("user", "u"), {"type": "reasoning", "encrypted_content": "x"}]), unseal=boom)
     assert t.chat["messages"] == [{"role": "user", "content": "u"}]
-    assert t.notices == ["reasoning item dropped: encrypted_content could not be opened"]
+    assert t.notices == [_UNSEAL_FAILED]
 
 
-def test_encrypted_reasoning_without_unseal_ignored_silently():
+def test_encrypted_reasoning_without_unseal_ignored_with_a_notice():
     t = tr(body([msg("user", "u"), {"type": "reasoning", "summary": [], "encrypted_content": "CIPHER"},
                  msg("assistant", "a")]))
     assert t.chat["messages"][1] == {"role": "assistant", "content": "a"}
-    assert t.notices == []
+    assert t.notices == [_NO_SEAL_KEY]
 
 
 def test_bad_reasoning_item():
@@ -719,7 +722,7 @@ def test_codex_shaped_body():
     assert t.tools["mcp_files__tool3"] == ToolOrigin("function", "tool3", "mcp_files")
     assert t.tools["apply_patch"] == ToolOrigin("custom", "apply_patch")
     assert len(t.tools) == 6
-    assert t.notices == ["tools left out: web_search (hosted tools are not available)"]
+    assert t.notices == [_NO_SEAL_INCLUDE, "tools left out: web_search (hosted tools are not available)", _NO_SEAL_KEY]
     assert t.include_encrypted_reasoning is True
     assert t.prompt_cache_key == "019a-session"
     assert [x["type"] for x in t.echo["tools"]] == ["namespace", "custom"]

@@ -292,8 +292,9 @@ async def test_passive_ejection_and_readmission_after_an_active_check(start_sim,
 
 async def test_repeated_ejections_grow(start_sim, make_proxy):
     a = await start_sim()
+    # A lone worker is ejected only when max_ejection_percent allows all of a model's workers out.
     proxy = await make_proxy(settings(interval_s=0.05, outlier={"consecutive_failures": 1, "base_ejection_s": 0.2,
-                                                                "max_ejection_s": 10}),
+                                                                "max_ejection_s": 10, "max_ejection_percent": 100}),
                              workers=[worker("a", a.url)])
     wa = proxy.app[POOL].workers[0]
     durations = []
