@@ -10,6 +10,8 @@ chain, an embedded simulator and a temp SQLite ledger, then prints:
     an 8 MB JSON body without a key, sent back to back over --requests requests, and the
     status the client saw;
   * cpu/unauth-{bad: the same for a 5-byte `{bad` body (status only: 401 or 400);
+  * latency: a paying client's request latency (small JSON requests, one at a time, for
+    --seconds) alone, then beside --senders unauthenticated clients posting 8 MB bodies in a loop;
   * rss/<encoding>: the proxy's peak RSS growth (VmHWM, reset first) over one request, with
     a valid key, whose body is a compression bomb expanding to --bomb-mb of zeros.
 """
@@ -127,11 +129,65 @@ async def post(port: int, body: bytes, headers: dict) -> int | str:
             return type(exc).__name__
 
 
+async def paying_latencies(port: int, key: str, seconds: float) -> list[float]:
+    body = b'{"model":"tiny-model","input":"hi","max_output_tokens":4}'
+    out = []
+    async with aiohttp.ClientSession() as http:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            started = time.perf_counter()
+            async with http.post(f"http://127.0.0.1:{port}/v1/responses", data=body,
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            out.append(time.perf_counter() - started)
+    return out
+
+
+_FLOOD = r"""
+import socket, sys, threading, time
+port, seconds, senders, rate = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+body = b'{"model":"tiny-model","input":"' + b"x" * (8 * 1024 * 1024 - 64) + b'"}'
+head = (b"POST /v1/responses HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body))
+end = time.monotonic() + seconds
+sent = [0] * senders
+def run(i):
+    due = time.monotonic()
+    while time.monotonic() < end:
+        if rate > 0:  # an offered load the same for every build: one body per sender every 1/rate s
+            time.sleep(max(0.0, due - time.monotonic()))
+            due += 1 / rate
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            try:
+                s.sendall(head + body)
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(65536):
+                    pass
+            except OSError:
+                pass
+        sent[i] += 1
+threads = [threading.Thread(target=run, args=(i,)) for i in range(senders)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(sum(sent))
+"""
+
+
+def _summary(values: list[float]) -> str:
+    values = sorted(values)
+    p = lambda q: values[min(len(values) - 1, int(q * len(values)))] * 1000  # noqa: E731
+    return f"n={len(values)} p50 {p(0.5):.1f} ms  p99 {p(0.99):.1f} ms  max {values[-1] * 1000:.1f} ms"
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", type=Path, default=ROOT)
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--bomb-mb", type=int, default=1024)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--senders", type=int, default=4)
+    parser.add_argument("--rate", type=float, default=2.0, help="bodies per second per sender (0: back to back)")
     args = parser.parse_args()
     big = b'{"model":"tiny-model","input":"' + b"x" * (8 * 1024 * 1024 - 64) + b'"}'
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,6 +201,18 @@ async def main() -> None:
                     statuses.add(await post(port, body, {}))
                 spent = (cpu_seconds(proc.pid) - before) / args.requests
                 print(f"cpu/{name:12s} {spent * 1000:8.2f} ms per request   status {sorted(map(str, statuses))}")
+            alone = await paying_latencies(port, key, args.seconds)
+            print(f"latency/alone          {_summary(alone)}")
+            # The unauthenticated senders run in their own process (blocking sockets, one thread
+            # each), so their sending does not queue the paying client's requests behind it here.
+            flooder = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _FLOOD, str(port), str(args.seconds + 1), str(args.senders), str(args.rate),
+                stdout=asyncio.subprocess.PIPE)
+            await asyncio.sleep(0.5)
+            beside = await paying_latencies(port, key, args.seconds)
+            sent = int((await flooder.communicate())[0] or 0)
+            print(f"latency/beside-{args.senders}x8MB  {_summary(beside)}   ({sent} unauthenticated 8 MB bodies sent, "
+                  f"{args.rate or 'no'} per second per sender)")
             auth = {"Authorization": f"Bearer {key}"}
             for encoding in ("gzip", "deflate", "zstd"):
                 payload = bomb(encoding, args.bomb_mb << 20)

@@ -5,8 +5,7 @@ models needs a key), by path, whatever the method (HEAD /v1/models too); a metho
 path does not serve still gets its 405. The probes (/livez, /healthz, /readyz) and /metrics
 stay open. The chain runs auth before every other middleware (middlewares/__init__.py), so
 a request without a valid key is refused from its headers alone: its body is never read,
-and when the body is still arriving the refusal says `Connection: close`, so the
-connection is not kept for a next request behind a body nobody wanted.
+and when the body is still arriving the refusal closes the connection (`_refuse`).
 
 Keys come from the ledger (`app[LEDGER].lookup_key`) and, for deployments without a
 database, from `static_keys` in the section:
@@ -136,14 +135,21 @@ def _unauthorized(message: str) -> APIError:
 
 
 async def _refuse(request: web.Request, handler, exc: APIError) -> web.StreamResponse:
-    """The refusal, answered before the body is read; `Connection: close` while the body is
-    still arriving (aiohttp then discards the rest unparsed and closes, instead of keeping
-    the connection behind it)."""
+    """The refusal, answered before any byte of the body is read.
+
+    While the body is still arriving, the answer says `Connection: close` and the connection
+    is marked closing (`RequestHandler.close()`): aiohttp then drops what the client still
+    sends as it arrives, unparsed (instead of draining it through its parser), and closes
+    the connection once the client is done or its lingering time is over. The client reads
+    its 401 either way; one closed under a client still sending may not (the OpenAI SDK
+    reports a connection error and retries).
+    """
     if request.match_info.http_exception is not None:
         return await handler(request)  # a method this path does not serve: its 405, not a 401
     response = exc.to_response()
     if not request.content.is_eof():
         response.force_close()
+        request.protocol.close()
     return response
 
 

@@ -124,10 +124,11 @@ async def test_an_8mb_body_without_a_valid_key_is_refused_before_it_is_sent(sim,
         assert _header(head, b"connection") == b"close"
         body = await reader.readexactly(int(_header(head, b"content-length")))
         assert error(body)["code"] == "invalid_api_key"
-        # The rest of the body is discarded unread, then the connection is closed.
+        # The rest is dropped as it arrives; once the client is done, the connection closes.
         rest = b"x" * (BIG - FIRST)
         writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest), rest) if chunked else rest)
         await writer.drain()
+        writer.write_eof()
         async with asyncio.timeout(20):
             assert await reader.read() == b""
     finally:
@@ -169,3 +170,18 @@ async def test_two_authorization_headers_are_400(sim, make_proxy, second, path, 
     found = error(raw)
     assert found["code"] == "duplicate_header" and found["type"] == "invalid_request_error"
     assert proxy.api_key not in found["message"]
+
+
+async def test_clients_sending_a_large_body_with_a_wrong_key_read_the_401(sim, make_proxy):
+    """The connection is closed under a client still sending: the OpenAI SDK (httpx) and
+    aiohttp still read the 401, not a connection error."""
+    import openai
+
+    proxy = await make_proxy()
+    client = proxy.openai(api_key="sk-rp-wrong")
+    with pytest.raises(openai.AuthenticationError) as caught:
+        await client.responses.create(model="tiny-model", input="x" * (7 * 1024 * 1024))
+    assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
+    status, headers, raw = await call(proxy, b'{"input":"' + b"x" * (7 * 1024 * 1024) + b'"}',
+                                      headers=[("Authorization", "Bearer sk-rp-wrong")])
+    assert status == 401 and error(raw)["code"] == "invalid_api_key"
