@@ -34,6 +34,16 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
 
 
+def _unread(request: web.Request, exc: APIError) -> APIError:
+    """`exc`, for a refusal that leaves part of the body unread: when more is still arriving,
+    the connection is marked closing (aiohttp drops the rest unparsed instead of draining it
+    through its parser) and the answer says so."""
+    if not request.content.is_eof():
+        request.protocol.close()
+        exc.headers["Connection"] = "close"
+    return exc
+
+
 def _inflate(wbits: int, members: bool):
     """A zlib-family decoder: `members` lets a gzip body be several members back to back
     (RFC 1952), each decoded in turn within the same output budget."""
@@ -136,7 +146,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     limits = _limits(request)
     limit = int(limits["max_body_bytes"])
     if request.content_length is not None and request.content_length > limit:
-        raise _too_large(limit)
+        raise _unread(request, _too_large(limit))
     content = request.content
     if content.is_eof():
         # The whole body is buffered already (a small body arrives with the headers): take
@@ -154,11 +164,12 @@ async def read_json(request: web.Request) -> dict[str, Any]:
                     buf += chunk
                 raw = bytes(buf)
         except TimeoutError:
-            raise APIError(408, "The request body arrived too slowly.", code="request_timeout") from None
+            raise _unread(request, APIError(408, "The request body arrived too slowly.",
+                                            code="request_timeout")) from None
         except web.HTTPRequestEntityTooLarge:
-            raise _too_large(limit) from None
+            raise _unread(request, _too_large(limit)) from None
     if len(raw) > limit:
-        raise _too_large(limit)
+        raise _unread(request, _too_large(limit))
     encodings = request.headers.getall("Content-Encoding", None)
     if encodings is not None:
         raw = _decompress(raw, encodings, limit)

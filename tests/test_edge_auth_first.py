@@ -185,3 +185,30 @@ async def test_clients_sending_a_large_body_with_a_wrong_key_read_the_401(sim, m
     status, headers, raw = await call(proxy, b'{"input":"' + b"x" * (7 * 1024 * 1024) + b'"}',
                                       headers=[("Authorization", "Bearer sk-rp-wrong")])
     assert status == 401 and error(raw)["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_oversize_body_with_a_key_is_refused_and_not_drained(sim, make_proxy, chunked):
+    """A 413 that leaves the body unread (declared too large, or counted past the limit)
+    closes the connection behind it, as a refused key does."""
+    proxy = await make_proxy({"server": {"log_format": "json", "max_body_bytes": 32 * 1024,
+                                         "body_read_timeout": 60}})
+    port = int(proxy.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    size = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % BIG
+    writer.write(b"POST /v1/responses HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + proxy.api_key.encode() + b"\r\n" + size + b"\r\n\r\n")
+    first = b"x" * FIRST
+    writer.write(b"%x\r\n%s\r\n" % (len(first), first) if chunked else first)
+    await writer.drain()
+    try:
+        async with asyncio.timeout(20):
+            head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413 "), head
+        assert _header(head, b"connection") == b"close"
+        assert error(await reader.readexactly(int(_header(head, b"content-length"))))["code"] == "request_too_large"
+        writer.write_eof()
+        async with asyncio.timeout(20):
+            assert await reader.read() == b""
+    finally:
+        writer.close()
