@@ -109,7 +109,8 @@ async def start(root: Path, tmp: Path) -> tuple[subprocess.Popen, int, str]:
     async with aiohttp.ClientSession() as http:
         for _ in range(400):
             try:
-                async with http.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
+                async with http.get(f"http://127.0.0.1:{port}/v1/models",
+                                    headers={"Authorization": f"Bearer {key}"}) as r:
                     if r.status == 200:
                         break
             except aiohttp.ClientError:
@@ -137,7 +138,8 @@ async def paying_latencies(port: int, key: str, seconds: float) -> list[float]:
         while time.perf_counter() < end:
             started = time.perf_counter()
             async with http.post(f"http://127.0.0.1:{port}/v1/responses", data=body,
-                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}) as r:
+                                 headers={"Authorization": f"Bearer {key}",
+                                          "Content-Type": "application/json"}) as r:
                 await r.read()
                 assert r.status == 200, r.status
             out.append(time.perf_counter() - started)
@@ -211,7 +213,8 @@ async def main() -> None:
             await asyncio.sleep(0.5)
             beside = await paying_latencies(port, key, args.seconds)
             sent = int((await flooder.communicate())[0] or 0)
-            print(f"latency/beside-{args.senders}x8MB  {_summary(beside)}   ({sent} unauthenticated 8 MB bodies sent, "
+            print(f"latency/beside-{args.senders}x8MB  {_summary(beside)}   "
+                  f"({sent} unauthenticated 8 MB bodies sent, "
                   f"{args.rate or 'no'} per second per sender)")
             auth = {"Authorization": f"Bearer {key}"}
             for encoding in ("gzip", "deflate", "zstd"):

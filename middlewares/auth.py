@@ -293,7 +293,8 @@ def create(section: dict[str, Any], app: web.Application):
                     if record is not None and not record.revoked:
                         cache.put(digest, record, generation)
         if record is None or record.revoked:
-            return await _refuse(request, handler, _unauthorized("Incorrect API key provided, or the key was revoked."))
+            return await _refuse(request, handler, _unauthorized(
+                "Incorrect API key provided, or the key was revoked."))
         request[API_KEY] = record
         if record.allowed_models is not None and request.method == "POST" and request.path in _MODEL_ROUTES:
             body = await read_json(request)

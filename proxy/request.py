@@ -102,7 +102,8 @@ DECODERS = {
 
 
 def _decompress(raw: bytes, headers: list[str], limit: int) -> bytes:
-    codings = [c for h in headers for c in (part.strip().lower() for part in h.split(",")) if c not in ("", "identity")]
+    codings = [c for h in headers for c in (part.strip().lower() for part in h.split(","))
+               if c not in ("", "identity")]
     if not codings:
         return raw
     if len(codings) > 1:

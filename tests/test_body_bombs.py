@@ -38,7 +38,8 @@ def gzip_bomb(total: int) -> bytes:
     crc = 0
     for _ in range(total // MiB):
         crc = zlib.crc32(CHUNK, crc)
-    return b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + _zeros_deflate(total) + struct.pack("<II", crc, total % 2**32)
+    header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+    return header + _zeros_deflate(total) + struct.pack("<II", crc, total % 2**32)
 
 
 def deflate_bomb(total: int) -> bytes:

@@ -115,7 +115,8 @@ def _header(head: bytes, name: bytes) -> bytes | None:
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("credentials", [b"", b"Authorization: Bearer sk-rp-not-a-key\r\n", b"Authorization: Basic x\r\n"])
+@pytest.mark.parametrize("credentials", [b"", b"Authorization: Bearer sk-rp-not-a-key\r\n",
+                                         b"Authorization: Basic x\r\n"])
 async def test_an_8mb_body_without_a_valid_key_is_refused_before_it_is_sent(sim, make_proxy, chunked, credentials):
     proxy = await make_proxy({"server": {"log_format": "json", "body_read_timeout": 60}})
     head, reader, writer = await _refused_mid_body(proxy, credentials, chunked=chunked)
