@@ -33,8 +33,8 @@ memory or evict real ones; each costs one indexed read, as before). Consequences
 
 Every failure (missing header, another scheme, unknown or revoked key) is the same 401
 `invalid_api_key`, whose message never repeats what was sent. Two Authorization headers
-are a 400 `duplicate_header` (which one counts would depend on the software reading them). A key limited to some
-models gets 403 `model_not_allowed` for the others. The caller's `KeyRecord` is put on
+are a 400 `duplicate_header` (which one counts would depend on the software reading them).
+A key limited to some models gets 403 `model_not_allowed` for the others. The caller's `KeyRecord` is put on
 the request under `API_KEY` for the middlewares after this one (limits, balance).
 
 Static keys have no ledger account: the balance middleware does not bill them
@@ -140,9 +140,9 @@ async def _refuse(request: web.Request, handler, exc: APIError) -> web.StreamRes
     While the body is still arriving, the answer says `Connection: close` and the connection
     is marked closing (`RequestHandler.close()`): aiohttp then drops what the client still
     sends as it arrives, unparsed (instead of draining it through its parser), and closes
-    the connection once the client is done or its lingering time is over. The client reads
-    its 401 either way; one closed under a client still sending may not (the OpenAI SDK
-    reports a connection error and retries).
+    the connection once the client is done or its lingering time is over. Closing at once
+    would cut off a client still sending before it reads its 401 (the OpenAI SDK then
+    reports a connection error, and retries).
     """
     if request.match_info.http_exception is not None:
         return await handler(request)  # a method this path does not serve: its 405, not a 401

@@ -75,7 +75,8 @@ def _unzstd(raw: bytes, cap: int) -> bytes:
     if zstandard is None:
         raise APIError(415, "zstd request bodies are not supported here.", code="unsupported_encoding")
     # max_window_size: a frame header may ask for a window of up to 2 GB, which the decoder
-    # would allocate before writing a byte; a body within the limit never needs more than this.
+    # allocates before writing a byte. A window larger than the body gains nothing, so a
+    # frame that declares one beyond the limit is refused (400) instead.
     window = max(1 << 23, 1 << cap.bit_length())
     reader = zstandard.ZstdDecompressor(max_window_size=window).stream_reader(raw, read_across_frames=True)
     parts: list[bytes] = []
