@@ -34,8 +34,9 @@ memory or evict real ones; each costs one indexed read, as before). Consequences
 Every failure (missing header, another scheme, unknown or revoked key) is the same 401
 `invalid_api_key`, whose message never repeats what was sent. Two Authorization headers
 are a 400 `duplicate_header` (which one counts would depend on the software reading them).
-A key limited to some models gets 403 `model_not_allowed` for the others. The caller's `KeyRecord` is put on
-the request under `API_KEY` for the middlewares after this one (limits, balance).
+A key limited to some models gets 403 `model_not_allowed` for the others. The caller's
+`KeyRecord` is put on the request under `API_KEY` for the middlewares after this one
+(limits, balance).
 
 Static keys have no ledger account: the balance middleware does not bill them
 (`is_static`), the limits middleware applies their `concurrency` / `rate_per_min`.
