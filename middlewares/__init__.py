@@ -8,6 +8,12 @@ is all in such signals may say so with `pass_through = True`: it is checked like
 but left out of the chain (aiohttp would otherwise call it, for nothing, on every request).
 Any broken entry (unknown name, import error, bad section) raises ConfigError here, so the
 proxy refuses to start instead of failing at the first request.
+
+Order. `auth`, when listed, always runs first, wherever `pipeline` names it: a request
+without a valid key is refused from its headers alone, before any middleware reads,
+decompresses or parses its body (the body is never read on that path). The other entries,
+built-in or custom, run after it in the order `pipeline` gives. A pipeline without `auth`
+(a deployment with no keys at all) stays allowed.
 """
 
 from __future__ import annotations
@@ -62,7 +68,9 @@ def _entries(config: Config) -> list[tuple[str, dict[str, Any]]]:
 
 
 def build_chain(config: Config, app: web.Application) -> list[Any]:
-    chain = []
+    # Factories are called in config order (the app signals and cleanup contexts they add
+    # keep that order); only the chain itself puts auth first.
+    first, chain = [], []
     for name, section in _entries(config):
         factory = _resolve(name)
         try:
@@ -75,5 +83,5 @@ def build_chain(config: Config, app: web.Application) -> list[Any]:
             raise ConfigError(f"pipeline: the factory of {name!r} did not return a middleware")
         if getattr(middleware, "pass_through", False) is True:
             continue
-        chain.append(middleware)
-    return chain
+        (first if name == "auth" else chain).append(middleware)
+    return first + chain

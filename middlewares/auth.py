@@ -1,7 +1,11 @@
 """API keys: `Authorization: Bearer <key>` on the API routes.
 
-Guarded: POST /v1/responses, POST /v1/responses/input_tokens and GET /v1/models (as on
-OpenAI, listing models needs a key). /healthz and /metrics stay open.
+Guarded: /v1/responses, /v1/responses/input_tokens and /v1/models (as on OpenAI, listing
+models needs a key), by path, whatever the method (HEAD /v1/models too); a method a guarded
+path does not serve still gets its 405. The probes (/livez, /healthz, /readyz) and /metrics
+stay open. The chain runs auth before every other middleware (middlewares/__init__.py), so
+a request without a valid key is refused from its headers alone: its body is never read,
+and when the body is still arriving the refusal closes the connection (`_refuse`).
 
 Keys come from the ledger (`app[LEDGER].lookup_key`) and, for deployments without a
 database, from `static_keys` in the section:
@@ -28,9 +32,11 @@ memory or evict real ones; each costs one indexed read, as before). Consequences
     path reads it (the balance middleware asks the ledger).
 
 Every failure (missing header, another scheme, unknown or revoked key) is the same 401
-`invalid_api_key`, whose message never repeats what was sent. A key limited to some
-models gets 403 `model_not_allowed` for the others. The caller's `KeyRecord` is put on
-the request under `API_KEY` for the middlewares after this one (limits, balance).
+`invalid_api_key`, whose message never repeats what was sent. Two Authorization headers
+are a 400 `duplicate_header` (which one counts would depend on the software reading them).
+A key limited to some models gets 403 `model_not_allowed` for the others. The caller's
+`KeyRecord` is put on the request under `API_KEY` for the middlewares after this one
+(limits, balance).
 
 Static keys have no ledger account: the balance middleware does not bill them
 (`is_static`), the limits middleware applies their `concurrency` / `rate_per_min`.
@@ -61,11 +67,7 @@ API_KEY = web.RequestKey("api_key", KeyRecord)
 STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
 
-_GUARDED = {
-    ("POST", "/v1/responses"),
-    ("POST", "/v1/responses/input_tokens"),
-    ("GET", "/v1/models"),
-}
+_GUARDED = frozenset({"/v1/responses", "/v1/responses/input_tokens", "/v1/models"})
 _MODEL_ROUTES = ("/v1/responses", "/v1/responses/input_tokens")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
@@ -131,6 +133,25 @@ def is_static(record: KeyRecord) -> bool:
 
 def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _refuse(request: web.Request, handler, exc: APIError) -> web.StreamResponse:
+    """The refusal, answered before any byte of the body is read.
+
+    While the body is still arriving, the answer says `Connection: close` and the connection
+    is marked closing (`RequestHandler.close()`): aiohttp then drops what the client still
+    sends as it arrives, unparsed (instead of draining it through its parser), and closes
+    the connection once the client is done or its lingering time is over. Closing at once
+    would cut off a client still sending before it reads its 401 (the OpenAI SDK then
+    reports a connection error, and retries).
+    """
+    if request.match_info.http_exception is not None:
+        return await handler(request)  # a method this path does not serve: its 405, not a 401
+    response = exc.to_response()
+    if not request.content.is_eof():
+        response.force_close()
+        request.protocol.close()
+    return response
 
 
 def _opt_limit(entry: dict, field: str, where: str) -> int | None:
@@ -246,15 +267,21 @@ def create(section: dict[str, Any], app: web.Application):
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if (request.method, request.path) not in _GUARDED:
+        if request.path not in _GUARDED:
             return await handler(request)
-        header = request.headers.get("Authorization")
-        if not header:
-            raise _unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
-        scheme, _, secret = header.strip().partition(" ")
+        headers = request.headers.getall("Authorization", None)
+        if not headers:
+            return await _refuse(request, handler, _unauthorized(
+                "Missing API key: send it as 'Authorization: Bearer <key>'."))
+        if len(headers) > 1:
+            return await _refuse(request, handler, APIError(
+                400, "More than one Authorization header: send exactly one, 'Authorization: Bearer <key>'.",
+                code="duplicate_header"))
+        scheme, _, secret = headers[0].strip().partition(" ")
         secret = secret.strip()
         if scheme.lower() != "bearer" or not secret or not _TOKEN.match(secret):
-            raise _unauthorized("Malformed Authorization header: expected 'Authorization: Bearer <key>'.")
+            return await _refuse(request, handler, _unauthorized(
+                "Malformed Authorization header: expected 'Authorization: Bearer <key>'."))
         digest = hashlib.sha256(secret.encode()).digest()  # ASCII: checked by _TOKEN above
         record = match_static(digest) if statics else None
         if record is None:
@@ -267,7 +294,8 @@ def create(section: dict[str, Any], app: web.Application):
                     if record is not None and not record.revoked:
                         cache.put(digest, record, generation)
         if record is None or record.revoked:
-            raise _unauthorized("Incorrect API key provided, or the key was revoked.")
+            return await _refuse(request, handler, _unauthorized(
+                "Incorrect API key provided, or the key was revoked."))
         request[API_KEY] = record
         if record.allowed_models is not None and request.method == "POST" and request.path in _MODEL_ROUTES:
             body = await read_json(request)

@@ -14,12 +14,12 @@ from aiohttp import web
 from middlewares import build_chain
 from proxy import state
 from proxy.config import Config, ConfigError
-from proxy.endpoints import healthz_handler, input_tokens_handler, models_handler
+from proxy.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
 from proxy.errors import APIError
 from proxy.forwarder import (POOL, RESPONSE_SETTINGS, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event,
                              responses_handler)
 from proxy.upstream import UpstreamPool
-from proxy.health import HealthSettings, health_context
+from proxy.health import READINESS, HealthSettings, Readiness, health_context
 from proxy.ids import random_bits
 from proxy.routing import validate_settings as validate_routing
 from proxy.logs import access, log
@@ -202,7 +202,10 @@ def build_app(config: Config) -> web.Application:
     app.router.add_post("/v1/responses", responses_handler)
     app.router.add_post("/v1/responses/input_tokens", input_tokens_handler)
     app.router.add_get("/v1/models", models_handler)
-    app.router.add_get("/healthz", healthz_handler)
+    app[READINESS] = Readiness(app[POOL], LEDGER)
+    app.router.add_get("/livez", livez_handler)
+    app.router.add_get("/healthz", healthz_handler)  # liveness, as /livez
+    app.router.add_get("/readyz", readyz_handler)
     app.router.add_get("/openapi.json", openapi_handler)
     metrics.install(app, app[POOL], config.section("metrics"))
     return app

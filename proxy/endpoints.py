@@ -1,4 +1,4 @@
-"""The small endpoints: model list, input-token count, the proxy's own liveness."""
+"""The small endpoints: model list, input-token count, the probes (liveness, readiness)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError
 from proxy.forwarder import POOL, SESSION
+from proxy.health import READINESS
 from proxy.request import translation
 from proxy.routing import TokenCountError, count_tokens, parse_provider, request_parameters
 
@@ -66,19 +67,27 @@ async def input_tokens_handler(request: web.Request) -> web.Response:
     raise APIError(502, f"The model server could not count tokens: {last}.", code="upstream_error")
 
 
-async def healthz_handler(request: web.Request) -> web.Response:
-    """Ready (200) while at least one worker takes requests; 503 when none does."""
-    pool = request.app[POOL]
-    workers = {
-        w.name: {"healthy": w.healthy, "ejected": w.ejected, "available": w.available, "in_flight": w.in_flight,
-                 "capacity": w.capacity, "dialect": w.dialect, "models": list(w.models),
-                 "last_check_error": w.last_check_error}
-        for w in pool.workers
-    }
-    ready = any(w.available for w in pool.workers)
-    return web.Response(status=200 if ready else 503,
-                        body=orjson.dumps({"status": "ok" if ready else "unavailable", "workers": workers}),
-                        content_type="application/json")
+_NO_STORE = {"Cache-Control": "no-store"}
+_LIVE = orjson.dumps({"status": "ok"})
 
 
-__all__ = ["models_handler", "input_tokens_handler", "healthz_handler"]
+async def livez_handler(request: web.Request) -> web.Response:
+    """Liveness (also /healthz): the process answers. No dependency, so a model server or
+    ledger outage never gets the proxy restarted, and nothing about the workers is told."""
+    return web.Response(body=_LIVE, content_type="application/json", headers=_NO_STORE)
+
+
+async def readyz_handler(request: web.Request) -> web.Response:
+    """Readiness: 200 {"status": "ready"} while some worker takes traffic and the ledger
+    answers; else 503 {"status": "not_ready", "reason": "no_worker" | "ledger"}. No worker
+    names, addresses or errors: those are the operator's (/metrics, the log)."""
+    ready, reason = await request.app[READINESS].verdict(request.app)
+    body = {"status": "ready"} if ready else {"status": "not_ready", "reason": reason}
+    return web.Response(status=200 if ready else 503, body=orjson.dumps(body), content_type="application/json",
+                        headers=_NO_STORE)
+
+
+healthz_handler = livez_handler
+
+
+__all__ = ["models_handler", "input_tokens_handler", "livez_handler", "healthz_handler", "readyz_handler"]

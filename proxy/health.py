@@ -5,6 +5,13 @@ omitted in config.yaml), each model's max_model_len (the context window), and th
 (when `dialect: detect`: `owned_by` "vllm" / "sglang", else the Server header). A worker
 that does not answer is retried by every round of the checker.
 
+Probes (proxy/endpoints.py). Liveness (`/livez`, `/healthz`) depends on nothing: the process
+answers. Readiness (`/readyz`) is `Readiness.verdict`: some worker takes traffic and the
+ledger answers a cheap read within `LEDGER_TIMEOUT_S`. The ledger read is shared by
+concurrent probes and reused for `LEDGER_TTL_S`, so an unauthenticated flood of /readyz
+costs at most one ledger round trip per interval. Neither says which worker or why: the
+per-worker state is in /metrics and the check errors in the log.
+
 The checker (a task owned by a cleanup context) probes each worker every `interval_s`:
 vLLM GET /health; SGLang GET /v1/models (SGLang's /health runs a generation, so it is
 never polled). `unhealthy_threshold` failures in a row mark a worker unhealthy,
@@ -243,3 +250,53 @@ def health_context(session_key: Any, pool_key: Any):
                 pass
 
     return ctx
+
+
+LEDGER_TIMEOUT_S = 1.0
+LEDGER_TTL_S = 1.0
+
+
+class Readiness:
+    """Whether this process should get traffic: (ready, reason), reason one word."""
+
+    def __init__(self, pool: WorkerPool, ledger_key: Any) -> None:
+        self.pool = pool
+        self.ledger_key = ledger_key
+        self._ledger_ok = False
+        self._checked_at = float("-inf")
+        self._check: asyncio.Task | None = None
+
+    async def _check_ledger(self, ledger: Any) -> bool:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(LEDGER_TIMEOUT_S):
+                await ledger.get_key("")  # an indexed read through the ledger's own path
+            ok = True
+        except Exception as exc:  # a timeout, a closed or broken database: not ready
+            log.warning("readiness: the ledger did not answer", error=f"{type(exc).__name__}: {exc}")
+            ok = False
+        finally:
+            self._check = None
+        self._ledger_ok, self._checked_at = ok, loop.time()
+        return ok
+
+    async def _ledger_answers(self, app: web.Application) -> bool:
+        ledger = app.get(self.ledger_key)
+        if ledger is None:  # ledger.backend: none
+            return True
+        if asyncio.get_running_loop().time() - self._checked_at < LEDGER_TTL_S:
+            return self._ledger_ok
+        if self._check is None:
+            self._check = asyncio.create_task(self._check_ledger(ledger))
+        # shield: a probe that gives up does not cancel the check the others wait for
+        return await asyncio.shield(self._check)
+
+    async def verdict(self, app: web.Application) -> tuple[bool, str]:
+        if not any(w.available for w in self.pool.workers):
+            return False, "no_worker"
+        if not await self._ledger_answers(app):
+            return False, "ledger"
+        return True, "ready"
+
+
+READINESS = web.AppKey("readiness", Readiness)

@@ -32,6 +32,8 @@ _ENDPOINTS = {
     "/v1/responses/input_tokens": "input_tokens",
     "/v1/models": "models",
     "/healthz": "healthz",
+    "/livez": "livez",
+    "/readyz": "readyz",
     "/metrics": "metrics",
 }
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)

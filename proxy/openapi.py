@@ -220,22 +220,22 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
-            "/healthz": {
-                "get": {
-                    "operationId": "healthz",
-                    "security": [],
-                    "responses": {
-                        "200": {"description": "At least one worker is healthy.",
-                                "content": {"application/json": {"schema": {"type": "object",
-                                                                            "required": ["status"]}}}},
-                        "503": {"description": "No worker is healthy.",
-                                "content": {"application/json": {"schema": {"type": "object",
-                                                                            "required": ["status"]}}}},
-                    },
-                }
-            },
+            "/livez": _probe("livez", "Liveness: the process answers (no dependency is checked).", None),
+            "/healthz": _probe("healthz", "Liveness, as /livez.", None),
+            "/readyz": _probe("readyz", "Readiness: some worker takes traffic and the ledger answers.",
+                              "Not ready: no worker takes traffic (reason no_worker) or the ledger does not "
+                              "answer (reason ledger)."),
         },
     }
+
+
+def _probe(operation: str, ok: str, unavailable: str | None) -> dict:
+    status = {"type": "object", "required": ["status"], "additionalProperties": False,
+              "properties": {"status": {"type": "string"}, "reason": {"type": "string"}}}
+    responses = {"200": {"description": ok, "content": {"application/json": {"schema": status}}}}
+    if unavailable:
+        responses["503"] = {"description": unavailable, "content": {"application/json": {"schema": status}}}
+    return {"get": {"operationId": operation, "security": [], "responses": responses}}
 
 
 _CACHED: bytes | None = None

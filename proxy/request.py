@@ -7,7 +7,6 @@ cached value from the request under its typed key.
 from __future__ import annotations
 
 import asyncio
-import gzip
 import zlib
 from typing import Any
 
@@ -36,32 +35,96 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
 
 
-def _decompress(raw: bytes, encoding: str, limit: int) -> bytes:
-    # Each decoder is bounded by the body limit, so a small bomb cannot expand without end.
+def _unread(request: web.Request, exc: APIError) -> APIError:
+    """`exc`, for a refusal that leaves part of the body unread: when more is still arriving,
+    the connection is marked closing (aiohttp drops the rest unparsed instead of draining it
+    through its parser) and the answer says so."""
+    if not request.content.is_eof():
+        request.protocol.close()
+        exc.headers["Connection"] = "close"
+    return exc
+
+
+def _inflate(wbits: int, members: bool):
+    """A zlib-family decoder: `members` lets a gzip body be several members back to back
+    (RFC 1952), each decoded in turn within the same output budget."""
+
+    def decode(raw: bytes, cap: int) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        data = raw
+        while True:
+            d = zlib.decompressobj(wbits)
+            out = d.decompress(data, cap - size)  # cap - size > 0 here: 0 would mean "no bound"
+            parts.append(out)
+            size += len(out)
+            if size >= cap:
+                break
+            if not d.eof:
+                raise ValueError("truncated stream")
+            data = d.unused_data
+            if not data:
+                break
+            if not members:
+                raise ValueError("data after the end of the stream")
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    return decode
+
+
+def _unzstd(raw: bytes, cap: int) -> bytes:
+    if zstandard is None:
+        raise APIError(415, "zstd request bodies are not supported here.", code="unsupported_encoding")
+    # max_window_size: a frame header may ask for a window of up to 2 GB, which the decoder
+    # allocates before writing a byte. A window larger than the body gains nothing, so a
+    # frame that declares one beyond the limit is refused (400) instead.
+    window = max(1 << 23, 1 << cap.bit_length())
+    reader = zstandard.ZstdDecompressor(max_window_size=window).stream_reader(raw, read_across_frames=True)
+    parts: list[bytes] = []
+    size = 0
+    with reader:
+        while size < cap:  # read(n) may return less than n before the end (a frame boundary)
+            out = reader.read(cap - size)
+            if not out:
+                break
+            parts.append(out)
+            size += len(out)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+# Content-Encoding -> decoder(raw, cap): returns the decoded body, or its first `cap` bytes
+# when it is longer, and never holds more than `cap` decoded bytes at any time. A decoder
+# added here must keep that bound (tests/test_body_bombs.py sends each one a bomb).
+DECODERS = {
+    "gzip": _inflate(16 + zlib.MAX_WBITS, members=True),
+    "x-gzip": _inflate(16 + zlib.MAX_WBITS, members=True),  # RFC 9110 8.4.1.3: the same as gzip
+    "deflate": _inflate(zlib.MAX_WBITS, members=False),
+    "zstd": _unzstd,
+}
+
+
+def _decompress(raw: bytes, headers: list[str], limit: int) -> bytes:
+    codings = [c for h in headers for c in (part.strip().lower() for part in h.split(","))
+               if c not in ("", "identity")]
+    if not codings:
+        return raw
+    if len(codings) > 1:
+        # Each layer would multiply the expansion; no client of this API stacks them.
+        raise APIError(415, f"Stacked Content-Encoding ({', '.join(codings)[:100]}) is not supported: "
+                            "send one encoding.", code="unsupported_encoding")
+    encoding = codings[0]
+    decoder = DECODERS.get(encoding)
+    if decoder is None:
+        raise APIError(415, f"Unsupported Content-Encoding '{encoding[:64]}'.", code="unsupported_encoding")
     try:
-        if encoding == "gzip":
-            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        elif encoding == "deflate":
-            d = zlib.decompressobj()
-        elif encoding == "zstd":
-            if zstandard is None:
-                raise APIError(415, "zstd request bodies are not supported here.", code="unsupported_encoding")
-            out = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
-            if len(out) > limit:
-                raise _too_large(limit)
-            return out
-        else:
-            raise APIError(415, f"Unsupported Content-Encoding '{encoding}'.", code="unsupported_encoding")
-        out = d.decompress(raw, limit + 1)
-        if len(out) > limit or d.unconsumed_tail:
-            raise _too_large(limit)
-        return out
-    except (zlib.error, gzip.BadGzipFile, EOFError) as exc:
-        raise bad_request(f"Request body could not be decompressed ({encoding}).", code="invalid_body") from exc
+        out = decoder(raw, limit + 1)
     except APIError:
         raise
-    except Exception as exc:  # zstandard.ZstdError and friends
+    except Exception as exc:  # zlib.error, ValueError, zstandard.ZstdError and friends
         raise bad_request(f"Request body could not be decompressed ({encoding}).", code="invalid_body") from exc
+    if len(out) > limit:
+        raise _too_large(limit)
+    return out
 
 
 def _depth_ok(value: Any, limit: int) -> bool:
@@ -86,7 +149,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     limits = _limits(request)
     limit = int(limits["max_body_bytes"])
     if request.content_length is not None and request.content_length > limit:
-        raise _too_large(limit)
+        raise _unread(request, _too_large(limit))
     content = request.content
     if content.is_eof():
         # The whole body is buffered already (a small body arrives with the headers): take
@@ -104,14 +167,15 @@ async def read_json(request: web.Request) -> dict[str, Any]:
                     buf += chunk
                 raw = bytes(buf)
         except TimeoutError:
-            raise APIError(408, "The request body arrived too slowly.", code="request_timeout") from None
+            raise _unread(request, APIError(408, "The request body arrived too slowly.",
+                                            code="request_timeout")) from None
         except web.HTTPRequestEntityTooLarge:
-            raise _too_large(limit) from None
+            raise _unread(request, _too_large(limit)) from None
     if len(raw) > limit:
-        raise _too_large(limit)
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        raw = _decompress(raw, encoding, limit)
+        raise _unread(request, _too_large(limit))
+    encodings = request.headers.getall("Content-Encoding", None)
+    if encodings is not None:
+        raw = _decompress(raw, encodings, limit)
     if not raw.strip():
         raise bad_request("The request body is empty; send a JSON object.", code="invalid_json")
     try:

@@ -17,7 +17,8 @@ from proxy.netguard import ImagePolicy, check_images, verdict_for_address
 
 PUBLIC_ROUTES = {("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens"), ("GET", "/v1/models"),
                  ("GET", "/healthz"), ("GET", "/openapi.json"), ("GET", "/metrics"), ("HEAD", "/v1/models"),
-                 ("HEAD", "/healthz"), ("HEAD", "/openapi.json"), ("HEAD", "/metrics")}
+                 ("HEAD", "/healthz"), ("HEAD", "/openapi.json"), ("HEAD", "/metrics"),
+                 ("GET", "/livez"), ("HEAD", "/livez"), ("GET", "/readyz"), ("HEAD", "/readyz")}
 
 
 def image_body(url: str) -> dict:

@@ -312,26 +312,26 @@ async def test_active_checks_mark_unhealthy_and_healthy(start_sim, make_proxy):
     proxy = await make_proxy(settings(interval_s=0.05, unhealthy_threshold=2), workers=[worker("a", a.url)])
     wa = proxy.app[POOL].workers[0]
     async with aiohttp.ClientSession() as http:
-        assert (await http.get(proxy.url + "/healthz")).status == 200
+        assert (await http.get(proxy.url + "/readyz")).status == 200
         await a.stop()
         await wait_for(lambda: not wa.healthy)
-        resp = await http.get(proxy.url + "/healthz")
-        assert resp.status == 503 and (await resp.json())["workers"]["a"]["healthy"] is False
+        resp = await http.get(proxy.url + "/readyz")
+        assert resp.status == 503 and (await resp.json())["reason"] == "no_worker"
         status, headers, _ = await call(proxy, ask())
         assert status == 503 and headers.get("Retry-After")
         await start_sim(port=port)
         await wait_for(lambda: wa.healthy)
-        assert (await http.get(proxy.url + "/healthz")).status == 200
+        assert (await http.get(proxy.url + "/readyz")).status == 200
 
 
-async def test_healthz_503_when_every_worker_is_down(make_proxy):
+async def test_readyz_503_when_every_worker_is_down(make_proxy):
     proxy = await make_proxy(settings(interval_s=0.05, unhealthy_threshold=1),
                              workers=[worker("x", dead_url()), worker("y", dead_url())])
     async with aiohttp.ClientSession() as http:
-        resp = await http.get(proxy.url + "/healthz")
+        resp = await http.get(proxy.url + "/readyz")
         body = await resp.json()
-    assert resp.status == 503 and body["status"] == "unavailable"
-    assert {name for name, w in body["workers"].items() if not w["healthy"]} == {"x", "y"}
+    assert resp.status == 503 and body == {"status": "not_ready", "reason": "no_worker"}
+    assert not any(w.healthy for w in proxy.app[POOL].workers)
 
 
 async def test_sglang_is_checked_without_its_health_endpoint(make_proxy):
