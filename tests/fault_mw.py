@@ -1,0 +1,42 @@
+"""A test-only middleware that fails after the answer started (tests/test_stream_integrity.py).
+
+    pipeline: [stateless, auth, balance, {"tests.fault_mw:create": {mode: raise_after}}]
+
+modes:
+  raise_after      the handler's answer is whole, then a RuntimeError
+  api_error_after  the same with an APIError (a middleware refusing too late)
+  own_stream       the middleware prepares an event stream of its own, writes part of an
+                   event, then a RuntimeError (no rewriter knows this stream)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from proxy.errors import APIError
+
+MODES = ("raise_after", "api_error_after", "own_stream")
+
+
+def create(section: dict[str, Any], app: web.Application):
+    mode = section.get("mode")
+    if mode not in MODES:
+        raise ValueError(f"fault_mw.mode must be one of {MODES}")
+
+    @web.middleware
+    async def fault(request: web.Request, handler):
+        if request.path != "/v1/responses":
+            return await handler(request)
+        if mode == "own_stream":
+            response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'event: response.created\ndata: {"type": "response.cre')
+            raise RuntimeError("failed in the middle of its own stream")
+        await handler(request)
+        if mode == "api_error_after":
+            raise APIError(403, "refused too late", code="too_late")
+        raise RuntimeError("failed after the handler returned")
+
+    return fault
