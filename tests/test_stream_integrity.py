@@ -221,3 +221,48 @@ async def test_a_gzipped_json_answer_is_refused_not_parsed(make_proxy):
         error = orjson.loads(got.body)["error"]
         assert error["code"] == "upstream_error" and "gzip" in error["message"], error
         assert all(b"accept-encoding: identity" in head.lower() for head in upstream.chat_heads)
+
+
+# -- header values from config
+
+
+@pytest.mark.parametrize("key, where", [
+    ("sk-worker\r\nX-Injected: yes", "workers[0].api_key"),
+    ("sk-worker\n", "workers[0].api_key"),
+    ("sk-w\x00rker", "workers[0].api_key"),
+    ("sk-wörker", "workers[0].api_key"),
+])
+def test_control_characters_in_a_configured_header_stop_start_up(key, where):
+    from proxy.app import build_app
+    from proxy.config import Config, ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        build_app(Config.from_dict({"workers": [{"name": "w", "url": "http://127.0.0.1:9", "api_key": key}]}))
+    assert str(raised.value).startswith(where), raised.value
+
+
+def test_control_characters_in_a_worker_url_stop_start_up():
+    from proxy.app import build_app
+    from proxy.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=r"workers\[1\]\.url"):
+        build_app(Config.from_dict({"workers": [
+            {"name": "ok", "url": "http://127.0.0.1:9", "api_key": "fine"},
+            {"name": "w", "url": "http://127.0.0.1:9/v1\r\nX-Injected: yes"}]}))
+
+
+def test_cli_refuses_a_key_from_the_environment_with_its_trailing_newline(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = tmp_path / "config.yaml"
+    config.write_text("workers:\n  - {name: gpu-a, url: 'http://127.0.0.1:9', models: [m], api_key: '${GPU_KEY}'}\n"
+                      f"ledger: {{path: {tmp_path / 'l.db'}}}\n")
+    proc = subprocess.run([sys.executable, "-m", "proxy", "--config", str(config), "serve", "--port", "1"],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "GPU_KEY": "sk-from-a-file\n"})
+    assert proc.returncode == 2, proc.stderr
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and "workers[0].api_key" in lines[0] and "'\\n'" in lines[0], lines
