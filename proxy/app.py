@@ -97,6 +97,12 @@ async def _within_started(handler, request: web.Request) -> web.StreamResponse:
     except Exception as exc:
         started = request.get(STARTED)
         if started is None:
+            writer = request.writer
+            if writer is not None and writer.output_size == 0:
+                # A prepare() that failed in a hook left its framing (chunked) on the writer:
+                # the error envelope that follows brings its own Content-Length.
+                writer.chunked = False
+                writer.length = None
             raise
         return await _after_start(request, started, exc)
 

@@ -146,6 +146,15 @@ async def test_an_exception_in_a_stream_no_rewriter_knows_cuts_the_connection(ma
     assert answer.body == b'event: response.created\ndata: {"type": "response.cre'
 
 
+async def test_a_prepare_hook_that_fails_gets_one_clean_error_response(make_proxy):
+    proxy = await make_proxy({"pipeline": PIPELINE + [{"tests.fault_mw:create": {"mode": "hook_raises"}}]})
+    for _ in range(2):
+        answer = await raw_post(proxy, STREAM)
+        assert answer.status == 500 and answer.terminated, answer
+        assert_one_response(answer)
+        assert orjson.loads(answer.body)["error"]["code"] == "internal_error"
+
+
 async def test_non_stream_errors_after_the_handler_are_still_envelopes(make_proxy):
     proxy = await make_proxy({"pipeline": PIPELINE + [{"tests.fault_mw:create": {"mode": "raise_after"}}]})
     answer = await raw_post(proxy, {**STREAM, "stream": False})
