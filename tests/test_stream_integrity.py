@@ -127,6 +127,25 @@ async def test_an_exception_mid_stream_ends_with_response_failed(make_proxy, mon
         assert await proxy.ledger.audit() if hasattr(proxy.ledger, "audit") else True
 
 
+async def test_a_broken_upstream_chunk_mid_stream_ends_with_response_failed(make_proxy):
+    events = sse_events("fine so far")
+
+    async def behave(n, chat, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + b"%x\r\n%s\r\n" % (len(events[0]), events[0]))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"zz-not-a-chunk-size\r\nHTTP/1.1 500 Internal Server Error\r\n\r\n")
+        return "close"
+
+    async with ChatUpstream(behave) as upstream:
+        proxy = await make_proxy({"pipeline": PIPELINE, "health": {"enabled": False}}, workers=[upstream.worker()])
+        answer = await raw_post(proxy, STREAM)
+        assert answer.status == 200 and answer.terminated, answer
+        assert_one_response(answer)
+        assert answer.events[-1]["type"] == "response.failed"
+
+
 @pytest.mark.parametrize("mode", ["raise_after", "api_error_after"])
 async def test_an_exception_after_a_whole_stream_leaves_it_whole(make_proxy, mode):
     proxy = await make_proxy({"pipeline": PIPELINE + [{"tests.fault_mw:create": {"mode": mode}}]})
