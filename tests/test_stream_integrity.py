@@ -120,11 +120,13 @@ async def test_an_exception_mid_stream_ends_with_response_failed(make_proxy, mon
             types = [e["type"] for e in answer.events]
             assert types[0] == "response.created" and types[-1] == "response.failed", types
             assert answer.events[-1]["response"]["error"]["code"] == "server_error"
-        # the usage was settled, not left as an open hold
+        # each request was settled, not left as an open hold, and the books balance
         from middlewares.balance import wait_for_settlements
 
         await wait_for_settlements()
-        assert await proxy.ledger.audit() if hasattr(proxy.ledger, "audit") else True
+        assert await proxy.ledger.holds() == []
+        for key_id, balance, expected in await proxy.ledger.audit():
+            assert balance == expected, key_id
 
 
 async def test_a_broken_upstream_chunk_mid_stream_ends_with_response_failed(make_proxy):
