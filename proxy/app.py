@@ -16,8 +16,8 @@ from proxy import state
 from proxy.config import Config, ConfigError
 from proxy.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
 from proxy.errors import APIError
-from proxy.forwarder import (POOL, RESPONSE_SETTINGS, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event,
-                             responses_handler)
+from proxy.forwarder import (EVENT_STREAM, POOL, RESPONSE_SETTINGS, SESSION, UPSTREAMS, ResponseSettings,
+                             refusal_as_event, responses_handler)
 from proxy.upstream import UpstreamPool
 from proxy.health import READINESS, HealthSettings, Readiness, health_context
 from proxy.ids import random_bits
@@ -29,6 +29,9 @@ from proxy import metrics
 from proxy.workers import OutlierPolicy, WorkerPool, parse_workers
 
 LEDGER = web.AppKey("ledger", object)
+# The response whose headers went out (set by the last on_response_prepare hook): past that
+# point an error can no longer become an HTTP status (see _after_start).
+STARTED = web.RequestKey("started_response", web.StreamResponse)
 
 # Request ids (and the response ids made from them, and the ledger's hold ids) need to be
 # unique, not secret (proxy.ids). Time first (as in UUIDv7): the ledger's UNIQUE(request_id)
@@ -47,7 +50,7 @@ async def envelope_and_access_log(request: web.Request, handler):
     started = time.perf_counter()
     status = 500
     try:
-        response = await handler(request)
+        response = await _within_started(handler, request)
         status = response.status
         return response
     except APIError as exc:
@@ -89,10 +92,58 @@ async def envelope_and_access_log(request: web.Request, handler):
                    ttfb_ms=round(out.ttfb_ms, 2) if out.ttfb_ms is not None else None)
 
 
+async def _within_started(handler, request: web.Request) -> web.StreamResponse:
+    """The handler; an exception after the answer started is ended by _after_start."""
+    try:
+        return await handler(request)
+    except ConnectionResetError:
+        raise
+    except Exception as exc:
+        started = request.get(STARTED)
+        if started is None:
+            writer = request.writer
+            if writer is not None and writer.output_size == 0:
+                # A prepare() that failed in a hook left its framing (chunked) on the writer:
+                # the error envelope that follows brings its own Content-Length.
+                writer.chunked = False
+                writer.length = None
+            raise
+        return await _after_start(request, started, exc)
+
+
+async def _after_start(request: web.Request, response: web.StreamResponse, exc: Exception) -> web.StreamResponse:
+    """An error after the status line and headers went out. A second response written now
+    would land inside the body (or behind it, as the next answer on a keep-alive connection),
+    so the only honest endings are: the answer as it stands when it was whole, a terminal
+    response.failed event when the event stream can still take one, else a cut connection
+    (no terminating chunk: the client sees a truncated body, never a valid-looking end)."""
+    log.error("error after the answer started", request_id=request[state.REQUEST_ID],
+              error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+    if getattr(response, "_eof_sent", False):
+        return response  # whole before the error: it stands
+    rewriter = request.get(EVENT_STREAM)
+    if rewriter is not None and not rewriter.done:
+        try:
+            await response.write_eof(rewriter.fail("The proxy failed while streaming this response.",
+                                                   code="internal_error"))
+        except Exception:
+            pass  # the transport is cut below
+        else:
+            out = request.get(state.OUTCOME)
+            if out is not None:
+                out.status = "failed"
+            return response
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+    return response
+
+
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
     request_id = request.get(state.REQUEST_ID)
     if request_id:
         response.headers["x-request-id"] = request_id
+    request[STARTED] = response  # the last hook: the headers go out next
 
 
 def _client_session(app: web.Application):

@@ -34,6 +34,7 @@ from proxy.workers import Worker, WorkerPool
 SESSION = web.AppKey("client_session", aiohttp.ClientSession)  # every upstream call but the chat POST
 UPSTREAMS = web.AppKey("upstreams", UpstreamPool)  # the chat POST (proxy.upstream: why)
 POOL = web.AppKey("worker_pool", WorkerPool)
+EVENT_STREAM = web.RequestKey("event_stream", StreamRewriter)  # the streamed answer's rewriter (proxy.app)
 
 MAX_ATTEMPTS = 3
 STREAM_END_GRACE_S = 1.0  # after [DONE], how long the last chunk of a stream may take to keep its connection
@@ -206,6 +207,13 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
                 if upstream.status >= 500:
                     pool.record_failure(worker, f"status {upstream.status}")
                 raise error
+            if upstream.content_encoding is not None:
+                # Asked for identity: compressed bytes must never reach the JSON parser or the rewriter as text.
+                pool.record_failure(worker, "encoded answer")
+                coding = upstream.content_encoding.decode("latin-1")[:40]
+                raise _Retryable(worker, "content_encoding", APIError(
+                    502, f"The model server sent an encoded answer ({coding}) although none was asked for.",
+                    code="upstream_error"))
             first = (await upstream.read(first_deadline) if t.stream
                      else await upstream.read_capped(MAX_JSON_BODY, first_deadline))
             if len(first) > MAX_JSON_BODY:
@@ -236,6 +244,13 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
             raise _Retryable(worker, "empty_stream",
                              APIError(502, "The model server closed the stream before answering.",
                                       code="upstream_error"))
+        if not is_event_stream(upstream.content_type, first):
+            # An HTML page or JSON where events belong (a proxy's error page, a misrouted
+            # request): nothing reached the client yet, so another worker may take it.
+            pool.record_failure(worker, "not an event stream")
+            raise _Retryable(worker, "not_event_stream",
+                             APIError(502, "The model server answered the stream with something other than "
+                                           "an event stream.", code="upstream_error"))
         pool.record_success(worker, out.ttfb_ms / 1000)
         return await _stream_answer(request, upstream, ctx, first, out, worker=worker, deadline=deadline)
     finally:
@@ -248,6 +263,19 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
                 upstream.release_when_complete(STREAM_END_GRACE_S)  # only the stream's framing is left
             else:
                 upstream.close()
+
+
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
+
+
+def is_event_stream(content_type: bytes | None, first: bytes) -> bool:
+    """Whether an answer can be an event stream: its Content-Type (when it says one) is
+    text/event-stream and its first line starts like an SSE field (a short first read may
+    hold only the start of one)."""
+    if content_type is not None and not content_type.strip().lower().startswith(b"text/event-stream"):
+        return False
+    head = first.lstrip(b"\r\n")[:6]
+    return not head or any(head.startswith(f) or f.startswith(head) for f in _SSE_FIELDS)
 
 
 def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.Outcome) -> web.Response:
@@ -289,7 +317,7 @@ class _EventStream(web.StreamResponse):
 async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: ResponseContext,
                          first: bytes, out: state.Outcome, *, worker: Worker,
                          deadline: float) -> web.StreamResponse:
-    rewriter = StreamRewriter(ctx)
+    rewriter = request[EVENT_STREAM] = StreamRewriter(ctx)
     response = _EventStream(status=200, headers=_SSE_HEADERS)
     loop = asyncio.get_running_loop()
     idle = worker.timeouts.idle

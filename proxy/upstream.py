@@ -14,6 +14,12 @@ Semantics the forwarder relies on:
     SGLang learn to abort the generation;
   * a pooled connection the server closed while idle (uvicorn closes after 5 s) is retried
     once on a fresh one, and only when not one byte of an answer came back;
+  * one request, one answer: bytes that arrive on an idle pooled connection, or behind the
+    end of the answer that was asked for, close the connection (never parsed as the next
+    request's answer); 1xx interim answers (100 Continue, 103 Early Hints) are skipped;
+  * the request says `Accept-Encoding: identity`; an answer's Content-Encoding (or a
+    transfer coding other than chunked) is reported in `content_encoding`, for the caller
+    to refuse: the body is never decoded here;
   * backpressure: past HIGH_WATER unread body bytes the socket stops being read until the
     consumer catches up, so a slow client slows the model server's socket, not our memory;
   * errors are UpstreamError subclasses: ConnectFailed (nothing was sent: safe to fail over),
@@ -23,6 +29,7 @@ Semantics the forwarder relies on:
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections import deque
@@ -30,6 +37,8 @@ from typing import Any
 
 import httptools
 from yarl import URL
+
+_UNSAFE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # CR, LF and other controls (not tab) end a header line
 
 HIGH_WATER = 256 * 1024  # unread body bytes before the socket is paused
 KEEPALIVE_S = 30.0  # an idle pooled connection older than this is closed, not reused
@@ -64,7 +73,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "transport", "parser", "status", "headers_done", "complete", "chunks",
                  "buffered", "paused", "waiter", "error", "closed", "got_bytes", "idle_since", "keep_alive",
-                 "framed", "linger", "on_body")
+                 "framed", "linger", "on_body", "idle", "interim", "content_type", "content_encoding")
 
     def __init__(self, pool: "UpstreamPool", key: tuple) -> None:
         self.pool = pool
@@ -72,6 +81,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.idle = False  # in the pool: any byte now is unsolicited
         self.linger: asyncio.TimerHandle | None = None  # see UpstreamResponse.release_when_complete
         self._reset()
 
@@ -92,6 +102,9 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = False
         self.keep_alive = False
         self.framed = False  # Content-Length or chunked: otherwise the body ends with the connection
+        self.interim = False  # parsing a 1xx answer, which precedes the real one
+        self.content_type: bytes | None = None
+        self.content_encoding: bytes | None = None
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -100,11 +113,17 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         # The parser's callbacks only record; the reader is woken once per read, not once per
         # HTTP chunk (a coalesced stream brings ~100 of them in one read).
+        if self.idle:
+            self._drop()  # nobody asked: never let the next request read it as its answer
+            return
         self.got_bytes = True
         lingering = self.linger is not None  # (the end of the message, parsed below, ends it)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self.complete:
+                self._drop()  # bytes behind the whole answer (on_message_begin stopped the parse)
+                return
             self._fail(BadResponse(f"unparseable answer: {exc}"))
             self.transport.abort()
             return
@@ -135,18 +154,52 @@ class _Connection(asyncio.Protocol):
                                           (f": {exc}" if exc else ""))
         self._wake()
 
+    def _drop(self) -> None:
+        """Never reuse this connection: it carries bytes that are no request's answer."""
+        if not self.closed:
+            self.closed = True
+            self.pool._forget(self)
+            self.transport.abort()
+
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # A second answer to one request: stop the parse here (data_received drops the
+            # connection) so that none of it reaches this reader or the next request.
+            raise BadResponse("bytes after the end of the answer")
+        self.framed = False  # after a 1xx, the final answer's headers start afresh
+        self.content_type = self.content_encoding = None
+
     def on_header(self, name: bytes, value: bytes) -> None:
         lower = name.lower()
-        if lower == b"content-length" or (lower == b"transfer-encoding" and b"chunked" in value.lower()):
+        if lower == b"content-length":
             self.framed = True
+        elif lower == b"transfer-encoding":
+            codings = [c.strip() for c in value.lower().split(b",")]
+            if b"chunked" in codings:
+                self.framed = True
+            if any(c not in (b"chunked", b"identity", b"") for c in codings):
+                self.content_encoding = value
+        elif lower == b"content-type":
+            self.content_type = value
+        elif lower == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+            self.content_encoding = value
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                raise BadResponse("the model server switched protocols")
+            self.interim = True  # 100 Continue, 103 Early Hints: the real answer follows
+            return
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         if self.linger is not None:
             self.linger.cancel()
@@ -196,12 +249,14 @@ def _expire(waiter: asyncio.Future) -> None:
 class UpstreamResponse:
     """One answer: status, then the body as it arrives (read) or whole (read_capped)."""
 
-    __slots__ = ("_conn", "status", "_done")
+    __slots__ = ("_conn", "status", "_done", "content_type", "content_encoding")
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
         self.status = conn.status
         self._done = False
+        self.content_type = conn.content_type  # bytes as sent, None when absent
+        self.content_encoding = conn.content_encoding  # None: the body is plain bytes
 
     async def read(self, deadline: float | None = None) -> bytes:
         """The body bytes that have arrived (waiting for some, until `deadline`), b"" at the end."""
@@ -289,10 +344,13 @@ class _Target:
         self.ssl = parsed.scheme == "https"
         self.key = (self.host, self.port, self.ssl)
         host_header = parsed.host_port_subcomponent  # IPv6 in brackets, the port only when not the default
-        lines = [f"POST {parsed.raw_path_qs} HTTP/1.1", f"Host: {host_header}"]
+        lines = [f"POST {parsed.raw_path_qs} HTTP/1.1", f"Host: {host_header}", "Accept-Encoding: identity"]
         for name, value in headers.items():
-            if name.lower() in ("host", "content-length", "connection", "transfer-encoding"):
+            if name.lower() in ("host", "content-length", "connection", "transfer-encoding", "accept-encoding"):
                 continue
+            if _UNSAFE.search(name) or _UNSAFE.search(str(value)):
+                # Config is checked at start-up (proxy.workers); this is the last line.
+                raise ValueError(f"control character in the header {name!r} for {url}")
             lines.append(f"{name}: {value}")
         self.head = ("\r\n".join(lines) + "\r\nContent-Length: ").encode("latin-1")
 
@@ -376,6 +434,7 @@ class UpstreamPool:
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to be closed by the server
             if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                conn.idle = False
                 return conn
             conn.transport.close()
         return None
@@ -386,6 +445,7 @@ class UpstreamPool:
             conn.transport.close()
             return
         conn.idle_since = now = time.monotonic()
+        conn.idle = True
         idle = self._idle.setdefault(conn.key, deque())
         while idle and now - idle[0].idle_since >= self.keepalive_s:  # the oldest first
             idle.popleft().transport.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -194,6 +195,22 @@ def _str_list(value: Any, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+_NOT_PRINTABLE = re.compile(r"[^\x20-\x7e]")  # a header value: visible ASCII and spaces only
+
+
+def _header_safe(value: Any, where: str) -> None:
+    """A config value that goes into a request line or header: a CR or LF in it would end the
+    line and start a header (or a request) of its own, so it stops start-up instead."""
+    if value is None:
+        return
+    found = _NOT_PRINTABLE.search(str(value))
+    if found:
+        hint = (" (a key read from a file keeps its trailing newline)"
+                if found.group() in "\r\n" and where.endswith("api_key") else "")
+        raise ConfigError(f"{where} contains the character {found.group()!r}: only printable ASCII "
+                          f"can go into an HTTP header or request line{hint}")
+
+
 def parse_workers(raw: Any) -> list[Worker]:
     if not isinstance(raw, list) or not raw:
         raise ConfigError("workers must be a non-empty list")
@@ -220,6 +237,8 @@ def parse_workers(raw: Any) -> list[Worker]:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ConfigError(f"workers[{i}].capacity must be a positive integer")
         models = _str_list(entry.get("models"), f"workers[{i}].models")
+        _header_safe(entry.get("api_key"), f"workers[{i}].api_key")  # sent as Authorization: Bearer
+        _header_safe(entry.get("url"), f"workers[{i}].url")  # the request line and Host header
         workers.append(Worker(
             name=str(entry["name"]), url=str(entry["url"]), dialect=dialect,
             models=models, api_key=entry.get("api_key"), labels=dict(labels), capacity=capacity,
