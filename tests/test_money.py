@@ -1,0 +1,331 @@
+"""Money: a request can never be charged more than was held for it.
+
+Real HTTP: a client -> the proxy (auth + balance over a SQLite ledger file) -> the
+simulator, which can be told to be hostile (ignore max_tokens, report bogus usage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+
+import aiohttp
+import orjson
+import pytest
+
+from middlewares import balance as balance_mw
+from middlewares.balance import estimate_input_tokens
+from proxy.ledger.pricing import Price, cost_micros
+from proxy.ledger.usage import MAX_AMOUNT, clean_usage
+from proxy.translate import translate_request
+
+PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
+PRICE = Price(1_000_000, 100_000, 1_000_000)  # 1 micro per token
+MODEL = "tiny-model"
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        yield session
+
+
+def sim_input(**script) -> str:
+    return "SIM:" + json.dumps(script)
+
+
+def sse_events(raw: bytes) -> list[dict]:
+    return [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+async def call(http, proxy, body, *, key):
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    async with http.post(proxy.url + "/v1/responses", data=orjson.dumps(body), headers=headers) as r:
+        raw = await r.read()
+        if r.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return r.status, r.headers, sse_events(raw)
+        return r.status, r.headers, orjson.loads(raw) if raw else None
+
+
+async def balance_of(ledger, key_id: str) -> int:
+    return (await ledger.get_key(key_id)).balance_micros
+
+
+def bound_cost(body: dict, cap: int) -> int:
+    """The most a request may be billed: its input bound and its output cap."""
+    return cost_micros(PRICE, estimate_input_tokens(translate_request(body).chat), 0, cap)
+
+
+async def scrape(http, proxy) -> str:
+    async with http.get(proxy.url + "/metrics") as r:
+        return await r.text()
+
+
+# --------------------------------------------------------------------------- the input bound
+
+
+def test_input_bound_is_at_least_one_token_per_byte():
+    digits = "1,2,3;4.5!" * 3000  # punctuation and digits: about one token per byte
+    chat = translate_request({"model": MODEL, "input": digits}).chat
+    assert estimate_input_tokens(chat) >= len(digits) + 16  # the text, and the template around it
+
+
+async def test_concurrent_byte_dense_inputs_cannot_overdraw(make_proxy, http, sim):
+    """Ten concurrent requests whose input is one token per byte, on a key that covers a few:
+    the holds are upper bounds, so the admitted ones are billed in full, nothing clamps."""
+    p = await make_proxy({"prices": PRICES})
+    initial = 100_000
+    secret, record = await p.ledger.create_key("dense", balance_micros=initial, concurrency=100)
+    body = {"model": MODEL, "max_output_tokens": 16, "input": ",;" * 10_000}
+    results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(10)))
+    statuses = [r[0] for r in results]
+    assert 200 in statuses and 402 in statuses, statuses
+    await balance_mw.wait_for_settlements()
+    usages = await p.ledger.list_usage(record.key_id, limit=100)
+    assert len(usages) == statuses.count(200)
+    assert all(u.input_tokens >= 20_000 for u in usages)  # the simulator counts each mark
+    assert all(u.debited_micros == u.cost_micros > 0 for u in usages)  # none was clamped at the balance
+    assert initial - await balance_of(p.ledger, record.key_id) == sum(u.debited_micros for u in usages)
+
+
+# --------------------------------------------------------------------------- the output cap
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_upstream_ignoring_max_tokens_is_cut_at_the_cap(make_proxy, http, sim, stream):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("capped", balance_micros=10_000_000)
+    body = {"model": MODEL, "max_output_tokens": 50, "stream": stream,
+            "input": sim_input(text_words=3000, ignore_max_tokens=True, **({"delay": 0.005} if stream else {}))}
+    status, headers, answer = await call(http, p, body, key=secret)
+    assert status == 200
+    final = answer[-1]["response"] if stream else answer
+    if stream:
+        assert answer[-1]["type"] == "response.incomplete"
+        assert sum(e["type"] == "response.output_text.delta" for e in answer) == 50
+        assert final["status"] == "incomplete"
+        assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    # (a whole non-stream answer cannot be cut without the tokenizer: only its bill is)
+    assert final["usage"]["output_tokens"] == 50
+    usage = await p.ledger.usage(headers["x-request-id"])  # settled before the answer ended
+    assert usage is not None and usage.output_tokens == 50
+    assert usage.cost_micros <= bound_cost(body, 50)
+    if stream:  # the upstream's connection was closed, not left streaming
+        for _ in range(500):  # (15 s of stream left when the proxy stopped reading)
+            if sim.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert sim.cancelled >= 1 and sim.in_flight == 0
+
+
+def _chunk(text: str) -> bytes:
+    return b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                     "choices": [{"index": 0, "delta": {"content": text},
+                                                  "logprobs": None, "finish_reason": None}]}) + b"\n\n"
+
+
+@pytest.mark.parametrize("cap", [1, 2, 7, 50, 300])
+@pytest.mark.parametrize("read_size", [1, 97, 4096, 1 << 20])
+def test_rewriter_cap_holds_on_every_path(cap, read_size):
+    """However the bytes are split (the batched fast paths take big reads), never more than
+    `cap` output deltas are written, and the response ends incomplete."""
+    from proxy.rewriter import ResponseContext, StreamRewriter
+
+    stream = b"".join([_chunk("x")] + [_chunk(" w%d" % i) for i in range(400)] + [b"data: [DONE]\n\n"])
+    rw = StreamRewriter(ResponseContext("resp_1", "m", 1, output_cap=cap))
+    out = rw.start()
+    for at in range(0, len(stream), read_size):
+        out += rw.feed(stream[at:at + read_size])
+    out += rw.finish()
+    events = sse_events(out)
+    assert sum(e["type"] == "response.output_text.delta" for e in events) == cap
+    assert events[-1]["type"] == "response.incomplete" and rw.capped
+    assert events[-1]["response"]["usage"]["output_tokens"] == cap
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_rewriter_cap_not_reached_changes_nothing():
+    from proxy.rewriter import ResponseContext, StreamRewriter
+
+    stream = b"".join([_chunk("a"), _chunk("b")]) + b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n' \
+        + b"data: [DONE]\n\n"
+    outs = []
+    for cap in (None, 2):
+        rw = StreamRewriter(ResponseContext("resp_1", "m", 1, output_cap=cap))
+        outs.append(re.sub(rb'"(msg_|rs_)[0-9a-f]+"', b'"id"', rw.start() + rw.feed(stream) + rw.finish()))
+        assert not rw.capped and rw.status == "completed"
+    assert outs[0] == outs[1]
+
+
+# --------------------------------------------------------------------------- hostile usage
+
+HOSTILE = [
+    {"prompt_tokens": -5},
+    {"prompt_tokens": 1.5},
+    {"prompt_tokens": 1e30},
+    {"prompt_tokens": "12"},
+    {"prompt_tokens": 500_000_000_008},
+    {"completion_tokens": 500_000_000_008},
+    {"completion_tokens": -1},
+    {"completion_tokens": "many"},
+    {"prompt_tokens_details": {"cached_tokens": 10_000_000}},
+    {"prompt_tokens_details": "garbage", "completion_tokens_details": [1]},
+]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("override", HOSTILE, ids=[json.dumps(h) for h in HOSTILE])
+async def test_hostile_usage_is_checked_and_clamped(make_proxy, http, sim, stream, override):
+    p = await make_proxy({"prices": PRICES})
+    initial = 1_000_000
+    secret, record = await p.ledger.create_key("victim", balance_micros=initial)
+    body = {"model": MODEL, "max_output_tokens": 20, "stream": stream,
+            "input": sim_input(text="one two three", usage_override=override)}
+    status, headers, answer = await call(http, p, body, key=secret)
+    assert status == 200
+    usage = await p.ledger.usage(headers["x-request-id"])  # a row, written before the answer ended
+    assert usage is not None
+    assert 0 <= usage.debited_micros == usage.cost_micros <= bound_cost(body, 20)
+    assert usage.output_tokens <= 20 and usage.cached_tokens <= usage.input_tokens
+    assert await balance_of(p.ledger, record.key_id) == initial - usage.debited_micros
+    assert await p.ledger.holds(record.key_id) == []
+    shown = (answer[-1]["response"] if stream else answer)["usage"]
+    assert all(type(shown[k]) is int and shown[k] >= 0 for k in ("input_tokens", "output_tokens", "total_tokens"))
+    if "prompt_tokens_details" not in override or isinstance(override["prompt_tokens_details"], dict):
+        # (details that are not objects read as absent: nothing to correct)
+        assert "responses_proxy_usage_corrections_total{reason=" in await scrape(http, p)
+
+
+def test_clean_usage_never_raises_and_stays_within_the_hold():
+    weird = [None, -1, 1.5, 1e30, float("nan"), float("inf"), "7", [], {}, True, 2**80, 3]
+    for a in weird:
+        for b in weird:
+            for c in weird:
+                reported = {"input_tokens": a, "input_tokens_details": {"cached_tokens": b}, "output_tokens": c,
+                            "output_tokens_details": {"reasoning_tokens": b}}
+                got = clean_usage(reported, counted_output=4, input_fallback=30, input_bound=100, output_cap=10,
+                                  price=PRICE, hold_micros=90)
+                assert all(type(v) is int and 0 <= v <= MAX_AMOUNT for v in
+                           (got.input_tokens, got.cached_tokens, got.output_tokens, got.reasoning_tokens))
+                assert got.input_tokens <= 100 and got.cached_tokens <= got.input_tokens
+                assert 4 <= got.output_tokens <= 10 and got.reasoning_tokens <= got.output_tokens
+                assert got.cost_micros <= 90
+
+
+def test_clean_usage_without_a_report_bills_the_fallbacks():
+    got = clean_usage(None, counted_output=7, input_fallback=40, input_bound=100, output_cap=5, price=PRICE,
+                      hold_micros=None)
+    assert (got.input_tokens, got.cached_tokens, got.output_tokens, got.cost_micros) == (40, 0, 5, 45)
+    assert got.corrections == []
+
+
+# --------------------------------------------------------------------------- what is billed without usage
+
+
+async def test_failed_stream_without_usage_bills_the_workers_count(make_proxy, http, sim):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    body = {"model": MODEL, "stream": True,
+            "input": sim_input(text="one two three four five six", error_after=3, usage=False)}
+    status, headers, events = await call(http, p, body, key=secret)
+    assert status == 200 and events[-1]["type"] == "response.failed"
+    chat = translate_request(body).chat
+    async with http.post(sim.url + "/tokenize", json={"model": MODEL, "messages": chat["messages"]}) as r:
+        counted = (await r.json())["count"]
+    usage = await p.ledger.usage(headers["x-request-id"])
+    assert (usage.input_tokens, usage.output_tokens) == (counted, 3)
+    assert usage.input_tokens < estimate_input_tokens(chat)
+
+
+async def test_non_stream_without_usage_bills_what_the_client_is_shown(make_proxy, http, sim):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    body = {"model": MODEL, "input": sim_input(text="one two three", usage=False)}
+    status, headers, answer = await call(http, p, body, key=secret)
+    assert status == 200
+    usage = await p.ledger.usage(headers["x-request-id"])
+    assert usage.output_tokens == answer["usage"]["output_tokens"] >= 1
+    assert usage.input_tokens > 0
+
+
+# --------------------------------------------------------------------------- back to back
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_back_to_back_requests_find_their_balance_settled(make_proxy, http, sim, stream):
+    """Sequential requests on a key whose balance covers one hold at a time: each waits for
+    its answer, so the previous one's hold is settled and the next is admitted."""
+    p = await make_proxy({"prices": PRICES, "balance": {"lease_max_micros": 0}})
+    initial = 40_000
+    secret, record = await p.ledger.create_key("seq", balance_micros=initial)
+    body = {"model": MODEL, "stream": stream, "input": "hello there"}
+    refused = 0
+    for _ in range(30):
+        status, _, _ = await call(http, p, body, key=secret)
+        refused += status == 402
+    assert refused == 0
+    usages = await p.ledger.list_usage(record.key_id, limit=100)
+    assert len(usages) == 30
+    assert initial - await balance_of(p.ledger, record.key_id) == sum(u.debited_micros for u in usages)
+
+
+# --------------------------------------------------------------------------- amounts and limits
+
+
+async def test_amounts_beyond_64_bits_are_refused(ledger_path):
+    from proxy.ledger import open_ledger
+
+    async with open_ledger({"path": str(ledger_path)}) as ledger:
+        with pytest.raises(ValueError, match="at most"):
+            await ledger.create_key("huge", balance_micros=2**63)
+        _, record = await ledger.create_key("big", balance_micros=MAX_AMOUNT - 5)
+        with pytest.raises(ValueError, match="exceed"):
+            await ledger.top_up(record.key_id, 10)
+        with pytest.raises(ValueError):
+            await ledger.top_up(record.key_id, 2**64)
+        with pytest.raises(ValueError, match="positive"):
+            await ledger.create_key("zero", balance_micros=5, concurrency=0)
+        with pytest.raises(ValueError, match="positive"):
+            await ledger.set_limits(record.key_id, rate_per_min=0)
+        keys = await ledger.list_keys()
+        assert all(type(k.balance_micros) is int for k in keys)
+
+
+@pytest.fixture
+def ledger_path(tmp_path):
+    return tmp_path / "ledger.db"
+
+
+def _keys(db, *args):
+    return subprocess.run([sys.executable, "-m", "proxy.ledger.cli", "--db", str(db), "keys", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args", [
+    ["create", "a", "--rate", "0"],
+    ["create", "a", "--concurrency", "0"],
+    ["create", "a", "--balance", str(2**63)],
+    ["create", "a", "--balance-usd", "1e40"],
+])
+def test_cli_refuses_zero_limits_and_huge_amounts(ledger_path, args):
+    done = _keys(ledger_path, *args)
+    assert done.returncode == 2, done
+    assert "error" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cli_refuses_zero_limits_on_limits_and_huge_topups(ledger_path):
+    created = _keys(ledger_path, "create", "a", "--balance", "100", "--json")
+    assert created.returncode == 0, created
+    key_id = json.loads(created.stdout)["key_id"]
+    for args in (["limits", key_id, "--rate", "0"], ["limits", key_id, "--concurrency", "0"],
+                 ["topup", key_id, str(2**63)]):
+        done = _keys(ledger_path, *args)
+        assert done.returncode == 2, (args, done)
+        assert "Traceback" not in done.stderr
+    done = _keys(ledger_path, "topup", key_id, str(MAX_AMOUNT))  # the ledger refuses the sum
+    assert done.returncode != 0 and "exceed" in done.stderr and "Traceback" not in done.stderr
+    listed = _keys(ledger_path, "list")
+    assert listed.returncode == 0, listed
