@@ -1227,7 +1227,8 @@ def _carries_output(delta: Any) -> bool:
     if tcs and isinstance(tcs, list):
         for tc in tcs:
             fn = tc.get("function") if isinstance(tc, dict) else None
-            if isinstance(fn, dict) and fn.get("arguments"):
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if args is not None and (args or not isinstance(args, str)):  # as _tool_delta counts
                 return True
     return False
 

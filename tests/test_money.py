@@ -19,12 +19,12 @@ import pytest
 from middlewares import balance as balance_mw
 from middlewares.balance import estimate_input_tokens
 from proxy.ledger.pricing import Price, cost_micros
-from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.translate import translate_request
 
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
 PRICE = Price(1_000_000, 100_000, 1_000_000)  # 1 micro per token
 MODEL = "tiny-model"
+MAX_AMOUNT = 2**63 - 1  # SQLite's largest INTEGER
 
 
 @pytest.fixture
@@ -79,8 +79,9 @@ async def test_concurrent_byte_dense_inputs_cannot_overdraw(make_proxy, http, si
     p = await make_proxy({"prices": PRICES})
     initial = 100_000
     secret, record = await p.ledger.create_key("dense", balance_micros=initial, concurrency=100)
-    body = {"model": MODEL, "max_output_tokens": 16, "input": ",;" * 10_000}
-    results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(10)))
+    bodies = [{"model": MODEL, "max_output_tokens": 16, "input": f"q{i} " + ",;" * 10_000}  # no cache hits
+              for i in range(10)]
+    results = await asyncio.gather(*(call(http, p, body, key=secret) for body in bodies))
     statuses = [r[0] for r in results]
     assert 200 in statuses and 402 in statuses, statuses
     await balance_mw.wait_for_settlements()
@@ -200,6 +201,8 @@ async def test_hostile_usage_is_checked_and_clamped(make_proxy, http, sim, strea
 
 
 def test_clean_usage_never_raises_and_stays_within_the_hold():
+    from proxy.ledger.usage import clean_usage
+
     weird = [None, -1, 1.5, 1e30, float("nan"), float("inf"), "7", [], {}, True, 2**80, 3]
     for a in weird:
         for b in weird:
@@ -216,6 +219,8 @@ def test_clean_usage_never_raises_and_stays_within_the_hold():
 
 
 def test_clean_usage_without_a_report_bills_the_fallbacks():
+    from proxy.ledger.usage import clean_usage
+
     got = clean_usage(None, counted_output=7, input_fallback=40, input_bound=100, output_cap=5, price=PRICE,
                       hold_micros=None)
     assert (got.input_tokens, got.cached_tokens, got.output_tokens, got.cost_micros) == (40, 0, 5, 45)
@@ -329,3 +334,49 @@ def test_cli_refuses_zero_limits_on_limits_and_huge_topups(ledger_path):
     assert done.returncode != 0 and "exceed" in done.stderr and "Traceback" not in done.stderr
     listed = _keys(ledger_path, "list")
     assert listed.returncode == 0, listed
+
+
+# --------------------------------------------------------------------------- the cap, differentially
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _capped_streams():
+    from tests.test_rewriter_fastpath import _CTXS, upstream_event
+
+    return _CTXS, upstream_event
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(_capped_streams()[1](), min_size=1, max_size=60),
+       plain=st.integers(0, 80),
+       mode=st.sampled_from(["coalesced", "per_event", "random_cuts"]),
+       cuts=st.lists(st.integers(0, 20_000), max_size=8),
+       which=st.sampled_from(sorted(_capped_streams()[0])),
+       cap=st.integers(0, 40))
+def test_random_streams_with_a_cap_fast_equals_general(events, plain, mode, cuts, which, cap):
+    """The batched paths and the per-chunk path agree byte for byte under a cap, and no
+    path lets more than `cap` output deltas through."""
+    from tests.test_rewriter_fastpath import _CTXS, _run, _state
+    from tests.test_rewriter import ctx
+
+    # A run of plain text chunks in the middle: what the batched paths (_feed_runs, _feed_split) take.
+    events = events[:len(events) // 2] + [_chunk(" w%d" % i) for i in range(plain)] + events[len(events) // 2:]
+    body = b"".join(events)
+    if mode == "coalesced":
+        chunks = [body]
+    elif mode == "per_event":
+        chunks = events
+    else:
+        points = sorted({c % (len(body) + 1) for c in cuts})
+        chunks = [body[a:b] for a, b in zip([0, *points], [*points, len(body)])]
+    c = ctx(**_CTXS[which], output_cap=cap)
+    fast, rw_fast = _run(chunks, c, True)
+    slow, rw_slow = _run(chunks, c, False)
+    assert fast == slow
+    assert _state(rw_fast) == _state(rw_slow) and rw_fast.capped == rw_slow.capped
+    assert rw_fast.output_tokens_seen <= cap
+    if rw_fast.capped:
+        assert rw_fast.status == "incomplete"
+        assert rw_fast.response["incomplete_details"] == {"reason": "max_output_tokens"}
