@@ -271,6 +271,7 @@ async def test_back_to_back_requests_find_their_balance_settled(make_proxy, http
     for _ in range(30):
         status, _, _ = await call(http, p, body, key=secret)
         refused += status == 402
+    print(f"\nback to back ({'stream' if stream else 'json'}): {refused} of 30 refused")
     assert refused == 0
     usages = await p.ledger.list_usage(record.key_id, limit=100)
     assert len(usages) == 30
@@ -380,3 +381,79 @@ def test_random_streams_with_a_cap_fast_equals_general(events, plain, mode, cuts
     if rw_fast.capped:
         assert rw_fast.status == "incomplete"
         assert rw_fast.response["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+# --------------------------------------------------------------------------- the audit
+
+_HOSTILE_SCRIPTS = [
+    {"text": "a b c d e f"},
+    {"text_words": 400, "ignore_max_tokens": True},
+    {"text": "one two three four five", "error_after": 2},
+    {"text": "one two three four five", "drop_after": 3},
+    {"text": "one two three", "usage": False},
+    {"text": "one two", "usage_override": {"prompt_tokens": 500_000_000_008}},
+    {"text": "one two", "usage_override": {"completion_tokens": 10**12}},
+    {"text": "one two", "usage_override": {"prompt_tokens": -3, "completion_tokens": 1.5}},
+    {"text": "one two", "usage_override": {"prompt_tokens": "9"}},
+    {"text": "one two", "usage_override": {"prompt_tokens_details": {"cached_tokens": 10**9}}},
+    {"text_words": 200, "delay": 0.01},  # the client leaves part way
+]
+
+
+@pytest.mark.parametrize("leases", [True, False])
+async def test_audit_under_hostile_concurrent_load(make_proxy, http, sim, monkeypatch, leases):
+    """Mixed concurrent traffic on several small keys, every upstream behaviour above; then,
+    for every key: balance decrease == sum of debits <= sum of holds, no debit above its own
+    hold, no hold left open."""
+    from proxy.ledger.lease import Leases
+
+    holds: dict[str, int] = {}
+    hold_up_to = Leases.hold_up_to
+
+    async def recording(self, request_id, key_id, low, high):
+        found = await hold_up_to(self, request_id, key_id, low, high)
+        holds[request_id] = found.amount_micros
+        return found
+
+    monkeypatch.setattr(Leases, "hold_up_to", recording)
+    section = {"lease_min_rate": 1} if leases else {"lease_max_micros": 0}
+    p = await make_proxy({"prices": PRICES, "balance": section})
+    keys = []
+    for n, initial in enumerate((3_000, 12_000, 40_000)):
+        secret, record = await p.ledger.create_key(f"audit{n}", balance_micros=initial, concurrency=1000)
+        keys.append((secret, record.key_id, initial))
+
+    async def one(secret: str, i: int) -> None:
+        script = _HOSTILE_SCRIPTS[i % len(_HOSTILE_SCRIPTS)]
+        body = {"model": MODEL, "stream": i % 3 != 0, "max_output_tokens": 5 + i % 40,
+                "input": f"request {i} " + sim_input(**script)}
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {secret}"}
+        try:
+            async with http.post(p.url + "/v1/responses", data=orjson.dumps(body), headers=headers) as r:
+                if "delay" in script and r.status == 200 and body["stream"]:
+                    for _ in range(8):  # a few events, then hang up
+                        await r.content.readline()
+                    return
+                await r.read()
+        except aiohttp.ClientError:
+            pass
+
+    for _ in range(2):  # two waves: the second runs on what the first left
+        await asyncio.gather(*(one(secret, i) for secret, _, _ in keys for i in range(44)))
+    await balance_mw.wait_for_settlements()
+    figures = []
+    for secret, key_id, initial in keys:
+        final = await balance_of(p.ledger, key_id)
+        usages = await p.ledger.list_usage(key_id, limit=10_000)
+        debits = sum(u.debited_micros for u in usages)
+        held = sum(holds[u.request_id] for u in usages)
+        figures.append((key_id, initial, final, debits, held, len(usages)))
+        assert initial - final == debits <= held, figures[-1]
+        assert all(u.debited_micros <= holds[u.request_id] for u in usages)
+        assert all(u.debited_micros == u.cost_micros for u in usages)  # never clamped at the balance
+        assert final >= 0
+    assert await p.ledger.holds() == []
+    assert all(balance == expected for _, balance, expected in await p.ledger.audit())
+    print(f"\naudit (leases {'on' if leases else 'off'}): key, initial, final, debits, holds, rows")
+    for row in figures:
+        print("  ", *row)
