@@ -284,7 +284,7 @@ def create(section: dict[str, Any], app: web.Application):
                 request_id=hold.request_id, key_id=hold.key_id, model=t.model, input_tokens=est, cached_tokens=0,
                 output_tokens=0, reasoning_tokens=0, cost_micros=min(hold.amount_micros, cost_micros(price, est, 0, 0)),
                 status="error")
-        return leases.finish(hold, usage)
+        return leases.finish(hold, usage, waited=not cancelled)
 
     async def settle(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
                      cancelled: bool) -> None:

@@ -196,11 +196,11 @@ class Leases:
         self._reserve(k, hold.amount_micros)
         return hold
 
-    def finish(self, hold: Hold, usage: UsageRecord | None) -> asyncio.Task | None:
+    def finish(self, hold: Hold, usage: UsageRecord | None, *, waited: bool = False) -> asyncio.Task | None:
         """Settle (usage) or release (None) a hold from hold_up_to; never waits. A lease hold
         is settled in memory at once (None); a per-request hold in the returned task (the
-        caller may wait for it). A cost above the hold is clamped at it: a request never
-        takes money held for another."""
+        caller may wait for it; `waited`: it will, so the settle does not linger for company).
+        A cost above the hold is clamped at it: a request never takes money held for another."""
         if usage is not None and not (type(usage.cost_micros) is int and 0 <= usage.cost_micros <= hold.amount_micros):
             log.warning("usage cost %r of request %s clamped at its hold %d", usage.cost_micros,
                         hold.request_id, hold.amount_micros)
@@ -223,12 +223,14 @@ class Leases:
             if self._timer is None and self.loop is not None:
                 self._timer = self.loop.call_later(self.linger_s, self._flush)
             return None
-        return self._spawn(self._settle_exact(hold, usage))
+        return self._spawn(self._settle_exact(hold, usage, waited))
 
-    async def _settle_exact(self, hold: Hold, usage: UsageRecord | None) -> None:
+    async def _settle_exact(self, hold: Hold, usage: UsageRecord | None, waited: bool = False) -> None:
         try:
             if usage is None:
-                await self.ledger.release(hold.request_id)
+                await self.ledger.release(hold.request_id, linger=not waited)
+            elif waited:
+                await self.ledger.settle(hold.request_id, usage, linger=False)
             else:
                 await self.ledger.settle(hold.request_id, usage)
         except Exception:

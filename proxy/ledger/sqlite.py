@@ -738,7 +738,7 @@ class SQLiteLedger(Ledger):
 
         return op
 
-    async def settle(self, request_id: str, usage: UsageRecord) -> bool:
+    async def settle(self, request_id: str, usage: UsageRecord, *, linger: bool = True) -> bool:
         if not request_id:
             raise ValueError("request_id is required")
         _check_usage_values(usage)
@@ -778,16 +778,16 @@ class SQLiteLedger(Ledger):
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
             return debit
 
-        debited = await self._run(op, lazy=True)
+        debited = await self._run(op, lazy=linger)
         if debited is None:
             return False
         usage.debited_micros = debited  # only once committed
         return True
 
-    async def release(self, request_id: str) -> bool:
+    async def release(self, request_id: str, *, linger: bool = True) -> bool:
         return await self._run(
             lambda conn: conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,)).rowcount > 0,
-            lazy=True,
+            lazy=linger,
             atomic=True,  # one statement: needs no savepoint of its own in a group
         )
 
