@@ -5,7 +5,7 @@
       demo_balance_micros: 100000000   # the demo key's balance (used by auth)
       default_max_output_tokens: 32768 # the output cap to reserve for when neither the request
                                        # nor the worker pool says one
-      bytes_per_token: 2               # the input estimate (see below)
+      bytes_per_token: 1               # the input bound (see below); at most 1
       lease_max_micros: 10000000       # leases (below); 0: every hold is a ledger round trip
       lease_min_rate: 4                # requests/s of a key in this process before a lease
       lease_seconds: 2                 # lease size: ~this long of the key's spend (+2x peak)
@@ -18,10 +18,11 @@ key: without the auth middleware, or for a static key (no account), this passes 
 Prices come from the top-level `prices` section (proxy.ledger.pricing).
 
 Before forwarding:
-  * the input is estimated from above: ceil(utf-8 bytes of the chat messages and tools,
-    as compact JSON, / bytes_per_token) + 16 for the chat template. Real tokenizers
-    average 3-4 bytes per token on English and JSON, so 2 over-estimates; the estimate
-    is only a reservation (and the bill when the model server reports no usage).
+  * the input is bounded from above: the utf-8 bytes of the chat messages and tools as
+    compact JSON (a byte-level BPE token covers at least one byte: digits and punctuation
+    reach one token per byte) + the chat template's tokens (256, 16 per message, 512 for
+    a tool list). Real tokenizers average 3-4 bytes per token on English, so the hold is
+    generous; the bill is what the worker reports (see below), not this bound.
   * the output cap is max_output_tokens, else the model's window from the worker pool,
     else default_max_output_tokens.
   * ONE ledger operation, hold_up_to(min = input + 1 output token, max = input + cap),
@@ -33,13 +34,19 @@ Before forwarding:
     one key cannot overdraw it: the check and the hold are one transaction under the
     database write lock. The hold is on the request under HOLD.
 
-After the handler (also when the client disconnected and the handler was cancelled:
-the ledger call runs in a task of its own, which the cancellation cannot reach and
-shutdown waits for):
+Settlement, before the answer's last bytes are sent (the forwarder calls the hook under
+state.SETTLE before the end of a stream; a JSON body is written after this middleware
+returns), so a client that waited for its answer finds its balance settled. When the
+client disconnected (the handler was cancelled) it runs in a task of its own, which the
+cancellation cannot reach and shutdown waits for:
   * the upstream answered (completed / incomplete / failed / cancelled mid-stream), or
-    the client left while the model server was working -> settle once with the real
-    usage: the reported tokens, else the counted output deltas and the input estimate;
-    cached tokens at the cached price.
+    the client left while the model server was working -> settle once with the usage
+    checked by proxy.ledger.usage.clean_usage: the reported tokens when they are possible,
+    else the output deltas counted and the prompt as the worker's tokenizer counts it
+    (the bound above when it cannot); output at most the cap sent upstream, the cost at
+    most the hold. Each correction is logged and counted
+    (responses_proxy_usage_corrections_total{reason}); the access line and the metrics
+    print the billed figures.
   * the model server was never reached, or refused before producing anything -> release.
 
 Leases. The ledger calls go through proxy.ledger.lease.Leases (one per app): for a busy key
@@ -49,9 +56,10 @@ others a few ms later; only a request the lease cannot cover does the ledger ope
 above (and gives the lease's free part back in it, so the exact semantics hold near the end
 of a balance). See README "Keys and balances" for the guarantees and the crash window.
 
-Nothing on the response path waits for an fsync: the hold commits without one (the ledger's
-hold_synchronous, see proxy/ledger/sqlite.py for why that is safe) and the settle, which
-is fsync'd, runs after the response in its own task.
+The hold commits without an fsync (the ledger's hold_synchronous, see proxy/ledger/sqlite.py
+for why that is safe). A per-request hold's settle is fsync'd and the end of the answer waits
+for it (one commit, without the settle linger); a lease hold's settle is an in-memory debit,
+its usage row committed (fsync'd) within lease_commit_ms after the answer ended.
 """
 
 from __future__ import annotations
