@@ -25,7 +25,7 @@ from proxy.request import SEALER, translation
 from proxy.logs import log
 from proxy.rewriter import (ResponseContext, StreamRewriter, client_usage, map_usage, public_message,
                             response_from_completion)
-from proxy.routing import check_context_window, parse_provider, request_parameters
+from proxy.routing import TokenCountError, check_context_window, count_tokens, parse_provider, request_parameters
 from proxy.translate import set_output_cap
 from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected, UpstreamPool,
                             UpstreamResponse)
@@ -256,7 +256,10 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
         out.ttfb_ms = (time.perf_counter() - started) * 1000
         if not t.stream:
             pool.record_success(worker, out.ttfb_ms / 1000)
-            return _json_answer(worker, ctx, first, out)
+            answer = _json_answer(worker, ctx, first, out)
+            if not out.usage_reported:
+                await _count_usage(request, worker, t, ctx, answer, out)
+            return web.Response(body=orjson.dumps(answer), content_type="application/json")
         if not first:
             pool.record_failure(worker, "closed before the first byte")
             raise _Retryable(worker, "empty_stream",
@@ -278,7 +281,7 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
                 upstream.close()
 
 
-def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.Outcome) -> web.Response:
+def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.Outcome) -> dict:
     try:
         completion = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -293,7 +296,61 @@ def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.O
     # Without a usage report, what the client is shown was counted (one per item with text).
     _record_usage(out, map_usage(usage) if isinstance(usage, dict) and usage else None,
                   int(response["usage"]["output_tokens"]) if not usage else 0, ctx.output_cap)
-    return web.Response(body=orjson.dumps(response), content_type="application/json")
+    return response
+
+
+def _output_text(response: dict) -> str:
+    """Everything the model wrote in a Response: its text, reasoning and call arguments."""
+    parts: list[str] = []
+    for item in response.get("output") or ():
+        kind = item.get("type")
+        if kind == "message":
+            parts.extend(c.get("text") or "" for c in item.get("content") or ())
+        elif kind == "reasoning":
+            parts.extend(c.get("text") or "" for c in item.get("summary") or ())
+        elif kind == "function_call":
+            parts.append(item.get("arguments") or "")
+        elif kind == "custom_tool_call":
+            parts.append(item.get("input") or "")
+    return "".join(parts)
+
+
+async def _count_usage(request: web.Request, worker: Worker, t: Any, ctx: ResponseContext, response: dict,
+                       out: state.Outcome) -> None:
+    """A non-stream answer without a usage report: the worker's tokenizer counts the prompt and
+    the output, so the client, the access line, the metrics and the bill show what it really
+    processed. Left as counted when the worker cannot say."""
+    session = request.app[SESSION]
+    try:
+        prompt = await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
+                                    t.chat.get("tools"))
+    except TokenCountError:
+        return
+    text = _output_text(response)
+    output = await _count_text(session, worker, t.upstream_model, text) if text else 0
+    if output is None:
+        return
+    usage = map_usage({"prompt_tokens": prompt, "completion_tokens": output})
+    response["usage"] = client_usage(usage, ctx.output_cap)
+    _record_usage(out, usage, out.counted_output, ctx.output_cap)
+
+
+async def _count_text(session: aiohttp.ClientSession, worker: Worker, model: str, text: str) -> int | None:
+    """The tokens of a plain text as the worker's tokenizer counts them (no template, no special
+    tokens); None when it cannot say."""
+    path = "/v1/tokenize" if worker.dialect == "sglang" else "/tokenize"
+    body = {"model": model, "prompt": text, "add_special_tokens": False}
+    timeout = aiohttp.ClientTimeout(total=worker.timeouts.first_byte, connect=worker.timeouts.connect)
+    try:
+        async with session.post(worker.endpoint(path), data=orjson.dumps(body), timeout=timeout,
+                                headers={"Content-Type": "application/json", **worker.auth_headers()}) as r:
+            if r.status != 200:
+                return None
+            data = orjson.loads(await r.read())
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+        return None
+    count = data.get("count") if isinstance(data, dict) else None
+    return count if type(count) is int and count >= 0 else None
 
 
 # A first read this big holds many events (a server that coalesces its chunks, or a client

@@ -245,15 +245,19 @@ async def test_failed_stream_without_usage_bills_the_workers_count(make_proxy, h
     assert usage.input_tokens < estimate_input_tokens(chat)
 
 
-async def test_non_stream_without_usage_bills_what_the_client_is_shown(make_proxy, http, sim):
+async def test_non_stream_without_usage_bills_the_workers_count(make_proxy, http, sim):
     p = await make_proxy({"prices": PRICES})
     secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
     body = {"model": MODEL, "input": sim_input(text="one two three", usage=False)}
     status, headers, answer = await call(http, p, body, key=secret)
     assert status == 200
+    chat = translate_request(body).chat
+    async with http.post(sim.url + "/tokenize", json={"model": MODEL, "messages": chat["messages"]}) as r:
+        counted = (await r.json())["count"]
     usage = await p.ledger.usage(headers["x-request-id"])
-    assert usage.output_tokens == answer["usage"]["output_tokens"] >= 1
-    assert usage.input_tokens > 0
+    # the worker's tokenizer counted both: the client, the ledger (and the access line) agree
+    assert usage.output_tokens == answer["usage"]["output_tokens"] == 3
+    assert usage.input_tokens == answer["usage"]["input_tokens"] == counted
 
 
 # --------------------------------------------------------------------------- back to back
@@ -457,3 +461,24 @@ async def test_audit_under_hostile_concurrent_load(make_proxy, http, sim, monkey
     print(f"\naudit (leases {'on' if leases else 'off'}): key, initial, final, debits, holds, rows")
     for row in figures:
         print("  ", *row)
+
+
+@pytest.mark.parametrize("script", [{"error_after": 3, "usage": False},
+                                    {"usage_override": {"prompt_tokens": 10**15, "completion_tokens": -4}}])
+async def test_access_line_metrics_and_ledger_agree(make_proxy, http, sim, capsys, script):
+    p = await make_proxy({"prices": PRICES})
+    secret, _ = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    body = {"model": MODEL, "stream": True, "max_output_tokens": 30,
+            "input": sim_input(text="one two three four five six", **script)}
+    capsys.readouterr()
+    status, headers, _ = await call(http, p, body, key=secret)
+    assert status == 200
+    request_id = headers["x-request-id"]
+    usage = await p.ledger.usage(request_id)
+    metrics = await scrape(http, p)
+    captured = capsys.readouterr()
+    line = [ln for ln in (captured.out + captured.err).splitlines() if request_id in ln and " request " in ln][-1]
+    fields = dict(re.findall(r'"?(input_tokens|output_tokens)"?[=:] ?(\d+)', line))
+    assert (int(fields["input_tokens"]), int(fields["output_tokens"])) == (usage.input_tokens, usage.output_tokens)
+    found = re.search(r'responses_proxy_input_tokens_total\{model="tiny-model"\} (\S+)', metrics)
+    assert found and float(found.group(1)) == usage.input_tokens
