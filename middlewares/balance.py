@@ -203,7 +203,9 @@ def create(section: dict[str, Any], app: web.Application):
         window = models.get(t.upstream_model) or models.get(t.model)
         return int(window) if window else default_cap
 
-    async def reserve(request: web.Request, leases: Leases, key_id: str, t: Any, price: Price, est: int) -> Hold:
+    async def reserve(request: web.Request, leases: Leases, key_id: str, t: Any, price: Price,
+                      est: int) -> tuple[Hold, int]:
+        """(the hold, the input bound it was sized with)."""
         wanted = output_cap(t)
         if wanted < 1:
             raise _insufficient("The available balance does not cover any output for this request.")
@@ -212,16 +214,47 @@ def create(section: dict[str, Any], app: web.Application):
         try:
             found = await leases.hold_up_to(request[state.REQUEST_ID], key_id, least, most)
         except InsufficientBalance as exc:
+            # The bound from the prompt's bytes is generous (3-4x on English text): before a
+            # refusal, a worker's tokenizer gives the prompt's real size, which may fit.
+            counted = await prompt_count(t)
+            if counted is not None and counted < est and exc.available_micros >= cost_micros(price, counted, 0, 1):
+                try:
+                    found = await leases.hold_up_to(request[state.REQUEST_ID], key_id,
+                                                    cost_micros(price, counted, 0, 1),
+                                                    cost_micros(price, counted, 0, wanted))
+                except InsufficientBalance as again:
+                    exc = again
+                else:
+                    return fit_cap(request, t, price, found, counted, wanted), counted
+                est = counted
             if exc.available_micros < cost_micros(price, est, 0, 0):
                 raise _insufficient("The available balance does not cover the input of this request. "
                                     "Top up the key or send a shorter input.") from None
             raise _insufficient("The available balance does not cover any output for this request.") from None
+        return fit_cap(request, t, price, found, est, wanted), est
+
+    def fit_cap(request: web.Request, t: Any, price: Price, found: Hold, est: int, wanted: int) -> Hold:
         cap = min(wanted, max_output_tokens_for(price, found.amount_micros, est, 0))
         if cap < wanted:  # >= 1: at least `least` was held
             request[state.OUTPUT_CAP] = cap
             state.notices(request).append(f"max_output_tokens lowered to {cap} to fit the balance")
         request[state.RESERVED_OUTPUT] = cap
         return found
+
+    async def prompt_count(t: Any) -> int | None:
+        """The prompt's tokens as a worker serving the model counts them; None when none can."""
+        pool = app.get(POOL)
+        session = app.get(SESSION)
+        if pool is None or session is None:
+            return None
+        worker = next((w for w in pool.workers if w.available and w.serves(t.upstream_model)), None)
+        if worker is None:
+            return None
+        try:
+            return await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
+                                      t.chat.get("tools"))
+        except (TokenCountError, Exception):  # a refusal stays a refusal when the count fails
+            return None
 
     def count_corrections(request: web.Request, fixes: list[str], hold: Hold, usage: Any) -> None:
         log.warning("usage corrected", request_id=hold.request_id, corrections=fixes,
@@ -327,7 +360,7 @@ def create(section: dict[str, Any], app: web.Application):
         price = price_of(t.model)
         est = estimate_input_tokens(t.chat, bytes_per_token)
         leases = leases_for(ledger)
-        hold = await reserve(request, leases, record.key_id, t, price, est)
+        hold, est = await reserve(request, leases, record.key_id, t, price, est)
         request[HOLD] = hold
         settling: list[asyncio.Task | None] = []  # one entry once settlement started
 
@@ -343,16 +376,21 @@ def create(section: dict[str, Any], app: web.Application):
 
         request[state.SETTLE] = settle_now
         try:
-            response = await handler(request)
-        except asyncio.CancelledError:
-            if not settling:  # the client left: settle in the background, never waited for
-                settling.append(start_settling(request, leases, hold, t, price, est, True))
-            raise
-        except BaseException:
+            try:
+                response = await handler(request)
+            except asyncio.CancelledError:
+                if not settling:  # the client left: settle in the background, never waited for
+                    settling.append(start_settling(request, leases, hold, t, price, est, True))
+                raise
+            except BaseException:
+                await settle_now()
+                raise
             await settle_now()
-            raise
-        await settle_now()
-        return response
+            return response
+        finally:
+            # request -> settle_now -> request: a cycle only the cyclic GC would free
+            request.pop(state.SETTLE, None)
+            settling.clear()
 
     async def drain(app: web.Application) -> None:
         for leases in accounts:

@@ -92,6 +92,25 @@ async def test_concurrent_byte_dense_inputs_cannot_overdraw(make_proxy, http, si
     assert initial - await balance_of(p.ledger, record.key_id) == sum(u.debited_micros for u in usages)
 
 
+async def test_a_balance_below_the_bound_is_sized_by_the_workers_tokenizer(make_proxy, http, sim):
+    """The bound is generous; a key that cannot cover it but covers the prompt as the worker
+    counts it is served (the cap lowered to fit) instead of refused."""
+    p = await make_proxy({"prices": PRICES})
+    body = {"model": MODEL, "input": "hello there, how are you today?"}
+    chat = translate_request(body).chat
+    async with http.post(sim.url + "/tokenize", json={"model": MODEL, "messages": chat["messages"]}) as r:
+        counted = (await r.json())["count"]
+    initial = counted + 4
+    assert initial < estimate_input_tokens(chat)
+    secret, record = await p.ledger.create_key("small", balance_micros=initial)
+    status, headers, answer = await call(http, p, body, key=secret)
+    assert status == 200, answer
+    assert headers["x-token-notice"] == "max_output_tokens lowered to 4 to fit the balance"
+    usage = await p.ledger.usage(headers["x-request-id"])
+    assert usage.input_tokens == counted and usage.output_tokens <= 4
+    assert initial - await balance_of(p.ledger, record.key_id) == usage.debited_micros == usage.cost_micros
+
+
 # --------------------------------------------------------------------------- the output cap
 
 
