@@ -78,7 +78,7 @@ from proxy.errors import APIError
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
 from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
-from proxy.ledger.usage import clean_usage
+from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.logs import log
 from proxy.metrics import METRICS
 from proxy.request import translation
@@ -209,8 +209,9 @@ def create(section: dict[str, Any], app: web.Application):
         wanted = output_cap(t)
         if wanted < 1:
             raise _insufficient("The available balance does not cover any output for this request.")
-        least = cost_micros(price, est, 0, 1)  # the input and one output token
-        most = cost_micros(price, est, 0, wanted)
+        # (no balance exceeds MAX_AMOUNT: a larger amount is simply one it cannot cover)
+        least = min(cost_micros(price, est, 0, 1), MAX_AMOUNT)  # the input and one output token
+        most = min(cost_micros(price, est, 0, wanted), MAX_AMOUNT)
         try:
             found = await leases.hold_up_to(request[state.REQUEST_ID], key_id, least, most)
         except InsufficientBalance as exc:
@@ -220,8 +221,8 @@ def create(section: dict[str, Any], app: web.Application):
             if counted is not None and counted < est and exc.available_micros >= cost_micros(price, counted, 0, 1):
                 try:
                     found = await leases.hold_up_to(request[state.REQUEST_ID], key_id,
-                                                    cost_micros(price, counted, 0, 1),
-                                                    cost_micros(price, counted, 0, wanted))
+                                                    min(cost_micros(price, counted, 0, 1), MAX_AMOUNT),
+                                                    min(cost_micros(price, counted, 0, wanted), MAX_AMOUNT))
                 except InsufficientBalance as again:
                     exc = again
                 else:
@@ -311,7 +312,8 @@ def create(section: dict[str, Any], app: web.Application):
     def needs_count(request: web.Request) -> bool:
         """No usage came from a worker that was reached: its tokenizer says what it processed."""
         out = request.get(state.OUTCOME)
-        return out is not None and out.upstream is not None and not out.usage_reported
+        return (out is not None and out.upstream is not None and not out.usage_reported
+                and not out.extra.get("no_token_count"))
 
     def finish(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int, cancelled: bool,
                counted_input: int | None) -> asyncio.Task | None:

@@ -325,10 +325,12 @@ async def _count_usage(request: web.Request, worker: Worker, t: Any, ctx: Respon
         prompt = await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
                                     t.chat.get("tools"))
     except TokenCountError:
+        out.extra["no_token_count"] = True  # the balance does not ask again
         return
     text = _output_text(response)
     output = await _count_text(session, worker, t.upstream_model, text) if text else 0
     if output is None:
+        out.extra["no_token_count"] = True
         return
     usage = map_usage({"prompt_tokens": prompt, "completion_tokens": output})
     response["usage"] = client_usage(usage, ctx.output_cap)
