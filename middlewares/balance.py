@@ -286,9 +286,7 @@ def create(section: dict[str, Any], app: web.Application):
         """The usage to settle, or None to release the hold. Never raises."""
         request_id = hold.request_id
         out = request.get(state.OUTCOME)
-        reached = out is not None and out.upstream is not None
-        answered = reached and (out.status in _ANSWERED or out.usage_reported or out.output_tokens > 0)
-        if not answered and not (reached and cancelled):
+        if not billable(out, cancelled):
             return None
         cap = request.get(state.RESERVED_OUTPUT)
         media = prompt_bytes(t.chat)[1]
@@ -309,11 +307,17 @@ def create(section: dict[str, Any], app: web.Application):
             reasoning_tokens=billed.reasoning_tokens, cost_micros=billed.cost_micros, status=status,
         )
 
-    def needs_count(request: web.Request) -> bool:
-        """No usage came from a worker that was reached: its tokenizer says what it processed."""
+    def billable(out: Any, cancelled: bool) -> bool:
+        """The upstream answered (completed / incomplete / failed / cancelled mid-stream), or the
+        client left while the model server was working; else the hold is released."""
+        reached = out is not None and out.upstream is not None
+        answered = reached and (out.status in _ANSWERED or out.usage_reported or out.output_tokens > 0)
+        return answered or (reached and cancelled)
+
+    def needs_count(request: web.Request, cancelled: bool) -> bool:
+        """A bill without a usage report: the worker's tokenizer says what it processed."""
         out = request.get(state.OUTCOME)
-        return (out is not None and out.upstream is not None and not out.usage_reported
-                and not out.extra.get("no_token_count"))
+        return billable(out, cancelled) and not out.usage_reported and not out.extra.get("no_token_count")
 
     def finish(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int, cancelled: bool,
                counted_input: int | None) -> asyncio.Task | None:
@@ -331,7 +335,7 @@ def create(section: dict[str, Any], app: web.Application):
 
     async def settle(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
                      cancelled: bool) -> None:
-        counted = await worker_count(request.get(state.OUTCOME), t) if needs_count(request) else None
+        counted = await worker_count(request.get(state.OUTCOME), t) if needs_count(request, cancelled) else None
         task = finish(request, leases, hold, t, price, est, cancelled, counted)
         if task is not None:
             await task
@@ -341,7 +345,7 @@ def create(section: dict[str, Any], app: web.Application):
         """Settle (or release) now; the task to wait for, None when it is done already (in
         memory, from a lease). The ledger work runs in a task of its own, which a cancelled
         handler (the client left) cannot interrupt and shutdown waits for."""
-        if needs_count(request):
+        if needs_count(request, cancelled):
             task = asyncio.ensure_future(settle(request, leases, hold, t, price, est, cancelled))
             _PENDING.add(task)
             task.add_done_callback(_PENDING.discard)
