@@ -501,3 +501,19 @@ async def test_access_line_metrics_and_ledger_agree(make_proxy, http, sim, capsy
     assert (int(fields["input_tokens"]), int(fields["output_tokens"])) == (usage.input_tokens, usage.output_tokens)
     found = re.search(r'responses_proxy_input_tokens_total\{model="tiny-model"\} (\S+)', metrics)
     assert found and float(found.group(1)) == usage.input_tokens
+
+
+async def test_ledger_settle_never_debits_more_than_the_hold(ledger_path):
+    """Defence in depth: whatever cost a settle is handed, the debit stays within the
+    request's own hold; the money held for the key's other requests stays theirs."""
+    from proxy.ledger import UsageRecord, open_ledger
+
+    async with open_ledger({"path": str(ledger_path)}) as ledger:
+        _, record = await ledger.create_key("k", balance_micros=10_000)
+        await ledger.hold("mine", record.key_id, 1_000, ttl_s=60)
+        await ledger.hold("other", record.key_id, 5_000, ttl_s=60)
+        usage = UsageRecord("mine", record.key_id, "m", 10, 0, 10**9, 0, 500_000_000_008, "completed")
+        assert await ledger.settle("mine", usage)
+        assert usage.debited_micros == 1_000
+        assert await balance_of(ledger, record.key_id) == 9_000
+        assert await ledger.available(record.key_id) == 4_000  # "other" still holds its 5,000
