@@ -50,9 +50,10 @@ thread's main work under load, so it is kept lean: the rows are validated and bu
 event loop, inserted with one executemany (row by row only when a balance runs out and the
 debits clamp), and a lease row whose expiry stays is updated without touching its indexes.
 
-Settles linger. settle() and release() run after the response (the balance middleware
-settles in a task of its own), so nobody waits on them: the writer keeps them up to
-`settle_linger_s` (default 5 ms) for others to share their fsync'd commit. At low
+Settles linger. A settle() or release() nobody waits for (linger=True: the client of a
+request that settles in the background has gone) is kept by the writer up to
+`settle_linger_s` (default 5 ms) for others to share its fsync'd commit; the balance
+middleware's settle before the end of an answer passes linger=False and commits at once. At low
 concurrency that turns one commit + one writer wake-up + one event-loop wake-up per
 request into one per few requests (~0.2 ms of CPU per request at concurrency 1); at high
 concurrency groups are large anyway. They are committed at once when another op needs an
