@@ -286,7 +286,7 @@ async def test_non_stream_without_usage_bills_the_workers_count(make_proxy, http
 async def test_back_to_back_requests_find_their_balance_settled(make_proxy, http, sim, stream):
     """Sequential requests on a key whose balance covers one hold at a time: each waits for
     its answer, so the previous one's hold is settled and the next is admitted."""
-    p = await make_proxy({"prices": PRICES, "balance": {"lease_max_micros": 0}})
+    p = await make_proxy({"balance": {"lease_max_micros": 0}})  # the default prices: each hold takes it all
     initial = 40_000
     secret, record = await p.ledger.create_key("seq", balance_micros=initial)
     body = {"model": MODEL, "stream": stream, "input": "hello there"}
