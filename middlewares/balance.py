@@ -216,8 +216,11 @@ def create(section: dict[str, Any], app: web.Application):
             found = await leases.hold_up_to(request[state.REQUEST_ID], key_id, least, most)
         except InsufficientBalance as exc:
             # The bound from the prompt's bytes is generous (3-4x on English text): before a
-            # refusal, a worker's tokenizer gives the prompt's real size, which may fit.
-            counted = await prompt_count(t)
+            # refusal, a worker's tokenizer gives the prompt's real size, which may fit. Not
+            # asked when even a 16-bytes-per-token prompt would not fit (an empty key's retries
+            # cost the workers nothing).
+            floor = cost_micros(price, max(1, (est - TEMPLATE_OVERHEAD) // 16), 0, 1)
+            counted = await prompt_count(t) if exc.available_micros >= floor else None
             if counted is not None and counted < est and exc.available_micros >= cost_micros(price, counted, 0, 1):
                 try:
                     found = await leases.hold_up_to(request[state.REQUEST_ID], key_id,
