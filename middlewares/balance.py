@@ -5,7 +5,7 @@
       demo_balance_micros: 100000000   # the demo key's balance (used by auth)
       default_max_output_tokens: 32768 # the output cap to reserve for when neither the request
                                        # nor the worker pool says one
-      bytes_per_token: 2               # the input estimate (see below)
+      bytes_per_token: 1               # the input bound (see below); at most 1
       lease_max_micros: 10000000       # leases (below); 0: every hold is a ledger round trip
       lease_min_rate: 4                # requests/s of a key in this process before a lease
       lease_seconds: 2                 # lease size: ~this long of the key's spend (+2x peak)
@@ -18,10 +18,11 @@ key: without the auth middleware, or for a static key (no account), this passes 
 Prices come from the top-level `prices` section (proxy.ledger.pricing).
 
 Before forwarding:
-  * the input is estimated from above: ceil(utf-8 bytes of the chat messages and tools,
-    as compact JSON, / bytes_per_token) + 16 for the chat template. Real tokenizers
-    average 3-4 bytes per token on English and JSON, so 2 over-estimates; the estimate
-    is only a reservation (and the bill when the model server reports no usage).
+  * the input is bounded from above: the utf-8 bytes of the chat messages and tools as
+    compact JSON (a byte-level BPE token covers at least one byte: digits and punctuation
+    reach one token per byte) + the chat template's tokens (256, 16 per message, 512 for
+    a tool list). Real tokenizers average 3-4 bytes per token on English, so the hold is
+    generous; the bill is what the worker reports (see below), not this bound.
   * the output cap is max_output_tokens, else the model's window from the worker pool,
     else default_max_output_tokens.
   * ONE ledger operation, hold_up_to(min = input + 1 output token, max = input + cap),
@@ -33,13 +34,19 @@ Before forwarding:
     one key cannot overdraw it: the check and the hold are one transaction under the
     database write lock. The hold is on the request under HOLD.
 
-After the handler (also when the client disconnected and the handler was cancelled:
-the ledger call runs in a task of its own, which the cancellation cannot reach and
-shutdown waits for):
+Settlement, before the answer's last bytes are sent (the forwarder calls the hook under
+state.SETTLE before the end of a stream; a JSON body is written after this middleware
+returns), so a client that waited for its answer finds its balance settled. When the
+client disconnected (the handler was cancelled) it runs in a task of its own, which the
+cancellation cannot reach and shutdown waits for:
   * the upstream answered (completed / incomplete / failed / cancelled mid-stream), or
-    the client left while the model server was working -> settle once with the real
-    usage: the reported tokens, else the counted output deltas and the input estimate;
-    cached tokens at the cached price.
+    the client left while the model server was working -> settle once with the usage
+    checked by proxy.ledger.usage.clean_usage: the reported tokens when they are possible,
+    else the output deltas counted and the prompt as the worker's tokenizer counts it
+    (the bound above when it cannot); output at most the cap sent upstream, the cost at
+    most the hold. Each correction is logged and counted
+    (responses_proxy_usage_corrections_total{reason}); the access line and the metrics
+    print the billed figures.
   * the model server was never reached, or refused before producing anything -> release.
 
 Leases. The ledger calls go through proxy.ledger.lease.Leases (one per app): for a busy key
@@ -49,9 +56,10 @@ others a few ms later; only a request the lease cannot cover does the ledger ope
 above (and gives the lease's free part back in it, so the exact semantics hold near the end
 of a balance). See README "Keys and balances" for the guarantees and the crash window.
 
-Nothing on the response path waits for an fsync: the hold commits without one (the ledger's
-hold_synchronous, see proxy/ledger/sqlite.py for why that is safe) and the settle, which
-is fsync'd, runs after the response in its own task.
+The hold commits without an fsync (the ledger's hold_synchronous, see proxy/ledger/sqlite.py
+for why that is safe). A per-request hold's settle is fsync'd and the end of the answer waits
+for it (one commit, without the settle linger); a lease hold's settle is an in-memory debit,
+its usage row committed (fsync'd) within lease_commit_ms after the answer ended.
 """
 
 from __future__ import annotations
@@ -70,11 +78,19 @@ from proxy.errors import APIError
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
 from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
+from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.logs import log
+from proxy.metrics import METRICS
 from proxy.request import translation
+from proxy.routing import TokenCountError, count_tokens, prompt_bytes
 
 HOLD = web.RequestKey("hold", Hold)
-TEMPLATE_OVERHEAD = 16
+# The chat template's own tokens (see estimate_input_tokens): in front of everything, around
+# each message, in front of a tool list. The same margins as the context check's bound
+# (proxy.routing).
+TEMPLATE_OVERHEAD = 256
+PER_MESSAGE_OVERHEAD = 16
+TOOLS_OVERHEAD = 512
 _ANSWERED = ("completed", "incomplete", "failed", "cancelled")
 _PENDING: set[asyncio.Task] = set()  # ledger calls in flight (a strong reference each)
 _LEASES: "weakref.WeakSet[Leases]" = weakref.WeakSet()  # every app's Leases
@@ -94,12 +110,31 @@ async def wait_for_settlements(timeout: float = 30) -> None:
         await asyncio.wait(pending, timeout=timeout)
 
 
-def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = 2) -> int:
-    """An over-estimate of the prompt tokens of a chat-completions body."""
-    size = len(orjson.dumps(chat.get("messages") or []))
+def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = 1) -> int:
+    """An upper bound of the prompt tokens of a chat-completions body (text prompts).
+
+    A byte-level BPE token (and a byte-fallback one) covers at least one byte, so the text
+    the template renders is at most as many tokens as its UTF-8 bytes; the compact JSON of
+    the messages and tools holds every such byte (and more). The template adds its own
+    tokens: a few around each message, a preamble in front of a tool list, a default system
+    prompt. Images and audio are not bounded by their bytes: for them the bill is the
+    worker's report (clamped at the hold)."""
+    messages = chat.get("messages") or []
+    size = len(orjson.dumps(messages))
+    overhead = TEMPLATE_OVERHEAD + PER_MESSAGE_OVERHEAD * (len(messages) if isinstance(messages, list) else 1)
     if chat.get("tools"):
         size += len(orjson.dumps(chat["tools"]))
-    return int(-(-size // bytes_per_token)) + TEMPLATE_OVERHEAD
+        overhead += TOOLS_OVERHEAD
+    return int(-(-size // bytes_per_token)) + overhead
+
+
+def _loggable(usage: Any) -> Any:
+    """The reported usage for a log line: bounded (it comes from the upstream)."""
+    try:
+        text = orjson.dumps(usage, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:
+        text = repr(usage)
+    return text[:500]
 
 
 def _insufficient(message: str) -> APIError:
@@ -120,7 +155,10 @@ def create(section: dict[str, Any], app: web.Application):
         raise ConfigError(f"balance: unknown setting(s) {', '.join(sorted(unknown))}")
     hold_ttl = float(_positive(section, "hold_ttl_s", 900, (int, float)))
     default_cap = _positive(section, "default_max_output_tokens", 32768)
-    bytes_per_token = _positive(section, "bytes_per_token", 2, (int, float))
+    bytes_per_token = _positive(section, "bytes_per_token", 1, (int, float))
+    if bytes_per_token > 1:
+        raise ConfigError(f"balance.bytes_per_token must be at most 1, not {bytes_per_token!r}: a token of a "
+                          "byte-level tokenizer can be a single byte, and the reservation must be an upper bound")
     demo = section.get("demo_balance_micros", 0)
     if isinstance(demo, bool) or not isinstance(demo, int) or demo < 0:
         raise ConfigError("balance.demo_balance_micros must be a non-negative integer")
@@ -156,7 +194,7 @@ def create(section: dict[str, Any], app: web.Application):
     # Imported here, not at the top (proxy.app imports this package), and once: an import
     # statement on the request path costs microseconds per request.
     from proxy.app import LEDGER
-    from proxy.forwarder import POOL
+    from proxy.forwarder import POOL, SESSION
 
     def output_cap(t: Any) -> int:
         if t.max_output_tokens is not None:
@@ -165,58 +203,157 @@ def create(section: dict[str, Any], app: web.Application):
         window = models.get(t.upstream_model) or models.get(t.model)
         return int(window) if window else default_cap
 
-    async def reserve(request: web.Request, leases: Leases, key_id: str, t: Any, price: Price, est: int) -> Hold:
+    async def reserve(request: web.Request, leases: Leases, key_id: str, t: Any, price: Price,
+                      est: int) -> tuple[Hold, int]:
+        """(the hold, the input bound it was sized with)."""
         wanted = output_cap(t)
         if wanted < 1:
             raise _insufficient("The available balance does not cover any output for this request.")
-        least = cost_micros(price, est, 0, 1)  # the input and one output token
-        most = cost_micros(price, est, 0, wanted)
+        # (no balance exceeds MAX_AMOUNT: a larger amount is simply one it cannot cover)
+        least = min(cost_micros(price, est, 0, 1), MAX_AMOUNT)  # the input and one output token
+        most = min(cost_micros(price, est, 0, wanted), MAX_AMOUNT)
         try:
             found = await leases.hold_up_to(request[state.REQUEST_ID], key_id, least, most)
         except InsufficientBalance as exc:
+            # The bound from the prompt's bytes is generous (3-4x on English text): before a
+            # refusal, a worker's tokenizer gives the prompt's real size, which may fit. Not
+            # asked when even a 16-bytes-per-token prompt would not fit (an empty key's retries
+            # cost the workers nothing).
+            floor = cost_micros(price, max(1, (est - TEMPLATE_OVERHEAD) // 16), 0, 1)
+            counted = await prompt_count(t) if exc.available_micros >= floor else None
+            if counted is not None and counted < est and exc.available_micros >= cost_micros(price, counted, 0, 1):
+                try:
+                    found = await leases.hold_up_to(request[state.REQUEST_ID], key_id,
+                                                    min(cost_micros(price, counted, 0, 1), MAX_AMOUNT),
+                                                    min(cost_micros(price, counted, 0, wanted), MAX_AMOUNT))
+                except InsufficientBalance as again:
+                    exc = again
+                else:
+                    return fit_cap(request, t, price, found, counted, wanted), counted
+                est = counted
             if exc.available_micros < cost_micros(price, est, 0, 0):
                 raise _insufficient("The available balance does not cover the input of this request. "
                                     "Top up the key or send a shorter input.") from None
             raise _insufficient("The available balance does not cover any output for this request.") from None
+        return fit_cap(request, t, price, found, est, wanted), est
+
+    def fit_cap(request: web.Request, t: Any, price: Price, found: Hold, est: int, wanted: int) -> Hold:
         cap = min(wanted, max_output_tokens_for(price, found.amount_micros, est, 0))
         if cap < wanted:  # >= 1: at least `least` was held
             request[state.OUTPUT_CAP] = cap
             state.notices(request).append(f"max_output_tokens lowered to {cap} to fit the balance")
+        request[state.RESERVED_OUTPUT] = cap
         return found
 
-    def close(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
-              cancelled: bool) -> None:
-        request_id = hold.request_id
+    async def prompt_count(t: Any) -> int | None:
+        """The prompt's tokens as a worker serving the model counts them; None when none can."""
+        pool = app.get(POOL)
+        session = app.get(SESSION)
+        if pool is None or session is None:
+            return None
+        worker = next((w for w in pool.workers if w.available and w.serves(t.upstream_model)), None)
+        if worker is None:
+            return None
         try:
-            usage = usage_of(request, hold, t, price, est, cancelled)
-        except Exception:
-            log.exception("settlement failed", request_id=request_id)
-            if isinstance(hold, LeaseHold):  # back to the lease: never a charge without a record
-                leases.finish(hold, None)
-            return  # a hold row stays and expires after hold_ttl_s
-        leases.finish(hold, usage)
+            return await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
+                                      t.chat.get("tools"))
+        except (TokenCountError, Exception):  # a refusal stays a refusal when the count fails
+            return None
 
-    def usage_of(request: web.Request, hold: Hold, t: Any, price: Price, est: int,
-                 cancelled: bool) -> UsageRecord | None:
-        """The usage to settle, or None to release the hold."""
+    def count_corrections(request: web.Request, fixes: list[str], hold: Hold, usage: Any) -> None:
+        log.warning("usage corrected", request_id=hold.request_id, corrections=fixes,
+                    reported=_loggable(usage))
+        metrics = app.get(METRICS)
+        if metrics is not None:
+            for reason in fixes:
+                metrics.usage_corrections.inc((reason,))
+
+    async def worker_count(out: Any, t: Any) -> int | None:
+        """The prompt as the worker that served it counts it (its tokenizer and template);
+        None when it cannot say."""
+        pool = app.get(POOL)
+        session = app.get(SESSION)
+        if pool is None or session is None or out is None:
+            return None
+        worker = next((w for w in pool.workers if w.name == out.upstream), None)
+        if worker is None:
+            return None
+        try:
+            return await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
+                                      t.chat.get("tools"))
+        except (TokenCountError, Exception):  # billing never fails because a count could not be had
+            return None
+
+    def usage_of(request: web.Request, hold: Hold, t: Any, price: Price, est: int, cancelled: bool,
+                 counted_input: int | None) -> UsageRecord | None:
+        """The usage to settle, or None to release the hold. Never raises."""
         request_id = hold.request_id
         out = request.get(state.OUTCOME)
-        reached = out is not None and out.upstream is not None
-        answered = reached and (out.status in _ANSWERED or out.usage_reported or out.output_tokens > 0)
-        if not answered and not (reached and cancelled):
+        if not billable(out, cancelled):
             return None
-        if out.usage_reported:
-            input_tokens, cached = out.input_tokens, out.cached_tokens
-        else:
-            input_tokens, cached = est, 0
+        cap = request.get(state.RESERVED_OUTPUT)
+        media = prompt_bytes(t.chat)[1]
+        billed = clean_usage(out.reported_usage if out.usage_reported else None,
+                             counted_output=out.counted_output,
+                             input_fallback=counted_input if counted_input is not None else est,
+                             input_bound=None if media else est, output_cap=cap, price=price,
+                             hold_micros=hold.amount_micros)
+        if billed.corrections:
+            count_corrections(request, billed.corrections, hold, out.reported_usage)
+        # What the access line and the metrics print: the billed figures.
+        out.input_tokens, out.cached_tokens = billed.input_tokens, billed.cached_tokens
+        out.output_tokens, out.reasoning_tokens = billed.output_tokens, billed.reasoning_tokens
         status = out.status if out.status in USAGE_STATUSES else ("cancelled" if cancelled else "error")
-        output = max(0, int(out.output_tokens))
         return UsageRecord(
             request_id=request_id, key_id=hold.key_id, model=t.model,
-            input_tokens=int(input_tokens), cached_tokens=int(cached), output_tokens=output,
-            reasoning_tokens=max(0, int(out.reasoning_tokens)),
-            cost_micros=cost_micros(price, int(input_tokens), int(cached), output), status=status,
+            input_tokens=billed.input_tokens, cached_tokens=billed.cached_tokens, output_tokens=billed.output_tokens,
+            reasoning_tokens=billed.reasoning_tokens, cost_micros=billed.cost_micros, status=status,
         )
+
+    def billable(out: Any, cancelled: bool) -> bool:
+        """The upstream answered (completed / incomplete / failed / cancelled mid-stream), or the
+        client left while the model server was working; else the hold is released."""
+        reached = out is not None and out.upstream is not None
+        answered = reached and (out.status in _ANSWERED or out.usage_reported or out.output_tokens > 0)
+        return answered or (reached and cancelled)
+
+    def needs_count(request: web.Request, cancelled: bool) -> bool:
+        """A bill without a usage report: the worker's tokenizer says what it processed."""
+        out = request.get(state.OUTCOME)
+        return billable(out, cancelled) and not out.usage_reported and not out.extra.get("no_token_count")
+
+    def finish(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int, cancelled: bool,
+               counted_input: int | None) -> asyncio.Task | None:
+        try:
+            usage = usage_of(request, hold, t, price, est, cancelled, counted_input)
+        except Exception:
+            log.exception("settlement failed", request_id=hold.request_id)
+            # The upper bound, clamped at the hold: a request that reached the worker is never free.
+            out = request.get(state.OUTCOME)
+            usage = None if out is None or out.upstream is None else UsageRecord(
+                request_id=hold.request_id, key_id=hold.key_id, model=t.model, input_tokens=est, cached_tokens=0,
+                output_tokens=0, reasoning_tokens=0, cost_micros=min(hold.amount_micros, cost_micros(price, est, 0, 0)),
+                status="error")
+        return leases.finish(hold, usage, waited=not cancelled)
+
+    async def settle(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
+                     cancelled: bool) -> None:
+        counted = await worker_count(request.get(state.OUTCOME), t) if needs_count(request, cancelled) else None
+        task = finish(request, leases, hold, t, price, est, cancelled, counted)
+        if task is not None:
+            await task
+
+    def start_settling(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
+                       cancelled: bool) -> asyncio.Task | None:
+        """Settle (or release) now; the task to wait for, None when it is done already (in
+        memory, from a lease). The ledger work runs in a task of its own, which a cancelled
+        handler (the client left) cannot interrupt and shutdown waits for."""
+        if needs_count(request, cancelled):
+            task = asyncio.ensure_future(settle(request, leases, hold, t, price, est, cancelled))
+            _PENDING.add(task)
+            task.add_done_callback(_PENDING.discard)
+            return task
+        return finish(request, leases, hold, t, price, est, cancelled, None)
 
     @web.middleware
     async def balance(request: web.Request, handler):
@@ -232,20 +369,37 @@ def create(section: dict[str, Any], app: web.Application):
         price = price_of(t.model)
         est = estimate_input_tokens(t.chat, bytes_per_token)
         leases = leases_for(ledger)
-        hold = await reserve(request, leases, record.key_id, t, price, est)
+        hold, est = await reserve(request, leases, record.key_id, t, price, est)
         request[HOLD] = hold
-        cancelled = False
+        settling: list[asyncio.Task | None] = []  # one entry once settlement started
+
+        async def settle_now() -> None:
+            """Settle before the answer's last bytes go out (the forwarder calls this before the
+            end of a stream; a JSON body is written after this middleware returns): a client that
+            waits for its answer finds its balance settled. Never raises."""
+            if not settling:
+                settling.append(start_settling(request, leases, hold, t, price, est, False))
+            task = settling[0]
+            if task is not None and not task.done():
+                await asyncio.shield(task)  # cancelled (the client left): the task goes on
+
+        request[state.SETTLE] = settle_now
         try:
-            return await handler(request)
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
+            try:
+                response = await handler(request)
+            except asyncio.CancelledError:
+                if not settling:  # the client left: settle in the background, never waited for
+                    settling.append(start_settling(request, leases, hold, t, price, est, True))
+                raise
+            except BaseException:
+                await settle_now()
+                raise
+            await settle_now()
+            return response
         finally:
-            # Never waits: a hold from a lease settles in memory and its usage row is queued
-            # for the next commit; a per-request hold settles in a task of its own, which a
-            # cancelled handler (the client left) cannot interrupt. Shutdown commits and waits
-            # for both (drain).
-            close(request, leases, hold, t, price, est, cancelled)
+            # request -> settle_now -> request: a cycle only the cyclic GC would free
+            request.pop(state.SETTLE, None)
+            settling.clear()
 
     async def drain(app: web.Application) -> None:
         for leases in accounts:

@@ -23,8 +23,9 @@ from proxy.affinity import request_key
 from proxy.errors import APIError
 from proxy.request import SEALER, translation
 from proxy.logs import log
-from proxy.rewriter import ResponseContext, StreamRewriter, public_message, response_from_completion
-from proxy.routing import check_context_window, parse_provider, request_parameters
+from proxy.rewriter import (ResponseContext, StreamRewriter, client_usage, map_usage, public_message,
+                            response_from_completion)
+from proxy.routing import TokenCountError, check_context_window, count_tokens, parse_provider, request_parameters
 from proxy.seal import binding
 from proxy.translate import set_output_cap
 from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected, UpstreamPool,
@@ -127,18 +128,45 @@ def _context(request: web.Request, t: Any) -> ResponseContext:
         reasoning_items=settings.reasoning_items,
         reasoning_in_clear=settings.reasoning_in_clear,
         seal=sealer.bound(binding(request))[0] if sealer is not None and t.include_encrypted_reasoning else None,
+        output_cap=_output_cap(request, t),
     )
 
 
-def _record_usage(out: state.Outcome, usage: dict | None, counted: int) -> None:
+def _output_cap(request: web.Request, t: Any) -> int | None:
+    """The most output deltas the client may be sent (and billed): the max_tokens sent
+    upstream, or the cap the balance reserved for when none was sent."""
+    sent = t.chat.get("max_tokens")
+    sent = sent if type(sent) is int and sent >= 1 else None
+    reserved = request.get(state.RESERVED_OUTPUT)
+    if reserved is None:
+        return sent
+    return reserved if sent is None or reserved < sent else sent
+
+
+def _record_usage(out: state.Outcome, usage: dict | None, counted: int, cap: int | None,
+                  capped: bool = False) -> None:
+    """The usage as reported (checked by the balance middleware before billing, which then
+    puts the billed figures here) and the output deltas counted; the figures kept here for
+    the access line and the metrics when nothing is billed are the same checks, short."""
+    out.counted_output = counted
+    out.output_capped = capped
     if usage:
         out.usage_reported = True
-        out.input_tokens = int(usage.get("input_tokens") or 0)
-        out.cached_tokens = int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
-        out.output_tokens = int(usage.get("output_tokens") or 0)
-        out.reasoning_tokens = int((usage.get("output_tokens_details") or {}).get("reasoning_tokens") or 0)
+        out.reported_usage = usage
+        shown = client_usage(usage, cap)
+        out.input_tokens = shown["input_tokens"]
+        out.cached_tokens = shown["input_tokens_details"]["cached_tokens"]
+        out.output_tokens = max(shown["output_tokens"], counted)
+        out.reasoning_tokens = shown["output_tokens_details"]["reasoning_tokens"]
     else:
         out.output_tokens = counted
+
+
+async def _settle_now(request: web.Request) -> None:
+    """The balance middleware's settlement, before the last bytes go out (state.SETTLE)."""
+    settle = request.get(state.SETTLE)
+    if settle is not None:
+        await settle()
 
 
 async def responses_handler(request: web.Request) -> web.StreamResponse:
@@ -238,7 +266,10 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
         out.ttfb_ms = (time.perf_counter() - started) * 1000
         if not t.stream:
             pool.record_success(worker, out.ttfb_ms / 1000)
-            return _json_answer(worker, ctx, first, out)
+            answer = _json_answer(worker, ctx, first, out)
+            if not out.usage_reported:
+                await _count_usage(request, worker, t, ctx, answer, out)
+            return web.Response(body=orjson.dumps(answer), content_type="application/json")
         if not first:
             pool.record_failure(worker, "closed before the first byte")
             raise _Retryable(worker, "empty_stream",
@@ -257,7 +288,9 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
         if upstream is not None:
             # An unfinished generation is aborted upstream by closing its connection (vLLM
             # frees the GPU when the connection drops), never left running for a pooled reuse.
-            if upstream.at_eof():
+            if out.output_capped:
+                upstream.close()  # it ignored max_tokens: whatever it is still sending is not wanted
+            elif upstream.at_eof():
                 upstream.release()
             elif t.stream and out.status in ("completed", "incomplete"):
                 upstream.release_when_complete(STREAM_END_GRACE_S)  # only the stream's framing is left
@@ -278,7 +311,7 @@ def is_event_stream(content_type: bytes | None, first: bytes) -> bool:
     return not head or any(head.startswith(f) or f.startswith(head) for f in _SSE_FIELDS)
 
 
-def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.Outcome) -> web.Response:
+def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.Outcome) -> dict:
     try:
         completion = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -289,8 +322,67 @@ def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.O
         raise APIError(502, message or "The model server failed.", code="upstream_error")
     response = response_from_completion(ctx, completion)
     out.status = response["status"]
-    _record_usage(out, response.get("usage") if completion.get("usage") else None, 0)
-    return web.Response(body=orjson.dumps(response), content_type="application/json")
+    usage = completion.get("usage")
+    # Without a usage report, what the client is shown was counted (one per item with text).
+    _record_usage(out, map_usage(usage) if isinstance(usage, dict) and usage else None,
+                  int(response["usage"]["output_tokens"]) if not usage else 0, ctx.output_cap)
+    return response
+
+
+def _output_text(response: dict) -> str:
+    """Everything the model wrote in a Response: its text, reasoning and call arguments."""
+    parts: list[str] = []
+    for item in response.get("output") or ():
+        kind = item.get("type")
+        if kind == "message":
+            parts.extend(c.get("text") or "" for c in item.get("content") or ())
+        elif kind == "reasoning":
+            parts.extend(c.get("text") or "" for c in item.get("summary") or ())
+        elif kind == "function_call":
+            parts.append(item.get("arguments") or "")
+        elif kind == "custom_tool_call":
+            parts.append(item.get("input") or "")
+    return "".join(parts)
+
+
+async def _count_usage(request: web.Request, worker: Worker, t: Any, ctx: ResponseContext, response: dict,
+                       out: state.Outcome) -> None:
+    """A non-stream answer without a usage report: the worker's tokenizer counts the prompt and
+    the output, so the client, the access line, the metrics and the bill show what it really
+    processed. Left as counted when the worker cannot say."""
+    session = request.app[SESSION]
+    try:
+        prompt = await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
+                                    t.chat.get("tools"))
+    except TokenCountError:
+        out.extra["no_token_count"] = True  # the balance does not ask again
+        return
+    text = _output_text(response)
+    output = await _count_text(session, worker, t.upstream_model, text) if text else 0
+    if output is None:
+        out.extra["no_token_count"] = True
+        return
+    usage = map_usage({"prompt_tokens": prompt, "completion_tokens": output})
+    response["usage"] = client_usage(usage, ctx.output_cap)
+    _record_usage(out, usage, out.counted_output, ctx.output_cap)
+
+
+async def _count_text(session: aiohttp.ClientSession, worker: Worker, model: str, text: str) -> int | None:
+    """The tokens of a plain text as the worker's tokenizer counts them (no template, no special
+    tokens); None when it cannot say."""
+    path = "/v1/tokenize" if worker.dialect == "sglang" else "/tokenize"
+    body = {"model": model, "prompt": text, "add_special_tokens": False}
+    timeout = aiohttp.ClientTimeout(total=worker.timeouts.first_byte, connect=worker.timeouts.connect)
+    try:
+        async with session.post(worker.endpoint(path), data=orjson.dumps(body), timeout=timeout,
+                                headers={"Content-Type": "application/json", **worker.auth_headers()}) as r:
+            if r.status != 200:
+                return None
+            data = orjson.loads(await r.read())
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+        return None
+    count = data.get("count") if isinstance(data, dict) else None
+    return count if type(count) is int and count >= 0 else None
 
 
 # A first read this big holds many events (a server that coalesces its chunks, or a client
@@ -319,6 +411,7 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
                          deadline: float) -> web.StreamResponse:
     rewriter = request[EVENT_STREAM] = StreamRewriter(ctx)
     response = _EventStream(status=200, headers=_SSE_HEADERS)
+    recorded = False
     loop = asyncio.get_running_loop()
     idle = worker.timeouts.idle
     # The idle and total timeouts of each upstream read, as one lazy watchdog timer instead of
@@ -391,6 +484,10 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
                 break
             read_since = None
             pending = feed(data) if data else rewriter.finish()
+        out.status = rewriter.status
+        _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)
+        recorded = True
+        await _settle_now(request)  # billed before the client can read the end of its answer
         await response.write_eof(pending)  # the last events and the end of the body: one send
     except ConnectionResetError:
         # Clients such as Codex hang up as soon as they read the terminal event: an answer
@@ -404,8 +501,9 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
         # watchdog re-arms itself, so its closure holds it: a cycle that would keep this
         # stream's task, rewriter and response alive until the cyclic GC (per stream).
         watchdog = None  # type: ignore[assignment]  # noqa: F841
-        out.status = rewriter.status if rewriter.done else "cancelled"
-        _record_usage(out, rewriter.usage, rewriter.output_tokens_seen)
+        if not recorded:  # else the balance may have put the billed figures there since
+            out.status = rewriter.status if rewriter.done else "cancelled"
+            _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)
     return response
 
 

@@ -183,6 +183,8 @@ class _RequestCollector:
         for key, prompt in m.worker_prompt_tokens.values.items():  # both counted together, prompt > 0
             ratio.add_metric(list(key), cached[key] / prompt)
         yield ratio
+        if m.usage_corrections.values:  # labelled by reason: no series before the first one
+            yield m.usage_corrections.family(with_created)
 
 
 class Metrics:
@@ -207,6 +209,9 @@ class Metrics:
                                              "Prompt tokens of the requests each worker answered.", ("worker",))
         self.worker_cached_tokens = _Counter(f"{PREFIX}_worker_cached_tokens",
                                              "Prompt tokens each worker read from its prefix cache.", ("worker",))
+        # Each value of an upstream's usage report the ledger did not believe (proxy.ledger.usage).
+        self.usage_corrections = _Counter(f"{PREFIX}_usage_corrections",
+                                          "Upstream usage values replaced before billing, by reason.", ("reason",))
         r.register(_RequestCollector(self))
         # Set once per scrape (refresh_ledger), not per request: prometheus_client's Gauge is fine.
         self.holds = Gauge(f"{PREFIX}_ledger_holds", "Balance holds not yet settled.", registry=r)

@@ -53,7 +53,7 @@ def public_message(message: str, limit: int = 500) -> str:
 if TYPE_CHECKING:  # proxy.translate is written separately; only its shape matters here
     from proxy.translate import ToolOrigin
 
-__all__ = ["ResponseContext", "StreamRewriter", "response_from_completion", "map_usage"]
+__all__ = ["ResponseContext", "StreamRewriter", "response_from_completion", "map_usage", "client_usage"]
 
 # ResponseError.code is a closed set in the SDK; anything else is reported as server_error
 # (the original code travels in error.type).
@@ -100,6 +100,9 @@ class ResponseContext:
     # Addition to DESIGN.md: with a seal, False sends the reasoning only as ciphertext
     # (summary [] and no summary events); True (default) sends the summary text as well.
     reasoning_in_clear: bool = True
+    # The max_tokens sent upstream: no more output deltas than this reach the client (an
+    # upstream that ignores it is cut off there, the response ends incomplete).
+    output_cap: int | None = None
 
 
 def _hex() -> str:
@@ -117,21 +120,64 @@ def _origin(origin: Any) -> tuple[str, str | None, str | None]:
     return get(origin, "kind", None) or "function", get(origin, "name", None), get(origin, "namespace", None)
 
 
+def _count(value: Any) -> int | None:
+    """A reported token count, or None when it is not one (the ledger then bills its fallback)."""
+    if value.__class__ is int:
+        return value if 0 <= value <= _MAX_COUNT else None
+    if value.__class__ is float and value.is_integer() and 0 <= value <= _MAX_COUNT:
+        return int(value)
+    return None
+
+
+_MAX_COUNT = 2**63 - 1
+
+
 def map_usage(u: dict) -> dict:
-    """Chat usage -> Responses usage (input_tokens includes cached and written tokens)."""
-    inp = u.get("prompt_tokens") or 0
-    out = u.get("completion_tokens") or 0
-    ptd = u.get("prompt_tokens_details") or {}
-    ctd = u.get("completion_tokens_details") or {}
+    """Chat usage -> Responses usage (input_tokens includes cached and written tokens). A count
+    that is missing or not a count (negative, fractional, huge, a string) is None here: the
+    ledger replaces it (proxy.ledger.usage) and the client is shown 0 (client_usage)."""
+    inp = _count(u.get("prompt_tokens"))
+    out = _count(u.get("completion_tokens"))
+    ptd = u.get("prompt_tokens_details")
+    ptd = ptd if ptd.__class__ is dict else {}
+    ctd = u.get("completion_tokens_details")
+    ctd = ctd if ctd.__class__ is dict else {}
+    rs = ctd.get("reasoning_tokens")
+    if rs is None:
+        rs = u.get("reasoning_tokens")  # SGLang reports reasoning_tokens at the top level of usage
     return {
         "input_tokens": inp,
         "input_tokens_details": {
-            "cached_tokens": ptd.get("cached_tokens") or 0,
-            "cache_write_tokens": ptd.get("created_cache_tokens") or ptd.get("cache_write_tokens") or 0,
+            "cached_tokens": _count(ptd.get("cached_tokens") or 0),
+            "cache_write_tokens": _count(ptd.get("created_cache_tokens") or ptd.get("cache_write_tokens") or 0),
         },
         "output_tokens": out,
-        # SGLang reports reasoning_tokens at the top level of usage
-        "output_tokens_details": {"reasoning_tokens": ctd.get("reasoning_tokens") or u.get("reasoning_tokens") or 0},
+        "output_tokens_details": {"reasoning_tokens": _count(rs or 0)},
+        "total_tokens": inp + out if inp is not None and out is not None else None,
+    }
+
+
+def client_usage(usage: dict, cap: int | None) -> dict:
+    """The usage a client is shown: every count an int, the output at most the cap."""
+    out = usage["output_tokens"]
+    itd = usage["input_tokens_details"]
+    cached, rs = itd["cached_tokens"], usage["output_tokens_details"]["reasoning_tokens"]
+    if (usage["total_tokens"] is not None and cached is not None and rs is not None
+            and itd["cache_write_tokens"] is not None and cached <= usage["input_tokens"] and rs <= out
+            and (cap is None or out <= cap)):
+        return usage
+    inp = usage["input_tokens"] or 0
+    out = out or 0
+    if cap is not None and out > cap:
+        out = cap
+    cached = cached or 0
+    rs = rs or 0
+    return {
+        "input_tokens": inp,
+        "input_tokens_details": {"cached_tokens": cached if cached <= inp else 0,
+                                 "cache_write_tokens": usage["input_tokens_details"]["cache_write_tokens"] or 0},
+        "output_tokens": out,
+        "output_tokens_details": {"reasoning_tokens": rs if rs <= out else out},
         "total_tokens": inp + out,
     }
 
@@ -318,6 +364,9 @@ class StreamRewriter:
         self.output_tokens_seen = 0
         self.reasoning_deltas_seen = 0
         self.finish_reason: str | None = None
+        cap = ctx.output_cap
+        self._cap = cap if cap is not None and cap >= 0 else None
+        self.capped = False  # the upstream went past the cap: cut off (its connection must not be reused)
         self._decoder = SSEDecoder(max_line)
         self._started = False
         self._emit = True
@@ -362,7 +411,8 @@ class StreamRewriter:
         dec = self._decoder
         raw = self._raw
         if (raw is not None and len(data) > _SPLIT_MIN and self._fast and self._emit and dec.at_event_start
-                and data[-2:] == b"\n\n" and 13 not in data):
+                and data[-2:] == b"\n\n" and 13 not in data
+                and (self._cap is None or self.output_tokens_seen + data.count(b"\n\n") <= self._cap)):
             self._feed_split(data, raw)
         else:
             self._feed_payloads(dec.feed(data))
@@ -373,7 +423,10 @@ class StreamRewriter:
     def _feed_payloads(self, payloads: list[bytes]) -> None:
         if not payloads:
             return
-        if self._fast and self._emit:
+        # Each payload adds at most one output token: the batched paths run only while the
+        # cap cannot be reached within this read; near it, each chunk is checked (_on_delta).
+        cap = self._cap
+        if self._fast and self._emit and (cap is None or self.output_tokens_seen + len(payloads) <= cap):
             if self._raw is not None and len(payloads) >= _RUNS_MIN:
                 self._feed_runs(payloads)
             else:
@@ -385,6 +438,7 @@ class StreamRewriter:
                 self._on_payload(payload)
                 if self.done:
                     break
+            self._fs = None  # the state _feed_fast keeps may have changed
 
     def finish(self) -> bytes:
         if self.done:
@@ -820,6 +874,9 @@ class StreamRewriter:
                 self._on_finish(fr if isinstance(fr, str) else str(fr))
 
     def _on_delta(self, delta: dict) -> None:
+        if self._cap is not None and self.output_tokens_seen >= self._cap and _carries_output(delta):
+            self._cut_at_cap()
+            return
         counted = False
         r = delta.get("reasoning")
         if r is None:
@@ -1085,6 +1142,14 @@ class StreamRewriter:
             # "stop" after a forced named call and "tool_calls" without calls are both fine
             self._terminal("completed")
 
+    def _cut_at_cap(self) -> None:
+        """An output delta past the cap sent upstream: the upstream ignores max_tokens. The
+        response ends where it would have ("length"), nothing past the cap is shown or billed."""
+        self.capped = True
+        self._on_finish("length")
+        if not self.done:
+            self._end_of_stream()
+
     def _upstream_error(self, err: Any) -> None:
         if isinstance(err, dict):
             message = err.get("message") or err.get("detail") or "upstream error"
@@ -1134,7 +1199,7 @@ class StreamRewriter:
         r = dict(self._base)
         r["status"] = status
         r["output"] = output
-        r["usage"] = (self.usage if self.usage is not None
+        r["usage"] = (client_usage(self.usage, self._cap) if self.usage is not None
                       else _counted_usage(self.output_tokens_seen, self.reasoning_deltas_seen))
         r["incomplete_details"] = incomplete
         r["error"] = error
@@ -1146,6 +1211,26 @@ class StreamRewriter:
         if self._emit:
             kind = _TERMINAL_EVENT.get(status, "response.failed")
             self._event({"type": kind, "sequence_number": 0, "response": r})
+
+
+def _carries_output(delta: Any) -> bool:
+    """Whether a delta holds what counts as an output token (as _on_delta counts)."""
+    if not isinstance(delta, dict):
+        return False
+    r = delta.get("reasoning")
+    if r is None:
+        r = delta.get("reasoning_content")
+    c = delta.get("content")
+    if (r and isinstance(r, str)) or (c and isinstance(c, str)):
+        return True
+    tcs = delta.get("tool_calls")
+    if tcs and isinstance(tcs, list):
+        for tc in tcs:
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if args is not None and (args or not isinstance(args, str)):  # as _tool_delta counts
+                return True
+    return False
 
 
 def _counted_usage(output_tokens: int, reasoning_tokens: int) -> dict:
@@ -1245,7 +1330,8 @@ def _response_direct(ctx: ResponseContext, msg: dict, fr: str, usage: Any, calls
     else:
         r["status"] = "completed"
     r["output"] = output
-    r["usage"] = map_usage(usage) if isinstance(usage, dict) else _counted_usage(int(counted), int(has_reasoning))
+    r["usage"] = (client_usage(map_usage(usage), ctx.output_cap) if isinstance(usage, dict)
+                  else _counted_usage(int(counted), int(has_reasoning)))
     return r
 
 

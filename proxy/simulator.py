@@ -8,8 +8,10 @@ Each chat request is answered from, in priority order: the script queue (`POST /
 or `Simulator.script`), a `SIM:{...}` directive in the last user/tool message, or a
 deterministic default answer (see `proxy.simulator_script`). Script fields:
 
-  content  reasoning, text, tool_calls [{name, arguments (str | object), id?}], finish,
-           usage (false: no usage chunk), cached_tokens, chunk_chars
+  content  reasoning, text, text_words n (n words of text), tool_calls [{name, arguments (str | object),
+           id?}], finish, usage (false: no usage chunk), cached_tokens, chunk_chars
+  hostile  ignore_max_tokens (generate past max_tokens), usage_override {...} (merged into every
+           usage object, nested dicts too: any values, e.g. {"prompt_tokens": -5})
   faults   error_first {message, code, type?} | true, error_after n (+ error {...}),
            flat_error, status + body (+ content_type, headers), drop_after n,
            reset_before_headers, garbage (true | str), endless_line (true | MB),
@@ -206,7 +208,24 @@ class Chat:
 
     # ---- usage objects
 
+    def _override(self, u: dict) -> dict:
+        """A hostile upstream's usage: script `usage_override` merged in (one level deep)."""
+        extra = self.script.get("usage_override")
+        if isinstance(extra, dict):
+            for k, v in extra.items():
+                if isinstance(v, dict) and isinstance(u.get(k), dict):
+                    u[k] = {**u[k], **v}
+                else:
+                    u[k] = v
+        return u
+
     def usage_final(self, *, stream: bool) -> dict:
+        return self._override(self._usage_final(stream=stream))
+
+    def usage_running(self, completion: int) -> dict:
+        return self._override(self._usage_running(completion))
+
+    def _usage_final(self, *, stream: bool) -> dict:
         g = self.gen
         u: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
@@ -225,7 +244,7 @@ class Chat:
         u["completion_tokens_details"] = {"reasoning_tokens": g.reasoning_tokens}
         return u
 
-    def usage_running(self, completion: int) -> dict:
+    def _usage_running(self, completion: int) -> dict:
         u: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": self.prompt_tokens + completion,
@@ -361,6 +380,8 @@ class Chat:
                                 "matched_stop": SGLANG_EOS if g.finish == "stop" else None}]
             head["usage"] = self.usage_final(stream=False)
             head["metadata"] = {"weight_version": "default"}
+            if self.script.get("usage", True) is False:
+                del head["usage"]
             return head
         message = {"role": "assistant", "content": text if text else ("" if calls else None), "refusal": None,
                    "annotations": None, "audio": None, "function_call": None}
@@ -381,6 +402,8 @@ class Chat:
             "ec_transfer_params": None,
             "metrics": None,
         })
+        if self.script.get("usage", True) is False:
+            del head["usage"]
         return head
 
 
@@ -483,7 +506,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     plan = default_plan(body, prompt, st.seed, tool_id)
     if script:
         plan = script_plan(script, plan, tool_id)
-    gen = generate(plan, max_tokens, script.get("chunk_chars"))
+    gen = generate(plan, None if script.get("ignore_max_tokens") else max_tokens, script.get("chunk_chars"))
     chat = Chat(st, body, script, gen, len(tokens), cached, created)
 
     st.in_flight += 1

@@ -23,7 +23,7 @@ PIECE_RE = re.compile(r"\s*(?:\w+|[^\w\s])|\s+")
 BLOCK_SIZE = 16  # vLLM's default KV block size: cached_tokens is a multiple of it
 CACHE_BLOCKS = 1 << 16  # prefix-cache capacity, in blocks (LRU)
 
-CONTENT_KEYS = ("reasoning", "text", "tool_calls")
+CONTENT_KEYS = ("reasoning", "text", "tool_calls", "text_words")
 
 WORDS = (
     "the weather today looks calm and clear with light wind from the west sun "
@@ -270,6 +270,9 @@ def script_plan(script: dict, default: Plan, tool_id) -> Plan:
         plan = default
     else:
         plan = Plan(reasoning=str(script.get("reasoning") or ""), text=str(script.get("text") or ""))
+        words = script.get("text_words")
+        if isinstance(words, int) and words > 0:  # a long answer without a long script
+            plan.text += " ".join(WORDS[i % len(WORDS)] for i in range(words))
         for c in script.get("tool_calls") or []:
             args = c.get("arguments", "{}")
             if not isinstance(args, str):

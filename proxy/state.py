@@ -32,6 +32,11 @@ class Outcome:
     output_tokens: int = 0
     reasoning_tokens: int = 0
     usage_reported: bool = False  # False: output_tokens is counted from the deltas
+    # The upstream's usage as reported (Responses-shaped, unchecked: proxy.ledger.usage
+    # checks it before billing), and whether the answer was cut off at the output cap.
+    reported_usage: dict | None = None
+    counted_output: int = 0  # output deltas counted (each carried at least one token)
+    output_capped: bool = False
     ttfb_ms: float | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -47,6 +52,11 @@ TRANSLATION = web.RequestKey("translation", "Translation")
 NOTICES = web.RequestKey("notices", list)
 OUTPUT_CAP = web.RequestKey("output_cap", int)
 OUTCOME = web.RequestKey("outcome", Outcome)
+# The output cap the balance reserved for (the rewriter stops there even when no
+# max_tokens was sent), and the balance's settle-now hook: the forwarder awaits it before
+# the last bytes of a stream, so a client that waits for its answer finds it billed.
+RESERVED_OUTPUT = web.RequestKey("reserved_output", int)
+SETTLE = web.RequestKey("settle", Any)
 
 
 def notices(request: web.Request) -> list[str]:

@@ -228,7 +228,7 @@ async def test_200_concurrent_holds_never_overdraw(ledger):
     assert await ledger.available(key.key_id) == amount // 2
 
     before = (await ledger.get_key(key.key_id)).balance_micros
-    costs = [137 * (i + 1) for i in range(len(held))]  # uneven, each within its hold
+    costs = [97 * (i + 1) for i in range(len(held))]  # uneven, each within its hold
     settled = await asyncio.gather(
         *(ledger.settle(h.request_id, usage_for(h.request_id, key.key_id, c)) for h, c in zip(held, costs))
     )

@@ -489,11 +489,13 @@ async def test_cap_lowered_to_fit_balance_then_incomplete(make_proxy, http):
     assert await balance_of(p.ledger, record.key_id) == estimate + 5 - usage.cost_micros
 
 
-async def test_402_when_no_output_fits(make_proxy, http):
+async def test_402_when_no_output_fits(make_proxy, http, sim):
     p = await make_proxy({"prices": PRICES})
     body = {"model": MODEL, "input": "hi"}
-    estimate = estimate_input_tokens(translate_request(body).chat)
-    secret, _ = await p.ledger.create_key("exact", balance_micros=estimate)  # the input, and not one output token
+    chat = translate_request(body).chat
+    async with http.post(sim.url + "/tokenize", json={"model": MODEL, "messages": chat["messages"]}) as r:
+        counted = (await r.json())["count"]  # below the bound: the balance asks the worker before a 402
+    secret, _ = await p.ledger.create_key("exact", balance_micros=counted)  # the input, and not one output token
     status, _, answer = await call(http, p, body, key=secret)
     assert status == 402 and answer["error"]["code"] == "insufficient_quota"
 
@@ -582,11 +584,15 @@ async def test_settle_client_disconnect_mid_stream(make_proxy, http, sim):
 
 async def test_settle_client_disconnect_while_upstream_works(make_proxy, http, sim):
     """A non-stream request whose client leaves while the model server is still working:
-    the upstream was reached, so the prompt is billed (at the estimate: no usage came)."""
+    the upstream was reached, so the prompt is billed (no usage came: as the worker's
+    tokenizer counts it)."""
     p = await make_proxy({"prices": PRICES})
     secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
     body = {"model": MODEL, "input": sim_input(first_byte_delay=5)}
-    estimate = estimate_input_tokens(translate_request(body).chat)
+    chat = translate_request(body).chat
+    async with http.post(sim.url + "/tokenize", json={"model": MODEL, "messages": chat["messages"]}) as r:
+        estimate = (await r.json())["count"]
+    assert estimate < estimate_input_tokens(chat)
     task = asyncio.ensure_future(call(http, p, body, key=secret))
     await wait_for(lambda: _true(sim.in_flight >= 1))
     task.cancel()  # closes the client connection
@@ -694,7 +700,7 @@ async def test_leased_key_drained_by_a_burst_never_overdraws(make_proxy, http):
     p = await make_proxy({"prices": PRICES, "balance": {"lease_min_rate": 2}})
     body = {"model": MODEL, "max_output_tokens": 20, "input": sim_input(delay=0.02)}
     hold = estimate_input_tokens(translate_request(body).chat) + 20
-    initial = 60 * hold + 7
+    initial = 10 * hold + 7  # the bound is ~10x the real cost; near the end holds are sized by the worker
     secret, record = await p.ledger.create_key("leased", balance_micros=initial, concurrency=1000)
     for _ in range(3):  # steady traffic: a lease is granted
         results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(8)))

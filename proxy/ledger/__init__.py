@@ -211,14 +211,16 @@ class Ledger(abc.ABC):
         raise InsufficientBalance(max(available, 0), min_micros)
 
     @abc.abstractmethod
-    async def settle(self, request_id: str, usage: UsageRecord) -> bool:
+    async def settle(self, request_id: str, usage: UsageRecord, *, linger: bool = True) -> bool:
         """Record usage and debit its cost exactly once, dropping the hold in the same
-        transaction. The debit is clamped at the balance (never below 0); the record keeps
-        both cost_micros and debited_micros. False (and no debit) if already settled."""
+        transaction. The debit is clamped at the balance (never below 0) and at the request's
+        own hold while it exists; the record keeps both cost_micros and debited_micros. False
+        (and no debit) if already settled. `linger`: the backend may wait a few ms for other
+        settles to share the commit (False: someone is waiting for this one)."""
 
     @abc.abstractmethod
-    async def release(self, request_id: str) -> bool:
-        """Drop a hold without charge. True if there was one."""
+    async def release(self, request_id: str, *, linger: bool = True) -> bool:
+        """Drop a hold without charge. True if there was one. `linger` as for settle()."""
 
     @abc.abstractmethod
     async def expire_holds(self, now: float | None = None) -> int:

@@ -23,6 +23,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Sequence
 
 from proxy.ledger import UNSET, KeyRecord, LedgerError, open_ledger
+from proxy.ledger.usage import MAX_AMOUNT
 
 MICROS = 1_000_000
 
@@ -32,16 +33,21 @@ def _usd(text: str) -> int:
         value = Decimal(text) * MICROS
     except InvalidOperation:
         raise argparse.ArgumentTypeError(f"not an amount: {text!r}") from None
-    if value != value.to_integral_value() or value < 0:
+    if not value.is_finite() or value != value.to_integral_value() or value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative whole number of micro-units")
+    if value > MAX_AMOUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: at most {MAX_AMOUNT} micro-units")
     return int(value)
 
 
 def _micros(text: str) -> int:
     try:
-        return int(text.replace("_", ""))
+        value = int(text.replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer number of micro-units: {text!r}") from None
+    if abs(value) > MAX_AMOUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: at most {MAX_AMOUNT} micro-units")
+    return value
 
 
 def _nonneg(text: str) -> int:
@@ -51,11 +57,22 @@ def _nonneg(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    """A concurrency or rate limit: 0 would read as "nothing allowed" to one person and
+    "unlimited" to another, so it is refused; no limit is `none` (keys limits) or leaving
+    the option out (keys create)."""
+    value = _micros(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 1, not {text!r} (to lift the limit, leave it out or use `keys limits ... none`)")
+    return value
+
+
 def _limit(text: str) -> int | None:
-    """A limit for `keys limits`: an integer, or none/off/unlimited to clear it."""
+    """A limit for `keys limits`: a positive integer, or none/off/unlimited to clear it."""
     if text.lower() in ("none", "off", "unlimited", "-"):
         return None
-    return _nonneg(text)
+    return _positive(text)
 
 
 def _models(text: str) -> list[str] | None:
@@ -83,8 +100,8 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     amount.add_argument("--balance", type=_nonneg, default=0, metavar="MICROS", help="initial balance, micro-units")
     amount.add_argument("--balance-usd", type=_usd, dest="balance_usd", metavar="AMOUNT", help="e.g. 1.50")
     create.add_argument("--models", type=_models, default=None, metavar="A,B", help="allowed models (default: all)")
-    create.add_argument("--concurrency", type=_nonneg, default=None, metavar="N")
-    create.add_argument("--rate", type=_nonneg, default=None, metavar="N", help="requests per minute")
+    create.add_argument("--concurrency", type=_positive, default=None, metavar="N")
+    create.add_argument("--rate", type=_positive, default=None, metavar="N", help="requests per minute")
 
     sub.add_parser("list", parents=[json_flag], help="list keys (never the secrets)")
 

@@ -196,8 +196,16 @@ class Leases:
         self._reserve(k, hold.amount_micros)
         return hold
 
-    def finish(self, hold: Hold, usage: UsageRecord | None) -> None:
-        """Settle (usage) or release (None) a hold from hold_up_to; never waits."""
+    def finish(self, hold: Hold, usage: UsageRecord | None, *, waited: bool = False) -> asyncio.Task | None:
+        """Settle (usage) or release (None) a hold from hold_up_to; never waits. A lease hold
+        is settled in memory at once (None); a per-request hold in the returned task (the
+        caller may wait for it; `waited`: it will, so the settle does not linger for company).
+        A cost above the hold is clamped at it: a request never takes money held for another."""
+        if usage is not None and not (type(usage.cost_micros) is int and 0 <= usage.cost_micros <= hold.amount_micros):
+            log.warning("usage cost %r of request %s clamped at its hold %d", usage.cost_micros,
+                        hold.request_id, hold.amount_micros)
+            cost = usage.cost_micros if type(usage.cost_micros) is int else hold.amount_micros
+            usage.cost_micros = min(max(0, cost), hold.amount_micros)
         k = self._keys.get(hold.key_id)
         if k is not None:
             k.reserved -= hold.amount_micros
@@ -208,19 +216,21 @@ class Leases:
             k.held -= hold.amount_micros
             if usage is None:
                 k.free += hold.amount_micros
-                return
+                return None
             k.queued += usage.cost_micros
             k.free += hold.amount_micros - usage.cost_micros
             self._queue.append((k, k.lease_id, usage))
             if self._timer is None and self.loop is not None:
                 self._timer = self.loop.call_later(self.linger_s, self._flush)
-            return
-        self._spawn(self._settle_exact(hold, usage))
+            return None
+        return self._spawn(self._settle_exact(hold, usage, waited))
 
-    async def _settle_exact(self, hold: Hold, usage: UsageRecord | None) -> None:
+    async def _settle_exact(self, hold: Hold, usage: UsageRecord | None, waited: bool = False) -> None:
         try:
             if usage is None:
-                await self.ledger.release(hold.request_id)
+                await self.ledger.release(hold.request_id, linger=not waited)
+            elif waited:
+                await self.ledger.settle(hold.request_id, usage, linger=False)
             else:
                 await self.ledger.settle(hold.request_id, usage)
         except Exception:

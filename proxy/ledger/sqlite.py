@@ -50,9 +50,10 @@ thread's main work under load, so it is kept lean: the rows are validated and bu
 event loop, inserted with one executemany (row by row only when a balance runs out and the
 debits clamp), and a lease row whose expiry stays is updated without touching its indexes.
 
-Settles linger. settle() and release() run after the response (the balance middleware
-settles in a task of its own), so nobody waits on them: the writer keeps them up to
-`settle_linger_s` (default 5 ms) for others to share their fsync'd commit. At low
+Settles linger. A settle() or release() nobody waits for (linger=True: the client of a
+request that settles in the background has gone) is kept by the writer up to
+`settle_linger_s` (default 5 ms) for others to share its fsync'd commit; the balance
+middleware's settle before the end of an answer passes linger=False and commits at once. At low
 concurrency that turns one commit + one writer wake-up + one event-loop wake-up per
 request into one per few requests (~0.2 ms of CPU per request at concurrency 1); at high
 concurrency groups are large anyway. They are committed at once when another op needs an
@@ -91,6 +92,8 @@ from proxy.ledger import (
     UnknownKey,
     UsageRecord,
 )
+
+from proxy.ledger.usage import MAX_AMOUNT
 
 log = logging.getLogger("proxy.ledger")
 
@@ -183,11 +186,13 @@ def _usage_record(row: tuple) -> UsageRecord:
     return UsageRecord(*row)
 
 
-def _opt_nonneg_int(value: Any, what: str) -> int | None:
+def _opt_limit(value: Any, what: str) -> int | None:
+    """A concurrency or rate limit: a positive integer, or None (no limit). 0 is refused:
+    it reads as "unlimited" to the limits middleware and as "nothing" to a person."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be a non-negative integer or None")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_AMOUNT:
+        raise ValueError(f"{what} must be a positive integer (None: no limit), not {value!r}")
     return value
 
 
@@ -196,6 +201,9 @@ def _int(value: Any, what: str, *, minimum: int | None = 0) -> int:
         raise ValueError(f"{what} must be an integer")
     if minimum is not None and value < minimum:
         raise ValueError(f"{what} must be >= {minimum}")
+    if not -MAX_AMOUNT <= value <= MAX_AMOUNT:
+        # SQLite's INTEGER is 64-bit: beyond it the value would be stored as a REAL.
+        raise ValueError(f"{what} must be at most {MAX_AMOUNT} in absolute value")
     return value
 
 
@@ -244,7 +252,8 @@ def _check_usage_values(usage: UsageRecord) -> None:
         usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens, usage.cost_micros
     )
     # The common case in one test; _int says what is wrong (or accepts an int subclass).
-    if not (type(a) is type(b) is type(c) is type(d) is type(cost) is int and min(a, b, c, d, cost) >= 0):
+    if not (type(a) is type(b) is type(c) is type(d) is type(cost) is int and min(a, b, c, d, cost) >= 0
+            and max(a, b, c, d, cost) <= MAX_AMOUNT):
         for value, name in ((a, "input_tokens"), (b, "cached_tokens"), (c, "output_tokens"),
                             (d, "reasoning_tokens"), (cost, "cost_micros")):
             _int(value, name)
@@ -730,7 +739,7 @@ class SQLiteLedger(Ledger):
 
         return op
 
-    async def settle(self, request_id: str, usage: UsageRecord) -> bool:
+    async def settle(self, request_id: str, usage: UsageRecord, *, linger: bool = True) -> bool:
         if not request_id:
             raise ValueError("request_id is required")
         _check_usage_values(usage)
@@ -740,16 +749,19 @@ class SQLiteLedger(Ledger):
         created_at = float(usage.created_at)
 
         def op(conn: sqlite3.Connection) -> int | None:
-            settled, balance = conn.execute(
+            settled, balance, held = conn.execute(
                 "SELECT EXISTS (SELECT 1 FROM usage WHERE request_id = ?),"
-                " (SELECT balance_micros FROM keys WHERE key_id = ?)",
-                (request_id, key_id),
+                " (SELECT balance_micros FROM keys WHERE key_id = ?),"
+                " (SELECT amount_micros FROM holds WHERE request_id = ?)",
+                (request_id, key_id, request_id),
             ).fetchone()
             if settled:
                 return None
             if balance is None:
                 raise UnknownKey(key_id)
-            debit = min(cost, balance)
+            # Never more than the request's own hold (the money others hold stays theirs),
+            # nor than the balance. A hold that expired meanwhile no longer bounds it.
+            debit = min(cost, balance) if held is None else min(cost, balance, held)
             try:
                 # The exactly-once guarantee: UNIQUE(request_id), in this same transaction.
                 conn.execute(
@@ -767,16 +779,16 @@ class SQLiteLedger(Ledger):
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
             return debit
 
-        debited = await self._run(op, lazy=True)
+        debited = await self._run(op, lazy=linger)
         if debited is None:
             return False
         usage.debited_micros = debited  # only once committed
         return True
 
-    async def release(self, request_id: str) -> bool:
+    async def release(self, request_id: str, *, linger: bool = True) -> bool:
         return await self._run(
             lambda conn: conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,)).rowcount > 0,
-            lazy=True,
+            lazy=linger,
             atomic=True,  # one statement: needs no savepoint of its own in a group
         )
 
@@ -944,8 +956,8 @@ class SQLiteLedger(Ledger):
             raise ValueError("a key needs a name")
         balance = _int(balance_micros, "balance_micros")
         models = _models_json(allowed_models)
-        conc = _opt_nonneg_int(concurrency, "concurrency")
-        rate = _opt_nonneg_int(rate_per_min, "rate_per_min")
+        conc = _opt_limit(concurrency, "concurrency")
+        rate = _opt_limit(rate_per_min, "rate_per_min")
         secret = new_secret()
         digest = hash_secret(secret)
         key_id = "key_" + secrets.token_hex(8)
@@ -984,6 +996,8 @@ class SQLiteLedger(Ledger):
                 raise UnknownKey(key_id)
             if row[0] + amount < 0:
                 raise ValueError(f"the balance would go below zero ({row[0]} + {amount})")
+            if row[0] + amount > MAX_AMOUNT:
+                raise ValueError(f"the balance would exceed {MAX_AMOUNT} micros ({row[0]} + {amount})")
             conn.execute("UPDATE keys SET balance_micros = balance_micros + ? WHERE key_id = ?", (amount, key_id))
             conn.execute(
                 "INSERT INTO topups (key_id, micros, created_at) VALUES (?, ?, ?)", (key_id, amount, time.time())
@@ -1004,9 +1018,9 @@ class SQLiteLedger(Ledger):
         if allowed_models is not UNSET:
             changes["allowed_models"] = _models_json(allowed_models)
         if concurrency is not UNSET:
-            changes["concurrency"] = _opt_nonneg_int(concurrency, "concurrency")
+            changes["concurrency"] = _opt_limit(concurrency, "concurrency")
         if rate_per_min is not UNSET:
-            changes["rate_per_min"] = _opt_nonneg_int(rate_per_min, "rate_per_min")
+            changes["rate_per_min"] = _opt_limit(rate_per_min, "rate_per_min")
 
         def op(conn: sqlite3.Connection) -> KeyRecord:
             if changes:
