@@ -95,7 +95,7 @@ def _config_dir_on_path(config: Config) -> None:
 
 def bind_sockets(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
     """The listening sockets for host:port, bound here so a port in use or a bad host is one
-    line before "listening on" (OSError), not a traceback from inside the event loop."""
+    line (OSError) before anything starts, not a traceback from inside the event loop."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     sockets: list[socket.socket] = []
     seen = set()
@@ -112,6 +112,7 @@ def bind_sockets(host: str, port: int, *, reuse_port: bool = False) -> list[sock
             if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
+            sock.listen(1024)  # connections queue from here on, while the app starts
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -180,10 +181,29 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
     except OSError as exc:
         print(f"responses-proxy: {listen_error(host, port, exc)}", file=sys.stderr, flush=True)
         return 2
-    if announce:
-        print(f"responses-proxy listening on http://{host}:{port}", flush=True)
-    web.run_app(app, sock=sockets, print=None, access_log=None, handler_cancellation=True,
-                loop=uvloop.new_event_loop() if uvloop else None)
+    started = False
+
+    async def ready(_app: web.Application) -> None:
+        # Appended last: runs once every cleanup context (ledger, simulator, demo key) is up.
+        nonlocal started
+        started = True
+        if announce:
+            print(f"responses-proxy listening on http://{host}:{port}", flush=True)
+
+    app.on_startup.append(ready)
+    from proxy.ledger import LedgerError
+
+    try:
+        web.run_app(app, sock=sockets, print=None, access_log=None, handler_cancellation=True,
+                    loop=uvloop.new_event_loop() if uvloop else None)
+    except (ConfigError, LedgerError, OSError) as exc:
+        if started:
+            raise
+        print(f"responses-proxy: cannot start: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sock in sockets:
+            sock.close()
     return 0
 
 

@@ -18,6 +18,7 @@ are free-form: their factory checks them.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 from dataclasses import dataclass, field
@@ -499,7 +500,7 @@ BUILTINS = ("stateless", "auth", "limits", "tools", "balance", "notices")
 
 
 def defaults() -> dict[str, Any]:
-    return SCHEMA.defaults()
+    return copy.deepcopy(SCHEMA.defaults())
 
 
 def validate(data: dict[str, Any]) -> dict[str, Any]:

@@ -249,6 +249,20 @@ def test_serve_bad_port_is_one_line(tmp_path, args, env, expected):
     assert (proc.stdout + proc.stderr).strip().splitlines() == [f"responses-proxy: configuration error: {expected}"]
 
 
+def test_serve_that_cannot_open_its_ledger_is_one_line_without_listening(tmp_path):
+    (tmp_path / "file").write_text("x")
+    path = tmp_path / "config.yaml"
+    path.write_text(f"ledger: {{path: {tmp_path / 'file' / 'l.db'}}}\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _serve(["--config", str(path), "serve", "--port", str(port)])
+    assert proc.returncode == 1
+    assert "listening on" not in proc.stdout
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("responses-proxy: cannot start: cannot open the ledger")
+
+
 class Server:
     """`responses-proxy serve` (the console script, as an operator runs it) in a subprocess."""
 
