@@ -23,7 +23,7 @@ venv-rebuild:
 	@if [ -e $(VENV) ]; then echo "$(VENV) is broken or not Python >= 3.11: rebuilding it" >&2; rm -rf $(VENV); fi
 
 run: $(STAMP)
-	$(BIN)/responses-proxy serve --host $(HOST) --port $(PORT)
+	$(BIN)/responses-proxy serve --host $(HOST) --port $(PORT) --demo-key
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,9 +1,11 @@
-"""The console script: `responses-proxy serve` (the default) and `responses-proxy keys ...`."""
+"""The console script: `responses-proxy serve` (the default), `responses-proxy keys ...` and
+`responses-proxy config reference|check`."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -53,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     # Also accepted after the subcommand (`serve --config X`); SUPPRESS keeps the top-level value otherwise.
     serve.add_argument("--config", default=argparse.SUPPRESS, help="as the top-level --config")
     serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
+    serve.add_argument("--port", help="1-65535 (default: server.port)")
+    serve.add_argument("--demo-key", action="store_true",
+                       help="create a demo key at start and print it (auth.demo_key; make run sets it)")
     serve.add_argument("--workers", type=_workers_arg,
                        help="processes sharing the port (SO_REUSEPORT); a number or 'auto' (one per core); "
                             "default: server.workers from the config (1)")
@@ -63,14 +67,81 @@ def _parser() -> argparse.ArgumentParser:
         add_key_commands = None
     if add_key_commands is not None:
         add_key_commands(sub)
+    conf = sub.add_parser("config", help="the configuration: its commented reference, or a check of a file")
+    conf_sub = conf.add_subparsers(dest="config_command", required=True)
+    conf_sub.add_parser("reference", help="print the commented reference of every key (config.yaml is it)")
+    check = conf_sub.add_parser("check", help="load --config and build the app (middlewares included), start nothing")
+    check.add_argument("--config", default=argparse.SUPPRESS, help="as the top-level --config")
     return parser
+
+
+def _port(value: object, source: str) -> int:
+    try:
+        port = int(str(value).strip())
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{source} must be a port number from 1 to 65535, not {value!r}")
+    return port
+
+
+def _config_dir_on_path(config: Config) -> None:
+    """An operator's middleware next to config.yaml (mycompany/audit.py) imports as mycompany.audit."""
+    if config.path is not None:
+        folder = str(config.path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
+def bind_sockets(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
+    """The listening sockets for host:port, bound here so a port in use or a bad host is one
+    line (OSError) before anything starts, not a traceback from inside the event loop."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does on Unix
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(1024)  # connections queue from here on, while the app starts
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def listen_error(host: str, port: int, exc: OSError) -> str:
+    reason = exc.strerror or str(exc)
+    return f"cannot listen on {host}:{port}: {reason[:1].lower()}{reason[1:]}"
 
 
 def _serve(config: Config, args: argparse.Namespace) -> int:
     server = config.section("server")
     host = args.host or os.environ.get("RESPONSES_PROXY_HOST") or server["host"]
-    port = args.port or int(os.environ.get("RESPONSES_PROXY_PORT") or server["port"])
+    if args.port is not None:
+        port = _port(args.port, "--port")
+    elif os.environ.get("RESPONSES_PROXY_PORT"):
+        port = _port(os.environ["RESPONSES_PROXY_PORT"], "RESPONSES_PROXY_PORT")
+    else:
+        port = _port(server["port"], "server.port")
     workers = resolve_workers(args.workers if getattr(args, "workers", None) is not None else server.get("workers", 1))
+    if getattr(args, "demo_key", False):
+        from proxy.supervisor import auth_section
+
+        auth = auth_section(config)
+        if auth is not None:
+            auth["demo_key"] = True
+    _config_dir_on_path(config)
     if workers > 1:
         from proxy.supervisor import supervise
 
@@ -105,10 +176,49 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
     except ImportError:
         uvloop = None
     app = build_app(config)
-    if announce:
-        print(f"responses-proxy listening on http://{host}:{port}", flush=True)
-    web.run_app(app, host=host, port=port, print=None, access_log=None, handler_cancellation=True,
-                loop=uvloop.new_event_loop() if uvloop else None, reuse_port=reuse_port)
+    try:
+        sockets = bind_sockets(host, port, reuse_port=reuse_port)
+    except OSError as exc:
+        print(f"responses-proxy: {listen_error(host, port, exc)}", file=sys.stderr, flush=True)
+        return 2
+    started = False
+
+    async def ready(_app: web.Application) -> None:
+        # Appended last: runs once every cleanup context (ledger, simulator, demo key) is up.
+        nonlocal started
+        started = True
+        if announce:
+            print(f"responses-proxy listening on http://{host}:{port}", flush=True)
+
+    app.on_startup.append(ready)
+    from proxy.ledger import LedgerError
+
+    try:
+        web.run_app(app, sock=sockets, print=None, access_log=None, handler_cancellation=True,
+                    loop=uvloop.new_event_loop() if uvloop else None)
+    except (ConfigError, LedgerError, OSError) as exc:
+        if started:
+            raise
+        print(f"responses-proxy: cannot start: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sock in sockets:
+            sock.close()
+    return 0
+
+
+def _config_command(args: argparse.Namespace) -> int:
+    if args.config_command == "reference":
+        from proxy.config_schema import reference
+
+        sys.stdout.write(reference())
+        return 0
+    config = Config.load(args.config)
+    _config_dir_on_path(config)
+    from proxy.app import build_app
+
+    build_app(config)  # the middleware factories check their sections here; nothing starts
+    print(f"{args.config or 'the embedded defaults'}: ok")
     return 0
 
 
@@ -116,10 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "config":
+            return _config_command(args)
         config = Config.load(args.config)
         if args.command in (None, "serve"):
             if args.command is None:
                 args.host = args.port = args.workers = None
+                args.demo_key = False
             return _serve(config, args)
         from proxy.ledger.cli import run_key_command
 

@@ -1,8 +1,10 @@
-"""Configuration: config.yaml deep-merged over the embedded defaults.
+"""Configuration: config.yaml deep-merged over the embedded defaults, then checked.
 
 The defaults alone run a working proxy (the built-in simulator as the upstream, the
-SQLite ledger, a demo key), so `make run` needs no file at all. Each subsystem reads
-its own section; a middleware's factory gets `config.section(name)`.
+SQLite ledger, and, with no file at all, a demo key). Each subsystem reads its own
+section; a middleware's factory gets `config.section(name)`. The merged result is
+checked against proxy/config_schema.py before anything starts: an unknown key, a wrong
+type or an unset `${NAME}` is a ConfigError naming the key's path.
 """
 
 from __future__ import annotations
@@ -15,66 +17,10 @@ from typing import Any
 
 import yaml
 
-DEFAULTS: dict[str, Any] = {
-    "server": {
-        "host": "127.0.0.1",
-        "port": 8080,
-        "workers": 1,
-        "log_format": "auto",  # json | console | auto (console on a terminal)
-        "log_level": "info",
-        "max_body_bytes": 8 * 1024 * 1024,
-        "max_json_depth": 64,
-        "max_input_items": 4096,
-        "max_tools": 512,
-        "body_read_timeout": 30.0,
-    },
-    # The embedded upstream simulator, started in-process when a worker's url is "embedded".
-    "simulator": {"host": "127.0.0.1", "port": 0, "dialect": "vllm", "model": "tiny-model", "max_model_len": 32768},
-    "workers": [
-        {
-            "name": "local",
-            "url": "embedded",
-            "dialect": "vllm",
-            "models": ["tiny-model"],
-            "api_key": None,
-            "labels": {},
-            "capacity": 256,
-            "timeouts": {"connect": 5.0, "first_byte": 120.0, "idle": 120.0, "total": 1800.0},
-        }
-    ],
-    # Active checks (vLLM GET /health, SGLang GET /v1/models) and passive outlier ejection.
-    "health": {
-        "enabled": True, "interval_s": 5.0, "timeout_s": 2.0, "unhealthy_threshold": 2, "healthy_threshold": 1,
-        "vllm_path": "/health", "sglang_path": "/v1/models",
-        "outlier": {"consecutive_failures": 5, "base_ejection_s": 30.0, "max_ejection_s": 300.0},
-    },
-    # Failover attempts before the first byte; the pre-flight context-window check; prompt-cache
-    # affinity (proxy/affinity.py: consistent hashing with bounded loads; enabled: false = least loaded).
-    "routing": {"max_attempts": 3, "context_check": True, "bytes_per_token_floor": 16,
-                "affinity": {"enabled": True, "epsilon": 0.25, "vnodes": 160, "hash_messages": True}},
-    "metrics": {"enabled": True, "path": "/metrics"},
-    "responses": {
-        "ai_markers": True,
-        "ai_notice": "[AI-generated content]",
-        "reasoning_items": True,  # False: leave reasoning out of output, as the 000 doc does
-        # With a seal key and include=reasoning.encrypted_content: False sends only the ciphertext.
-        "reasoning_in_clear": True,
-        "default_max_output_tokens": None,
-    },
-    # The order of the chain, by name; built-ins live in middlewares/, custom ones as "pkg.mod:factory".
-    "pipeline": ["stateless", "auth", "limits", "tools", "balance", "notices"],
-    "stateless": {"previous_response_id": "refuse"},  # refuse | ignore
-    "auth": {"demo_key": True, "static_keys": []},
-    "limits": {"global_concurrency": 1024, "default_key_concurrency": 64, "retry_after_s": 1},
-    "tools": {"drop": None, "refuse": None},  # None: the built-in lists
-    "balance": {"hold_ttl_s": 900, "demo_balance_micros": 100_000_000},
-    "notices": {"header": "x-token-notice"},
-    "ledger": {"backend": "sqlite", "path": "data/ledger.db"},
-    # Per model, per million tokens, in micro-units of the account currency.
-    "prices": {"default": {"input": 500_000, "cached_input": 100_000, "output": 1_500_000}},
-    "reasoning_seal": {"keys": {}, "active": None, "ttl_s": 604800},
-    "images": {"allow_hosts": [], "allow_private": False, "resolve_timeout_s": 2.0},
-}
+from proxy import config_schema as schema
+
+# The embedded configuration: every default of the schema (proxy/config_schema.py).
+DEFAULTS: dict[str, Any] = schema.defaults()
 
 _ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
@@ -89,19 +35,31 @@ def _merge(base: Any, override: Any) -> Any:
         for key, value in override.items():
             merged[key] = _merge(base.get(key), value) if key in base else copy.deepcopy(value)
         return merged
+    if isinstance(base, dict) and override is None:
+        return copy.deepcopy(base)  # `section:` with nothing under it (all commented out): its defaults
     return copy.deepcopy(override)
 
 
-def _expand_env(value: Any) -> Any:
-    """`${NAME}` as a whole string value reads the environment (secrets stay out of the file)."""
+def _expand_env(value: Any, path: str = "") -> Any:
+    """`${NAME}` as a whole string value reads the environment (secrets stay out of the file).
+
+    An unset NAME is an error naming it; the value is kept as schema.EnvStr so a port or
+    a flag written as `${PORT}` is converted by the schema check.
+    """
     if isinstance(value, dict):
-        return {k: _expand_env(v) for k, v in value.items()}
+        return {k: _expand_env(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
     if isinstance(value, list):
-        return [_expand_env(v) for v in value]
+        return [_expand_env(v, f"{path}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, str):
         match = _ENV_REF.match(value)
         if match:
-            return os.environ.get(match.group(1))
+            name = match.group(1)
+            found = os.environ.get(name)
+            if found is None:
+                raise schema.SchemaError(f"${{{name}}} is not set ({path})")
+            text = schema.EnvStr(found)
+            text.var = name
+            return text
     return value
 
 
@@ -114,17 +72,26 @@ class Config:
     def load(cls, path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> "Config":
         data: dict[str, Any] = copy.deepcopy(DEFAULTS)
         file_path = Path(path) if path else None
-        if file_path is not None:
-            try:
-                loaded = yaml.safe_load(file_path.read_text()) or {}
-            except (OSError, yaml.YAMLError) as exc:
-                raise ConfigError(f"cannot read {file_path}: {exc}") from exc
-            if not isinstance(loaded, dict):
-                raise ConfigError(f"{file_path}: the top level must be a mapping")
-            data = _merge(data, loaded)
-        if overrides:
-            data = _merge(data, overrides)
-        return cls(_expand_env(data), file_path)
+        where = f"{file_path}: " if file_path is not None else ""
+        try:
+            if file_path is not None:
+                try:
+                    loaded = yaml.safe_load(file_path.read_text()) or {}
+                except (OSError, yaml.YAMLError) as exc:
+                    raise ConfigError(f"cannot read {file_path}: {exc}") from exc
+                if not isinstance(loaded, dict):
+                    raise ConfigError(f"{file_path}: the top level must be a mapping")
+                data = _merge(data, _expand_env(loaded))
+            else:
+                # No file: the embedded defaults run the simulator for a first try, with a demo
+                # key. With a file (an operator's), auth.demo_key is false unless written.
+                data["auth"]["demo_key"] = True
+            if overrides:
+                data = _merge(data, _expand_env(overrides))
+            data = schema.validate(data)
+        except schema.SchemaError as exc:
+            raise ConfigError(f"{where}{exc}") from None
+        return cls(data, file_path)
 
     @classmethod
     def from_dict(cls, overrides: dict[str, Any]) -> "Config":

@@ -35,7 +35,7 @@ from proxy.config import Config
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def _auth_section(config: Config) -> dict[str, Any] | None:
+def auth_section(config: Config) -> dict[str, Any] | None:
     for item in config.get("pipeline") or []:
         if item == "auth":
             if config.get("auth") is None:
@@ -83,7 +83,15 @@ def _child_config(config: Config, workers: int) -> None:
 
 def supervise(config: Config, host: str, port: int, workers: int,
               serve_one: Callable[..., int]) -> int:
-    auth = _auth_section(config)
+    from proxy.cli import bind_sockets, listen_error
+
+    try:  # a port in use or a bad host: one line, before "listening on" and before the demo key and any fork
+        for sock in bind_sockets(host, port, reuse_port=True):
+            sock.close()
+    except OSError as exc:
+        print(f"responses-proxy: {listen_error(host, port, exc)}", file=sys.stderr, flush=True)
+        return 2
+    auth = auth_section(config)
     if auth is not None and auth.get("demo_key", True) is True:
         asyncio.run(_create_demo_key(config))
         auth["demo_key"] = False  # the children must not create (and revoke) their own

@@ -146,7 +146,7 @@ async def main(args: argparse.Namespace) -> int:
         log = open(tmp / "proxy.log", "ab")
         proc = await asyncio.create_subprocess_exec(
             str(Path(sys.executable)), "-m", "proxy", "serve", "--config", str(tmp / "proxy.yaml"),
-            "--port", str(port), cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=log)
+            "--port", str(port), "--demo-key", cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=log)
         key = ""
         while not key:
             line = await proc.stdout.readline()

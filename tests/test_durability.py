@@ -43,7 +43,7 @@ class ProxyProcess:
     async def start(self) -> "ProxyProcess":
         self._log_file = open(self.log, "ab")
         self.proc = await asyncio.create_subprocess_exec(
-            str(PYTHON), "-m", "proxy", "--config", str(self.config), "serve", "--port", str(self.port),
+            str(PYTHON), "-m", "proxy", "--config", str(self.config), "serve", "--demo-key", "--port", str(self.port),
             cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=self._log_file,
         )
         async with asyncio.timeout(60):

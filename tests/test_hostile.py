@@ -50,7 +50,7 @@ async def start_proxy(tmp_path: Path, sim_url: str, extra: dict | None = None):
     port = free_port()
     log = open(tmp_path / "proxy.log", "ab")
     proc = await asyncio.create_subprocess_exec(
-        str(PYTHON), "-m", "proxy", "serve", "--config", str(config), "--port", str(port),
+        str(PYTHON), "-m", "proxy", "serve", "--demo-key", "--config", str(config), "--port", str(port),
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=log)
     key = ""
     async with asyncio.timeout(60):

@@ -1,0 +1,631 @@
+"""The one schema of config.yaml: every key, its type, bounds, default and a one-line doc.
+
+Three things come from it, so they cannot disagree:
+  * `DEFAULTS` (proxy/config.py), the embedded configuration: every `F(...)` default;
+  * the start-up check of the merged file (`validate`): an unknown key at any depth names
+    its path and the nearest known key, a wrong type names its path and the expected type;
+  * the commented reference (`reference()`), which is config.yaml itself
+    (`responses-proxy config reference`; tests/test_config_schema.py keeps them equal).
+
+`F(type, default, doc)` is a key with an embedded default. `Opt(type, default, doc)` is a
+key whose default lives in the code that reads it: known and checked, shown commented out
+in the reference, left out of DEFAULTS (so the reading module's default stays the one in
+force). Adding a key is one line in its section below.
+
+Sections of custom middlewares ("package.module:factory", named by a `pipeline` entry)
+are free-form: their factory checks them.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+REQUIRED = object()  # a key every entry must set (workers[i].name)
+OMIT = object()  # no default to show: absent means "off" to the code that reads it
+
+
+class SchemaError(Exception):
+    """One configuration mistake; the message names the key's path."""
+
+
+class EnvStr(str):
+    """A string read from `${NAME}`: may stand for a number or a boolean (ports, flags)."""
+
+    var: str = ""
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, EnvStr):
+        return f"{str(value)!r} (from ${{{value.var}}})"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ----------------------------------------------------------------------------- types
+
+
+class Type:
+    def what(self) -> str:
+        raise NotImplementedError
+
+    def check(self, value: Any, path: str) -> Any:
+        """The value (numbers from the environment converted), or SchemaError."""
+        raise NotImplementedError
+
+    def fail(self, value: Any, path: str) -> SchemaError:
+        return SchemaError(f"{path} must be {self.what()}, not {_show(value)}")
+
+
+def _bounds(lo: Any, hi: Any, gt: Any) -> str:
+    if gt is not None:
+        return f" > {gt}" + (f" and <= {hi}" if hi is not None else "")
+    if lo is not None and hi is not None:
+        return f" from {lo} to {hi}"
+    if lo is not None:
+        return f" >= {lo}"
+    if hi is not None:
+        return f" <= {hi}"
+    return ""
+
+
+@dataclass(frozen=True)
+class Int(Type):
+    lo: int | None = None
+    hi: int | None = None
+
+    def what(self) -> str:
+        return "an integer" + _bounds(self.lo, self.hi, None)
+
+    def check(self, value: Any, path: str) -> Any:
+        if isinstance(value, EnvStr):
+            try:
+                value = int(value.strip())
+            except ValueError:
+                raise self.fail(value, path) from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(value, path)
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            raise self.fail(value, path)
+        return value
+
+
+@dataclass(frozen=True)
+class Num(Type):
+    lo: float | None = None
+    hi: float | None = None
+    gt: float | None = None  # strictly above
+
+    def what(self) -> str:
+        return "a number" + _bounds(self.lo, self.hi, self.gt)
+
+    def check(self, value: Any, path: str) -> Any:
+        if isinstance(value, EnvStr):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise self.fail(value, path) from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.fail(value, path)
+        if ((self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi)
+                or (self.gt is not None and value <= self.gt)):
+            raise self.fail(value, path)
+        return value
+
+
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+class Bool(Type):
+    def what(self) -> str:
+        return "true or false"
+
+    def check(self, value: Any, path: str) -> Any:
+        if isinstance(value, EnvStr) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        if not isinstance(value, bool):
+            raise self.fail(value, path)
+        return value
+
+
+@dataclass(frozen=True)
+class Str(Type):
+    choices: tuple[str, ...] = ()
+    nonempty: bool = False
+
+    def what(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        return "a non-empty string" if self.nonempty else "a string"
+
+    def check(self, value: Any, path: str) -> Any:
+        if not isinstance(value, str) or (self.nonempty and not value) or (self.choices and value not in self.choices):
+            raise self.fail(value, path)
+        return str(value)
+
+
+class AnyValue(Type):
+    def what(self) -> str:
+        return "any value"
+
+    def check(self, value: Any, path: str) -> Any:
+        return _plain(value)
+
+
+@dataclass(frozen=True)
+class Nullable(Type):
+    inner: Type
+
+    def what(self) -> str:
+        return self.inner.what() + " or null"
+
+    def check(self, value: Any, path: str) -> Any:
+        if value is None:
+            return None
+        try:
+            return self.inner.check(value, path)
+        except SchemaError as exc:
+            if str(exc).startswith(f"{path} must be "):
+                raise self.fail(value, path) from None
+            raise
+
+
+@dataclass(frozen=True)
+class Either(Type):
+    options: tuple[Type, ...]
+
+    def what(self) -> str:
+        return " or ".join(o.what() for o in self.options)
+
+    def check(self, value: Any, path: str) -> Any:
+        for option in self.options:
+            try:
+                return option.check(value, path)
+            except SchemaError:
+                continue
+        raise self.fail(value, path)
+
+
+@dataclass(frozen=True)
+class ListOf(Type):
+    item: Type
+    min_len: int = 0
+
+    def what(self) -> str:
+        what = "a list" if self.min_len == 0 else "a non-empty list"
+        return f"{what} of {_plural(self.item)}"
+
+    def check(self, value: Any, path: str) -> Any:
+        if not isinstance(value, list) or len(value) < self.min_len:
+            raise self.fail(value, path)
+        return [self.item.check(v, f"{path}[{i}]") for i, v in enumerate(value)]
+
+
+@dataclass(frozen=True)
+class MapOf(Type):
+    """Free keys (model names, label names, key ids), each value of one type."""
+
+    value: Type
+
+    def what(self) -> str:
+        return f"a mapping of names to {_plural(self.value)}"
+
+    def check(self, value: Any, path: str) -> Any:
+        if not isinstance(value, dict):
+            raise self.fail(value, path)
+        return {k: self.value.check(v, f"{path}.{k}") for k, v in value.items()}
+
+
+def _plural(t: Type) -> str:
+    if getattr(t, "plural", None):
+        return t.plural
+    if isinstance(t, Section):
+        return "mappings"
+    if isinstance(t, Str):
+        return "strings" if not t.choices else "names"
+    if isinstance(t, (Int, Num)):
+        return "numbers"
+    return "values"
+
+
+@dataclass(frozen=True)
+class Key:
+    type: Type
+    default: Any
+    doc: str
+    embedded: bool = True  # False: the default lives in the reading module (Opt)
+    note: str = ""  # comment lines shown above the key in the reference
+
+
+def F(type_: Type, default: Any, doc: str = "", note: str = "") -> Key:
+    return Key(type_, default, doc, True, note)
+
+
+def Opt(type_: Type, default: Any, doc: str = "", note: str = "") -> Key:
+    return Key(type_, default, doc, False, note)
+
+
+@dataclass(frozen=True)
+class Section(Type):
+    keys: dict[str, Key] = field(default_factory=dict)
+
+    def what(self) -> str:
+        return "a mapping"
+
+    def check(self, value: Any, path: str) -> Any:
+        if not isinstance(value, dict):
+            raise self.fail(value, path)
+        out = {}
+        for name, item in value.items():
+            key = self.keys.get(name) if isinstance(name, str) else None
+            where = f"{path}.{name}" if path else str(name)
+            if key is None:
+                raise SchemaError(unknown_key(where, str(name), self.keys))
+            out[name] = key.type.check(item, where)
+        for name, key in self.keys.items():
+            if key.default is REQUIRED and name not in value:
+                raise SchemaError(f"{path} needs {name!r}")
+        return out
+
+    def defaults(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, key in self.keys.items():
+            if not key.embedded or key.default is REQUIRED or key.default is OMIT:
+                continue
+            out[name] = key.type.defaults() if isinstance(key.type, Section) and key.default is None else key.default
+        return out
+
+
+def unknown_key(path: str, name: str, known: Any) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    parent = path[: len(path) - len(name)]
+    if close:
+        return f"unknown key {path!r} (did you mean {parent + close[0]!r}?)"
+    return f"unknown key {path!r} (known here: {', '.join(known)})"
+
+
+# ----------------------------------------------------------------------------- the schema
+
+POS_INT = Int(lo=1)
+POS_NUM = Num(gt=0)
+SECONDS = Num(gt=0)
+
+TIMEOUTS = Section({
+    "connect": F(SECONDS, 5.0, "TCP connect; past it the next eligible worker is tried (504 if none is left)"),
+    "first_byte": F(SECONDS, 120.0, "request sent -> first upstream chunk; past it the client gets 504"),
+    "idle": F(SECONDS, 120.0, "between two upstream chunks; past it, response.failed"),
+    "total": F(SECONDS, 1800.0, "the whole upstream exchange"),
+})
+
+WORKER = Section({
+    "name": F(Str(nonempty=True), REQUIRED, "unique; shown in logs and metrics"),
+    "url": F(Str(nonempty=True), REQUIRED, "http://host:port of a vLLM / SGLang server, or embedded (the simulator)"),
+    "dialect": F(Str(choices=("vllm", "sglang", "detect")), "vllm",
+                 "detect: from /v1/models owned_by at start-up"),
+    "models": F(Nullable(ListOf(Str(nonempty=True))), None, "null: discovered from its /v1/models"),
+    "api_key": F(Nullable(Str()), None, "the worker's own key (e.g. ${GPU_A_KEY}); printable ASCII only "
+                  "(a CR/LF stops start-up); the client's never travels upstream"),
+    "labels": F(MapOf(AnyValue()), {}, "matched by provider.labels, e.g. {region: eu, zdr: true, price_prompt: 0.2}"),
+    "capacity": F(POS_INT, 256, "concurrent requests; over it -> next worker, or 429"),
+    "timeouts": F(TIMEOUTS, None, "seconds"),
+})
+
+STATIC_KEY = Section({
+    "name": F(Str(nonempty=True), REQUIRED, "unique"),
+    "sha256": Opt(Str(), OMIT, "hex sha256 of the key (one of sha256 or key)"),
+    "key": Opt(Str(), OMIT, "the key itself, e.g. ${OPS_KEY}"),
+    "allowed_models": Opt(ListOf(Str(nonempty=True)), OMIT, "default: every model"),
+    "concurrency": Opt(POS_INT, OMIT, "requests in flight (per process)"),
+    "rate_per_min": Opt(POS_INT, OMIT, "requests per minute (per process)"),
+})
+
+PRICE = Section({
+    "input": F(Num(lo=0), REQUIRED, "uncached input tokens"),
+    "cached_input": Opt(Num(lo=0), OMIT, "cached input tokens (default: input)"),
+    "output": F(Num(lo=0), REQUIRED, "output tokens, reasoning included"),
+})
+
+class PipelineEntry(Type):
+    """A built-in name, "package.module:factory", or {name: section} (checked in validate)."""
+
+    plural = "middleware names or one-key mappings {name: section}"
+
+    def what(self) -> str:
+        return "a middleware name or a one-key mapping {name: section}"
+
+    def check(self, value: Any, path: str) -> Any:
+        if isinstance(value, str) and value:
+            return str(value)
+        if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value)), str):
+            return dict(value)
+        raise self.fail(value, path)
+
+
+PIPELINE_ENTRY = PipelineEntry()
+
+SCHEMA = Section({
+    "server": F(Section({
+        "host": F(Str(nonempty=True), "127.0.0.1", "also: serve --host, RESPONSES_PROXY_HOST"),
+        "port": F(Int(1, 65535), 8080, "also: serve --port, RESPONSES_PROXY_PORT"),
+        "workers": F(Either((Int(lo=0), Str(choices=("auto",)))), 1,
+                     "processes sharing the port (SO_REUSEPORT); auto (or 0) = one per core (also: serve --workers N)"),
+        "log_format": F(Str(choices=("json", "console", "auto")), "auto", "auto: console on a terminal, JSON otherwise"),
+        "log_level": F(Str(choices=("debug", "info", "warning", "error", "critical")), "info"),
+        "max_body_bytes": F(POS_INT, 8 * 1024 * 1024, "413 above this (gzip/deflate/zstd decoding stops here too)"),
+        "max_json_depth": F(POS_INT, 64, "400 above this nesting depth"),
+        "max_input_items": F(POS_INT, 4096, "400 above this many input items"),
+        "max_tools": F(POS_INT, 512, "400 above this many tools"),
+        "body_read_timeout": F(SECONDS, 30.0, "seconds; a client that trickles its body gets 408"),
+        "max_line_size": Opt(POS_INT, 8190, "bytes of the request line; 400 above"),
+        "max_field_size": Opt(POS_INT, 8190, "bytes of one header line; 400 above"),
+    }), None),
+    "simulator": F(Section({
+        "host": F(Str(nonempty=True), "127.0.0.1"),
+        "port": F(Int(0, 65535), 0, "0: any free port"),
+        "dialect": F(Str(choices=("vllm", "sglang")), "vllm"),
+        "model": F(Str(nonempty=True), "tiny-model", "served when no embedded worker lists models"),
+        "max_model_len": F(POS_INT, 32768),
+    }), None, "the embedded upstream for workers whose url is embedded (also: python -m proxy.simulator)"),
+    "workers": F(ListOf(WORKER, min_len=1), [{
+        "name": "local", "url": "embedded", "dialect": "vllm", "models": ["tiny-model"], "api_key": None,
+        "labels": {}, "capacity": 256, "timeouts": {"connect": 5.0, "first_byte": 120.0, "idle": 120.0, "total": 1800.0},
+    }], note="""\
+The model servers. url "embedded" is the built-in simulator, so this file answers out
+of the box. To put a real vLLM or SGLang behind the proxy, replace the entry, e.g.:
+  - name: gpu-a
+    url: http://10.0.0.5:8000        # vLLM: `vllm serve Qwen/Qwen3-8B --enable-auto-tool-choice
+    dialect: vllm                    #        --tool-call-parser hermes --reasoning-parser qwen3`
+    models: [Qwen/Qwen3-8B]
+    api_key: ${GPU_A_KEY}            # an unset variable stops start-up, naming it
+  - name: gpu-b
+    url: http://10.0.0.6:30000       # SGLang: `python -m sglang.launch_server ...`
+    dialect: detect                  # no `models`: discovered from its /v1/models
+    labels: {quantization: fp8, region: eu, zdr: true, data_collection: deny,
+             supports: [tools, json_schema], price_prompt: 0.2, price_completion: 0.6}
+Requests pick among them with the `provider` object (README, "Provider requirements")."""),
+    "health": F(Section({
+        "enabled": F(Bool(), True, "active checks (vLLM GET /health, SGLang GET /v1/models); "
+                                    "no traffic to a worker before one passes"),
+        "interval_s": F(SECONDS, 5.0),
+        "timeout_s": F(SECONDS, 2.0),
+        "unhealthy_threshold": F(POS_INT, 2, "failed checks in a row -> unhealthy"),
+        "healthy_threshold": F(POS_INT, 1, "passed checks in a row -> healthy again"),
+        "vllm_path": F(Str(nonempty=True), "/health"),
+        "sglang_path": F(Str(nonempty=True), "/v1/models", "SGLang's own /health is never used"),
+        "outlier": F(Section({
+            "consecutive_failures": F(POS_INT, 5),
+            "base_ejection_s": F(Num(lo=0), 30.0, "doubled on each repeated ejection, up to max_ejection_s"),
+            "max_ejection_s": F(Num(lo=0), 300.0, "re-admitted by the first passing check after that"),
+            "max_ejection_percent": Opt(Int(0, 100), 50, "at most this share of a model's workers ejected at once; "
+                                         "below 100 its last available worker is never ejected"),
+        }), None, "passive ejection (Envoy-style): N connection failures / 5xx in a row"),
+    }), None),
+    "routing": F(Section({
+        "max_attempts": F(POS_INT, 3, "workers tried when one fails before the first byte"),
+        "context_check": F(Bool(), True, "400 context_length_exceeded before forwarding"),
+        "bytes_per_token_floor": F(Num(lo=0), 16, "\"clearly over\" estimate: prompt bytes / this (0: never)"),
+        "affinity": F(Section({
+            "enabled": F(Bool(), True, "false: least loaded"),
+            "epsilon": F(Num(gt=0, hi=100), 0.25, "a worker takes at most ceil((1 + epsilon) * average in-flight)"),
+            "vnodes": F(Int(1, 4096), 160, "points per worker on the consistent-hash ring"),
+            "hash_messages": F(Bool(), True, "key on system + first user message without prompt_cache_key"),
+        }), None, "prompt-cache affinity (README, \"Prompt-cache affinity\")"),
+    }), None),
+    "metrics": F(Section({
+        "enabled": F(Bool(), True),
+        "path": F(Str(nonempty=True), "/metrics", "Prometheus text, unauthenticated: keep it off the public edge"),
+    }), None),
+    "responses": F(Section({
+        "ai_markers": F(Bool(), True, "ai_generated / ai_notice on every Response"),
+        "ai_notice": F(Str(), "[AI-generated content]"),
+        "reasoning_items": F(Bool(), True, "false: leave reasoning items out of output"),
+        "reasoning_in_clear": F(Bool(), True, "false: when sealing (reasoning_seal), send only the ciphertext"),
+        "default_max_output_tokens": F(Nullable(POS_INT), None, "not read (balance.default_max_output_tokens caps holds)"),
+    }), None),
+    "pipeline": F(ListOf(PIPELINE_ENTRY), ["stateless", "auth", "limits", "tools", "balance", "notices"],
+                  note="""\
+The middleware chain, in order. Built-ins: stateless, auth, limits, tools, balance,
+notices. Your own: "package.module:factory", configured by a top-level section of the
+same name (or written {"package.module:factory": {...}} in the list). auth always runs
+first wherever it is listed (no body is read before the key is checked); the others run
+after it in this order."""),
+    "stateless": F(Section({
+        "previous_response_id": F(Str(choices=("refuse", "ignore")), "refuse", "refuse (004 doc) | ignore (000 doc)"),
+    }), None),
+    "auth": F(Section({
+        "demo_key": F(Bool(), False, "true: create a demo key at start and print it (true without a config file; make run passes --demo-key)"),
+        "static_keys": F(ListOf(STATIC_KEY), [], "keys without a database"),
+        "key_cache_ttl_s": Opt(Num(0, 3600), 5, "revocation takes effect within this; 0: no cache"),
+        "key_cache_size": Opt(Int(lo=0), 10000, "cached keys per process (LRU)"),
+    }), None),
+    "limits": F(Section({
+        "global_concurrency": F(Nullable(POS_INT), 1024, "requests in flight per process; null: no limit"),
+        "default_key_concurrency": F(Nullable(POS_INT), 64, "per key, unless its own limit is set"),
+        "retry_after_s": F(Num(lo=0), 1, "Retry-After of a 429"),
+    }), None),
+    "tools": F(Section({
+        "drop": F(Nullable(ListOf(Str(nonempty=True))), None, "hosted tool types removed silently; null: built-in list"),
+        "refuse": F(Nullable(ListOf(Str(nonempty=True))), None, "tool types refused with 400; null: built-in list"),
+    }), None),
+    "balance": F(Section({
+        "hold_ttl_s": F(SECONDS, 900, "a hold whose request never settles is released after this"),
+        "demo_balance_micros": F(Int(lo=0), 100_000_000, "the demo key's balance"),
+        "default_max_output_tokens": Opt(POS_INT, 32768, "output cap reserved when nothing else says one"),
+        "bytes_per_token": Opt(Num(gt=0, hi=1), 1, "input hold: prompt bytes / this + template; <= 1 (an upper bound)"),
+        "lease_max_micros": Opt(Int(lo=0), 10_000_000, "largest lease per key and process (0: no leases)",
+                                note="Leases (README \"Keys and balances\"): a busy key's holds come from a reservation in memory."),
+        "lease_min_rate": Opt(POS_INT, 4, "requests/s of a key in one process before a lease"),
+        "lease_seconds": Opt(POS_NUM, 2, "a lease covers ~this long of the key's spend"),
+        "lease_idle_s": Opt(POS_NUM, 2, "an unused lease is given back after this"),
+        "lease_ttl_s": Opt(POS_NUM, 30, "a lease row expires this long after its last renewal"),
+        "lease_commit_ms": Opt(POS_NUM, 20, "leased usage rows are committed this far apart"),
+    }), None),
+    "notices": F(Section({
+        "header": F(Str(nonempty=True), "x-token-notice"),
+        "max_bytes": Opt(Int(64, 16384), 2048),
+    }), None),
+    "ledger": F(Section({
+        "backend": F(Str(choices=("sqlite", "none")), "sqlite", "none: no keys, no balances"),
+        "path": F(Str(nonempty=True), "data/ledger.db", "relative to this file"),
+        "synchronous": Opt(Str(nonempty=True), "FULL", "settles, top-ups, revokes: fsync'd at every (group) commit"),
+        "hold_synchronous": Opt(Str(nonempty=True), "NORMAL", "holds: no fsync (proxy/ledger/sqlite.py says why)"),
+        "busy_timeout_ms": Opt(POS_INT, 5000),
+        "max_batch": Opt(POS_INT, 1024, "operations per group commit"),
+        "settle_linger_ms": Opt(Num(lo=0), 5, "a settle waits up to this long to share its commit"),
+        "expire_interval_s": Opt(SECONDS, 30, "expired holds are swept this often"),
+    }), None),
+    "prices": F(MapOf(PRICE), {"default": {"input": 500_000, "cached_input": 100_000, "output": 1_500_000}},
+                note="""\
+Per million tokens, in integer micro-units of the account currency (1 unit = 1,000,000),
+by model name ("default": any other), e.g. tiny-model: {input: 100000, output: 300000}."""),
+    "images": F(Section({
+        "allow_hosts": F(ListOf(Str(nonempty=True)), [], "non-empty: only these hosts (exact, or *.example.com)"),
+        "allow_private": F(Bool(), False, "true: skip the address check (a lab behind a firewall)"),
+        "resolve_timeout_s": F(SECONDS, 2.0, "DNS budget per request; past it the URL is refused"),
+    }), None, note="""\
+input_image URLs are fetched by the model server, so by default the proxy refuses any
+whose host resolves to loopback, private, link-local or reserved addresses, and any
+scheme but http(s); data: URIs are always allowed."""),
+    "reasoning_seal": F(Section({
+        "keys": F(MapOf(Nullable(Str())), {}, "e.g. {k1: \"${SEAL_KEY_1}\"}"),
+        "active": F(Nullable(Str()), None, "the key id that seals; null: the first"),
+        "ttl_s": Opt(POS_NUM, 604800, "a ciphertext older than this (7 days) is dropped with a notice"),
+    }), None, note="""\
+Sealed reasoning across turns (include: ["reasoning.encrypted_content"]). Keys are base64
+of 32 random bytes: python -c "import os,base64;print(base64.urlsafe_b64encode(os.urandom(32)).decode())"
+Without a key the reasoning text travels in the item instead (and x-token-notice says that
+encrypted_content is ignored). A ciphertext opens only for the API key it was made for."""),
+})
+
+BUILTINS = ("stateless", "auth", "limits", "tools", "balance", "notices")
+
+
+def defaults() -> dict[str, Any]:
+    return copy.deepcopy(SCHEMA.defaults())
+
+
+def validate(data: dict[str, Any]) -> dict[str, Any]:
+    """The merged configuration checked against SCHEMA (raises SchemaError)."""
+    if not isinstance(data, dict):
+        raise SchemaError("the top level must be a mapping")
+    raw = data.get("pipeline")
+    pipeline = SCHEMA.keys["pipeline"].type.check([] if raw is None else raw, "pipeline")
+    custom = set()
+    for i, entry in enumerate(pipeline):
+        if isinstance(entry, dict):
+            ((name, section),) = entry.items()
+            if name in BUILTINS:  # its section written in the list: checked as the top-level one
+                entry[name] = SCHEMA.keys[name].type.check({} if section is None else section, f"pipeline[{i}].{name}")
+        elif entry not in BUILTINS:
+            custom.add(entry)
+    out: dict[str, Any] = {}
+    for name, value in data.items():
+        if name == "pipeline":
+            out[name] = pipeline
+        elif name in SCHEMA.keys:
+            out[name] = SCHEMA.keys[name].type.check(value, name)
+        elif name in custom:
+            out[name] = _plain(value)  # its factory checks it
+        else:
+            raise SchemaError(unknown_key(name, name, SCHEMA.keys))
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return str(value) if isinstance(value, EnvStr) else value
+
+
+# ----------------------------------------------------------------------------- the reference
+
+HEADER = """\
+responses-proxy configuration, with every key at its default. Generated from the schema
+(proxy/config_schema.py) by `responses-proxy config reference`; a test keeps the two equal.
+Every key is optional: what is left out takes its default. A key this file does not know
+stops start-up, naming it. A value written "${NAME}" is read from the environment (an
+unset NAME stops start-up), so secrets stay out of this file. Commented keys show the
+default the code uses when they are left out."""
+
+_COMMENT_COL = 28
+
+
+def _flow(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False).strip()
+    return text[:-4].rstrip() if text.endswith("\n...") else text.removesuffix("...").strip()
+
+
+def _line(indent: str, text: str, doc: str, commented: bool = False) -> list[str]:
+    body = f"{indent}{'# ' if commented else ''}{text}"
+    if not doc:
+        return [body]
+    return [f"{body.ljust(_COMMENT_COL - 1)} # {doc}" if len(body) < _COMMENT_COL - 1 else f"{body}  # {doc}"]
+
+
+def _notes(indent: str, note: str) -> list[str]:
+    return [f"{indent}# {line}".rstrip() for line in note.splitlines()] if note else []
+
+
+def _section_lines(section: Section, indent: str, commented: bool = False) -> list[str]:
+    lines: list[str] = []
+    for name, key in section.keys.items():
+        off = commented or not key.embedded
+        lines += _notes(indent, key.note)
+        lines += _key_lines(name, key, indent, off)
+    return lines
+
+
+def _key_lines(name: str, key: Key, indent: str, commented: bool) -> list[str]:
+    t = key.type
+    if isinstance(t, Section) and key.default is None:
+        return _line(indent, f"{name}:", key.doc, commented) + _section_lines(t, indent + "  ", commented)
+    if isinstance(t, ListOf) and isinstance(t.item, Section):
+        if key.default:
+            lines = _line(indent, f"{name}:", key.doc, commented)
+            for entry in key.default:
+                lines += _item_lines(t.item, entry, indent + "  ", commented)
+            return lines
+        # An empty list: its entries' keys shown as a commented example.
+        lines = _line(indent, f"{name}: {_flow(key.default)}", key.doc, commented)
+        return lines + _item_lines(t.item, {}, indent + "  ", True)
+    if isinstance(t, MapOf) and isinstance(key.default, dict) and key.default:
+        lines = _line(indent, f"{name}:", key.doc, commented)
+        for k, v in key.default.items():
+            lines += _line(indent + "  ", f"{k}: {_flow(v)}", "", commented)
+        return lines
+    if key.default is REQUIRED:
+        return _line(indent, f"{name}: ...", f"required; {key.doc}" if key.doc else "required", commented)
+    if key.default is OMIT:
+        return _line(indent, f"{name}:", key.doc, True)
+    return _line(indent, f"{name}: {_flow(key.default)}", key.doc, commented)
+
+
+def _item_lines(item: Section, entry: dict[str, Any], indent: str, commented: bool) -> list[str]:
+    lines: list[str] = []
+    first = True
+    for name, key in item.keys.items():
+        prefix = "- " if first else "  "
+        first = False
+        if name in entry:
+            value = entry[name]
+            lines += _line(indent, prefix + f"{name}: {_flow(value)}", key.doc, commented)
+        else:
+            shown = "..." if key.default in (REQUIRED, OMIT) else _flow(key.default)
+            lines += _line(indent, prefix + f"{name}: {shown}", key.doc, True)
+    return lines
+
+
+def reference() -> str:
+    lines = _notes("", HEADER)
+    for name, key in SCHEMA.keys.items():
+        lines.append("")
+        lines += _notes("", key.note)
+        lines += _key_lines(name, key, "", not key.embedded)
+    return "\n".join(lines) + "\n"
