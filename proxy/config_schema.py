@@ -401,8 +401,7 @@ Requests pick among them with the `provider` object (README, "Provider requireme
             "consecutive_failures": F(POS_INT, 5),
             "base_ejection_s": F(Num(lo=0), 30.0, "doubled on each repeated ejection, up to max_ejection_s"),
             "max_ejection_s": F(Num(lo=0), 300.0, "re-admitted by the first passing check after that"),
-            "max_ejection_percent": Opt(Int(0, 100), 50, "at most this share of a model's workers ejected at once; "
-                                         "below 100 its last available worker is never ejected"),
+            "max_ejection_percent": Opt(Int(0, 100), 50, "share of a model's workers ejected at once (below 100: never its last)"),
         }), None, "passive ejection (Envoy-style): N connection failures / 5xx in a row"),
     }), None),
     "routing": F(Section({
