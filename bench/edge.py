@@ -93,7 +93,7 @@ async def start(root: Path, tmp: Path) -> tuple[subprocess.Popen, int, str]:
 
     cfg = {"server": {"log_format": "json", "log_level": "warning"},
            "workers": [{"name": "local", "url": "embedded", "models": ["tiny-model"], "capacity": 256}],
-           "ledger": {"path": str(tmp / "ledger.db")}}
+           "ledger": {"path": str(tmp / "ledger.db")}, "auth": {"demo_key": True}}
     path = tmp / "proxy.yaml"
     path.write_text(yaml.safe_dump(cfg))
     port = free_port()

@@ -96,6 +96,7 @@ def proxy_process(tmp_path_factory):
         "server": {"log_format": "json", "log_level": "warning"},
         "workers": [{"name": "local", "url": "embedded", "models": ["tiny-model"]}],
         "ledger": {"path": str(tmp / "ledger.db")},
+        "auth": {"demo_key": True},
     }))
     port = free_port()
     log = open(tmp / "proxy.log", "ab")
