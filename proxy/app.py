@@ -115,7 +115,7 @@ async def _embedded_simulator(app: web.Application) -> AsyncIterator[None]:
     from proxy.simulator import Simulator
 
     sim_cfg = app[state.CONFIG].section("simulator")
-    models = sorted({m for w in embedded for m in w.models} or {sim_cfg.get("model", "tiny-model")})
+    models = sorted({m for w in embedded for m in w.models} or {sim_cfg.get("model", "tiny-org/tiny-model")})
     simulator = Simulator(dialect=sim_cfg.get("dialect", "vllm"), models=tuple(models),
                           max_model_len=int(sim_cfg.get("max_model_len", 32768)),
                           host=sim_cfg.get("host", "127.0.0.1"), port=int(sim_cfg.get("port", 0)))

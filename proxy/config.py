@@ -29,13 +29,14 @@ DEFAULTS: dict[str, Any] = {
         "body_read_timeout": 30.0,
     },
     # The embedded upstream simulator, started in-process when a worker's url is "embedded".
-    "simulator": {"host": "127.0.0.1", "port": 0, "dialect": "vllm", "model": "tiny-model", "max_model_len": 32768},
+    "simulator": {"host": "127.0.0.1", "port": 0, "dialect": "vllm", "model": "tiny-org/tiny-model",
+                  "max_model_len": 32768},
     "workers": [
         {
             "name": "local",
             "url": "embedded",
             "dialect": "vllm",
-            "models": ["tiny-model"],
+            "models": ["tiny-org/tiny-model"],
             "api_key": None,
             "labels": {},
             "capacity": 256,

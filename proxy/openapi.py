@@ -79,7 +79,8 @@ _REQUEST = {
     "type": "object",
     "required": ["model", "input"],
     "properties": {
-        "model": {"type": "string", "description": "A model id from GET /v1/models; a leading vendor/ is ignored."},
+        "model": {"type": "string", "description": "A model id from GET /v1/models (a leading vendor/ segment "
+                                                   "is stripped only when no worker serves the exact name)."},
         "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": _INPUT_ITEM}]},
         "instructions": {"type": ["string", "null"]},
         "stream": {"type": ["boolean", "null"]},

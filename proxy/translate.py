@@ -14,6 +14,7 @@ from typing import Any, Callable
 import orjson
 
 from proxy.errors import APIError, bad_request
+from proxy.models import resolve_model
 
 __all__ = [
     "ToolOrigin",
@@ -95,7 +96,7 @@ class ToolOrigin:
 class Translation:
     chat: dict  # the chat-completions request body; chat["model"] is upstream_model
     model: str  # the model exactly as the client sent it
-    upstream_model: str  # `model` with a leading "vendor/" segment removed
+    upstream_model: str  # the served name `model` means (proxy.models.resolve_model)
     stream: bool
     tools: dict[str, ToolOrigin]  # upstream function name -> what the client knows it as
     echo: dict  # Response fields echoed back
@@ -109,6 +110,7 @@ class Translation:
 @dataclass
 class TranslateOptions:
     unseal: Callable[[str], str | None] | None = None  # encrypted_content -> text, None = cannot open
+    served: Callable[[str], bool] | None = None  # is this model name served? None: every name is
 
 
 # --------------------------------------------------------------------------- small validators
@@ -143,13 +145,6 @@ def _opt_number(body: dict, key: str, lo: float, hi: float) -> float | int | Non
     if not _is_num(v) or not (lo <= v <= hi):
         raise bad_request(f"Invalid '{key}': expected a number between {lo:g} and {hi:g}.", param=key)
     return v
-
-
-def _upstream_model(model: str) -> str:
-    head, sep, rest = model.partition("/")
-    if sep and head and rest:
-        return rest
-    return model
 
 
 def _show(v: Any) -> str:
@@ -725,7 +720,10 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise bad_request("Missing required parameter: 'model' must be a non-empty string.", param="model")
-    upstream_model = _upstream_model(model)
+    # A name nobody serves goes on as sent: routing answers 404 naming the client's string.
+    upstream_model = resolve_model(model, options.served) if options.served is not None else model
+    if upstream_model is None:
+        upstream_model = model
 
     if "input" not in body or body["input"] is None:
         raise bad_request("Missing required parameter: 'input'.", param="input")

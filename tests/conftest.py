@@ -72,7 +72,7 @@ async def make_proxy(sim, tmp_path):
 
     async def start(overrides: dict[str, Any] | None = None, *, workers: list[dict] | None = None) -> ProxyHandle:
         base: dict[str, Any] = {
-            "workers": workers or [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": ["tiny-model"],
+            "workers": workers or [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": ["tiny-org/tiny-model"],
                                     "timeouts": {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}}],
             "ledger": {"path": str(tmp_path / "ledger.db")},
             "server": {"log_format": "json"},

@@ -31,7 +31,7 @@ def make_agent(proxy, calls: list[tuple[str, str]]) -> Agent:
     return Agent(
         name="travel",
         instructions="Answer with the weather and the time.",
-        model=OpenAIResponsesModel(model="tiny-model", openai_client=client),
+        model=OpenAIResponsesModel(model="tiny-org/tiny-model", openai_client=client),
         model_settings=ModelSettings(include_usage=True),
         tools=[get_weather, get_time],
     )

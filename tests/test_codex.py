@@ -28,9 +28,9 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 # The default chain (auth with the demo key, balance...), with the capture in front.
 PIPELINE = [CAPTURE, *DEFAULTS["pipeline"]]
 # Codex offers apply_patch as a custom (freeform, lark grammar) tool only for models of its
-# bundled catalog; "gpt-5.5" is one in 0.171. Unknown names ("tiny-model") get function tools.
+# bundled catalog; "gpt-5.5" is one in 0.171. Unknown names ("tiny-org/tiny-model") get function tools.
 CATALOG_MODEL = "gpt-5.5"
-MODELS = ("tiny-model", CATALOG_MODEL)
+MODELS = ("tiny-org/tiny-model", CATALOG_MODEL)
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +59,7 @@ def _key() -> str:
 def start(sim, make_proxy, tmp_path, codex_cmd):
     """start(model, overrides) -> (proxy, workdir, run); run(prompt, api_key=None) runs codex exec."""
 
-    async def go(model: str = "tiny-model", overrides: dict | None = None):
+    async def go(model: str = "tiny-org/tiny-model", overrides: dict | None = None):
         workers = [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": list(MODELS),
                     "timeouts": {"connect": 2, "first_byte": 20, "idle": 20, "total": 60}}]
         proxy = await make_proxy({"pipeline": PIPELINE, **(overrides or {})}, workers=workers)

@@ -88,7 +88,7 @@ async def test_ten_turn_tool_loop_replays_exactly(sim, make_proxy, monkeypatch, 
     for turn in range(10):
         script = plan(turn)
         sim.script(script)
-        kwargs = dict(model="tiny-model", instructions=INSTRUCTIONS, input=items, tools=TOOLS,
+        kwargs = dict(model="tiny-org/tiny-model", instructions=INSTRUCTIONS, input=items, tools=TOOLS,
                       include=["reasoning.encrypted_content"], parallel_tool_calls=True)
         if stream:
             async with client.responses.stream(**kwargs) as s:

@@ -65,11 +65,23 @@ def test_string_input_is_one_user_message():
 
 
 @pytest.mark.parametrize(
-    "model,upstream",
-    [("qwen/qwen3-8b", "qwen3-8b"), ("a/b/c", "b/c"), ("plain", "plain"), ("/x", "/x"), ("x/", "x/")],
+    "model,served,upstream",
+    [
+        ("qwen/qwen3-8b", {"qwen3-8b"}, "qwen3-8b"),
+        ("a/b/c", {"b/c"}, "b/c"),
+        ("plain", {"plain"}, "plain"),
+        ("/x", {"x"}, "/x"),
+        ("x/", {"x"}, "x/"),
+        # the exact name first: an org/name id is never cut to its last segment
+        ("Qwen/Qwen3-8B", {"Qwen/Qwen3-8B", "Qwen3-8B"}, "Qwen/Qwen3-8B"),
+        ("Qwen/Qwen3-8B", {"Qwen/Qwen3-8B"}, "Qwen/Qwen3-8B"),
+        ("acme/Qwen/Qwen3-8B", {"Qwen/Qwen3-8B"}, "Qwen/Qwen3-8B"),
+        # served by nobody either way: goes on as sent (routing's 404 names it)
+        ("Qwen/Qwen3-8B", {"other"}, "Qwen/Qwen3-8B"),
+    ],
 )
-def test_vendor_prefix(model, upstream):
-    t = tr({"model": model, "input": "hi"})
+def test_vendor_prefix(model, served, upstream):
+    t = tr({"model": model, "input": "hi"}, served=served.__contains__)
     assert t.model == model
     assert t.upstream_model == upstream
     assert t.chat["model"] == upstream
@@ -695,7 +707,7 @@ def test_codex_shaped_body():
         "text": {"verbosity": "low"},
     }
     snapshot = copy.deepcopy(b)
-    t = tr(b)
+    t = tr(b, served={"gpt-oss-20b"}.__contains__)
     assert b == snapshot  # input not mutated
     c = t.chat
     assert c["model"] == "gpt-oss-20b" and t.model == "openai/gpt-oss-20b"
@@ -790,7 +802,7 @@ VALID = {
 
 
 def _fuzz_options():
-    return TranslateOptions(unseal=lambda s: None if s == "E" else s)
+    return TranslateOptions(unseal=lambda s: None if s == "E" else s, served={"m"}.__contains__)
 
 
 def test_valid_fuzz_base_translates():

@@ -1,0 +1,35 @@
+"""Which served model a client's model name means: the one rule, used everywhere.
+
+vLLM serves Hugging Face names (`Qwen/Qwen3-8B`) and clients built for other gateways send
+`vendor/model` names for a model served as `model`. The exact name wins; one leading
+segment is stripped only when no worker serves the exact name, so `Qwen/Qwen3-8B` reaches the
+worker serving `Qwen/Qwen3-8B` and `openai/tiny-model` reaches the one serving `tiny-model`.
+The client's string is what the Response echoes as `model`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Container
+
+__all__ = ["resolve_model", "strip_vendor"]
+
+
+def strip_vendor(name: str) -> str | None:
+    """`name` without its leading "vendor/" segment; None when it has none to strip."""
+    head, sep, rest = name.partition("/")
+    if sep and head and rest:
+        return rest
+    return None
+
+
+def resolve_model(name: str, served: Container[str] | Callable[[str], bool]) -> str | None:
+    """The served name that `name` means, or None when neither it nor its stripped form is served.
+
+    `served` is a container of served names or a predicate."""
+    has = served if callable(served) else served.__contains__
+    if has(name):
+        return name
+    bare = strip_vendor(name)
+    if bare is not None and has(bare):
+        return bare
+    return None
