@@ -125,6 +125,7 @@ def _context(request: web.Request, t: Any) -> ResponseContext:
         reasoning_items=settings.reasoning_items,
         reasoning_in_clear=settings.reasoning_in_clear,
         seal=sealer.seal if sealer is not None and t.include_encrypted_reasoning else None,
+        allowed_tools=t.allowed_tools,
     )
 
 

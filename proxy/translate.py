@@ -49,6 +49,12 @@ HOSTED_TOOL_TYPES: frozenset[str] = frozenset(
 )
 # Tool types refused outright (the client would expect a result we cannot produce).
 REFUSED_TOOL_TYPES: frozenset[str] = frozenset({"image_generation"})
+
+# What vLLM (and SGLang) sample with when a request leaves these out (the model's
+# generation_config.json can change vLLM's: README, "Sampling defaults").
+DEFAULT_SAMPLING: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_logprobs": 0,
+}
 _REFUSED_CODES = {"image_generation": "image_generation_unsupported"}
 
 # Input items produced by hosted tools: replayed as an assistant-side note.
@@ -105,6 +111,7 @@ class Translation:
     prompt_cache_key: str | None
     conversation: str | None
     max_output_tokens: int | None
+    allowed_tools: frozenset[str] | None = None  # tool_choice allowed_tools: upstream names, else None
 
 
 @dataclass
@@ -206,6 +213,9 @@ def _function_tool(tool: dict, param: str, namespace: str | None) -> tuple[str, 
     if strict is not None:
         fn["strict"] = strict
     echo = dict(tool)
+    # description, parameters and strict are required (nullable) in the spec's FunctionTool
+    echo.setdefault("description", None)
+    echo.setdefault("parameters", None)
     echo.setdefault("strict", None)
     return upstream, {"type": "function", "function": fn}, echo
 
@@ -364,6 +374,36 @@ def _translate_tool_choice(choice: Any, acc: _Tools, notices: list[str]) -> Any:
         return "auto"
     shown = _show(ctype)
     raise bad_request(f"Unknown tool_choice type '{shown}'.", param="tool_choice.type")
+
+
+def _allowed_tools(choice: dict, acc: _Tools) -> frozenset[str]:
+    """The upstream names tool_choice {"type": "allowed_tools"} lets the model call. Hosted
+    tools in the list are skipped (they are left out of the request anyway)."""
+    listed = choice.get("tools")
+    if not isinstance(listed, list):
+        raise bad_request("Missing required parameter: 'tool_choice.tools' must be an array.", param="tool_choice.tools")
+    allowed: set[str] = set()
+    for i, entry in enumerate(listed):
+        param = f"tool_choice.tools[{i}]"
+        if not isinstance(entry, dict):
+            raise bad_request("Invalid type for an allowed tool: expected an object.", param=param)
+        etype = entry.get("type")
+        if etype in ("function", "custom"):
+            name = entry.get("name")
+            ns = entry.get("namespace")
+            if not isinstance(name, str) or not name or (ns is not None and not isinstance(ns, str)):
+                raise bad_request("Missing required parameter: an allowed tool needs a 'name'.", param=f"{param}.name")
+            upstream = f"{ns}__{name}" if ns else name
+            origin = acc.origins.get(upstream)
+            if origin is None or origin.kind != etype:
+                raise bad_request(f"Allowed tool '{upstream}' names a {etype} tool that is not in 'tools'.",
+                                  param=param)
+            allowed.add(upstream)
+        elif isinstance(etype, str) and etype in REFUSED_TOOL_TYPES:
+            raise _refuse_tool_type(etype, param)
+        elif not (isinstance(etype, str) and etype in HOSTED_TOOL_TYPES):
+            raise bad_request(f"Unknown allowed tool type '{_show(etype)}'.", param=f"{param}.type")
+    return frozenset(allowed)
 
 
 # --------------------------------------------------------------------------- input items
@@ -736,6 +776,8 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     stream = bool(_opt_bool(body, "stream"))
     temperature = _opt_number(body, "temperature", 0, 2)
     top_p = _opt_number(body, "top_p", 0, 1)
+    presence_penalty = _opt_number(body, "presence_penalty", -2, 2)
+    frequency_penalty = _opt_number(body, "frequency_penalty", -2, 2)
     max_out = body.get("max_output_tokens")
     if max_out is not None and (not _is_int(max_out) or max_out < 1):
         raise bad_request("Invalid 'max_output_tokens': expected a positive integer.", param="max_output_tokens")
@@ -788,6 +830,17 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     acc = _translate_tools(body.get("tools"))
     raw_choice = body.get("tool_choice")
     chat_choice = _translate_tool_choice(raw_choice, acc, notices)
+    allowed_tools = None
+    chat_tools = acc.chat_tools
+    if isinstance(raw_choice, dict) and raw_choice.get("type") == "allowed_tools":
+        # Only the allowed tools go upstream: chat completions has no allowed set, and the
+        # model cannot call what it is not shown. The rewriter drops any other call that
+        # still comes back (a hard limit in the Open Responses spec).
+        allowed_tools = _allowed_tools(raw_choice, acc)
+        chat_tools = [t for t in chat_tools if t["function"]["name"] in allowed_tools]
+        if not chat_tools and chat_choice == "required":
+            raise bad_request("tool_choice requires a call but allows no function or custom tool.",
+                              param="tool_choice.tools")
     if acc.left_out:
         notices.append(f"tools left out: {', '.join(acc.left_out)} (hosted tools are not available)")
 
@@ -812,6 +865,10 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         chat["temperature"] = temperature
     if top_p is not None:
         chat["top_p"] = top_p
+    if presence_penalty is not None:
+        chat["presence_penalty"] = presence_penalty
+    if frequency_penalty is not None:
+        chat["frequency_penalty"] = frequency_penalty
     if effort is not None:
         chat["reasoning_effort"] = effort
         chat["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
@@ -823,11 +880,11 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     chat["stream"] = stream
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    if top_logprobs is not None:
+    if top_logprobs:  # 0 asks for no alternatives: logprobs stay off upstream
         chat["logprobs"] = True
         chat["top_logprobs"] = top_logprobs
-    if acc.chat_tools:
-        chat["tools"] = acc.chat_tools
+    if chat_tools:
+        chat["tools"] = chat_tools
         if chat_choice is not None:
             chat["tool_choice"] = chat_choice
         if parallel is not None:
@@ -838,8 +895,13 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         "instructions": instructions,
         "tools": acc.echo_tools,
         "tool_choice": raw_choice if raw_choice is not None else "auto",
-        "temperature": temperature,
-        "top_p": top_p,
+        # The effective sampling values (the Open Responses spec requires numbers): the
+        # client's, else the defaults vLLM and SGLang apply when the request leaves them out.
+        "temperature": temperature if temperature is not None else DEFAULT_SAMPLING["temperature"],
+        "top_p": top_p if top_p is not None else DEFAULT_SAMPLING["top_p"],
+        "presence_penalty": presence_penalty if presence_penalty is not None else DEFAULT_SAMPLING["presence_penalty"],
+        "frequency_penalty": (frequency_penalty if frequency_penalty is not None
+                              else DEFAULT_SAMPLING["frequency_penalty"]),
         "max_output_tokens": max_out,
         "parallel_tool_calls": parallel if parallel is not None else True,
         "metadata": metadata if metadata is not None else {},
@@ -849,7 +911,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         "user": user,
         "safety_identifier": safety_identifier,
         "prompt_cache_key": prompt_cache_key,
-        "top_logprobs": top_logprobs,
+        "top_logprobs": top_logprobs if top_logprobs is not None else DEFAULT_SAMPLING["top_logprobs"],
         "service_tier": "default",
         "truncation": "disabled",
         "background": False,
@@ -868,6 +930,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         prompt_cache_key=prompt_cache_key,
         conversation=conversation,
         max_output_tokens=max_out,
+        allowed_tools=allowed_tools,
     )
 
 

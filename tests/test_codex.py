@@ -110,6 +110,8 @@ async def test_codex_runs_a_shell_command_through_the_proxy(sim, start):
     first = captured(proxy)[0]
     body = first["body"]
     assert first["status"] in (200, "client_closed")
+    # Codex read streams that end with the Open Responses spec's data: [DONE], and took them
+    assert all(r["end"].endswith(b"}\n\ndata: [DONE]\n\n") for r in captured(proxy)), captured(proxy)[0]["end"]
     assert body["stream"] is True and body["store"] is False
     assert "reasoning.encrypted_content" in body["include"]
     assert body.get("instructions") is None and body.get("previous_response_id") is None

@@ -13,7 +13,7 @@ import openai
 import orjson
 import pytest
 
-from tests.sdk_check import check_sequence, normalise, parse_sse, validate_response
+from tests.sdk_check import check_sequence, normalise, parse_sse, validate_response, validate_sdk_response
 
 NO_AUTH = {"pipeline": ["stateless"]}
 
@@ -272,7 +272,7 @@ async def test_models_and_input_tokens(sim, make_proxy):
     sim.script({"text": "ok"})
     answered = await client.responses.create(model="tiny-org/tiny-model", input="hello there")
     assert counted.input_tokens == answered.usage.input_tokens
-    validate_response(answered.model_dump(mode="json"))
+    validate_sdk_response(answered.model_dump(mode="json"))
 
 
 async def test_line_separator_characters_survive_the_stream(sim, make_proxy):

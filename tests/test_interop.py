@@ -4,6 +4,7 @@ and with model servers that serve Hugging Face org/name ids (issue 14)."""
 from __future__ import annotations
 
 import aiohttp
+import pytest
 import orjson
 
 from proxy.models import resolve_model
@@ -83,3 +84,80 @@ def test_default_simulator_model_is_an_org_name_id():
     assert DEFAULTS["simulator"]["model"] == "tiny-org/tiny-model"
     assert DEFAULTS["workers"][0]["models"] == ["tiny-org/tiny-model"]
     assert tuple(Simulator().state.models) == ("tiny-org/tiny-model",)
+
+
+# --------------------------------------------------------------------------- the rewriter (unit)
+
+
+def _tool_stream(names: list[str]) -> bytes:
+    from tests.test_rewriter import USAGE, chunk, sse
+
+    parts = [chunk({"role": "assistant", "content": ""})]
+    for i, name in enumerate(names):
+        parts.append(chunk({"tool_calls": [{"index": i, "id": f"call_{i}", "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]}))
+        parts.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": '{"city": "Paris"}'}}]}))
+    parts.append(chunk({}, "tool_calls"))
+    parts.append(chunk(None, None, usage=USAGE, choices=False))
+    return sse(*parts)
+
+
+def _completion(names: list[str]) -> dict:
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": '{"city": "Paris"}'}}
+             for i, n in enumerate(names)]
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": calls},
+                         "finish_reason": "tool_calls"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_call_outside_allowed_tools_never_reaches_the_client(fast):
+    from tests.test_rewriter import COMPLETED_AT, ctx, parse, run, sdk_check
+
+    c = ctx(allowed_tools=frozenset({"get_time"}))
+    out, rw = run([_tool_stream(["get_weather", "get_time", "get_weather"])], c, fast=fast)
+    assert b"get_weather" not in out
+    events = parse(out)
+    sdk_check(events)
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["completed_at"] == COMPLETED_AT
+    assert [(i["type"], i["name"]) for i in final["output"]] == [("function_call", "get_time")]
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0]
+    # without the limit, all three reach the client
+    out, _ = run([_tool_stream(["get_weather", "get_time", "get_weather"])], ctx(), fast=fast)
+    assert [i["name"] for i in parse(out)[-1]["response"]["output"]] == ["get_weather", "get_time", "get_weather"]
+
+
+def test_a_call_outside_allowed_tools_is_dropped_from_a_non_stream_answer(monkeypatch):
+    from proxy import rewriter as rewriter_mod
+    from proxy.rewriter import response_from_completion
+    from tests.test_rewriter import ctx
+
+    monkeypatch.setattr(rewriter_mod, "_now", lambda: 1_800_000_000)
+    r = response_from_completion(ctx(allowed_tools=frozenset({"get_time"})),
+                                 _completion(["get_weather", "get_time"]))
+    assert [i["name"] for i in r["output"]] == ["get_time"]
+    assert r["status"] == "completed" and r["completed_at"] == 1_800_000_000
+    r = response_from_completion(ctx(allowed_tools=frozenset()), _completion(["get_weather"]))
+    assert r["output"] == [] and r["status"] == "completed"
+    # the general path (a choice other than 0 in front sends the completion through the rewriter)
+    odd = _completion(["get_weather", "get_time"])
+    odd["choices"].insert(0, dict(odd["choices"][0], index=1))
+    r = response_from_completion(ctx(allowed_tools=frozenset({"get_time"})), odd)
+    assert "get_weather" not in orjson.dumps(r).decode()
+
+
+def test_completed_at_only_on_completed_responses():
+    from tests.test_rewriter import COMPLETED_AT, USAGE, chunk, ctx, parse, run, sse
+
+    out, _ = run([sse(chunk({"content": "Hi"}), chunk({}, "length"), chunk(None, usage=USAGE, choices=False))])
+    assert parse(out)[-1]["response"]["status"] == "incomplete"
+    assert parse(out)[-1]["response"]["completed_at"] is None
+    out, _ = run([sse(chunk({"content": "Hi"}), chunk({}, "stop"))])
+    assert parse(out)[-1]["response"]["completed_at"] == COMPLETED_AT
+    assert out.endswith(b"\n\ndata: [DONE]\n\n") and out.count(b"[DONE]") == 1
+    _, rw = run([sse(chunk({"content": "Hi"}), done=False)], ctx(), finish=False)
+    assert not rw.done
+    failed = rw.fail("gone")
+    assert failed.endswith(b"\n\ndata: [DONE]\n\n")

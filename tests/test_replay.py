@@ -17,7 +17,7 @@ import os
 import orjson
 import pytest
 
-from tests.sdk_check import validate_response
+from tests.sdk_check import validate_sdk_response
 
 PIPELINE = ["stateless", "tools", "notices"]
 INSTRUCTIONS = "You are a careful agent. Use the tools."
@@ -97,7 +97,7 @@ async def test_ten_turn_tool_loop_replays_exactly(sim, make_proxy, monkeypatch, 
                 response = await s.get_final_response()
         else:
             response = await client.responses.create(**kwargs)
-        validate_response(response.model_dump(mode="json"))
+        validate_sdk_response(response.model_dump(mode="json"))
 
         # What the upstream got is the whole conversation so far, exactly.
         upstream = sim.requests[-1]
