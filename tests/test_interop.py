@@ -161,3 +161,93 @@ def test_completed_at_only_on_completed_responses():
     assert not rw.done
     failed = rw.fail("gone")
     assert failed.endswith(b"\n\ndata: [DONE]\n\n")
+
+
+# --------------------------------------------------------------------------- through the proxy (HTTP)
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TIME = {"type": "function", "name": "get_time", "description": "Time",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+async def stream(proxy, body: dict) -> bytes:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.url + "/v1/responses", json=dict(body, stream=True),
+                             headers={"Authorization": f"Bearer {proxy.api_key}"}) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.read()
+
+
+async def test_sampling_values_are_numbers_and_penalties_reach_the_model(sim, make_proxy):
+    from tests.sdk_check import check_sequence, parse_sse, validate_response
+
+    proxy = await make_proxy(NO_AUTH)
+    status, body = await post(proxy, {"model": "tiny-org/tiny-model", "input": "hi"})
+    assert status == 200
+    validate_response(body)
+    assert (body["temperature"], body["top_p"], body["presence_penalty"], body["frequency_penalty"],
+            body["top_logprobs"]) == (1.0, 1.0, 0.0, 0.0, 0)
+    assert isinstance(body["completed_at"], int) and body["completed_at"] >= body["created_at"]
+    upstream = sim.requests[-1]
+    assert not {"temperature", "top_p", "presence_penalty", "frequency_penalty", "logprobs"} & upstream.keys()
+
+    asked = {"temperature": 0.3, "top_p": 0.9, "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_logprobs": 0}
+    status, body = await post(proxy, {"model": "tiny-org/tiny-model", "input": "hi", **asked})
+    assert status == 200 and {k: body[k] for k in asked} == asked
+    upstream = sim.requests[-1]
+    assert (upstream["presence_penalty"], upstream["frequency_penalty"]) == (0.5, -0.5)
+    assert "logprobs" not in upstream and "top_logprobs" not in upstream
+
+    events = parse_sse(await stream(proxy, {"model": "tiny-org/tiny-model", "input": "hi", **asked}))
+    final = check_sequence(events)
+    assert {k: final[k] for k in asked} == asked and isinstance(final["completed_at"], int)
+    assert events[0]["response"]["completed_at"] is None  # not completed yet
+
+
+async def test_streams_end_with_done_after_the_terminal_event(sim, make_proxy):
+    proxy = await make_proxy(NO_AUTH)
+    raw = await stream(proxy, {"model": "tiny-org/tiny-model", "input": "hi"})
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n") and raw.count(b"data: [DONE]") == 1
+    last_event = raw[: -len(b"data: [DONE]\n\n")].rsplit(b"\n\n", 2)[-2]
+    assert last_event.startswith(b"event: response.completed\n")
+    sim.script({"text": "a b c d e f", "error_after": 2})
+    raw = await stream(proxy, {"model": "tiny-org/tiny-model", "input": "hi"})
+    assert b"event: response.failed\n" in raw and raw.endswith(b"}\n\ndata: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_allowed_tools_is_a_hard_limit(sim, make_proxy, streamed):
+    from tests.sdk_check import check_sequence, parse_sse, validate_response
+
+    proxy = await make_proxy(NO_AUTH)
+    choice = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_time"}]}
+    body = {"model": "tiny-org/tiny-model", "input": "Weather and time in Paris?", "tools": [WEATHER, TIME],
+            "tool_choice": choice}
+    # the model calls a tool it was not allowed (and was not shown) next to an allowed one
+    sim.script({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}},
+                               {"name": "get_time", "arguments": {"city": "Paris"}}]})
+    if streamed:
+        events = parse_sse(await stream(proxy, body))
+        # only the echoed `tools` of the response envelopes name it; no item or delta does
+        assert not [e for e in events if "response" not in e and "get_weather" in orjson.dumps(e).decode()]
+        final = check_sequence(events)
+        added = [e["item"]["name"] for e in events if e["type"] == "response.output_item.added"]
+        assert added == ["get_time"]
+    else:
+        status, final = await post(proxy, body)
+        assert status == 200
+        validate_response(final)
+    assert [(i["type"], i["name"]) for i in final["output"]] == [("function_call", "get_time")]
+    assert final["tool_choice"] == choice and [t["name"] for t in final["tools"]] == ["get_weather", "get_time"]
+    upstream = sim.requests[-1]
+    assert [t["function"]["name"] for t in upstream["tools"]] == ["get_time"] and upstream["tool_choice"] == "auto"
+
+    # mode "required": the model must call one of the allowed tools
+    sim.script({"tool_calls": [{"name": "get_time", "arguments": {"city": "Paris"}}]})
+    status, final = await post(proxy, dict(body, tool_choice=dict(choice, mode="required")))
+    assert status == 200 and [i["name"] for i in final["output"]] == ["get_time"]
+    assert sim.requests[-1]["tool_choice"] == "required"
+    status, final = await post(proxy, dict(body, tool_choice=dict(choice, tools=[{"type": "function",
+                                                                                  "name": "nope"}])))
+    assert status == 400 and final["error"]["param"] == "tool_choice.tools[0]"
