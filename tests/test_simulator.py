@@ -228,7 +228,7 @@ async def test_vllm_without_include_usage_fingerprint_on_finish(sim, http):
 
 
 async def test_vllm_exact_error_bodies(http):
-    async with Simulator(max_model_len=2048) as s:
+    async with Simulator(models=("tiny-model",), max_model_len=2048) as s:  # the served name in the captures
         for name, status in [("chat_bad_json", 400), ("chat_bad_request", 400), ("chat_unknown_model", 404),
                              ("chat_maxtokens_exceeds", 400)]:
             async with http.post(s.url + "/v1/chat/completions", data=fixture(f"{name}.request.json").rstrip(b"\n"),

@@ -547,7 +547,9 @@ def test_function_tool():
     assert t.tools == {"get_weather": ToolOrigin("function", "get_weather"),
                        "noargs": ToolOrigin("function", "noargs")}
     assert t.echo["tools"][0] == {**FN, "strict": None}
-    assert t.echo["tools"][1] == {"type": "function", "name": "noargs", "strict": True}
+    # description and parameters, required (nullable) by the Open Responses spec, are echoed null
+    assert t.echo["tools"][1] == {"type": "function", "name": "noargs", "strict": True, "description": None,
+                                  "parameters": None}
     assert "strict" not in FN  # the client's dict is not mutated
 
 

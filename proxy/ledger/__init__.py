@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from proxy.models import resolve_model
+from proxy.models import resolve_model, strip_vendor
 
 __all__ = [
     "KeyRecord",
@@ -90,8 +90,8 @@ class KeyRecord:
         allowed = self.allowed_models
         if allowed is None or model in allowed:
             return True
-        if served is None:
-            return resolve_model(model, allowed) is not None
+        if served is None:  # a listed "vendor/name" means "name", as it would if "vendor/name" were not served
+            return resolve_model(model, allowed) is not None or any(strip_vendor(m) == model for m in allowed)
         target = resolve_model(model, served)
         return target is not None and any(resolve_model(m, served) == target for m in allowed)
 
