@@ -381,7 +381,8 @@ def _allowed_tools(choice: dict, acc: _Tools) -> frozenset[str]:
     tools in the list are skipped (they are left out of the request anyway)."""
     listed = choice.get("tools")
     if not isinstance(listed, list):
-        raise bad_request("Missing required parameter: 'tool_choice.tools' must be an array.", param="tool_choice.tools")
+        raise bad_request("Missing required parameter: 'tool_choice.tools' must be an array.",
+                          param="tool_choice.tools")
     allowed: set[str] = set()
     for i, entry in enumerate(listed):
         param = f"tool_choice.tools[{i}]"
