@@ -838,6 +838,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         # model cannot call what it is not shown. The rewriter drops any other call that
         # still comes back (a hard limit in the Open Responses spec).
         allowed_tools = _allowed_tools(raw_choice, acc)
+        raw_choice = {**raw_choice, "mode": chat_choice}  # echoed with its mode (required by the spec)
         chat_tools = [t for t in chat_tools if t["function"]["name"] in allowed_tools]
         if not chat_tools and chat_choice == "required":
             raise bad_request("tool_choice requires a call but allows no function or custom tool.",

@@ -251,3 +251,15 @@ async def test_allowed_tools_is_a_hard_limit(sim, make_proxy, streamed):
     status, final = await post(proxy, dict(body, tool_choice=dict(choice, tools=[{"type": "function",
                                                                                   "name": "nope"}])))
     assert status == 400 and final["error"]["param"] == "tool_choice.tools[0]"
+
+
+async def test_allowed_tools_echo_carries_its_mode(sim, make_proxy):
+    from tests.sdk_check import validate_response
+
+    proxy = await make_proxy(NO_AUTH)
+    choice = {"type": "allowed_tools", "tools": [{"type": "function", "name": "get_time"}]}
+    status, body = await post(proxy, {"model": "tiny-org/tiny-model", "input": "hi", "tools": [WEATHER, TIME],
+                                      "tool_choice": choice})
+    assert status == 200
+    assert body["tool_choice"] == dict(choice, mode="auto")
+    validate_response(body)
