@@ -45,8 +45,9 @@ SPEC_EXTENSIONS = {
     # the openai SDK's Response fields the proxy echoes (null or as sent)
     "user", "conversation", "prompt", "prompt_cache_retention", "prompt_cache_options",
     "prompt_cache_diagnostics", "input_transformations", "moderation", "tool_usage", "image", "access_programs",
-    # response.failed: when and whether to retry (the openai SDKs read these)
-    "retry_after_ms", "x_should_retry",
+    # response.failed: when and whether to retry (the openai SDKs read these), and the original
+    # error code when `code` is outside the openai SDK's closed set
+    "retry_after_ms", "x_should_retry", "error.type",
     "usage.input_tokens_details.cache_write_tokens",
     # items: a reasoning item's status (OpenAI's), a namespaced call's namespace (Codex)
     "status", "namespace", "encrypted_content",
@@ -129,8 +130,9 @@ def validate_event(data: dict[str, Any]):
 
 
 def parse_sse(raw: bytes) -> list[dict[str, Any]]:
-    """Parse SSE bytes as a strict client would: `event:` must equal the payload's type, and a
-    stream that reached its terminal event ends with `data: [DONE]` (the Open Responses spec)."""
+    """Parse SSE bytes as a strict client would: `event:` must equal the payload's type, every
+    event passes the Open Responses spec's types, and a stream that reached its terminal event
+    ends with `data: [DONE]` (the spec's close)."""
     events = []
     done = False
     for block in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
@@ -150,6 +152,7 @@ def parse_sse(raw: bytes) -> list[dict[str, Any]]:
             continue
         payload = orjson.loads(data)
         assert name == payload["type"], (name, payload["type"])
+        validate_spec_event(payload)
         events.append(payload)
     assert done or not events or events[-1]["type"] not in _TERMINAL, "the stream ended without data: [DONE]"
     return events
