@@ -52,9 +52,9 @@ from aiohttp import web
 from proxy import state
 from proxy.config import ConfigError
 from proxy.errors import APIError
+from proxy.forwarder import POOL
 from proxy.ledger import KeyRecord
 from proxy.logs import log
-from proxy.forwarder import POOL
 from proxy.request import read_json
 
 API_KEY = web.RequestKey("api_key", KeyRecord)
