@@ -4,8 +4,8 @@ and with model servers that serve Hugging Face org/name ids (issue 14)."""
 from __future__ import annotations
 
 import aiohttp
-import pytest
 import orjson
+import pytest
 
 from proxy.models import resolve_model
 from proxy.simulator import Simulator
@@ -55,6 +55,8 @@ async def test_hugging_face_name_is_served_and_echoed(make_proxy):
         status, body = await post(proxy, {"model": "Qwen3-8B", "input": "hi"})
         assert status == 404 and body["error"]["code"] == "model_not_found"
         assert "'Qwen3-8B'" in body["error"]["message"]
+        counted = await proxy.openai().responses.input_tokens.count(model="Qwen/Qwen3-8B", input="hello there")
+        assert counted.input_tokens > 0
 
 
 async def test_exact_name_wins_over_the_stripped_one(make_proxy):
