@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover
     zstandard = None
 
 SEALER = web.AppKey("sealer", object)
+SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.models.parse_sampling_defaults
 
 
 def _limits(request: web.Request) -> dict[str, Any]:
@@ -146,7 +147,8 @@ async def translation(request: web.Request):
 
     pool = request.app.get(POOL)
     options = TranslateOptions(unseal=sealer.unseal if sealer is not None else None,
-                               served=pool.serves if pool is not None else None)
+                               served=pool.serves if pool is not None else None,
+                               sampling_defaults=request.app.get(SAMPLING_DEFAULTS))
     result = translate_request(body, options)
     # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
     await check_images(policy_for(request.app), result.chat)

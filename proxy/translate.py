@@ -14,7 +14,7 @@ from typing import Any, Callable
 import orjson
 
 from proxy.errors import APIError, bad_request
-from proxy.models import resolve_model
+from proxy.models import DEFAULT_SAMPLING, resolve_model
 
 __all__ = [
     "ToolOrigin",
@@ -49,12 +49,6 @@ HOSTED_TOOL_TYPES: frozenset[str] = frozenset(
 )
 # Tool types refused outright (the client would expect a result we cannot produce).
 REFUSED_TOOL_TYPES: frozenset[str] = frozenset({"image_generation"})
-
-# What vLLM (and SGLang) sample with when a request leaves these out (the model's
-# generation_config.json can change vLLM's: README, "Sampling defaults").
-DEFAULT_SAMPLING: dict[str, float | int] = {
-    "temperature": 1.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_logprobs": 0,
-}
 _REFUSED_CODES = {"image_generation": "image_generation_unsupported"}
 
 # Input items produced by hosted tools: replayed as an assistant-side note.
@@ -118,6 +112,7 @@ class Translation:
 class TranslateOptions:
     unseal: Callable[[str], str | None] | None = None  # encrypted_content -> text, None = cannot open
     served: Callable[[str], bool] | None = None  # is this model name served? None: every name is
+    sampling_defaults: dict[str, dict[str, float]] | None = None  # served model -> its server's defaults
 
 
 # --------------------------------------------------------------------------- small validators
@@ -893,17 +888,19 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
             chat["parallel_tool_calls"] = parallel
 
     store = body.get("store")
+    sampling = DEFAULT_SAMPLING
+    if options.sampling_defaults and upstream_model in options.sampling_defaults:
+        sampling = {**DEFAULT_SAMPLING, **options.sampling_defaults[upstream_model]}
     echo: dict[str, Any] = {
         "instructions": instructions,
         "tools": acc.echo_tools,
         "tool_choice": raw_choice if raw_choice is not None else "auto",
         # The effective sampling values (the Open Responses spec requires numbers): the
-        # client's, else the defaults vLLM and SGLang apply when the request leaves them out.
-        "temperature": temperature if temperature is not None else DEFAULT_SAMPLING["temperature"],
-        "top_p": top_p if top_p is not None else DEFAULT_SAMPLING["top_p"],
-        "presence_penalty": presence_penalty if presence_penalty is not None else DEFAULT_SAMPLING["presence_penalty"],
-        "frequency_penalty": (frequency_penalty if frequency_penalty is not None
-                              else DEFAULT_SAMPLING["frequency_penalty"]),
+        # client's, else the ones the model server applies when the request leaves them out.
+        "temperature": temperature if temperature is not None else sampling["temperature"],
+        "top_p": top_p if top_p is not None else sampling["top_p"],
+        "presence_penalty": presence_penalty if presence_penalty is not None else sampling["presence_penalty"],
+        "frequency_penalty": frequency_penalty if frequency_penalty is not None else sampling["frequency_penalty"],
         "max_output_tokens": max_out,
         "parallel_tool_calls": parallel if parallel is not None else True,
         "metadata": metadata if metadata is not None else {},
@@ -913,7 +910,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         "user": user,
         "safety_identifier": safety_identifier,
         "prompt_cache_key": prompt_cache_key,
-        "top_logprobs": top_logprobs if top_logprobs is not None else DEFAULT_SAMPLING["top_logprobs"],
+        "top_logprobs": top_logprobs if top_logprobs is not None else sampling["top_logprobs"],
         "service_tier": "default",
         "truncation": "disabled",
         "background": False,

@@ -265,3 +265,30 @@ async def test_allowed_tools_echo_carries_its_mode(sim, make_proxy):
     assert status == 200
     assert body["tool_choice"] == dict(choice, mode="auto")
     validate_response(body)
+
+
+async def test_a_models_own_sampling_defaults_are_echoed(sim, make_proxy):
+    from tests.sdk_check import validate_response
+
+    own = {"temperature": 0.6, "top_p": 0.95}
+    proxy = await make_proxy({**NO_AUTH, "responses": {"sampling_defaults": {"tiny-org/tiny-model": own}}})
+    status, body = await post(proxy, {"model": "vendor/tiny-org/tiny-model", "input": "hi"})
+    assert status == 200
+    validate_response(body)
+    assert (body["temperature"], body["top_p"], body["presence_penalty"]) == (0.6, 0.95, 0.0)
+    assert "temperature" not in sim.requests[-1] and "top_p" not in sim.requests[-1]  # the server applies its own
+    status, body = await post(proxy, {"model": "tiny-org/tiny-model", "input": "hi", "temperature": 0.1})
+    assert (body["temperature"], body["top_p"]) == (0.1, 0.95) and sim.requests[-1]["temperature"] == 0.1
+
+
+@pytest.mark.parametrize("section", [
+    [], {"m": 1}, {"m": {"temperature": 3}}, {"m": {"top_p": "1"}}, {"m": {"seed": 1}}, {"m": {"temperature": True}},
+])
+def test_sampling_defaults_are_checked_at_start_up(section):
+    from proxy.config import ConfigError
+    from proxy.models import parse_sampling_defaults
+
+    with pytest.raises(ConfigError):
+        parse_sampling_defaults(section)
+    assert parse_sampling_defaults({"m": {"temperature": 0, "frequency_penalty": -2}}) == {
+        "m": {"temperature": 0.0, "frequency_penalty": -2.0}}
