@@ -92,7 +92,7 @@ async def start(root: Path, tmp: Path) -> tuple[subprocess.Popen, int, str]:
     import yaml
 
     cfg = {"server": {"log_format": "json", "log_level": "warning"},
-           "workers": [{"name": "local", "url": "embedded", "models": ["tiny-model"], "capacity": 256}],
+           "workers": [{"name": "local", "url": "embedded", "models": ["tiny-org/tiny-model"], "capacity": 256}],
            "ledger": {"path": str(tmp / "ledger.db")}, "auth": {"demo_key": True}}
     path = tmp / "proxy.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -131,7 +131,7 @@ async def post(port: int, body: bytes, headers: dict) -> int | str:
 
 
 async def paying_latencies(port: int, key: str, seconds: float) -> list[float]:
-    body = b'{"model":"tiny-model","input":"hi","max_output_tokens":4}'
+    body = b'{"model":"tiny-org/tiny-model","input":"hi","max_output_tokens":4}'
     out = []
     async with aiohttp.ClientSession() as http:
         end = time.perf_counter() + seconds
@@ -149,7 +149,7 @@ async def paying_latencies(port: int, key: str, seconds: float) -> list[float]:
 _FLOOD = r"""
 import socket, sys, threading, time
 port, seconds, senders, rate = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-body = b'{"model":"tiny-model","input":"' + b"x" * (8 * 1024 * 1024 - 64) + b'"}'
+body = b'{"model":"tiny-org/tiny-model","input":"' + b"x" * (8 * 1024 * 1024 - 64) + b'"}'
 head = (b"POST /v1/responses HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body))
 end = time.monotonic() + seconds
@@ -191,7 +191,7 @@ async def main() -> None:
     parser.add_argument("--senders", type=int, default=4)
     parser.add_argument("--rate", type=float, default=2.0, help="bodies per second per sender (0: back to back)")
     args = parser.parse_args()
-    big = b'{"model":"tiny-model","input":"' + b"x" * (8 * 1024 * 1024 - 64) + b'"}'
+    big = b'{"model":"tiny-org/tiny-model","input":"' + b"x" * (8 * 1024 * 1024 - 64) + b'"}'
     with tempfile.TemporaryDirectory() as tmp:
         proc, port, key = await start(args.root.resolve(), Path(tmp))
         try:

@@ -16,7 +16,7 @@ database, from `static_keys` in the section:
       key_cache_size: 10000         # at most this many cached keys (least recently used out)
       static_keys:
         - {name: ci, sha256: 3f4c...}            # hex sha256 of the secret
-        - {name: ops, key: "${OPS_KEY}", allowed_models: [tiny-model], concurrency: 4}
+        - {name: ops, key: "${OPS_KEY}", allowed_models: [tiny-org/tiny-model], concurrency: 4}
 
 Key cache. A ledger lookup is a trip through the ledger's writer thread, so successful
 lookups are cached in the process, keyed by the secret's sha256 (the secret itself is
@@ -58,6 +58,7 @@ from aiohttp import web
 from proxy import state
 from proxy.config import ConfigError
 from proxy.errors import APIError
+from proxy.forwarder import POOL
 from proxy.ledger import KeyRecord
 from proxy.logs import log
 from proxy.request import read_json
@@ -300,7 +301,8 @@ def create(section: dict[str, Any], app: web.Application):
         if record.allowed_models is not None and request.method == "POST" and request.path in _MODEL_ROUTES:
             body = await read_json(request)
             model = body.get("model")
-            if isinstance(model, str) and not record.allows_model(model):
+            pool = request.app.get(POOL)
+            if isinstance(model, str) and not record.allows_model(model, pool.serves if pool is not None else None):
                 raise APIError(403, f"This API key may not use the model '{model[:128]}'.",
                                code="model_not_allowed", param="model")
         return await handler(request)

@@ -23,8 +23,10 @@ from proxy.health import READINESS, HealthSettings, Readiness, health_context
 from proxy.ids import random_bits
 from proxy.routing import validate_settings as validate_routing
 from proxy.logs import access, log
+from proxy.models import parse_sampling_defaults
 from proxy.netguard import IMAGE_POLICY, ImagePolicy
 from proxy.openapi import openapi_handler
+from proxy.request import SAMPLING_DEFAULTS
 from proxy import metrics
 from proxy.workers import OutlierPolicy, WorkerPool, parse_workers
 
@@ -170,7 +172,7 @@ async def _embedded_simulator(app: web.Application) -> AsyncIterator[None]:
     from proxy.simulator import Simulator
 
     sim_cfg = app[state.CONFIG].section("simulator")
-    models = sorted({m for w in embedded for m in w.models} or {sim_cfg.get("model", "tiny-model")})
+    models = sorted({m for w in embedded for m in w.models} or {sim_cfg.get("model", "tiny-org/tiny-model")})
     simulator = Simulator(dialect=sim_cfg.get("dialect", "vllm"), models=tuple(models),
                           max_model_len=int(sim_cfg.get("max_model_len", 32768)),
                           host=sim_cfg.get("host", "127.0.0.1"), port=int(sim_cfg.get("port", 0)))
@@ -239,6 +241,7 @@ def build_app(config: Config) -> web.Application:
     validate_routing(config.section("routing"))
     app[POOL] = WorkerPool(parse_workers(config.get("workers")), outlier=OutlierPolicy.from_section(health.get("outlier")))
     app[RESPONSE_SETTINGS] = ResponseSettings.from_section(config.section("responses"))
+    app[SAMPLING_DEFAULTS] = parse_sampling_defaults(config.section("responses").get("sampling_defaults"))
     # Resources first: middleware factories may add their own contexts that need these.
     app.cleanup_ctx.append(_client_session(app))
     app.cleanup_ctx.append(_embedded_simulator)

@@ -324,6 +324,13 @@ STATIC_KEY = Section({
     "rate_per_min": Opt(POS_INT, OMIT, "requests per minute (per process)"),
 })
 
+SAMPLING = Section({
+    "temperature": Opt(Num(0, 2), OMIT),
+    "top_p": Opt(Num(0, 1), OMIT),
+    "presence_penalty": Opt(Num(-2, 2), OMIT),
+    "frequency_penalty": Opt(Num(-2, 2), OMIT),
+})
+
 PRICE = Section({
     "input": F(Num(lo=0), REQUIRED, "uncached input tokens"),
     "cached_input": Opt(Num(lo=0), OMIT, "cached input tokens (default: input)"),
@@ -368,11 +375,11 @@ SCHEMA = Section({
         "host": F(Str(nonempty=True), "127.0.0.1"),
         "port": F(Int(0, 65535), 0, "0: any free port"),
         "dialect": F(Str(choices=("vllm", "sglang")), "vllm"),
-        "model": F(Str(nonempty=True), "tiny-model", "served when no embedded worker lists models"),
+        "model": F(Str(nonempty=True), "tiny-org/tiny-model", "served when no embedded worker lists models"),
         "max_model_len": F(POS_INT, 32768),
     }), None, "the embedded upstream for workers whose url is embedded (also: python -m proxy.simulator)"),
     "workers": F(ListOf(WORKER, min_len=1), [{
-        "name": "local", "url": "embedded", "dialect": "vllm", "models": ["tiny-model"], "api_key": None,
+        "name": "local", "url": "embedded", "dialect": "vllm", "models": ["tiny-org/tiny-model"], "api_key": None,
         "labels": {}, "capacity": 256, "timeouts": {"connect": 5.0, "first_byte": 120.0, "idle": 120.0, "total": 1800.0},
     }], note="""\
 The model servers. url "embedded" is the built-in simulator, so this file answers out
@@ -425,6 +432,10 @@ Requests pick among them with the `provider` object (README, "Provider requireme
         "reasoning_items": F(Bool(), True, "false: leave reasoning items out of output"),
         "reasoning_in_clear": F(Bool(), True, "false: when sealing (reasoning_seal), send only the ciphertext"),
         "default_max_output_tokens": F(Nullable(POS_INT), None, "not read (balance.default_max_output_tokens caps holds)"),
+        "sampling_defaults": Opt(MapOf(SAMPLING), OMIT,
+                                 "served model -> the sampling values its server applies when a request "
+                                 "leaves them out (its generation_config.json); echoed only",
+                                 note="e.g. sampling_defaults: {Qwen/Qwen3-8B: {temperature: 0.6, top_p: 0.95}}"),
     }), None),
     "pipeline": F(ListOf(PIPELINE_ENTRY), ["stateless", "auth", "limits", "tools", "balance", "notices"],
                   note="""\
@@ -481,7 +492,7 @@ after it in this order."""),
     "prices": F(MapOf(PRICE), {"default": {"input": 500_000, "cached_input": 100_000, "output": 1_500_000}},
                 note="""\
 Per million tokens, in integer micro-units of the account currency (1 unit = 1,000,000),
-by model name ("default": any other), e.g. tiny-model: {input: 100000, output: 300000}."""),
+by model name ("default": any other), e.g. tiny-org/tiny-model: {input: 100000, output: 300000}."""),
     "images": F(Section({
         "allow_hosts": F(ListOf(Str(nonempty=True)), [], "non-empty: only these hosts (exact, or *.example.com)"),
         "allow_private": F(Bool(), False, "true: skip the address check (a lab behind a firewall)"),

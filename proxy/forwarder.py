@@ -129,6 +129,7 @@ def _context(request: web.Request, t: Any) -> ResponseContext:
         reasoning_in_clear=settings.reasoning_in_clear,
         seal=sealer.bound(binding(request))[0] if sealer is not None and t.include_encrypted_reasoning else None,
         output_cap=_output_cap(request, t),
+        allowed_tools=t.allowed_tools,
     )
 
 

@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover
     zstandard = None
 
 SEALER = web.AppKey("sealer", object)
+SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.models.parse_sampling_defaults
 
 
 def _limits(request: web.Request) -> dict[str, Any]:
@@ -207,7 +208,12 @@ async def translation(request: web.Request):
         raise bad_request(f"input has more than {limits['max_input_items']} items.", param="input", code="too_many_items")
     if isinstance(body.get("tools"), list) and len(body["tools"]) > int(limits["max_tools"]):
         raise bad_request(f"More than {limits['max_tools']} tools.", param="tools", code="too_many_tools")
-    options = TranslateOptions(unseal=sealer.bound(binding(request))[1] if sealer is not None else None)
+    from proxy.forwarder import POOL  # proxy.forwarder imports this module
+
+    pool = request.app.get(POOL)
+    options = TranslateOptions(unseal=sealer.bound(binding(request))[1] if sealer is not None else None,
+                               served=pool.serves if pool is not None else None,
+                               sampling_defaults=request.app.get(SAMPLING_DEFAULTS))
     result = translate_request(body, options)
     # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
     await check_images(policy_for(request.app), result.chat)

@@ -27,6 +27,7 @@ without emitting their done events (a half-streamed call must not look runnable)
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import and_, itemgetter
@@ -103,11 +104,23 @@ class ResponseContext:
     # The max_tokens sent upstream: no more output deltas than this reach the client (an
     # upstream that ignores it is cut off there, the response ends incomplete).
     output_cap: int | None = None
+    # tool_choice {"type": "allowed_tools"}: the upstream names the model may call; a call to
+    # any other never reaches the client (the Open Responses spec makes the set a hard limit).
+    allowed_tools: frozenset[str] | None = None
+
+
+# The Open Responses spec ends every stream with this literal after the terminal event.
+_DONE = b"data: [DONE]\n\n"
 
 
 def _hex() -> str:
     """24 hex digits, unique (proxy.ids); looked up by name at each call: tests swap it for a counter."""
     return random_bytes(12).hex()
+
+
+def _now() -> int:
+    """completed_at; looked up by name at each call, as _hex: tests swap it for a constant."""
+    return int(time.time())
 
 
 def _origin(origin: Any) -> tuple[str, str | None, str | None]:
@@ -1047,6 +1060,9 @@ class StreamRewriter:
 
     def _announce_call(self, call: _Item, upstream_name: str) -> None:
         call.upstream_name = upstream_name
+        allowed = self.ctx.allowed_tools
+        if allowed is not None and upstream_name not in allowed:
+            return  # never announced: no event, no output item (its argument deltas are kept quiet)
         kind, name, ns = _origin(self.ctx.tools.get(upstream_name) if self.ctx.tools else None)
         call.name = name or upstream_name
         call.namespace = ns
@@ -1203,6 +1219,8 @@ class StreamRewriter:
                       else _counted_usage(self.output_tokens_seen, self.reasoning_deltas_seen))
         r["incomplete_details"] = incomplete
         r["error"] = error
+        if status == "completed":
+            r["completed_at"] = _now()
         if extra:
             r.update(extra)
         self.response = r
@@ -1211,6 +1229,7 @@ class StreamRewriter:
         if self._emit:
             kind = _TERMINAL_EVENT.get(status, "response.failed")
             self._event({"type": kind, "sequence_number": 0, "response": r})
+            self._out.append(_DONE)
 
 
 def _carries_output(delta: Any) -> bool:
@@ -1329,6 +1348,7 @@ def _response_direct(ctx: ResponseContext, msg: dict, fr: str, usage: Any, calls
         r["incomplete_details"] = {"reason": "content_filter"}
     else:
         r["status"] = "completed"
+        r["completed_at"] = _now()
     r["output"] = output
     r["usage"] = (client_usage(map_usage(usage), ctx.output_cap) if isinstance(usage, dict)
                   else _counted_usage(int(counted), int(has_reasoning)))
@@ -1340,6 +1360,7 @@ def _append_calls(output: list[dict], ctx: ResponseContext, calls: list[dict], s
     could run); True when any carried argument text. As _tool_delta + _announce_call +
     _call_final do for a call that arrives whole."""
     tools = ctx.tools
+    allowed = ctx.allowed_tools
     call_ids: set = set()
     counted = False
     for tc in calls:
@@ -1354,7 +1375,7 @@ def _append_calls(output: list[dict], ctx: ResponseContext, calls: list[dict], s
             counted = True
         else:
             args = ""
-        if not upstream_name:
+        if not upstream_name or (allowed is not None and upstream_name not in allowed):
             continue
         kind, name, ns = _origin(tools.get(upstream_name) if tools else None)
         cid = tid or ("call_" + _hex())

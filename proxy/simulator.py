@@ -2,7 +2,7 @@
 
 It is the proxy's built-in default upstream and the upstream of the whole test suite.
 
-    python -m proxy.simulator --host 127.0.0.1 --port 8100 --dialect vllm --model tiny-model
+    python -m proxy.simulator --host 127.0.0.1 --port 8100 --dialect vllm --model tiny-org/tiny-model
 
 Each chat request is answered from, in priority order: the script queue (`POST /sim/script`
 or `Simulator.script`), a `SIM:{...}` directive in the last user/tool message, or a
@@ -743,7 +743,7 @@ async def sim_state(request: web.Request) -> web.Response:
                               "cancelled": st.cancelled, "queued": len(st.queue), "requests": len(st.requests)})
 
 
-def create_app(*, dialect: str = "vllm", models: tuple[str, ...] | list[str] = ("tiny-model",),
+def create_app(*, dialect: str = "vllm", models: tuple[str, ...] | list[str] = ("tiny-org/tiny-model",),
                max_model_len: int = 32768, seed: int = 0) -> web.Application:
     if dialect not in ("vllm", "sglang"):
         raise ValueError(f"unknown dialect {dialect!r} (vllm | sglang)")
@@ -770,7 +770,7 @@ def create_app(*, dialect: str = "vllm", models: tuple[str, ...] | list[str] = (
 class Simulator:
     """The simulator on 127.0.0.1 with an ephemeral port, as an async context manager."""
 
-    def __init__(self, *, dialect: str = "vllm", models: tuple[str, ...] | list[str] = ("tiny-model",),
+    def __init__(self, *, dialect: str = "vllm", models: tuple[str, ...] | list[str] = ("tiny-org/tiny-model",),
                  max_model_len: int = 32768, host: str = "127.0.0.1", port: int = 0, seed: int = 0):
         self.app = create_app(dialect=dialect, models=models, max_model_len=max_model_len, seed=seed)
         self.state = self.app[STATE]
@@ -819,11 +819,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm")
-    p.add_argument("--model", action="append", help="served model name (repeatable; default tiny-model)")
+    p.add_argument("--model", action="append", help="served model name (repeatable; default tiny-org/tiny-model)")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    app = create_app(dialect=args.dialect, models=tuple(args.model or ["tiny-model"]),
+    app = create_app(dialect=args.dialect, models=tuple(args.model or ["tiny-org/tiny-model"]),
                      max_model_len=args.max_model_len, seed=args.seed)
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
                 print=lambda _: print(f"simulator ({args.dialect}) on http://{args.host}:{args.port}", flush=True))

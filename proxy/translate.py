@@ -14,6 +14,7 @@ from typing import Any, Callable
 import orjson
 
 from proxy.errors import APIError, bad_request
+from proxy.models import DEFAULT_SAMPLING, resolve_model
 
 __all__ = [
     "ToolOrigin",
@@ -98,7 +99,7 @@ class ToolOrigin:
 class Translation:
     chat: dict  # the chat-completions request body; chat["model"] is upstream_model
     model: str  # the model exactly as the client sent it
-    upstream_model: str  # `model` with a leading "vendor/" segment removed
+    upstream_model: str  # the served name `model` means (proxy.models.resolve_model)
     stream: bool
     tools: dict[str, ToolOrigin]  # upstream function name -> what the client knows it as
     echo: dict  # Response fields echoed back
@@ -107,11 +108,14 @@ class Translation:
     prompt_cache_key: str | None
     conversation: str | None
     max_output_tokens: int | None
+    allowed_tools: frozenset[str] | None = None  # tool_choice allowed_tools: upstream names, else None
 
 
 @dataclass
 class TranslateOptions:
     unseal: Callable[[str], str | None] | None = None  # encrypted_content -> text, None = cannot open
+    served: Callable[[str], bool] | None = None  # is this model name served? None: every name is
+    sampling_defaults: dict[str, dict[str, float]] | None = None  # served model -> its server's defaults
 
 
 # --------------------------------------------------------------------------- small validators
@@ -146,13 +150,6 @@ def _opt_number(body: dict, key: str, lo: float, hi: float) -> float | int | Non
     if not _is_num(v) or not (lo <= v <= hi):
         raise bad_request(f"Invalid '{key}': expected a number between {lo:g} and {hi:g}.", param=key)
     return v
-
-
-def _upstream_model(model: str) -> str:
-    head, sep, rest = model.partition("/")
-    if sep and head and rest:
-        return rest
-    return model
 
 
 def _show(v: Any) -> str:
@@ -214,6 +211,9 @@ def _function_tool(tool: dict, param: str, namespace: str | None) -> tuple[str, 
     if strict is not None:
         fn["strict"] = strict
     echo = dict(tool)
+    # description, parameters and strict are required (nullable) in the spec's FunctionTool
+    echo.setdefault("description", None)
+    echo.setdefault("parameters", None)
     echo.setdefault("strict", None)
     return upstream, {"type": "function", "function": fn}, echo
 
@@ -372,6 +372,37 @@ def _translate_tool_choice(choice: Any, acc: _Tools, notices: list[str]) -> Any:
         return "auto"
     shown = _show(ctype)
     raise bad_request(f"Unknown tool_choice type '{shown}'.", param="tool_choice.type")
+
+
+def _allowed_tools(choice: dict, acc: _Tools) -> frozenset[str]:
+    """The upstream names tool_choice {"type": "allowed_tools"} lets the model call. Hosted
+    tools in the list are skipped (they are left out of the request anyway)."""
+    listed = choice.get("tools")
+    if not isinstance(listed, list):
+        raise bad_request("Missing required parameter: 'tool_choice.tools' must be an array.",
+                          param="tool_choice.tools")
+    allowed: set[str] = set()
+    for i, entry in enumerate(listed):
+        param = f"tool_choice.tools[{i}]"
+        if not isinstance(entry, dict):
+            raise bad_request("Invalid type for an allowed tool: expected an object.", param=param)
+        etype = entry.get("type")
+        if etype in ("function", "custom"):
+            name = entry.get("name")
+            ns = entry.get("namespace")
+            if not isinstance(name, str) or not name or (ns is not None and not isinstance(ns, str)):
+                raise bad_request("Missing required parameter: an allowed tool needs a 'name'.", param=f"{param}.name")
+            upstream = f"{ns}__{name}" if ns else name
+            origin = acc.origins.get(upstream)
+            if origin is None or origin.kind != etype:
+                raise bad_request(f"Allowed tool '{upstream}' names a {etype} tool that is not in 'tools'.",
+                                  param=param)
+            allowed.add(upstream)
+        elif isinstance(etype, str) and etype in REFUSED_TOOL_TYPES:
+            raise _refuse_tool_type(etype, param)
+        elif not (isinstance(etype, str) and etype in HOSTED_TOOL_TYPES):
+            raise bad_request(f"Unknown allowed tool type '{_show(etype)}'.", param=f"{param}.type")
+    return frozenset(allowed)
 
 
 # --------------------------------------------------------------------------- input items
@@ -732,7 +763,10 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise bad_request("Missing required parameter: 'model' must be a non-empty string.", param="model")
-    upstream_model = _upstream_model(model)
+    # A name nobody serves goes on as sent: routing answers 404 naming the client's string.
+    upstream_model = resolve_model(model, options.served) if options.served is not None else model
+    if upstream_model is None:
+        upstream_model = model
 
     if "input" not in body or body["input"] is None:
         raise bad_request("Missing required parameter: 'input'.", param="input")
@@ -745,6 +779,8 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     stream = bool(_opt_bool(body, "stream"))
     temperature = _opt_number(body, "temperature", 0, 2)
     top_p = _opt_number(body, "top_p", 0, 1)
+    presence_penalty = _opt_number(body, "presence_penalty", -2, 2)
+    frequency_penalty = _opt_number(body, "frequency_penalty", -2, 2)
     max_out = body.get("max_output_tokens")
     if max_out is not None and (not _is_int(max_out) or max_out < 1):
         raise bad_request("Invalid 'max_output_tokens': expected a positive integer.", param="max_output_tokens")
@@ -799,6 +835,18 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     acc = _translate_tools(body.get("tools"))
     raw_choice = body.get("tool_choice")
     chat_choice = _translate_tool_choice(raw_choice, acc, notices)
+    allowed_tools = None
+    chat_tools = acc.chat_tools
+    if isinstance(raw_choice, dict) and raw_choice.get("type") == "allowed_tools":
+        # Only the allowed tools go upstream: chat completions has no allowed set, and the
+        # model cannot call what it is not shown. The rewriter drops any other call that
+        # still comes back (a hard limit in the Open Responses spec).
+        allowed_tools = _allowed_tools(raw_choice, acc)
+        raw_choice = {**raw_choice, "mode": chat_choice}  # echoed with its mode (required by the spec)
+        chat_tools = [t for t in chat_tools if t["function"]["name"] in allowed_tools]
+        if not chat_tools and chat_choice == "required":
+            raise bad_request("tool_choice requires a call but allows no function or custom tool.",
+                              param="tool_choice.tools")
     if acc.left_out:
         notices.append(f"tools left out: {', '.join(acc.left_out)} (hosted tools are not available)")
 
@@ -823,6 +871,10 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         chat["temperature"] = temperature
     if top_p is not None:
         chat["top_p"] = top_p
+    if presence_penalty is not None:
+        chat["presence_penalty"] = presence_penalty
+    if frequency_penalty is not None:
+        chat["frequency_penalty"] = frequency_penalty
     if effort is not None:
         chat["reasoning_effort"] = effort
         chat["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
@@ -834,23 +886,30 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     chat["stream"] = stream
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    if top_logprobs is not None:
+    if top_logprobs:  # 0 asks for no alternatives: logprobs stay off upstream
         chat["logprobs"] = True
         chat["top_logprobs"] = top_logprobs
-    if acc.chat_tools:
-        chat["tools"] = acc.chat_tools
+    if chat_tools:
+        chat["tools"] = chat_tools
         if chat_choice is not None:
             chat["tool_choice"] = chat_choice
         if parallel is not None:
             chat["parallel_tool_calls"] = parallel
 
     store = body.get("store")
+    sampling = DEFAULT_SAMPLING
+    if options.sampling_defaults and upstream_model in options.sampling_defaults:
+        sampling = {**DEFAULT_SAMPLING, **options.sampling_defaults[upstream_model]}
     echo: dict[str, Any] = {
         "instructions": instructions,
         "tools": acc.echo_tools,
         "tool_choice": raw_choice if raw_choice is not None else "auto",
-        "temperature": temperature,
-        "top_p": top_p,
+        # The effective sampling values (the Open Responses spec requires numbers): the
+        # client's, else the ones the model server applies when the request leaves them out.
+        "temperature": temperature if temperature is not None else sampling["temperature"],
+        "top_p": top_p if top_p is not None else sampling["top_p"],
+        "presence_penalty": presence_penalty if presence_penalty is not None else sampling["presence_penalty"],
+        "frequency_penalty": frequency_penalty if frequency_penalty is not None else sampling["frequency_penalty"],
         "max_output_tokens": max_out,
         "parallel_tool_calls": parallel if parallel is not None else True,
         "metadata": metadata if metadata is not None else {},
@@ -860,7 +919,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         "user": user,
         "safety_identifier": safety_identifier,
         "prompt_cache_key": prompt_cache_key,
-        "top_logprobs": top_logprobs,
+        "top_logprobs": top_logprobs if top_logprobs is not None else sampling["top_logprobs"],
         "service_tier": "default",
         "truncation": "disabled",
         "background": False,
@@ -879,6 +938,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         prompt_cache_key=prompt_cache_key,
         conversation=conversation,
         max_output_tokens=max_out,
+        allowed_tools=allowed_tools,
     )
 
 

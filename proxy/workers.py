@@ -247,10 +247,6 @@ def parse_workers(raw: Any) -> list[Worker]:
     return workers
 
 
-def upstream_model_name(model: str) -> str:
-    return model.split("/", 1)[1] if "/" in model else model
-
-
 class Route:
     """What routing needs of one model, built once per epoch: the workers serving it, the
     available ones among them (in pool order), and proxy.affinity's rings over those two
@@ -294,6 +290,10 @@ class WorkerPool:
 
     def serving(self, model: str) -> list[Worker]:
         return [w for w in self.workers if w.serves(model)]
+
+    def serves(self, model: str) -> bool:
+        """Some worker serves `model` under exactly this name (proxy.models.resolve_model asks)."""
+        return bool(self.route(model).serving)
 
     def _refresh(self) -> None:
         """A worker's routing fields changed: drop the routes, list the ejected workers again."""

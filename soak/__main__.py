@@ -90,8 +90,8 @@ async def _one(http: aiohttp.ClientSession, url: str, key: str, rnd: random.Rand
     kind = rnd.random()
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     if kind < 0.05:  # invalid bodies
-        raw = rnd.choice([b"{", b"[]", b'{"model": 1}', b'{"model":"tiny-model","input":[{"type":"x"}]}',
-                          b'{"model":"tiny-model","input":"x","tools":{}}'])
+        raw = rnd.choice([b"{", b"[]", b'{"model": 1}', b'{"model":"tiny-org/tiny-model","input":[{"type":"x"}]}',
+                          b'{"model":"tiny-org/tiny-model","input":"x","tools":{}}'])
         async with http.post(url + "/v1/responses", data=raw, headers=headers) as r:
             await r.read()
             counts["invalid_4xx" if 400 <= r.status < 500 else f"UNEXPECTED_{r.status}"] += 1
@@ -99,7 +99,7 @@ async def _one(http: aiohttp.ClientSession, url: str, key: str, rnd: random.Rand
     script = _pick(rnd)
     stream = rnd.random() < 0.6
     text = f"question {rnd.randrange(10**6)}" + (f" SIM:{json.dumps(script)}" if script else "")
-    body = {"model": "tiny-model", "input": text, "stream": stream, "max_output_tokens": 64}
+    body = {"model": "tiny-org/tiny-model", "input": text, "stream": stream, "max_output_tokens": 64}
     if script and "tool_calls" in script:
         body["tools"] = TOOLS
     vanish = stream and rnd.random() < 0.1
@@ -132,7 +132,7 @@ async def main(args: argparse.Namespace) -> int:
     async with Simulator() as sim:
         cfg = {
             "server": {"log_format": "json", "log_level": "error"},
-            "workers": [{"name": "sim", "url": sim.url, "models": ["tiny-model"], "capacity": 4096,
+            "workers": [{"name": "sim", "url": sim.url, "models": ["tiny-org/tiny-model"], "capacity": 4096,
                          "timeouts": {"connect": 2, "first_byte": 1.5, "idle": 1.5, "total": 5}}],
             "ledger": {"path": str(tmp / "ledger.db")},
             "limits": {"global_concurrency": 4096, "default_key_concurrency": 4096},

@@ -42,9 +42,19 @@ class ProxyHandle:
     def base_url(self) -> str:
         return self.url + "/v1"
 
+    spec: Any = None  # tests.sdk_check.SpecLog of the clients from openai()
+
     def openai(self, api_key: str | None = None, **kwargs: Any):
+        """An openai client whose every Response and event is also judged by the Open Responses
+        spec (tests/sdk_check.py, SpecCheckingTransport)."""
         import openai
 
+        from tests.sdk_check import SpecCheckingTransport, SpecLog
+
+        if self.spec is None:
+            self.spec = SpecLog()
+        if "http_client" not in kwargs:
+            kwargs["http_client"] = openai.DefaultAsyncHttpxClient(transport=SpecCheckingTransport(self.spec))
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key or self.api_key, max_retries=0, **kwargs)
 
     @property
@@ -69,10 +79,11 @@ async def make_proxy(sim, tmp_path):
     from proxy.config import Config
 
     runners: list[web.AppRunner] = []
+    handles: list[ProxyHandle] = []
 
     async def start(overrides: dict[str, Any] | None = None, *, workers: list[dict] | None = None) -> ProxyHandle:
         base: dict[str, Any] = {
-            "workers": workers or [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": ["tiny-model"],
+            "workers": workers or [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": ["tiny-org/tiny-model"],
                                     "timeouts": {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}}],
             "ledger": {"path": str(tmp_path / "ledger.db")},
             "server": {"log_format": "json"},
@@ -87,9 +98,13 @@ async def make_proxy(sim, tmp_path):
         site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
         runners.append(runner)
-        return ProxyHandle(url=f"http://127.0.0.1:{port}", app=app, runner=runner,
-                           api_key=app.get(state.DEMO_KEY) or "no-auth")
+        handle = ProxyHandle(url=f"http://127.0.0.1:{port}", app=app, runner=runner,
+                             api_key=app.get(state.DEMO_KEY) or "no-auth")
+        handles.append(handle)
+        return handle
 
     yield start
     for runner in reversed(runners):
         await runner.cleanup()
+    failures = [f for h in handles if h.spec is not None for f in h.spec.failures]
+    assert not failures, f"answers outside the Open Responses spec: {failures[:3]}"

@@ -46,7 +46,7 @@ class LiveStack:
         self.sim = Simulator()
         await self.sim.start()
         base: dict[str, Any] = {
-            "workers": [{"name": "sim", "url": self.sim.url, "dialect": "vllm", "models": ["tiny-model"],
+            "workers": [{"name": "sim", "url": self.sim.url, "dialect": "vllm", "models": ["tiny-org/tiny-model"],
                          "timeouts": {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}}],
             "ledger": {"path": str(self.tmp_path / "ledger.db")},
             "server": {"log_format": "json", "log_level": "warning"},

@@ -29,7 +29,7 @@ def last_user_text(chat: dict) -> str:
     return ""
 
 
-def completion(text: str, model: str = "tiny-model") -> bytes:
+def completion(text: str, model: str = "tiny-org/tiny-model") -> bytes:
     return orjson.dumps({
         "id": "chatcmpl-raw", "object": "chat.completion", "created": 1, "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
@@ -37,7 +37,7 @@ def completion(text: str, model: str = "tiny-model") -> bytes:
     })
 
 
-def sse_events(text: str, model: str = "tiny-model") -> list[bytes]:
+def sse_events(text: str, model: str = "tiny-org/tiny-model") -> list[bytes]:
     def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
         body: dict = {"id": "chatcmpl-raw", "object": "chat.completion.chunk", "created": 1, "model": model,
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
@@ -104,7 +104,7 @@ class ChatUpstream:
         return f"http://127.0.0.1:{self.port}"
 
     def worker(self, name: str = "raw", **extra: Any) -> dict:
-        return {"name": name, "url": self.url, "dialect": "vllm", "models": ["tiny-model"],
+        return {"name": name, "url": self.url, "dialect": "vllm", "models": ["tiny-org/tiny-model"],
                 "timeouts": {"connect": 2, "first_byte": 10, "idle": 10, "total": 30}, **extra}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -122,7 +122,7 @@ class ChatUpstream:
                 body = await reader.readexactly(length) if length else b""
                 if head.startswith(b"GET /v1/models"):
                     writer.write(json_answer(orjson.dumps({"object": "list", "data": [
-                        {"id": "tiny-model", "object": "model", "max_model_len": 32768}]})))
+                        {"id": "tiny-org/tiny-model", "object": "model", "max_model_len": 32768}]})))
                     continue
                 if not head.startswith(b"POST /v1/chat/completions"):
                     writer.write(json_answer(b'{"error": "not found"}', "404 Not Found"))

@@ -31,7 +31,7 @@ OFF = {"routing": {"affinity": {"enabled": False}}}
 
 
 def worker(name: str, url: str, **extra) -> dict:
-    return {"name": name, "url": url, "dialect": "vllm", "models": ["tiny-model"], "timeouts": dict(FAST), **extra}
+    return {"name": name, "url": url, "dialect": "vllm", "models": ["tiny-org/tiny-model"], "timeouts": dict(FAST), **extra}
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ async def post(proxy, body: dict, headers: dict | None = None) -> tuple[int, dic
 
 
 def ask(**extra) -> dict:
-    return {"model": "tiny-model", "input": extra.pop("input", "hello"), "max_output_tokens": 16, **extra}
+    return {"model": "tiny-org/tiny-model", "input": extra.pop("input", "hello"), "max_output_tokens": 16, **extra}
 
 
 def counts(sims) -> list[int]:

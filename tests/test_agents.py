@@ -31,7 +31,7 @@ def make_agent(proxy, calls: list[tuple[str, str]]) -> Agent:
     return Agent(
         name="travel",
         instructions="Answer with the weather and the time.",
-        model=OpenAIResponsesModel(model="tiny-model", openai_client=client),
+        model=OpenAIResponsesModel(model="tiny-org/tiny-model", openai_client=client),
         model_settings=ModelSettings(include_usage=True),
         tools=[get_weather, get_time],
     )
@@ -88,3 +88,6 @@ async def test_agent_streamed_run(sim, make_proxy):
     assert kinds.count("tool_call_item") == 2 and kinds.count("tool_call_output_item") == 2
     assert kinds[-1] == "message_output_item"
     check_upstream(sim)
+    # every stream the agent read ended with the spec's data: [DONE]: the agents SDK takes it
+    assert len(proxy.spec.stream_ends) == 3
+    assert all(end.endswith(b"}\n\ndata: [DONE]\n\n") for end in proxy.spec.stream_ends)

@@ -39,7 +39,7 @@ class LongUpstream:
 
         def chunk(delta: dict, finish: str | None = None) -> bytes:
             return b"data: " + orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
-                                             "model": "tiny-model", "choices": [{"index": 0, "delta": delta,
+                                             "model": "tiny-org/tiny-model", "choices": [{"index": 0, "delta": delta,
                                                                                  "finish_reason": finish}]}) + b"\n\n"
 
         await resp.write(chunk({"role": "assistant", "content": ""}))
@@ -52,7 +52,7 @@ class LongUpstream:
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny-model", "object": "model", "owned_by": "vllm"}]})
+        return web.json_response({"object": "list", "data": [{"id": "tiny-org/tiny-model", "object": "model", "owned_by": "vllm"}]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response()
@@ -77,7 +77,7 @@ class LongUpstream:
 
 async def test_slow_client_pauses_the_upstream(make_proxy):
     async with LongUpstream() as upstream:
-        proxy = await make_proxy(NO_AUTH, workers=[{"name": "long", "url": upstream.url, "models": ["tiny-model"],
+        proxy = await make_proxy(NO_AUTH, workers=[{"name": "long", "url": upstream.url, "models": ["tiny-org/tiny-model"],
                                                     "timeouts": {"connect": 2, "first_byte": 10, "idle": 60,
                                                                  "total": 120}}])
         host, port = proxy.url.removeprefix("http://").split(":")
@@ -86,7 +86,7 @@ async def test_slow_client_pauses_the_upstream(make_proxy):
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         await loop.sock_connect(sock, (host, int(port)))
-        body = orjson.dumps({"model": "tiny-model", "input": "write a lot", "stream": True})
+        body = orjson.dumps({"model": "tiny-org/tiny-model", "input": "write a lot", "stream": True})
         await loop.sock_sendall(sock, (f"POST /v1/responses HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                                        f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
         received = await loop.sock_recv(sock, 4096)

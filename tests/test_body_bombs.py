@@ -94,7 +94,7 @@ def proxy_process(tmp_path_factory):
     config = tmp / "proxy.yaml"
     config.write_text(yaml.safe_dump({
         "server": {"log_format": "json", "log_level": "warning"},
-        "workers": [{"name": "local", "url": "embedded", "models": ["tiny-model"]}],
+        "workers": [{"name": "local", "url": "embedded", "models": ["tiny-org/tiny-model"]}],
         "ledger": {"path": str(tmp / "ledger.db")},
         "auth": {"demo_key": True},
     }))
@@ -160,7 +160,7 @@ async def _send(proxy, body: bytes, encodings: list[str]) -> tuple[int, dict]:
             return resp.status, await resp.json()
 
 
-BODY = orjson.dumps({"model": "tiny-model", "input": "hello", "max_output_tokens": 5})
+BODY = orjson.dumps({"model": "tiny-org/tiny-model", "input": "hello", "max_output_tokens": 5})
 SMALL = {"server": {"log_format": "json", "max_body_bytes": 2 * MiB}}
 
 

@@ -28,9 +28,9 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 # The default chain (auth with the demo key, balance...), with the capture in front.
 PIPELINE = [CAPTURE, *DEFAULTS["pipeline"]]
 # Codex offers apply_patch as a custom (freeform, lark grammar) tool only for models of its
-# bundled catalog; "gpt-5.5" is one in 0.171. Unknown names ("tiny-model") get function tools.
+# bundled catalog; "gpt-5.5" is one in 0.171. Unknown names ("tiny-org/tiny-model") get function tools.
 CATALOG_MODEL = "gpt-5.5"
-MODELS = ("tiny-model", CATALOG_MODEL)
+MODELS = ("tiny-org/tiny-model", CATALOG_MODEL)
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +59,7 @@ def _key() -> str:
 def start(sim, make_proxy, tmp_path, codex_cmd):
     """start(model, overrides) -> (proxy, workdir, run); run(prompt, api_key=None) runs codex exec."""
 
-    async def go(model: str = "tiny-model", overrides: dict | None = None):
+    async def go(model: str = "tiny-org/tiny-model", overrides: dict | None = None):
         workers = [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": list(MODELS),
                     "timeouts": {"connect": 2, "first_byte": 20, "idle": 20, "total": 60}}]
         proxy = await make_proxy({"pipeline": PIPELINE, **(overrides or {})}, workers=workers)
@@ -110,6 +110,8 @@ async def test_codex_runs_a_shell_command_through_the_proxy(sim, start):
     first = captured(proxy)[0]
     body = first["body"]
     assert first["status"] in (200, "client_closed")
+    # Codex read streams that end with the Open Responses spec's data: [DONE], and took them
+    assert all(r["end"].endswith(b"}\n\ndata: [DONE]\n\n") for r in captured(proxy)), captured(proxy)[0]["end"]
     assert body["stream"] is True and body["store"] is False
     assert "reasoning.encrypted_content" in body["include"]
     assert body.get("instructions") is None and body.get("previous_response_id") is None

@@ -335,7 +335,7 @@ def test_readme_middleware_next_to_config_runs_as_written(tmp_path):
             if line.startswith("demo key: "):
                 key = line.split(": ", 1)[1].strip()
         assert key
-        body = {"model": "tiny-model", "input": "hi", "max_output_tokens": 16}
+        body = {"model": "tiny-org/tiny-model", "input": "hi", "max_output_tokens": 16}
         headers = {"Authorization": f"Bearer {key}", "X-Request-Id": "abc-1"}
         status, got, text = _post(server.url, body, headers)
         assert status == 200, text

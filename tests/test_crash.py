@@ -50,7 +50,7 @@ async def test_sigkill_under_load_then_restart(sim, tmp_path):
             n += 1
             stream = (i + n) % 2 == 0
             script = {"text": " ".join(["tok"] * 40), "delay": 0.01} if stream else {"text": "short answer"}
-            payload = {"model": "tiny-model", "stream": stream, "max_output_tokens": 100,
+            payload = {"model": "tiny-org/tiny-model", "stream": stream, "max_output_tokens": 100,
                        "input": f"client {i} turn {n} SIM:{json.dumps(script)}"}
             try:
                 async with http.post(url + "/v1/responses", data=orjson.dumps(payload),
@@ -83,7 +83,7 @@ async def test_sigkill_under_load_then_restart(sim, tmp_path):
         proc, port, key, log = await start_proxy(tmp_path, sim.url, extra)
         async with aiohttp.ClientSession() as http:
             async with http.post(f"http://127.0.0.1:{port}/v1/responses", headers={"Authorization": f"Bearer {key}"},
-                                 json={"model": "tiny-model", "input": "after the crash"}) as r:
+                                 json={"model": "tiny-org/tiny-model", "input": "after the crash"}) as r:
                 assert r.status == 200
         deadline = time.monotonic() + 15
         while query(db, "SELECT COUNT(*) FROM holds")[0][0]:

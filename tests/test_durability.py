@@ -85,7 +85,7 @@ async def test_sigkill_mid_stream_then_restart(tmp_path):
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump({
         "server": {"log_format": "json"},
-        "workers": [{"name": "local", "url": "embedded", "dialect": "vllm", "models": ["tiny-model"]}],
+        "workers": [{"name": "local", "url": "embedded", "dialect": "vllm", "models": ["tiny-org/tiny-model"]}],
         "ledger": {"path": str(db), "expire_interval_s": 0.25},
         # Per-request holds: this test counts their rows (a lease's crash is tested in test_ledger).
         "balance": {"hold_ttl_s": 2, "demo_balance_micros": 1_000_000, "lease_min_rate": 16},
@@ -101,7 +101,7 @@ async def test_sigkill_mid_stream_then_restart(tmp_path):
             for i in range(3):
                 stream = i == 1
                 async with http.post(first.url + "/v1/responses", headers=headers,
-                                     data=orjson.dumps({"model": "tiny-model", "input": f"question {i}",
+                                     data=orjson.dumps({"model": "tiny-org/tiny-model", "input": f"question {i}",
                                                         "stream": stream})) as r:
                     assert r.status == 200
                     await r.read()
@@ -112,7 +112,7 @@ async def test_sigkill_mid_stream_then_restart(tmp_path):
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
 
-            slow_body = {"model": "tiny-model", "stream": True, "max_output_tokens": 500,
+            slow_body = {"model": "tiny-org/tiny-model", "stream": True, "max_output_tokens": 500,
                          "input": "SIM:" + json.dumps({"text": " ".join(["word"] * 300), "delay": 0.1})}
             streams = []
             for _ in range(4):
@@ -139,11 +139,11 @@ async def test_sigkill_mid_stream_then_restart(tmp_path):
             async with http.post(second.url + "/v1/responses",
                                  headers={"Authorization": f"Bearer {second.demo_key}",
                                           "Content-Type": "application/json"},
-                                 data=orjson.dumps({"model": "tiny-model", "input": "after the crash"})) as r:
+                                 data=orjson.dumps({"model": "tiny-org/tiny-model", "input": "after the crash"})) as r:
                 assert r.status == 200
                 after = r.headers["x-request-id"]
             async with http.post(second.url + "/v1/responses", headers=headers,
-                                 data=orjson.dumps({"model": "tiny-model", "input": "x"})) as r:
+                                 data=orjson.dumps({"model": "tiny-org/tiny-model", "input": "x"})) as r:
                 assert r.status == 401  # the restart replaced the demo key
 
         # the holds expire (ttl 2 s) and the restarted proxy's sweeper drops them

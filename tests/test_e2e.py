@@ -13,7 +13,7 @@ import openai
 import orjson
 import pytest
 
-from tests.sdk_check import check_sequence, normalise, parse_sse, validate_response
+from tests.sdk_check import check_sequence, normalise, parse_sse, validate_response, validate_sdk_response
 
 NO_AUTH = {"pipeline": ["stateless"]}
 
@@ -35,9 +35,9 @@ async def raw_stream(proxy, body: dict) -> tuple[int, dict, list[dict]]:
 async def test_plain_text_json(sim, make_proxy):
     proxy = await make_proxy(NO_AUTH)
     sim.script({"text": "The capital of France is Paris."})
-    response = await proxy.openai().responses.create(model="tiny-model", input="What is the capital of France?")
+    response = await proxy.openai().responses.create(model="tiny-org/tiny-model", input="What is the capital of France?")
     assert response.output_text == "The capital of France is Paris."
-    assert response.status == "completed" and response.model == "tiny-model"
+    assert response.status == "completed" and response.model == "tiny-org/tiny-model"
     assert response.id.startswith("resp_")
     assert response.usage.input_tokens > 0 and response.usage.output_tokens > 0
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
@@ -49,16 +49,16 @@ async def test_plain_text_json(sim, make_proxy):
 async def test_vendor_prefix_is_stripped_and_model_echoed(sim, make_proxy):
     proxy = await make_proxy(NO_AUTH)
     sim.script({"text": "ok"})
-    response = await proxy.openai().responses.create(model="acme/tiny-model", input="hi")
-    assert response.model == "acme/tiny-model"
-    assert sim.requests[-1]["model"] == "tiny-model"
+    response = await proxy.openai().responses.create(model="acme/tiny-org/tiny-model", input="hi")
+    assert response.model == "acme/tiny-org/tiny-model"
+    assert sim.requests[-1]["model"] == "tiny-org/tiny-model"
 
 
 async def test_instructions_and_developer_merge_into_one_system_message(sim, make_proxy):
     proxy = await make_proxy(NO_AUTH)
     sim.script({"text": "ok"})
     await proxy.openai().responses.create(
-        model="tiny-model", instructions="Be brief.",
+        model="tiny-org/tiny-model", instructions="Be brief.",
         input=[{"role": "developer", "content": "Use French."}, {"role": "user", "content": "Hello"}])
     messages = sim.requests[-1]["messages"]
     assert [m["role"] for m in messages] == ["system", "user"]
@@ -69,7 +69,7 @@ async def test_stream_events_validate_and_equal_the_json_answer(sim, make_proxy)
     proxy = await make_proxy(NO_AUTH)
     script = {"reasoning": "Think about it.", "text": "Hello there, friend."}
     sim.script(script, script)
-    body = {"model": "tiny-model", "input": "hi"}
+    body = {"model": "tiny-org/tiny-model", "input": "hi"}
     status, headers, events = await raw_stream(proxy, body)
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     final = check_sequence(events)
@@ -86,7 +86,7 @@ async def test_stream_events_validate_and_equal_the_json_answer(sim, make_proxy)
 async def test_sdk_stream_accumulator_accepts_the_stream(sim, make_proxy):
     proxy = await make_proxy(NO_AUTH)
     sim.script({"reasoning": "Hmm.", "text": "One, two, three."})
-    async with proxy.openai().responses.stream(model="tiny-model", input="Count to three.") as stream:
+    async with proxy.openai().responses.stream(model="tiny-org/tiny-model", input="Count to three.") as stream:
         deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
         final = await stream.get_final_response()
     assert "".join(deltas) == "One, two, three."
@@ -99,7 +99,7 @@ async def test_tool_loop(sim, make_proxy):
     proxy = await make_proxy(NO_AUTH)
     client = proxy.openai()
     sim.script({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]})
-    first = await client.responses.create(model="tiny-model", input="Weather in Paris?", tools=[WEATHER])
+    first = await client.responses.create(model="tiny-org/tiny-model", input="Weather in Paris?", tools=[WEATHER])
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     assert orjson.loads(calls[0].arguments) == {"city": "Paris"}
@@ -109,7 +109,7 @@ async def test_tool_loop(sim, make_proxy):
     follow_up = [{"role": "user", "content": "Weather in Paris?"},
                  calls[0].model_dump(exclude_none=True),
                  {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21C"}]
-    second = await client.responses.create(model="tiny-model", input=follow_up, tools=[WEATHER])
+    second = await client.responses.create(model="tiny-org/tiny-model", input=follow_up, tools=[WEATHER])
     assert second.output_text == "It is sunny in Paris."
     upstream = sim.requests[-1]["messages"]
     assert [m["role"] for m in upstream] == ["user", "assistant", "tool"]
@@ -122,7 +122,7 @@ async def test_parallel_calls_stream(sim, make_proxy):
     time_tool = {**WEATHER, "name": "get_time"}
     sim.script({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}},
                                {"name": "get_time", "arguments": {"city": "Rome"}}]})
-    status, _, events = await raw_stream(proxy, {"model": "tiny-model", "input": "both", "tools": [WEATHER, time_tool]})
+    status, _, events = await raw_stream(proxy, {"model": "tiny-org/tiny-model", "input": "both", "tools": [WEATHER, time_tool]})
     final = check_sequence(events)
     calls = [item for item in final["output"] if item["type"] == "function_call"]
     assert [c["name"] for c in calls] == ["get_weather", "get_time"]
@@ -137,11 +137,11 @@ async def test_custom_tool_round_trip(sim, make_proxy):
                   "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/s"}}
     patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
     sim.script({"tool_calls": [{"name": "apply_patch", "arguments": {"input": patch}}]})
-    first = await proxy.openai().responses.create(model="tiny-model", input="patch it", tools=[patch_tool])
+    first = await proxy.openai().responses.create(model="tiny-org/tiny-model", input="patch it", tools=[patch_tool])
     call = [i for i in first.output if i.type == "custom_tool_call"][0]
     assert call.name == "apply_patch" and call.input == patch
     sim.script({"text": "done"})
-    await proxy.openai().responses.create(model="tiny-model", tools=[patch_tool], input=[
+    await proxy.openai().responses.create(model="tiny-org/tiny-model", tools=[patch_tool], input=[
         {"role": "user", "content": "patch it"}, call.model_dump(exclude_none=True),
         {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Success"}])
     upstream = sim.requests[-1]
@@ -156,13 +156,13 @@ async def test_namespace_tool_round_trip(sim, make_proxy):
     namespace = {"type": "namespace", "name": "multi_agent_v1", "description": "agents",
                  "tools": [{"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]}
     sim.script({"tool_calls": [{"name": "multi_agent_v1__spawn_agent", "arguments": {}}]})
-    status, _, events = await raw_stream(proxy, {"model": "tiny-model", "input": "go", "tools": [namespace]})
+    status, _, events = await raw_stream(proxy, {"model": "tiny-org/tiny-model", "input": "go", "tools": [namespace]})
     final = check_sequence(events)
     call = [i for i in final["output"] if i["type"] == "function_call"][0]
     assert call["name"] == "spawn_agent" and call["namespace"] == "multi_agent_v1"
     assert sim.requests[-1]["tools"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
     sim.script({"text": "ok"})
-    await proxy.openai().responses.create(model="tiny-model", tools=[namespace], input=[
+    await proxy.openai().responses.create(model="tiny-org/tiny-model", tools=[namespace], input=[
         {"role": "user", "content": "go"}, call,
         {"type": "function_call_output", "call_id": call["call_id"], "output": "spawned"}])
     assert sim.requests[-1]["messages"][1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
@@ -172,7 +172,7 @@ async def test_truncation_is_incomplete(sim, make_proxy):
     proxy = await make_proxy(NO_AUTH)
     long_text = " ".join(f"word{i}" for i in range(50))
     sim.script({"text": long_text}, {"text": long_text})
-    body = {"model": "tiny-model", "input": "talk", "max_output_tokens": 5}
+    body = {"model": "tiny-org/tiny-model", "input": "talk", "max_output_tokens": 5}
     status, _, events = await raw_stream(proxy, body)
     assert events[-1]["type"] == "response.incomplete"
     final = check_sequence(events)
@@ -186,7 +186,7 @@ async def test_truncation_is_incomplete(sim, make_proxy):
 async def test_mid_stream_error_is_response_failed(sim, make_proxy):
     proxy = await make_proxy(NO_AUTH)
     sim.script({"text": "one two three four five six", "error_after": 2})
-    status, _, events = await raw_stream(proxy, {"model": "tiny-model", "input": "x"})
+    status, _, events = await raw_stream(proxy, {"model": "tiny-org/tiny-model", "input": "x"})
     assert status == 200
     final = check_sequence(events)
     assert events[-1]["type"] == "response.failed"
@@ -198,7 +198,7 @@ async def test_client_disconnect_cancels_upstream(sim, make_proxy):
     proxy = await make_proxy(NO_AUTH)
     sim.script({"text": " ".join(["slow"] * 200), "delay": 0.05})
     async with aiohttp.ClientSession() as http:
-        resp = await http.post(proxy.url + "/v1/responses", json={"model": "tiny-model", "input": "x", "stream": True})
+        resp = await http.post(proxy.url + "/v1/responses", json={"model": "tiny-org/tiny-model", "input": "x", "stream": True})
         seen = b""
         while b"response.output_text.delta" not in seen:
             seen += await resp.content.readany()
@@ -217,11 +217,11 @@ async def test_errors_are_envelopes(sim, make_proxy):
         cases = [
             (b"{not json", 400, "invalid_json"),
             (b"[1, 2]", 400, "invalid_json"),
-            (orjson.dumps({"model": "tiny-model"}), 400, None),
+            (orjson.dumps({"model": "tiny-org/tiny-model"}), 400, None),
             (orjson.dumps({"model": "nope", "input": "hi"}), 404, "model_not_found"),
-            (orjson.dumps({"model": "tiny-model", "input": "hi", "previous_response_id": "resp_1"}), 400,
+            (orjson.dumps({"model": "tiny-org/tiny-model", "input": "hi", "previous_response_id": "resp_1"}), 400,
              "stateless_only"),
-            (orjson.dumps({"model": "tiny-model", "input": [{"type": "mystery_item"}]}), 400, None),
+            (orjson.dumps({"model": "tiny-org/tiny-model", "input": [{"type": "mystery_item"}]}), 400, None),
         ]
         for body, status, code in cases:
             async with http.post(proxy.url + "/v1/responses", data=body,
@@ -241,25 +241,25 @@ async def test_sdk_raises_the_right_exception_classes(sim, make_proxy):
     with pytest.raises(openai.NotFoundError):
         await client.responses.create(model="missing-model", input="hi")
     with pytest.raises(openai.BadRequestError) as caught:
-        await client.responses.create(model="tiny-model", input="hi", previous_response_id="resp_x")
+        await client.responses.create(model="tiny-org/tiny-model", input="hi", previous_response_id="resp_x")
     assert caught.value.code == "stateless_only"
 
 
 async def test_upstream_unreachable_is_502(make_proxy):
     # Active checks off: with them, a worker down at start-up is never tried (503, tests/test_startup_health.py).
-    proxy = await make_proxy({**NO_AUTH, "health": {"enabled": False}}, workers=[{"name": "dead", "url": "http://127.0.0.1:9", "models": ["tiny-model"],
+    proxy = await make_proxy({**NO_AUTH, "health": {"enabled": False}}, workers=[{"name": "dead", "url": "http://127.0.0.1:9", "models": ["tiny-org/tiny-model"],
                                                 "timeouts": {"connect": 1, "first_byte": 2}}])
     with pytest.raises(openai.InternalServerError) as caught:
-        await proxy.openai().responses.create(model="tiny-model", input="hi")
+        await proxy.openai().responses.create(model="tiny-org/tiny-model", input="hi")
     assert caught.value.status_code == 502
 
 
 async def test_first_byte_timeout_is_504(sim, make_proxy):
-    proxy = await make_proxy(NO_AUTH, workers=[{"name": "slow", "url": sim.url, "models": ["tiny-model"],
+    proxy = await make_proxy(NO_AUTH, workers=[{"name": "slow", "url": sim.url, "models": ["tiny-org/tiny-model"],
                                                 "timeouts": {"connect": 1, "first_byte": 0.5, "idle": 5}}])
     sim.script({"text": "late", "first_byte_delay": 3})
     with pytest.raises(openai.APIStatusError) as caught:
-        await proxy.openai().responses.create(model="tiny-model", input="hi", stream=True)
+        await proxy.openai().responses.create(model="tiny-org/tiny-model", input="hi", stream=True)
     assert caught.value.status_code == 504
 
 
@@ -267,13 +267,13 @@ async def test_models_and_input_tokens(sim, make_proxy):
     proxy = await make_proxy(NO_AUTH)
     client = proxy.openai()
     models = await client.models.list()
-    assert [m.id for m in models.data] == ["tiny-model"]
-    counted = await client.responses.input_tokens.count(model="tiny-model", input="hello there")
+    assert [m.id for m in models.data] == ["tiny-org/tiny-model"]
+    counted = await client.responses.input_tokens.count(model="tiny-org/tiny-model", input="hello there")
     assert counted.input_tokens > 0
     sim.script({"text": "ok"})
-    answered = await client.responses.create(model="tiny-model", input="hello there")
+    answered = await client.responses.create(model="tiny-org/tiny-model", input="hello there")
     assert counted.input_tokens == answered.usage.input_tokens
-    validate_response(answered.model_dump(mode="json"))
+    validate_sdk_response(answered.model_dump(mode="json"))
 
 
 async def test_line_separator_characters_survive_the_stream(sim, make_proxy):
@@ -281,8 +281,8 @@ async def test_line_separator_characters_survive_the_stream(sim, make_proxy):
     proxy = await make_proxy(NO_AUTH)
     text = "a\u2028b\u2029c\x85d"
     sim.script({"text": text, "chunk_chars": 2}, {"text": text, "chunk_chars": 2})
-    status, _, events = await raw_stream(proxy, {"model": "tiny-model", "input": "x", "instructions": "i\u2028j"})
+    status, _, events = await raw_stream(proxy, {"model": "tiny-org/tiny-model", "input": "x", "instructions": "i\u2028j"})
     final = check_sequence(events)
     assert final["output"][-1]["content"][0]["text"] == text and final["instructions"] == "i\u2028j"
-    async with proxy.openai().responses.stream(model="tiny-model", input="x") as stream:
+    async with proxy.openai().responses.stream(model="tiny-org/tiny-model", input="x") as stream:
         assert (await stream.get_final_response()).output_text == text

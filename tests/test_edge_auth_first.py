@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 CUSTOM = "tests.custom_mw:create"
-BODY = orjson.dumps({"model": "tiny-model", "input": "hi", "max_output_tokens": 5})
+BODY = orjson.dumps({"model": "tiny-org/tiny-model", "input": "hi", "max_output_tokens": 5})
 
 
 async def call(proxy, body: bytes = BODY, *, headers: list[tuple[str, str]] | None = None, method: str = "POST",
@@ -46,7 +46,7 @@ LAST = ["stateless", "limits", "tools", "balance", "notices", "auth"]
 
 async def test_auth_listed_last_still_runs_first(sim, make_proxy):
     proxy = await make_proxy({"pipeline": LAST})
-    stored = orjson.dumps({"model": "tiny-model", "input": "hi", "previous_response_id": "resp_1"})
+    stored = orjson.dumps({"model": "tiny-org/tiny-model", "input": "hi", "previous_response_id": "resp_1"})
     for body in (b"{bad", stored, b"x" * 1000):
         status, _, raw = await call(proxy, body)
         assert status == 401 and error(raw)["code"] == "invalid_api_key"
@@ -98,7 +98,7 @@ async def _refused_mid_body(proxy, extra: bytes, *, chunked: bool) -> tuple[byte
     size = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % BIG
     writer.write(b"POST /v1/responses HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
                  + extra + size + b"\r\n\r\n")
-    first = b'{"model":"tiny-model","input":"' + b"x" * (FIRST - 31)
+    first = b'{"model":"tiny-org/tiny-model","input":"' + b"x" * (FIRST - 31)
     writer.write(b"%x\r\n%s\r\n" % (len(first), first) if chunked else first)
     await writer.drain()
     async with asyncio.timeout(20):  # the body read timeout is 60 s: only an early answer beats this
@@ -181,7 +181,7 @@ async def test_clients_sending_a_large_body_with_a_wrong_key_read_the_401(sim, m
     proxy = await make_proxy()
     client = proxy.openai(api_key="sk-rp-wrong")
     with pytest.raises(openai.AuthenticationError) as caught:
-        await client.responses.create(model="tiny-model", input="x" * (7 * 1024 * 1024))
+        await client.responses.create(model="tiny-org/tiny-model", input="x" * (7 * 1024 * 1024))
     assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
     status, headers, raw = await call(proxy, b'{"input":"' + b"x" * (7 * 1024 * 1024) + b'"}',
                                       headers=[("Authorization", "Bearer sk-rp-wrong")])

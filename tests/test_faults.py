@@ -34,7 +34,7 @@ HTML = ("<html><head><title>503 Service Unavailable</title></head><body><h1>upst
 
 def body(script: dict | None, *, stream: bool, text: str = "hello") -> dict:
     prompt = text if script is None else f"{text} SIM:{json.dumps(script)}"
-    return {"model": "tiny-model", "input": prompt, "stream": stream, "max_output_tokens": 200}
+    return {"model": "tiny-org/tiny-model", "input": prompt, "stream": stream, "max_output_tokens": 200}
 
 
 async def call(proxy, payload: dict) -> tuple[int, dict, object]:
@@ -116,7 +116,7 @@ BEFORE_HEADER_FAULTS = [
 
 
 async def test_stream_faults_fail_cleanly_and_settle(sim, make_proxy):
-    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-model"], "timeouts": FAST}])
+    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-org/tiny-model"], "timeouts": FAST}])
     status, _, _ = await call(proxy, body(None, stream=True))  # warm the pool
     assert status == 200
     before = resources(proxy)
@@ -142,7 +142,7 @@ async def test_stream_faults_fail_cleanly_and_settle(sim, make_proxy):
 
 @pytest.mark.parametrize("stream", [True, False])
 async def test_faults_before_the_headers_answer_in_the_envelope(sim, make_proxy, stream):
-    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-model"], "timeouts": FAST}])
+    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-org/tiny-model"], "timeouts": FAST}])
     assert (await call(proxy, body(None, stream=stream)))[0] == 200
     before = resources(proxy)
     for _ in range(REPEAT):
@@ -163,7 +163,7 @@ async def test_faults_before_the_headers_answer_in_the_envelope(sim, make_proxy,
 
 
 async def test_non_stream_mid_answer_faults(sim, make_proxy):
-    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-model"], "timeouts": FAST}])
+    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-org/tiny-model"], "timeouts": FAST}])
     cases = [({"text": "a b c d", "drop_after": 2}, {502}), ({"text": "a b c d", "stall_after": 1}, {504}),
              ({"endless_line": True}, {502, 504})]
     for script, allowed in cases:
@@ -178,8 +178,8 @@ async def test_non_stream_mid_answer_faults(sim, make_proxy):
 
 async def test_connection_refused_fails_over_then_502(sim, make_proxy):
     dead = f"http://127.0.0.1:{free_port()}"
-    workers = [{"name": "dead", "url": dead, "models": ["tiny-model"], "timeouts": FAST},
-               {"name": "sim", "url": sim.url, "models": ["tiny-model"], "timeouts": FAST}]
+    workers = [{"name": "dead", "url": dead, "models": ["tiny-org/tiny-model"], "timeouts": FAST},
+               {"name": "sim", "url": sim.url, "models": ["tiny-org/tiny-model"], "timeouts": FAST}]
     proxy = await make_proxy(workers=workers)
     for stream in (False, True):
         for _ in range(4):  # whichever worker is tried first, the answer comes from the live one
@@ -197,8 +197,8 @@ async def test_reset_before_headers_fails_over(sim, make_proxy):
     from proxy.simulator import Simulator
 
     async with Simulator() as broken:
-        workers = [{"name": "broken", "url": broken.url, "models": ["tiny-model"], "timeouts": FAST},
-                   {"name": "sim", "url": sim.url, "models": ["tiny-model"], "timeouts": FAST}]
+        workers = [{"name": "broken", "url": broken.url, "models": ["tiny-org/tiny-model"], "timeouts": FAST},
+                   {"name": "sim", "url": sim.url, "models": ["tiny-org/tiny-model"], "timeouts": FAST}]
         proxy = await make_proxy(workers=workers)
         for _ in range(4):
             broken.script({"reset_before_headers": True})
@@ -212,7 +212,7 @@ async def test_endless_non_stream_body_is_cut_off_not_buffered(sim, make_proxy):
     """A JSON answer that never ends (or an endless error page) is refused at a bound, long
     before the total timeout, instead of being buffered in memory until then."""
     slow_total = {"connect": 1, "first_byte": 30, "idle": 30, "total": 60}
-    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-model"],
+    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-org/tiny-model"],
                                        "timeouts": slow_total}])
     for script in ({"endless_line": True}, {"status": 500, "body": "x" * (4 << 20)}):
         started = time.monotonic()

@@ -42,7 +42,7 @@ json_values = _json(2**70)
 parsed_json_values = _json(2**64 - 1)
 
 CODEX = {
-    "model": "tiny-model",
+    "model": "tiny-org/tiny-model",
     "instructions": "You are Codex, a coding agent.",
     "input": [
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "<permissions/>"}]},
@@ -72,7 +72,7 @@ CODEX = {
 }
 
 SDK = {
-    "model": "tiny-model",
+    "model": "tiny-org/tiny-model",
     "input": "Say hello.",
     "max_output_tokens": 64,
     "temperature": 0.7,
@@ -83,7 +83,7 @@ SDK = {
 }
 
 AGENT = {
-    "model": "openai/tiny-model",
+    "model": "openai/tiny-org/tiny-model",
     "instructions": "You are a helpful agent.",
     "input": [
         {"role": "user", "content": "What's the weather in Paris?"},
@@ -243,9 +243,9 @@ def _settled(live: LiveStack) -> None:
 def test_http_any_json_value(live, value):
     with requests.Session() as session:
         _post(live, session, _dumps(value))
-        _post(live, session, _dumps({"model": "tiny-model", "input": value}))
+        _post(live, session, _dumps({"model": "tiny-org/tiny-model", "input": value}))
         if isinstance(value, dict):
-            _post(live, session, _dumps({"model": "tiny-model", "input": "x", **value}),
+            _post(live, session, _dumps({"model": "tiny-org/tiny-model", "input": "x", **value}),
                   path="/v1/responses/input_tokens")
 
 

@@ -40,7 +40,7 @@ async def start_proxy(tmp_path: Path, sim_url: str, extra: dict | None = None):
     config = tmp_path / "proxy.yaml"
     cfg = {
         "server": {"log_format": "json", "log_level": "warning"},
-        "workers": [{"name": "sim", "url": sim_url, "models": ["tiny-model"], "capacity": 4096,
+        "workers": [{"name": "sim", "url": sim_url, "models": ["tiny-org/tiny-model"], "capacity": 4096,
                      "timeouts": {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}}],
         "ledger": {"path": str(tmp_path / "ledger.db")},
         "limits": {"global_concurrency": 4096, "default_key_concurrency": 4096},
@@ -97,7 +97,7 @@ async def vanish(port: int, key: str, body: bytes) -> bool:
 async def test_a_thousand_clients_vanish_mid_stream(sim, tmp_path):
     proc, port, key, log = await start_proxy(tmp_path, sim.url)
     url = f"http://127.0.0.1:{port}"
-    slow = orjson.dumps({"model": "tiny-model", "stream": True, "max_output_tokens": 400,
+    slow = orjson.dumps({"model": "tiny-org/tiny-model", "stream": True, "max_output_tokens": 400,
                          "input": "SIM:" + json.dumps({"text": " ".join(["word"] * 300), "delay": 0.02})})
 
     async def wait_idle() -> None:
@@ -108,7 +108,7 @@ async def test_a_thousand_clients_vanish_mid_stream(sim, tmp_path):
 
     async def normal_request(http: aiohttp.ClientSession) -> None:
         async with http.post(url + "/v1/responses", headers={"Authorization": f"Bearer {key}"},
-                             json={"model": "tiny-model", "input": "still there?"}) as r:
+                             json={"model": "tiny-org/tiny-model", "input": "still there?"}) as r:
             assert r.status == 200 and (await r.json())["status"] == "completed"
 
     try:
@@ -201,7 +201,7 @@ def status_and_error(raw: bytes) -> tuple[int, dict | None]:
 async def test_a_trickled_body_is_cut_off_with_408(sim, make_proxy):
     proxy = await make_proxy(LIMITS)
     port = int(proxy.url.rsplit(":", 1)[1])
-    body = orjson.dumps({"model": "tiny-model", "input": "hello"})
+    body = orjson.dumps({"model": "tiny-org/tiny-model", "input": "hello"})
     started = time.monotonic()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(head_for(proxy.api_key, len(body)))
@@ -231,7 +231,7 @@ async def test_a_trickled_body_is_cut_off_with_408(sim, make_proxy):
 async def test_a_large_body_arriving_in_pieces_is_read_whole(sim, make_proxy):
     proxy = await make_proxy(LIMITS)
     port = int(proxy.url.rsplit(":", 1)[1])
-    body = orjson.dumps({"model": "tiny-model", "input": "hello " * 20_000})  # 120 kB, under the limit
+    body = orjson.dumps({"model": "tiny-org/tiny-model", "input": "hello " * 20_000})  # 120 kB, under the limit
     parts = [body[i:i + 16_384] for i in range(0, len(body), 16_384)]
     status, error = status_and_error(await raw_request(port, head_for(proxy.api_key, len(body)), parts, gap=0.02))
     assert status == 200, error
@@ -249,31 +249,31 @@ async def test_limits_answer_clear_4xx(sim, make_proxy):
             return status_and_error(await raw_request(port, head_for(key, None, extra), [chunks]))
         return status_and_error(await raw_request(port, head_for(key, len(payload), extra), [payload]))
 
-    big = orjson.dumps({"model": "tiny-model", "input": "x" * 300_000})
+    big = orjson.dumps({"model": "tiny-org/tiny-model", "input": "x" * 300_000})
     assert (await send(big))[0] == 413
     assert (await send(big, chunked=True))[0] == 413  # no Content-Length: counted while read
-    bomb = gzip.compress(orjson.dumps({"model": "tiny-model", "input": "x" * 5_000_000}))
+    bomb = gzip.compress(orjson.dumps({"model": "tiny-org/tiny-model", "input": "x" * 5_000_000}))
     assert len(bomb) < 200_000
     assert (await send(bomb, b"Content-Encoding: gzip\r\n"))[0] == 413
-    deep = b'{"model":"tiny-model","input":"x","metadata":' + b"[" * 40 + b"]" * 40 + b"}"
+    deep = b'{"model":"tiny-org/tiny-model","input":"x","metadata":' + b"[" * 40 + b"]" * 40 + b"}"
     assert (await send(deep)) [1]["code"] == "too_deep"
     very_deep = b"[" * 100_000 + b"]" * 100_000
     assert (await send(very_deep))[0] == 400
-    items = orjson.dumps({"model": "tiny-model", "input": [{"role": "user", "content": "x"}] * 21})
+    items = orjson.dumps({"model": "tiny-org/tiny-model", "input": [{"role": "user", "content": "x"}] * 21})
     assert (await send(items))[1]["code"] == "too_many_items"
-    tools = orjson.dumps({"model": "tiny-model", "input": "x", "tools": [
+    tools = orjson.dumps({"model": "tiny-org/tiny-model", "input": "x", "tools": [
         {"type": "function", "name": f"f{i}", "parameters": {"type": "object"}} for i in range(9)]})
     assert (await send(tools))[1]["code"] == "too_many_tools"
     assert (await send(b"\x1f\x8b not gzip", b"Content-Encoding: gzip\r\n"))[0] == 400
     assert (await send(b"{}", b"Content-Encoding: br\r\n"))[0] == 415
     # headers: a field past max_field_size is refused before any handler runs, the proxy stays up
-    status, error = await send(orjson.dumps({"model": "tiny-model", "input": "x"}), b"X-Big: " + b"a" * 4096 + b"\r\n")
+    status, error = await send(orjson.dumps({"model": "tiny-org/tiny-model", "input": "x"}), b"X-Big: " + b"a" * 4096 + b"\r\n")
     assert status == 431 and error["code"] == "request_header_too_large"  # in the envelope, bytes not echoed
     assert "aaaa" not in error["message"]
     many = b"".join(b"X-H%d: %s\r\n" % (i, b"b" * 100) for i in range(200))
-    status, error = await send(orjson.dumps({"model": "tiny-model", "input": "x"}), many)
+    status, error = await send(orjson.dumps({"model": "tiny-org/tiny-model", "input": "x"}), many)
     assert 400 <= status < 500 and set(error) == {"message", "type", "param", "code"}
-    status, error = await send(orjson.dumps({"model": "tiny-model", "input": "fine"}))
+    status, error = await send(orjson.dumps({"model": "tiny-org/tiny-model", "input": "fine"}))
     assert status == 200, error
     from middlewares.balance import wait_for_settlements
 

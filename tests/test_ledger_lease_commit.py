@@ -15,7 +15,7 @@ from tests.test_ledger import ledger  # noqa: F401  (the same temp-file ledger f
 
 
 def usage(request_id: str, key_id: str, cost, **changes) -> UsageRecord:
-    record = UsageRecord(request_id, key_id, "tiny-model", 100, 20, 50, 10, cost, "completed", 1234.5)
+    record = UsageRecord(request_id, key_id, "tiny-org/tiny-model", 100, 20, 50, 10, cost, "completed", 1234.5)
     for name, value in changes.items():
         setattr(record, name, value)
     return record

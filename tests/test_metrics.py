@@ -73,15 +73,15 @@ async def test_names_present_and_counters_move(sim, make_proxy):
     text, after = await scrape(proxy)
     for name in NAMES[:5]:
         assert name in text, name
-    assert value(after, "responses_proxy_requests_total", endpoint="responses", model="tiny-model", status="200",
+    assert value(after, "responses_proxy_requests_total", endpoint="responses", model="tiny-org/tiny-model", status="200",
                  outcome="completed") == 2
-    assert value(after, "responses_proxy_input_tokens_total", model="tiny-model") == (
+    assert value(after, "responses_proxy_input_tokens_total", model="tiny-org/tiny-model") == (
         body["usage"]["input_tokens"] + events[-1]["response"]["usage"]["input_tokens"])
-    assert value(after, "responses_proxy_output_tokens_total", model="tiny-model") == (
+    assert value(after, "responses_proxy_output_tokens_total", model="tiny-org/tiny-model") == (
         body["usage"]["output_tokens"] + events[-1]["response"]["usage"]["output_tokens"])
-    assert value(after, "responses_proxy_time_to_first_byte_seconds_count", model="tiny-model", worker="sim") == 2
+    assert value(after, "responses_proxy_time_to_first_byte_seconds_count", model="tiny-org/tiny-model", worker="sim") == 2
     assert value(after, "responses_proxy_request_duration_seconds_count", endpoint="responses",
-                 model="tiny-model") == 2
+                 model="tiny-org/tiny-model") == 2
     assert value(after, "responses_proxy_worker_healthy", worker="sim") == 1
     assert value(after, "responses_proxy_worker_capacity", worker="sim") == 256
 
@@ -102,7 +102,7 @@ async def test_input_tokens_count_nothing_toward_usage(sim, make_proxy):
     status, _, body = await call(proxy, ask(), "/v1/responses/input_tokens")
     assert status == 200 and body["input_tokens"] > 0
     _, samples = await scrape(proxy)
-    assert value(samples, "responses_proxy_requests_total", endpoint="input_tokens", model="tiny-model",
+    assert value(samples, "responses_proxy_requests_total", endpoint="input_tokens", model="tiny-org/tiny-model",
                  status="200", outcome="") == 1
     assert total(samples, "responses_proxy_input_tokens_total") == 0
 

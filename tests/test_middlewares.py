@@ -21,7 +21,7 @@ from proxy.translate import translate_request
 
 # 1 micro per input and output token, 0.1 per cached token: costs are easy to check by hand.
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
-MODEL = "tiny-model"
+MODEL = "tiny-org/tiny-model"
 
 
 @pytest.fixture
@@ -213,7 +213,7 @@ async def test_auth_model_not_allowed_is_403(make_proxy, http):
     assert status == 403
     assert body["error"]["code"] == "model_not_allowed"
     assert body["error"]["param"] == "model"
-    ok_secret, _ = await p.ledger.create_key("vendor", balance_micros=10_000_000, allowed_models=["acme/tiny-model"])
+    ok_secret, _ = await p.ledger.create_key("vendor", balance_micros=10_000_000, allowed_models=["acme/tiny-org/tiny-model"])
     assert (await call(http, p, key=ok_secret))[0] == 200
 
 

@@ -23,7 +23,7 @@ from proxy.translate import translate_request
 
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
 PRICE = Price(1_000_000, 100_000, 1_000_000)  # 1 micro per token
-MODEL = "tiny-model"
+MODEL = "tiny-org/tiny-model"
 MAX_AMOUNT = 2**63 - 1  # SQLite's largest INTEGER
 
 
@@ -499,7 +499,7 @@ async def test_access_line_metrics_and_ledger_agree(make_proxy, http, sim, capsy
     line = [ln for ln in (captured.out + captured.err).splitlines() if request_id in ln and " request " in ln][-1]
     fields = dict(re.findall(r'"?(input_tokens|output_tokens)"?[=:] ?(\d+)', line))
     assert (int(fields["input_tokens"]), int(fields["output_tokens"])) == (usage.input_tokens, usage.output_tokens)
-    found = re.search(r'responses_proxy_input_tokens_total\{model="tiny-model"\} (\S+)', metrics)
+    found = re.search(r'responses_proxy_input_tokens_total\{model="tiny-org/tiny-model"\} (\S+)', metrics)
     assert found and float(found.group(1)) == usage.input_tokens
 
 

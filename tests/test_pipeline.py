@@ -36,7 +36,7 @@ async def test_custom_middleware_by_dotted_path(make_proxy, form):
     else:
         overrides = {"pipeline": ["stateless", "auth", CUSTOM, "tools", "balance", "notices"], CUSTOM: section}
     p = await make_proxy(overrides)
-    status, headers, body = await _post(p, {"model": "tiny-model", "input": "hi"}, p.api_key)
+    status, headers, body = await _post(p, {"model": "tiny-org/tiny-model", "input": "hi"}, p.api_key)
     assert status == 200, body
     assert headers["x-custom"] == "hello"
     status, headers, body = await _post(p, {"model": "banned-model", "input": "hi"}, p.api_key)

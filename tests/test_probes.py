@@ -18,7 +18,7 @@ FAST = {"connect": 1, "first_byte": 5, "idle": 5, "total": 30}
 
 
 def dead_worker(name: str) -> dict:
-    return {"name": name, "url": f"http://127.0.0.1:{free_port()}", "dialect": "vllm", "models": ["tiny-model"],
+    return {"name": name, "url": f"http://127.0.0.1:{free_port()}", "dialect": "vllm", "models": ["tiny-org/tiny-model"],
             "timeouts": FAST}
 
 

@@ -17,7 +17,7 @@ import os
 import orjson
 import pytest
 
-from tests.sdk_check import validate_response
+from tests.sdk_check import validate_sdk_response
 
 PIPELINE = ["stateless", "tools", "notices"]
 INSTRUCTIONS = "You are a careful agent. Use the tools."
@@ -88,7 +88,7 @@ async def test_ten_turn_tool_loop_replays_exactly(sim, make_proxy, monkeypatch, 
     for turn in range(10):
         script = plan(turn)
         sim.script(script)
-        kwargs = dict(model="tiny-model", instructions=INSTRUCTIONS, input=items, tools=TOOLS,
+        kwargs = dict(model="tiny-org/tiny-model", instructions=INSTRUCTIONS, input=items, tools=TOOLS,
                       include=["reasoning.encrypted_content"], parallel_tool_calls=True)
         if stream:
             async with client.responses.stream(**kwargs) as s:
@@ -97,7 +97,7 @@ async def test_ten_turn_tool_loop_replays_exactly(sim, make_proxy, monkeypatch, 
                 response = await s.get_final_response()
         else:
             response = await client.responses.create(**kwargs)
-        validate_response(response.model_dump(mode="json"))
+        validate_sdk_response(response.model_dump(mode="json"))
 
         # What the upstream got is the whole conversation so far, exactly.
         upstream = sim.requests[-1]

@@ -65,17 +65,21 @@ def ctx(**kw) -> ResponseContext:
     return ResponseContext(**base)
 
 
+COMPLETED_AT = 1_795_980_007
+
+
 class _DetIds:
     """Deterministic item ids so that two runs can be compared byte for byte."""
 
     def __enter__(self):
         counter = itertools.count()
-        self._orig = rewriter_mod._hex
+        self._orig = rewriter_mod._hex, rewriter_mod._now
         rewriter_mod._hex = lambda: f"{next(counter):024x}"
+        rewriter_mod._now = lambda: COMPLETED_AT
         return self
 
     def __exit__(self, *exc):
-        rewriter_mod._hex = self._orig
+        rewriter_mod._hex, rewriter_mod._now = self._orig
 
 
 def run(chunks, c: ResponseContext | None = None, *, det: bool = True,
@@ -95,8 +99,13 @@ def run(chunks, c: ResponseContext | None = None, *, det: bool = True,
 
 
 def parse(out: bytes) -> list[dict]:
-    """Our SSE output -> event dicts, checking the framing and the sequence numbers."""
+    """Our SSE output -> event dicts, checking the framing, the sequence numbers and the
+    `data: [DONE]` that follows the terminal event (and nothing else)."""
     assert out.endswith(b"\n\n")
+    done = out.endswith(b"\n\ndata: [DONE]\n\n")
+    if done:
+        out = out[: -len(b"data: [DONE]\n\n")]
+    assert b"[DONE]" not in out.replace(b'"[DONE]"', b"")
     events = []
     for block in out[:-2].split(b"\n\n"):
         ev_line, data_line = block.split(b"\n")
@@ -105,6 +114,7 @@ def parse(out: bytes) -> list[dict]:
         assert ev["type"] == ev_line[7:].decode()
         events.append(ev)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert done == (events[-1]["type"] in TERMINAL), "[DONE] ends the stream right after its terminal event"
     return events
 
 

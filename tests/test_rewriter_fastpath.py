@@ -333,7 +333,7 @@ def _timeouts(idle: float, total: float) -> dict:
 async def _stream(sim, make_proxy, timeouts: dict, script: dict):
     from tests.test_faults import body, call
 
-    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-model"],
+    proxy = await make_proxy(workers=[{"name": "sim", "url": sim.url, "models": ["tiny-org/tiny-model"],
                                        "timeouts": timeouts}])
     status, _, events = await call(proxy, body(script, stream=True))
     assert status == 200

@@ -54,7 +54,7 @@ def test_live_proxy_matches_its_description(case, live):
 
 def test_unauthenticated_calls_match_too(live):
     for method, path in (("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens"), ("GET", "/v1/models")):
-        r = requests.request(method, live.url + path, json={"model": "tiny-model", "input": "x"}, timeout=10)
+        r = requests.request(method, live.url + path, json={"model": "tiny-org/tiny-model", "input": "x"}, timeout=10)
         assert r.status_code == 401
         documented = openapi_document()["paths"][path][method.lower()]["responses"]
         assert "401" in documented and set(r.json()["error"]) == {"message", "type", "param", "code"}

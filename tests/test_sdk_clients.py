@@ -17,7 +17,7 @@ import zstandard
 from openai.types.responses import Response
 
 from proxy.config import DEFAULTS
-from tests.sdk_check import check_sequence, parse_sse, validate_response
+from tests.sdk_check import check_sequence, parse_sse, validate_response, validate_sdk_response
 
 PIPELINE = list(DEFAULTS["pipeline"])  # the default chain: auth (demo key), balance...
 WEATHER = {
@@ -32,19 +32,20 @@ async def proxy(make_proxy):
     return await make_proxy({"pipeline": PIPELINE})
 
 
-def assert_every_field(response: dict) -> None:
+def assert_every_field(response: dict, sdk_dump: bool = False) -> None:
     missing = RESPONSE_FIELDS - set(response)
     assert not missing, f"Response fields missing: {sorted(missing)}"
     for tool in response.get("tools") or []:
         if tool.get("type") == "function":
             assert "strict" in tool, tool
-    validate_response(response)
+    # an SDK object's dump is not what the proxy sent: the spec judged those bytes in the transport
+    (validate_sdk_response if sdk_dump else validate_response)(response)
 
 
 async def test_create(sim, proxy):
     client = proxy.openai()
     sim.script({"reasoning": "Short answer.", "text": "Paris."})
-    response = await client.responses.create(model="tiny-model", instructions="Be brief.",
+    response = await client.responses.create(model="tiny-org/tiny-model", instructions="Be brief.",
                                              input="Capital of France?", max_output_tokens=50)
     assert isinstance(response, Response)
     assert response.output_text == "Paris."
@@ -52,7 +53,7 @@ async def test_create(sim, proxy):
     assert response.instructions == "Be brief." and response.max_output_tokens == 50
     assert response.output[0].type == "reasoning" and response.output[1].type == "message"
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
-    assert_every_field(response.model_dump(mode="json"))
+    assert_every_field(response.model_dump(mode="json"), sdk_dump=True)
 
 
 async def test_stream_accumulator_with_a_tool_call(sim, proxy):
@@ -60,7 +61,7 @@ async def test_stream_accumulator_with_a_tool_call(sim, proxy):
     sim.script({"reasoning": "I need the weather.", "text": "Let me check.",
                 "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]})
     seen = []
-    async with client.responses.stream(model="tiny-model", input="Weather in Paris?", tools=[WEATHER]) as stream:
+    async with client.responses.stream(model="tiny-org/tiny-model", input="Weather in Paris?", tools=[WEATHER]) as stream:
         async for event in stream:
             seen.append(event.type)
         final = await stream.get_final_response()
@@ -73,27 +74,29 @@ async def test_stream_accumulator_with_a_tool_call(sim, proxy):
     assert final.usage is not None and final.usage.output_tokens > 0
     echoed = final.tools[0]
     assert echoed.name == "get_weather" and echoed.strict is None  # echoed with strict, null: not sent
-    assert_every_field(final.model_dump(mode="json"))
+    assert_every_field(final.model_dump(mode="json"), sdk_dump=True)
+    # the stream ended with the spec's data: [DONE] after response.completed; the SDK took it
+    assert [end.endswith(b"}\n\ndata: [DONE]\n\n") for end in proxy.spec.stream_ends] == [True]
 
 
 async def test_stream_text_helper_and_create_stream(sim, proxy):
     client = proxy.openai()
     sim.script({"text": "One, two, three."}, {"text": "Four."})
-    async with client.responses.stream(model="tiny-model", input="Count.") as stream:
+    async with client.responses.stream(model="tiny-org/tiny-model", input="Count.") as stream:
         text = "".join([e.delta async for e in stream if e.type == "response.output_text.delta"])
     assert text == "One, two, three."
-    events = [e async for e in await client.responses.create(model="tiny-model", input="More.", stream=True)]
+    events = [e async for e in await client.responses.create(model="tiny-org/tiny-model", input="More.", stream=True)]
     assert events[-1].type == "response.completed" and events[-1].response.output_text == "Four."
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 async def test_input_tokens_count(sim, proxy):
     client = proxy.openai()
-    counted = await client.responses.input_tokens.count(model="tiny-model", input="hello there",
+    counted = await client.responses.input_tokens.count(model="tiny-org/tiny-model", input="hello there",
                                                         instructions="Be brief.", tools=[WEATHER])
     assert counted.input_tokens > 0
     sim.script({"text": "ok"})
-    answered = await client.responses.create(model="tiny-model", input="hello there", instructions="Be brief.",
+    answered = await client.responses.create(model="tiny-org/tiny-model", input="hello there", instructions="Be brief.",
                                              tools=[WEATHER])
     assert answered.usage.input_tokens == counted.input_tokens
 
@@ -103,28 +106,28 @@ async def test_input_tokens_count(sim, proxy):
 
 async def test_400_bad_request(proxy):
     with pytest.raises(openai.BadRequestError) as caught:
-        await proxy.openai().responses.create(model="tiny-model", input="hi", temperature=5)
+        await proxy.openai().responses.create(model="tiny-org/tiny-model", input="hi", temperature=5)
     assert caught.value.status_code == 400 and caught.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as caught:
-        await proxy.openai().responses.create(model="tiny-model", input="hi", previous_response_id="resp_1")
+        await proxy.openai().responses.create(model="tiny-org/tiny-model", input="hi", previous_response_id="resp_1")
     assert caught.value.code == "stateless_only"
 
 
 async def test_401_authentication(proxy):
     with pytest.raises(openai.AuthenticationError) as caught:
-        await proxy.openai(api_key="sk-rp-wrong").responses.create(model="tiny-model", input="hi")
+        await proxy.openai(api_key="sk-rp-wrong").responses.create(model="tiny-org/tiny-model", input="hi")
     assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
 
 
 async def test_402_insufficient_quota(sim, proxy):
     secret, _ = await proxy.ledger.create_key("broke", balance_micros=0)
     with pytest.raises(openai.APIStatusError) as caught:
-        await proxy.openai(api_key=secret).responses.create(model="tiny-model", input="hi")
+        await proxy.openai(api_key=secret).responses.create(model="tiny-org/tiny-model", input="hi")
     assert caught.value.status_code == 402
     assert caught.value.code == "insufficient_quota"
     # Streamed too: the SDK accepts JSON, so the refusal stays an HTTP 402 before any event.
     with pytest.raises(openai.APIStatusError) as caught:
-        async with proxy.openai(api_key=secret).responses.stream(model="tiny-model", input="hi") as stream:
+        async with proxy.openai(api_key=secret).responses.stream(model="tiny-org/tiny-model", input="hi") as stream:
             await stream.get_final_response()
     assert caught.value.status_code == 402 and caught.value.code == "insufficient_quota"
     assert sim.requests == []
@@ -133,7 +136,7 @@ async def test_402_insufficient_quota(sim, proxy):
 async def test_402_as_an_event_for_an_event_stream_only_client(sim, proxy):
     """Codex (Accept: text/event-stream) reads a spent balance only from response.failed."""
     secret, _ = await proxy.ledger.create_key("broke", balance_micros=0)
-    body = {"model": "tiny-model", "input": "hi", "stream": True}
+    body = {"model": "tiny-org/tiny-model", "input": "hi", "stream": True}
     async with aiohttp.ClientSession() as http:
         async with http.post(proxy.url + "/v1/responses", json=body, headers={
                 "Authorization": f"Bearer {secret}", "Accept": "text/event-stream"}) as resp:
@@ -162,7 +165,7 @@ async def test_404_not_found(proxy):
 async def test_429_rate_limit(sim, proxy):
     sim.script({"status": 429, "message": "busy"})
     with pytest.raises(openai.RateLimitError) as caught:
-        await proxy.openai().responses.create(model="tiny-model", input="hi")
+        await proxy.openai().responses.create(model="tiny-org/tiny-model", input="hi")
     assert caught.value.status_code == 429
 
 
@@ -170,19 +173,19 @@ async def test_429_concurrency_limit_of_a_key(sim, proxy):
     secret, record = await proxy.ledger.create_key("one-at-a-time", balance_micros=10**9, concurrency=1)
     sim.script({"text": "slow " * 40, "delay": 0.05})
     client = proxy.openai(api_key=secret)
-    async with client.responses.stream(model="tiny-model", input="long") as first:
+    async with client.responses.stream(model="tiny-org/tiny-model", input="long") as first:
         async for event in first:
             if event.type == "response.output_text.delta":
                 break
         with pytest.raises(openai.RateLimitError):
-            await client.responses.create(model="tiny-model", input="second")
+            await client.responses.create(model="tiny-org/tiny-model", input="second")
 
 
 @pytest.mark.parametrize("status", [500, 503])
 async def test_5xx_internal_server_error(sim, proxy, status):
     sim.script(*[{"status": status, "message": "upstream broke"}] * 3)
     with pytest.raises(openai.InternalServerError) as caught:
-        await proxy.openai().responses.create(model="tiny-model", input="hi")
+        await proxy.openai().responses.create(model="tiny-org/tiny-model", input="hi")
     assert caught.value.status_code >= 500
 
 
@@ -221,10 +224,10 @@ def _compressing_client(proxy, encoding: str) -> openai.AsyncOpenAI:
 async def test_compressed_request_bodies(sim, proxy, encoding):
     client = _compressing_client(proxy, encoding)
     sim.script({"text": "decompressed fine"}, {"text": "streamed fine"})
-    response = await client.responses.create(model="tiny-model", input="x" * 5000)
+    response = await client.responses.create(model="tiny-org/tiny-model", input="x" * 5000)
     assert response.output_text == "decompressed fine"
     assert sim.requests[-1]["messages"][-1]["content"] == "x" * 5000
-    async with client.responses.stream(model="tiny-model", input="y" * 100) as stream:
+    async with client.responses.stream(model="tiny-org/tiny-model", input="y" * 100) as stream:
         final = await stream.get_final_response()
     assert final.output_text == "streamed fine"
     assert client._test_transport.sent == 2  # type: ignore[attr-defined]
@@ -245,7 +248,7 @@ async def test_corrupt_compressed_body_is_a_400(proxy, encoding):
 
 async def test_every_top_level_field_everywhere(sim, proxy):
     """JSON answer, and the response inside created / in_progress / completed / incomplete / failed."""
-    body = {"model": "tiny-model", "input": "hi", "tools": [WEATHER, {**WEATHER, "name": "strict_one",
+    body = {"model": "tiny-org/tiny-model", "input": "hi", "tools": [WEATHER, {**WEATHER, "name": "strict_one",
                                                                       "strict": True}]}
     headers = {"Authorization": f"Bearer {proxy.api_key}"}
     sim.script({"text": "ok"}, {"text": "ok"}, {"text": " ".join(["word"] * 40)}, {"text": "a b c d e f",

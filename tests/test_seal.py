@@ -127,7 +127,7 @@ async def post(proxy, body: dict) -> tuple[int, dict, dict | list]:
 
 
 def first_turn_body(stream: bool) -> dict:
-    return {"model": "tiny-model", "input": "Weather in Paris?", "tools": [WEATHER], "stream": stream,
+    return {"model": "tiny-org/tiny-model", "input": "Weather in Paris?", "tools": [WEATHER], "stream": stream,
             "include": ["reasoning.encrypted_content"]}
 
 
@@ -144,7 +144,7 @@ async def sealed_first_turn(sim, proxy, stream: bool) -> list[dict]:
 
 def follow_up(output: list[dict]) -> dict:
     call = next(i for i in output if i["type"] == "function_call")
-    return {"model": "tiny-model", "tools": [WEATHER], "include": ["reasoning.encrypted_content"], "input": [
+    return {"model": "tiny-org/tiny-model", "tools": [WEATHER], "include": ["reasoning.encrypted_content"], "input": [
         {"role": "user", "content": "Weather in Paris?"}, *output,
         {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}]}
 

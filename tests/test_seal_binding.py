@@ -123,7 +123,7 @@ async def test_without_a_seal_key_encrypted_content_is_named_in_the_notice(sim, 
     status, headers, _ = await post(proxy, first_turn_body(False), None)
     assert status == 200
     assert "reasoning.encrypted_content not returned: no reasoning seal key" in headers["x-token-notice"]
-    body = {"model": "tiny-model", "tools": [WEATHER], "input": [
+    body = {"model": "tiny-org/tiny-model", "tools": [WEATHER], "input": [
         {"role": "user", "content": "Weather in Paris?"},
         {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAAB-from-elsewhere"},
         {"role": "assistant", "content": "Let me check."},

@@ -22,7 +22,7 @@ PUBLIC_ROUTES = {("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens
 
 
 def image_body(url: str) -> dict:
-    return {"model": "tiny-model", "input": [{"role": "user", "content": [
+    return {"model": "tiny-org/tiny-model", "input": [{"role": "user", "content": [
         {"type": "input_text", "text": "what is this?"}, {"type": "input_image", "image_url": url}]}]}
 
 
@@ -111,7 +111,7 @@ async def test_client_credentials_and_hop_by_hop_headers_never_reach_the_upstrea
     async def chat(request: web.Request) -> web.Response:
         seen.append({k.lower(): v for k, v in request.headers.items()})
         await request.read()
-        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "tiny-model",
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "tiny-org/tiny-model",
                                   "choices": [{"index": 0, "finish_reason": "stop",
                                                "message": {"role": "assistant", "content": "ok"}}],
                                   "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
@@ -126,8 +126,8 @@ async def test_client_credentials_and_hop_by_hop_headers_never_reach_the_upstrea
     try:
         # This upstream has no /v1/models or /health: no active check would ever let it in.
         proxy = await make_proxy({"health": {"enabled": False}}, workers=[{
-            "name": "up", "url": f"http://127.0.0.1:{port}", "models": ["tiny-model"], "api_key": "worker-secret-1"}])
-        status, _, raw = await post(proxy, {"model": "tiny-model", "input": "hi"}, headers={
+            "name": "up", "url": f"http://127.0.0.1:{port}", "models": ["tiny-org/tiny-model"], "api_key": "worker-secret-1"}])
+        status, _, raw = await post(proxy, {"model": "tiny-org/tiny-model", "input": "hi"}, headers={
             "Connection": "keep-alive, X-Secret-Hop", "X-Secret-Hop": "1", "Keep-Alive": "timeout=5",
             "Proxy-Authorization": "Basic abc", "TE": "trailers", "Upgrade": "h2c", "Cookie": "session=1",
             "X-Forwarded-For": "6.6.6.6", "OpenAI-Organization": "org-x"})
@@ -148,7 +148,7 @@ async def test_upstream_error_bodies_lose_their_internals(sim, make_proxy):
     for script in ({"status": 500, "body": f"<html><pre>{trace}</pre></html>"},
                    {"status": 400, "message": trace}, {"status": 404, "message": trace}):
         sim.script(script)
-        status, _, raw = await post(proxy, {"model": "tiny-model", "input": "hi"})
+        status, _, raw = await post(proxy, {"model": "tiny-org/tiny-model", "input": "hi"})
         assert 400 <= status < 600 and status != 500, (status, raw)
         text = raw.decode()
         for leak in ("Traceback", "/srv/vllm", "/usr/lib", "secret internal state", "<html"):
@@ -160,7 +160,7 @@ async def test_api_keys_hashed_at_rest_and_never_logged(sim, make_proxy, tmp_pat
     secret, _ = await proxy.ledger.create_key("alice", balance_micros=10_000_000)
     capsys.readouterr()
     for key in (proxy.api_key, secret, "sk-rp-not-a-real-key-000000000000000"):
-        await post(proxy, {"model": "tiny-model", "input": "hi"}, key=key)
+        await post(proxy, {"model": "tiny-org/tiny-model", "input": "hi"}, key=key)
         async with aiohttp.ClientSession() as http:
             async with http.get(proxy.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
                 await r.read()
@@ -197,14 +197,14 @@ async def test_no_unauthenticated_admin_surface(sim, make_proxy):
                 assert r.status in (404, 405), (method, path, r.status)
                 assert set(await r.json()) == {"error"}
         for method, path in (("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens"), ("GET", "/v1/models")):
-            async with http.request(method, proxy.url + path, json={"model": "tiny-model", "input": "x"}) as r:
+            async with http.request(method, proxy.url + path, json={"model": "tiny-org/tiny-model", "input": "x"}) as r:
                 assert r.status == 401
 
 
 @pytest.mark.parametrize("evil", ["a\r\nSet-Cookie: x=1", "a\nX-Injected: 1", "a\rb", "a\x00b", "é\u2028x"])
 async def test_headers_we_set_carry_no_crlf_from_user_input(sim, make_proxy, evil):
     proxy = await make_proxy()
-    payload = {"model": "tiny-model", "input": "hi", "max_output_tokens": 10**9,
+    payload = {"model": "tiny-org/tiny-model", "input": "hi", "max_output_tokens": 10**9,
                "tools": [{"type": "web_search", "name": evil}, {"type": "mcp", "server_label": evil}],
                "user": evil, "metadata": {"k": evil}, "prompt_cache_key": evil}
     reader, writer = await asyncio.open_connection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]))

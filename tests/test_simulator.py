@@ -131,7 +131,7 @@ async def chat(http, sim, body: dict, *, raw: bool = False):
 
 
 def req(messages=None, **kw) -> dict:
-    return {"model": "tiny-model", "messages": messages or PARIS, **kw}
+    return {"model": "tiny-org/tiny-model", "messages": messages or PARIS, **kw}
 
 
 STREAM = {"stream": True, "stream_options": {"include_usage": True}}
@@ -228,7 +228,7 @@ async def test_vllm_without_include_usage_fingerprint_on_finish(sim, http):
 
 
 async def test_vllm_exact_error_bodies(http):
-    async with Simulator(max_model_len=2048) as s:
+    async with Simulator(models=("tiny-model",), max_model_len=2048) as s:  # the served name in the captures
         for name, status in [("chat_bad_json", 400), ("chat_bad_request", 400), ("chat_unknown_model", 404),
                              ("chat_maxtokens_exceeds", 400)]:
             async with http.post(s.url + "/v1/chat/completions", data=fixture(f"{name}.request.json").rstrip(b"\n"),
@@ -547,7 +547,7 @@ async def test_cached_tokens_grow_on_repeated_prefix(sim, http):
 
 
 async def test_tokenize_counts_match_chat_prompt_tokens(sim, http):
-    body = {"model": "tiny-model", "messages": PARIS, "tools": TOOLS, "add_generation_prompt": True}
+    body = {"model": "tiny-org/tiny-model", "messages": PARIS, "tools": TOOLS, "add_generation_prompt": True}
     async with http.post(sim.url + "/tokenize", json=body) as r:
         tok = await r.json()
     assert list(tok) == list(json.loads(fixture("final_tokenize.body")))
@@ -564,12 +564,12 @@ async def test_tokenize_counts_match_chat_prompt_tokens(sim, http):
 
 
 async def test_models_and_health_vllm(http):
-    async with Simulator(models=("tiny-model", "other"), max_model_len=4096) as s:
+    async with Simulator(models=("tiny-org/tiny-model", "other"), max_model_len=4096) as s:
         async with http.get(s.url + "/v1/models") as r:
             models = await r.json()
         theirs = json.loads(fixture("models.json"))
         assert keys(models) == keys(theirs)
-        assert [m["id"] for m in models["data"]] == ["tiny-model", "other"]
+        assert [m["id"] for m in models["data"]] == ["tiny-org/tiny-model", "other"]
         assert models["data"][0]["max_model_len"] == 4096 and models["data"][0]["owned_by"] == "vllm"
         async with http.get(s.url + "/health") as r:
             assert r.status == 200 and await r.read() == b""
@@ -669,7 +669,7 @@ def _free_port() -> int:
 async def test_cli_serves(http):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "proxy.simulator", "--host", "127.0.0.1", "--port", str(port),
-                             "--dialect", "sglang", "--model", "tiny-model", "--max-model-len", "1000"],
+                             "--dialect", "sglang", "--model", "tiny-org/tiny-model", "--max-model-len", "1000"],
                             cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:

@@ -85,7 +85,7 @@ def assert_one_response(answer: Raw) -> None:
     assert answer.after == b"", answer.after[:300]
 
 
-STREAM = {"model": "tiny-model", "input": "hello there", "stream": True, "max_output_tokens": 50}
+STREAM = {"model": "tiny-org/tiny-model", "input": "hello there", "stream": True, "max_output_tokens": 50}
 PIPELINE = ["stateless", "auth", "balance", "notices"]
 
 
@@ -211,7 +211,7 @@ async def test_a_stream_that_is_not_plain_events_fails_over(make_proxy, sim, ans
         return True
 
     async with ChatUpstream(behave) as upstream:
-        sim_worker = {"name": "sim", "url": sim.url, "dialect": "vllm", "models": ["tiny-model"]}
+        sim_worker = {"name": "sim", "url": sim.url, "dialect": "vllm", "models": ["tiny-org/tiny-model"]}
         proxy = await make_proxy({"pipeline": PIPELINE, "health": {"enabled": False},
                                   "routing": {"affinity": {"enabled": False}}},
                                  workers=[upstream.worker(), sim_worker])

@@ -68,11 +68,23 @@ def test_string_input_is_one_user_message():
 
 
 @pytest.mark.parametrize(
-    "model,upstream",
-    [("qwen/qwen3-8b", "qwen3-8b"), ("a/b/c", "b/c"), ("plain", "plain"), ("/x", "/x"), ("x/", "x/")],
+    "model,served,upstream",
+    [
+        ("qwen/qwen3-8b", {"qwen3-8b"}, "qwen3-8b"),
+        ("a/b/c", {"b/c"}, "b/c"),
+        ("plain", {"plain"}, "plain"),
+        ("/x", {"x"}, "/x"),
+        ("x/", {"x"}, "x/"),
+        # the exact name first: an org/name id is never cut to its last segment
+        ("Qwen/Qwen3-8B", {"Qwen/Qwen3-8B", "Qwen3-8B"}, "Qwen/Qwen3-8B"),
+        ("Qwen/Qwen3-8B", {"Qwen/Qwen3-8B"}, "Qwen/Qwen3-8B"),
+        ("acme/Qwen/Qwen3-8B", {"Qwen/Qwen3-8B"}, "Qwen/Qwen3-8B"),
+        # served by nobody either way: goes on as sent (routing's 404 names it)
+        ("Qwen/Qwen3-8B", {"other"}, "Qwen/Qwen3-8B"),
+    ],
 )
-def test_vendor_prefix(model, upstream):
-    t = tr({"model": model, "input": "hi"})
+def test_vendor_prefix(model, served, upstream):
+    t = tr({"model": model, "input": "hi"}, served=served.__contains__)
     assert t.model == model
     assert t.upstream_model == upstream
     assert t.chat["model"] == upstream
@@ -497,10 +509,11 @@ def test_accepted_not_forwarded():
 def test_echo_defaults():
     e = tr(body("u")).echo
     assert e == {
-        "instructions": None, "tools": [], "tool_choice": "auto", "temperature": None, "top_p": None,
+        "instructions": None, "tools": [], "tool_choice": "auto", "temperature": 1.0, "top_p": 1.0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0,
         "max_output_tokens": None, "parallel_tool_calls": True, "metadata": {}, "store": False,
         "text": {"format": {"type": "text"}}, "reasoning": {"effort": None, "summary": None}, "user": None,
-        "safety_identifier": None, "prompt_cache_key": None, "top_logprobs": None, "service_tier": "default",
+        "safety_identifier": None, "prompt_cache_key": None, "top_logprobs": 0, "service_tier": "default",
         "truncation": "disabled", "background": False, "max_tool_calls": None,
     }
 
@@ -537,7 +550,9 @@ def test_function_tool():
     assert t.tools == {"get_weather": ToolOrigin("function", "get_weather"),
                        "noargs": ToolOrigin("function", "noargs")}
     assert t.echo["tools"][0] == {**FN, "strict": None}
-    assert t.echo["tools"][1] == {"type": "function", "name": "noargs", "strict": True}
+    # description and parameters, required (nullable) by the Open Responses spec, are echoed null
+    assert t.echo["tools"][1] == {"type": "function", "name": "noargs", "strict": True, "description": None,
+                                  "parameters": None}
     assert "strict" not in FN  # the client's dict is not mutated
 
 
@@ -651,8 +666,11 @@ def test_tool_choice_allowed_tools_and_hosted():
     t = tr(body("u", tools=[FN], tool_choice={"type": "allowed_tools", "mode": "required",
                                               "tools": [{"type": "function", "name": "get_weather"}]}))
     assert t.chat["tool_choice"] == "required"
+    assert t.allowed_tools == {"get_weather"}
+    # an empty allowed set: no tool goes upstream, so the model can call none
     t = tr(body("u", tools=[FN], tool_choice={"type": "allowed_tools", "tools": []}))
-    assert t.chat["tool_choice"] == "auto"
+    assert "tools" not in t.chat and "tool_choice" not in t.chat and t.allowed_tools == frozenset()
+    assert t.echo["tools"] == [dict(FN, strict=None)]
     t = tr(body("u", tools=[FN], tool_choice={"type": "web_search"}))
     assert t.chat["tool_choice"] == "auto"
     assert t.notices == ["tools left out: web_search (hosted tools are not available)"]
@@ -698,7 +716,7 @@ def test_codex_shaped_body():
         "text": {"verbosity": "low"},
     }
     snapshot = copy.deepcopy(b)
-    t = tr(b)
+    t = tr(b, served={"gpt-oss-20b"}.__contains__)
     assert b == snapshot  # input not mutated
     c = t.chat
     assert c["model"] == "gpt-oss-20b" and t.model == "openai/gpt-oss-20b"
@@ -793,7 +811,7 @@ VALID = {
 
 
 def _fuzz_options():
-    return TranslateOptions(unseal=lambda s: None if s == "E" else s)
+    return TranslateOptions(unseal=lambda s: None if s == "E" else s, served={"m"}.__contains__)
 
 
 def test_valid_fuzz_base_translates():
@@ -860,3 +878,52 @@ def test_fuzz_mutated_valid_bodies(mutations):
         except (KeyError, IndexError, TypeError):
             continue
     _check(b)
+
+
+# --------------------------------------------------------------------------- Open Responses fields (issue 14)
+
+
+TIME_FN = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
+
+
+def test_allowed_tools_sends_only_the_allowed_tools_upstream():
+    choice = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_time"}]}
+    t = tr(body("u", tools=[FN, TIME_FN], tool_choice=choice))
+    assert [tool["function"]["name"] for tool in t.chat["tools"]] == ["get_time"]
+    assert t.chat["tool_choice"] == "auto" and t.allowed_tools == {"get_time"}
+    assert [tool["name"] for tool in t.echo["tools"]] == ["get_weather", "get_time"]  # the echo keeps them all
+    assert t.echo["tool_choice"] == choice
+    assert tr(body("u", tools=[FN, TIME_FN])).allowed_tools is None
+    refused(body("u", tools=[FN], tool_choice=dict(choice, tools=[{"type": "function", "name": "nope"}])),
+            param="tool_choice.tools[0]")
+    refused(body("u", tools=[FN], tool_choice=dict(choice, tools="get_weather")), param="tool_choice.tools")
+    refused(body("u", tools=[FN], tool_choice=dict(choice, tools=[{"type": "mystery"}])),
+            param="tool_choice.tools[0].type")
+    refused(body("u", tools=[FN], tool_choice=dict(choice, mode="required", tools=[{"type": "web_search"}])),
+            param="tool_choice.tools")
+
+
+def test_penalties_are_forwarded_and_echoed():
+    t = tr(body("u", presence_penalty=0.5, frequency_penalty=-1))
+    assert (t.chat["presence_penalty"], t.chat["frequency_penalty"]) == (0.5, -1)
+    assert (t.echo["presence_penalty"], t.echo["frequency_penalty"]) == (0.5, -1)
+    t = tr(body("u"))
+    assert "presence_penalty" not in t.chat and "frequency_penalty" not in t.chat
+    assert (t.echo["presence_penalty"], t.echo["frequency_penalty"]) == (0.0, 0.0)
+    refused(body("u", presence_penalty=3), param="presence_penalty")
+    refused(body("u", frequency_penalty="1"), param="frequency_penalty")
+
+
+def test_top_logprobs_zero_leaves_logprobs_off():
+    t = tr(body("u", top_logprobs=0))
+    assert "logprobs" not in t.chat and "top_logprobs" not in t.chat
+    assert t.echo["top_logprobs"] == 0
+    t = tr(body("u", top_logprobs=2))
+    assert (t.chat["logprobs"], t.chat["top_logprobs"], t.echo["top_logprobs"]) == (True, 2, 2)
+
+
+def test_effective_sampling_values_are_echoed():
+    e = tr(body("u")).echo
+    assert (e["temperature"], e["top_p"], e["top_logprobs"]) == (1.0, 1.0, 0)
+    e = tr(body("u", temperature=0.2, top_p=0.5)).echo
+    assert (e["temperature"], e["top_p"]) == (0.2, 0.5)

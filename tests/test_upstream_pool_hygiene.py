@@ -25,7 +25,7 @@ def fake(stream: bool) -> bytes:
 async def ask(proxy, text: str, stream: bool) -> tuple[int, str]:
     async with aiohttp.ClientSession() as http:
         async with http.post(proxy.url + "/v1/responses",
-                             json={"model": "tiny-model", "input": text, "stream": stream},
+                             json={"model": "tiny-org/tiny-model", "input": text, "stream": stream},
                              headers={"Authorization": f"Bearer {proxy.api_key}"},
                              timeout=aiohttp.ClientTimeout(total=20)) as resp:
             return resp.status, (await resp.read()).decode()

@@ -25,7 +25,7 @@ NO_AUTH = {"pipeline": ["stateless"]}
 FAST = {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}
 
 
-def worker(name: str, url: str, models=("tiny-model",), **extra) -> dict:
+def worker(name: str, url: str, models=("tiny-org/tiny-model",), **extra) -> dict:
     entry = {"name": name, "url": url, "dialect": extra.pop("dialect", "vllm"), "timeouts": dict(FAST)}
     if models is not None:
         entry["models"] = list(models)
@@ -64,7 +64,7 @@ async def call(proxy, body: dict, path: str = "/v1/responses"):
 
 
 def ask(provider=None, **extra) -> dict:
-    body = {"model": "tiny-model", "input": extra.pop("input", "hello")}
+    body = {"model": "tiny-org/tiny-model", "input": extra.pop("input", "hello")}
     if provider is not None:
         body["provider"] = provider
     body.update(extra)
@@ -495,7 +495,7 @@ async def test_models_union_with_context_windows_and_discovery(start_sim, make_p
 async def test_configured_models_get_their_window_from_the_worker(start_sim, make_proxy):
     a = await start_sim(max_model_len=4096)
     proxy = await make_proxy(NO_AUTH, workers=[worker("a", a.url)])
-    assert proxy.app[POOL].workers[0].max_model_len == {"tiny-model": 4096}
+    assert proxy.app[POOL].workers[0].max_model_len == {"tiny-org/tiny-model": 4096}
 
 
 async def test_dialect_detection(start_sim, make_proxy):
@@ -517,7 +517,7 @@ async def test_undiscovered_worker_is_503_not_404(make_proxy):
 async def simulator_count(sim: Simulator, messages: list, tools=None) -> int:
     path = "/v1/tokenize" if sim.state.dialect == "sglang" else "/tokenize"
     async with aiohttp.ClientSession() as http:
-        async with http.post(sim.url + path, json={"model": "tiny-model", "messages": messages,
+        async with http.post(sim.url + path, json={"model": "tiny-org/tiny-model", "messages": messages,
                                                    **({"tools": tools} if tools else {})}) as resp:
             return (await resp.json())["count"]
 
@@ -527,7 +527,7 @@ async def test_input_tokens_equals_the_simulator_count(start_sim, make_proxy, di
     s = await start_sim(dialect=dialect)
     proxy = await make_proxy(NO_AUTH, workers=[worker("s", s.url, dialect="detect")])
     tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
-    status, _, body = await call(proxy, {"model": "tiny-model", "instructions": "Be brief.",
+    status, _, body = await call(proxy, {"model": "tiny-org/tiny-model", "instructions": "Be brief.",
                                          "input": "What is the weather in Paris today?", "tools": [tool]},
                                  "/v1/responses/input_tokens")
     assert status == 200 and body["object"] == "response.input_tokens"
@@ -622,7 +622,7 @@ async def test_context_check_lowers_the_proxys_own_cap_for_sglang():
     {"workers": [{"name": "a", "url": "http://x", "dialect": "tgi"}]},
     {"workers": [{"name": "a", "url": "http://x", "capacity": 0}]},
     {"workers": [{"name": "a", "url": "http://x", "labels": ["fp8"]}]},
-    {"workers": [{"name": "a", "url": "http://x", "models": "tiny-model"}]},
+    {"workers": [{"name": "a", "url": "http://x", "models": "tiny-org/tiny-model"}]},
     {"workers": [{"name": "a", "url": "http://x", "timeouts": {"idle": 0}}]},
 ])
 def test_bad_configuration_stops_start_up(overrides):

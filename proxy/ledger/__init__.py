@@ -28,7 +28,9 @@ import abc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from proxy.models import resolve_model, strip_vendor
 
 __all__ = [
     "KeyRecord",
@@ -81,14 +83,17 @@ class KeyRecord:
     revoked: bool
     created_at: float
 
-    def allows_model(self, model: str) -> bool:
-        """True when the key may use `model` (also matched with a leading "vendor/" removed)."""
-        if self.allowed_models is None:
+    def allows_model(self, model: str, served: Callable[[str], bool] | None = None) -> bool:
+        """True when the key may use `model`: it is listed, or it means (proxy.models.resolve_model
+        over the `served` names) the same served model as a listed name. Without `served`, the
+        listed names stand for themselves."""
+        allowed = self.allowed_models
+        if allowed is None or model in allowed:
             return True
-        if model in self.allowed_models:
-            return True
-        bare = model.split("/", 1)[1] if "/" in model else model
-        return any(bare == (m.split("/", 1)[1] if "/" in m else m) for m in self.allowed_models)
+        if served is None:  # a listed "vendor/name" means "name", as it would if "vendor/name" were not served
+            return resolve_model(model, allowed) is not None or any(strip_vendor(m) == model for m in allowed)
+        target = resolve_model(model, served)
+        return target is not None and any(resolve_model(m, served) == target for m in allowed)
 
 
 @dataclass

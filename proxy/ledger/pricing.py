@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from proxy.models import resolve_model, strip_vendor
+
 PER = 1_000_000  # prices are per million tokens
 UNLIMITED = sys.maxsize  # max_output_tokens_for() when output is free
 _BUILTIN_DEFAULT = {"input": 500_000, "cached_input": 100_000, "output": 1_500_000}
@@ -56,18 +58,18 @@ def _price(entry: Any, model: str) -> Price:
 
 def _bare(model: str) -> str:
     """The model with a leading "vendor/" segment removed."""
-    return model.split("/", 1)[1] if "/" in model else model
+    return strip_vendor(model) or model
 
 
 def price_for(prices: Mapping[str, Any] | None, model: str) -> Price:
-    """The price of `model`: an exact entry, else the entry matching with vendor prefixes
-    stripped (on either side), else prices["default"], else the built-in default."""
+    """The price of `model`: the entry proxy.models.resolve_model picks (the exact name, else
+    the name with its vendor prefix stripped), else an entry matching with vendor prefixes
+    stripped on both sides, else prices["default"], else the built-in default."""
     prices = prices or {}
-    if model in prices and model != "default":
-        return _price(prices[model], model)
+    name = resolve_model(model, lambda m: m in prices and m != "default")
+    if name is not None:
+        return _price(prices[name], name)
     bare = _bare(model)
-    if bare in prices and bare != "default":
-        return _price(prices[bare], bare)
     for name in sorted(prices):  # sorted: the same answer whatever the mapping order
         if name != "default" and _bare(name) == bare:
             return _price(prices[name], name)

@@ -20,7 +20,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 SERVE_PY = os.path.join(HERE, "serve.py")
 
-SERVED_MODEL = "tiny-model"
+# An org/name id, as vLLM serves Hugging Face models: every test goes through this name.
+SERVED_MODEL = "tiny-org/tiny-model"
 MAX_MODEL_LEN = 2048
 
 VLLM_ARGS = [

@@ -1,7 +1,7 @@
 """Codex CLI, installed from npm into a git-ignored cache inside the repo, run non-interactively.
 
     binary = ensure_codex()                 # npm install @openai/codex@CODEX_VERSION once, reused
-    home = write_codex_home(tmp, base_url=proxy.base_url, model="tiny-model")
+    home = write_codex_home(tmp, base_url=proxy.base_url, model="tiny-org/tiny-model")
     result = await run_codex(binary, home, workdir, "prompt", api_key=key)
 
 The config keeps Codex from contacting anything but the proxy: a custom model provider

@@ -76,6 +76,7 @@ def _vllm_tokenize(url: str, messages: list, tools: list | None = None) -> int:
 def test_models_lists_the_served_model(client):
     ids = [m.id for m in client.models.list().data]
     assert MODEL in ids
+    assert "/" in MODEL  # served under an org/name id (--served-model-name), as Hugging Face names are
 
 
 def test_text(client):

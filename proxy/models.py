@@ -1,0 +1,69 @@
+"""Which served model a client's model name means: the one rule, used everywhere.
+
+vLLM serves Hugging Face names (`Qwen/Qwen3-8B`) and clients built for other gateways send
+`vendor/model` names for a model served as `model`. The exact name wins; one leading
+segment is stripped only when no worker serves the exact name, so `Qwen/Qwen3-8B` reaches the
+worker serving `Qwen/Qwen3-8B` and `openai/tiny-model` reaches the one serving `tiny-model`.
+The client's string is what the Response echoes as `model`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Container
+
+__all__ = ["DEFAULT_SAMPLING", "parse_sampling_defaults", "resolve_model", "strip_vendor"]
+
+
+def strip_vendor(name: str) -> str | None:
+    """`name` without its leading "vendor/" segment; None when it has none to strip."""
+    head, sep, rest = name.partition("/")
+    if sep and head and rest:
+        return rest
+    return None
+
+
+def resolve_model(name: str, served: Container[str] | Callable[[str], bool]) -> str | None:
+    """The served name that `name` means, or None when neither it nor its stripped form is served.
+
+    `served` is a container of served names or a predicate."""
+    has = served if callable(served) else served.__contains__
+    if has(name):
+        return name
+    bare = strip_vendor(name)
+    if bare is not None and has(bare):
+        return bare
+    return None
+
+
+# What vLLM (and SGLang) sample with when a request leaves these out and the model's
+# generation_config.json says nothing; config `responses.sampling_defaults` states a model's own.
+DEFAULT_SAMPLING: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_logprobs": 0,
+}
+_SAMPLING_RANGES = {"temperature": (0, 2), "top_p": (0, 1), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
+
+
+def parse_sampling_defaults(section: Any) -> dict[str, dict[str, float]]:
+    """config.yaml `responses.sampling_defaults`: served model name -> the sampling values its
+    server applies when a request leaves them out (vLLM reads them from the model's
+    generation_config.json). They are only echoed in the Response, never sent upstream."""
+    from proxy.config import ConfigError
+
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ConfigError("responses.sampling_defaults must be a mapping of model name -> values")
+    parsed: dict[str, dict[str, float]] = {}
+    for model, values in section.items():
+        where = f"responses.sampling_defaults[{model!r}]"
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where} must be a mapping")
+        unknown = set(values) - _SAMPLING_RANGES.keys()
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(_SAMPLING_RANGES)})")
+        for key, value in values.items():
+            lo, hi = _SAMPLING_RANGES[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+                raise ConfigError(f"{where}.{key} must be a number between {lo} and {hi}")
+        parsed[str(model)] = {k: float(v) for k, v in values.items()}
+    return parsed
