@@ -38,7 +38,9 @@ def sim_input(**script) -> str:
 
 
 def sse_events(raw: bytes) -> list[dict]:
-    return [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    # The spec's terminal "data: [DONE]" is no event (tests/test_interop.py checks it).
+    return [orjson.loads(line[6:]) for line in raw.split(b"\n")
+            if line.startswith(b"data: ") and line != b"data: [DONE]"]
 
 
 async def call(http, proxy, body, *, key):
