@@ -312,6 +312,8 @@ WORKER = Section({
                   "(a CR/LF stops start-up); the client's never travels upstream"),
     "labels": F(MapOf(AnyValue()), {}, "matched by provider.labels, e.g. {region: eu, zdr: true, price_prompt: 0.2}"),
     "capacity": F(POS_INT, 256, "concurrent requests; over it -> next worker, or 429"),
+    "thinking_switch": F(Str(choices=("enable_thinking", "thinking", "none")), "enable_thinking",
+                         "the chat-template kwarg of reasoning.effort: Qwen3/GLM enable_thinking, DeepSeek V3.1 thinking"),
     "timeouts": F(TIMEOUTS, None, "seconds"),
 })
 

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.affinity import request_key
+from proxy.dialects import chat_for
 from proxy.errors import APIError
 from proxy.request import SEALER, translation
 from proxy.logs import log
@@ -220,7 +221,7 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
     deadline = loop.time() + timeouts.total
-    payload = orjson.dumps(t.chat)
+    payload = orjson.dumps(chat_for(t.chat, worker.dialect, worker.thinking_switch))
     upstream: UpstreamResponse | None = None
     first_byte = min(timeouts.first_byte, timeouts.total) if t.stream else timeouts.total
     try:
@@ -371,7 +372,7 @@ async def _count_usage(request: web.Request, worker: Worker, t: Any, ctx: Respon
 async def _count_text(session: aiohttp.ClientSession, worker: Worker, model: str, text: str) -> int | None:
     """The tokens of a plain text as the worker's tokenizer counts them (no template, no special
     tokens); None when it cannot say."""
-    path = "/v1/tokenize" if worker.dialect == "sglang" else "/tokenize"
+    path = worker.tokenize_path
     body = {"model": model, "prompt": text, "add_special_tokens": False}
     timeout = aiohttp.ClientTimeout(total=worker.timeouts.first_byte, connect=worker.timeouts.connect)
     try:

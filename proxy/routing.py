@@ -18,6 +18,7 @@ import orjson
 
 from proxy.affinity import AffinitySettings, pick_on_route
 from proxy.affinity import pick as pick_by_affinity
+from proxy.dialects import messages_for
 from proxy.errors import APIError, bad_request
 
 if TYPE_CHECKING:
@@ -369,10 +370,10 @@ class TokenCountError(Exception):
 async def count_tokens(session: aiohttp.ClientSession, worker: "Worker", model: str, messages: list,
                        tools: list | None = None) -> int:
     """The worker's own count (vLLM POST /tokenize, SGLang POST /v1/tokenize), chat template included."""
-    body: dict[str, Any] = {"model": model, "messages": messages}
+    body: dict[str, Any] = {"model": model, "messages": messages_for(messages, worker.dialect)}
     if tools:
         body["tools"] = tools
-    path = "/v1/tokenize" if worker.dialect == "sglang" else "/tokenize"
+    path = worker.tokenize_path
     timeout = aiohttp.ClientTimeout(total=worker.timeouts.first_byte, connect=worker.timeouts.connect)
     try:
         async with session.post(worker.endpoint(path), data=orjson.dumps(body), timeout=timeout,

@@ -700,7 +700,11 @@ async def tokenize_handler(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         return _error(st, "body must be a JSON object", 400)
     if isinstance(body.get("messages"), list):
-        text = render_prompt(body["messages"], body.get("tools"), body.get("add_generation_prompt", True) is not False)
+        # As vLLM 0.32: its chat endpoint renames an assistant's reasoning_content to
+        # reasoning, its /tokenize reads only reasoning. SGLang reads reasoning_content.
+        keys = ("reasoning",) if st.dialect == "vllm" else ("reasoning_content",)
+        text = render_prompt(body["messages"], body.get("tools"), body.get("add_generation_prompt", True) is not False,
+                             reasoning_keys=keys)
     elif isinstance(body.get("prompt"), str):
         text = body["prompt"]
     else:

@@ -75,7 +75,8 @@ def content_text(content: Any) -> str:
     return json.dumps(content, ensure_ascii=False)
 
 
-def render_prompt(messages: list, tools: Any = None, add_generation_prompt: bool = True) -> str:
+def render_prompt(messages: list, tools: Any = None, add_generation_prompt: bool = True,
+                  reasoning_keys: tuple[str, ...] = ("reasoning_content", "reasoning")) -> str:
     """The flat text the simulator "templates" a chat into: tools, then role + content per message.
 
     Appending messages to a conversation only appends to this text, so the prefix cache sees
@@ -89,7 +90,7 @@ def render_prompt(messages: list, tools: Any = None, add_generation_prompt: bool
             out.append(content_text(m))
             continue
         out.append(f"{m.get('role', '')}:")
-        for key in ("reasoning_content", "reasoning", "content"):
+        for key in (*reasoning_keys, "content"):
             t = content_text(m.get(key))
             if t:
                 out.append(t)

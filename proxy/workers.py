@@ -33,6 +33,7 @@ from multidict import CIMultiDict
 
 from proxy.affinity import AffinityState
 from proxy.config import ConfigError
+from proxy.dialects import NEUTRAL_SWITCH, THINKING_SWITCHES
 from proxy.routing import select
 
 if TYPE_CHECKING:
@@ -128,6 +129,7 @@ class Worker:
     labels: dict[str, Any] = field(default_factory=dict)
     capacity: int = 256
     timeouts: Timeouts = field(default_factory=Timeouts)
+    thinking_switch: str = NEUTRAL_SWITCH  # the chat-template kwarg its model reads (proxy.dialects)
     max_model_len: dict[str, int] = field(default_factory=dict)
     models_known: bool = True  # False while `models` was omitted and /v1/models has not answered yet
     in_flight: int = 0
@@ -155,6 +157,11 @@ class Worker:
 
     def endpoint(self, path: str) -> str:
         return self.url.rstrip("/") + path
+
+    @property
+    def tokenize_path(self) -> str:
+        """The worker's tokenizer endpoint (SGLang serves it under /v1)."""
+        return "/v1/tokenize" if self.dialect == "sglang" else "/tokenize"
 
     def auth_headers(self) -> dict[str, str]:
         # Each worker has its own credential; the client's Authorization never travels upstream.
@@ -237,12 +244,15 @@ def parse_workers(raw: Any) -> list[Worker]:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ConfigError(f"workers[{i}].capacity must be a positive integer")
         models = _str_list(entry.get("models"), f"workers[{i}].models")
+        switch = entry.get("thinking_switch", NEUTRAL_SWITCH)
+        if switch not in THINKING_SWITCHES:
+            raise ConfigError(f"workers[{i}].thinking_switch must be one of {THINKING_SWITCHES}")
         _header_safe(entry.get("api_key"), f"workers[{i}].api_key")  # sent as Authorization: Bearer
         _header_safe(entry.get("url"), f"workers[{i}].url")  # the request line and Host header
         workers.append(Worker(
             name=str(entry["name"]), url=str(entry["url"]), dialect=dialect,
             models=models, api_key=entry.get("api_key"), labels=dict(labels), capacity=capacity,
-            timeouts=timeouts, models_known=bool(models) or entry.get("url") == "embedded",
+            timeouts=timeouts, thinking_switch=switch, models_known=bool(models) or entry.get("url") == "embedded",
         ))
     return workers
 
