@@ -227,11 +227,12 @@ class _SharedHistogram(_Histogram):
         self.shared, self.bucket_labels = shared, labels + ("le",)
 
     def observe(self, key: tuple[str, ...], value: float) -> None:
-        super().observe(key, value)
         shared, name = self.shared, self.name
+        if key not in self.series:  # every bucket exists from the first observation, as in prometheus_client
+            for le in self.les:
+                shared.value("histogram", name, name + "_bucket", self.bucket_labels, key + (le,), self.help)
+        super().observe(key, value)
         shared.value("histogram", name, name + "_sum", self.labels, key, self.help).inc(value)
-        for le in self.les:  # every bucket exists from the first observation, as in prometheus_client
-            shared.value("histogram", name, name + "_bucket", self.bucket_labels, key + (le,), self.help)
         index = bisect_left(self.bounds, value)
         shared.value("histogram", name, name + "_bucket", self.bucket_labels, key + (self.les[index],),
                      self.help).inc(1)
