@@ -88,6 +88,8 @@ async def envelope_and_access_log(request: web.Request, handler):
         request_id = request[state.REQUEST_ID]
         key = request.get(API_KEY)
         key_id = key.key_id if key is not None else None
+        if error_code is None and out is not None:
+            error_code = out.error
         if out is None:
             access(request_id=request_id, method=request.method, path=request.path, client=request.remote,
                    key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms)

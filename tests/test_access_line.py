@@ -101,3 +101,15 @@ async def test_an_unknown_route_has_a_line_without_a_key(make_proxy, http, lines
         request_id = r.headers.get("x-request-id")
     line = line_of(lines, request_id)
     assert line["key_id"] is None and line["client"] == "127.0.0.1" and line["status"] == 404
+
+
+async def test_a_stream_cut_mid_way_logs_the_code_of_its_response_failed(make_proxy, http, lines):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    model = await model_of(http, p, secret)
+    script = "SIM:" + json.dumps({"text": "one two three four five six seven eight", "drop_after": 3})
+    status, request_id = await post(http, p, secret, {"model": model, "input": script, "stream": True})
+    assert status == 200
+    line = line_of(lines, request_id)
+    assert (line["outcome"], line["error_code"], line["key_id"]) == ("failed", "upstream_disconnected", record.key_id)
+    assert line["cost_micros"] == (await p.ledger.usage(request_id)).cost_micros
