@@ -355,6 +355,8 @@ class _RequestCollector:
 
 class Metrics:
     def __init__(self, pool: WorkerPool, shared_dir: str | None = None) -> None:
+        """shared_dir: multiprocess_dir(), the directory PROMETHEUS_MULTIPROC_DIR names (where
+        prometheus_client writes), or None for this process's figures only."""
         self.pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry

@@ -131,3 +131,46 @@ async def test_every_scrape_counts_every_process_requests(two_processes):
         assert capacity and not any("pid=" in ln for ln in capacity), text
         assert len(re.findall(r"(?m)^# TYPE responses_proxy_requests_total counter$", text)) == 1
     assert len(list(tmp.iterdir())) == 1  # the shared metrics directory, under TMPDIR
+
+
+def _samples(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.name.endswith("_created")}
+
+
+def test_the_merged_view_of_one_process_has_the_figures_of_the_plain_one(tmp_path, monkeypatch):
+    """The same requests, counted in memory and through the multiprocess files: the same
+    series and values (without the _created series multiprocess mode does not keep)."""
+    from aiohttp.test_utils import make_mocked_request
+    from aiohttp import web
+    from prometheus_client import generate_latest
+    from types import SimpleNamespace
+
+    from proxy import metrics as proxy_metrics, state
+    from proxy.workers import WorkerPool, parse_workers
+    from tests.test_metrics import SEQUENCE
+
+    def observed(shared_dir):
+        app = web.Application()
+        app[proxy_metrics.METRICS] = found = proxy_metrics.Metrics(WorkerPool(parse_workers([
+            {"name": "a", "url": "http://a", "models": ["tiny-model", "big"]},
+            {"name": "b", "url": "http://b", "models": ["tiny-model"], "capacity": 8}])), shared_dir)
+        for path, model, status, seconds, outcome in SEQUENCE:
+            request = make_mocked_request("POST", path, app=app)
+            if model is not None:
+                request[state.TRANSLATION] = SimpleNamespace(upstream_model=model)
+            if outcome is not None:
+                request[state.OUTCOME] = state.Outcome(**outcome)
+            proxy_metrics.observe(request, status, seconds)
+        found.holds.set(3)
+        found.publish_pool()
+        return _samples(generate_latest(found.registry).decode())
+
+    plain = observed(None)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    merged = observed(proxy_metrics.multiprocess_dir())
+    assert [p.name for p in tmp_path.iterdir()]  # the files were written
+    assert merged == plain
