@@ -116,25 +116,34 @@ def multiprocess_dir() -> str | None:
 
 
 class _Shared:
-    """Values in this process's mmap'd files (prometheus_client's multiprocess format), one
-    per series and sample; made on first use. The value class is built here rather than
-    chosen when prometheus_client is imported, so a process forked after that import still
-    writes its own files."""
+    """This process's mmap'd files in prometheus_client's multiprocess format (one file per
+    type, named by pid, read by MultiProcessCollector). Written directly, not through
+    prometheus_client's value objects: the totals are kept in memory here already (one
+    asyncio thread, no lock needed), so an update is one packed write."""
 
-    def __init__(self) -> None:
-        from prometheus_client.values import MultiProcessValue
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.pid = os.getpid()  # fixed: Metrics is built in the serving process, after any fork
+        self.files: dict[str, Any] = {}
+        self.slots: dict[tuple, tuple[Any, str]] = {}
 
-        self.value_class = MultiProcessValue()
-        self.values: dict[tuple, Any] = {}
-
-    def value(self, typ: str, metric: str, sample: str, labelnames: tuple[str, ...], labelvalues: tuple[str, ...],
-              help: str, mode: str = "") -> Any:
-        key = (sample, labelvalues, mode)
-        found = self.values.get(key)
+    def slot(self, typ: str, metric: str, sample: str, labelnames: tuple[str, ...], labelvalues: tuple[str, ...],
+             help: str, mode: str = "") -> tuple[Any, str]:
+        """(file, key) of one sample of one series, made on first use."""
+        found = self.slots.get((sample, labelvalues, mode))
         if found is None:
-            found = self.values[key] = self.value_class(typ, metric, sample, labelnames, labelvalues, help,
-                                                        multiprocess_mode=mode)
+            from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+            prefix = f"{typ}_{mode}" if typ == "gauge" else typ
+            file = self.files.get(prefix)
+            if file is None:
+                file = self.files[prefix] = MmapedDict(os.path.join(self.path, f"{prefix}_{self.pid}.db"))
+            found = self.slots[(sample, labelvalues, mode)] = (file, mmap_key(metric, sample, labelnames,
+                                                                              labelvalues, help))
         return found
+
+    def write(self, slot: tuple[Any, str], value: float) -> None:
+        slot[0].write_value(slot[1], value, 0.0)
 
 
 class _Counter:
@@ -202,7 +211,7 @@ class _Histogram:
 
 
 class _SharedCounter(_Counter):
-    """A _Counter whose increments also go to the shared files (multiprocess mode)."""
+    """A _Counter whose totals are also written to the shared files (multiprocess mode)."""
 
     __slots__ = ("shared", "sample")
 
@@ -212,12 +221,13 @@ class _SharedCounter(_Counter):
 
     def inc(self, key: tuple[str, ...], amount: float = 1) -> None:
         super().inc(key, amount)
-        self.shared.value("counter", self.name, self.sample, self.labels, key, self.help).inc(amount)
+        shared = self.shared
+        shared.write(shared.slot("counter", self.name, self.sample, self.labels, key, self.help), self.values[key])
 
 
 class _SharedHistogram(_Histogram):
-    """A _Histogram whose observations also go to the shared files (per-bucket counts, as
-    prometheus_client's Histogram writes them)."""
+    """A _Histogram whose counts are also written to the shared files (per-bucket counts and
+    the sum, as prometheus_client's Histogram writes them)."""
 
     __slots__ = ("shared", "bucket_labels")
 
@@ -230,12 +240,14 @@ class _SharedHistogram(_Histogram):
         shared, name = self.shared, self.name
         if key not in self.series:  # every bucket exists from the first observation, as in prometheus_client
             for le in self.les:
-                shared.value("histogram", name, name + "_bucket", self.bucket_labels, key + (le,), self.help)
+                shared.write(shared.slot("histogram", name, name + "_bucket", self.bucket_labels, key + (le,),
+                                         self.help), 0.0)
         super().observe(key, value)
-        shared.value("histogram", name, name + "_sum", self.labels, key, self.help).inc(value)
+        counts = self.series[key]
         index = bisect_left(self.bounds, value)
-        shared.value("histogram", name, name + "_bucket", self.bucket_labels, key + (self.les[index],),
-                     self.help).inc(1)
+        shared.write(shared.slot("histogram", name, name + "_bucket", self.bucket_labels, key + (self.les[index],),
+                                 self.help), counts[index])
+        shared.write(shared.slot("histogram", name, name + "_sum", self.labels, key, self.help), counts[-1])
 
 
 class _Holds:
@@ -269,18 +281,17 @@ _POOL_GAUGE_MODES = {
 def _publish(shared: _Shared, families) -> None:
     """Write this process's current figures of `families` into its shared files."""
     for family in families:
-        if family.type == "gauge":
-            mode = _POOL_GAUGE_MODES.get(family.name, "livesum")
-            for sample in family.samples:
-                labelnames = tuple(sample.labels)
-                shared.value("gauge", family.name, sample.name, labelnames,
-                             tuple(sample.labels[n] for n in labelnames), family.documentation, mode).set(sample.value)
-        elif family.type == "counter":
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    labelnames = tuple(sample.labels)
-                    shared.value("counter", family.name, sample.name, labelnames,
-                                 tuple(sample.labels[n] for n in labelnames), family.documentation).set(sample.value)
+        if family.type not in ("gauge", "counter"):
+            continue
+        typ = family.type
+        mode = _POOL_GAUGE_MODES.get(family.name, "livesum") if typ == "gauge" else ""
+        for sample in family.samples:
+            if typ == "counter" and not sample.name.endswith("_total"):
+                continue  # _created: not kept in multiprocess mode
+            labelnames = tuple(sample.labels)
+            shared.write(shared.slot(typ, family.name, sample.name, labelnames,
+                                     tuple(sample.labels[n] for n in labelnames), family.documentation, mode),
+                         sample.value)
 
 
 def _sample_order(sample: Any) -> tuple:
@@ -361,7 +372,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.shared_dir = shared_dir
-        self.shared = shared = _Shared() if shared_dir else None
+        self.shared = shared = _Shared(shared_dir) if shared_dir else None
         counter: Callable[..., _Counter] = partial(_SharedCounter, shared) if shared else _Counter
         histogram: Callable[..., _Histogram] = partial(_SharedHistogram, shared) if shared else _Histogram
         self.requests = counter(f"{PREFIX}_requests", "Requests by endpoint, model, HTTP status and outcome.",
