@@ -54,7 +54,8 @@ def resolve_workers(value: object) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="responses-proxy", description=__doc__)
     parser.add_argument("--config", default=default_config(),
-                        help="config.yaml (default: ./config.yaml if present, else the embedded defaults)")
+                        help="config.yaml (default: $RESPONSES_PROXY_CONFIG, else ./config.yaml if present, "
+                             "else the embedded defaults)")
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the proxy (the default command)")
     # Also accepted after the subcommand (`serve --config X`); SUPPRESS keeps the top-level value otherwise.
