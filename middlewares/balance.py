@@ -303,6 +303,7 @@ def create(section: dict[str, Any], app: web.Application):
         # What the access line and the metrics print: the billed figures.
         out.input_tokens, out.cached_tokens = billed.input_tokens, billed.cached_tokens
         out.output_tokens, out.reasoning_tokens = billed.output_tokens, billed.reasoning_tokens
+        out.cost_micros = billed.cost_micros
         status = out.status if out.status in USAGE_STATUSES else ("cancelled" if cancelled else "error")
         return UsageRecord(
             request_id=request_id, key_id=hold.key_id, model=t.model,
@@ -334,6 +335,8 @@ def create(section: dict[str, Any], app: web.Application):
                 request_id=hold.request_id, key_id=hold.key_id, model=t.model, input_tokens=est, cached_tokens=0,
                 output_tokens=0, reasoning_tokens=0, cost_micros=min(hold.amount_micros, cost_micros(price, est, 0, 0)),
                 status="error")
+            if usage is not None:
+                out.cost_micros = usage.cost_micros
         return leases.finish(hold, usage, waited=not cancelled)
 
     async def settle(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,

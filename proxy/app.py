@@ -12,10 +12,11 @@ import aiohttp
 from aiohttp import web
 
 from middlewares import build_chain
+from middlewares.auth import API_KEY
 from proxy import state
 from proxy.config import Config, ConfigError
 from proxy.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
-from proxy.errors import APIError
+from proxy.errors import ERROR_CODE, APIError
 from proxy.forwarder import (EVENT_STREAM, POOL, RESPONSE_SETTINGS, SESSION, UPSTREAMS, ResponseSettings,
                              refusal_as_event, responses_handler)
 from proxy.upstream import UpstreamPool
@@ -51,12 +52,14 @@ async def envelope_and_access_log(request: web.Request, handler):
     request[state.REQUEST_ID] = request_id = new_request_id()
     started = time.perf_counter()
     status = 500
+    error_code: str | None = None
     try:
         response = await _within_started(handler, request)
         status = response.status
+        error_code = response.get(ERROR_CODE)
         return response
     except APIError as exc:
-        status = exc.status
+        status, error_code = exc.status, exc.code
         streamed = await refusal_as_event(request, exc)  # Codex reads a spent balance only as an event
         return streamed if streamed is not None else exc.to_response()
     except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and methods
@@ -72,6 +75,7 @@ async def envelope_and_access_log(request: web.Request, handler):
         raise
     except Exception:
         log.exception("unhandled error", request_id=request_id)
+        error_code = "internal_error"
         return APIError(500, "The proxy failed to handle this request.", code="internal_error").to_response()
     finally:
         out = request.get(state.OUTCOME)
@@ -84,13 +88,18 @@ async def envelope_and_access_log(request: web.Request, handler):
         model = translation.model if translation is not None else None
         latency_ms = round((time.perf_counter() - started) * 1000, 2)
         request_id = request[state.REQUEST_ID]
+        key = request.get(API_KEY)
+        key_id = key.key_id if key is not None else None
+        if error_code is None and out is not None:
+            error_code = out.error
         if out is None:
-            access(request_id=request_id, method=request.method, path=request.path, model=model, status=status,
-                   latency_ms=latency_ms)
+            access(request_id=request_id, method=request.method, path=request.path, client=request.remote,
+                   key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms)
         else:
-            access(request_id=request_id, method=request.method, path=request.path, model=model, status=status,
-                   latency_ms=latency_ms, upstream=out.upstream, outcome=out.status, input_tokens=out.input_tokens,
-                   cached_tokens=out.cached_tokens, output_tokens=out.output_tokens,
+            access(request_id=request_id, method=request.method, path=request.path, client=request.remote,
+                   key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms,
+                   upstream=out.upstream, outcome=out.status, input_tokens=out.input_tokens,
+                   cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, cost_micros=out.cost_micros,
                    ttfb_ms=round(out.ttfb_ms, 2) if out.ttfb_ms is not None else None)
 
 

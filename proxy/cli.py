@@ -12,7 +12,12 @@ from pathlib import Path
 from proxy.config import Config, ConfigError
 
 
-def _default_config() -> str | None:
+def default_config() -> str | None:
+    """The config file when none is named: $RESPONSES_PROXY_CONFIG, else ./config.yaml if
+    present, else None (the embedded defaults). `serve` and `keys` both find it so."""
+    named = os.environ.get("RESPONSES_PROXY_CONFIG")
+    if named:
+        return named
     found = Path("config.yaml")
     return str(found) if found.exists() else None
 
@@ -48,8 +53,9 @@ def resolve_workers(value: object) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="responses-proxy", description=__doc__)
-    parser.add_argument("--config", default=os.environ.get("RESPONSES_PROXY_CONFIG") or _default_config(),
-                        help="config.yaml (default: ./config.yaml if present, else the embedded defaults)")
+    parser.add_argument("--config", default=default_config(),
+                        help="config.yaml (default: $RESPONSES_PROXY_CONFIG, else ./config.yaml if present, "
+                             "else the embedded defaults)")
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the proxy (the default command)")
     # Also accepted after the subcommand (`serve --config X`); SUPPRESS keeps the top-level value otherwise.

@@ -36,6 +36,9 @@ def error_type_for(status: int) -> str:
     return _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
+ERROR_CODE = web.ResponseKey("error_code", object)  # the envelope's code, for the access line
+
+
 class APIError(Exception):
     """An answer in the OpenAI error envelope. `headers` lets 429 carry Retry-After."""
 
@@ -61,12 +64,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def to_response(self) -> web.Response:
-        return web.Response(
+        response = web.Response(
             status=self.status,
             body=orjson.dumps(self.envelope()),
             content_type="application/json",
             headers=self.headers,
         )
+        # For the access line: a middleware may answer with this response instead of raising.
+        response[ERROR_CODE] = self.code
+        return response
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:

@@ -477,12 +477,14 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
                     message = f"The model server did not finish within {worker.timeouts.total:g}s (total timeout)."
                 read_since = None
                 pending = rewriter.fail(message, code="upstream_timeout")
+                out.error = "upstream_timeout"
                 break
             except (Disconnected, BadResponse):
                 read_since = None
                 request.app[POOL].record_failure(worker, "disconnected mid-stream")
                 pending = rewriter.fail("The connection to the model server was lost mid-stream.",
                                         code="upstream_disconnected")
+                out.error = "upstream_disconnected"
                 break
             read_since = None
             pending = feed(data) if data else rewriter.finish()

@@ -1,7 +1,9 @@
 """structlog, configured once: JSON lines in production, readable lines in a terminal.
 
-The access log never carries an API key or prompt text: it is built from the Outcome
-and the request id only.
+The access log never carries an API key, a secret's prefix or prompt text: it is built
+from the request id, the client's address (the connection's peer: X-Forwarded-For is not
+believed), the key's id, the Outcome (tokens and the cost the ledger row records) and the
+error envelope's code.
 
 `access(**fields)` writes the one access-log line per request. With JSON output at level
 info or below it skips structlog's processor chain: the same fields in the same order

@@ -5,19 +5,33 @@ metrics are updated in one place, `observe()`, called by the outermost middlewar
 request has finished (from its Outcome); they are kept in plain dicts and lists (no
 prometheus_client lock per update) and turned into metric families by _RequestCollector
 when scraped. Worker gauges and the failover / ejection counters are read from the
-WorkerPool at scrape time, so nothing else has to know about Prometheus. With
-`--workers N` each process keeps and serves its own figures, as before.
+WorkerPool at scrape time, so nothing else has to know about Prometheus.
+
+With `--workers N` (or whenever PROMETHEUS_MULTIPROC_DIR names a directory) the figures
+are shared the way prometheus_client's multiprocess mode shares them: each process also
+writes its request metrics into its own mmap'd files in that directory as it counts them,
+and its worker-pool figures every POOL_PUBLISH_S seconds and at each scrape; /metrics, in
+whichever process answers, merges every process's files (MultiProcessCollector). Counters
+and histograms are summed over all processes, dead ones included; the per-worker gauges
+are those of the live processes: in-flight summed, capacity and ejected the maximum,
+healthy the minimum (healthy only when every process finds it so), the TTFB average the
+maximum. As in prometheus_client's multiprocess mode there are no _created series, and the
+ledger's holds gauge is read from the (shared) ledger by the process scraped.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import time
 from bisect import bisect_left
+from functools import partial
 from itertools import accumulate
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -91,6 +105,47 @@ class _PoolCollector:
         yield from (in_flight, capacity, healthy, ejected, ewma, ejections, failovers, routed, builds)
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+POOL_PUBLISH_S = 1.0
+
+
+def multiprocess_dir() -> str | None:
+    """The directory shared by the serving processes, or None: one process, its own figures."""
+    path = os.environ.get(MULTIPROC_ENV)
+    return path if path and os.path.isdir(path) else None
+
+
+class _Shared:
+    """This process's mmap'd files in prometheus_client's multiprocess format (one file per
+    type, named by pid, read by MultiProcessCollector). Written directly, not through
+    prometheus_client's value objects: the totals are kept in memory here already (one
+    asyncio thread, no lock needed), so an update is one packed write."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.pid = os.getpid()  # fixed: Metrics is built in the serving process, after any fork
+        self.files: dict[str, Any] = {}
+        self.slots: dict[tuple, tuple[Any, str]] = {}
+
+    def slot(self, typ: str, metric: str, sample: str, labelnames: tuple[str, ...], labelvalues: tuple[str, ...],
+             help: str, mode: str = "") -> tuple[Any, str]:
+        """(file, key) of one sample of one series, made on first use."""
+        found = self.slots.get((sample, labelvalues, mode))
+        if found is None:
+            from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+            prefix = f"{typ}_{mode}" if typ == "gauge" else typ
+            file = self.files.get(prefix)
+            if file is None:
+                file = self.files[prefix] = MmapedDict(os.path.join(self.path, f"{prefix}_{self.pid}.db"))
+            found = self.slots[(sample, labelvalues, mode)] = (file, mmap_key(metric, sample, labelnames,
+                                                                              labelvalues, help))
+        return found
+
+    def write(self, slot: tuple[Any, str], value: float) -> None:
+        slot[0].write_value(slot[1], value, 0.0)
+
+
 class _Counter:
     """A labelled counter as a plain dict (label values -> total), exposed by _RequestCollector.
 
@@ -155,6 +210,128 @@ class _Histogram:
         return family
 
 
+class _SharedCounter(_Counter):
+    """A _Counter whose totals are also written to the shared files (multiprocess mode)."""
+
+    __slots__ = ("shared", "sample")
+
+    def __init__(self, shared: _Shared, name: str, help: str, labels: tuple[str, ...]) -> None:
+        super().__init__(name, help, labels)
+        self.shared, self.sample = shared, name + "_total"
+
+    def inc(self, key: tuple[str, ...], amount: float = 1) -> None:
+        super().inc(key, amount)
+        shared = self.shared
+        shared.write(shared.slot("counter", self.name, self.sample, self.labels, key, self.help), self.values[key])
+
+
+class _SharedHistogram(_Histogram):
+    """A _Histogram whose counts are also written to the shared files (per-bucket counts and
+    the sum, as prometheus_client's Histogram writes them)."""
+
+    __slots__ = ("shared", "bucket_labels")
+
+    def __init__(self, shared: _Shared, name: str, help: str, labels: tuple[str, ...],
+                 buckets: tuple[float, ...]) -> None:
+        super().__init__(name, help, labels, buckets)
+        self.shared, self.bucket_labels = shared, labels + ("le",)
+
+    def observe(self, key: tuple[str, ...], value: float) -> None:
+        shared, name = self.shared, self.name
+        if key not in self.series:  # every bucket exists from the first observation, as in prometheus_client
+            for le in self.les:
+                shared.write(shared.slot("histogram", name, name + "_bucket", self.bucket_labels, key + (le,),
+                                         self.help), 0.0)
+        super().observe(key, value)
+        counts = self.series[key]
+        index = bisect_left(self.bounds, value)
+        shared.write(shared.slot("histogram", name, name + "_bucket", self.bucket_labels, key + (self.les[index],),
+                                 self.help), counts[index])
+        shared.write(shared.slot("histogram", name, name + "_sum", self.labels, key, self.help), counts[-1])
+
+
+class _Holds:
+    """The ledger's unsettled holds, set once per scrape (refresh_ledger)."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = GaugeMetricFamily(f"{PREFIX}_ledger_holds", "Balance holds not yet settled.")
+        family.add_metric([], self.value)
+        yield family
+
+
+# Per-worker gauges in multiprocess mode: how the live processes' values combine.
+_POOL_GAUGE_MODES = {
+    f"{PREFIX}_worker_in_flight": "livesum",
+    f"{PREFIX}_worker_capacity": "livemax",
+    f"{PREFIX}_worker_healthy": "livemin",
+    f"{PREFIX}_worker_ejected": "livemax",
+    f"{PREFIX}_worker_ttfb_ewma_seconds": "livemax",
+}
+
+
+def _publish(shared: _Shared, families) -> None:
+    """Write this process's current figures of `families` into its shared files."""
+    for family in families:
+        if family.type not in ("gauge", "counter"):
+            continue
+        typ = family.type
+        mode = _POOL_GAUGE_MODES.get(family.name, "livesum") if typ == "gauge" else ""
+        for sample in family.samples:
+            if typ == "counter" and not sample.name.endswith("_total"):
+                continue  # _created: not kept in multiprocess mode
+            labelnames = tuple(sample.labels)
+            shared.write(shared.slot(typ, family.name, sample.name, labelnames,
+                                     tuple(sample.labels[n] for n in labelnames), family.documentation, mode),
+                         sample.value)
+
+
+def _sample_order(sample: Any) -> tuple:
+    labels = sorted((k, v) for k, v in sample.labels.items() if k != "le")
+    le = sample.labels.get("le")
+    return labels, sample.name.endswith(("_count", "_sum")), sample.name, float(le) if le is not None else 0.0
+
+
+class _MergedCollector:
+    """Multiprocess mode: every process's files merged, the cached-token ratio computed from
+    the merged counters, this process's holds gauge; in a stable order."""
+
+    def __init__(self, metrics: "Metrics", path: str) -> None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self.metrics = metrics
+        self.files = MultiProcessCollector(None, path)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        merged = {family.name: family for family in self.files.collect()}
+        for family in merged.values():  # files are read in no set order: series by labels, buckets by bound
+            family.samples.sort(key=_sample_order)
+        prompt = merged.get(f"{PREFIX}_worker_prompt_tokens")
+        cached = merged.get(f"{PREFIX}_worker_cached_tokens")
+        ratio = GaugeMetricFamily(f"{PREFIX}_worker_cached_token_ratio",
+                                  "Cached / prompt tokens of each worker since start.", labels=["worker"])
+        if prompt is not None:
+            cached_by = {s.labels.get("worker"): s.value for s in (cached.samples if cached else [])}
+            for sample in prompt.samples:
+                if sample.value > 0:
+                    worker = sample.labels.get("worker", "")
+                    ratio.add_metric([worker], cached_by.get(worker, 0.0) / sample.value)
+        merged[ratio.name] = ratio
+        yield from (merged[name] for name in sorted(merged))
+        yield from self.metrics.holds.collect()
+
+
 class _RequestCollector:
     """Exposes the request metrics kept in plain Python by Metrics, when scraped."""
 
@@ -188,35 +365,50 @@ class _RequestCollector:
 
 
 class Metrics:
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, shared_dir: str | None = None) -> None:
+        """shared_dir: multiprocess_dir(), the directory PROMETHEUS_MULTIPROC_DIR names (where
+        prometheus_client writes), or None for this process's figures only."""
         self.pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.requests = _Counter(f"{PREFIX}_requests", "Requests by endpoint, model, HTTP status and outcome.",
-                                 ("endpoint", "model", "status", "outcome"))
-        self.latency = _Histogram(f"{PREFIX}_request_duration_seconds",
-                                  "Whole request time (a stream until its last event).",
-                                  ("endpoint", "model"), LATENCY_BUCKETS)
-        self.ttfb = _Histogram(f"{PREFIX}_time_to_first_byte_seconds",
-                               "Upstream request sent -> first upstream byte.", ("model", "worker"), TTFB_BUCKETS)
-        self.input_tokens = _Counter(f"{PREFIX}_input_tokens", "Input tokens (cached included).", ("model",))
-        self.cached_tokens = _Counter(f"{PREFIX}_cached_input_tokens", "Input tokens read from the prompt cache.",
-                                      ("model",))
-        self.output_tokens = _Counter(f"{PREFIX}_output_tokens", "Output tokens (reasoning included).", ("model",))
+        self.shared_dir = shared_dir
+        self.shared = shared = _Shared(shared_dir) if shared_dir else None
+        counter: Callable[..., _Counter] = partial(_SharedCounter, shared) if shared else _Counter
+        histogram: Callable[..., _Histogram] = partial(_SharedHistogram, shared) if shared else _Histogram
+        self.requests = counter(f"{PREFIX}_requests", "Requests by endpoint, model, HTTP status and outcome.",
+                                ("endpoint", "model", "status", "outcome"))
+        self.latency = histogram(f"{PREFIX}_request_duration_seconds",
+                                 "Whole request time (a stream until its last event).",
+                                 ("endpoint", "model"), LATENCY_BUCKETS)
+        self.ttfb = histogram(f"{PREFIX}_time_to_first_byte_seconds",
+                              "Upstream request sent -> first upstream byte.", ("model", "worker"), TTFB_BUCKETS)
+        self.input_tokens = counter(f"{PREFIX}_input_tokens", "Input tokens (cached included).", ("model",))
+        self.cached_tokens = counter(f"{PREFIX}_cached_input_tokens", "Input tokens read from the prompt cache.",
+                                     ("model",))
+        self.output_tokens = counter(f"{PREFIX}_output_tokens", "Output tokens (reasoning included).", ("model",))
         # Per worker, for the prompt-cache hit ratio (what affinity is for): prompt tokens and
         # the part of them the worker reported as read from its prefix cache.
-        self.worker_prompt_tokens = _Counter(f"{PREFIX}_worker_prompt_tokens",
-                                             "Prompt tokens of the requests each worker answered.", ("worker",))
-        self.worker_cached_tokens = _Counter(f"{PREFIX}_worker_cached_tokens",
-                                             "Prompt tokens each worker read from its prefix cache.", ("worker",))
+        self.worker_prompt_tokens = counter(f"{PREFIX}_worker_prompt_tokens",
+                                            "Prompt tokens of the requests each worker answered.", ("worker",))
+        self.worker_cached_tokens = counter(f"{PREFIX}_worker_cached_tokens",
+                                            "Prompt tokens each worker read from its prefix cache.", ("worker",))
         # Each value of an upstream's usage report the ledger did not believe (proxy.ledger.usage).
-        self.usage_corrections = _Counter(f"{PREFIX}_usage_corrections",
-                                          "Upstream usage values replaced before billing, by reason.", ("reason",))
-        r.register(_RequestCollector(self))
-        # Set once per scrape (refresh_ledger), not per request: prometheus_client's Gauge is fine.
-        self.holds = Gauge(f"{PREFIX}_ledger_holds", "Balance holds not yet settled.", registry=r)
+        self.usage_corrections = counter(f"{PREFIX}_usage_corrections",
+                                         "Upstream usage values replaced before billing, by reason.", ("reason",))
+        self.holds = _Holds()
         self.holds_available = True
-        r.register(_PoolCollector(pool))
+        self.pool_collector = _PoolCollector(pool)
+        if shared_dir is None:
+            r.register(_RequestCollector(self))
+            r.register(self.holds)
+            r.register(self.pool_collector)
+        else:
+            r.register(_MergedCollector(self, shared_dir))
+
+    def publish_pool(self) -> None:
+        """Multiprocess mode: this process's worker-pool figures into its shared files."""
+        if self.shared is not None:
+            _publish(self.shared, self.pool_collector.collect())
 
     def model_label(self, request: web.Request) -> str:
         t = request.get(state.TRANSLATION)
@@ -298,6 +490,7 @@ def observe(request: web.Request, status: int, elapsed_s: float) -> None:
 async def metrics_handler(request: web.Request) -> web.Response:
     metrics = request.app[METRICS]
     await metrics.refresh_ledger(request.app)
+    metrics.publish_pool()
     body = generate_latest(metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -305,6 +498,29 @@ async def metrics_handler(request: web.Request) -> web.Response:
 def install(app: web.Application, pool: WorkerPool, section: dict[str, Any]) -> None:
     if section.get("enabled", True) is False:
         return
-    app[METRICS] = Metrics(pool)
+    app[METRICS] = found = Metrics(pool, multiprocess_dir())
     app.router.add_get(str(section.get("path", "/metrics")), metrics_handler)
+    if found.shared is not None:
+        app.cleanup_ctx.append(_pool_publisher(found))
+
+
+def _pool_publisher(metrics: Metrics) -> Callable[[web.Application], Any]:
+    async def publisher(_app: web.Application):
+        async def loop() -> None:
+            while True:
+                try:
+                    metrics.publish_pool()
+                except Exception:  # metrics must never stop the process
+                    from proxy.logs import log
+
+                    log.exception("metrics: publishing the worker figures failed")
+                await asyncio.sleep(POOL_PUBLISH_S)
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return publisher
 

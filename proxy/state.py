@@ -38,7 +38,8 @@ class Outcome:
     counted_output: int = 0  # output deltas counted (each carried at least one token)
     output_capped: bool = False
     ttfb_ms: float | None = None
-    error: str | None = None
+    cost_micros: int | None = None  # what the ledger row says was charged (None: nothing settled)
+    error: str | None = None  # the error code of a stream ended by response.failed, when the proxy ended it
     extra: dict[str, Any] = field(default_factory=dict)
 
 

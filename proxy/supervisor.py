@@ -18,15 +18,24 @@ Shared state across processes:
     connections onto processes, so one process may refuse while another has room, and a
     key's own `concurrency` (set with `keys limits`) and `rate_per_min` apply per process
     (up to N times the value in total).
+  * /metrics: prometheus_client's multiprocess mode (proxy/metrics.py). The supervisor
+    sets PROMETHEUS_MULTIPROC_DIR before forking: a fresh temporary directory, removed at
+    exit, unless the operator set it (then its *.db files are cleared first, as
+    prometheus_client requires between runs); each child writes its figures there and any
+    child's /metrics merges them all; a child's live gauges go when it exits
+    (mark_process_dead).
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -81,6 +90,28 @@ def _child_config(config: Config, workers: int) -> None:
                 limits[name] = max(1, math.ceil(value / workers))
 
 
+def _metrics_dir() -> tuple[str, bool]:
+    """The directory the children share their metrics in, and whether it is ours to remove."""
+    named = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if named:
+        os.makedirs(named, exist_ok=True)
+        for stale in glob.glob(os.path.join(named, "*.db")):  # a previous run's figures
+            os.remove(stale)
+        return named, False
+    path = tempfile.mkdtemp(prefix="responses-proxy-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    return path, True
+
+
+def _process_dead(pid: int, path: str) -> None:
+    try:
+        from prometheus_client.multiprocess import mark_process_dead
+
+        mark_process_dead(pid, path)
+    except (ImportError, OSError):  # pragma: no cover - a metrics file is never worth a failed shutdown
+        pass
+
+
 def supervise(config: Config, host: str, port: int, workers: int,
               serve_one: Callable[..., int]) -> int:
     from proxy.cli import bind_sockets, listen_error
@@ -96,6 +127,16 @@ def supervise(config: Config, host: str, port: int, workers: int,
         asyncio.run(_create_demo_key(config))
         auth["demo_key"] = False  # the children must not create (and revoke) their own
     _child_config(config, workers)
+    metrics_dir, remove_metrics_dir = _metrics_dir()
+    try:
+        return _run_children(config, host, port, workers, serve_one, metrics_dir)
+    finally:
+        if remove_metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _run_children(config: Config, host: str, port: int, workers: int, serve_one: Callable[..., int],
+                  metrics_dir: str) -> int:
     print(f"responses-proxy listening on http://{host}:{port} ({workers} processes)", flush=True)
 
     children: dict[int, int] = {}
@@ -140,6 +181,7 @@ def supervise(config: Config, host: str, port: int, workers: int,
         except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for clarity
             continue
         children.pop(pid, None)
+        _process_dead(pid, metrics_dir)
         code = os.waitstatus_to_exitcode(status)
         if not stopping:
             # A child died on its own: stop the rest, report failure.
@@ -152,6 +194,7 @@ def supervise(config: Config, host: str, port: int, workers: int,
                 done, _ = os.waitpid(-1, os.WNOHANG)
                 if done:
                     children.pop(done, None)
+                    _process_dead(done, metrics_dir)
                 else:
                     time.sleep(0.05)
             for left in children:

@@ -10,6 +10,14 @@
 
 Also `python -m proxy.ledger.cli [--config FILE] [--db PATH] keys ...`.
 The secret is printed once, by `create`; nothing else ever prints it (only its prefix).
+
+Which ledger: the one the server would open, found as `serve` finds its config (--config,
+else $RESPONSES_PROXY_CONFIG, else ./config.yaml, else the embedded defaults), its
+`ledger.path` taken relative to that file; `--db PATH` names the file itself. Every command
+prints `ledger: /absolute/path` on stderr first. A ledger file that does not exist is never
+made by accident: every command but `create` refuses (exit 1); `create` makes a new one
+where a config file or --db says, but under the embedded defaults (no config file found)
+only in a directory that already exists, as data/ does once a server has run there.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ import json
 import sys
 from dataclasses import asdict
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Any, Sequence
 
-from proxy.ledger import UNSET, KeyRecord, LedgerError, open_ledger
+from proxy.ledger import UNSET, KeyRecord, LedgerError, open_ledger, resolve_path
 from proxy.ledger.usage import MAX_AMOUNT
 
 MICROS = 1_000_000
@@ -91,6 +100,10 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     json_flag.add_argument("--json", action="store_true", help="machine-readable output")
 
     keys = subparsers.add_parser("keys", help="manage API keys and balances")
+    # SUPPRESS: when absent here, a value given before `keys` stands.
+    keys.add_argument("--config", default=argparse.SUPPRESS, help="config.yaml whose ledger to open")
+    keys.add_argument("--db", default=argparse.SUPPRESS, metavar="PATH",
+                      help="the SQLite ledger file itself (overrides the config)")
     sub = keys.add_subparsers(dest="keys_command", metavar="COMMAND")
     sub.required = True
 
@@ -172,8 +185,40 @@ def _base_dir(args: argparse.Namespace, config: Any) -> Any:
     return path.parent if path is not None else None
 
 
+def _where(args: argparse.Namespace, config: Any) -> str:
+    if getattr(args, "db", None):
+        return "--db"
+    path = getattr(config, "path", None)
+    return str(Path(path).resolve()) if path is not None else "the embedded defaults (no config.yaml found)"
+
+
+_HOW = ("run it in the directory of the server's config.yaml, or pass --config FILE "
+        "(or set RESPONSES_PROXY_CONFIG), or --db PATH")
+
+
+def _locate(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    """The ledger section to open, its path made absolute; raises LedgerError when the
+    command would make a ledger nobody asked for."""
+    section = _ledger_section(args, config)
+    backend = str(section.get("backend", "sqlite")).lower()
+    if backend == "none":
+        raise LedgerError(f"ledger.backend is none in {_where(args, config)}: there are no keys to manage")
+    path = resolve_path(str(section.get("path") or "data/ledger.db"), _base_dir(args, config) or Path.cwd())
+    if path != ":memory:":
+        path = str(Path(path).resolve())
+    print(f"ledger: {path}", file=sys.stderr, flush=True)
+    if path != ":memory:" and not Path(path).exists():
+        if args.keys_command != "create":
+            raise LedgerError(f"no ledger at {path} (config: {_where(args, config)}); {_HOW}")
+        if getattr(config, "path", None) is None and not getattr(args, "db", None) and not Path(path).parent.is_dir():
+            raise LedgerError(f"no ledger at {path} and no directory {Path(path).parent} to make one in "
+                              f"(config: {_where(args, config)}); {_HOW}, or create that directory first")
+        print(f"ledger: {path} does not exist yet: creating it", file=sys.stderr, flush=True)
+    return {**section, "path": path}
+
+
 async def _run(args: argparse.Namespace, config: Any, out: Any) -> int:
-    ledger = open_ledger(_ledger_section(args, config), base_dir=_base_dir(args, config))
+    ledger = open_ledger(_locate(args, config))
     await ledger.start()
     try:
         cmd = args.keys_command
@@ -244,16 +289,18 @@ def run_key_command(args: argparse.Namespace, config: Any = None, out: Any = Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m proxy.ledger.cli", description="ledger key management")
-    parser.add_argument("--config", default=None, help="config.yaml (its ledger section)")
+    parser.add_argument("--config", default=None,
+                        help="config.yaml (its ledger section); default: $RESPONSES_PROXY_CONFIG, else ./config.yaml")
     parser.add_argument("--db", default=None, help="SQLite ledger path (overrides the config)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     add_key_commands(sub)
     args = parser.parse_args(argv)
+    from proxy.cli import default_config
     from proxy.config import Config, ConfigError
 
     try:
-        config = Config.load(args.config)
+        config = Config.load(args.config or default_config())
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

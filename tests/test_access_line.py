@@ -1,0 +1,115 @@
+"""The access line names who asked (key id, client address), what it cost (the ledger row's
+cost) and why it failed (the envelope's error code), and never carries a secret.
+
+Real HTTP against a proxy app with a SQLite ledger; the fields are taken where the one
+access-log call hands them over (proxy.app.access), so no logging configuration leaks
+between tests."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import orjson
+import pytest
+
+import proxy.app
+
+PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+def lines(monkeypatch):
+    found: list[dict] = []
+    real = proxy.app.access
+
+    def record(**fields):
+        found.append(dict(fields))
+        real(**fields)
+
+    monkeypatch.setattr(proxy.app, "access", record)
+    return found
+
+
+async def model_of(http, p, key: str) -> str:
+    async with http.get(p.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
+        return (await r.json())["data"][0]["id"]
+
+
+async def post(http, p, key: str, body: dict):
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    async with http.post(p.url + "/v1/responses", data=orjson.dumps(body), headers=headers) as r:
+        await r.read()
+        return r.status, r.headers.get("x-request-id")
+
+
+def line_of(lines: list[dict], request_id: str) -> dict:
+    matching = [f for f in lines if f["request_id"] == request_id]
+    assert len(matching) == 1, lines
+    return matching[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_billed_request_names_its_key_client_and_cost(make_proxy, http, lines, stream):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    model = await model_of(http, p, secret)
+    status, request_id = await post(http, p, secret, {"model": model, "input": "hello there", "stream": stream,
+                                                      "max_output_tokens": 20})
+    assert status == 200
+    usage = await p.ledger.usage(request_id)
+    line = line_of(lines, request_id)
+    assert line["key_id"] == record.key_id
+    assert line["client"] == "127.0.0.1"
+    assert line["cost_micros"] == usage.cost_micros > 0
+    assert line["error_code"] is None
+    assert (line["input_tokens"], line["output_tokens"]) == (usage.input_tokens, usage.output_tokens)
+    assert secret not in json.dumps(line) and secret[8:] not in json.dumps(line)
+
+
+async def test_a_refused_key_logs_the_error_code_and_no_secret(make_proxy, http, lines):
+    p = await make_proxy({"prices": PRICES})
+    bogus = "sk-rp-" + "x" * 40
+    status, request_id = await post(http, p, bogus, {"model": "m", "input": "hi"})
+    assert status == 401
+    line = line_of(lines, request_id)
+    assert line["error_code"] == "invalid_api_key"
+    assert line["key_id"] is None and line["client"] == "127.0.0.1"
+    assert "xxxxxxxx" not in json.dumps(line)
+
+
+async def test_a_spent_balance_logs_the_key_and_the_error_code(make_proxy, http, lines):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("broke", balance_micros=0)
+    model = await model_of(http, p, secret)
+    status, request_id = await post(http, p, secret, {"model": model, "input": "hello"})
+    assert status == 402
+    line = line_of(lines, request_id)
+    assert (line["key_id"], line["error_code"], line.get("cost_micros")) == (record.key_id, "insufficient_quota", None)
+
+
+async def test_an_unknown_route_has_a_line_without_a_key(make_proxy, http, lines):
+    p = await make_proxy()
+    async with http.get(p.url + "/v1/nothing") as r:
+        assert r.status == 404
+        request_id = r.headers.get("x-request-id")
+    line = line_of(lines, request_id)
+    assert line["key_id"] is None and line["client"] == "127.0.0.1" and line["status"] == 404
+
+
+async def test_a_stream_cut_mid_way_logs_the_code_of_its_response_failed(make_proxy, http, lines):
+    p = await make_proxy({"prices": PRICES})
+    secret, record = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    model = await model_of(http, p, secret)
+    script = "SIM:" + json.dumps({"text": "one two three four five six seven eight", "drop_after": 3})
+    status, request_id = await post(http, p, secret, {"model": model, "input": script, "stream": True})
+    assert status == 200
+    line = line_of(lines, request_id)
+    assert (line["outcome"], line["error_code"], line["key_id"]) == ("failed", "upstream_disconnected", record.key_id)
+    assert line["cost_micros"] == (await p.ledger.usage(request_id)).cost_micros
