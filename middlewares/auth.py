@@ -58,12 +58,12 @@ from aiohttp import web
 from proxy import state
 from proxy.config import ConfigError
 from proxy.errors import APIError
-from proxy.forwarder import POOL
+from proxy.state import LEDGER, POOL
 from proxy.ledger import KeyRecord
 from proxy.logs import log
 from proxy.request import read_json
 
-API_KEY = web.RequestKey("api_key", KeyRecord)
+API_KEY = state.API_KEY
 
 STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
@@ -213,8 +213,6 @@ def _static_keys(raw: Any) -> list[tuple[bytes, KeyRecord]]:
 
 def _demo_key_ctx(section_balance: dict[str, Any]):
     async def demo_key(app: web.Application) -> AsyncIterator[None]:
-        from proxy.app import LEDGER
-
         ledger = app.get(LEDGER)
         if ledger is None:
             log.warning("demo key not created: no ledger (ledger.backend is none)")
@@ -254,10 +252,6 @@ def create(section: dict[str, Any], app: web.Application):
         # build_app appends the ledger's cleanup context before building the chain, so this
         # one runs after it (cleanup contexts start in order) and finds app[LEDGER] set.
         app.cleanup_ctx.append(_demo_key_ctx(balance))
-
-    # Imported here, not at the top (proxy.app imports this package), and once: an import
-    # statement on the request path costs microseconds per request.
-    from proxy.app import LEDGER
 
     def match_static(digest: bytes) -> KeyRecord | None:
         found = None

@@ -193,8 +193,7 @@ def create(section: dict[str, Any], app: web.Application):
         raise ConfigError(f"prices: {exc}") from None
     # Imported here, not at the top (proxy.app imports this package), and once: an import
     # statement on the request path costs microseconds per request.
-    from proxy.app import LEDGER
-    from proxy.forwarder import POOL, SESSION
+    from proxy.state import LEDGER, POOL, SESSION
 
     def output_cap(t: Any) -> int:
         if t.max_output_tokens is not None:

@@ -31,7 +31,7 @@ from proxy.request import SAMPLING_DEFAULTS
 from proxy import metrics
 from proxy.workers import OutlierPolicy, WorkerPool, parse_workers
 
-LEDGER = web.AppKey("ledger", object)
+LEDGER = state.LEDGER
 # The response whose headers went out (set by the last on_response_prepare hook): past that
 # point an error can no longer become an HTTP status (see _after_start).
 STARTED = web.RequestKey("started_response", web.StreamResponse)

@@ -5,21 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-from pathlib import Path
 
-from proxy.config import Config, ConfigError
-
-
-def default_config() -> str | None:
-    """The config file when none is named: $RESPONSES_PROXY_CONFIG, else ./config.yaml if
-    present, else None (the embedded defaults). `serve` and `keys` both find it so."""
-    named = os.environ.get("RESPONSES_PROXY_CONFIG")
-    if named:
-        return named
-    found = Path("config.yaml")
-    return str(found) if found.exists() else None
+from proxy.config import Config, ConfigError, default_config
+from proxy.listen import bind_sockets, listen_error
 
 
 def _workers_arg(text: str) -> int | str:
@@ -97,38 +86,6 @@ def _config_dir_on_path(config: Config) -> None:
         folder = str(config.path.resolve().parent)
         if folder not in sys.path:
             sys.path.insert(0, folder)
-
-
-def bind_sockets(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
-    """The listening sockets for host:port, bound here so a port in use or a bad host is one
-    line (OSError) before anything starts, not a traceback from inside the event loop."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    sockets: list[socket.socket] = []
-    seen = set()
-    try:
-        for family, kind, proto, _, address in infos:
-            if (family, address) in seen:
-                continue
-            seen.add((family, address))
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does on Unix
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-            sock.listen(1024)  # connections queue from here on, while the app starts
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
-
-
-def listen_error(host: str, port: int, exc: OSError) -> str:
-    reason = exc.strerror or str(exc)
-    return f"cannot listen on {host}:{port}: {reason[:1].lower()}{reason[1:]}"
 
 
 def _serve(config: Config, args: argparse.Namespace) -> int:

@@ -110,3 +110,13 @@ class Config:
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.data.get(name, default)
+
+
+def default_config() -> str | None:
+    """The config file when none is named: $RESPONSES_PROXY_CONFIG, else ./config.yaml if
+    present, else None (the embedded defaults). `serve` and `keys` both find it so."""
+    named = os.environ.get("RESPONSES_PROXY_CONFIG")
+    if named:
+        return named
+    found = Path("config.yaml")
+    return str(found) if found.exists() else None

@@ -22,20 +22,18 @@ from proxy import state
 from proxy.affinity import request_key
 from proxy.dialects import chat_for
 from proxy.errors import APIError
-from proxy.request import SEALER, translation
+from proxy.request import translation
 from proxy.logs import log
 from proxy.rewriter import (ResponseContext, StreamRewriter, client_usage, map_usage, public_message,
                             response_from_completion)
 from proxy.routing import TokenCountError, check_context_window, count_tokens, parse_provider, request_parameters
-from proxy.seal import binding
+from proxy.seal import SEALER, binding
 from proxy.translate import set_output_cap
-from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected, UpstreamPool,
+from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected,
                             UpstreamResponse)
-from proxy.workers import Worker, WorkerPool
+from proxy.workers import Worker
 
-SESSION = web.AppKey("client_session", aiohttp.ClientSession)  # every upstream call but the chat POST
-UPSTREAMS = web.AppKey("upstreams", UpstreamPool)  # the chat POST (proxy.upstream: why)
-POOL = web.AppKey("worker_pool", WorkerPool)
+SESSION, UPSTREAMS, POOL = state.SESSION, state.UPSTREAMS, state.POOL
 EVENT_STREAM = web.RequestKey("event_stream", StreamRewriter)  # the streamed answer's rewriter (proxy.app)
 
 MAX_ATTEMPTS = 3

@@ -458,7 +458,7 @@ class Metrics:
         return False
 
     async def refresh_ledger(self, app: web.Application) -> None:
-        from proxy.app import LEDGER
+        from proxy.state import LEDGER
 
         ledger = app.get(LEDGER)
         counter = getattr(ledger, "count_holds", None) or getattr(ledger, "holds", None)

@@ -16,7 +16,7 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError, bad_request
 from proxy.netguard import check_images, policy_for
-from proxy.seal import binding
+from proxy.seal import SEALER, binding
 from proxy.translate import TranslateOptions, translate_request
 
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs
@@ -24,7 +24,6 @@ try:  # zstd is what Codex sends when it compresses; optional so a bare install 
 except ImportError:  # pragma: no cover
     zstandard = None
 
-SEALER = web.AppKey("sealer", object)
 SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.models.parse_sampling_defaults
 
 
@@ -208,9 +207,7 @@ async def translation(request: web.Request):
         raise bad_request(f"input has more than {limits['max_input_items']} items.", param="input", code="too_many_items")
     if isinstance(body.get("tools"), list) and len(body["tools"]) > int(limits["max_tools"]):
         raise bad_request(f"More than {limits['max_tools']} tools.", param="tools", code="too_many_tools")
-    from proxy.forwarder import POOL  # proxy.forwarder imports this module
-
-    pool = request.app.get(POOL)
+    pool = request.app.get(state.POOL)
     options = TranslateOptions(unseal=sealer.bound(binding(request))[1] if sealer is not None else None,
                                served=pool.serves if pool is not None else None,
                                sampling_defaults=request.app.get(SAMPLING_DEFAULTS))

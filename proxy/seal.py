@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy import state
 from proxy.config import ConfigError
 
 PREFIX = "rp2"  # rp1 tokens carried no binding: they no longer open
@@ -42,9 +43,7 @@ class SealExpired(Exception):
 def binding(request: web.Request) -> str:
     """Whom a request's ciphertexts are bound to: its API key's key_id ("static:<name>" for a
     static key), or ANONYMOUS when no auth middleware identified the caller."""
-    from middlewares.auth import API_KEY
-
-    record = request.get(API_KEY)
+    record = request.get(state.API_KEY)
     return record.key_id if record is not None else ANONYMOUS
 
 
@@ -101,6 +100,9 @@ class Sealer:
         return (lambda text: self.seal(text, bound_to)), (lambda token: self.unseal(token, bound_to))
 
 
+SEALER = web.AppKey("sealer", Sealer)  # the app's Sealer, when seal keys are configured
+
+
 def sealer_from_config(section: dict[str, Any]) -> Sealer | None:
     keys_cfg = dict(section.get("keys") or {})
     env_key = os.environ.get("RESPONSES_PROXY_SEAL_KEY")
@@ -129,8 +131,6 @@ def sealer_from_config(section: dict[str, Any]) -> Sealer | None:
 
 
 def install_sealer(app: web.Application, section: dict[str, Any]) -> None:
-    from proxy.request import SEALER
-
     sealer = sealer_from_config(section)
     if sealer is not None:
         app[SEALER] = sealer

@@ -43,8 +43,13 @@ class Outcome:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# App-wide state.
+# App-wide state. The resources live here, not beside the code that makes them, so that a
+# middleware or an endpoint can read them without importing the app or the forwarder.
 CONFIG = web.AppKey("config", "Config")
+LEDGER = web.AppKey("ledger", object)  # proxy.ledger.Ledger, or absent (ledger.backend: none)
+POOL = web.AppKey("worker_pool", "WorkerPool")
+SESSION = web.AppKey("client_session", "aiohttp.ClientSession")  # every upstream call but the chat POST
+UPSTREAMS = web.AppKey("upstreams", "UpstreamPool")  # the chat POST (proxy.upstream: why)
 
 # Per-request state.
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -53,6 +58,7 @@ TRANSLATION = web.RequestKey("translation", "Translation")
 NOTICES = web.RequestKey("notices", list)
 OUTPUT_CAP = web.RequestKey("output_cap", int)
 OUTCOME = web.RequestKey("outcome", Outcome)
+API_KEY = web.RequestKey("api_key", "KeyRecord")  # the caller's key, set by middlewares.auth
 # The output cap the balance reserved for (the rewriter stops there even when no
 # max_tokens was sent), and the balance's settle-now hook: the forwarder awaits it before
 # the last bytes of a stream, so a client that waits for its answer finds it billed.

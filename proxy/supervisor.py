@@ -114,7 +114,7 @@ def _process_dead(pid: int, path: str) -> None:
 
 def supervise(config: Config, host: str, port: int, workers: int,
               serve_one: Callable[..., int]) -> int:
-    from proxy.cli import bind_sockets, listen_error
+    from proxy.listen import bind_sockets, listen_error
 
     try:  # a port in use or a bad host: one line, before "listening on" and before the demo key and any fork
         for sock in bind_sockets(host, port, reuse_port=True):

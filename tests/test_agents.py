@@ -51,12 +51,12 @@ def check_upstream(sim) -> None:
     last = sim.requests[-1]["messages"]
     assert [m["role"] for m in last] == ["system", "user", "assistant", "tool", "assistant", "tool"]
     assert last[0]["content"] == "Answer with the weather and the time."
-    assert last[2]["reasoning_content"] == "First the weather."
+    assert last[2]["reasoning"] == "First the weather."
     assert last[2]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert orjson.loads(last[2]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
     assert last[3] == {"role": "tool", "tool_call_id": last[2]["tool_calls"][0]["id"],
                        "content": "sunny and 21C in Paris"}
-    assert last[4]["reasoning_content"] == "Now the time."
+    assert last[4]["reasoning"] == "Now the time."
     assert last[5]["tool_call_id"] == last[4]["tool_calls"][0]["id"] and last[5]["content"] == "14:05 in Paris"
 
 

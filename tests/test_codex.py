@@ -189,7 +189,7 @@ async def test_codex_reasoning_is_replayed_sealed(sim, start):
 
     # The upstream got the reasoning text back, in the assistant turn that made the call.
     assistant = next(m for m in sim.requests[1]["messages"] if m["role"] == "assistant")
-    assert assistant["reasoning_content"] == thought
+    assert assistant["reasoning"] == thought
     assert assistant["tool_calls"][0]["function"]["name"] == "exec_command"
 
 
@@ -208,7 +208,7 @@ async def test_codex_reasoning_without_a_seal_key_travels_in_clear(sim, start, m
     assert not reasoning.get("encrypted_content")
     assert thought in json.dumps(reasoning)
     assistant = next(m for m in sim.requests[1]["messages"] if m["role"] == "assistant")
-    assert assistant["reasoning_content"] == thought
+    assert assistant["reasoning"] == thought
 
 
 async def test_codex_apply_patch_custom_tool_edits_a_file(sim, start):

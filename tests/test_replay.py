@@ -2,7 +2,7 @@
 contract): the upstream must receive exactly the conversation it should, every turn.
 
     one system message, the user message, then per model turn one assistant message
-    (its reasoning as reasoning_content where there was reasoning, its text, its
+    (its reasoning as vLLM reads it, `reasoning` where there was reasoning, its text, its
     tool_calls) followed by one tool message per call, paired by id.
 
 Run with and without a seal key, streamed and not.
@@ -50,7 +50,7 @@ def plan(turn: int) -> dict:
 def expected_assistant(script: dict, call_ids: list[str]) -> dict:
     msg: dict = {"role": "assistant", "content": script.get("text")}
     if script.get("reasoning"):
-        msg["reasoning_content"] = script["reasoning"]
+        msg["reasoning"] = script["reasoning"]
     msg["tool_calls"] = [
         {"id": cid, "type": "function",
          "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
@@ -136,5 +136,5 @@ async def test_ten_turn_tool_loop_replays_exactly(sim, make_proxy, monkeypatch, 
     final = sim.requests[-1]["messages"]
     assert [m["role"] for m in final].count("assistant") == 9
     assert [m["role"] for m in final].count("tool") == 9 + 3  # turns 1, 4, 7 made two calls
-    with_reasoning = [m for m in final if m["role"] == "assistant" and "reasoning_content" in m]
+    with_reasoning = [m for m in final if m["role"] == "assistant" and "reasoning" in m]
     assert len(with_reasoning) == sum(1 for t in range(9) if plan(t).get("reasoning"))

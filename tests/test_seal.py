@@ -162,7 +162,7 @@ async def test_sealed_reasoning_round_trip(sim, make_proxy, stream):
     status, headers, data = await post(proxy, follow_up(output))
     assert status == 200, data
     assistant = sim.requests[-1]["messages"][1]
-    assert assistant["role"] == "assistant" and assistant["reasoning_content"] == THOUGHT
+    assert assistant["role"] == "assistant" and assistant["reasoning"] == THOUGHT
     assert NOTICE not in headers.get("x-token-notice", "")
 
 
@@ -189,7 +189,7 @@ async def test_rotation_through_the_proxy(sim, make_proxy):
     sim.script({"reasoning": "again", "text": "Sunny."})
     status, headers, data = await post(rotated, follow_up(output))
     assert status == 200, data
-    assert sim.requests[-1]["messages"][1]["reasoning_content"] == THOUGHT
+    assert sim.requests[-1]["messages"][1]["reasoning"] == THOUGHT
     assert NOTICE not in headers.get("x-token-notice", "")
     new = next(i for i in data["output"] if i["type"] == "reasoning")
     assert new["encrypted_content"].startswith(f"{PREFIX}.k2.")
@@ -201,7 +201,7 @@ async def test_rotation_through_the_proxy(sim, make_proxy):
     status, headers, data = await post(retired, follow_up(output))
     assert status == 200, data
     assistant = sim.requests[-1]["messages"][1]
-    assert "reasoning_content" not in assistant
+    assert "reasoning" not in assistant
     assert assistant["tool_calls"][0]["function"]["name"] == "get_weather"
     assert sim.requests[-1]["messages"][2]["role"] == "tool"
     assert NOTICE in headers["x-token-notice"]
@@ -227,7 +227,7 @@ async def test_unopenable_ciphertext_is_dropped_with_a_notice(sim, make_proxy, c
     assert status == 200, data
     if stream:
         assert check_sequence(data)["status"] == "completed"
-    assert "reasoning_content" not in sim.requests[-1]["messages"][1]
+    assert "reasoning" not in sim.requests[-1]["messages"][1]
     assert NOTICE in headers["x-token-notice"]
 
 
@@ -240,7 +240,7 @@ async def test_ciphertext_without_a_configured_key_is_dropped_not_a_500(sim, mak
     sim.script({"text": "Sunny."})
     status, _, data = await post(keyless, follow_up(output))
     assert status == 200, data
-    assert "reasoning_content" not in sim.requests[-1]["messages"][1]
+    assert "reasoning" not in sim.requests[-1]["messages"][1]
 
 
 async def test_keyless_proxy_replays_the_reasoning_text(sim, make_proxy, monkeypatch):
@@ -253,7 +253,7 @@ async def test_keyless_proxy_replays_the_reasoning_text(sim, make_proxy, monkeyp
     sim.script({"text": "Sunny."})
     status, _, _ = await post(proxy, follow_up(output))
     assert status == 200
-    assert sim.requests[-1]["messages"][1]["reasoning_content"] == THOUGHT
+    assert sim.requests[-1]["messages"][1]["reasoning"] == THOUGHT
 
 
 async def test_seal_key_from_the_environment(sim, make_proxy, monkeypatch):
@@ -265,7 +265,7 @@ async def test_seal_key_from_the_environment(sim, make_proxy, monkeypatch):
     sim.script({"text": "Sunny."})
     status, _, _ = await post(proxy, follow_up(output))
     assert status == 200
-    assert sim.requests[-1]["messages"][1]["reasoning_content"] == THOUGHT
+    assert sim.requests[-1]["messages"][1]["reasoning"] == THOUGHT
 
 
 async def test_default_sends_the_summary_too_and_the_ciphertext_wins(sim, make_proxy):
@@ -280,10 +280,10 @@ async def test_default_sends_the_summary_too_and_the_ciphertext_wins(sim, make_p
     sim.script({"text": "Sunny."})
     status, headers, _ = await post(proxy, follow_up(output))
     assert status == 200
-    assert sim.requests[-1]["messages"][1]["reasoning_content"] == THOUGHT
+    assert sim.requests[-1]["messages"][1]["reasoning"] == THOUGHT
     # A ciphertext that cannot be opened falls back to the summary text, silently: not a 500.
     reasoning["encrypted_content"] = FOREIGN
     sim.script({"text": "Sunny."})
     status, headers, _ = await post(proxy, follow_up(output))
     assert status == 200
-    assert sim.requests[-1]["messages"][1]["reasoning_content"] == "edited by the client"
+    assert sim.requests[-1]["messages"][1]["reasoning"] == "edited by the client"

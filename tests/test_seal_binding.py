@@ -51,7 +51,7 @@ async def first_turn(sim, proxy, key: str | None) -> list[dict]:
 
 
 def replayed(sim) -> str | None:
-    return sim.requests[-1]["messages"][1].get("reasoning_content")
+    return sim.requests[-1]["messages"][1].get("reasoning")
 
 
 async def test_a_ciphertext_made_for_one_key_does_not_open_for_another(sim, make_proxy):

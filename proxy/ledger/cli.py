@@ -296,8 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.required = True
     add_key_commands(sub)
     args = parser.parse_args(argv)
-    from proxy.cli import default_config
-    from proxy.config import Config, ConfigError
+    from proxy.config import Config, ConfigError, default_config
 
     try:
         config = Config.load(args.config or default_config())
