@@ -801,7 +801,9 @@ async def test_lease_burst_balance_decrease_equals_costs(ledger):
     await leases.flush()
     assert leases.stats["lease_holds"] > 2000, leases.stats  # the lease really served most of them
     assert any(isinstance(h, LeaseHold) for h in holds)
-    assert ledger.stats["ops"] < 1000  # not two writer trips per request
+    # Without the lease each request is two writer trips (6,000); leased usage rows are batched
+    # every lease_commit_ms, so the count grows with wall time: a loaded machine needs more batches.
+    assert ledger.stats["ops"] < 1500
     used = await ledger.list_usage(key.key_id, limit=10_000)
     assert len(used) == 3000 and len({u.request_id for u in used}) == 3000
     assert all(u.debited_micros == u.cost_micros for u in used)
