@@ -13,8 +13,17 @@ from typing import Any, Callable
 
 import orjson
 
-from proxy.errors import APIError, bad_request
+from proxy.errors import bad_request
 from proxy.models import DEFAULT_SAMPLING, resolve_model
+from proxy.rules import (
+    HOSTED_TOOL_TYPES,
+    REFUSED_TOOL_TYPES,
+    check_stateless,
+    hosted_tools_notice,
+    item_reference_refusal,
+    leave_out,
+    tool_type_refusal,
+)
 
 __all__ = [
     "ToolOrigin",
@@ -27,29 +36,6 @@ __all__ = [
     "HOSTED_ITEM_TYPES",
     "REASONING_EFFORTS",
 ]
-
-# Tool types the OpenAI platform runs itself: left out (with a notice), never forwarded.
-HOSTED_TOOL_TYPES: frozenset[str] = frozenset(
-    {
-        "web_search",
-        "web_search_2025_08_26",
-        "web_search_preview",
-        "web_search_preview_2025_03_11",
-        "file_search",
-        "code_interpreter",
-        "computer_use",
-        "computer_use_preview",
-        "computer",
-        "mcp",
-        "local_shell",
-        "shell",
-        "apply_patch",
-        "tool_search",
-    }
-)
-# Tool types refused outright (the client would expect a result we cannot produce).
-REFUSED_TOOL_TYPES: frozenset[str] = frozenset({"image_generation"})
-_REFUSED_CODES = {"image_generation": "image_generation_unsupported"}
 
 # Input items produced by hosted tools: replayed as an assistant-side note.
 HOSTED_ITEM_TYPES: frozenset[str] = frozenset(
@@ -266,15 +252,6 @@ def _register(acc: _Tools, upstream: str, origin: ToolOrigin, chat_tool: dict, p
     acc.chat_tools.append(chat_tool)
 
 
-def _refuse_tool_type(ttype: str, param: str) -> APIError:
-    return bad_request(
-        f"Tool type '{ttype}' is not supported by this endpoint.",
-        param=param,
-        code=_REFUSED_CODES.get(ttype, "unsupported_tool"),
-    )
-
-
-
 _LEAF_TOOLS = ("function", "custom")
 
 
@@ -321,12 +298,7 @@ def _translate_tools(tools: Any) -> _Tools:
             echo_ns = dict(tool)
             echo_ns["tools"] = echo_inner
             acc.echo_tools.append(echo_ns)
-        elif isinstance(ttype, str) and ttype in REFUSED_TOOL_TYPES:
-            raise _refuse_tool_type(ttype, f"{param}.type")
-        elif isinstance(ttype, str) and ttype in HOSTED_TOOL_TYPES:
-            if ttype not in acc.left_out:
-                acc.left_out.append(ttype)
-        else:
+        elif not leave_out(ttype, f"{param}.type", acc.left_out):
             shown = _show(ttype)
             raise bad_request(f"Unknown tool type '{shown}'.", param=f"{param}.type")
     return acc
@@ -364,11 +336,7 @@ def _translate_tool_choice(choice: Any, acc: _Tools, notices: list[str]) -> Any:
         if mode not in ("auto", "required"):
             raise bad_request("Invalid 'tool_choice.mode': expected 'auto' or 'required'.", param="tool_choice.mode")
         return mode
-    if isinstance(ctype, str) and ctype in REFUSED_TOOL_TYPES:
-        raise _refuse_tool_type(ctype, "tool_choice")
-    if isinstance(ctype, str) and ctype in HOSTED_TOOL_TYPES:
-        if ctype not in acc.left_out:
-            acc.left_out.append(ctype)
+    if leave_out(ctype, "tool_choice", acc.left_out):
         return "auto"
     shown = _show(ctype)
     raise bad_request(f"Unknown tool_choice type '{shown}'.", param="tool_choice.type")
@@ -398,9 +366,7 @@ def _allowed_tools(choice: dict, acc: _Tools) -> frozenset[str]:
                 raise bad_request(f"Allowed tool '{upstream}' names a {etype} tool that is not in 'tools'.",
                                   param=param)
             allowed.add(upstream)
-        elif isinstance(etype, str) and etype in REFUSED_TOOL_TYPES:
-            raise _refuse_tool_type(etype, param)
-        elif not (isinstance(etype, str) and etype in HOSTED_TOOL_TYPES):
+        elif not leave_out(etype, param, []):
             raise bad_request(f"Unknown allowed tool type '{_show(etype)}'.", param=f"{param}.type")
     return frozenset(allowed)
 
@@ -676,12 +642,7 @@ def _translate_input(
                         )
                     config_effort = effort
         elif itype == "item_reference":
-            raise bad_request(
-                "item_reference input items are not supported: this endpoint is stateless, "
-                "send the whole conversation in input.",
-                param=param,
-                code="stateless_only",
-            )
+            raise item_reference_refusal(param)
         else:
             shown = _show(itype)
             raise bad_request(f"Unknown input item type '{shown}'.", param=f"{param}.type")
@@ -733,26 +694,6 @@ def _text_format(text: Any) -> tuple[dict | None, dict]:
     raise bad_request(f"Unknown text format type '{shown}'.", param="text.format.type")
 
 
-def _stateless_guard(body: dict) -> None:
-    """Defence in depth: the stateless middleware refuses these first."""
-    if body.get("previous_response_id") is not None:
-        raise bad_request(
-            "previous_response_id is not supported: this endpoint is stateless, send the whole conversation in input.",
-            param="previous_response_id",
-            code="stateless_only",
-        )
-    if body.get("background") is True:
-        raise bad_request(
-            "background is not supported: stream the response or wait for it.",
-            param="background",
-            code="stateless_only",
-        )
-    if body.get("prompt") is not None:
-        raise bad_request(
-            "Stored prompts are not supported: send instructions and input.", param="prompt", code="stateless_only"
-        )
-
-
 def translate_request(body: Any, options: TranslateOptions | None = None) -> Translation:
     """Validate a Responses request body and build the chat-completions body. Raises APIError(400)."""
     if options is None:
@@ -771,7 +712,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     if "input" not in body or body["input"] is None:
         raise bad_request("Missing required parameter: 'input'.", param="input")
 
-    _stateless_guard(body)
+    check_stateless(body, items=False)  # _translate_input refuses an item_reference where it stands
     notices: list[str] = []
 
     # --- scalars
@@ -848,7 +789,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
             raise bad_request("tool_choice requires a call but allows no function or custom tool.",
                               param="tool_choice.tools")
     if acc.left_out:
-        notices.append(f"tools left out: {', '.join(acc.left_out)} (hosted tools are not available)")
+        notices.append(hosted_tools_notice(acc.left_out))
 
     # --- input
     systems, messages, config_effort = _translate_input(body["input"], options, notices)
