@@ -46,6 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
+# The hand-kept section of results.md (measurements behind design choices): a run keeps it.
+KEPT_HEADING = "## Design measurements"
 CACHE = ROOT / ".cache" / "bench"
 PY = sys.executable
 TICK = os.sysconf("SC_CLK_TCK")
@@ -464,7 +466,10 @@ def main() -> int:
         if "up_proc" in locals():
             up_proc.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    out = Path(args.out)
+    old = out.read_text() if out.exists() else ""
+    kept = old[old.find(KEPT_HEADING):] if KEPT_HEADING in old else ""  # hand-kept: survives a run
+    out.write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
     print(f"\nwritten to {args.out}", file=sys.stderr)
     return 0
 
