@@ -46,6 +46,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
+# The hand-kept section of results.md (measurements behind design choices): a run keeps it.
+KEPT_HEADING = "## Design measurements"
+
+
+def with_kept_section(new: str, old: str) -> str:
+    """The new results followed by the hand-kept section of the old file, if it had one."""
+    at = old.find(KEPT_HEADING)
+    return new if at < 0 else new + "\n" + old[at:]
+
+
 CACHE = ROOT / ".cache" / "bench"
 PY = sys.executable
 TICK = os.sysconf("SC_CLK_TCK")
@@ -464,7 +474,8 @@ def main() -> int:
         if "up_proc" in locals():
             up_proc.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    out = Path(args.out)
+    out.write_text(with_kept_section("\n".join(lines) + "\n", out.read_text() if out.exists() else ""))
     print(f"\nwritten to {args.out}", file=sys.stderr)
     return 0
 

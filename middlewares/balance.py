@@ -148,7 +148,8 @@ def _positive(section: dict, name: str, default: Any, kind=(int,)) -> Any:
     return value
 
 
-def create(section: dict[str, Any], app: web.Application):
+def _settings(section: dict[str, Any]) -> tuple[float, int, float, dict[str, Any]]:
+    """-> (hold_ttl_s, default output cap, bytes_per_token, Leases settings); ConfigError when wrong."""
     unknown = set(section) - {"hold_ttl_s", "demo_balance_micros", "default_max_output_tokens",
                               "bytes_per_token"} - _LEASE_SETTINGS
     if unknown:
@@ -171,41 +172,70 @@ def create(section: dict[str, Any], app: web.Application):
         "min_rate": int(_positive(section, "lease_min_rate", 4)),
         "idle_s": float(_positive(section, "lease_idle_s", 2, (int, float))),
         "ttl_s": float(_positive(section, "lease_ttl_s", 30, (int, float))),
-        # Each commit is an fsync'd transaction plus a round trip to the writer thread (~0.5 ms
-        # of CPU at low load): 20 ms apart rather than the per-request settle's 5 ms cuts a
-        # single busy client's CPU per request by ~15% (`make bench`, c=1), for a SIGKILL
-        # window of the rows settled in the last ~20 ms.
+        # Each commit is an fsync'd transaction plus a round trip to the writer thread: batching
+        # the usage rows this far apart, rather than per request, spares a busy key's CPU per
+        # request, for a SIGKILL window of the rows settled in the last lease_commit_ms.
         "linger_s": float(_positive(section, "lease_commit_ms", 20, (int, float))) / 1000,
     }
-    accounts: list[Leases] = []  # this app's, made on first use (the ledger opens at startup)
+    return hold_ttl, default_cap, bytes_per_token, lease_settings
 
-    def leases_for(ledger: Any) -> Leases:
+
+def _billable(out: Any, cancelled: bool) -> bool:
+    """The upstream answered (completed / incomplete / failed / cancelled mid-stream), or the
+    client left while the model server was working; else the hold is released."""
+    reached = out is not None and out.upstream is not None
+    answered = reached and (out.status in _ANSWERED or out.usage_reported or out.output_tokens > 0)
+    return answered or (reached and cancelled)
+
+
+def _needs_count(request: web.Request, cancelled: bool) -> bool:
+    """A bill without a usage report: the worker's tokenizer says what it processed."""
+    out = request.get(state.OUTCOME)
+    return _billable(out, cancelled) and not out.usage_reported and not out.extra.get("no_token_count")
+
+
+def _fit_cap(request: web.Request, price: Price, found: Hold, est: int, wanted: int) -> Hold:
+    cap = min(wanted, max_output_tokens_for(price, found.amount_micros, est, 0))
+    if cap < wanted:  # >= 1: at least `least` was held
+        request[state.OUTPUT_CAP] = cap
+        state.notices(request).append(f"max_output_tokens lowered to {cap} to fit the balance")
+    request[state.RESERVED_OUTPUT] = cap
+    return found
+
+
+class _Billing:
+    """One app's balance middleware: its settings, its price table and its Leases."""
+
+    def __init__(self, app: web.Application, price_of: PriceTable, hold_ttl: float, default_cap: int,
+                 bytes_per_token: float, lease_settings: dict[str, Any]) -> None:
+        self.app = app
+        self.price_of = price_of
+        self.hold_ttl = hold_ttl
+        self.default_cap = default_cap
+        self.bytes_per_token = bytes_per_token
+        self.lease_settings = lease_settings
+        self.accounts: list[Leases] = []  # this app's, made on first use (the ledger opens at startup)
+
+    def leases_for(self, ledger: Any) -> Leases:
+        accounts = self.accounts
         if accounts and accounts[0].ledger is ledger:
             return accounts[0]
-        made = Leases(ledger, hold_ttl_s=hold_ttl, tasks=_PENDING, **lease_settings)
+        made = Leases(ledger, hold_ttl_s=self.hold_ttl, tasks=_PENDING, **self.lease_settings)
         accounts[:] = [made]
         _LEASES.add(made)
         return made
 
-    try:
-        price_of = PriceTable(app[state.CONFIG].section("prices"))
-    except ValueError as exc:
-        raise ConfigError(f"prices: {exc}") from None
-    # Imported here, not at the top (proxy.app imports this package), and once: an import
-    # statement on the request path costs microseconds per request.
-    from proxy.state import LEDGER, POOL, SESSION
-
-    def output_cap(t: Any) -> int:
+    def output_cap(self, t: Any) -> int:
         if t.max_output_tokens is not None:
             return int(t.max_output_tokens)
-        models = app[POOL].models()
+        models = self.app[state.POOL].models()
         window = models.get(t.upstream_model) or models.get(t.model)
-        return int(window) if window else default_cap
+        return int(window) if window else self.default_cap
 
-    async def reserve(request: web.Request, leases: Leases, key_id: str, t: Any, price: Price,
+    async def reserve(self, request: web.Request, leases: Leases, key_id: str, t: Any, price: Price,
                       est: int) -> tuple[Hold, int]:
         """(the hold, the input bound it was sized with)."""
-        wanted = output_cap(t)
+        wanted = self.output_cap(t)
         if wanted < 1:
             raise _insufficient("The available balance does not cover any output for this request.")
         # (no balance exceeds MAX_AMOUNT: a larger amount is simply one it cannot cover)
@@ -214,40 +244,37 @@ def create(section: dict[str, Any], app: web.Application):
         try:
             found = await leases.hold_up_to(request[state.REQUEST_ID], key_id, least, most)
         except InsufficientBalance as exc:
-            # The bound from the prompt's bytes is generous (3-4x on English text): before a
-            # refusal, a worker's tokenizer gives the prompt's real size, which may fit. Not
-            # asked when even a 16-bytes-per-token prompt would not fit (an empty key's retries
-            # cost the workers nothing).
-            floor = cost_micros(price, max(1, (est - TEMPLATE_OVERHEAD) // 16), 0, 1)
-            counted = await prompt_count(t) if exc.available_micros >= floor else None
-            if counted is not None and counted < est and exc.available_micros >= cost_micros(price, counted, 0, 1):
-                try:
-                    found = await leases.hold_up_to(request[state.REQUEST_ID], key_id,
-                                                    min(cost_micros(price, counted, 0, 1), MAX_AMOUNT),
-                                                    min(cost_micros(price, counted, 0, wanted), MAX_AMOUNT))
-                except InsufficientBalance as again:
-                    exc = again
-                else:
-                    return fit_cap(request, t, price, found, counted, wanted), counted
-                est = counted
-            if exc.available_micros < cost_micros(price, est, 0, 0):
-                raise _insufficient("The available balance does not cover the input of this request. "
-                                    "Top up the key or send a shorter input.") from None
-            raise _insufficient("The available balance does not cover any output for this request.") from None
-        return fit_cap(request, t, price, found, est, wanted), est
+            return await self.reserve_counted(request, leases, key_id, t, price, est, wanted, exc)
+        return _fit_cap(request, price, found, est, wanted), est
 
-    def fit_cap(request: web.Request, t: Any, price: Price, found: Hold, est: int, wanted: int) -> Hold:
-        cap = min(wanted, max_output_tokens_for(price, found.amount_micros, est, 0))
-        if cap < wanted:  # >= 1: at least `least` was held
-            request[state.OUTPUT_CAP] = cap
-            state.notices(request).append(f"max_output_tokens lowered to {cap} to fit the balance")
-        request[state.RESERVED_OUTPUT] = cap
-        return found
+    async def reserve_counted(self, request: web.Request, leases: Leases, key_id: str, t: Any, price: Price,
+                              est: int, wanted: int, exc: InsufficientBalance) -> tuple[Hold, int]:
+        """The bytes bound did not fit: retry with the prompt as a worker counts it, else refuse."""
+        # The bound from the prompt's bytes is generous (3-4x on English text): before a
+        # refusal, a worker's tokenizer gives the prompt's real size, which may fit. Not
+        # asked when even a 16-bytes-per-token prompt would not fit (an empty key's retries
+        # cost the workers nothing).
+        floor = cost_micros(price, max(1, (est - TEMPLATE_OVERHEAD) // 16), 0, 1)
+        counted = await self.prompt_count(t) if exc.available_micros >= floor else None
+        if counted is not None and counted < est and exc.available_micros >= cost_micros(price, counted, 0, 1):
+            try:
+                found = await leases.hold_up_to(request[state.REQUEST_ID], key_id,
+                                                min(cost_micros(price, counted, 0, 1), MAX_AMOUNT),
+                                                min(cost_micros(price, counted, 0, wanted), MAX_AMOUNT))
+            except InsufficientBalance as again:
+                exc = again
+            else:
+                return _fit_cap(request, price, found, counted, wanted), counted
+            est = counted
+        if exc.available_micros < cost_micros(price, est, 0, 0):
+            raise _insufficient("The available balance does not cover the input of this request. "
+                                "Top up the key or send a shorter input.") from None
+        raise _insufficient("The available balance does not cover any output for this request.") from None
 
-    async def prompt_count(t: Any) -> int | None:
+    async def prompt_count(self, t: Any) -> int | None:
         """The prompt's tokens as a worker serving the model counts them; None when none can."""
-        pool = app.get(POOL)
-        session = app.get(SESSION)
+        pool = self.app.get(state.POOL)
+        session = self.app.get(state.SESSION)
         if pool is None or session is None:
             return None
         worker = next((w for w in pool.workers if w.available and w.serves(t.upstream_model)), None)
@@ -259,19 +286,19 @@ def create(section: dict[str, Any], app: web.Application):
         except (TokenCountError, Exception):  # a refusal stays a refusal when the count fails
             return None
 
-    def count_corrections(request: web.Request, fixes: list[str], hold: Hold, usage: Any) -> None:
+    def count_corrections(self, fixes: list[str], hold: Hold, usage: Any) -> None:
         log.warning("usage corrected", request_id=hold.request_id, corrections=fixes,
                     reported=_loggable(usage))
-        metrics = app.get(METRICS)
+        metrics = self.app.get(METRICS)
         if metrics is not None:
             for reason in fixes:
                 metrics.usage_corrections.inc((reason,))
 
-    async def worker_count(out: Any, t: Any) -> int | None:
+    async def worker_count(self, out: Any, t: Any) -> int | None:
         """The prompt as the worker that served it counts it (its tokenizer and template);
         None when it cannot say."""
-        pool = app.get(POOL)
-        session = app.get(SESSION)
+        pool = self.app.get(state.POOL)
+        session = self.app.get(state.SESSION)
         if pool is None or session is None or out is None:
             return None
         worker = next((w for w in pool.workers if w.name == out.upstream), None)
@@ -283,12 +310,12 @@ def create(section: dict[str, Any], app: web.Application):
         except (TokenCountError, Exception):  # billing never fails because a count could not be had
             return None
 
-    def usage_of(request: web.Request, hold: Hold, t: Any, price: Price, est: int, cancelled: bool,
+    def usage_of(self, request: web.Request, hold: Hold, t: Any, price: Price, est: int, cancelled: bool,
                  counted_input: int | None) -> UsageRecord | None:
         """The usage to settle, or None to release the hold. Never raises."""
         request_id = hold.request_id
         out = request.get(state.OUTCOME)
-        if not billable(out, cancelled):
+        if not _billable(out, cancelled):
             return None
         cap = request.get(state.RESERVED_OUTPUT)
         media = prompt_bytes(t.chat)[1]
@@ -298,7 +325,7 @@ def create(section: dict[str, Any], app: web.Application):
                              input_bound=None if media else est, output_cap=cap, price=price,
                              hold_micros=hold.amount_micros)
         if billed.corrections:
-            count_corrections(request, billed.corrections, hold, out.reported_usage)
+            self.count_corrections(billed.corrections, hold, out.reported_usage)
         # What the access line and the metrics print: the billed figures.
         out.input_tokens, out.cached_tokens = billed.input_tokens, billed.cached_tokens
         out.output_tokens, out.reasoning_tokens = billed.output_tokens, billed.reasoning_tokens
@@ -310,22 +337,10 @@ def create(section: dict[str, Any], app: web.Application):
             reasoning_tokens=billed.reasoning_tokens, cost_micros=billed.cost_micros, status=status,
         )
 
-    def billable(out: Any, cancelled: bool) -> bool:
-        """The upstream answered (completed / incomplete / failed / cancelled mid-stream), or the
-        client left while the model server was working; else the hold is released."""
-        reached = out is not None and out.upstream is not None
-        answered = reached and (out.status in _ANSWERED or out.usage_reported or out.output_tokens > 0)
-        return answered or (reached and cancelled)
-
-    def needs_count(request: web.Request, cancelled: bool) -> bool:
-        """A bill without a usage report: the worker's tokenizer says what it processed."""
-        out = request.get(state.OUTCOME)
-        return billable(out, cancelled) and not out.usage_reported and not out.extra.get("no_token_count")
-
-    def finish(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int, cancelled: bool,
-               counted_input: int | None) -> asyncio.Task | None:
+    def finish(self, request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
+               cancelled: bool, counted_input: int | None) -> asyncio.Task | None:
         try:
-            usage = usage_of(request, hold, t, price, est, cancelled, counted_input)
+            usage = self.usage_of(request, hold, t, price, est, cancelled, counted_input)
         except Exception:
             log.exception("settlement failed", request_id=hold.request_id)
             # The upper bound, clamped at the hold: a request that reached the worker is never free.
@@ -338,40 +353,32 @@ def create(section: dict[str, Any], app: web.Application):
                 out.cost_micros = usage.cost_micros
         return leases.finish(hold, usage, waited=not cancelled)
 
-    async def settle(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
+    async def settle(self, request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
                      cancelled: bool) -> None:
-        counted = await worker_count(request.get(state.OUTCOME), t) if needs_count(request, cancelled) else None
-        task = finish(request, leases, hold, t, price, est, cancelled, counted)
+        counted = await self.worker_count(request.get(state.OUTCOME), t) if _needs_count(request, cancelled) else None
+        task = self.finish(request, leases, hold, t, price, est, cancelled, counted)
         if task is not None:
             await task
 
-    def start_settling(request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
+    def start_settling(self, request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
                        cancelled: bool) -> asyncio.Task | None:
         """Settle (or release) now; the task to wait for, None when it is done already (in
         memory, from a lease). The ledger work runs in a task of its own, which a cancelled
         handler (the client left) cannot interrupt and shutdown waits for."""
-        if needs_count(request, cancelled):
-            task = asyncio.ensure_future(settle(request, leases, hold, t, price, est, cancelled))
+        if _needs_count(request, cancelled):
+            task = asyncio.ensure_future(self.settle(request, leases, hold, t, price, est, cancelled))
             _PENDING.add(task)
             task.add_done_callback(_PENDING.discard)
             return task
-        return finish(request, leases, hold, t, price, est, cancelled, None)
+        return self.finish(request, leases, hold, t, price, est, cancelled, None)
 
-    @web.middleware
-    async def balance(request: web.Request, handler):
-        if request.method != "POST" or request.path != "/v1/responses":
-            return await handler(request)
-        record = request.get(API_KEY)
-        if record is None or is_static(record):
-            return await handler(request)
-        ledger = app.get(LEDGER)  # this middleware's app: the one whose ledger bills its requests
-        if ledger is None:
-            return await handler(request)
+    async def bill(self, request: web.Request, handler, ledger: Any, key_id: str) -> web.StreamResponse:
+        """Hold, run the handler, settle (or release)."""
         t = await translation(request)
-        price = price_of(t.model)
-        est = estimate_input_tokens(t.chat, bytes_per_token)
-        leases = leases_for(ledger)
-        hold, est = await reserve(request, leases, record.key_id, t, price, est)
+        price = self.price_of(t.model)
+        est = estimate_input_tokens(t.chat, self.bytes_per_token)
+        leases = self.leases_for(ledger)
+        hold, est = await self.reserve(request, leases, key_id, t, price, est)
         request[HOLD] = hold
         settling: list[asyncio.Task | None] = []  # one entry once settlement started
 
@@ -380,7 +387,7 @@ def create(section: dict[str, Any], app: web.Application):
             end of a stream; a JSON body is written after this middleware returns): a client that
             waits for its answer finds its balance settled. Never raises."""
             if not settling:
-                settling.append(start_settling(request, leases, hold, t, price, est, False))
+                settling.append(self.start_settling(request, leases, hold, t, price, est, False))
             task = settling[0]
             if task is not None and not task.done():
                 await asyncio.shield(task)  # cancelled (the client left): the task goes on
@@ -391,7 +398,7 @@ def create(section: dict[str, Any], app: web.Application):
                 response = await handler(request)
             except asyncio.CancelledError:
                 if not settling:  # the client left: settle in the background, never waited for
-                    settling.append(start_settling(request, leases, hold, t, price, est, True))
+                    settling.append(self.start_settling(request, leases, hold, t, price, est, True))
                 raise
             except BaseException:
                 await settle_now()
@@ -403,10 +410,31 @@ def create(section: dict[str, Any], app: web.Application):
             request.pop(state.SETTLE, None)
             settling.clear()
 
-    async def drain(app: web.Application) -> None:
-        for leases in accounts:
+    async def drain(self, app: web.Application) -> None:
+        for leases in self.accounts:
             await leases.close()
         await wait_for_settlements()
 
-    app.on_shutdown.append(drain)
+
+def create(section: dict[str, Any], app: web.Application):
+    hold_ttl, default_cap, bytes_per_token, lease_settings = _settings(section)
+    try:
+        price_of = PriceTable(app[state.CONFIG].section("prices"))
+    except ValueError as exc:
+        raise ConfigError(f"prices: {exc}") from None
+    billing = _Billing(app, price_of, hold_ttl, default_cap, bytes_per_token, lease_settings)
+
+    @web.middleware
+    async def balance(request: web.Request, handler):
+        if request.method != "POST" or request.path != "/v1/responses":
+            return await handler(request)
+        record = request.get(API_KEY)
+        if record is None or is_static(record):
+            return await handler(request)
+        ledger = app.get(state.LEDGER)  # this middleware's app: the one whose ledger bills its requests
+        if ledger is None:
+            return await handler(request)
+        return await billing.bill(request, handler, ledger, record.key_id)
+
+    app.on_shutdown.append(billing.drain)
     return balance

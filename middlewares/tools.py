@@ -1,7 +1,7 @@
 """Hosted tools: left out (and named in x-token-notice) or refused, before translation.
 
     tools:
-      drop: null      # tool types left out; null: proxy.translate.HOSTED_TOOL_TYPES
+      drop: null      # tool types left out; null: proxy.rules.HOSTED_TOOL_TYPES
       refuse: null    # tool types refused with 400; null: REFUSED_TOOL_TYPES (image_generation)
 
 The OpenAI platform runs web_search, file_search, mcp... itself; a chat-completions
@@ -27,20 +27,10 @@ from proxy import state
 from proxy.config import ConfigError
 from proxy.errors import APIError, bad_request
 from proxy.request import read_json
-
-try:
-    from proxy.translate import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES
-except ImportError:  # pragma: no cover - the translation module is part of the product
-    HOSTED_TOOL_TYPES = frozenset({
-        "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
-        "file_search", "code_interpreter", "computer_use", "computer_use_preview", "computer", "mcp",
-        "local_shell", "shell", "apply_patch", "tool_search",
-    })
-    REFUSED_TOOL_TYPES = frozenset({"image_generation"})
+from proxy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, hosted_tools_notice, leave_out
 
 _GUARDED = ("/v1/responses", "/v1/responses/input_tokens")
 _CORE = frozenset({"function", "custom", "namespace"})
-_CODES = {"image_generation": "image_generation_unsupported"}
 
 
 def _type_list(section: dict, name: str, default: frozenset[str]) -> frozenset[str]:
@@ -90,10 +80,6 @@ def create(section: dict[str, Any], app: web.Application):
         raise ConfigError(f"tools: {', '.join(sorted(both))} is both dropped and refused")
     _check_order(app)
 
-    def refused(ttype: str, param: str) -> APIError:
-        return bad_request(f"Tool type '{ttype}' is not supported by this endpoint.", param=param,
-                           code=_CODES.get(ttype, "unsupported_tool"))
-
     def edit(body: dict[str, Any]) -> list[str]:
         """Remove dropped tools in place; returns the dropped types in first-seen order."""
         left_out: list[str] = []
@@ -104,12 +90,7 @@ def create(section: dict[str, Any], app: web.Application):
                 ttype = tool.get("type") if isinstance(tool, dict) else None
                 if not isinstance(ttype, str) or ttype in _CORE:
                     kept.append(tool)  # translation validates these (and refuses a non-object)
-                elif ttype in refuse:
-                    raise refused(ttype, f"tools[{i}].type")
-                elif ttype in drop:
-                    if ttype not in left_out:
-                        left_out.append(ttype)
-                else:
+                elif not leave_out(ttype, f"tools[{i}].type", left_out, drop, refuse):
                     unknown_types.append(_show(ttype))
             if unknown_types:
                 shown = ", ".join(dict.fromkeys(unknown_types))
@@ -119,12 +100,8 @@ def create(section: dict[str, Any], app: web.Application):
         choice = body.get("tool_choice")
         if isinstance(choice, dict):
             ctype = choice.get("type")
-            if isinstance(ctype, str) and ctype in refuse:
-                raise refused(ctype, "tool_choice")
-            if isinstance(ctype, str) and ctype in drop:
+            if leave_out(ctype, "tool_choice", left_out, drop, refuse):
                 body["tool_choice"] = "auto"
-                if ctype not in left_out:
-                    left_out.append(ctype)
             elif ctype == "allowed_tools" and isinstance(choice.get("tools"), list):
                 allowed = choice["tools"]
                 remaining = [t for t in allowed if _names(t) not in drop]
@@ -150,7 +127,7 @@ def create(section: dict[str, Any], app: web.Application):
             raise APIError(500, "The tools middleware ran after the request was translated.", code="internal_error")
         left_out = edit(body)
         if left_out:
-            state.notices(request).append(f"tools left out: {', '.join(left_out)}")
+            state.notices(request).append(hosted_tools_notice(left_out))
         return await handler(request)
 
     return tools_mw

@@ -38,8 +38,8 @@ STARTED = web.RequestKey("started_response", web.StreamResponse)
 
 # Request ids (and the response ids made from them, and the ledger's hold ids) need to be
 # unique, not secret (proxy.ids). Time first (as in UUIDv7): the ledger's UNIQUE(request_id)
-# index then grows at its right edge instead of dirtying a random leaf page per usage row
-# (writer thread CPU per leased request ~39 -> ~33 us on a fresh ledger, more on a big one).
+# index then grows at its right edge instead of dirtying a random leaf page per usage row,
+# which the ledger's writer thread pays for on every settle (bench/results.md, "Design measurements").
 def new_request_id() -> str:
     """"req_" + 24 hex digits: 12 of Unix milliseconds, 12 random."""
     return f"req_{time.time_ns() // 1_000_000:012x}{random_bits(48):012x}"

@@ -270,32 +270,43 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
             if not out.usage_reported:
                 await _count_usage(request, worker, t, ctx, answer, out)
             return web.Response(body=orjson.dumps(answer), content_type="application/json")
-        if not first:
-            pool.record_failure(worker, "closed before the first byte")
-            raise _Retryable(worker, "empty_stream",
-                             APIError(502, "The model server closed the stream before answering.",
-                                      code="upstream_error"))
-        if not is_event_stream(upstream.content_type, first):
-            # An HTML page or JSON where events belong (a proxy's error page, a misrouted
-            # request): nothing reached the client yet, so another worker may take it.
-            pool.record_failure(worker, "not an event stream")
-            raise _Retryable(worker, "not_event_stream",
-                             APIError(502, "The model server answered the stream with something other than "
-                                           "an event stream.", code="upstream_error"))
+        _check_stream_start(pool, worker, upstream, first)
         pool.record_success(worker, out.ttfb_ms / 1000)
         return await _stream_answer(request, upstream, ctx, first, out, worker=worker, deadline=deadline)
     finally:
         if upstream is not None:
-            # An unfinished generation is aborted upstream by closing its connection (vLLM
-            # frees the GPU when the connection drops), never left running for a pooled reuse.
-            if out.output_capped:
-                upstream.close()  # it ignored max_tokens: whatever it is still sending is not wanted
-            elif upstream.at_eof():
-                upstream.release()
-            elif t.stream and out.status in ("completed", "incomplete"):
-                upstream.release_when_complete(STREAM_END_GRACE_S)  # only the stream's framing is left
-            else:
-                upstream.close()
+            _let_go(upstream, t, out)
+
+
+def _check_stream_start(pool: Any, worker: Worker, upstream: UpstreamResponse, first: bytes) -> None:
+    """Raise _Retryable when the first read of a stream is not the start of an event stream."""
+    if not first:
+        pool.record_failure(worker, "closed before the first byte")
+        raise _Retryable(worker, "empty_stream",
+                         APIError(502, "The model server closed the stream before answering.",
+                                  code="upstream_error"))
+    if not is_event_stream(upstream.content_type, first):
+        # An HTML page or JSON where events belong (a proxy's error page, a misrouted
+        # request): nothing reached the client yet, so another worker may take it.
+        pool.record_failure(worker, "not an event stream")
+        raise _Retryable(worker, "not_event_stream",
+                         APIError(502, "The model server answered the stream with something other than "
+                                       "an event stream.", code="upstream_error"))
+
+
+def _let_go(upstream: UpstreamResponse, t: Any, out: state.Outcome) -> None:
+    """Release the upstream connection for reuse, or close it.
+
+    An unfinished generation is aborted upstream by closing its connection (vLLM frees the
+    GPU when the connection drops), never left running for a pooled reuse."""
+    if out.output_capped:
+        upstream.close()  # it ignored max_tokens: whatever it is still sending is not wanted
+    elif upstream.at_eof():
+        upstream.release()
+    elif t.stream and out.status in ("completed", "incomplete"):
+        upstream.release_when_complete(STREAM_END_GRACE_S)  # only the stream's framing is left
+    else:
+        upstream.close()
 
 
 _SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
@@ -406,53 +417,92 @@ class _EventStream(web.StreamResponse):
     _send_headers_immediately = False
 
 
+class _ReadWatchdog:
+    """The idle and total timeouts of each upstream read, as one lazy timer: an asyncio.timeout
+    per read costs more than rewriting the chunk. A read only stamps its start (`since`); the
+    timer, when due, re-arms itself at the stamp of the read in progress (if any) and cancels
+    the task only once a read has lasted `idle` or runs past `deadline`. Same semantics as
+    timeout_at(min(start + idle, deadline)) around each read; writes to the client are not timed."""
+
+    __slots__ = ("loop", "task", "cancelling", "idle", "deadline", "rewriter", "since", "fired", "timer")
+
+    def __init__(self, idle: float, deadline: float, rewriter: StreamRewriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.loop = asyncio.get_running_loop()
+        self.task = task
+        self.cancelling = task.cancelling()
+        self.idle = idle
+        self.deadline = deadline
+        self.rewriter = rewriter
+        self.since: float | None = None  # start of the read in progress, None between reads
+        self.fired = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def start_read(self) -> None:
+        self.since = now = self.loop.time()
+        if self.timer is None:
+            self.timer = self.loop.call_at(min(now + self.idle, self.deadline), self._due)
+
+    def _due(self) -> None:
+        self.timer = None
+        if self.since is None or self.rewriter.done:
+            return  # not reading: the next read re-arms
+        due = min(self.since + self.idle, self.deadline)
+        if self.loop.time() >= due:
+            self.fired = True
+            self.task.cancel()
+        else:
+            self.timer = self.loop.call_at(due, self._due)
+
+    def caused(self) -> bool:
+        """Whether the CancelledError a read raised is this timer's (then it is consumed)."""
+        if not self.fired or self.task.uncancel() > self.cancelling:
+            return False  # not (only) ours: a real cancellation
+        self.fired = False
+        return True
+
+    def message(self, total: float) -> str:
+        if self.since is not None and self.since + self.idle < self.deadline:
+            return f"The model server sent nothing for {self.idle:g}s (idle timeout)."
+        return f"The model server did not finish within {total:g}s (total timeout)."
+
+    def stop(self) -> None:
+        # The timer re-arms itself through this object: cancelling it breaks the cycle that
+        # would keep the stream's task, rewriter and response alive until the cyclic GC.
+        self.since = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+async def _start_stream(request: web.Request, response: web.StreamResponse, rewriter: StreamRewriter,
+                        first: bytes) -> bytes:
+    """Send the headers (with the first events when the first read is big); -> what the next write sends."""
+    await response.prepare(request)
+    pending = rewriter.start()
+    cut = _early_cut(first)
+    if cut:
+        # The first two events rewritten on their own (the rest is then rewritten in bulk,
+        # see StreamRewriter._feed_split) and, unless this read holds the whole answer,
+        # written on their own: the first delta does not wait for the rest of a big read.
+        pending += rewriter.feed(first[:cut])
+        first = first[cut:]
+        if not first.endswith(b"data: [DONE]\n\n"):
+            await response.write(pending)
+            pending = b""
+    return pending + rewriter.feed(first)
+
+
 async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: ResponseContext,
                          first: bytes, out: state.Outcome, *, worker: Worker,
                          deadline: float) -> web.StreamResponse:
     rewriter = request[EVENT_STREAM] = StreamRewriter(ctx)
     response = _EventStream(status=200, headers=_SSE_HEADERS)
     recorded = False
-    loop = asyncio.get_running_loop()
-    idle = worker.timeouts.idle
-    # The idle and total timeouts of each upstream read, as one lazy watchdog timer instead of
-    # an asyncio.timeout per read (~9 us each on the bench machine, more than the rewriting of
-    # the chunk): a read only stamps its start time; the timer, when due, re-arms itself at the
-    # stamp of the read in progress (if any) and cancels the task only once a read has lasted
-    # `idle` or runs past `deadline`. Same semantics as timeout_at(min(start + idle, deadline))
-    # around each read; writes to the client are not timed (nor were they).
-    task = asyncio.current_task()
-    assert task is not None
-    cancelling = task.cancelling()
-    read_since: float | None = None  # start of the read in progress, None between reads
-    fired = False
-    timer: asyncio.TimerHandle | None = None
-
-    def watchdog() -> None:
-        nonlocal timer, fired
-        timer = None
-        if read_since is None or rewriter.done:
-            return  # not reading: the next read re-arms
-        due = min(read_since + idle, deadline)
-        if loop.time() >= due:
-            fired = True
-            task.cancel()
-        else:
-            timer = loop.call_at(due, watchdog)
-
+    dog = _ReadWatchdog(worker.timeouts.idle, deadline, rewriter)
     try:
-        await response.prepare(request)
-        pending = rewriter.start()  # what the next write sends
-        cut = _early_cut(first)
-        if cut:
-            # The first two events rewritten on their own (the rest is then rewritten in bulk,
-            # see StreamRewriter._feed_split) and, unless this read holds the whole answer,
-            # written on their own: the first delta does not wait for the rest of a big read.
-            pending += rewriter.feed(first[:cut])
-            first = first[cut:]
-            if not first.endswith(b"data: [DONE]\n\n"):
-                await response.write(pending)
-                pending = b""
-        pending += rewriter.feed(first)
+        pending = await _start_stream(request, response, rewriter, first)
         read = upstream.read
         write = response.write
         feed = rewriter.feed
@@ -460,31 +510,25 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
             if pending:  # one write per upstream read, none for a read that completed no event
                 await write(pending)
                 pending = b""
-            read_since = loop.time()
-            if timer is None:
-                timer = loop.call_at(min(read_since + idle, deadline), watchdog)
+            dog.start_read()
             try:
                 data = await read()
             except asyncio.CancelledError:
-                if not fired or task.uncancel() > cancelling:
-                    raise  # not (only) ours: a real cancellation
-                fired = False
-                if read_since + idle < deadline:
-                    message = f"The model server sent nothing for {idle:g}s (idle timeout)."
-                else:
-                    message = f"The model server did not finish within {worker.timeouts.total:g}s (total timeout)."
-                read_since = None
+                if not dog.caused():
+                    raise
+                message = dog.message(worker.timeouts.total)
+                dog.since = None
                 pending = rewriter.fail(message, code="upstream_timeout")
                 out.error = "upstream_timeout"
                 break
             except (Disconnected, BadResponse):
-                read_since = None
+                dog.since = None
                 request.app[POOL].record_failure(worker, "disconnected mid-stream")
                 pending = rewriter.fail("The connection to the model server was lost mid-stream.",
                                         code="upstream_disconnected")
                 out.error = "upstream_disconnected"
                 break
-            read_since = None
+            dog.since = None
             pending = feed(data) if data else rewriter.finish()
         out.status = rewriter.status
         _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)
@@ -497,12 +541,7 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
         if not rewriter.done:
             raise
     finally:
-        read_since = None
-        if timer is not None:
-            timer.cancel()
-        # watchdog re-arms itself, so its closure holds it: a cycle that would keep this
-        # stream's task, rewriter and response alive until the cyclic GC (per stream).
-        watchdog = None  # type: ignore[assignment]  # noqa: F841
+        dog.stop()
         if not recorded:  # else the balance may have put the billed figures there since
             out.status = rewriter.status if rewriter.done else "cancelled"
             _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)

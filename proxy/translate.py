@@ -13,8 +13,17 @@ from typing import Any, Callable
 
 import orjson
 
-from proxy.errors import APIError, bad_request
+from proxy.errors import bad_request
 from proxy.models import DEFAULT_SAMPLING, resolve_model
+from proxy.rules import (
+    HOSTED_TOOL_TYPES,
+    REFUSED_TOOL_TYPES,
+    check_stateless,
+    hosted_tools_notice,
+    item_reference_refusal,
+    leave_out,
+    tool_type_refusal,
+)
 
 __all__ = [
     "ToolOrigin",
@@ -27,29 +36,6 @@ __all__ = [
     "HOSTED_ITEM_TYPES",
     "REASONING_EFFORTS",
 ]
-
-# Tool types the OpenAI platform runs itself: left out (with a notice), never forwarded.
-HOSTED_TOOL_TYPES: frozenset[str] = frozenset(
-    {
-        "web_search",
-        "web_search_2025_08_26",
-        "web_search_preview",
-        "web_search_preview_2025_03_11",
-        "file_search",
-        "code_interpreter",
-        "computer_use",
-        "computer_use_preview",
-        "computer",
-        "mcp",
-        "local_shell",
-        "shell",
-        "apply_patch",
-        "tool_search",
-    }
-)
-# Tool types refused outright (the client would expect a result we cannot produce).
-REFUSED_TOOL_TYPES: frozenset[str] = frozenset({"image_generation"})
-_REFUSED_CODES = {"image_generation": "image_generation_unsupported"}
 
 # Input items produced by hosted tools: replayed as an assistant-side note.
 HOSTED_ITEM_TYPES: frozenset[str] = frozenset(
@@ -266,15 +252,6 @@ def _register(acc: _Tools, upstream: str, origin: ToolOrigin, chat_tool: dict, p
     acc.chat_tools.append(chat_tool)
 
 
-def _refuse_tool_type(ttype: str, param: str) -> APIError:
-    return bad_request(
-        f"Tool type '{ttype}' is not supported by this endpoint.",
-        param=param,
-        code=_REFUSED_CODES.get(ttype, "unsupported_tool"),
-    )
-
-
-
 _LEAF_TOOLS = ("function", "custom")
 
 
@@ -321,12 +298,7 @@ def _translate_tools(tools: Any) -> _Tools:
             echo_ns = dict(tool)
             echo_ns["tools"] = echo_inner
             acc.echo_tools.append(echo_ns)
-        elif isinstance(ttype, str) and ttype in REFUSED_TOOL_TYPES:
-            raise _refuse_tool_type(ttype, f"{param}.type")
-        elif isinstance(ttype, str) and ttype in HOSTED_TOOL_TYPES:
-            if ttype not in acc.left_out:
-                acc.left_out.append(ttype)
-        else:
+        elif not leave_out(ttype, f"{param}.type", acc.left_out):
             shown = _show(ttype)
             raise bad_request(f"Unknown tool type '{shown}'.", param=f"{param}.type")
     return acc
@@ -364,11 +336,7 @@ def _translate_tool_choice(choice: Any, acc: _Tools, notices: list[str]) -> Any:
         if mode not in ("auto", "required"):
             raise bad_request("Invalid 'tool_choice.mode': expected 'auto' or 'required'.", param="tool_choice.mode")
         return mode
-    if isinstance(ctype, str) and ctype in REFUSED_TOOL_TYPES:
-        raise _refuse_tool_type(ctype, "tool_choice")
-    if isinstance(ctype, str) and ctype in HOSTED_TOOL_TYPES:
-        if ctype not in acc.left_out:
-            acc.left_out.append(ctype)
+    if leave_out(ctype, "tool_choice", acc.left_out):
         return "auto"
     shown = _show(ctype)
     raise bad_request(f"Unknown tool_choice type '{shown}'.", param="tool_choice.type")
@@ -398,9 +366,7 @@ def _allowed_tools(choice: dict, acc: _Tools) -> frozenset[str]:
                 raise bad_request(f"Allowed tool '{upstream}' names a {etype} tool that is not in 'tools'.",
                                   param=param)
             allowed.add(upstream)
-        elif isinstance(etype, str) and etype in REFUSED_TOOL_TYPES:
-            raise _refuse_tool_type(etype, param)
-        elif not (isinstance(etype, str) and etype in HOSTED_TOOL_TYPES):
+        elif not leave_out(etype, param, []):
             raise bad_request(f"Unknown allowed tool type '{_show(etype)}'.", param=f"{param}.type")
     return frozenset(allowed)
 
@@ -586,6 +552,56 @@ class _Turn:
         self.calls = []
 
 
+def _message_item(item: dict, param: str, systems: list[str], messages: list[dict], turn: "_Turn") -> None:
+    """A message input item: system/developer text joins `systems`, a user message starts a
+    turn, assistant text joins the current turn."""
+    role = item.get("role")
+    cparam = f"{param}.content"
+    content = item.get("content")
+    if role in ("system", "developer"):
+        parts, _ = _message_content(content, cparam, allow_images=False)
+        text = _joined_text(parts)
+        if text:
+            systems.append(text)
+    elif role == "user":
+        turn.flush_into(messages)
+        parts, has_images = _message_content(content, cparam, allow_images=True)
+        if has_images:
+            messages.append({"role": "user", "content": parts})
+        else:
+            messages.append({"role": "user", "content": _joined_text(parts)})
+    elif role == "assistant":
+        parts, _ = _message_content(content, cparam, allow_images=False)
+        text = _joined_text(parts)
+        if text:
+            turn.texts.append(text)
+    else:
+        shown = _show(role)
+        raise bad_request(
+            f"Invalid message role '{shown}': expected user, assistant, system or developer.",
+            param=f"{param}.role",
+        )
+
+
+def _call_item(item: dict, param: str, itype: str) -> dict:
+    """A function_call or custom_tool_call input item -> the chat tool call."""
+    call_id = _req_str(item, "call_id", param)
+    name = _call_name(item, param)
+    if itype == "function_call":
+        args = item.get("arguments")
+        if not isinstance(args, str):
+            raise bad_request("Invalid type for 'arguments': expected a string.", param=f"{param}.arguments")
+    else:
+        raw = item.get("input")
+        if not isinstance(raw, str):
+            raise bad_request("Invalid type for 'input': expected a string.", param=f"{param}.input")
+        try:
+            args = orjson.dumps({"input": raw}).decode()
+        except orjson.JSONEncodeError:
+            raise bad_request("Invalid 'input': not valid UTF-8 text.", param=f"{param}.input") from None
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
 def _translate_input(
     inp: Any, options: TranslateOptions, notices: list[str]
 ) -> tuple[list[str], list[dict], str | None]:
@@ -606,54 +622,13 @@ def _translate_input(
         if itype is None and "role" in item:
             itype = "message"
         if itype == "message":
-            role = item.get("role")
-            cparam = f"{param}.content"
-            content = item.get("content")
-            if role in ("system", "developer"):
-                parts, _ = _message_content(content, cparam, allow_images=False)
-                text = _joined_text(parts)
-                if text:
-                    systems.append(text)
-            elif role == "user":
-                turn.flush_into(messages)
-                parts, has_images = _message_content(content, cparam, allow_images=True)
-                if has_images:
-                    messages.append({"role": "user", "content": parts})
-                else:
-                    messages.append({"role": "user", "content": _joined_text(parts)})
-            elif role == "assistant":
-                parts, _ = _message_content(content, cparam, allow_images=False)
-                text = _joined_text(parts)
-                if text:
-                    turn.texts.append(text)
-            else:
-                shown = _show(role)
-                raise bad_request(
-                    f"Invalid message role '{shown}': expected user, assistant, system or developer.",
-                    param=f"{param}.role",
-                )
+            _message_item(item, param, systems, messages, turn)
         elif itype == "reasoning":
             text = _reasoning_text(item, param, options, notices)
             if text:
                 turn.reasoning.append(text)
-        elif itype == "function_call":
-            call_id = _req_str(item, "call_id", param)
-            name = _call_name(item, param)
-            args = item.get("arguments")
-            if not isinstance(args, str):
-                raise bad_request("Invalid type for 'arguments': expected a string.", param=f"{param}.arguments")
-            turn.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
-        elif itype == "custom_tool_call":
-            call_id = _req_str(item, "call_id", param)
-            name = _call_name(item, param)
-            raw = item.get("input")
-            if not isinstance(raw, str):
-                raise bad_request("Invalid type for 'input': expected a string.", param=f"{param}.input")
-            try:
-                args = orjson.dumps({"input": raw}).decode()
-            except orjson.JSONEncodeError:
-                raise bad_request("Invalid 'input': not valid UTF-8 text.", param=f"{param}.input") from None
-            turn.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+        elif itype in ("function_call", "custom_tool_call"):
+            turn.calls.append(_call_item(item, param, itype))
         elif itype in ("function_call_output", "custom_tool_call_output"):
             turn.flush_into(messages)
             call_id = _req_str(item, "call_id", param)
@@ -676,12 +651,7 @@ def _translate_input(
                         )
                     config_effort = effort
         elif itype == "item_reference":
-            raise bad_request(
-                "item_reference input items are not supported: this endpoint is stateless, "
-                "send the whole conversation in input.",
-                param=param,
-                code="stateless_only",
-            )
+            raise item_reference_refusal(param)
         else:
             shown = _show(itype)
             raise bad_request(f"Unknown input item type '{shown}'.", param=f"{param}.type")
@@ -733,48 +703,29 @@ def _text_format(text: Any) -> tuple[dict | None, dict]:
     raise bad_request(f"Unknown text format type '{shown}'.", param="text.format.type")
 
 
-def _stateless_guard(body: dict) -> None:
-    """Defence in depth: the stateless middleware refuses these first."""
-    if body.get("previous_response_id") is not None:
-        raise bad_request(
-            "previous_response_id is not supported: this endpoint is stateless, send the whole conversation in input.",
-            param="previous_response_id",
-            code="stateless_only",
-        )
-    if body.get("background") is True:
-        raise bad_request(
-            "background is not supported: stream the response or wait for it.",
-            param="background",
-            code="stateless_only",
-        )
-    if body.get("prompt") is not None:
-        raise bad_request(
-            "Stored prompts are not supported: send instructions and input.", param="prompt", code="stateless_only"
-        )
+@dataclass(slots=True)
+class _Scalars:
+    """The request's plain fields, checked."""
+
+    instructions: str | None
+    stream: bool
+    temperature: float | None
+    top_p: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    max_out: int | None
+    top_logprobs: int | None
+    parallel: bool | None
+    user: str | None
+    safety_identifier: str | None
+    prompt_cache_key: str | None
+    metadata: dict | None
+    max_tool_calls: int | None
+    include_encrypted: bool
+    conversation: str | None
 
 
-def translate_request(body: Any, options: TranslateOptions | None = None) -> Translation:
-    """Validate a Responses request body and build the chat-completions body. Raises APIError(400)."""
-    if options is None:
-        options = TranslateOptions()
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
-
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise bad_request("Missing required parameter: 'model' must be a non-empty string.", param="model")
-    # A name nobody serves goes on as sent: routing answers 404 naming the client's string.
-    upstream_model = resolve_model(model, options.served) if options.served is not None else model
-    if upstream_model is None:
-        upstream_model = model
-
-    if "input" not in body or body["input"] is None:
-        raise bad_request("Missing required parameter: 'input'.", param="input")
-
-    _stateless_guard(body)
-    notices: list[str] = []
-
-    # --- scalars
+def _scalars(body: dict, options: TranslateOptions, notices: list[str]) -> _Scalars:
     instructions = _opt_str(body, "instructions")
     stream = bool(_opt_bool(body, "stream"))
     temperature = _opt_number(body, "temperature", 0, 2)
@@ -803,35 +754,38 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     include_encrypted = bool(include) and "reasoning.encrypted_content" in include
     if include_encrypted and options.unseal is None:  # no seal key: nothing to seal with
         notices.append(_NO_SEAL_INCLUDE)
-    conv = body.get("conversation")
-    conversation: str | None
+    return _Scalars(instructions, stream, temperature, top_p, presence_penalty, frequency_penalty, max_out,
+                    top_logprobs, parallel, user, safety_identifier, prompt_cache_key, metadata, max_tool_calls,
+                    include_encrypted, _conversation_id(body.get("conversation")))
+
+
+def _conversation_id(conv: Any) -> str | None:
     if conv is None or isinstance(conv, str):
-        conversation = conv
-    elif isinstance(conv, dict) and isinstance(conv.get("id"), str):
-        conversation = conv["id"]
-    else:
-        raise bad_request("Invalid 'conversation': expected a string or an object with an 'id'.", param="conversation")
+        return conv
+    if isinstance(conv, dict) and isinstance(conv.get("id"), str):
+        return conv["id"]
+    raise bad_request("Invalid 'conversation': expected a string or an object with an 'id'.", param="conversation")
 
-    # --- reasoning
-    reasoning = body.get("reasoning")
-    effort: str | None = None
-    summary: Any = None
-    if reasoning is not None:
-        if not isinstance(reasoning, dict):
-            raise bad_request("Invalid type for 'reasoning': expected an object.", param="reasoning")
-        effort = reasoning.get("effort")
-        if effort is not None and (not isinstance(effort, str) or effort not in REASONING_EFFORTS):
-            raise bad_request(
-                "Invalid 'reasoning.effort': expected one of none, minimal, low, medium, high, xhigh.",
-                param="reasoning.effort",
-            )
-        summary = reasoning.get("summary")
-        if not isinstance(summary, str):
-            summary = None
 
-    response_format, text_echo = _text_format(body.get("text"))
+def _reasoning_of(reasoning: Any) -> tuple[str | None, Any]:
+    """-> (effort, summary) of the `reasoning` field."""
+    if reasoning is None:
+        return None, None
+    if not isinstance(reasoning, dict):
+        raise bad_request("Invalid type for 'reasoning': expected an object.", param="reasoning")
+    effort = reasoning.get("effort")
+    if effort is not None and (not isinstance(effort, str) or effort not in REASONING_EFFORTS):
+        raise bad_request(
+            "Invalid 'reasoning.effort': expected one of none, minimal, low, medium, high, xhigh.",
+            param="reasoning.effort",
+        )
+    summary = reasoning.get("summary")
+    return effort, summary if isinstance(summary, str) else None
 
-    # --- tools
+
+def _tools_of(body: dict, notices: list[str]) -> tuple[_Tools, Any, Any, frozenset[str] | None, list[dict]]:
+    """-> (the tools, the tool_choice to echo, the chat tool_choice, the allowed upstream names
+    or None, the chat tools to send)."""
     acc = _translate_tools(body.get("tools"))
     raw_choice = body.get("tool_choice")
     chat_choice = _translate_tool_choice(raw_choice, acc, notices)
@@ -848,12 +802,14 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
             raise bad_request("tool_choice requires a call but allows no function or custom tool.",
                               param="tool_choice.tools")
     if acc.left_out:
-        notices.append(f"tools left out: {', '.join(acc.left_out)} (hosted tools are not available)")
+        notices.append(hosted_tools_notice(acc.left_out))
+    return acc, raw_choice, chat_choice, allowed_tools, chat_tools
 
-    # --- input
-    systems, messages, config_effort = _translate_input(body["input"], options, notices)
-    if effort is None and config_effort is not None:
-        effort = config_effort
+
+def _messages_of(inp: Any, instructions: str | None, options: TranslateOptions,
+                 notices: list[str]) -> tuple[list[dict], str | None]:
+    """-> (the chat messages, the effort a configuration_update item set)."""
+    systems, messages, config_effort = _translate_input(inp, options, notices)
     if instructions:
         systems.insert(0, instructions)
     if systems:
@@ -862,82 +818,122 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         # An empty input (or one of items that translate to nothing) would reach the model
         # server as an empty chat, which it refuses after the balance was held.
         raise bad_request("Invalid 'input': it contains no message to answer.", param="input", code="empty_input")
+    return messages, config_effort
 
-    # --- chat body
+
+def _chat_body(sc: _Scalars, upstream_model: str, messages: list[dict], effort: str | None,
+               response_format: dict | None, chat_tools: list[dict], chat_choice: Any) -> dict[str, Any]:
     chat: dict[str, Any] = {"model": upstream_model, "messages": messages}
-    if max_out is not None:
-        chat["max_tokens"] = max_out
-    if temperature is not None:
-        chat["temperature"] = temperature
-    if top_p is not None:
-        chat["top_p"] = top_p
-    if presence_penalty is not None:
-        chat["presence_penalty"] = presence_penalty
-    if frequency_penalty is not None:
-        chat["frequency_penalty"] = frequency_penalty
+    if sc.max_out is not None:
+        chat["max_tokens"] = sc.max_out
+    if sc.temperature is not None:
+        chat["temperature"] = sc.temperature
+    if sc.top_p is not None:
+        chat["top_p"] = sc.top_p
+    if sc.presence_penalty is not None:
+        chat["presence_penalty"] = sc.presence_penalty
+    if sc.frequency_penalty is not None:
+        chat["frequency_penalty"] = sc.frequency_penalty
     if effort is not None:
         chat["reasoning_effort"] = effort
         chat["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
     if response_format is not None:
         chat["response_format"] = response_format
-    chat_user = user if user is not None else safety_identifier
+    chat_user = sc.user if sc.user is not None else sc.safety_identifier
     if chat_user is not None:
         chat["user"] = chat_user
-    chat["stream"] = stream
-    if stream:
+    chat["stream"] = sc.stream
+    if sc.stream:
         chat["stream_options"] = {"include_usage": True}
-    if top_logprobs:  # 0 asks for no alternatives: logprobs stay off upstream
+    if sc.top_logprobs:  # 0 asks for no alternatives: logprobs stay off upstream
         chat["logprobs"] = True
-        chat["top_logprobs"] = top_logprobs
+        chat["top_logprobs"] = sc.top_logprobs
     if chat_tools:
         chat["tools"] = chat_tools
         if chat_choice is not None:
             chat["tool_choice"] = chat_choice
-        if parallel is not None:
-            chat["parallel_tool_calls"] = parallel
+        if sc.parallel is not None:
+            chat["parallel_tool_calls"] = sc.parallel
+    return chat
 
-    store = body.get("store")
-    sampling = DEFAULT_SAMPLING
-    if options.sampling_defaults and upstream_model in options.sampling_defaults:
-        sampling = {**DEFAULT_SAMPLING, **options.sampling_defaults[upstream_model]}
-    echo: dict[str, Any] = {
-        "instructions": instructions,
-        "tools": acc.echo_tools,
+
+def _echo(sc: _Scalars, store: Any, sampling: dict, echo_tools: list, raw_choice: Any, text_echo: dict,
+          effort: str | None, summary: Any) -> dict[str, Any]:
+    """The request fields echoed in the Response object."""
+    return {
+        "instructions": sc.instructions,
+        "tools": echo_tools,
         "tool_choice": raw_choice if raw_choice is not None else "auto",
         # The effective sampling values (the Open Responses spec requires numbers): the
         # client's, else the ones the model server applies when the request leaves them out.
-        "temperature": temperature if temperature is not None else sampling["temperature"],
-        "top_p": top_p if top_p is not None else sampling["top_p"],
-        "presence_penalty": presence_penalty if presence_penalty is not None else sampling["presence_penalty"],
-        "frequency_penalty": frequency_penalty if frequency_penalty is not None else sampling["frequency_penalty"],
-        "max_output_tokens": max_out,
-        "parallel_tool_calls": parallel if parallel is not None else True,
-        "metadata": metadata if metadata is not None else {},
+        "temperature": sc.temperature if sc.temperature is not None else sampling["temperature"],
+        "top_p": sc.top_p if sc.top_p is not None else sampling["top_p"],
+        "presence_penalty": (sc.presence_penalty if sc.presence_penalty is not None
+                             else sampling["presence_penalty"]),
+        "frequency_penalty": (sc.frequency_penalty if sc.frequency_penalty is not None
+                              else sampling["frequency_penalty"]),
+        "max_output_tokens": sc.max_out,
+        "parallel_tool_calls": sc.parallel if sc.parallel is not None else True,
+        "metadata": sc.metadata if sc.metadata is not None else {},
         "store": store if isinstance(store, bool) else False,
         "text": text_echo,
         "reasoning": {"effort": effort, "summary": summary},
-        "user": user,
-        "safety_identifier": safety_identifier,
-        "prompt_cache_key": prompt_cache_key,
-        "top_logprobs": top_logprobs if top_logprobs is not None else sampling["top_logprobs"],
+        "user": sc.user,
+        "safety_identifier": sc.safety_identifier,
+        "prompt_cache_key": sc.prompt_cache_key,
+        "top_logprobs": sc.top_logprobs if sc.top_logprobs is not None else sampling["top_logprobs"],
         "service_tier": "default",
         "truncation": "disabled",
         "background": False,
-        "max_tool_calls": max_tool_calls,
+        "max_tool_calls": sc.max_tool_calls,
     }
 
+
+def translate_request(body: Any, options: TranslateOptions | None = None) -> Translation:
+    """Validate a Responses request body and build the chat-completions body. Raises APIError(400)."""
+    if options is None:
+        options = TranslateOptions()
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise bad_request("Missing required parameter: 'model' must be a non-empty string.", param="model")
+    # A name nobody serves goes on as sent: routing answers 404 naming the client's string.
+    upstream_model = resolve_model(model, options.served) if options.served is not None else model
+    if upstream_model is None:
+        upstream_model = model
+
+    if "input" not in body or body["input"] is None:
+        raise bad_request("Missing required parameter: 'input'.", param="input")
+
+    check_stateless(body, items=False)  # _translate_input refuses an item_reference where it stands
+    notices: list[str] = []
+    sc = _scalars(body, options, notices)
+    effort, summary = _reasoning_of(body.get("reasoning"))
+    response_format, text_echo = _text_format(body.get("text"))
+    acc, raw_choice, chat_choice, allowed_tools, chat_tools = _tools_of(body, notices)
+    messages, config_effort = _messages_of(body["input"], sc.instructions, options, notices)
+    if effort is None and config_effort is not None:
+        effort = config_effort
+
+    chat = _chat_body(sc, upstream_model, messages, effort, response_format, chat_tools, chat_choice)
+    sampling = DEFAULT_SAMPLING
+    if options.sampling_defaults and upstream_model in options.sampling_defaults:
+        sampling = {**DEFAULT_SAMPLING, **options.sampling_defaults[upstream_model]}
+    echo = _echo(sc, body.get("store"), sampling, acc.echo_tools, raw_choice, text_echo, effort, summary)
     return Translation(
         chat=chat,
         model=model,
         upstream_model=upstream_model,
-        stream=stream,
+        stream=sc.stream,
         tools=acc.origins,
         echo=echo,
         notices=notices,
-        include_encrypted_reasoning=include_encrypted,
-        prompt_cache_key=prompt_cache_key,
-        conversation=conversation,
-        max_output_tokens=max_out,
+        include_encrypted_reasoning=sc.include_encrypted,
+        prompt_cache_key=sc.prompt_cache_key,
+        conversation=sc.conversation,
+        max_output_tokens=sc.max_out,
         allowed_tools=allowed_tools,
     )
 

@@ -1,9 +1,9 @@
 """The chat-completions leg to the model servers: a lean pooled HTTP/1.1 client.
 
 Why not aiohttp's ClientSession here (it still serves health checks, discovery, /tokenize
-and every other upstream call): on the bench machine one ClientSession POST and read costs
-~145 us of CPU against a C upstream, a bare asyncio protocol ~14 us, and the proxy pays it
-on every request, before the first token. The generality behind that cost (cookies,
+and every other upstream call): one ClientSession POST and read costs about ten times the
+CPU of a bare asyncio protocol (bench/results.md, "Design measurements"), and the proxy
+pays it on every request, before the first token. The generality behind that cost (cookies,
 redirects, proxies, tracing, content decoding) is unused on this leg: a known model server,
 one JSON POST, an answer framed by Content-Length, chunked encoding or the connection's end.
 httptools (the C parser uvicorn uses) does the framing; this module only pools connections.

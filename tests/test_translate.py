@@ -591,13 +591,13 @@ def test_namespace_tool_flattened():
 def test_hosted_tools_left_out_with_notice(ttype):
     t = tr(body("u", tools=[{"type": ttype}, FN]))
     assert [x["function"]["name"] for x in t.chat["tools"]] == ["get_weather"]
-    assert t.notices == [f"tools left out: {ttype} (hosted tools are not available)"]
+    assert t.notices == [f"tools left out: {ttype}"]
     assert [x["name"] for x in t.echo["tools"]] == ["get_weather"]
 
 
 def test_hosted_tools_one_notice_listing_them():
     t = tr(body("u", tools=[{"type": "web_search"}, {"type": "mcp", "server_label": "x"}, {"type": "web_search"}]))
-    assert t.notices == ["tools left out: web_search, mcp (hosted tools are not available)"]
+    assert t.notices == ["tools left out: web_search, mcp"]
     assert "tools" not in t.chat and "tool_choice" not in t.chat
     assert t.tools == {}
 
@@ -673,7 +673,7 @@ def test_tool_choice_allowed_tools_and_hosted():
     assert t.echo["tools"] == [dict(FN, strict=None)]
     t = tr(body("u", tools=[FN], tool_choice={"type": "web_search"}))
     assert t.chat["tool_choice"] == "auto"
-    assert t.notices == ["tools left out: web_search (hosted tools are not available)"]
+    assert t.notices == ["tools left out: web_search"]
     refused(body("u", tools=[FN], tool_choice={"type": "allowed_tools", "mode": "none"}), param="tool_choice.mode")
 
 
@@ -740,7 +740,7 @@ def test_codex_shaped_body():
     assert t.tools["mcp_files__tool3"] == ToolOrigin("function", "tool3", "mcp_files")
     assert t.tools["apply_patch"] == ToolOrigin("custom", "apply_patch")
     assert len(t.tools) == 6
-    assert t.notices == [_NO_SEAL_INCLUDE, "tools left out: web_search (hosted tools are not available)", _NO_SEAL_KEY]
+    assert t.notices == [_NO_SEAL_INCLUDE, "tools left out: web_search", _NO_SEAL_KEY]
     assert t.include_encrypted_reasoning is True
     assert t.prompt_cache_key == "019a-session"
     assert [x["type"] for x in t.echo["tools"]] == ["namespace", "custom"]
