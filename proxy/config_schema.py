@@ -461,7 +461,7 @@ after it in this order."""),
         "retry_after_s": F(Num(lo=0), 1, "Retry-After of a 429"),
     }), None),
     "tools": F(Section({
-        "drop": F(Nullable(ListOf(Str(nonempty=True))), None, "hosted tool types removed silently; null: built-in list"),
+        "drop": F(Nullable(ListOf(Str(nonempty=True))), None, "hosted tool types left out, named in x-token-notice; null: built-in list"),
         "refuse": F(Nullable(ListOf(Str(nonempty=True))), None, "tool types refused with 400; null: built-in list"),
     }), None),
     "balance": F(Section({
