@@ -207,7 +207,10 @@ class AffinityState:
 
 
 def state(pool: "WorkerPool") -> AffinityState:
-    return pool.affinity_state
+    st = pool.affinity_state
+    if st is None:
+        st = pool.affinity_state = AffinityState()
+    return st
 
 
 def _bounds(workers: list["Worker"], epsilon: float) -> dict[int, int]:

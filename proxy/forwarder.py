@@ -26,7 +26,8 @@ from proxy.request import translation
 from proxy.logs import log
 from proxy.rewriter import (ResponseContext, StreamRewriter, client_usage, map_usage, public_message,
                             response_from_completion)
-from proxy.routing import TokenCountError, check_context_window, count_tokens, parse_provider, request_parameters
+from proxy.routing import (TokenCountError, check_context_window, choose, count_tokens, parse_provider,
+                           request_parameters)
 from proxy.seal import SEALER, binding
 from proxy.translate import set_output_cap
 from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected,
@@ -187,7 +188,7 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
     last: _Retryable | None = None
     for _ in range(max(attempts, 1)):
         try:
-            worker = pool.choose(t.upstream_model, exclude=tried, prefs=prefs, params=params, affinity=affinity)
+            worker = choose(pool, t.upstream_model, exclude=tried, prefs=prefs, params=params, affinity=affinity)
         except APIError:
             if last is not None:  # every eligible worker failed before the first byte
                 raise last.final from None

@@ -1,7 +1,7 @@
 """The upstream model servers (vLLM or SGLang) and the choice among them.
 
-A worker is one chat-completions server. The pool answers "which worker takes this
-request" (proxy.routing does the provider-requirement filtering and the least-loaded
+A worker is one chat-completions server. The pool holds what routing needs to answer "which worker takes this
+request" (proxy.routing.choose does the provider-requirement filtering and the least-loaded
 choice), keeps the in-flight counts that choice and capacity need, and keeps each
 worker's health: the active checks' verdict (proxy.health) and passive outlier ejection
 (N consecutive connection failures / 5xx -> ejected for a time that doubles with each
@@ -26,18 +26,13 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import aiohttp
 from multidict import CIMultiDict
 
-from proxy.affinity import AffinityState
 from proxy.config import ConfigError
 from proxy.dialects import NEUTRAL_SWITCH, THINKING_SWITCHES
-from proxy.routing import select
-
-if TYPE_CHECKING:
-    from proxy.routing import ProviderPrefs
 
 DIALECTS = ("vllm", "sglang", "detect")
 
@@ -292,7 +287,9 @@ class WorkerPool:
         self.check_interval_s = 0.0
         self.healthy_threshold = 1
         self.failovers: Counter[tuple[str, str]] = Counter()  # (from worker, reason) -> count
-        self.affinity_state = AffinityState()  # proxy.affinity's ring cache and hit / miss counters
+        # proxy.affinity's ring cache and hit / miss counters, made by proxy.affinity.state() on
+        # first use: this module sits below routing and affinity and imports neither.
+        self.affinity_state: Any = None
         self._rotation = 0
         self._epoch = -1  # the epoch _routes and _ejected were built at
         self._routes: dict[str, Route] = {}
@@ -337,12 +334,10 @@ class WorkerPool:
         self._rotation += 1
         return self._rotation
 
-    def choose(self, model: str, exclude: Iterable[Worker] = (), prefs: "ProviderPrefs | None" = None,
-               params: frozenset[str] = frozenset(), need_capacity: bool = True, affinity: Any = None) -> Worker:
+    def readmit_due(self) -> None:
+        """Before a choice (proxy.routing.choose): re-admit ejected workers whose time is over."""
         if self._ejected or self._epoch != _epoch:  # else nothing is ejected: nothing to re-admit
             self.readmit_expired()
-        return select(self, model, prefs, exclude=exclude, params=params, need_capacity=need_capacity,
-                      affinity=affinity)
 
     # ---------------------------------------------------------------- passive health
 
