@@ -80,11 +80,10 @@ from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.logs import log
-from proxy.metrics import METRICS
 from proxy.request import translation
 from proxy.routing import TokenCountError, count_tokens, prompt_bytes
+from proxy.state import HOLD, METRICS
 
-HOLD = web.RequestKey("hold", Hold)
 # The chat template's own tokens (see estimate_input_tokens): in front of everything, around
 # each message, in front of a tool list. The same margins as the context check's bound
 # (proxy.routing).

@@ -10,7 +10,7 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError
 from proxy.forwarder import POOL, SESSION
-from proxy.health import READINESS
+from proxy.state import READINESS
 from proxy.request import translation
 from proxy.routing import TokenCountError, choose, count_tokens, parse_provider, request_parameters
 

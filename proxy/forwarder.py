@@ -28,14 +28,14 @@ from proxy.rewriter import (ResponseContext, StreamRewriter, client_usage, map_u
                             response_from_completion)
 from proxy.routing import (TokenCountError, check_context_window, choose, count_tokens, parse_provider,
                            request_parameters)
-from proxy.seal import SEALER, binding
+from proxy.seal import binding
 from proxy.translate import set_output_cap
 from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected,
                             UpstreamResponse)
 from proxy.workers import Worker
+from proxy.state import EVENT_STREAM, RESPONSE_SETTINGS, SEALER
 
 SESSION, UPSTREAMS, POOL = state.SESSION, state.UPSTREAMS, state.POOL
-EVENT_STREAM = web.RequestKey("event_stream", StreamRewriter)  # the streamed answer's rewriter (proxy.app)
 
 MAX_ATTEMPTS = 3
 STREAM_END_GRACE_S = 1.0  # after [DONE], how long the last chunk of a stream may take to keep its connection
@@ -109,9 +109,6 @@ class ResponseSettings:
     def from_section(cls, section: dict) -> "ResponseSettings":
         return cls(bool(section.get("ai_markers", True)), str(section.get("ai_notice", "[AI-generated content]")),
                    bool(section.get("reasoning_items", True)), bool(section.get("reasoning_in_clear", True)))
-
-
-RESPONSE_SETTINGS = web.AppKey("response_settings", ResponseSettings)
 
 
 def _context(request: web.Request, t: Any) -> ResponseContext:

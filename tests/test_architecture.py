@@ -74,3 +74,14 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles_among_product_modules():
     assert _cycles(_import_graph()) == []
+
+
+def test_every_app_and_request_key_is_defined_in_proxy_state():
+    """One module holds every key, so a reader finds all the state an app carries in one place."""
+    elsewhere = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("AppKey", "RequestKey") and name != "proxy.state"):
+                elsewhere.append(f"{name}:{node.lineno}")
+    assert elsewhere == []

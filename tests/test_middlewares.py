@@ -173,7 +173,7 @@ async def test_auth_cache_revoke_and_limits_in_process_take_effect_at_once(make_
 
 
 async def test_auth_cache_is_bounded_and_never_caches_unknown_keys(make_proxy, http):
-    from middlewares.auth import KEY_CACHE
+    from proxy.state import KEY_CACHE
 
     p = await make_proxy({"auth": {"key_cache_size": 2}})
     cache = p.app[KEY_CACHE]
