@@ -47,6 +47,24 @@ def test_a_routing_field_change_is_seen_on_the_next_request(change, undo):
     assert _chosen(pool) == {"w0", "w1", "w2"}
 
 
+def test_a_change_in_one_pool_leaves_another_pools_routes_alone():
+    """Each pool (each app) has its own routing epoch: one app's health changes do not throw
+    away another app's cached routes."""
+    one, two = _pool(2), _pool(2)
+    route = two.route("m")
+    one.workers[0].healthy = False
+    assert [w.name for w in one.route("m").available] == ["w1"]
+    assert two.route("m") is route
+
+
+def test_a_worker_in_two_pools_moves_both_epochs():
+    shared = Worker(name="w", url="http://w", models=("m",))
+    one, two = WorkerPool([shared]), WorkerPool([shared])
+    assert one.route("m").available == two.route("m").available == [shared]
+    shared.healthy = False
+    assert one.route("m").available == two.route("m").available == []
+
+
 def test_ejection_and_readmission_through_choose():
     pool = _pool(2, outlier=OutlierPolicy(consecutive_failures=1, base_ejection_s=3600, max_ejection_s=3600))
     assert pool.record_failure(pool.workers[0], "status 500")
