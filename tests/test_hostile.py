@@ -277,5 +277,5 @@ async def test_limits_answer_clear_4xx(sim, make_proxy):
     assert status == 200, error
     from middlewares.balance import wait_for_settlements
 
-    await wait_for_settlements()  # settlement runs after the answer, in its own task
+    await wait_for_settlements(proxy.app)  # settlement runs after the answer, in its own task
     assert await proxy.ledger.holds() == []
