@@ -28,7 +28,8 @@ from proxy.netguard import ImagePolicy
 from proxy.openapi import openapi_handler
 from proxy import metrics
 from proxy.workers import OutlierPolicy, WorkerPool, parse_workers
-from proxy.state import EVENT_STREAM, IMAGE_POLICY, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS, STARTED
+from proxy.affinity import AffinitySettings
+from proxy.state import AFFINITY, EVENT_STREAM, IMAGE_POLICY, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS, STARTED
 
 LEDGER = state.LEDGER
 
@@ -244,6 +245,7 @@ def build_app(config: Config) -> web.Application:
     health = config.section("health")
     HealthSettings.from_section(health)  # a bad section stops start-up here, not in the checker
     validate_routing(config.section("routing"))
+    app[AFFINITY] = AffinitySettings.from_section(config.section("routing").get("affinity"))
     app[POOL] = WorkerPool(parse_workers(config.get("workers")), outlier=OutlierPolicy.from_section(health.get("outlier")))
     app[RESPONSE_SETTINGS] = ResponseSettings.from_section(config.section("responses"))
     app[SAMPLING_DEFAULTS] = parse_sampling_defaults(config.section("responses").get("sampling_defaults"))

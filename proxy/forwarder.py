@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.affinity import request_key
+from proxy.affinity import AffinitySettings, request_key
 from proxy.dialects import chat_for
 from proxy.errors import APIError
 from proxy.request import translation
@@ -177,7 +177,10 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
     params = request_parameters(t.chat)
     pool = request.app[POOL]
     routing_cfg = request.app[state.CONFIG].section("routing")
-    affinity = request_key(t, routing_cfg.get("affinity"))  # prompt-cache affinity (proxy.affinity)
+    settings = request.app.get(state.AFFINITY)
+    if settings is None:  # an app not made by proxy.app.build_app
+        settings = AffinitySettings.from_section(routing_cfg.get("affinity"))
+    affinity = request_key(t, settings)  # prompt-cache affinity (proxy.affinity)
     out = state.outcome(request)
     ctx = _context(request, t)
     attempts = 1 if prefs is not None and prefs.single_attempt else int(routing_cfg.get("max_attempts", MAX_ATTEMPTS))

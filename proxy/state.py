@@ -60,6 +60,7 @@ IMAGE_POLICY = web.AppKey("image_policy", "ImagePolicy")  # proxy.netguard
 SEALER = web.AppKey("sealer", "Sealer")  # the app's proxy.seal.Sealer, when seal keys are configured
 KEY_CACHE = web.AppKey("key_cache", "KeyCache")  # middlewares.auth
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
+AFFINITY = web.AppKey("affinity_settings", "AffinitySettings")  # routing.affinity, parsed (proxy.affinity)
 SETTLEMENTS = web.AppKey("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
 # The embedded upstream's state (proxy.simulator): on the simulator's own app, not the proxy's.
 SIM_STATE = web.AppKey("simulator_state", "SimState")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from proxy.affinity import AffinityKey, key_point, request_key
+from proxy.affinity import AffinityKey, AffinitySettings, key_point, request_key
 from proxy.errors import APIError
 from proxy.routing import choose, parse_provider, prompt_bytes, select
 from proxy.workers import OutlierPolicy, Worker, WorkerPool
@@ -124,7 +124,7 @@ def test_key_point_is_stable_across_processes():
 
 
 def test_request_key_sources():
-    section = {"enabled": True, "epsilon": 0.25, "vnodes": 160, "hash_messages": True}
+    section = AffinitySettings.from_section({"enabled": True, "epsilon": 0.25, "vnodes": 160, "hash_messages": True})
     chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
     t = SimpleNamespace(prompt_cache_key="thread-1", conversation=None, chat=chat)
     assert request_key(t, section) == AffinityKey("prompt_cache_key", key_point(b"k\x00thread-1"), 0.25, 160)
