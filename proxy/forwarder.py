@@ -403,7 +403,10 @@ def _early_cut(first: bytes) -> int:
 class _EventStream(web.StreamResponse):
     # prepare() is always followed at once by the first write (response.created and whatever
     # the first read held): the headers go out with it, one send instead of two, as aiohttp's
-    # own web.Response does (tests/test_forwarder_writes.py holds aiohttp to this attribute).
+    # own web.Response does. aiohttp has no public switch for this (StreamResponse takes no
+    # "send headers with the first write" argument), so the private class attribute
+    # web.Response uses is set; tests/test_forwarder_writes.py pins both the attribute and
+    # the one-send behaviour.
     _send_headers_immediately = False
 
 
