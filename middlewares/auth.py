@@ -62,6 +62,7 @@ from proxy.state import LEDGER, POOL
 from proxy.ledger import KeyRecord
 from proxy.logs import log
 from proxy.request import read_json
+from proxy.state import KEY_CACHE
 
 API_KEY = state.API_KEY
 
@@ -123,9 +124,6 @@ class KeyCache:
 
     def clear(self) -> None:
         self._entries.clear()
-
-
-KEY_CACHE = web.AppKey("key_cache", KeyCache)
 
 
 def is_static(record: KeyRecord) -> bool:

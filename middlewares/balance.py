@@ -80,11 +80,10 @@ from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.logs import log
-from proxy.metrics import METRICS
 from proxy.request import translation
 from proxy.routing import TokenCountError, count_tokens, prompt_bytes
+from proxy.state import HOLD, METRICS
 
-HOLD = web.RequestKey("hold", Hold)
 # The chat template's own tokens (see estimate_input_tokens): in front of everything, around
 # each message, in front of a tool list. The same margins as the context check's bound
 # (proxy.routing).
@@ -92,22 +91,39 @@ TEMPLATE_OVERHEAD = 256
 PER_MESSAGE_OVERHEAD = 16
 TOOLS_OVERHEAD = 512
 _ANSWERED = ("completed", "incomplete", "failed", "cancelled")
-_PENDING: set[asyncio.Task] = set()  # ledger calls in flight (a strong reference each)
-_LEASES: "weakref.WeakSet[Leases]" = weakref.WeakSet()  # every app's Leases
 _LEASE_SETTINGS = {"lease_max_micros", "lease_seconds", "lease_min_rate", "lease_idle_s", "lease_ttl_s",
                    "lease_commit_ms"}
 
 
-async def wait_for_settlements(timeout: float = 30) -> None:
-    """Wait for the settlements still in flight and commit the queued ones, then give back
-    the leases nothing holds (shutdown, and tests that read the ledger)."""
-    loop = asyncio.get_running_loop()  # tests run apps on several loops; wait only on this one's
-    for leases in list(_LEASES):
-        if leases.loop is loop:
-            await asyncio.wait_for(leases.quiesce(), timeout)
-    pending = [task for task in _PENDING if task.get_loop() is loop]
-    if pending:
-        await asyncio.wait(pending, timeout=timeout)
+class Settlements:
+    """One app's ledger work in flight: the settle tasks (a strong reference each, so none is
+    collected mid-way) and the app's Leases. On the app (state.SETTLEMENTS), so waiting for
+    one app's settlements never waits for, or commits, another app's."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task] = set()
+        self.leases: "weakref.WeakSet[Leases]" = weakref.WeakSet()
+
+    def track(self, task: asyncio.Task) -> None:
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def wait(self, timeout: float = 30) -> None:
+        loop = asyncio.get_running_loop()
+        for leases in list(self.leases):
+            if leases.loop is loop:
+                await asyncio.wait_for(leases.quiesce(), timeout)
+        pending = [task for task in self.tasks if task.get_loop() is loop]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+
+
+async def wait_for_settlements(app: web.Application, timeout: float = 30) -> None:
+    """Wait for the app's settlements still in flight and commit the queued ones, then give
+    back the leases nothing holds (shutdown, and tests that read the ledger)."""
+    settlements = app.get(state.SETTLEMENTS)
+    if settlements is not None:
+        await settlements.wait(timeout)
 
 
 def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = 1) -> int:
@@ -215,14 +231,15 @@ class _Billing:
         self.bytes_per_token = bytes_per_token
         self.lease_settings = lease_settings
         self.accounts: list[Leases] = []  # this app's, made on first use (the ledger opens at startup)
+        self.settlements = app[state.SETTLEMENTS] = Settlements()
 
     def leases_for(self, ledger: Any) -> Leases:
         accounts = self.accounts
         if accounts and accounts[0].ledger is ledger:
             return accounts[0]
-        made = Leases(ledger, hold_ttl_s=self.hold_ttl, tasks=_PENDING, **self.lease_settings)
+        made = Leases(ledger, hold_ttl_s=self.hold_ttl, tasks=self.settlements.tasks, **self.lease_settings)
         accounts[:] = [made]
-        _LEASES.add(made)
+        self.settlements.leases.add(made)
         return made
 
     def output_cap(self, t: Any) -> int:
@@ -367,8 +384,7 @@ class _Billing:
         handler (the client left) cannot interrupt and shutdown waits for."""
         if _needs_count(request, cancelled):
             task = asyncio.ensure_future(self.settle(request, leases, hold, t, price, est, cancelled))
-            _PENDING.add(task)
-            task.add_done_callback(_PENDING.discard)
+            self.settlements.track(task)
             return task
         return self.finish(request, leases, hold, t, price, est, cancelled, None)
 
@@ -413,7 +429,7 @@ class _Billing:
     async def drain(self, app: web.Application) -> None:
         for leases in self.accounts:
             await leases.close()
-        await wait_for_settlements()
+        await self.settlements.wait()
 
 
 def create(section: dict[str, Any], app: web.Application):

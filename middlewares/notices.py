@@ -25,11 +25,11 @@ from aiohttp import web
 
 from proxy import state
 from proxy.config import ConfigError
+from proxy.state import NOTICES_HEADER
 
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token
 _SEPARATOR = "; "
 _ELLIPSIS = "..."
-_INSTALLED = web.AppKey("notices_installed", str)
 
 
 def sanitize(text: str, max_bytes: int = 2048) -> str:
@@ -61,9 +61,9 @@ def create(section: dict[str, Any], app: web.Application):
     max_bytes = section.get("max_bytes", 2048)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 64 <= max_bytes <= 16384:
         raise ConfigError(f"notices.max_bytes must be an integer from 64 to 16384, not {max_bytes!r}")
-    if app.get(_INSTALLED) is not None:
+    if app.get(NOTICES_HEADER) is not None:
         raise ConfigError("pipeline: 'notices' appears more than once")
-    app[_INSTALLED] = header
+    app[NOTICES_HEADER] = header
 
     async def set_header(request: web.Request, response: web.StreamResponse) -> None:
         found = request.get(state.NOTICES)

@@ -73,21 +73,6 @@ class AffinitySettings:
                    hash_messages=section.get("hash_messages", True))
 
 
-_SETTINGS_CACHE: dict[int, tuple[Any, AffinitySettings]] = {}
-
-
-def settings_for(section: Any) -> AffinitySettings:
-    """Parsed settings for a config section, parsed once per section object."""
-    found = _SETTINGS_CACHE.get(id(section))
-    if found is not None and found[0] is section:
-        return found[1]
-    parsed = AffinitySettings.from_section(section)
-    if len(_SETTINGS_CACHE) > 64:
-        _SETTINGS_CACHE.clear()
-    _SETTINGS_CACHE[id(section)] = (section, parsed)  # keeps the section alive: its id stays unique
-    return parsed
-
-
 def _h64(data: bytes) -> int:
     """A ring point of a worker's vnode (built once per ring, so the cost does not matter)."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
@@ -122,9 +107,9 @@ def _leading(messages: list) -> tuple[Any, Any]:
     return system, user
 
 
-def request_key(t: Any, section: Any) -> AffinityKey | None:
-    """The request's affinity key (None: affinity off, or nothing to key on)."""
-    settings = settings_for(section)
+def request_key(t: Any, settings: AffinitySettings) -> AffinityKey | None:
+    """The request's affinity key (None: affinity off, or nothing to key on). `settings` are
+    the app's, parsed once when it is built (state.AFFINITY)."""
     if not settings.enabled:
         return None
     if getattr(t, "prompt_cache_key", None):
@@ -207,7 +192,10 @@ class AffinityState:
 
 
 def state(pool: "WorkerPool") -> AffinityState:
-    return pool.affinity_state
+    st = pool.affinity_state
+    if st is None:
+        st = pool.affinity_state = AffinityState()
+    return st
 
 
 def _bounds(workers: list["Worker"], epsilon: float) -> dict[int, int]:

@@ -17,24 +17,21 @@ from proxy import state
 from proxy.config import Config, ConfigError
 from proxy.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
 from proxy.errors import ERROR_CODE, APIError
-from proxy.forwarder import (EVENT_STREAM, POOL, RESPONSE_SETTINGS, SESSION, UPSTREAMS, ResponseSettings,
-                             refusal_as_event, responses_handler)
+from proxy.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event, responses_handler
 from proxy.upstream import UpstreamPool
-from proxy.health import READINESS, HealthSettings, Readiness, health_context
+from proxy.health import HealthSettings, Readiness, health_context
 from proxy.ids import random_bits
 from proxy.routing import validate_settings as validate_routing
 from proxy.logs import access, log
 from proxy.models import parse_sampling_defaults
-from proxy.netguard import IMAGE_POLICY, ImagePolicy
+from proxy.netguard import ImagePolicy
 from proxy.openapi import openapi_handler
-from proxy.request import SAMPLING_DEFAULTS
 from proxy import metrics
 from proxy.workers import OutlierPolicy, WorkerPool, parse_workers
+from proxy.affinity import AffinitySettings
+from proxy.state import AFFINITY, EVENT_STREAM, IMAGE_POLICY, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS, STARTED
 
 LEDGER = state.LEDGER
-# The response whose headers went out (set by the last on_response_prepare hook): past that
-# point an error can no longer become an HTTP status (see _after_start).
-STARTED = web.RequestKey("started_response", web.StreamResponse)
 
 # Request ids (and the response ids made from them, and the ledger's hold ids) need to be
 # unique, not secret (proxy.ids). Time first (as in UUIDv7): the ledger's UNIQUE(request_id)
@@ -248,6 +245,7 @@ def build_app(config: Config) -> web.Application:
     health = config.section("health")
     HealthSettings.from_section(health)  # a bad section stops start-up here, not in the checker
     validate_routing(config.section("routing"))
+    app[AFFINITY] = AffinitySettings.from_section(config.section("routing").get("affinity"))
     app[POOL] = WorkerPool(parse_workers(config.get("workers")), outlier=OutlierPolicy.from_section(health.get("outlier")))
     app[RESPONSE_SETTINGS] = ResponseSettings.from_section(config.section("responses"))
     app[SAMPLING_DEFAULTS] = parse_sampling_defaults(config.section("responses").get("sampling_defaults"))

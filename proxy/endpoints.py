@@ -10,9 +10,9 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError
 from proxy.forwarder import POOL, SESSION
-from proxy.health import READINESS
+from proxy.state import READINESS
 from proxy.request import translation
-from proxy.routing import TokenCountError, count_tokens, parse_provider, request_parameters
+from proxy.routing import TokenCountError, choose, count_tokens, parse_provider, request_parameters
 
 _STARTED = int(time.time())
 
@@ -46,8 +46,8 @@ async def input_tokens_handler(request: web.Request) -> web.Response:
     last: TokenCountError | None = None
     for _ in range(int(request.app[state.CONFIG].section("routing").get("max_attempts", 3))):
         try:
-            worker = pool.choose(t.upstream_model, exclude=tried, prefs=prefs,
-                                 params=request_parameters(t.chat), need_capacity=False)
+            worker = choose(pool, t.upstream_model, exclude=tried, prefs=prefs,
+                            params=request_parameters(t.chat), need_capacity=False)
         except APIError:
             if last is not None:
                 break

@@ -19,22 +19,23 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.affinity import request_key
+from proxy.affinity import AffinitySettings, request_key
 from proxy.dialects import chat_for
 from proxy.errors import APIError
 from proxy.request import translation
 from proxy.logs import log
 from proxy.rewriter import (ResponseContext, StreamRewriter, client_usage, map_usage, public_message,
                             response_from_completion)
-from proxy.routing import TokenCountError, check_context_window, count_tokens, parse_provider, request_parameters
-from proxy.seal import SEALER, binding
+from proxy.routing import (TokenCountError, check_context_window, choose, count_tokens, parse_provider,
+                           request_parameters)
+from proxy.seal import binding
 from proxy.translate import set_output_cap
 from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected,
                             UpstreamResponse)
 from proxy.workers import Worker
+from proxy.state import EVENT_STREAM, RESPONSE_SETTINGS, SEALER
 
 SESSION, UPSTREAMS, POOL = state.SESSION, state.UPSTREAMS, state.POOL
-EVENT_STREAM = web.RequestKey("event_stream", StreamRewriter)  # the streamed answer's rewriter (proxy.app)
 
 MAX_ATTEMPTS = 3
 STREAM_END_GRACE_S = 1.0  # after [DONE], how long the last chunk of a stream may take to keep its connection
@@ -110,9 +111,6 @@ class ResponseSettings:
                    bool(section.get("reasoning_items", True)), bool(section.get("reasoning_in_clear", True)))
 
 
-RESPONSE_SETTINGS = web.AppKey("response_settings", ResponseSettings)
-
-
 def _context(request: web.Request, t: Any) -> ResponseContext:
     settings = request.app[RESPONSE_SETTINGS]
     sealer = request.app.get(SEALER)
@@ -179,7 +177,10 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
     params = request_parameters(t.chat)
     pool = request.app[POOL]
     routing_cfg = request.app[state.CONFIG].section("routing")
-    affinity = request_key(t, routing_cfg.get("affinity"))  # prompt-cache affinity (proxy.affinity)
+    settings = request.app.get(state.AFFINITY)
+    if settings is None:  # an app not made by proxy.app.build_app
+        settings = AffinitySettings.from_section(routing_cfg.get("affinity"))
+    affinity = request_key(t, settings)  # prompt-cache affinity (proxy.affinity)
     out = state.outcome(request)
     ctx = _context(request, t)
     attempts = 1 if prefs is not None and prefs.single_attempt else int(routing_cfg.get("max_attempts", MAX_ATTEMPTS))
@@ -187,7 +188,7 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
     last: _Retryable | None = None
     for _ in range(max(attempts, 1)):
         try:
-            worker = pool.choose(t.upstream_model, exclude=tried, prefs=prefs, params=params, affinity=affinity)
+            worker = choose(pool, t.upstream_model, exclude=tried, prefs=prefs, params=params, affinity=affinity)
         except APIError:
             if last is not None:  # every eligible worker failed before the first byte
                 raise last.final from None
@@ -413,7 +414,10 @@ def _early_cut(first: bytes) -> int:
 class _EventStream(web.StreamResponse):
     # prepare() is always followed at once by the first write (response.created and whatever
     # the first read held): the headers go out with it, one send instead of two, as aiohttp's
-    # own web.Response does (tests/test_forwarder_writes.py holds aiohttp to this attribute).
+    # own web.Response does. aiohttp has no public switch for this (StreamResponse takes no
+    # "send headers with the first write" argument), so the private class attribute
+    # web.Response uses is set; tests/test_forwarder_writes.py pins both the attribute and
+    # the one-send behaviour.
     _send_headers_immediately = False
 
 

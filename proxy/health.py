@@ -40,6 +40,7 @@ from proxy import state
 from proxy.config import ConfigError
 from proxy.logs import log
 from proxy.workers import Worker, WorkerPool
+from proxy.state import CHECKER
 
 _WINDOW_KEYS = ("max_model_len", "context_window", "context_length", "max_context_length")
 
@@ -220,9 +221,6 @@ class HealthChecker:
                 log.exception("health round failed")
 
 
-CHECKER = web.AppKey("health_checker", HealthChecker)
-
-
 def health_context(session_key: Any, pool_key: Any):
     """The cleanup context: discovery at start-up, then the checker task until shutdown."""
 
@@ -297,6 +295,3 @@ class Readiness:
         if not await self._ledger_answers(app):
             return False, "ledger"
         return True, "ready"
-
-
-READINESS = web.AppKey("readiness", Readiness)

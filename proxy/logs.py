@@ -55,10 +55,19 @@ def _timestamp() -> str:
 
 
 _access_writer: Callable[[dict[str, Any]], None] | None = None
+_access_flush: Callable[[], None] | None = None  # writes the lines _access_writer still holds
+
+
+def _flush_access() -> None:
+    if _access_flush is not None:
+        _access_flush()
+
+
+atexit.register(_flush_access)  # once, not per configure(): it flushes whichever writer is current
 
 
 def configure(fmt: str = "auto", level: str = "info") -> None:
-    global _access_writer
+    global _access_writer, _access_flush
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
     renderer = (structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if fmt == "console"
@@ -74,7 +83,8 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    _access_writer = None
+    _flush_access()  # what the previous configuration still holds goes out under it
+    _access_writer = _access_flush = None
     if fmt != "console" and threshold <= logging.INFO:
         printer = structlog.PrintLogger(file=sys.stderr)
         # Under load many requests end in one turn of the event loop: their lines are written
@@ -103,8 +113,7 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
                 loop.call_soon(flush)
             pending.append(line)
 
-        atexit.register(flush)
-        _access_writer = write
+        _access_writer, _access_flush = write, flush
 
 
 def access(**fields: Any) -> None:

@@ -39,6 +39,7 @@ from prometheus_client.utils import floatToGoString
 
 from proxy import affinity, state
 from proxy.workers import WorkerPool
+from proxy.state import METRICS
 
 PREFIX = "responses_proxy"
 _ENDPOINTS = {
@@ -469,9 +470,6 @@ class Metrics:
         except Exception:  # a scrape never fails because the ledger is busy
             return
         self.holds.set(found if isinstance(found, int) else len(found))
-
-
-METRICS = web.AppKey("metrics", Metrics)
 
 
 def observe(request: web.Request, status: int, elapsed_s: float) -> None:

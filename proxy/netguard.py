@@ -33,8 +33,9 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from proxy.errors import bad_request
+from proxy.state import IMAGE_POLICY
 
-__all__ = ["IMAGE_POLICY", "ImagePolicy", "image_urls", "check_images", "policy_for", "verdict_for_address"]
+__all__ = ["ImagePolicy", "image_urls", "check_images", "policy_for", "verdict_for_address"]
 
 _CODE = "image_url_refused"
 
@@ -59,9 +60,6 @@ class ImagePolicy:
             elif host == entry:
                 return True
         return False
-
-
-IMAGE_POLICY = web.AppKey("image_policy", ImagePolicy)
 
 
 def policy_for(app: web.Application) -> ImagePolicy:

@@ -34,7 +34,12 @@ class EnvelopeRequestHandler(web_protocol.RequestHandler):
 
 
 def install() -> None:
-    # aiohttp's Server instantiates the module-level name; swapping it is the only hook.
+    # aiohttp has no public hook for this: web.Server, web.AppRunner and web.run_app take no
+    # request-handler class or protocol factory, and parser errors never reach middlewares or
+    # the app. web.Server.__call__ instantiates the module-level name web_server.RequestHandler,
+    # so the name is swapped (process-wide, idempotent; the subclass only changes the error
+    # answers). tests/test_hostile.py::test_a_malformed_request_line_is_a_400_envelope_that_echoes_nothing
+    # and ::test_limits_answer_clear_4xx (431) pin the behaviour.
     if web_server.RequestHandler is not EnvelopeRequestHandler:
         web_server.RequestHandler = EnvelopeRequestHandler
 

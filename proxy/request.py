@@ -16,15 +16,14 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError, bad_request
 from proxy.netguard import check_images, policy_for
-from proxy.seal import SEALER, binding
+from proxy.seal import binding
 from proxy.translate import TranslateOptions, translate_request
+from proxy.state import SAMPLING_DEFAULTS, SEALER
 
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs
     import zstandard
 except ImportError:  # pragma: no cover
     zstandard = None
-
-SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.models.parse_sampling_defaults
 
 
 def _limits(request: web.Request) -> dict[str, Any]:

@@ -286,6 +286,15 @@ def _best(workers: list["Worker"], sort: str, rotation: int) -> "Worker":
     return min(rotated, key=_sort_key(sort))
 
 
+def choose(pool: "WorkerPool", model: str, exclude: Iterable["Worker"] = (), prefs: ProviderPrefs | None = None,
+           params: frozenset[str] = frozenset(), need_capacity: bool = True,
+           affinity: "AffinityKey | None" = None) -> "Worker":
+    """The worker for one attempt of a request, after re-admitting workers whose ejection is over."""
+    pool.readmit_due()
+    return select(pool, model, prefs, exclude=exclude, params=params, need_capacity=need_capacity,
+                  affinity=affinity)
+
+
 def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclude: Iterable["Worker"] = (),
            params: frozenset[str] = frozenset(), need_capacity: bool = True,
            affinity: "AffinityKey | None" = None) -> "Worker":

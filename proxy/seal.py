@@ -25,6 +25,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.config import ConfigError
+from proxy.state import SEALER
 
 PREFIX = "rp2"  # rp1 tokens carried no binding: they no longer open
 ANONYMOUS = "anonymous"  # the binding of requests no auth middleware identified
@@ -98,9 +99,6 @@ class Sealer:
     def bound(self, bound_to: str) -> tuple[Any, Any]:
         """(seal, unseal) for one caller: the callables a request's translation and answer use."""
         return (lambda text: self.seal(text, bound_to)), (lambda token: self.unseal(token, bound_to))
-
-
-SEALER = web.AppKey("sealer", Sealer)  # the app's Sealer, when seal keys are configured
 
 
 def sealer_from_config(section: dict[str, Any]) -> Sealer | None:

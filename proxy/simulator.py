@@ -50,6 +50,7 @@ from proxy.simulator_script import (
     token_id,
     tokenize,
 )
+from proxy.state import SIM_STATE
 
 VLLM_VERSION = "0.32.0"
 SGLANG_EOS = 151645  # matched_stop printed by SGLang when generation hit EOS
@@ -87,9 +88,6 @@ class SimState:
     def fingerprint(self) -> str:
         digest = hashlib.sha256(f"{self.seed}:{','.join(self.models)}".encode()).hexdigest()
         return f"vllm-{VLLM_VERSION}-{digest[:8]}"
-
-
-STATE = web.AppKey("simulator_state", SimState)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -484,7 +482,7 @@ def _context_check(st: SimState, body: dict, prompt_tokens: int) -> tuple[int | 
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE]
+    st = request.app[SIM_STATE]
     body, err = _validate(st, await request.read())
     if err is not None:
         return err
@@ -671,7 +669,7 @@ async def _stream(request: web.Request, chat: Chat) -> web.StreamResponse:
 
 
 async def models_handler(request: web.Request) -> web.Response:
-    st = request.app[STATE]
+    st = request.app[SIM_STATE]
     data = []
     for m in st.models:
         if st.dialect == "sglang":
@@ -688,11 +686,11 @@ async def models_handler(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200, headers=_server_headers(request.app[STATE]))
+    return web.Response(status=200, headers=_server_headers(request.app[SIM_STATE]))
 
 
 async def tokenize_handler(request: web.Request) -> web.Response:
-    st = request.app[STATE]
+    st = request.app[SIM_STATE]
     try:
         body = json.loads(await request.read())
     except ValueError as e:
@@ -718,7 +716,7 @@ async def tokenize_handler(request: web.Request) -> web.Response:
 
 
 async def sim_script(request: web.Request) -> web.Response:
-    st = request.app[STATE]
+    st = request.app[SIM_STATE]
     if request.method == "DELETE":
         st.queue.clear()
         return web.json_response({"queued": 0})
@@ -734,7 +732,7 @@ async def sim_script(request: web.Request) -> web.Response:
 
 
 async def sim_requests(request: web.Request) -> web.Response:
-    st = request.app[STATE]
+    st = request.app[SIM_STATE]
     if request.method == "DELETE":
         st.requests.clear()
         return web.json_response({"requests": 0})
@@ -742,7 +740,7 @@ async def sim_requests(request: web.Request) -> web.Response:
 
 
 async def sim_state(request: web.Request) -> web.Response:
-    st = request.app[STATE]
+    st = request.app[SIM_STATE]
     return web.json_response({"dialect": st.dialect, "models": list(st.models), "in_flight": st.in_flight,
                               "cancelled": st.cancelled, "queued": len(st.queue), "requests": len(st.requests)})
 
@@ -752,7 +750,7 @@ def create_app(*, dialect: str = "vllm", models: tuple[str, ...] | list[str] = (
     if dialect not in ("vllm", "sglang"):
         raise ValueError(f"unknown dialect {dialect!r} (vllm | sglang)")
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app[STATE] = SimState(dialect, tuple(models), int(max_model_len), int(seed))
+    app[SIM_STATE] = SimState(dialect, tuple(models), int(max_model_len), int(seed))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models_handler)
     app.router.add_get("/health", health)
@@ -770,14 +768,13 @@ def create_app(*, dialect: str = "vllm", models: tuple[str, ...] | list[str] = (
     return app
 
 
-
 class Simulator:
     """The simulator on 127.0.0.1 with an ephemeral port, as an async context manager."""
 
     def __init__(self, *, dialect: str = "vllm", models: tuple[str, ...] | list[str] = ("tiny-org/tiny-model",),
                  max_model_len: int = 32768, host: str = "127.0.0.1", port: int = 0, seed: int = 0):
         self.app = create_app(dialect=dialect, models=models, max_model_len=max_model_len, seed=seed)
-        self.state = self.app[STATE]
+        self.state = self.app[SIM_STATE]
         self.host, self.port = host, port
         self.url = ""
         self._runner: web.AppRunner | None = None

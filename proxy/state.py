@@ -1,4 +1,5 @@
-"""Typed keys for what travels on the app and on each request.
+"""Typed keys for what travels on the app and on each request: every AppKey and RequestKey
+of the product is defined here (their types by name, so this module imports none of their modules).
 
 Middlewares learn things (the caller's key, the notices, the reserved amount, the
 output cap) and hand them on under these keys; nothing is passed by string name.
@@ -50,6 +51,19 @@ LEDGER = web.AppKey("ledger", object)  # proxy.ledger.Ledger, or absent (ledger.
 POOL = web.AppKey("worker_pool", "WorkerPool")
 SESSION = web.AppKey("client_session", "aiohttp.ClientSession")  # every upstream call but the chat POST
 UPSTREAMS = web.AppKey("upstreams", "UpstreamPool")  # the chat POST (proxy.upstream: why)
+METRICS = web.AppKey("metrics", "Metrics")  # proxy.metrics
+CHECKER = web.AppKey("health_checker", "HealthChecker")  # proxy.health's active checks
+READINESS = web.AppKey("readiness", "Readiness")  # proxy.health, answers /readyz
+RESPONSE_SETTINGS = web.AppKey("response_settings", "ResponseSettings")  # proxy.forwarder
+SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.models.parse_sampling_defaults
+IMAGE_POLICY = web.AppKey("image_policy", "ImagePolicy")  # proxy.netguard
+SEALER = web.AppKey("sealer", "Sealer")  # the app's proxy.seal.Sealer, when seal keys are configured
+KEY_CACHE = web.AppKey("key_cache", "KeyCache")  # middlewares.auth
+NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
+AFFINITY = web.AppKey("affinity_settings", "AffinitySettings")  # routing.affinity, parsed (proxy.affinity)
+SETTLEMENTS = web.AppKey("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
+# The embedded upstream's state (proxy.simulator): on the simulator's own app, not the proxy's.
+SIM_STATE = web.AppKey("simulator_state", "SimState")
 
 # Per-request state.
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -64,6 +78,11 @@ API_KEY = web.RequestKey("api_key", "KeyRecord")  # the caller's key, set by mid
 # the last bytes of a stream, so a client that waits for its answer finds it billed.
 RESERVED_OUTPUT = web.RequestKey("reserved_output", int)
 SETTLE = web.RequestKey("settle", Any)
+HOLD = web.RequestKey("hold", "Hold")  # the balance middleware's hold on the ledger
+EVENT_STREAM = web.RequestKey("event_stream", "StreamRewriter")  # the streamed answer's rewriter (proxy.forwarder)
+# The response whose headers went out (set by the last on_response_prepare hook): past that
+# point an error can no longer become an HTTP status (see proxy.app._after_start).
+STARTED = web.RequestKey("started_response", web.StreamResponse)
 
 
 def notices(request: web.Request) -> list[str]:

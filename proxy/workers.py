@@ -1,7 +1,7 @@
 """The upstream model servers (vLLM or SGLang) and the choice among them.
 
-A worker is one chat-completions server. The pool answers "which worker takes this
-request" (proxy.routing does the provider-requirement filtering and the least-loaded
+A worker is one chat-completions server. The pool holds what routing needs to answer "which worker takes this
+request" (proxy.routing.choose does the provider-requirement filtering and the least-loaded
 choice), keeps the in-flight counts that choice and capacity need, and keeps each
 worker's health: the active checks' verdict (proxy.health) and passive outlier ejection
 (N consecutive connection failures / 5xx -> ejected for a time that doubles with each
@@ -26,31 +26,34 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import aiohttp
 from multidict import CIMultiDict
 
-from proxy.affinity import AffinityState
 from proxy.config import ConfigError
 from proxy.dialects import NEUTRAL_SWITCH, THINKING_SWITCHES
-from proxy.routing import select
-
-if TYPE_CHECKING:
-    from proxy.routing import ProviderPrefs
 
 DIALECTS = ("vllm", "sglang", "detect")
 
-# Moves whenever a worker field that cached routes depend on changes (see _RoutingField);
-# a pool whose routes were built at another epoch rebuilds them on its next request.
-_epoch = 0
 _UNSET = object()
+
+
+class RoutingEpoch:
+    """One pool's epoch: moves whenever a field its cached routes depend on changes on one of
+    its workers (see _RoutingField); routes built at another epoch are rebuilt on the next
+    request. Per pool, so one app's health changes never make another app rebuild."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
 
 
 class _RoutingField:
     """A Worker field the pools' cached routes depend on (health, ejection, dialect, models).
 
-    Setting it to a different value moves the epoch, whoever sets it (proxy.health, the pool's
+    Setting it to a different value moves the epoch of every pool holding the worker, whoever sets it (proxy.health, the pool's
     outlier ejection, start-up discovery, a test), so a route can never outlive the state it
     was built from. Reads cost a Python call; the per-request path reads the cached route
     instead. The value lives in the instance under "_<name>". What routing reads live on
@@ -69,10 +72,10 @@ class _RoutingField:
         return obj.__dict__[self.slot]
 
     def __set__(self, obj: Any, value: Any) -> None:
-        global _epoch
         values = obj.__dict__
         if values.get(self.slot, _UNSET) != value:
-            _epoch += 1
+            for epoch in values.get("_routing_epochs", ()):  # none before the worker joins a pool
+                epoch.value += 1
         values[self.slot] = value
 
 
@@ -292,8 +295,13 @@ class WorkerPool:
         self.check_interval_s = 0.0
         self.healthy_threshold = 1
         self.failovers: Counter[tuple[str, str]] = Counter()  # (from worker, reason) -> count
-        self.affinity_state = AffinityState()  # proxy.affinity's ring cache and hit / miss counters
+        # proxy.affinity's ring cache and hit / miss counters, made by proxy.affinity.state() on
+        # first use: this module sits below routing and affinity and imports neither.
+        self.affinity_state: Any = None
         self._rotation = 0
+        self.routing_epoch = RoutingEpoch()
+        for worker in self.workers:
+            worker.__dict__.setdefault("_routing_epochs", []).append(self.routing_epoch)
         self._epoch = -1  # the epoch _routes and _ejected were built at
         self._routes: dict[str, Route] = {}
         self._ejected: list[Worker] = []
@@ -307,13 +315,13 @@ class WorkerPool:
 
     def _refresh(self) -> None:
         """A worker's routing fields changed: drop the routes, list the ejected workers again."""
-        self._epoch = _epoch
+        self._epoch = self.routing_epoch.value
         self._routes = {}
         self._ejected = [w for w in self.workers if w.ejected]
 
     def route(self, model: str) -> Route:
         """The model's cached Route, rebuilt after any change to a worker's routing fields."""
-        if self._epoch != _epoch:
+        if self._epoch != self.routing_epoch.value:
             self._refresh()
         route = self._routes.get(model)
         if route is None:
@@ -337,12 +345,10 @@ class WorkerPool:
         self._rotation += 1
         return self._rotation
 
-    def choose(self, model: str, exclude: Iterable[Worker] = (), prefs: "ProviderPrefs | None" = None,
-               params: frozenset[str] = frozenset(), need_capacity: bool = True, affinity: Any = None) -> Worker:
-        if self._ejected or self._epoch != _epoch:  # else nothing is ejected: nothing to re-admit
+    def readmit_due(self) -> None:
+        """Before a choice (proxy.routing.choose): re-admit ejected workers whose time is over."""
+        if self._ejected or self._epoch != self.routing_epoch.value:  # else nothing is ejected: nothing to re-admit
             self.readmit_expired()
-        return select(self, model, prefs, exclude=exclude, params=params, need_capacity=need_capacity,
-                      affinity=affinity)
 
     # ---------------------------------------------------------------- passive health
 
@@ -407,7 +413,7 @@ class WorkerPool:
         # Without active checks nothing would ever re-admit; then the ejection time alone does.
         if self.active_checks:
             return
-        if self._epoch != _epoch:
+        if self._epoch != self.routing_epoch.value:
             self._refresh()
         for worker in self._ejected:  # every ejection moves the epoch: this list is current
             self.readmit(worker)

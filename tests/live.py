@@ -83,7 +83,7 @@ class LiveStack:
         from middlewares.balance import wait_for_settlements
         from proxy.app import LEDGER
 
-        await wait_for_settlements()  # settlement runs after the answer, in its own task
+        await wait_for_settlements(self.app)  # settlement runs after the answer, in its own task
         ledger = self.app[LEDGER]
         return await ledger.holds(), await ledger.audit()
 

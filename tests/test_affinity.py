@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy import affinity
+from proxy import affinity, state
 from proxy.affinity import AffinityKey, Ring, key_point
 from proxy.config import Config, ConfigError
 from proxy.forwarder import POOL
@@ -94,6 +94,22 @@ async def test_same_key_same_worker(three):
         grown = [c - b for c, b in zip(counts(sims), before)]
         assert sorted(grown) == [0, 0, 15], grown
     assert outcomes(proxy).get(("hit", "")) == 45
+
+
+async def test_each_app_parses_its_own_affinity_settings(three):
+    """routing.affinity is parsed once per app, onto the app (state.AFFINITY); nothing parsed
+    is kept process-wide, so two apps in one process route by their own settings."""
+    sims, start = three
+    on = await start({"routing": {"affinity": {"vnodes": 40}}})
+    off = await start({"routing": {"affinity": {"enabled": False}}})
+    assert on.app[state.AFFINITY].vnodes == 40 and not off.app[state.AFFINITY].enabled
+    assert not [name for name, value in vars(affinity).items() if isinstance(value, dict) and name.isupper()]
+    for proxy in (on, off, on):
+        for i in range(3):
+            status, _, body = await post(proxy, ask(prompt_cache_key="shared", input=f"turn {i}"))
+            assert status == 200, body
+    assert outcomes(on).get(("hit", "")) == 6
+    assert not outcomes(off)
 
 
 async def test_keys_spread_over_workers(three):

@@ -198,6 +198,19 @@ def status_and_error(raw: bytes) -> tuple[int, dict | None]:
         return status, None
 
 
+async def test_a_malformed_request_line_is_a_400_envelope_that_echoes_nothing(sim, make_proxy):
+    """Pins proxy.protocol.EnvelopeRequestHandler: aiohttp answers parser errors itself (text/plain,
+    quoting the bytes) and offers no public hook to change that, so the proxy swaps in its handler."""
+    proxy = await make_proxy(LIMITS)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    raw = await raw_request(port, b"GET /v1/models HTTP/1.1 SECRET-GARBAGE\r\nHost: p\r\n\r\n", [])
+    status, error = status_and_error(raw)
+    assert status == 400 and error is not None and error["code"] == "bad_http_request", raw[:300]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert b"SECRET-GARBAGE" not in raw
+    assert b"application/json" in raw.partition(b"\r\n\r\n")[0].lower()
+
+
 async def test_a_trickled_body_is_cut_off_with_408(sim, make_proxy):
     proxy = await make_proxy(LIMITS)
     port = int(proxy.url.rsplit(":", 1)[1])
@@ -277,5 +290,5 @@ async def test_limits_answer_clear_4xx(sim, make_proxy):
     assert status == 200, error
     from middlewares.balance import wait_for_settlements
 
-    await wait_for_settlements()  # settlement runs after the answer, in its own task
+    await wait_for_settlements(proxy.app)  # settlement runs after the answer, in its own task
     assert await proxy.ledger.holds() == []

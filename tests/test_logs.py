@@ -23,7 +23,7 @@ def test_json_access_line_has_the_structlog_fields(capsys):
         lines = capsys.readouterr().err.splitlines()
     finally:
         structlog.reset_defaults()
-        logs._access_writer = None
+        logs._access_writer = logs._access_flush = None
     assert len(lines) == 1
     line = json.loads(lines[0])
     assert list(line) == ["request_id", "method", "path", "model", "status", "latency_ms", "upstream", "outcome",
@@ -39,9 +39,26 @@ def test_structlog_writes_the_access_line_for_console_output_or_a_level_above_in
             assert logs._access_writer is None, (fmt, level)
     finally:
         structlog.reset_defaults()
-        logs._access_writer = None
+        logs._access_writer = logs._access_flush = None
 
 
 def test_timestamp_is_structlogs_iso_utc_format():
     stamp = logs._timestamp()
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z", stamp)
+
+
+def test_configure_registers_no_exit_hook_of_its_own(monkeypatch, capsys):
+    """One exit hook for the process (it flushes the current access writer), however often
+    logging is configured: no hook, and no writer with its buffer, piles up per configure."""
+    registered = []
+    monkeypatch.setattr(logs.atexit, "register", registered.append)
+    try:
+        for _ in range(3):
+            logs.configure("json", "info")
+        assert registered == []
+        logs.access(request_id="req_1", status=200)  # no running loop: written at once
+        logs._flush_access()
+    finally:
+        structlog.reset_defaults()
+        logs._access_writer = logs._access_flush = None
+    assert len(capsys.readouterr().err.splitlines()) == 1

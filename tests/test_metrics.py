@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy import metrics as proxy_metrics
 from proxy import state
 from proxy.forwarder import POOL
-from proxy.metrics import METRICS
+from proxy.state import METRICS
 from proxy.workers import WorkerPool, parse_workers
 from tests.test_workers import NO_AUTH, ask, call, dead_url, settings, start_sim, wait_for, worker  # noqa: F401
 

@@ -16,6 +16,7 @@ import pytest
 import middlewares.balance as balance_mw
 from middlewares.balance import estimate_input_tokens
 from middlewares.notices import header_value, sanitize
+from proxy import state
 from proxy.ledger.pricing import cost_micros, price_for
 from proxy.translate import translate_request
 
@@ -173,7 +174,7 @@ async def test_auth_cache_revoke_and_limits_in_process_take_effect_at_once(make_
 
 
 async def test_auth_cache_is_bounded_and_never_caches_unknown_keys(make_proxy, http):
-    from middlewares.auth import KEY_CACHE
+    from proxy.state import KEY_CACHE
 
     p = await make_proxy({"auth": {"key_cache_size": 2}})
     cache = p.app[KEY_CACHE]
@@ -660,9 +661,27 @@ async def test_non_stream_request_costs_two_ledger_operations(make_proxy, http):
     ops = p.ledger.stats["ops"]
     status, headers, _ = await call(http, p, key=secret)
     assert status == 200
-    await wait_for(lambda: _true(not balance_mw._PENDING))  # the settle task has finished
+    await wait_for(lambda: _true(not p.app[state.SETTLEMENTS].tasks))  # the settle task has finished
     assert p.ledger.stats["ops"] - ops == 2  # hold_up_to + settle
     assert await p.ledger.usage(headers["x-request-id"]) is not None
+
+
+async def test_two_apps_do_not_share_settlements(make_proxy, http):
+    """Each app tracks its own settlements: waiting for one app's (its shutdown, a test reading
+    its ledger) neither waits for nor sees another app's ledger work."""
+    one = await make_proxy({"prices": PRICES})
+    two = await make_proxy({"prices": PRICES})
+    secret, _ = await one.ledger.create_key("one", balance_micros=1_000_000)
+    assert (await call(http, one, key=secret))[0] == 200
+    mine, theirs = one.app[state.SETTLEMENTS], two.app[state.SETTLEMENTS]
+    assert mine is not theirs and not theirs.tasks and not list(theirs.leases)
+    stuck = asyncio.get_running_loop().create_future()
+    mine.track(asyncio.ensure_future(stuck))  # ledger work of `one` that never finishes
+    await asyncio.wait_for(balance_mw.wait_for_settlements(two.app), 10)
+    assert len(mine.tasks) == 1
+    stuck.set_result(None)
+    await balance_mw.wait_for_settlements(one.app)
+    assert not mine.tasks
 
 
 async def test_partial_holds_under_200_concurrent_requests(make_proxy, http):
@@ -711,7 +730,7 @@ async def test_leased_key_drained_by_a_burst_never_overdraws(make_proxy, http):
     statuses = [r[0] for r in results]
     assert statuses.count(200) >= 20 and statuses.count(402) >= 100, statuses
     assert statuses.count(200) + statuses.count(402) == 200
-    await balance_mw.wait_for_settlements()
+    await balance_mw.wait_for_settlements(p.app)
     usages = await p.ledger.list_usage(record.key_id, limit=1000)
     assert len(usages) == 24 + statuses.count(200)
     final = await balance_of(p.ledger, record.key_id)
@@ -727,7 +746,7 @@ async def test_lease_commits_every_lease_commit_ms(make_proxy, http, section, li
     p = await make_proxy({"prices": PRICES, "balance": section})
     status, _, _ = await call(http, p, {"model": MODEL, "input": "hello"})
     assert status == 200
-    (leases,) = [lz for lz in balance_mw._LEASES if lz.ledger is p.ledger]
+    (leases,) = [lz for lz in p.app[state.SETTLEMENTS].leases if lz.ledger is p.ledger]
     assert leases.linger_s == linger
 
 

@@ -86,7 +86,7 @@ async def test_concurrent_byte_dense_inputs_cannot_overdraw(make_proxy, http, si
     results = await asyncio.gather(*(call(http, p, body, key=secret) for body in bodies))
     statuses = [r[0] for r in results]
     assert 200 in statuses and 402 in statuses, statuses
-    await balance_mw.wait_for_settlements()
+    await balance_mw.wait_for_settlements(p.app)
     usages = await p.ledger.list_usage(record.key_id, limit=100)
     assert len(usages) == statuses.count(200)
     assert all(u.input_tokens >= 20_000 for u in usages)  # the simulator counts each mark
@@ -465,7 +465,7 @@ async def test_audit_under_hostile_concurrent_load(make_proxy, http, sim, monkey
 
     for _ in range(2):  # two waves: the second runs on what the first left
         await asyncio.gather(*(one(secret, i) for secret, _, _ in keys for i in range(44)))
-    await balance_mw.wait_for_settlements()
+    await balance_mw.wait_for_settlements(p.app)
     figures = []
     for secret, key_id, initial in keys:
         final = await balance_of(p.ledger, key_id)

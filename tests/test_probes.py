@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy import health
+from proxy import health, state
 from proxy.forwarder import POOL
 from tests.conftest import free_port
 
@@ -106,7 +106,7 @@ async def test_a_flood_of_readiness_probes_costs_one_ledger_read(sim, make_proxy
 
     monkeypatch.setattr(ledger, "get_key", counted)
     monkeypatch.setattr(health, "LEDGER_TTL_S", 3600.0)
-    proxy.app[health.READINESS]._checked_at = float("-inf")
+    proxy.app[state.READINESS]._checked_at = float("-inf")
     async with aiohttp.ClientSession() as http:
         async def probe() -> int:
             async with http.get(proxy.url + "/readyz") as r:

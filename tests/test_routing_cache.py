@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from proxy.affinity import AffinityKey, key_point, request_key
+from proxy.affinity import AffinityKey, AffinitySettings, key_point, request_key
 from proxy.errors import APIError
-from proxy.routing import parse_provider, prompt_bytes, select
+from proxy.routing import choose, parse_provider, prompt_bytes, select
 from proxy.workers import OutlierPolicy, Worker, WorkerPool
 
 
@@ -47,12 +47,30 @@ def test_a_routing_field_change_is_seen_on_the_next_request(change, undo):
     assert _chosen(pool) == {"w0", "w1", "w2"}
 
 
+def test_a_change_in_one_pool_leaves_another_pools_routes_alone():
+    """Each pool (each app) has its own routing epoch: one app's health changes do not throw
+    away another app's cached routes."""
+    one, two = _pool(2), _pool(2)
+    route = two.route("m")
+    one.workers[0].healthy = False
+    assert [w.name for w in one.route("m").available] == ["w1"]
+    assert two.route("m") is route
+
+
+def test_a_worker_in_two_pools_moves_both_epochs():
+    shared = Worker(name="w", url="http://w", models=("m",))
+    one, two = WorkerPool([shared]), WorkerPool([shared])
+    assert one.route("m").available == two.route("m").available == [shared]
+    shared.healthy = False
+    assert one.route("m").available == two.route("m").available == []
+
+
 def test_ejection_and_readmission_through_choose():
     pool = _pool(2, outlier=OutlierPolicy(consecutive_failures=1, base_ejection_s=3600, max_ejection_s=3600))
     assert pool.record_failure(pool.workers[0], "status 500")
-    assert {pool.choose("m", affinity=k).name for k in KEYS} == {"w1"}
+    assert {choose(pool, "m", affinity=k).name for k in KEYS} == {"w1"}
     pool.workers[0].ejected_until = 0.0  # the ejection time is over: the next choice re-admits it
-    assert {pool.choose("m", affinity=k).name for k in KEYS} == {"w0", "w1"}
+    assert {choose(pool, "m", affinity=k).name for k in KEYS} == {"w0", "w1"}
     assert not pool.workers[0].ejected
 
 
@@ -106,7 +124,7 @@ def test_key_point_is_stable_across_processes():
 
 
 def test_request_key_sources():
-    section = {"enabled": True, "epsilon": 0.25, "vnodes": 160, "hash_messages": True}
+    section = AffinitySettings.from_section({"enabled": True, "epsilon": 0.25, "vnodes": 160, "hash_messages": True})
     chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
     t = SimpleNamespace(prompt_cache_key="thread-1", conversation=None, chat=chat)
     assert request_key(t, section) == AffinityKey("prompt_cache_key", key_point(b"k\x00thread-1"), 0.25, 160)

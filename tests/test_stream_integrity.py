@@ -123,7 +123,7 @@ async def test_an_exception_mid_stream_ends_with_response_failed(make_proxy, mon
         # each request was settled, not left as an open hold, and the books balance
         from middlewares.balance import wait_for_settlements
 
-        await wait_for_settlements()
+        await wait_for_settlements(proxy.app)
         assert await proxy.ledger.holds() == []
         for key_id, balance, expected in await proxy.ledger.audit():
             assert balance == expected, key_id

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from proxy.ledger import (
+from proxy.ledger.base import (
     SECRET_PREFIX,
     UNSET,
     USAGE_STATUSES,
