@@ -28,6 +28,7 @@ from proxy.ledger import (
     open_ledger,
 )
 from proxy.ledger import sqlite as ledger_sqlite
+from proxy.ledger.writer import Durability
 from proxy.ledger.pricing import (
     UNLIMITED,
     Price,
@@ -336,10 +337,10 @@ async def test_holds_commit_at_hold_synchronous_and_the_rest_at_synchronous(ledg
     await asyncio.sleep(0.05)
     tasks = [asyncio.ensure_future(c) for c in (
         ledger._run(probe("slow-write")),
-        ledger._run(probe("hold-like"), fast=True),
+        ledger._run(probe("hold-like"), Durability.HOLD),
         ledger.hold_up_to("h-1", key.key_id, 1, 100, ttl_s=60),
         ledger.settle("s-1", usage_for("s-1", key.key_id, 10)),
-        ledger._run(probe("read"), readonly=True),
+        ledger._run(probe("read"), Durability.READ),
     )]
     await asyncio.sleep(0.05)  # all queued behind the blocker: one batch
     gate.set()
@@ -352,7 +353,7 @@ async def test_holds_commit_at_hold_synchronous_and_the_rest_at_synchronous(ledg
     strict = open_ledger({"path": ledger.path, "hold_synchronous": "FULL"})
     await strict.start()
     try:
-        assert await strict._run(probe("x"), fast=True) == "FULL"
+        assert await strict._run(probe("x"), Durability.HOLD) == "FULL"
     finally:
         await strict.close()
     relaxed = open_ledger({"path": ledger.path, "synchronous": "NORMAL", "hold_synchronous": "EXTRA"})

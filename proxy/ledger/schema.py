@@ -1,0 +1,236 @@
+"""The SQLite ledger's tables and rows: the schema, checks of what goes into a row, records
+from rows, and the batch insert of usage rows that lease_commit runs (proxy/ledger/sqlite.py
+holds the operations; this module holds what they share and need no connection state for).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+from collections import defaultdict
+from typing import Any
+
+from proxy.ledger.base import SECRET_PREFIX, USAGE_STATUSES, KeyRecord, UnknownKey, UsageRecord
+from proxy.ledger.usage import MAX_AMOUNT
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS keys (
+    key_id          TEXT PRIMARY KEY,
+    name            TEXT NOT NULL,
+    prefix          TEXT NOT NULL,
+    secret_sha256   BLOB NOT NULL UNIQUE,
+    balance_micros  INTEGER NOT NULL DEFAULT 0 CHECK (balance_micros >= 0),
+    allowed_models  TEXT,            -- JSON array, NULL = every model
+    concurrency     INTEGER,
+    rate_per_min    INTEGER,
+    revoked         INTEGER NOT NULL DEFAULT 0,
+    created_at      REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS holds (
+    request_id      TEXT PRIMARY KEY,
+    key_id          TEXT NOT NULL REFERENCES keys(key_id),
+    amount_micros   INTEGER NOT NULL CHECK (amount_micros >= 0),
+    expires_at      REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS holds_by_key ON holds(key_id, expires_at);
+CREATE INDEX IF NOT EXISTS holds_by_expiry ON holds(expires_at);
+CREATE TABLE IF NOT EXISTS usage (
+    seq              INTEGER PRIMARY KEY AUTOINCREMENT,
+    request_id       TEXT NOT NULL UNIQUE,
+    key_id           TEXT NOT NULL REFERENCES keys(key_id),
+    model            TEXT NOT NULL,
+    input_tokens     INTEGER NOT NULL,
+    cached_tokens    INTEGER NOT NULL,
+    output_tokens    INTEGER NOT NULL,
+    reasoning_tokens INTEGER NOT NULL,
+    cost_micros      INTEGER NOT NULL CHECK (cost_micros >= 0),
+    debited_micros   INTEGER NOT NULL CHECK (debited_micros >= 0 AND debited_micros <= cost_micros),
+    status           TEXT NOT NULL,
+    created_at       REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS usage_by_key ON usage(key_id, seq);
+CREATE TRIGGER IF NOT EXISTS usage_no_update BEFORE UPDATE ON usage
+    BEGIN SELECT RAISE(ABORT, 'usage is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS usage_no_delete BEFORE DELETE ON usage
+    BEGIN SELECT RAISE(ABORT, 'usage is append-only'); END;
+-- Every credit, so that balance == sum(topups) - sum(usage.debited_micros) can be audited.
+CREATE TABLE IF NOT EXISTS topups (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+    key_id          TEXT NOT NULL REFERENCES keys(key_id),
+    micros          INTEGER NOT NULL,
+    created_at      REAL NOT NULL
+);
+"""
+
+
+def hash_secret(secret: str) -> bytes:
+    """sha256 of the secret. The secret carries 192 random bits, so a fast hash is right
+    (a slow KDF protects low-entropy passwords; there is nothing to brute-force here)."""
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + secrets.token_urlsafe(24)  # 24 bytes -> 32 urlsafe chars, 192 bits
+
+
+def _key_record(row: tuple) -> KeyRecord:
+    models = json.loads(row[4]) if row[4] is not None else None
+    return KeyRecord(
+        key_id=row[0],
+        name=row[1],
+        prefix=row[2],
+        balance_micros=row[3],
+        allowed_models=tuple(models) if models is not None else None,
+        concurrency=row[5],
+        rate_per_min=row[6],
+        revoked=bool(row[7]),
+        created_at=row[8],
+    )
+
+
+def _usage_record(row: tuple) -> UsageRecord:
+    return UsageRecord(*row)
+
+
+def _opt_limit(value: Any, what: str) -> int | None:
+    """A concurrency or rate limit: a positive integer, or None (no limit). 0 is refused:
+    it reads as "unlimited" to the limits middleware and as "nothing" to a person."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_AMOUNT:
+        raise ValueError(f"{what} must be a positive integer (None: no limit), not {value!r}")
+    return value
+
+
+def _int(value: Any, what: str, *, minimum: int | None = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an integer")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}")
+    if not -MAX_AMOUNT <= value <= MAX_AMOUNT:
+        # SQLite's INTEGER is 64-bit: beyond it the value would be stored as a REAL.
+        raise ValueError(f"{what} must be at most {MAX_AMOUNT} in absolute value")
+    return value
+
+
+def _models_json(models: Any) -> str | None:
+    if models is None:
+        return None
+    if isinstance(models, str):
+        models = [m for m in (part.strip() for part in models.split(",")) if m]
+    models = list(models)
+    if not all(isinstance(m, str) and m for m in models):
+        raise ValueError("allowed_models must be a list of model names")
+    return json.dumps(models)
+
+
+# The statements of lease_commit (one insert per usage row, then one update per key and lease).
+_KEY_BALANCE = "SELECT balance_micros FROM keys WHERE key_id = ?"
+_INSERT_USAGE = (
+    "INSERT OR IGNORE INTO usage (request_id, key_id, model, input_tokens, cached_tokens,"
+    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_COST, _DEBITED = 7, 8  # positions in an _INSERT_USAGE row
+_NEWEST_USAGE = "SELECT request_id FROM usage ORDER BY seq DESC LIMIT ?"
+_DEBIT_KEY = "UPDATE keys SET balance_micros = balance_micros - ? WHERE key_id = ?"
+# Without a new expiry the update leaves expires_at, and so both indexes on it, alone:
+# two fewer pages written (and fsync'd) per commit.
+_REDUCE_LEASE = "UPDATE holds SET amount_micros = MAX(0, amount_micros - ?) WHERE request_id = ? AND expires_at > ?"
+_REDUCE_AND_RENEW_LEASE = (
+    "UPDATE holds SET amount_micros = MAX(0, amount_micros - ?), expires_at = ?"
+    " WHERE request_id = ? AND expires_at > ?"
+)
+
+
+def _check_usage(usage: UsageRecord) -> None:
+    """ValueError unless `usage` can be recorded (the first problem, in field order)."""
+    if not usage.request_id:
+        raise ValueError("request_id is required")
+    _check_usage_values(usage)
+
+
+def _check_usage_values(usage: UsageRecord) -> None:
+    """ValueError unless usage's status and counts can be recorded (settle and lease_commit)."""
+    if usage.status not in USAGE_STATUSES:
+        raise ValueError(f"usage.status must be one of {sorted(USAGE_STATUSES)}")
+    a, b, c, d, cost = (
+        usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens, usage.cost_micros
+    )
+    # The common case in one test; _int says what is wrong (or accepts an int subclass).
+    if not (type(a) is type(b) is type(c) is type(d) is type(cost) is int and min(a, b, c, d, cost) >= 0
+            and max(a, b, c, d, cost) <= MAX_AMOUNT):
+        for value, name in ((a, "input_tokens"), (b, "cached_tokens"), (c, "output_tokens"),
+                            (d, "reasoning_tokens"), (cost, "cost_micros")):
+            _int(value, name)
+
+
+def _record_usage(
+    conn: sqlite3.Connection, rows: list[tuple | ValueError], lease_ids: list[str]
+) -> tuple[list[int | BaseException | None], dict[str, int], dict[str, int]]:
+    """Insert the usage rows (or their validation errors) in order, each exactly once
+    (UNIQUE request_id), debiting its cost clamped at what is left of its key's balance.
+    Returns (per row: the debit, None if already recorded, or the error; the debits per
+    key; per lease id of an inserted row, its debits)."""
+    results: list[int | BaseException | None] = [None] * len(rows)
+    balances: dict[str, int | None] = {}
+    wanted: dict[str, int] = defaultdict(int)  # the costs per known key
+    todo: list[int] = []
+    for i, row in enumerate(rows):
+        if type(row) is not tuple:
+            results[i] = row
+            continue
+        key_id = row[1]
+        if key_id not in balances:
+            found = conn.execute(_KEY_BALANCE, (key_id,)).fetchone()
+            balances[key_id] = found[0] if found else None
+        if balances[key_id] is None:
+            results[i] = UnknownKey(key_id)
+            continue
+        wanted[key_id] += row[_COST]
+        todo.append(i)
+    debits: dict[str, int] = defaultdict(int)
+    taken: dict[str, int] = defaultdict(int)
+    if all(cost <= balances[key_id] for key_id, cost in wanted.items()):
+        # No clamping, whichever rows turn out to be recorded already: every debit is
+        # its cost, which the rows already say. One executemany for all of them.
+        for i in _insert_unclamped(conn, rows, todo):
+            cost = rows[i][_COST]
+            results[i] = cost
+            debits[rows[i][1]] += cost
+            taken[lease_ids[i]] += cost
+        return results, debits, taken
+    # A balance runs out: each debit depends on those before it, one row at a time.
+    for i in todo:
+        row = rows[i]
+        key_id = row[1]
+        balance = balances[key_id]
+        debit = min(row[_COST], balance)
+        if not conn.execute(_INSERT_USAGE, (*row[:_DEBITED], debit, *row[_DEBITED + 1:])).rowcount:
+            continue  # recorded already: None
+        balances[key_id] = balance - debit
+        results[i] = debit
+        debits[key_id] += debit
+        taken[lease_ids[i]] += debit
+    return results, debits, taken
+
+
+def _insert_unclamped(conn: sqlite3.Connection, rows: list, todo: list[int]) -> list[int]:
+    """Insert rows[i] for i in todo (INSERT OR IGNORE); the i actually inserted."""
+    if not todo:
+        return todo
+    inserted = conn.executemany(_INSERT_USAGE, [rows[i] for i in todo]).rowcount
+    if inserted == len(todo):
+        return todo
+    # Some were recorded before (a retried commit), or twice here. The inserted rows are
+    # the newest `inserted` ones: AUTOINCREMENT seq, and this thread holds the write lock.
+    fresh = {request_id for (request_id,) in conn.execute(_NEWEST_USAGE, (inserted,))}
+    done = []
+    for i in todo:
+        request_id = rows[i][0]
+        if request_id in fresh:
+            fresh.discard(request_id)  # twice in this batch: only the first was inserted
+            done.append(i)
+    return done
