@@ -27,7 +27,7 @@ from proxy.logs import log
 from proxy.rewriter import (ResponseContext, StreamRewriter, client_usage, map_usage, public_message,
                             response_from_completion)
 from proxy.routing import (TokenCountError, check_context_window, choose, count_tokens, parse_provider,
-                           request_parameters)
+                           request_parameters, tokenize)
 from proxy.seal import binding
 from proxy.translate import set_output_cap
 from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected,
@@ -382,19 +382,11 @@ async def _count_usage(request: web.Request, worker: Worker, t: Any, ctx: Respon
 async def _count_text(session: aiohttp.ClientSession, worker: Worker, model: str, text: str) -> int | None:
     """The tokens of a plain text as the worker's tokenizer counts them (no template, no special
     tokens); None when it cannot say."""
-    path = worker.tokenize_path
-    body = {"model": model, "prompt": text, "add_special_tokens": False}
-    timeout = aiohttp.ClientTimeout(total=worker.timeouts.first_byte, connect=worker.timeouts.connect)
     try:
-        async with session.post(worker.endpoint(path), data=orjson.dumps(body), timeout=timeout,
-                                headers={"Content-Type": "application/json", **worker.auth_headers()}) as r:
-            if r.status != 200:
-                return None
-            data = orjson.loads(await r.read())
-    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+        count = await tokenize(session, worker, {"model": model, "prompt": text, "add_special_tokens": False})
+    except TokenCountError:
         return None
-    count = data.get("count") if isinstance(data, dict) else None
-    return count if type(count) is int and count >= 0 else None
+    return count if count >= 0 else None
 
 
 # A first read this big holds many events (a server that coalesces its chunks, or a client

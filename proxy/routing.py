@@ -382,6 +382,12 @@ async def count_tokens(session: aiohttp.ClientSession, worker: "Worker", model: 
     body: dict[str, Any] = {"model": model, "messages": messages_for(messages, worker.dialect)}
     if tools:
         body["tools"] = tools
+    return await tokenize(session, worker, body)
+
+
+async def tokenize(session: aiohttp.ClientSession, worker: "Worker", body: dict[str, Any]) -> int:
+    """The `count` of the worker's tokenizer endpoint for `body` (messages or a prompt), or
+    TokenCountError saying why it could not be had."""
     path = worker.tokenize_path
     timeout = aiohttp.ClientTimeout(total=worker.timeouts.first_byte, connect=worker.timeouts.connect)
     try:
