@@ -34,7 +34,7 @@ def _best(run, n: int, rounds: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impl", default="proxy.rewriter", help="module providing the rewriter API")
+    ap.add_argument("--impl", default="proxy.protocol.rewriter", help="module providing the rewriter API")
     ap.add_argument("--n", type=int, default=3000, help="responses per round")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()

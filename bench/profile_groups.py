@@ -14,7 +14,7 @@ import collections
 import sys
 
 GROUPS = [
-    ("upstream client (proxy/upstream.py)", ["upstream.py"]),
+    ("upstream client (proxy/upstream/client.py)", ["upstream.py"]),
     ("rewriter + SSE decoder", ["rewriter.py", "sse.py"]),
     ("middleware chain + leases + pricing", ["stateless.py", "auth.py", "limits.py", "tools.py", "balance.py",
                                              "lease.py", "pricing.py", "ledger/__init__.py", "sqlite.py"]),

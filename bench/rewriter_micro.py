@@ -105,7 +105,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=1.0, help="CPU seconds per cell (default 1)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--impl", default="proxy.rewriter", help="module providing StreamRewriter, ResponseContext")
+    ap.add_argument("--impl", default="proxy.protocol.rewriter", help="module providing StreamRewriter, ResponseContext")
     ap.add_argument("--only", default="", help="substring filter on the stream name")
     args = ap.parse_args()
     mod = importlib.import_module(args.impl)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from proxy.config import Config, ConfigError
+from proxy.config.load import Config, ConfigError
 
 BUILTINS = ("stateless", "auth", "limits", "tools", "balance", "notices")
 

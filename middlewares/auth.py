@@ -56,12 +56,12 @@ from typing import Any
 from aiohttp import web
 
 from proxy import state
-from proxy.config import ConfigError
-from proxy.errors import APIError
+from proxy.config.load import ConfigError
+from proxy.http.errors import APIError
 from proxy.state import LEDGER, POOL
 from proxy.ledger import KeyRecord
-from proxy.logs import log
-from proxy.request import read_json
+from proxy.runtime.logs import log
+from proxy.http.request import read_json
 from proxy.state import KEY_CACHE
 
 API_KEY = state.API_KEY

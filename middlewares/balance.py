@@ -73,20 +73,20 @@ from aiohttp import web
 
 from middlewares.auth import API_KEY, is_static
 from proxy import state
-from proxy.config import ConfigError
-from proxy.errors import APIError
+from proxy.config.load import ConfigError
+from proxy.http.errors import APIError
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
 from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
-from proxy.logs import log
-from proxy.request import translation
-from proxy.routing import TokenCountError, count_tokens, prompt_bytes
+from proxy.runtime.logs import log
+from proxy.http.request import translation
+from proxy.upstream.routing import TokenCountError, count_tokens, prompt_bytes
 from proxy.state import HOLD, METRICS
 
 # The chat template's own tokens (see estimate_input_tokens): in front of everything, around
 # each message, in front of a tool list. The same margins as the context check's bound
-# (proxy.routing).
+# (proxy.upstream.routing).
 TEMPLATE_OVERHEAD = 256
 PER_MESSAGE_OVERHEAD = 16
 TOOLS_OVERHEAD = 512

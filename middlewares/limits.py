@@ -22,8 +22,8 @@ from typing import Any
 from aiohttp import web
 
 from middlewares.auth import API_KEY
-from proxy.config import ConfigError
-from proxy.errors import APIError
+from proxy.config.load import ConfigError
+from proxy.http.errors import APIError
 
 _GUARDED = ("/v1/responses", "/v1/responses/input_tokens")
 

@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy import state
-from proxy.config import ConfigError
+from proxy.config.load import ConfigError
 from proxy.state import NOTICES_HEADER
 
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token

@@ -10,9 +10,9 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.config import ConfigError
-from proxy.request import read_json
-from proxy.rules import check_stateless
+from proxy.config.load import ConfigError
+from proxy.http.request import read_json
+from proxy.policy.rules import check_stateless
 
 _GUARDED_PATHS = ("/v1/responses", "/v1/responses/input_tokens")
 

@@ -1,7 +1,7 @@
 """Hosted tools: left out (and named in x-token-notice) or refused, before translation.
 
     tools:
-      drop: null      # tool types left out; null: proxy.rules.HOSTED_TOOL_TYPES
+      drop: null      # tool types left out; null: proxy.policy.rules.HOSTED_TOOL_TYPES
       refuse: null    # tool types refused with 400; null: REFUSED_TOOL_TYPES (image_generation)
 
 The OpenAI platform runs web_search, file_search, mcp... itself; a chat-completions
@@ -24,10 +24,10 @@ from typing import Any
 from aiohttp import web
 
 from proxy import state
-from proxy.config import ConfigError
-from proxy.errors import APIError, bad_request
-from proxy.request import read_json
-from proxy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, hosted_tools_notice, leave_out
+from proxy.config.load import ConfigError
+from proxy.http.errors import APIError, bad_request
+from proxy.http.request import read_json
+from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, hosted_tools_notice, leave_out
 
 _GUARDED = ("/v1/responses", "/v1/responses/input_tokens")
 _CORE = frozenset({"function", "custom", "namespace"})

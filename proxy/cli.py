@@ -7,8 +7,8 @@ import argparse
 import os
 import sys
 
-from proxy.config import Config, ConfigError, default_config
-from proxy.listen import bind_sockets, listen_error
+from proxy.config.load import Config, ConfigError, default_config
+from proxy.runtime.listen import bind_sockets, listen_error
 
 
 def _workers_arg(text: str) -> int | str:
@@ -99,14 +99,14 @@ def _serve(config: Config, args: argparse.Namespace) -> int:
         port = _port(server["port"], "server.port")
     workers = resolve_workers(args.workers if getattr(args, "workers", None) is not None else server.get("workers", 1))
     if getattr(args, "demo_key", False):
-        from proxy.supervisor import auth_section
+        from proxy.runtime.supervisor import auth_section
 
         auth = auth_section(config)
         if auth is not None:
             auth["demo_key"] = True
     _config_dir_on_path(config)
     if workers > 1:
-        from proxy.supervisor import supervise
+        from proxy.runtime.supervisor import supervise
 
         return supervise(config, host, port, workers, _serve_one)
     return _serve_one(config, host, port, reuse_port=bool(getattr(args, "reuse_port", False)))
@@ -128,8 +128,8 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
     """One serving process: build the app, run it until SIGINT/SIGTERM."""
     from aiohttp import web
 
-    from proxy.app import build_app
-    from proxy.logs import configure
+    from proxy.http.app import build_app
+    from proxy.runtime.logs import configure
 
     server = config.section("server")
     configure(server.get("log_format", "auto"), server.get("log_level", "info"))
@@ -172,13 +172,13 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
 
 def _config_command(args: argparse.Namespace) -> int:
     if args.config_command == "reference":
-        from proxy.config_schema import reference
+        from proxy.config.schema import reference
 
         sys.stdout.write(reference())
         return 0
     config = Config.load(args.config)
     _config_dir_on_path(config)
-    from proxy.app import build_app
+    from proxy.http.app import build_app
 
     build_app(config)  # the middleware factories check their sections here; nothing starts
     print(f"{args.config or 'the embedded defaults'}: ok")

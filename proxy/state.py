@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 if TYPE_CHECKING:  # imported for annotations only, to keep this module import-light
-    from proxy.config import Config
-    from proxy.translate import Translation
+    from proxy.config.load import Config
+    from proxy.protocol.translate import Translation
 
 
 @dataclass
@@ -50,19 +50,19 @@ CONFIG = web.AppKey("config", "Config")
 LEDGER = web.AppKey("ledger", object)  # proxy.ledger.Ledger, or absent (ledger.backend: none)
 POOL = web.AppKey("worker_pool", "WorkerPool")
 SESSION = web.AppKey("client_session", "aiohttp.ClientSession")  # every upstream call but the chat POST
-UPSTREAMS = web.AppKey("upstreams", "UpstreamPool")  # the chat POST (proxy.upstream: why)
-METRICS = web.AppKey("metrics", "Metrics")  # proxy.metrics
-CHECKER = web.AppKey("health_checker", "HealthChecker")  # proxy.health's active checks
-READINESS = web.AppKey("readiness", "Readiness")  # proxy.health, answers /readyz
-RESPONSE_SETTINGS = web.AppKey("response_settings", "ResponseSettings")  # proxy.forwarder
-SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.models.parse_sampling_defaults
-IMAGE_POLICY = web.AppKey("image_policy", "ImagePolicy")  # proxy.netguard
-SEALER = web.AppKey("sealer", "Sealer")  # the app's proxy.seal.Sealer, when seal keys are configured
+UPSTREAMS = web.AppKey("upstreams", "UpstreamPool")  # the chat POST (proxy.upstream.client: why)
+METRICS = web.AppKey("metrics", "Metrics")  # proxy.runtime.metrics
+CHECKER = web.AppKey("health_checker", "HealthChecker")  # proxy.upstream.health's active checks
+READINESS = web.AppKey("readiness", "Readiness")  # proxy.upstream.health, answers /readyz
+RESPONSE_SETTINGS = web.AppKey("response_settings", "ResponseSettings")  # proxy.http.forwarder
+SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.upstream.models.parse_sampling_defaults
+IMAGE_POLICY = web.AppKey("image_policy", "ImagePolicy")  # proxy.policy.netguard
+SEALER = web.AppKey("sealer", "Sealer")  # the app's proxy.protocol.seal.Sealer, when seal keys are configured
 KEY_CACHE = web.AppKey("key_cache", "KeyCache")  # middlewares.auth
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
-AFFINITY = web.AppKey("affinity_settings", "AffinitySettings")  # routing.affinity, parsed (proxy.affinity)
+AFFINITY = web.AppKey("affinity_settings", "AffinitySettings")  # routing.affinity, parsed (proxy.upstream.affinity)
 SETTLEMENTS = web.AppKey("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
-# The embedded upstream's state (proxy.simulator): on the simulator's own app, not the proxy's.
+# The embedded upstream's state (proxy.simulator.server): on the simulator's own app, not the proxy's.
 SIM_STATE = web.AppKey("simulator_state", "SimState")
 
 # Per-request state.
@@ -79,9 +79,9 @@ API_KEY = web.RequestKey("api_key", "KeyRecord")  # the caller's key, set by mid
 RESERVED_OUTPUT = web.RequestKey("reserved_output", int)
 SETTLE = web.RequestKey("settle", Any)
 HOLD = web.RequestKey("hold", "Hold")  # the balance middleware's hold on the ledger
-EVENT_STREAM = web.RequestKey("event_stream", "StreamRewriter")  # the streamed answer's rewriter (proxy.forwarder)
+EVENT_STREAM = web.RequestKey("event_stream", "StreamRewriter")  # the streamed answer's rewriter (proxy.http.forwarder)
 # The response whose headers went out (set by the last on_response_prepare hook): past that
-# point an error can no longer become an HTTP status (see proxy.app._after_start).
+# point an error can no longer become an HTTP status (see proxy.http.app._after_start).
 STARTED = web.RequestKey("started_response", web.StreamResponse)
 
 

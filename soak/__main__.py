@@ -126,7 +126,7 @@ async def _one(http: aiohttp.ClientSession, url: str, key: str, rnd: random.Rand
 
 async def main(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
-    from proxy.simulator import Simulator
+    from proxy.simulator.server import Simulator
 
     tmp = Path(tempfile.mkdtemp(prefix="soak-"))
     async with Simulator() as sim:

@@ -59,14 +59,14 @@ class ProxyHandle:
 
     @property
     def ledger(self):
-        from proxy.app import LEDGER
+        from proxy.http.app import LEDGER
 
         return self.app[LEDGER]
 
 
 @pytest.fixture
 async def sim():
-    from proxy.simulator import Simulator
+    from proxy.simulator.server import Simulator
 
     async with Simulator() as simulator:
         yield simulator
@@ -75,8 +75,8 @@ async def sim():
 @pytest.fixture
 async def make_proxy(sim, tmp_path):
     from proxy import state
-    from proxy.app import build_app
-    from proxy.config import Config
+    from proxy.http.app import build_app
+    from proxy.config.load import Config
 
     runners: list[web.AppRunner] = []
     handles: list[ProxyHandle] = []

@@ -13,9 +13,9 @@ from typing import Any
 from aiohttp import web
 
 from proxy import state
-from proxy.config import ConfigError
-from proxy.errors import APIError
-from proxy.request import read_json
+from proxy.config.load import ConfigError
+from proxy.http.errors import APIError
+from proxy.http.request import read_json
 
 
 def create(section: dict[str, Any], app: web.Application):

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.errors import APIError
+from proxy.http.errors import APIError
 
 MODES = ("raise_after", "api_error_after", "own_stream", "hook_raises")
 

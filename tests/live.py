@@ -39,9 +39,9 @@ class LiveStack:
         from aiohttp import web
 
         from proxy import state
-        from proxy.app import build_app
-        from proxy.config import Config
-        from proxy.simulator import Simulator
+        from proxy.http.app import build_app
+        from proxy.config.load import Config
+        from proxy.simulator.server import Simulator
 
         self.sim = Simulator()
         await self.sim.start()
@@ -81,7 +81,7 @@ class LiveStack:
 
     async def _ledger_state(self):
         from middlewares.balance import wait_for_settlements
-        from proxy.app import LEDGER
+        from proxy.http.app import LEDGER
 
         await wait_for_settlements(self.app)  # settlement runs after the answer, in its own task
         ledger = self.app[LEDGER]

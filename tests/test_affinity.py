@@ -1,8 +1,8 @@
-"""Prompt-cache affinity (proxy/affinity.py): consistent hashing with bounded loads.
+"""Prompt-cache affinity (proxy/upstream/affinity.py): consistent hashing with bounded loads.
 
 Real simulators on loopback (each with its own vLLM-style prefix cache reporting
 usage.prompt_tokens_details.cached_tokens), a real proxy, real HTTP between; the ring
-properties over 1,000 keys are measured on the pure selection (proxy.routing.select).
+properties over 1,000 keys are measured on the pure selection (proxy.upstream.routing.select).
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy import affinity, state
-from proxy.affinity import AffinityKey, Ring, key_point
-from proxy.config import Config, ConfigError
-from proxy.forwarder import POOL
+from proxy import state
+from proxy.upstream import affinity
+from proxy.upstream.affinity import AffinityKey, Ring, key_point
+from proxy.config.load import Config, ConfigError
+from proxy.http.forwarder import POOL
 from proxy.ledger.pricing import Price, cost_micros
-from proxy.routing import parse_provider, select
-from proxy.simulator import Simulator
-from proxy.workers import Worker, WorkerPool
+from proxy.upstream.routing import parse_provider, select
+from proxy.simulator.server import Simulator
+from proxy.upstream.workers import Worker, WorkerPool
 from tests.conftest import free_port
 
 NO_AUTH = {"pipeline": ["stateless"]}
@@ -470,7 +471,7 @@ async def test_metrics_move(three):
     ({"bogus": 1}, "unknown"),
 ])
 def test_bad_affinity_settings_stop_start_up(section, message, tmp_path):
-    from proxy.app import build_app
+    from proxy.http.app import build_app
 
     with pytest.raises(ConfigError, match=message):  # from the schema check at load time
         build_app(Config.from_dict({"routing": {"affinity": section}, "ledger": {"path": str(tmp_path / "l.db")}}))

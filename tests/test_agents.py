@@ -7,7 +7,7 @@ import orjson
 import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
-from proxy.config import DEFAULTS
+from proxy.config.load import DEFAULTS
 
 PIPELINE = list(DEFAULTS["pipeline"])  # the default chain: auth (demo key), balance...
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 import zstandard
 
-from proxy.request import DECODERS
+from proxy.http.request import DECODERS
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

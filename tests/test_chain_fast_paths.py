@@ -91,7 +91,7 @@ def test_pass_through_middleware_is_checked_but_left_out():
 
     from middlewares import build_chain
     from proxy import state
-    from proxy.config import Config
+    from proxy.config.load import Config
 
     config = Config.from_dict({"pipeline": ["stateless", "notices", "limits"]})
     app = web.Application()
@@ -111,7 +111,7 @@ def test_pass_through_middleware_is_checked_but_left_out():
     ([{"type": "message"}] * 500 + [{"type": "item_reference"}], 500),
 ])
 def test_item_reference_is_found_where_the_walk_finds_it(items, expected):
-    from proxy.rules import item_reference_at as _item_reference_at
+    from proxy.policy.rules import item_reference_at as _item_reference_at
 
     walk = next((i for i, item in enumerate(items)
                  if isinstance(item, dict) and item.get("type") == "item_reference"), None)

@@ -18,7 +18,7 @@ import orjson
 import pytest
 import zstandard
 
-from proxy.config import DEFAULTS
+from proxy.config.load import DEFAULTS
 from tests.clients.capture import CAPTURED, ENTRY as CAPTURE
 from tests.clients.codex import CodexUnavailable, EgressTrap, ensure_codex, run_codex, write_codex_home
 from tests.sdk_check import parse_sse
@@ -45,7 +45,7 @@ def codex_cmd() -> list[str]:
 @pytest.fixture
 async def sim():
     # Overrides conftest's: this simulator also serves the catalog model name.
-    from proxy.simulator import Simulator
+    from proxy.simulator.server import Simulator
 
     async with Simulator(models=MODELS) as simulator:
         yield simulator

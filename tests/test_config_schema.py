@@ -1,4 +1,4 @@
-"""config.yaml against its one schema (proxy/config_schema.py): every mistake is a start-up
+"""config.yaml against its one schema (proxy/config/schema.py): every mistake is a start-up
 error naming the key's path; config.yaml is the generated reference; `serve` refuses a bad
 or busy port in one line; the config file's folder is on the import path; no demo key with
 a config file unless asked for."""
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy import config_schema
-from proxy.config import DEFAULTS, Config, ConfigError
+from proxy.config import schema as config_schema
+from proxy.config.load import DEFAULTS, Config, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv" / "bin" / "python"

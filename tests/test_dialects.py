@@ -1,5 +1,5 @@
 """What each model server expects of a replayed conversation and of the thinking switch
-(proxy/dialects.py): vLLM 0.32 reads an assistant's reasoning from `reasoning` (its /tokenize
+(proxy/protocol/dialects.py): vLLM 0.32 reads an assistant's reasoning from `reasoning` (its /tokenize
 ignores `reasoning_content`), SGLang from `reasoning_content`; the chat-template kwarg is
 named per worker (`thinking_switch`)."""
 
@@ -10,10 +10,10 @@ import copy
 import aiohttp
 import pytest
 
-from proxy.config import ConfigError
-from proxy.dialects import chat_for, messages_for
-from proxy.simulator import Simulator
-from proxy.workers import parse_workers
+from proxy.config.load import ConfigError
+from proxy.protocol.dialects import chat_for, messages_for
+from proxy.simulator.server import Simulator
+from proxy.upstream.workers import parse_workers
 
 MODEL = "tiny-org/tiny-model"
 REPLAY = [

@@ -57,8 +57,8 @@ async def test_auth_listed_last_still_runs_first(sim, make_proxy):
 
 
 def test_the_chain_puts_auth_first_and_keeps_the_rest_in_order(tmp_path):
-    from proxy.app import build_app
-    from proxy.config import Config
+    from proxy.http.app import build_app
+    from proxy.config.load import Config
 
     app = build_app(Config.from_dict({
         "pipeline": ["stateless", {CUSTOM: {"header": "x-c"}}, "limits", "auth", "tools", "balance", "notices"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.forwarder import POOL
+from proxy.http.forwarder import POOL
 from tests.test_workers import ask, call, served_by, settings, start_sim, wait_for, worker  # noqa: F401
 
 POISON = 'SIM:{"status": 500}'  # the simulator answers this request with a 500, every time
@@ -105,8 +105,8 @@ async def test_retry_after_without_active_checks_is_the_ejection_left(start_sim,
 
 
 def test_bad_max_ejection_percent_stops_start_up():
-    from proxy.app import build_app
-    from proxy.config import Config, ConfigError
+    from proxy.http.app import build_app
+    from proxy.config.load import Config, ConfigError
 
     for bad in (-1, 101, "half"):
         with pytest.raises(ConfigError):

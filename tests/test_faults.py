@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.forwarder import UPSTREAMS
+from proxy.http.forwarder import UPSTREAMS
 from tests.conftest import free_port
 from tests.sdk_check import parse_sse
 
@@ -194,7 +194,7 @@ async def test_connection_refused_fails_over_then_502(sim, make_proxy):
 
 
 async def test_reset_before_headers_fails_over(sim, make_proxy):
-    from proxy.simulator import Simulator
+    from proxy.simulator.server import Simulator
 
     async with Simulator() as broken:
         workers = [{"name": "broken", "url": broken.url, "models": ["tiny-org/tiny-model"], "timeouts": FAST},

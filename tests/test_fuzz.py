@@ -17,8 +17,8 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.errors import APIError
-from proxy.translate import TranslateOptions, Translation, translate_request
+from proxy.http.errors import APIError
+from proxy.protocol.translate import TranslateOptions, Translation, translate_request
 from tests.live import LiveStack
 from tests.sdk_check import parse_sse
 

@@ -199,7 +199,7 @@ def status_and_error(raw: bytes) -> tuple[int, dict | None]:
 
 
 async def test_a_malformed_request_line_is_a_400_envelope_that_echoes_nothing(sim, make_proxy):
-    """Pins proxy.protocol.EnvelopeRequestHandler: aiohttp answers parser errors itself (text/plain,
+    """Pins proxy.http.parse_errors.EnvelopeRequestHandler: aiohttp answers parser errors itself (text/plain,
     quoting the bytes) and offers no public hook to change that, so the proxy swaps in its handler."""
     proxy = await make_proxy(LIMITS)
     port = int(proxy.url.rsplit(":", 1)[1])

@@ -7,8 +7,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.models import resolve_model
-from proxy.simulator import Simulator
+from proxy.upstream.models import resolve_model
+from proxy.simulator.server import Simulator
 
 NO_AUTH = {"pipeline": ["stateless"]}
 TIMEOUTS = {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}
@@ -81,7 +81,7 @@ async def test_key_allowed_models_follow_the_same_rule(make_proxy):
 
 
 def test_default_simulator_model_is_an_org_name_id():
-    from proxy.config import DEFAULTS
+    from proxy.config.load import DEFAULTS
 
     assert DEFAULTS["simulator"]["model"] == "tiny-org/tiny-model"
     assert DEFAULTS["workers"][0]["models"] == ["tiny-org/tiny-model"]
@@ -132,8 +132,8 @@ def test_a_call_outside_allowed_tools_never_reaches_the_client(fast):
 
 
 def test_a_call_outside_allowed_tools_is_dropped_from_a_non_stream_answer(monkeypatch):
-    from proxy import rewriter as rewriter_mod
-    from proxy.rewriter import response_from_completion
+    from proxy.protocol import rewriter as rewriter_mod
+    from proxy.protocol.rewriter import response_from_completion
     from tests.test_rewriter import ctx
 
     monkeypatch.setattr(rewriter_mod, "_now", lambda: 1_800_000_000)
@@ -285,8 +285,8 @@ async def test_a_models_own_sampling_defaults_are_echoed(sim, make_proxy):
     [], {"m": 1}, {"m": {"temperature": 3}}, {"m": {"top_p": "1"}}, {"m": {"seed": 1}}, {"m": {"temperature": True}},
 ])
 def test_sampling_defaults_are_checked_at_start_up(section):
-    from proxy.config import ConfigError
-    from proxy.models import parse_sampling_defaults
+    from proxy.config.load import ConfigError
+    from proxy.upstream.models import parse_sampling_defaults
 
     with pytest.raises(ConfigError):
         parse_sampling_defaults(section)

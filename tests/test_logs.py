@@ -8,7 +8,7 @@ import re
 
 import structlog
 
-from proxy import logs
+from proxy.runtime import logs
 
 
 def test_json_access_line_has_the_structlog_fields(capsys):

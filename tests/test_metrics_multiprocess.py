@@ -149,8 +149,9 @@ def test_the_merged_view_of_one_process_has_the_figures_of_the_plain_one(tmp_pat
     from prometheus_client import generate_latest
     from types import SimpleNamespace
 
-    from proxy import metrics as proxy_metrics, state
-    from proxy.workers import WorkerPool, parse_workers
+    from proxy import state
+    from proxy.runtime import metrics as proxy_metrics
+    from proxy.upstream.workers import WorkerPool, parse_workers
     from tests.test_metrics import SEQUENCE
 
     def observed(shared_dir):

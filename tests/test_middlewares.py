@@ -18,7 +18,7 @@ from middlewares.balance import estimate_input_tokens
 from middlewares.notices import header_value, sanitize
 from proxy import state
 from proxy.ledger.pricing import cost_micros, price_for
-from proxy.translate import translate_request
+from proxy.protocol.translate import translate_request
 
 # 1 micro per input and output token, 0.1 per cached token: costs are easy to check by hand.
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
@@ -192,7 +192,7 @@ async def test_auth_cache_is_bounded_and_never_caches_unknown_keys(make_proxy, h
 
 @pytest.mark.parametrize("bad", [-1, "5", True, 7200])
 async def test_auth_cache_settings_are_checked(make_proxy, bad):
-    from proxy.config import ConfigError
+    from proxy.config.load import ConfigError
 
     with pytest.raises(ConfigError, match="key_cache_ttl_s"):
         await make_proxy({"auth": {"key_cache_ttl_s": bad}})
@@ -754,7 +754,7 @@ async def test_lease_commits_every_lease_commit_ms(make_proxy, http, section, li
 def test_lease_commit_ms_must_be_a_positive_number(bad):
     from aiohttp import web
 
-    from proxy.config import ConfigError
+    from proxy.config.load import ConfigError
 
     with pytest.raises(ConfigError, match="lease_commit_ms"):
         balance_mw.create({"lease_commit_ms": bad}, web.Application())

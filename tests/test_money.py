@@ -19,7 +19,7 @@ import pytest
 from middlewares import balance as balance_mw
 from middlewares.balance import estimate_input_tokens
 from proxy.ledger.pricing import Price, cost_micros
-from proxy.translate import translate_request
+from proxy.protocol.translate import translate_request
 
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
 PRICE = Price(1_000_000, 100_000, 1_000_000)  # 1 micro per token
@@ -154,7 +154,7 @@ def _chunk(text: str) -> bytes:
 def test_rewriter_cap_holds_on_every_path(cap, read_size):
     """However the bytes are split (the batched fast paths take big reads), never more than
     `cap` output deltas are written, and the response ends incomplete."""
-    from proxy.rewriter import ResponseContext, StreamRewriter
+    from proxy.protocol.rewriter import ResponseContext, StreamRewriter
 
     stream = b"".join([_chunk("x")] + [_chunk(" w%d" % i) for i in range(400)] + [b"data: [DONE]\n\n"])
     rw = StreamRewriter(ResponseContext("resp_1", "m", 1, output_cap=cap))
@@ -170,7 +170,7 @@ def test_rewriter_cap_holds_on_every_path(cap, read_size):
 
 
 def test_rewriter_cap_not_reached_changes_nothing():
-    from proxy.rewriter import ResponseContext, StreamRewriter
+    from proxy.protocol.rewriter import ResponseContext, StreamRewriter
 
     stream = b"".join([_chunk("a"), _chunk("b")]) + b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n' \
         + b"data: [DONE]\n\n"

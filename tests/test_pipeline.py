@@ -10,8 +10,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.app import build_app
-from proxy.config import Config, ConfigError
+from proxy.http.app import build_app
+from proxy.config.load import Config, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CUSTOM = "tests.custom_mw:create"

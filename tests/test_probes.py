@@ -10,8 +10,9 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy import health, state
-from proxy.forwarder import POOL
+from proxy import state
+from proxy.upstream import health
+from proxy.http.forwarder import POOL
 from tests.conftest import free_port
 
 FAST = {"connect": 1, "first_byte": 5, "idle": 5, "total": 30}

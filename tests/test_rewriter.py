@@ -1,4 +1,4 @@
-"""proxy.rewriter / proxy.sse: upstream chat-completions SSE -> Responses SSE.
+"""proxy.protocol.rewriter / proxy.protocol.sse: upstream chat-completions SSE -> Responses SSE.
 
 Every emitted event is validated with the openai SDK's own types and the whole sequence is
 run through the SDK's stream accumulator (ResponseStreamState).
@@ -20,13 +20,13 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-import proxy.rewriter as rewriter_mod
-from proxy.rewriter import ResponseContext, StreamRewriter, map_usage, response_from_completion
-from proxy.sse import SSEDecoder
+import proxy.protocol.rewriter as rewriter_mod
+from proxy.protocol.rewriter import ResponseContext, StreamRewriter, map_usage, response_from_completion
+from proxy.protocol.sse import SSEDecoder
 
 try:  # written in parallel; the rewriter only needs the shape
-    from proxy.translate import ToolOrigin
-except Exception:  # pragma: no cover - before proxy/translate.py lands
+    from proxy.protocol.translate import ToolOrigin
+except Exception:  # pragma: no cover - before proxy/protocol/translate.py lands
 
     @dataclass
     class ToolOrigin:  # type: ignore[no-redef]

@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types.responses import Response
 
-import proxy.rewriter as rewriter_mod
-from proxy.rewriter import (_SEQ, StreamRewriter, _args_template, _reasoning_template, _text_template,
+import proxy.protocol.rewriter as rewriter_mod
+from proxy.protocol.rewriter import (_SEQ, StreamRewriter, _args_template, _reasoning_template, _text_template,
                             response_from_completion)
-from proxy.sse import SSEDecoder
+from proxy.protocol.sse import SSEDecoder
 from tests.test_rewriter import FIX, BODIES, STREAMS, ToolOrigin, _DetIds, ctx, parse, run, sdk_check
 
 

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from proxy.affinity import AffinityKey, AffinitySettings, key_point, request_key
-from proxy.errors import APIError
-from proxy.routing import choose, parse_provider, prompt_bytes, select
-from proxy.workers import OutlierPolicy, Worker, WorkerPool
+from proxy.upstream.affinity import AffinityKey, AffinitySettings, key_point, request_key
+from proxy.http.errors import APIError
+from proxy.upstream.routing import choose, parse_provider, prompt_bytes, select
+from proxy.upstream.workers import OutlierPolicy, Worker, WorkerPool
 
 
 def _pool(n: int, **kw) -> WorkerPool:

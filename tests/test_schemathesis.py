@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
-from proxy.openapi import openapi_document
+from proxy.http.openapi import openapi_document
 from tests.live import LiveStack
 
 MAX_EXAMPLES = 40

@@ -16,7 +16,7 @@ import pytest
 import zstandard
 from openai.types.responses import Response
 
-from proxy.config import DEFAULTS
+from proxy.config.load import DEFAULTS
 from tests.sdk_check import check_sequence, parse_sse, validate_response, validate_sdk_response
 
 PIPELINE = list(DEFAULTS["pipeline"])  # the default chain: auth (demo key), balance...

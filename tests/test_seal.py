@@ -10,8 +10,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.config import ConfigError
-from proxy.seal import PREFIX, Sealer, sealer_from_config
+from proxy.config.load import ConfigError
+from proxy.protocol.seal import PREFIX, Sealer, sealer_from_config
 from tests.sdk_check import check_sequence, parse_sse, validate_response
 
 PIPELINE = ["stateless", "tools", "notices"]

@@ -17,8 +17,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.config import ConfigError
-from proxy.seal import ANONYMOUS, PREFIX, Sealer, SealExpired, sealer_from_config
+from proxy.config.load import ConfigError
+from proxy.protocol.seal import ANONYMOUS, PREFIX, Sealer, SealExpired, sealer_from_config
 from tests.test_seal import THOUGHT, WEATHER, first_turn_body, follow_up
 
 ALICE, BOB = "sk-test-alice-0123456789abcdef", "sk-test-bob-0123456789abcdef"
@@ -87,7 +87,7 @@ async def test_an_expired_ciphertext_is_dropped_with_a_notice(sim, make_proxy):
     output = await first_turn(sim, proxy, ALICE)
     reasoning = next(i for i in output if i["type"] == "reasoning")
     two_hours_ago = SimpleNamespace(time=lambda: time.time() - 7200)
-    with mock.patch("proxy.seal.time", two_hours_ago):
+    with mock.patch("proxy.protocol.seal.time", two_hours_ago):
         reasoning["encrypted_content"] = Sealer({"k1": base64.urlsafe_b64decode(SEAL_KEY)}, "k1").seal(
             THOUGHT, "static:alice")
     sim.script({"text": "Sunny."})
@@ -103,7 +103,7 @@ def test_sealer_binding_and_expiry():
     assert sealer.unseal(token, "static:alice") == THOUGHT
     assert sealer.unseal(token, "static:bob") is None
     assert sealer.unseal(token) is None and sealer.unseal(token, ANONYMOUS) is None
-    with mock.patch("proxy.seal.time", SimpleNamespace(time=lambda: time.time() + 61)):
+    with mock.patch("proxy.protocol.seal.time", SimpleNamespace(time=lambda: time.time() + 61)):
         with pytest.raises(SealExpired):
             sealer.unseal(token, "static:alice")
     seal, unseal = sealer.bound("key_1")

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.netguard import ImagePolicy, check_images, verdict_for_address
+from proxy.policy.netguard import ImagePolicy, check_images, verdict_for_address
 
 PUBLIC_ROUTES = {("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens"), ("GET", "/v1/models"),
                  ("GET", "/healthz"), ("GET", "/openapi.json"), ("GET", "/metrics"), ("HEAD", "/v1/models"),

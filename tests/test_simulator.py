@@ -14,8 +14,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.simulator import Simulator, create_app
-from proxy.simulator_script import example_value, split_pieces, tokenize
+from proxy.simulator.server import Simulator, create_app
+from proxy.simulator.script import example_value, split_pieces, tokenize
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-0.32-cpu"
 if not FIXTURES.is_dir():  # a checkout elsewhere: fall back to the shared tree
@@ -668,7 +668,7 @@ def _free_port() -> int:
 
 async def test_cli_serves(http):
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.simulator", "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.simulator.server", "--host", "127.0.0.1", "--port", str(port),
                              "--dialect", "sglang", "--model", "tiny-org/tiny-model", "--max-model-len", "1000"],
                             cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

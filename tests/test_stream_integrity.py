@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import orjson
 import pytest
 
-from proxy.rewriter import StreamRewriter
+from proxy.protocol.rewriter import StreamRewriter
 from tests.raw_chat_upstream import ChatUpstream, chunked, gzipped, json_answer, sse_events
 from tests.sdk_check import parse_sse
 
@@ -263,8 +263,8 @@ async def test_a_gzipped_json_answer_is_refused_not_parsed(make_proxy):
     ("sk-wörker", "workers[0].api_key"),
 ])
 def test_control_characters_in_a_configured_header_stop_start_up(key, where):
-    from proxy.app import build_app
-    from proxy.config import Config, ConfigError
+    from proxy.http.app import build_app
+    from proxy.config.load import Config, ConfigError
 
     with pytest.raises(ConfigError) as raised:
         build_app(Config.from_dict({"workers": [{"name": "w", "url": "http://127.0.0.1:9", "api_key": key}]}))
@@ -272,8 +272,8 @@ def test_control_characters_in_a_configured_header_stop_start_up(key, where):
 
 
 def test_control_characters_in_a_worker_url_stop_start_up():
-    from proxy.app import build_app
-    from proxy.config import Config, ConfigError
+    from proxy.http.app import build_app
+    from proxy.config.load import Config, ConfigError
 
     with pytest.raises(ConfigError, match=r"workers\[1\]\.url"):
         build_app(Config.from_dict({"workers": [

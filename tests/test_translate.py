@@ -1,4 +1,4 @@
-"""proxy/translate.py: Responses request body -> chat-completions body."""
+"""proxy/protocol/translate.py: Responses request body -> chat-completions body."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.errors import APIError
-from proxy.translate import (
+from proxy.http.errors import APIError
+from proxy.protocol.translate import (
     HOSTED_ITEM_TYPES,
     HOSTED_TOOL_TYPES,
     REFUSED_TOOL_TYPES,

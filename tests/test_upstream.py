@@ -1,4 +1,4 @@
-"""proxy.upstream, the chat leg's HTTP/1.1 client, against raw loopback servers that send
+"""proxy.upstream.client, the chat leg's HTTP/1.1 client, against raw loopback servers that send
 exactly the bytes each case needs (framing, keep-alive, stale connections, faults)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from multidict import CIMultiDict
 
-from proxy import upstream as up
-from proxy.upstream import BadResponse, ConnectFailed, ConnectTimeout, Disconnected, UpstreamPool
+from proxy.upstream import client as up
+from proxy.upstream.client import BadResponse, ConnectFailed, ConnectTimeout, Disconnected, UpstreamPool
 
 HEADERS = CIMultiDict({"Content-Type": "application/json", "Authorization": "Bearer up-key"})
 

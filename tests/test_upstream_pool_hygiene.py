@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.forwarder import UPSTREAMS
+from proxy.http.forwarder import UPSTREAMS
 from tests.raw_chat_upstream import ChatUpstream, answer_for, json_answer, completion, sse_answer
 
 FAKE_TEXT = "LEAKED-answer-meant-for-nobody"
@@ -113,10 +113,10 @@ async def test_an_answer_arriving_after_the_request_went_out_does_not_shift_late
 
 
 async def test_pool_unit_idle_data_marks_the_connection_dead():
-    """proxy.upstream directly: bytes on an idle pooled connection close it at once."""
+    """proxy.upstream.client directly: bytes on an idle pooled connection close it at once."""
     from multidict import CIMultiDict
 
-    from proxy.upstream import UpstreamPool
+    from proxy.upstream.client import UpstreamPool
 
     writers: list[asyncio.StreamWriter] = []
 

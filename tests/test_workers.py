@@ -15,9 +15,9 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.forwarder import POOL
-from proxy.routing import check_context_window, parse_provider
-from proxy.simulator import Simulator
+from proxy.http.forwarder import POOL
+from proxy.upstream.routing import check_context_window, parse_provider
+from proxy.simulator.server import Simulator
 from tests.conftest import free_port
 from tests.sdk_check import parse_sse
 
@@ -626,8 +626,8 @@ async def test_context_check_lowers_the_proxys_own_cap_for_sglang():
     {"workers": [{"name": "a", "url": "http://x", "timeouts": {"idle": 0}}]},
 ])
 def test_bad_configuration_stops_start_up(overrides):
-    from proxy.app import build_app
-    from proxy.config import Config, ConfigError
+    from proxy.http.app import build_app
+    from proxy.config.load import Config, ConfigError
 
     with pytest.raises(ConfigError):
         build_app(Config.from_dict({**NO_AUTH, "ledger": {"backend": "none"}, **overrides}))

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from proxy.models import resolve_model, strip_vendor
+from proxy.upstream.models import resolve_model, strip_vendor
 
 
 SECRET_PREFIX = "sk-rp-"
@@ -51,7 +51,7 @@ class KeyRecord:
     created_at: float
 
     def allows_model(self, model: str, served: Callable[[str], bool] | None = None) -> bool:
-        """True when the key may use `model`: it is listed, or it means (proxy.models.resolve_model
+        """True when the key may use `model`: it is listed, or it means (proxy.upstream.models.resolve_model
         over the `served` names) the same served model as a listed name. Without `served`, the
         listed names stand for themselves."""
         allowed = self.allowed_models

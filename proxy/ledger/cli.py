@@ -177,7 +177,7 @@ def _ledger_section(args: argparse.Namespace, config: Any) -> dict[str, Any]:
 
 
 def _base_dir(args: argparse.Namespace, config: Any) -> Any:
-    """Where a relative ledger path lives: the same rule as the app (proxy/app.py), i.e. the
+    """Where a relative ledger path lives: the same rule as the app (proxy/http/app.py), i.e. the
     config file's directory, else the current directory; an explicit --db is taken as typed."""
     if getattr(args, "db", None):
         return None
@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.required = True
     add_key_commands(sub)
     args = parser.parse_args(argv)
-    from proxy.config import Config, ConfigError, default_config
+    from proxy.config.load import Config, ConfigError, default_config
 
     try:
         config = Config.load(args.config or default_config())

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from proxy.models import resolve_model, strip_vendor
+from proxy.upstream.models import resolve_model, strip_vendor
 
 PER = 1_000_000  # prices are per million tokens
 UNLIMITED = sys.maxsize  # max_output_tokens_for() when output is free
@@ -62,7 +62,7 @@ def _bare(model: str) -> str:
 
 
 def price_for(prices: Mapping[str, Any] | None, model: str) -> Price:
-    """The price of `model`: the entry proxy.models.resolve_model picks (the exact name, else
+    """The price of `model`: the entry proxy.upstream.models.resolve_model picks (the exact name, else
     the name with its vendor prefix stripped), else an entry matching with vendor prefixes
     stripped on both sides, else prices["default"], else the built-in default."""
     prices = prices or {}

@@ -16,8 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.errors import APIError
-from proxy.request import read_json
+from proxy.http.errors import APIError
+from proxy.http.request import read_json
 
 CAPTURED = web.AppKey("captured_requests", list)
 ENTRY = "tests.clients.capture:create"

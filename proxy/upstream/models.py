@@ -47,7 +47,7 @@ def parse_sampling_defaults(section: Any) -> dict[str, dict[str, float]]:
     """config.yaml `responses.sampling_defaults`: served model name -> the sampling values its
     server applies when a request leaves them out (vLLM reads them from the model's
     generation_config.json). They are only echoed in the Response, never sent upstream."""
-    from proxy.config import ConfigError
+    from proxy.config.load import ConfigError
 
     if section is None:
         return {}

@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 import orjson
 
-from proxy.errors import bad_request
-from proxy.models import DEFAULT_SAMPLING, resolve_model
-from proxy.rules import (
+from proxy.http.errors import bad_request
+from proxy.upstream.models import DEFAULT_SAMPLING, resolve_model
+from proxy.policy.rules import (
     HOSTED_TOOL_TYPES,
     REFUSED_TOOL_TYPES,
     check_stateless,
@@ -85,7 +85,7 @@ class ToolOrigin:
 class Translation:
     chat: dict  # the chat-completions request body; chat["model"] is upstream_model
     model: str  # the model exactly as the client sent it
-    upstream_model: str  # the served name `model` means (proxy.models.resolve_model)
+    upstream_model: str  # the served name `model` means (proxy.upstream.models.resolve_model)
     stream: bool
     tools: dict[str, ToolOrigin]  # upstream function name -> what the client knows it as
     echo: dict  # Response fields echoed back
@@ -513,7 +513,7 @@ def _reasoning_text(item: dict, param: str, options: TranslateOptions, notices: 
             opened = options.unseal(sealed)
         except Exception as exc:  # an unseal hook must never turn a request into a 500
             opened = None
-            failed = getattr(exc, "notice", None) or failed  # e.g. proxy.seal.SealExpired
+            failed = getattr(exc, "notice", None) or failed  # e.g. proxy.protocol.seal.SealExpired
         if isinstance(opened, str):
             return opened or plain
         if plain is None:

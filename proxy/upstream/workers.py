@@ -1,9 +1,9 @@
 """The upstream model servers (vLLM or SGLang) and the choice among them.
 
 A worker is one chat-completions server. The pool holds what routing needs to answer "which worker takes this
-request" (proxy.routing.choose does the provider-requirement filtering and the least-loaded
+request" (proxy.upstream.routing.choose does the provider-requirement filtering and the least-loaded
 choice), keeps the in-flight counts that choice and capacity need, and keeps each
-worker's health: the active checks' verdict (proxy.health) and passive outlier ejection
+worker's health: the active checks' verdict (proxy.upstream.health) and passive outlier ejection
 (N consecutive connection failures / 5xx -> ejected for a time that doubles with each
 repeated ejection, re-admitted by the next passing active check once that time is over).
 
@@ -31,8 +31,8 @@ from typing import Any, Iterable
 import aiohttp
 from multidict import CIMultiDict
 
-from proxy.config import ConfigError
-from proxy.dialects import NEUTRAL_SWITCH, THINKING_SWITCHES
+from proxy.config.load import ConfigError
+from proxy.protocol.dialects import NEUTRAL_SWITCH, THINKING_SWITCHES
 
 DIALECTS = ("vllm", "sglang", "detect")
 
@@ -53,7 +53,7 @@ class RoutingEpoch:
 class _RoutingField:
     """A Worker field the pools' cached routes depend on (health, ejection, dialect, models).
 
-    Setting it to a different value moves the epoch of every pool holding the worker, whoever sets it (proxy.health, the pool's
+    Setting it to a different value moves the epoch of every pool holding the worker, whoever sets it (proxy.upstream.health, the pool's
     outlier ejection, start-up discovery, a test), so a route can never outlive the state it
     was built from. Reads cost a Python call; the per-request path reads the cached route
     instead. The value lives in the instance under "_<name>". What routing reads live on
@@ -132,11 +132,11 @@ class Worker:
     labels: dict[str, Any] = field(default_factory=dict)
     capacity: int = 256
     timeouts: Timeouts = field(default_factory=Timeouts)
-    thinking_switch: str = NEUTRAL_SWITCH  # the chat-template kwarg its model reads (proxy.dialects)
+    thinking_switch: str = NEUTRAL_SWITCH  # the chat-template kwarg its model reads (proxy.protocol.dialects)
     max_model_len: dict[str, int] = field(default_factory=dict)
     models_known: bool = True  # False while `models` was omitted and /v1/models has not answered yet
     in_flight: int = 0
-    # Active health (proxy.health): the checker's verdict.
+    # Active health (proxy.upstream.health): the checker's verdict.
     healthy: bool = _RoutingField(True)
     # Down until proven up: with active checks a worker starts unhealthy and its first
     # passing check (whatever healthy_threshold says) lets it in.
@@ -262,7 +262,7 @@ def parse_workers(raw: Any) -> list[Worker]:
 
 class Route:
     """What routing needs of one model, built once per epoch: the workers serving it, the
-    available ones among them (in pool order), and proxy.affinity's rings over those two
+    available ones among them (in pool order), and proxy.upstream.affinity's rings over those two
     sets by vnodes. Lists are never mutated once built: a change builds a new Route."""
 
     __slots__ = ("serving", "available", "available_ids", "rings")
@@ -288,14 +288,14 @@ class WorkerPool:
         self.workers = list(workers)
         self.outlier = outlier or OutlierPolicy()
         self.ewma_alpha = ewma_alpha
-        self.active_checks = False  # proxy.health turns this on when its loop runs
-        # Set by proxy.health: when its next round starts (monotonic), how far apart rounds
+        self.active_checks = False  # proxy.upstream.health turns this on when its loop runs
+        # Set by proxy.upstream.health: when its next round starts (monotonic), how far apart rounds
         # are, and the passes that bring a worker back; Retry-After is computed from them.
         self.next_check_at = 0.0
         self.check_interval_s = 0.0
         self.healthy_threshold = 1
         self.failovers: Counter[tuple[str, str]] = Counter()  # (from worker, reason) -> count
-        # proxy.affinity's ring cache and hit / miss counters, made by proxy.affinity.state() on
+        # proxy.upstream.affinity's ring cache and hit / miss counters, made by proxy.upstream.affinity.state() on
         # first use: this module sits below routing and affinity and imports neither.
         self.affinity_state: Any = None
         self._rotation = 0
@@ -310,7 +310,7 @@ class WorkerPool:
         return [w for w in self.workers if w.serves(model)]
 
     def serves(self, model: str) -> bool:
-        """Some worker serves `model` under exactly this name (proxy.models.resolve_model asks)."""
+        """Some worker serves `model` under exactly this name (proxy.upstream.models.resolve_model asks)."""
         return bool(self.route(model).serving)
 
     def _refresh(self) -> None:
@@ -346,7 +346,7 @@ class WorkerPool:
         return self._rotation
 
     def readmit_due(self) -> None:
-        """Before a choice (proxy.routing.choose): re-admit ejected workers whose time is over."""
+        """Before a choice (proxy.upstream.routing.choose): re-admit ejected workers whose time is over."""
         if self._ejected or self._epoch != self.routing_epoch.value:  # else nothing is ejected: nothing to re-admit
             self.readmit_expired()
 
@@ -380,7 +380,7 @@ class WorkerPool:
         bound = self._ejection_bound(worker)
         if bound is not None:
             if worker.consecutive_failures == self.outlier.consecutive_failures:  # once per streak
-                from proxy.logs import log
+                from proxy.runtime.logs import log
 
                 log.warning("worker not ejected", worker=worker.name, reason=reason, bound=bound,
                             failures=worker.consecutive_failures)
@@ -391,7 +391,7 @@ class WorkerPool:
         worker.ejected_until = now + self.outlier.ejection_time(worker.ejection_multiplier)
         worker.last_ejected_at = now
         worker.ejections_total += 1
-        from proxy.logs import log
+        from proxy.runtime.logs import log
 
         log.warning("worker ejected", worker=worker.name, reason=reason,
                     failures=worker.consecutive_failures,
@@ -403,7 +403,7 @@ class WorkerPool:
         if worker.ejected and time.monotonic() >= worker.ejected_until:
             worker.ejected = False
             worker.consecutive_failures = 0
-            from proxy.logs import log
+            from proxy.runtime.logs import log
 
             log.info("worker re-admitted", worker=worker.name)
             return True

@@ -19,7 +19,7 @@ Rings are cached by the set's signature (and, for the common request, on the poo
 route of the model), so a request costs a bisect and a short walk, never a ring rebuild.
 Failover excludes the failed worker and the walk continues on the ring.
 
-Pure, no I/O. proxy.routing calls `pick`; the forwarder computes `request_key` once per request.
+Pure, no I/O. proxy.upstream.routing calls `pick`; the forwarder computes `request_key` once per request.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 import orjson
 
 if TYPE_CHECKING:
-    from proxy.workers import Route, Worker, WorkerPool
+    from proxy.upstream.workers import Route, Worker, WorkerPool
 
 SETTINGS = ("enabled", "epsilon", "vnodes", "hash_messages")
 RING_CACHE_SIZE = 128  # rings kept per pool (one per eligible-set signature seen recently)
@@ -51,7 +51,7 @@ class AffinitySettings:
     @classmethod
     def from_section(cls, section: Any) -> "AffinitySettings":
         """config.yaml `routing.affinity`, validated (a bad value stops start-up)."""
-        from proxy.config import ConfigError
+        from proxy.config.load import ConfigError
 
         if section is None:
             return cls()
@@ -170,7 +170,7 @@ class Ring:
 
 
 class AffinityState:
-    """Per pool: the ring cache and the hit / miss counters (read by proxy.metrics)."""
+    """Per pool: the ring cache and the hit / miss counters (read by proxy.runtime.metrics)."""
 
     def __init__(self) -> None:
         self.rings: OrderedDict[tuple, Ring] = OrderedDict()

@@ -14,10 +14,10 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.errors import APIError, bad_request
-from proxy.netguard import check_images, policy_for
-from proxy.seal import binding
-from proxy.translate import TranslateOptions, translate_request
+from proxy.http.errors import APIError, bad_request
+from proxy.policy.netguard import check_images, policy_for
+from proxy.protocol.seal import binding
+from proxy.protocol.translate import TranslateOptions, translate_request
 from proxy.state import SAMPLING_DEFAULTS, SEALER
 
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs

@@ -1,6 +1,6 @@
 """The pure half of the upstream simulator: tokenizer, prefix cache, scripts and answers.
 
-No I/O and no aiohttp here; `proxy.simulator` turns a `Generation` into vLLM or SGLang
+No I/O and no aiohttp here; `proxy.simulator.server` turns a `Generation` into vLLM or SGLang
 bytes. Everything is deterministic: the same prompt gives the same default answer in
 every run (the hash is sha256, never Python's salted `hash`).
 """

@@ -18,7 +18,7 @@ Shared state across processes:
     connections onto processes, so one process may refuse while another has room, and a
     key's own `concurrency` (set with `keys limits`) and `rate_per_min` apply per process
     (up to N times the value in total).
-  * /metrics: prometheus_client's multiprocess mode (proxy/metrics.py). The supervisor
+  * /metrics: prometheus_client's multiprocess mode (proxy/runtime/metrics.py). The supervisor
     sets PROMETHEUS_MULTIPROC_DIR before forking: a fresh temporary directory, removed at
     exit, unless the operator set it (then its *.db files are cleared first, as
     prometheus_client requires between runs); each child writes its figures there and any
@@ -39,7 +39,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from proxy.config import Config
+from proxy.config.load import Config
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -114,7 +114,7 @@ def _process_dead(pid: int, path: str) -> None:
 
 def supervise(config: Config, host: str, port: int, workers: int,
               serve_one: Callable[..., int]) -> int:
-    from proxy.listen import bind_sockets, listen_error
+    from proxy.runtime.listen import bind_sockets, listen_error
 
     try:  # a port in use or a bad host: one line, before "listening on" and before the demo key and any fork
         for sock in bind_sockets(host, port, reuse_port=True):

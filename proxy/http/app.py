@@ -14,27 +14,27 @@ from aiohttp import web
 from middlewares import build_chain
 from middlewares.auth import API_KEY
 from proxy import state
-from proxy.config import Config, ConfigError
-from proxy.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
-from proxy.errors import ERROR_CODE, APIError
-from proxy.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event, responses_handler
-from proxy.upstream import UpstreamPool
-from proxy.health import HealthSettings, Readiness, health_context
-from proxy.ids import random_bits
-from proxy.routing import validate_settings as validate_routing
-from proxy.logs import access, log
-from proxy.models import parse_sampling_defaults
-from proxy.netguard import ImagePolicy
-from proxy.openapi import openapi_handler
-from proxy import metrics
-from proxy.workers import OutlierPolicy, WorkerPool, parse_workers
-from proxy.affinity import AffinitySettings
+from proxy.config.load import Config, ConfigError
+from proxy.http.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
+from proxy.http.errors import ERROR_CODE, APIError
+from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event, responses_handler
+from proxy.upstream.client import UpstreamPool
+from proxy.upstream.health import HealthSettings, Readiness, health_context
+from proxy.protocol.ids import random_bits
+from proxy.upstream.routing import validate_settings as validate_routing
+from proxy.runtime.logs import access, log
+from proxy.upstream.models import parse_sampling_defaults
+from proxy.policy.netguard import ImagePolicy
+from proxy.http.openapi import openapi_handler
+from proxy.runtime import metrics
+from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
+from proxy.upstream.affinity import AffinitySettings
 from proxy.state import AFFINITY, EVENT_STREAM, IMAGE_POLICY, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS, STARTED
 
 LEDGER = state.LEDGER
 
 # Request ids (and the response ids made from them, and the ledger's hold ids) need to be
-# unique, not secret (proxy.ids). Time first (as in UUIDv7): the ledger's UNIQUE(request_id)
+# unique, not secret (proxy.protocol.ids). Time first (as in UUIDv7): the ledger's UNIQUE(request_id)
 # index then grows at its right edge instead of dirtying a random leaf page per usage row,
 # which the ledger's writer thread pays for on every settle (bench/results.md, "Design measurements").
 def new_request_id() -> str:
@@ -160,7 +160,7 @@ def _client_session(app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             app[SESSION] = session
-            app[UPSTREAMS] = upstreams = UpstreamPool()  # the chat POSTs: proxy.upstream says why
+            app[UPSTREAMS] = upstreams = UpstreamPool()  # the chat POSTs: proxy.upstream.client says why
             try:
                 yield
             finally:
@@ -175,7 +175,7 @@ async def _embedded_simulator(app: web.Application) -> AsyncIterator[None]:
     if not embedded:
         yield
         return
-    from proxy.simulator import Simulator
+    from proxy.simulator.server import Simulator
 
     sim_cfg = app[state.CONFIG].section("simulator")
     models = sorted({m for w in embedded for m in w.models} or {sim_cfg.get("model", "tiny-org/tiny-model")})
@@ -226,7 +226,7 @@ async def _ledger(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(config: Config) -> web.Application:
     """Build the whole app; raises ConfigError for anything that cannot run."""
-    from proxy import protocol
+    from proxy.http import parse_errors as protocol
 
     protocol.install()  # parser-level refusals (oversize headers) in the envelope too
     server = config.section("server")
@@ -235,7 +235,7 @@ def build_app(config: Config) -> web.Application:
     app = web.Application(client_max_size=int(server["max_body_bytes"]) + 1, handler_args={
         "max_line_size": int(server.get("max_line_size", 8190)),
         "max_field_size": int(server.get("max_field_size", 8190)),
-        # Request bodies are decoded by proxy/request.py alone (gzip, deflate, zstd, bounded by
+        # Request bodies are decoded by proxy/http/request.py alone (gzip, deflate, zstd, bounded by
         # max_body_bytes): aiohttp's own decoding would run first, so a gzip body was decoded
         # twice (400) and a zstd body refused outright without backports.zstd.
         "auto_decompress": False,
@@ -254,7 +254,7 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_embedded_simulator)
     app.cleanup_ctx.append(health_context(SESSION, POOL))  # discovery + active checks, once urls are final
     app.cleanup_ctx.append(_ledger)
-    from proxy.seal import install_sealer
+    from proxy.protocol.seal import install_sealer
 
     install_sealer(app, config.section("reasoning_seal"))
     app.middlewares.append(envelope_and_access_log)

@@ -3,7 +3,7 @@
 The defaults alone run a working proxy (the built-in simulator as the upstream, the
 SQLite ledger, and, with no file at all, a demo key). Each subsystem reads its own
 section; a middleware's factory gets `config.section(name)`. The merged result is
-checked against proxy/config_schema.py before anything starts: an unknown key, a wrong
+checked against proxy/config/schema.py before anything starts: an unknown key, a wrong
 type or an unset `${NAME}` is a ConfigError naming the key's path.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from proxy import config_schema as schema
+from proxy.config import schema
 
-# The embedded configuration: every default of the schema (proxy/config_schema.py).
+# The embedded configuration: every default of the schema (proxy/config/schema.py).
 DEFAULTS: dict[str, Any] = schema.defaults()
 
 _ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")

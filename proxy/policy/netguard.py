@@ -18,7 +18,7 @@ By default a URL is refused (400 `image_url_refused`, param `input`) when
 Resolution uses `loop.getaddrinfo`, so it never blocks the event loop, and every address
 a name resolves to must pass (one private A record is enough to refuse).
 
-The check runs once per request in `proxy.request.translation`, after the pure translation:
+The check runs once per request in `proxy.http.request.translation`, after the pure translation:
 `image_urls(chat)` lists the URLs of the translated body, `check_images` resolves and judges.
 """
 
@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from proxy.errors import bad_request
+from proxy.http.errors import bad_request
 from proxy.state import IMAGE_POLICY
 
 __all__ = ["ImagePolicy", "image_urls", "check_images", "policy_for", "verdict_for_address"]
@@ -45,7 +45,7 @@ class ImagePolicy:
         section = section or {}
         hosts = section.get("allow_hosts") or []
         if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
-            from proxy.config import ConfigError
+            from proxy.config.load import ConfigError
 
             raise ConfigError("images.allow_hosts must be a list of host names")
         self.allow_hosts = [h.lower().rstrip(".") for h in hosts]

@@ -2,11 +2,11 @@
 
 It is the proxy's built-in default upstream and the upstream of the whole test suite.
 
-    python -m proxy.simulator --host 127.0.0.1 --port 8100 --dialect vllm --model tiny-org/tiny-model
+    python -m proxy.simulator.server --host 127.0.0.1 --port 8100 --dialect vllm --model tiny-org/tiny-model
 
 Each chat request is answered from, in priority order: the script queue (`POST /sim/script`
 or `Simulator.script`), a `SIM:{...}` directive in the last user/tool message, or a
-deterministic default answer (see `proxy.simulator_script`). Script fields:
+deterministic default answer (see `proxy.simulator.script`). Script fields:
 
   content  reasoning, text, text_words n (n words of text), tool_calls [{name, arguments (str | object),
            id?}], finish, usage (false: no usage chunk), cached_tokens, chunk_chars
@@ -34,7 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.simulator_chat import (
+from proxy.simulator.chat import (
     SSE_CONTENT_TYPE,
     Chat,
     SimState,
@@ -49,7 +49,7 @@ from proxy.simulator_chat import (
     _stream_error_line,
     _validate,
 )
-from proxy.simulator_script import (
+from proxy.simulator.script import (
     default_plan,
     find_directive,
     generate,
@@ -399,7 +399,7 @@ class Simulator:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m proxy.simulator", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m proxy.simulator.server", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm")

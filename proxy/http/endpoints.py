@@ -8,11 +8,11 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.errors import APIError
-from proxy.forwarder import POOL, SESSION
+from proxy.http.errors import APIError
+from proxy.http.forwarder import POOL, SESSION
 from proxy.state import READINESS
-from proxy.request import translation
-from proxy.routing import TokenCountError, choose, count_tokens, parse_provider, request_parameters
+from proxy.http.request import translation
+from proxy.upstream.routing import TokenCountError, choose, count_tokens, parse_provider, request_parameters
 
 _STARTED = int(time.time())
 

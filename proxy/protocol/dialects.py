@@ -1,6 +1,6 @@
 """What each model server expects in the fields the translation leaves neutral.
 
-The translation (proxy.translate) is done once per request, before a worker is chosen, so it
+The translation (proxy.protocol.translate) is done once per request, before a worker is chosen, so it
 writes two things in a neutral form that this module adapts to the worker that gets the request:
 
 * A replayed assistant message's reasoning. The translation writes `reasoning_content`.

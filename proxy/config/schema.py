@@ -1,7 +1,7 @@
 """The one schema of config.yaml: every key, its type, bounds, default and a one-line doc.
 
 Three things come from it, so they cannot disagree:
-  * `DEFAULTS` (proxy/config.py), the embedded configuration: every `F(...)` default;
+  * `DEFAULTS` (proxy/config/load.py), the embedded configuration: every `F(...)` default;
   * the start-up check of the merged file (`validate`): an unknown key at any depth names
     its path and the nearest known key, a wrong type names its path and the expected type;
   * the commented reference (`reference()`), which is config.yaml itself
@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from proxy.config_types import (
+from proxy.config.types import (
     F,
     OMIT,
     REQUIRED,
@@ -136,7 +136,7 @@ SCHEMA = Section({
         "dialect": F(Str(choices=("vllm", "sglang")), "vllm"),
         "model": F(Str(nonempty=True), "tiny-org/tiny-model", "served when no embedded worker lists models"),
         "max_model_len": F(POS_INT, 32768),
-    }), None, "the embedded upstream for workers whose url is embedded (also: python -m proxy.simulator)"),
+    }), None, "the embedded upstream for workers whose url is embedded (also: python -m proxy.simulator.server)"),
     "workers": F(ListOf(WORKER, min_len=1), [{
         "name": "local", "url": "embedded", "dialect": "vllm", "models": ["tiny-org/tiny-model"], "api_key": None,
         "labels": {}, "capacity": 256, "timeouts": {"connect": 5.0, "first_byte": 120.0, "idle": 120.0, "total": 1800.0},
@@ -309,7 +309,7 @@ def validate(data: dict[str, Any]) -> dict[str, Any]:
 
 HEADER = """\
 responses-proxy configuration, with every key at its default. Generated from the schema
-(proxy/config_schema.py) by `responses-proxy config reference`; a test keeps the two equal.
+(proxy/config/schema.py) by `responses-proxy config reference`; a test keeps the two equal.
 Every key is optional: what is left out takes its default. A key this file does not know
 stops start-up, naming it. A value written "${NAME}" is read from the environment (an
 unset NAME stops start-up), so secrets stay out of this file. Commented keys show the

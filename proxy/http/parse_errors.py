@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiohttp import web_protocol, web_server
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
-from proxy.errors import APIError
+from proxy.http.errors import APIError
 
 
 class EnvelopeRequestHandler(web_protocol.RequestHandler):

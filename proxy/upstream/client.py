@@ -349,7 +349,7 @@ class _Target:
             if name.lower() in ("host", "content-length", "connection", "transfer-encoding", "accept-encoding"):
                 continue
             if _UNSAFE.search(name) or _UNSAFE.search(str(value)):
-                # Config is checked at start-up (proxy.workers); this is the last line.
+                # Config is checked at start-up (proxy.upstream.workers); this is the last line.
                 raise ValueError(f"control character in the header {name!r} for {url}")
             lines.append(f"{name}: {value}")
         self.head = ("\r\n".join(lines) + "\r\nContent-Length: ").encode("latin-1")

@@ -1,6 +1,6 @@
 """The forwarding handler: the only place that talks to the upstream.
 
-It translates the request (once, via proxy.request), picks a worker, sends the chat
+It translates the request (once, via proxy.http.request), picks a worker, sends the chat
 request over the app's pooled ClientSession, and feeds the upstream bytes through the
 sans-I/O StreamRewriter, writing each Responses event as soon as its chunk arrives.
 Failover happens only before the first byte reaches the client; after that, every
@@ -19,20 +19,20 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.affinity import AffinitySettings, request_key
-from proxy.dialects import chat_for
-from proxy.errors import APIError
-from proxy.request import translation
-from proxy.logs import log
-from proxy.rewriter import (ResponseContext, StreamRewriter, client_usage, map_usage, public_message,
+from proxy.upstream.affinity import AffinitySettings, request_key
+from proxy.protocol.dialects import chat_for
+from proxy.http.errors import APIError
+from proxy.http.request import translation
+from proxy.runtime.logs import log
+from proxy.protocol.rewriter import (ResponseContext, StreamRewriter, client_usage, map_usage, public_message,
                             response_from_completion)
-from proxy.routing import (TokenCountError, check_context_window, choose, count_tokens, parse_provider,
+from proxy.upstream.routing import (TokenCountError, check_context_window, choose, count_tokens, parse_provider,
                            request_parameters, tokenize)
-from proxy.seal import binding
-from proxy.translate import set_output_cap
-from proxy.upstream import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected,
+from proxy.protocol.seal import binding
+from proxy.protocol.translate import set_output_cap
+from proxy.upstream.client import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected,
                             UpstreamResponse)
-from proxy.workers import Worker
+from proxy.upstream.workers import Worker
 from proxy.state import EVENT_STREAM, RESPONSE_SETTINGS, SEALER
 
 SESSION, UPSTREAMS, POOL = state.SESSION, state.UPSTREAMS, state.POOL
@@ -178,9 +178,9 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
     pool = request.app[POOL]
     routing_cfg = request.app[state.CONFIG].section("routing")
     settings = request.app.get(state.AFFINITY)
-    if settings is None:  # an app not made by proxy.app.build_app
+    if settings is None:  # an app not made by proxy.http.app.build_app
         settings = AffinitySettings.from_section(routing_cfg.get("affinity"))
-    affinity = request_key(t, settings)  # prompt-cache affinity (proxy.affinity)
+    affinity = request_key(t, settings)  # prompt-cache affinity (proxy.upstream.affinity)
     out = state.outcome(request)
     ctx = _context(request, t)
     attempts = 1 if prefs is not None and prefs.single_attempt else int(routing_cfg.get("max_attempts", MAX_ATTEMPTS))

@@ -1,7 +1,7 @@
 """The simulator's chat request: its state, validation, and the answer built as vLLM/SGLang bytes.
 
-proxy/simulator.py serves these over aiohttp (handlers, faults, `Simulator`, the CLI);
-proxy/simulator_script.py turns a script or a prompt into the generation planned here.
+proxy/simulator/server.py serves these over aiohttp (handlers, faults, `Simulator`, the CLI);
+proxy/simulator/script.py turns a script or a prompt into the generation planned here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.simulator_script import Generation, PrefixCache
+from proxy.simulator.script import Generation, PrefixCache
 
 VLLM_VERSION = "0.32.0"
 SGLANG_EOS = 151645  # matched_stop printed by SGLang when generation hit EOS

@@ -5,7 +5,7 @@ omitted in config.yaml), each model's max_model_len (the context window), and th
 (when `dialect: detect`: `owned_by` "vllm" / "sglang", else the Server header). A worker
 that does not answer is retried by every round of the checker.
 
-Probes (proxy/endpoints.py). Liveness (`/livez`, `/healthz`) depends on nothing: the process
+Probes (proxy/http/endpoints.py). Liveness (`/livez`, `/healthz`) depends on nothing: the process
 answers. Readiness (`/readyz`) is `Readiness.verdict`: some worker takes traffic and the
 ledger answers a cheap read within `LEDGER_TIMEOUT_S`. The ledger read is shared by
 concurrent probes and reused for `LEDGER_TTL_S`, so an unauthenticated flood of /readyz
@@ -37,9 +37,9 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.config import ConfigError
-from proxy.logs import log
-from proxy.workers import Worker, WorkerPool
+from proxy.config.load import ConfigError
+from proxy.runtime.logs import log
+from proxy.upstream.workers import Worker, WorkerPool
 from proxy.state import CHECKER
 
 _WINDOW_KEYS = ("max_model_len", "context_window", "context_length", "max_context_length")

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import orjson
 
-from proxy.ids import random_bytes
-from proxy.sse import MAX_LINE, SSEDecoder
+from proxy.protocol.ids import random_bytes
+from proxy.protocol.sse import MAX_LINE, SSEDecoder
 
 _TRACE_START = re.compile(r"\s*(?:Traceback \(most recent call last\)|File \")")
 _ABS_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.@+-]+){2,}[\\/]?")
@@ -51,8 +51,8 @@ def public_message(message: str, limit: int = 500) -> str:
     message = _ABS_PATH.sub("<path>", message).strip()
     return message[:limit] or "The model server failed."
 
-if TYPE_CHECKING:  # proxy.translate is written separately; only its shape matters here
-    from proxy.translate import ToolOrigin
+if TYPE_CHECKING:  # proxy.protocol.translate is written separately; only its shape matters here
+    from proxy.protocol.translate import ToolOrigin
 
 __all__ = ["ResponseContext", "StreamRewriter", "response_from_completion", "map_usage", "client_usage"]
 
@@ -114,7 +114,7 @@ _DONE = b"data: [DONE]\n\n"
 
 
 def _hex() -> str:
-    """24 hex digits, unique (proxy.ids); looked up by name at each call: tests swap it for a counter."""
+    """24 hex digits, unique (proxy.protocol.ids); looked up by name at each call: tests swap it for a counter."""
     return random_bytes(12).hex()
 
 

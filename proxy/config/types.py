@@ -1,4 +1,4 @@
-"""The type system of config.yaml's schema (proxy/config_schema.py holds the schema itself).
+"""The type system of config.yaml's schema (proxy/config/schema.py holds the schema itself).
 
 A `Type` checks one value and names what it expects; `Section` is a mapping of `Key`s
 (made by `F`, a key with an embedded default, or `Opt`, one whose default lives in the

@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy import state
-from proxy.config import ConfigError
+from proxy.config.load import ConfigError
 from proxy.state import SEALER
 
 PREFIX = "rp2"  # rp1 tokens carried no binding: they no longer open

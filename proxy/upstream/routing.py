@@ -1,5 +1,5 @@
 """Which worker takes a request: the `provider` object, eligibility, prompt-cache affinity
-(proxy.affinity) or the least-loaded choice, and the pre-flight context-window check.
+(proxy.upstream.affinity) or the least-loaded choice, and the pre-flight context-window check.
 
 The `provider` object (000 doc, "worker requirements") is modelled on OpenRouter's
 provider preferences; the README's "Provider requirements" section lists what each
@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import aiohttp
 import orjson
 
-from proxy.affinity import AffinitySettings, pick_on_route
-from proxy.affinity import pick as pick_by_affinity
-from proxy.dialects import messages_for
-from proxy.errors import APIError, bad_request
+from proxy.upstream.affinity import AffinitySettings, pick_on_route
+from proxy.upstream.affinity import pick as pick_by_affinity
+from proxy.protocol.dialects import messages_for
+from proxy.http.errors import APIError, bad_request
 
 if TYPE_CHECKING:
-    from proxy.affinity import AffinityKey
-    from proxy.workers import Route, Worker, WorkerPool
+    from proxy.upstream.affinity import AffinityKey
+    from proxy.upstream.workers import Route, Worker, WorkerPool
 
 SORTS = ("load", "latency", "price")
 SORT_ALIASES = {"throughput": "load"}  # OpenRouter's "throughput": the least loaded worker has the most to give
@@ -298,7 +298,7 @@ def choose(pool: "WorkerPool", model: str, exclude: Iterable["Worker"] = (), pre
 def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclude: Iterable["Worker"] = (),
            params: frozenset[str] = frozenset(), need_capacity: bool = True,
            affinity: "AffinityKey | None" = None) -> "Worker":
-    """The worker for one attempt. With an affinity key (proxy.affinity) and the default `load`
+    """The worker for one attempt. With an affinity key (proxy.upstream.affinity) and the default `load`
     sort, the choice within the first tier with room is the key's worker on the bounded-load
     ring of that tier's eligible workers; otherwise the best by `sort`."""
     route = pool.route(model)
@@ -524,7 +524,7 @@ async def check_context_window(session: aiohttp.ClientSession, worker: "Worker",
 
 def validate_settings(section: dict[str, Any]) -> None:
     """config.yaml `routing`: checked at build time, so a typo stops start-up, not a request."""
-    from proxy.config import ConfigError
+    from proxy.config.load import ConfigError
 
     unknown = set(section) - {"max_attempts", "context_check", "bytes_per_token_floor", "affinity"}
     if unknown:

@@ -37,8 +37,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
-from proxy import affinity, state
-from proxy.workers import WorkerPool
+from proxy import state
+from proxy.upstream import affinity
+from proxy.upstream.workers import WorkerPool
 from proxy.state import METRICS
 
 PREFIX = "responses_proxy"
@@ -91,7 +92,7 @@ class _PoolCollector:
                                         labels=["worker", "reason"])
         for (worker, reason), count in sorted(self.pool.failovers.items()):
             failovers.add_metric([worker, reason], count)
-        # Prompt-cache affinity (proxy/affinity.py): hit = the key's primary ring owner took the
+        # Prompt-cache affinity (proxy/upstream/affinity.py): hit = the key's primary ring owner took the
         # request; miss = load (bounded load or capacity moved it), ineligible (its owner is
         # unhealthy, ejected or excluded by the provider object) or failover.
         st = affinity.state(self.pool)
@@ -480,7 +481,7 @@ def observe(request: web.Request, status: int, elapsed_s: float) -> None:
     try:
         metrics.observe(request, status, elapsed_s)
     except Exception:  # metrics must never break a request
-        from proxy.logs import log
+        from proxy.runtime.logs import log
 
         log.exception("metrics update failed")
 
@@ -509,7 +510,7 @@ def _pool_publisher(metrics: Metrics) -> Callable[[web.Application], Any]:
                 try:
                     metrics.publish_pool()
                 except Exception:  # metrics must never stop the process
-                    from proxy.logs import log
+                    from proxy.runtime.logs import log
 
                     log.exception("metrics: publishing the worker figures failed")
                 await asyncio.sleep(POOL_PUBLISH_S)

@@ -1,0 +1,1 @@
+"""The process around the app: listening sockets, the --workers supervisor, logs and metrics."""
