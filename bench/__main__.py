@@ -201,8 +201,8 @@ async def _create_key(db: str) -> str:
     return secret
 
 
-FULL_CHAIN = ["stateless", "auth", "limits", "tools", "balance", "notices"]
-NO_CHAIN = "proxy no chain"  # the same proxy with an empty pipeline: what the middlewares cost
+POLICIES = ["stateless", "auth", "limits", "tools", "balance", "notices"]
+NO_CHAIN = "proxy no chain"  # the same proxy with every policy off: what the policies cost
 
 
 def proxy_config(tmp: Path, port: int, upstream_port: int, workers: int, chain: bool = True) -> Path:
@@ -211,9 +211,9 @@ def proxy_config(tmp: Path, port: int, upstream_port: int, workers: int, chain: 
         "workers": [{"name": "fake", "url": f"http://127.0.0.1:{upstream_port}", "dialect": "vllm",
                      "models": ["bench-json", "bench-coalesced", "bench-chunked", "bench-hold"],
                      "capacity": 100_000, "timeouts": {"connect": 5, "first_byte": 60, "idle": 60, "total": 600}}],
-        "pipeline": FULL_CHAIN if chain else [],
-        "auth": {"demo_key": False},
-        "limits": {"global_concurrency": 4096},
+        **{name: {"enabled": chain} for name in POLICIES},
+        "auth": {"enabled": chain, "demo_key": False},
+        "limits": {"enabled": chain, "global_concurrency": 4096},
         "ledger": {"path": str(tmp / "ledger.db")},
     }
     path = tmp / f"config-{workers}{'' if chain else '-nochain'}.yaml"
@@ -503,7 +503,7 @@ def report(say, results, concs, rounds, run, scaling, hold_line) -> None:
     say("Server under test pinned to core 0; load generator and C fake upstream on core 1. `direct` = the fake "
         "upstream alone; `pass-through` = bench/passthrough.py (bytes forwarded unchanged); `proxy` = "
         "`python -m proxy serve` with the full default chain (auth against a SQLite ledger, limits, tools, "
-        "balance hold+settle, notices, JSON access log); `proxy no chain` = the same with an empty pipeline "
+        "balance hold+settle, notices, JSON access log); `proxy no chain` = the same with every policy off "
         "(non-stream only: what the middleware chain costs). CPU: the process's CPU clock (all threads) over the "
         "measured part of a cell only (not its warm-up: 1 s of wrk, or one stream per client); chunk = one of the "
         "100 upstream content deltas. Streams: latency = full stream; first delta = time to the first text delta.")

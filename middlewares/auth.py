@@ -3,9 +3,9 @@
 Guarded: /v1/responses, /v1/responses/input_tokens and /v1/models (as on OpenAI, listing
 models needs a key), by path, whatever the method (HEAD /v1/models too); a method a guarded
 path does not serve still gets its 405. The probes (/livez, /healthz, /readyz) and /metrics
-stay open. The chain runs auth before every other middleware (middlewares/__init__.py), so
-a request without a valid key is refused from its headers alone: its body is never read,
-and when the body is still arriving the refusal closes the connection (`_refuse`).
+stay open. Auth is the first phase after the envelope (middlewares/__init__.py), so a
+request without a valid key is refused from its headers alone: its body is never read, and
+when the body is still arriving the refusal closes the connection (`_refuse`).
 
 Keys come from the ledger (`app[LEDGER].lookup_key`) and, for deployments without a
 database, from `static_keys` in the section:
@@ -34,9 +34,9 @@ memory or evict real ones; each costs one indexed read, as before). Consequences
 Every failure (missing header, another scheme, unknown or revoked key) is the same 401
 `invalid_api_key`, whose message never repeats what was sent. Two Authorization headers
 are a 400 `duplicate_header` (which one counts would depend on the software reading them).
-A key limited to some models gets 403 `model_not_allowed` for the others. The caller's
-`KeyRecord` is put on the request under `API_KEY` for the middlewares after this one
-(limits, balance).
+A key limited to some models gets 403 `model_not_allowed` for the others (checked by the
+prepare phase, once the body is read). The caller's `KeyRecord` is the context's `key` for
+the phases after this one (limits, prepare, balance).
 
 Static keys have no ledger account: the balance middleware does not bill them
 (`is_static`), the limits middleware applies their `concurrency` / `rate_per_min`.
@@ -58,19 +58,15 @@ from aiohttp import web
 from proxy import state
 from proxy.config.load import ConfigError
 from proxy.http.errors import APIError
-from proxy.state import LEDGER, POOL
+from proxy.state import LEDGER
 from proxy.ledger import KeyRecord
 from proxy.runtime.logs import log
-from proxy.http.request import read_json
-from proxy.state import KEY_CACHE
-
-API_KEY = state.API_KEY
+from proxy.state import KEY_CACHE, RequestContext
 
 STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
 
 _GUARDED = frozenset({"/v1/responses", "/v1/responses/input_tokens", "/v1/models"})
-_MODEL_ROUTES = ("/v1/responses", "/v1/responses/input_tokens")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
 
@@ -134,7 +130,7 @@ def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-async def _refuse(request: web.Request, handler, exc: APIError) -> web.StreamResponse:
+async def _refuse(request: web.Request, ctx: RequestContext, call_next, exc: APIError) -> web.StreamResponse:
     """The refusal, answered before any byte of the body is read.
 
     While the body is still arriving, the answer says `Connection: close` and the connection
@@ -145,7 +141,7 @@ async def _refuse(request: web.Request, handler, exc: APIError) -> web.StreamRes
     reports a connection error, and retries).
     """
     if request.match_info.http_exception is not None:
-        return await handler(request)  # a method this path does not serve: its 405, not a 401
+        return await call_next(request, ctx)  # a method this path does not serve: its 405, not a 401
     response = exc.to_response()
     if not request.content.is_eof():
         response.force_close()
@@ -258,22 +254,21 @@ def create(section: dict[str, Any], app: web.Application):
                 found = record
         return found
 
-    @web.middleware
-    async def auth(request: web.Request, handler):
-        if request.path not in _GUARDED:
-            return await handler(request)
+    async def auth(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
+        if ctx.path not in _GUARDED:
+            return await call_next(request, ctx)
         headers = request.headers.getall("Authorization", None)
         if not headers:
-            return await _refuse(request, handler, _unauthorized(
+            return await _refuse(request, ctx, call_next, _unauthorized(
                 "Missing API key: send it as 'Authorization: Bearer <key>'."))
         if len(headers) > 1:
-            return await _refuse(request, handler, APIError(
+            return await _refuse(request, ctx, call_next, APIError(
                 400, "More than one Authorization header: send exactly one, 'Authorization: Bearer <key>'.",
                 code="duplicate_header"))
         scheme, _, secret = headers[0].strip().partition(" ")
         secret = secret.strip()
         if scheme.lower() != "bearer" or not secret or not _TOKEN.match(secret):
-            return await _refuse(request, handler, _unauthorized(
+            return await _refuse(request, ctx, call_next, _unauthorized(
                 "Malformed Authorization header: expected 'Authorization: Bearer <key>'."))
         digest = hashlib.sha256(secret.encode()).digest()  # ASCII: checked by _TOKEN above
         record = match_static(digest) if statics else None
@@ -287,16 +282,9 @@ def create(section: dict[str, Any], app: web.Application):
                     if record is not None and not record.revoked:
                         cache.put(digest, record, generation)
         if record is None or record.revoked:
-            return await _refuse(request, handler, _unauthorized(
+            return await _refuse(request, ctx, call_next, _unauthorized(
                 "Incorrect API key provided, or the key was revoked."))
-        request[API_KEY] = record
-        if record.allowed_models is not None and request.method == "POST" and request.path in _MODEL_ROUTES:
-            body = await read_json(request)
-            model = body.get("model")
-            pool = request.app.get(POOL)
-            if isinstance(model, str) and not record.allows_model(model, pool.serves if pool is not None else None):
-                raise APIError(403, f"This API key may not use the model '{model[:128]}'.",
-                               code="model_not_allowed", param="model")
-        return await handler(request)
+        ctx.key = record
+        return await call_next(request, ctx)
 
     return auth

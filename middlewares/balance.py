@@ -29,13 +29,13 @@ Before forwarding:
     atomically holds min(available, max), or fails when available < min -> 402
     insufficient_quota (its message says whether not even the input is covered). When
     less than input + cap was held, the cap is lowered to what the held amount covers
-    (pricing.max_output_tokens_for; request[OUTPUT_CAP], applied by the forwarder) with a
-    notice "max_output_tokens lowered to N to fit the balance". Concurrent requests of
-    one key cannot overdraw it: the check and the hold are one transaction under the
-    database write lock. The hold is on the request under HOLD.
+    (pricing.max_output_tokens_for): the context's Translation is replaced by a capped copy
+    (Translation.with_cap), with a notice "max_output_tokens lowered to N to fit the
+    balance". Concurrent requests of one key cannot overdraw it: the check and the hold are
+    one transaction under the database write lock. The hold is the context's `hold`.
 
 Settlement, before the answer's last bytes are sent (the forwarder calls the hook under
-state.SETTLE before the end of a stream; a JSON body is written after this middleware
+the context's `settle` before the end of a stream; a JSON body is written after this middleware
 returns), so a client that waited for its answer finds its balance settled. When the
 client disconnected (the handler was cancelled) it runs in a task of its own, which the
 cancellation cannot reach and shutdown waits for:
@@ -71,7 +71,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from middlewares.auth import API_KEY, is_static
+from middlewares.auth import is_static
 from proxy import state
 from proxy.config.load import ConfigError
 from proxy.http.errors import APIError
@@ -80,9 +80,8 @@ from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.runtime.logs import log
-from proxy.http.request import translation
 from proxy.upstream.routing import TokenCountError, count_tokens, prompt_bytes
-from proxy.state import HOLD, METRICS
+from proxy.state import METRICS, RequestContext
 
 # The chat template's own tokens (see estimate_input_tokens): in front of everything, around
 # each message, in front of a tool list. The same margins as the context check's bound
@@ -204,18 +203,20 @@ def _billable(out: Any, cancelled: bool) -> bool:
     return answered or (reached and cancelled)
 
 
-def _needs_count(request: web.Request, cancelled: bool) -> bool:
+def _needs_count(ctx: RequestContext, cancelled: bool) -> bool:
     """A bill without a usage report: the worker's tokenizer says what it processed."""
-    out = request.get(state.OUTCOME)
+    out = ctx.outcome
     return _billable(out, cancelled) and not out.usage_reported and not out.extra.get("no_token_count")
 
 
-def _fit_cap(request: web.Request, price: Price, found: Hold, est: int, wanted: int) -> Hold:
+def _fit_cap(ctx: RequestContext, price: Price, found: Hold, est: int, wanted: int) -> Hold:
+    """Hold the request's output to what `found` covers: a new Translation (with_cap), lowered
+    and sent upstream when it covers less than wanted."""
     cap = min(wanted, max_output_tokens_for(price, found.amount_micros, est, 0))
-    if cap < wanted:  # >= 1: at least `least` was held
-        request[state.OUTPUT_CAP] = cap
-        state.notices(request).append(f"max_output_tokens lowered to {cap} to fit the balance")
-    request[state.RESERVED_OUTPUT] = cap
+    lowered = cap < wanted  # >= 1: at least `least` was held
+    if lowered:
+        ctx.notices.append(f"max_output_tokens lowered to {cap} to fit the balance")
+    ctx.translation = ctx.translation.with_cap(cap, lowered=lowered)
     return found
 
 
@@ -249,7 +250,7 @@ class _Billing:
         window = models.get(t.upstream_model) or models.get(t.model)
         return int(window) if window else self.default_cap
 
-    async def reserve(self, request: web.Request, leases: Leases, key_id: str, t: Any, price: Price,
+    async def reserve(self, ctx: RequestContext, leases: Leases, key_id: str, t: Any, price: Price,
                       est: int) -> tuple[Hold, int]:
         """(the hold, the input bound it was sized with)."""
         wanted = self.output_cap(t)
@@ -259,12 +260,12 @@ class _Billing:
         least = min(cost_micros(price, est, 0, 1), MAX_AMOUNT)  # the input and one output token
         most = min(cost_micros(price, est, 0, wanted), MAX_AMOUNT)
         try:
-            found = await leases.hold_up_to(request[state.REQUEST_ID], key_id, least, most)
+            found = await leases.hold_up_to(ctx.request_id, key_id, least, most)
         except InsufficientBalance as exc:
-            return await self.reserve_counted(request, leases, key_id, t, price, est, wanted, exc)
-        return _fit_cap(request, price, found, est, wanted), est
+            return await self.reserve_counted(ctx, leases, key_id, t, price, est, wanted, exc)
+        return _fit_cap(ctx, price, found, est, wanted), est
 
-    async def reserve_counted(self, request: web.Request, leases: Leases, key_id: str, t: Any, price: Price,
+    async def reserve_counted(self, ctx: RequestContext, leases: Leases, key_id: str, t: Any, price: Price,
                               est: int, wanted: int, exc: InsufficientBalance) -> tuple[Hold, int]:
         """The bytes bound did not fit: retry with the prompt as a worker counts it, else refuse."""
         # The bound from the prompt's bytes is generous (3-4x on English text): before a
@@ -275,13 +276,13 @@ class _Billing:
         counted = await self.prompt_count(t) if exc.available_micros >= floor else None
         if counted is not None and counted < est and exc.available_micros >= cost_micros(price, counted, 0, 1):
             try:
-                found = await leases.hold_up_to(request[state.REQUEST_ID], key_id,
+                found = await leases.hold_up_to(ctx.request_id, key_id,
                                                 min(cost_micros(price, counted, 0, 1), MAX_AMOUNT),
                                                 min(cost_micros(price, counted, 0, wanted), MAX_AMOUNT))
             except InsufficientBalance as again:
                 exc = again
             else:
-                return _fit_cap(request, price, found, counted, wanted), counted
+                return _fit_cap(ctx, price, found, counted, wanted), counted
             est = counted
         if exc.available_micros < cost_micros(price, est, 0, 0):
             raise _insufficient("The available balance does not cover the input of this request. "
@@ -327,14 +328,14 @@ class _Billing:
         except (TokenCountError, Exception):  # billing never fails because a count could not be had
             return None
 
-    def usage_of(self, request: web.Request, hold: Hold, t: Any, price: Price, est: int, cancelled: bool,
+    def usage_of(self, ctx: RequestContext, hold: Hold, t: Any, price: Price, est: int, cancelled: bool,
                  counted_input: int | None) -> UsageRecord | None:
         """The usage to settle, or None to release the hold. Never raises."""
         request_id = hold.request_id
-        out = request.get(state.OUTCOME)
+        out = ctx.outcome
         if not _billable(out, cancelled):
             return None
-        cap = request.get(state.RESERVED_OUTPUT)
+        cap = ctx.translation.reserved_output
         media = prompt_bytes(t.chat)[1]
         billed = clean_usage(out.reported_usage if out.usage_reported else None,
                              counted_output=out.counted_output,
@@ -354,14 +355,14 @@ class _Billing:
             reasoning_tokens=billed.reasoning_tokens, cost_micros=billed.cost_micros, status=status,
         )
 
-    def finish(self, request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
+    def finish(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
                cancelled: bool, counted_input: int | None) -> asyncio.Task | None:
         try:
-            usage = self.usage_of(request, hold, t, price, est, cancelled, counted_input)
+            usage = self.usage_of(ctx, hold, t, price, est, cancelled, counted_input)
         except Exception:
             log.exception("settlement failed", request_id=hold.request_id)
             # The upper bound, clamped at the hold: a request that reached the worker is never free.
-            out = request.get(state.OUTCOME)
+            out = ctx.outcome
             usage = None if out is None or out.upstream is None else UsageRecord(
                 request_id=hold.request_id, key_id=hold.key_id, model=t.model, input_tokens=est, cached_tokens=0,
                 output_tokens=0, reasoning_tokens=0, cost_micros=min(hold.amount_micros, cost_micros(price, est, 0, 0)),
@@ -370,51 +371,52 @@ class _Billing:
                 out.cost_micros = usage.cost_micros
         return leases.finish(hold, usage, waited=not cancelled)
 
-    async def settle(self, request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
+    async def settle(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
                      cancelled: bool) -> None:
-        counted = await self.worker_count(request.get(state.OUTCOME), t) if _needs_count(request, cancelled) else None
-        task = self.finish(request, leases, hold, t, price, est, cancelled, counted)
+        counted = await self.worker_count(ctx.outcome, t) if _needs_count(ctx, cancelled) else None
+        task = self.finish(ctx, leases, hold, t, price, est, cancelled, counted)
         if task is not None:
             await task
 
-    def start_settling(self, request: web.Request, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
+    def start_settling(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
                        cancelled: bool) -> asyncio.Task | None:
         """Settle (or release) now; the task to wait for, None when it is done already (in
         memory, from a lease). The ledger work runs in a task of its own, which a cancelled
         handler (the client left) cannot interrupt and shutdown waits for."""
-        if _needs_count(request, cancelled):
-            task = asyncio.ensure_future(self.settle(request, leases, hold, t, price, est, cancelled))
+        if _needs_count(ctx, cancelled):
+            task = asyncio.ensure_future(self.settle(ctx, leases, hold, t, price, est, cancelled))
             self.settlements.track(task)
             return task
-        return self.finish(request, leases, hold, t, price, est, cancelled, None)
+        return self.finish(ctx, leases, hold, t, price, est, cancelled, None)
 
-    async def bill(self, request: web.Request, handler, ledger: Any, key_id: str) -> web.StreamResponse:
-        """Hold, run the handler, settle (or release)."""
-        t = await translation(request)
+    async def bill(self, request: web.Request, ctx: RequestContext, call_next, ledger: Any,
+                   key_id: str) -> web.StreamResponse:
+        """Hold, run the rest (the handler), settle (or release)."""
+        t = ctx.translation
         price = self.price_of(t.model)
         est = estimate_input_tokens(t.chat, self.bytes_per_token)
         leases = self.leases_for(ledger)
-        hold, est = await self.reserve(request, leases, key_id, t, price, est)
-        request[HOLD] = hold
+        hold, est = await self.reserve(ctx, leases, key_id, t, price, est)
+        ctx.hold = hold
         settling: list[asyncio.Task | None] = []  # one entry once settlement started
 
         async def settle_now() -> None:
             """Settle before the answer's last bytes go out (the forwarder calls this before the
-            end of a stream; a JSON body is written after this middleware returns): a client that
+            end of a stream; a JSON body is written after this phase returns): a client that
             waits for its answer finds its balance settled. Never raises."""
             if not settling:
-                settling.append(self.start_settling(request, leases, hold, t, price, est, False))
+                settling.append(self.start_settling(ctx, leases, hold, t, price, est, False))
             task = settling[0]
             if task is not None and not task.done():
                 await asyncio.shield(task)  # cancelled (the client left): the task goes on
 
-        request[state.SETTLE] = settle_now
+        ctx.settle = settle_now
         try:
             try:
-                response = await handler(request)
+                response = await call_next(request, ctx)
             except asyncio.CancelledError:
                 if not settling:  # the client left: settle in the background, never waited for
-                    settling.append(self.start_settling(request, leases, hold, t, price, est, True))
+                    settling.append(self.start_settling(ctx, leases, hold, t, price, est, True))
                 raise
             except BaseException:
                 await settle_now()
@@ -422,8 +424,8 @@ class _Billing:
             await settle_now()
             return response
         finally:
-            # request -> settle_now -> request: a cycle only the cyclic GC would free
-            request.pop(state.SETTLE, None)
+            # ctx -> settle_now -> ctx: a cycle only the cyclic GC would free
+            ctx.settle = None
             settling.clear()
 
     async def drain(self, app: web.Application) -> None:
@@ -440,17 +442,14 @@ def create(section: dict[str, Any], app: web.Application):
         raise ConfigError(f"prices: {exc}") from None
     billing = _Billing(app, price_of, hold_ttl, default_cap, bytes_per_token, lease_settings)
 
-    @web.middleware
-    async def balance(request: web.Request, handler):
-        if request.method != "POST" or request.path != "/v1/responses":
-            return await handler(request)
-        record = request.get(API_KEY)
-        if record is None or is_static(record):
-            return await handler(request)
-        ledger = app.get(state.LEDGER)  # this middleware's app: the one whose ledger bills its requests
+    async def balance(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
+        record = ctx.key
+        if ctx.method != "POST" or ctx.path != "/v1/responses" or record is None or is_static(record):
+            return await call_next(request, ctx)
+        ledger = app.get(state.LEDGER)  # this phase's app: the one whose ledger bills its requests
         if ledger is None:
-            return await handler(request)
-        return await billing.bill(request, handler, ledger, record.key_id)
+            return await call_next(request, ctx)
+        return await billing.bill(request, ctx, call_next, ledger, record.key_id)
 
     app.on_shutdown.append(billing.drain)
     return balance

@@ -21,9 +21,9 @@ from typing import Any
 
 from aiohttp import web
 
-from middlewares.auth import API_KEY
 from proxy.config.load import ConfigError
 from proxy.http.errors import APIError
+from proxy.state import RequestContext
 
 _GUARDED = ("/v1/responses", "/v1/responses/input_tokens")
 
@@ -77,11 +77,10 @@ def create(section: dict[str, Any], app: web.Application):
     def busy(message: str) -> APIError:
         return APIError(429, message, code="concurrency_limit", headers={"Retry-After": retry_header})
 
-    @web.middleware
-    async def limits(request: web.Request, handler):
-        if request.method != "POST" or request.path not in _GUARDED:
-            return await handler(request)
-        record = request.get(API_KEY)
+    async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
+        if ctx.method != "POST" or ctx.path not in _GUARDED:
+            return await call_next(request, ctx)
+        record = ctx.key
         key_id = record.key_id if record is not None else None
         key_limit = (record.concurrency or key_default) if record is not None else None
         # Everything from the checks to the increments runs without an await: no other
@@ -99,7 +98,7 @@ def create(section: dict[str, Any], app: web.Application):
         if key_id is not None:
             in_flight[key_id] = in_flight.get(key_id, 0) + 1
         try:
-            return await handler(request)
+            return await call_next(request, ctx)
         finally:
             total[0] -= 1
             if key_id is not None:

@@ -4,13 +4,12 @@
       header: x-token-notice
       max_bytes: 2048
 
-Every middleware and the translation append human-readable notices to
-`state.notices(request)` ("tools left out: web_search", "max_output_tokens lowered to
-123 to fit the balance"). They are joined with "; " into one header, set from
-`app.on_response_prepare`: that runs when the headers go out, so a streamed response
-(prepared before its body) and an error envelope from any middleware carry them too,
-whatever this middleware's position in the pipeline. Having nothing to do per request,
-the middleware itself is marked pass_through and left out of the aiohttp chain.
+Every phase and the translation append human-readable notices to the request context's
+`notices` ("tools left out: web_search", "max_output_tokens lowered to 123 to fit the
+balance"). They are joined with "; " into one header, set from `app.on_response_prepare`:
+that runs when the headers go out, so a streamed response (prepared before its body) and an
+error envelope from any phase carry them too. Having nothing to do per request, this policy
+is no phase: `create` installs the hook and returns None.
 
 The value is made safe for a header: CR and LF are dropped, every other control or
 non-ASCII character becomes "?", and the value is cut at max_bytes.
@@ -23,9 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import state
 from proxy.config.load import ConfigError
-from proxy.state import NOTICES_HEADER
+from proxy.state import CONTEXT, NOTICES_HEADER
 
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token
 _SEPARATOR = "; "
@@ -62,11 +60,12 @@ def create(section: dict[str, Any], app: web.Application):
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 64 <= max_bytes <= 16384:
         raise ConfigError(f"notices.max_bytes must be an integer from 64 to 16384, not {max_bytes!r}")
     if app.get(NOTICES_HEADER) is not None:
-        raise ConfigError("pipeline: 'notices' appears more than once")
+        raise ConfigError("notices: installed twice on one app")
     app[NOTICES_HEADER] = header
 
     async def set_header(request: web.Request, response: web.StreamResponse) -> None:
-        found = request.get(state.NOTICES)
+        ctx = request.get(CONTEXT)
+        found = ctx.notices if ctx is not None else None
         if not found:
             return
         value = header_value(found, max_bytes)
@@ -74,10 +73,4 @@ def create(section: dict[str, Any], app: web.Application):
             response.headers[header] = value
 
     app.on_response_prepare.append(set_header)
-
-    @web.middleware
-    async def notices(request: web.Request, handler):
-        return await handler(request)
-
-    notices.pass_through = True  # all its work is set_header above: build_chain leaves it out
-    return notices
+    return None

@@ -11,22 +11,18 @@ from typing import Any
 from aiohttp import web
 
 from proxy.config.load import ConfigError
-from proxy.http.request import read_json
-from proxy.policy.rules import check_stateless
-
-_GUARDED_PATHS = ("/v1/responses", "/v1/responses/input_tokens")
+from proxy.policy.rules import check_stateless, without_previous_response
+from proxy.state import RequestContext
 
 
 def create(section: dict[str, Any], app: web.Application):
+    """The body check the prepare phase applies (before the tool policy and the translation)."""
     mode = section.get("previous_response_id", "refuse")
     if mode not in ("refuse", "ignore"):
         raise ConfigError(f"stateless.previous_response_id must be 'refuse' or 'ignore', not {mode!r}")
 
-    @web.middleware
-    async def stateless(request: web.Request, handler):
-        if request.method != "POST" or request.path not in _GUARDED_PATHS:
-            return await handler(request)
-        check_stateless(await read_json(request), mode)
-        return await handler(request)
+    def stateless(ctx: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
+        check_stateless(body, mode)
+        return without_previous_response(body) if mode == "ignore" else body
 
     return stateless

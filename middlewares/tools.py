@@ -12,9 +12,9 @@ image_generation, else `unsupported_tool`); any other type that is not function,
 or namespace is a 400 naming it. Duplicate names after namespace flattening are refused
 by the translation itself (400 `duplicate_tool_name`).
 
-This middleware edits the parsed body in place, so it must run before anything calls
-`translation()` (the balance middleware does): a pipeline with balance before tools is a
-start-up error.
+It is a body check of the prepare phase (middlewares/__init__.py): it runs on the parsed
+body before the one translation, so nothing translated ever sees a tool it removed. It
+returns an edited copy; the body it was given is left as it was.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError, bad_request
-from proxy.http.request import read_json
+from proxy.http.errors import bad_request
 from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, hosted_tools_notice, leave_out
+from proxy.state import RequestContext
 
-_GUARDED = ("/v1/responses", "/v1/responses/input_tokens")
 _CORE = frozenset({"function", "custom", "namespace"})
 
 
@@ -57,18 +55,6 @@ def _names(entry: Any) -> str | None:
     return None
 
 
-def _check_order(app: web.Application) -> None:
-    names = []
-    for item in app[state.CONFIG].get("pipeline") or []:
-        if isinstance(item, str):
-            names.append(item)
-        elif isinstance(item, dict) and len(item) == 1:
-            names.extend(item)
-    if "tools" in names and "balance" in names and names.index("balance") < names.index("tools"):
-        raise ConfigError("pipeline: 'tools' must come before 'balance' (balance translates the request, "
-                          "and tools edits it before translation)")
-
-
 def create(section: dict[str, Any], app: web.Application):
     unknown = set(section) - {"drop", "refuse"}
     if unknown:
@@ -78,10 +64,10 @@ def create(section: dict[str, Any], app: web.Application):
     both = drop & refuse
     if both:
         raise ConfigError(f"tools: {', '.join(sorted(both))} is both dropped and refused")
-    _check_order(app)
 
-    def edit(body: dict[str, Any]) -> list[str]:
-        """Remove dropped tools in place; returns the dropped types in first-seen order."""
+    def edit(body: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """-> (a copy of body without the dropped tools, the dropped types in first-seen order)."""
+        body = dict(body)
         left_out: list[str] = []
         tools = body.get("tools")
         if isinstance(tools, list):
@@ -114,20 +100,14 @@ def create(section: dict[str, Any], app: web.Application):
                         body["tool_choice"] = {**choice, "tools": remaining}
                     else:
                         body["tool_choice"] = "auto"
-        return left_out
+        return body, left_out
 
-    @web.middleware
-    async def tools_mw(request: web.Request, handler):
-        if request.method != "POST" or request.path not in _GUARDED:
-            return await handler(request)
-        body = await read_json(request)
+    def tools(ctx: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
         if not body.get("tools") and not isinstance(body.get("tool_choice"), dict):
-            return await handler(request)  # nothing edit() would touch
-        if request.get(state.TRANSLATION) is not None:  # pragma: no cover - guarded by _check_order
-            raise APIError(500, "The tools middleware ran after the request was translated.", code="internal_error")
-        left_out = edit(body)
+            return body  # nothing edit() would touch
+        edited, left_out = edit(body)
         if left_out:
-            state.notices(request).append(hosted_tools_notice(left_out))
-        return await handler(request)
+            ctx.notices.append(hosted_tools_notice(left_out))
+        return edited
 
-    return tools_mw
+    return tools

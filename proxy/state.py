@@ -1,19 +1,22 @@
-"""Typed keys for what travels on the app and on each request: every AppKey and RequestKey
-of the product is defined here (their types by name, so this module imports none of their modules).
+"""Where state lives: every AppKey and RequestKey of the product (their types by name, so this
+module imports none of their modules), the one per-request `RequestContext` and `Outcome`.
 
-Middlewares learn things (the caller's key, the notices, the reserved amount, the
-output cap) and hand them on under these keys; nothing is passed by string name.
+App-wide resources hang on the app under these keys; what one request learns (the caller's
+key, the body, the translation, the notices, the hold) is a field of its RequestContext,
+written by the phase that owns it; nothing is passed by string name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from aiohttp import web
 
 if TYPE_CHECKING:  # imported for annotations only, to keep this module import-light
     from proxy.config.load import Config
+    from proxy.ledger import Hold, KeyRecord
+    from proxy.protocol.rewriter import StreamRewriter
     from proxy.protocol.translate import Translation
 
 
@@ -62,44 +65,53 @@ KEY_CACHE = web.AppKey("key_cache", "KeyCache")  # middlewares.auth
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
 AFFINITY = web.AppKey("affinity_settings", "AffinitySettings")  # routing.affinity, parsed (proxy.upstream.affinity)
 SETTLEMENTS = web.AppKey("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
+PHASES = web.AppKey("phases", "Phases")  # middlewares.Phases: auth .. handler, for one request or one turn
 # The embedded upstream's state (proxy.simulator.server): on the simulator's own app, not the proxy's.
 SIM_STATE = web.AppKey("simulator_state", "SimState")
 
-# Per-request state.
-REQUEST_ID = web.RequestKey("request_id", str)
-BODY = web.RequestKey("body", dict)
-TRANSLATION = web.RequestKey("translation", "Translation")
-NOTICES = web.RequestKey("notices", list)
-OUTPUT_CAP = web.RequestKey("output_cap", int)
-OUTCOME = web.RequestKey("outcome", Outcome)
-API_KEY = web.RequestKey("api_key", "KeyRecord")  # the caller's key, set by middlewares.auth
-# The output cap the balance reserved for (the rewriter stops there even when no
-# max_tokens was sent), and the balance's settle-now hook: the forwarder awaits it before
-# the last bytes of a stream, so a client that waits for its answer finds it billed.
-RESERVED_OUTPUT = web.RequestKey("reserved_output", int)
-SETTLE = web.RequestKey("settle", Any)
-HOLD = web.RequestKey("hold", "Hold")  # the balance middleware's hold on the ledger
-EVENT_STREAM = web.RequestKey("event_stream", "StreamRewriter")  # the streamed answer's rewriter (proxy.http.forwarder)
-# The response whose headers went out (set by the last on_response_prepare hook): past that
-# point an error can no longer become an HTTP status (see proxy.http.app._after_start).
-STARTED = web.RequestKey("started_response", web.StreamResponse)
+# Per-request state: one context, created by the envelope (proxy.http.app) and passed explicitly
+# to every phase and the handler; it is also on the request under CONTEXT, for aiohttp-shaped
+# code (a custom middleware, an on_response_prepare hook, a route handler).
+CONTEXT = web.RequestKey("context", "RequestContext")
 
 
-def notices(request: web.Request) -> list[str]:
-    """The request's notice list, created on first use."""
-    found = request.get(NOTICES)
-    if found is None:
-        found = []
-        request[NOTICES] = found
-    return found
+@dataclass(eq=False, slots=True)
+class RequestContext:
+    """What one request's phases learn and hand on (middlewares/__init__.py: who writes what).
+
+    It never refers to the request (the request refers to it): no cycle for the cyclic GC.
+    """
+
+    request_id: str
+    method: str  # the request's, or "POST" for a turn of another transport
+    path: str  # the route: /v1/responses, /v1/responses/input_tokens, ...
+    key: KeyRecord | None = None  # auth: the caller's key (None: no auth, or not a guarded route)
+    body: dict | None = None  # prepare: the parsed body, read once (a transport's turn may hand it in)
+    # prepare: the one translation; balance replaces it with a capped copy (Translation.with_cap).
+    translation: Translation | None = None
+    notices: list[str] = field(default_factory=list)  # joined into x-token-notice (middlewares.notices)
+    outcome: Outcome | None = None  # the handler's report, once it reached for an upstream
+    hold: Hold | None = None  # balance: the hold on the ledger
+    # balance: settle now (the handler awaits it before the last bytes of a stream, so a client
+    # that waits for its answer finds it billed); cleared when the balance phase returns.
+    settle: Callable[[], Awaitable[None]] | None = None
+    event_stream: StreamRewriter | None = None  # the handler: the streamed answer's rewriter
+    # The response whose headers went out (the last on_response_prepare hook sets it): past
+    # that point an error can no longer become an HTTP status (proxy.http.app._after_start).
+    started: web.StreamResponse | None = None
+    endpoint: Any = None  # what runs after the last phase: the route's handler(request)
+
+    def started_outcome(self) -> Outcome:
+        """The outcome, created when the handler first reports."""
+        found = self.outcome
+        if found is None:
+            found = self.outcome = Outcome()
+        return found
 
 
-def outcome(request: web.Request) -> Outcome:
-    found = request.get(OUTCOME)
-    if found is None:
-        found = Outcome()
-        request[OUTCOME] = found
-    return found
+def context(request: web.Request) -> RequestContext:
+    """The request's context (the envelope made it before anything else ran)."""
+    return request[CONTEXT]
 
 
 # Set by the auth middleware when it creates the demo key at start (embedded defaults).

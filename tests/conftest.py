@@ -1,7 +1,7 @@
 """Shared fixtures: a real simulator and a real proxy, both on 127.0.0.1, real HTTP between.
 
     async def test_x(sim, make_proxy):
-        proxy = await make_proxy({"pipeline": ["stateless"]})
+        proxy = await make_proxy(only("stateless"))   # only that built-in policy runs
         client = proxy.openai()          # openai.AsyncOpenAI pointed at the proxy
 """
 
@@ -18,6 +18,20 @@ from aiohttp import web
 # Raw bytes captured from a real vLLM 0.32 (CPU build); a copy of ../shared/fixtures kept in the
 # repository so a clean clone tests the same bytes.
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32-cpu"
+
+
+POLICIES = ("stateless", "auth", "limits", "tools", "balance", "notices")
+
+
+def only(*names: str, **points: list) -> dict[str, Any]:
+    """Config overrides: only the built-in policies `names` run (the others get `enabled: false`),
+    and custom middlewares at named points, e.g. only("stateless", after_auth=["tests.custom_mw:create"])."""
+    unknown = set(names) - set(POLICIES)
+    assert not unknown, f"not built-in policies: {unknown}"
+    out: dict[str, Any] = {name: {"enabled": name in names} for name in POLICIES}
+    if points:
+        out["middlewares"] = points
+    return out
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """An operator's own middleware, loaded by dotted path (tests/test_pipeline.py).
 
-    pipeline: [stateless, auth, {"tests.custom_mw:create": {header: x-custom, refuse_model: banned-model}}]
+    middlewares:
+      after_auth: [{"tests.custom_mw:create": {header: x-custom, refuse_model: banned-model}}]
 
 It adds `<header>: <value>` to every response and refuses one model with 403; with
 `notice` set it appends that text to the request's notices (for the header tests).
@@ -39,7 +40,7 @@ def create(section: dict[str, Any], app: web.Application):
     async def custom(request: web.Request, handler):
         if request.method == "POST" and request.path == "/v1/responses":
             if notice:
-                state.notices(request).append(str(notice))
+                state.context(request).notices.append(str(notice))
             body = await read_json(request)
             if refuse_model is not None and body.get("model") == refuse_model:
                 raise APIError(403, f"The model {refuse_model!r} is refused here.", code="model_refused",
@@ -47,6 +48,28 @@ def create(section: dict[str, Any], app: web.Application):
         return await handler(request)
 
     return custom
+
+
+# What each named point promises (middlewares/__init__.py, POINTS), as seen by `probe`.
+SEEN = web.AppKey("probe_seen", list)
+
+
+def probe(section: dict[str, Any], app: web.Application):
+    """Records, for each POST /v1/responses, what the request context holds at its point."""
+    seen = app[SEEN] if SEEN in app else []
+    app[SEEN] = seen
+
+    @web.middleware
+    async def probe_mw(request: web.Request, handler):
+        ctx = state.context(request)
+        if request.path == "/v1/responses":
+            t = ctx.translation
+            seen.append({"point": section.get("point"), "key": ctx.key.name if ctx.key is not None else None,
+                         "body_read": ctx.body is not None, "translated": t is not None,
+                         "held": ctx.hold is not None, "reserved_output": t.reserved_output if t else None})
+        return await handler(request)
+
+    return probe_mw
 
 
 def not_a_factory(section: dict[str, Any], app: web.Application):

@@ -1,6 +1,7 @@
 """A test-only middleware that fails after the answer started (tests/test_stream_integrity.py).
 
-    pipeline: [stateless, auth, balance, {"tests.fault_mw:create": {mode: raise_after}}]
+    middlewares:
+      before_handler: [{"tests.fault_mw:create": {mode: raise_after}}]
 
 modes:
   raise_after      the handler's answer is whole, then a RuntimeError

@@ -24,9 +24,9 @@ from proxy.ledger.pricing import Price, cost_micros
 from proxy.upstream.routing import parse_provider, select
 from proxy.simulator.server import Simulator
 from proxy.upstream.workers import Worker, WorkerPool
-from tests.conftest import free_port
+from tests.conftest import free_port, only
 
-NO_AUTH = {"pipeline": ["stateless"]}
+NO_AUTH = only("stateless")
 FAST = {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}
 OFF = {"routing": {"affinity": {"enabled": False}}}
 
@@ -392,7 +392,7 @@ async def test_cached_ratio_with_and_without_affinity(three, keyed):
 
 async def test_cached_tokens_are_reported_and_billed_at_the_cached_price(three):
     sims, start = three
-    proxy = await start({"pipeline": ["stateless", "auth", "limits", "tools", "balance", "notices"]})
+    proxy = await start(only("stateless", "auth", "limits", "tools", "balance", "notices"))
     headers = {"Authorization": f"Bearer {proxy.api_key}"}
     instructions = "You are terse. " + words(400, "sys")
     history = [{"role": "user", "content": words(100, "first")}]

@@ -7,9 +7,9 @@ import orjson
 import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
-from proxy.config.load import DEFAULTS
+from tests.conftest import POLICIES, only
 
-PIPELINE = list(DEFAULTS["pipeline"])  # the default chain: auth (demo key), balance...
+PIPELINE = only(*POLICIES)  # every policy: auth (demo key), balance...
 
 set_tracing_disabled(True)
 
@@ -60,9 +60,9 @@ def check_upstream(sim) -> None:
     assert last[5]["tool_call_id"] == last[4]["tool_calls"][0]["id"] and last[5]["content"] == "14:05 in Paris"
 
 
-@pytest.mark.parametrize("pipeline", [PIPELINE, ["stateless"]], ids=["full_chain", "stateless_only"])
+@pytest.mark.parametrize("pipeline", [PIPELINE, only("stateless")], ids=["full_chain", "stateless_only"])
 async def test_agent_runs_a_two_tool_loop(sim, make_proxy, pipeline):
-    proxy = await make_proxy({"pipeline": pipeline})
+    proxy = await make_proxy(pipeline)
     calls: list[tuple[str, str]] = []
     sim.script(*SCRIPT)
     result = await Runner.run(make_agent(proxy, calls), "What is the weather and the time in Paris?", max_turns=6)
@@ -74,7 +74,7 @@ async def test_agent_runs_a_two_tool_loop(sim, make_proxy, pipeline):
 
 
 async def test_agent_streamed_run(sim, make_proxy):
-    proxy = await make_proxy({"pipeline": PIPELINE})
+    proxy = await make_proxy(PIPELINE)
     calls: list[tuple[str, str]] = []
     sim.script(*SCRIPT)
     result = Runner.run_streamed(make_agent(proxy, calls), "What is the weather and the time in Paris?",

@@ -16,8 +16,9 @@ import socket
 
 import orjson
 from aiohttp import web
+from tests.conftest import only
 
-NO_AUTH = {"pipeline": ["stateless"]}
+NO_AUTH = only("stateless")
 CHUNKS = 12_000
 TEXT = "x" * 4000  # one delta: ~4 kB upstream, ~4 kB out
 PART = 1 << 20

@@ -1,6 +1,6 @@
 """The middleware chain's per-request shortcuts give the answers of the long ways: the price
 table against price_for, the cost checks' fast path against the full checks, the lease
-target against its max/min formula, a pass-through middleware left out of the chain."""
+target against its max/min formula, only the enabled policies made into phases."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from proxy.ledger.lease import _Key
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for, price_for
+from tests.conftest import only
 
 PRICES = {
     "default": {"input": 500_000, "cached_input": 100_000, "output": 1_500_000},
@@ -86,18 +87,19 @@ def test_lease_target_is_its_formula(peak, peak_prev, typical, spend, spend_prev
     assert k.target(max_micros, seconds) == expected
 
 
-def test_pass_through_middleware_is_checked_but_left_out():
+def test_only_enabled_policies_become_phases():
     from aiohttp import web
 
-    from middlewares import build_chain
+    from middlewares import build_phases
     from proxy import state
     from proxy.config.load import Config
 
-    config = Config.from_dict({"pipeline": ["stateless", "notices", "limits"]})
+    config = Config.from_dict(only("stateless", "notices", "limits"))
     app = web.Application()
     app[state.CONFIG] = config
-    chain = build_chain(config, app)
-    assert [m.__name__ for m in chain] == ["stateless", "limits"]
+    phases = build_phases(config, app)
+    # limits and prepare (stateless is a body check of prepare; notices is no phase)
+    assert [step.__name__ for step in phases.steps] == ["limits", "prepare"]
     assert len(app.on_response_prepare) == 1  # the notices header is still set, at prepare
 
 

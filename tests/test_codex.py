@@ -18,15 +18,15 @@ import orjson
 import pytest
 import zstandard
 
-from proxy.config.load import DEFAULTS
 from tests.clients.capture import CAPTURED, ENTRY as CAPTURE
 from tests.clients.codex import CodexUnavailable, EgressTrap, ensure_codex, run_codex, write_codex_home
 from tests.sdk_check import parse_sse
+from tests.conftest import POLICIES, only
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 # The default chain (auth with the demo key, balance...), with the capture in front.
-PIPELINE = [CAPTURE, *DEFAULTS["pipeline"]]
+PIPELINE = only(*POLICIES, after_auth=[CAPTURE])
 # Codex offers apply_patch as a custom (freeform, lark grammar) tool only for models of its
 # bundled catalog; "gpt-5.5" is one in 0.171. Unknown names ("tiny-org/tiny-model") get function tools.
 CATALOG_MODEL = "gpt-5.5"
@@ -62,7 +62,7 @@ def start(sim, make_proxy, tmp_path, codex_cmd):
     async def go(model: str = "tiny-org/tiny-model", overrides: dict | None = None):
         workers = [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": list(MODELS),
                     "timeouts": {"connect": 2, "first_byte": 20, "idle": 20, "total": 60}}]
-        proxy = await make_proxy({"pipeline": PIPELINE, **(overrides or {})}, workers=workers)
+        proxy = await make_proxy({**PIPELINE, **(overrides or {})}, workers=workers)
         home = write_codex_home(tmp_path, base_url=proxy.base_url, model=model)
         workdir = tmp_path / "work"
         workdir.mkdir(exist_ok=True)

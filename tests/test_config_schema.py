@@ -52,8 +52,8 @@ MISTAKES = [
      "unknown key 'health.outlier.consecutive_failure' (did you mean 'health.outlier.consecutive_failures'?)"),
     ("routing: {affinity: {vnode: 3}}\n", "unknown key 'routing.affinity.vnode' (did you mean 'routing.affinity.vnodes'?)"),
     ("balance: {lease_ttl: 3}\n", "unknown key 'balance.lease_ttl' (did you mean 'balance.lease_ttl_s'?)"),
-    ("pipeline: [stateless, {auth: {demo_keyy: true}}]\n",
-     "unknown key 'pipeline[1].auth.demo_keyy' (did you mean 'pipeline[1].auth.demo_key'?)"),
+    ("auth: {enabeld: false}\n", "unknown key 'auth.enabeld' (did you mean 'auth.enabled'?)"),
+    ("middlewares: {after_auht: []}\n", "unknown key 'middlewares.after_auht' (did you mean 'middlewares.after_auth'?)"),
     ("auth: {static_keys: [{name: a, key: x, modles: [m]}]}\n", "unknown key 'auth.static_keys[0].modles'"),
     ("prices: {m: {input: 1, output: 2, cache: 1}}\n", "unknown key 'prices.m.cache'"),
     ("zzz: 1\n", "unknown key 'zzz' (known here: server, simulator, workers"),
@@ -83,7 +83,8 @@ MISTAKES = [
     ("health: {outlier: {max_ejection_percent: 101}}\n",
      "health.outlier.max_ejection_percent must be an integer from 0 to 100, not 101"),
     ("reasoning_seal: {ttl_s: 0}\n", "reasoning_seal.ttl_s must be a number > 0, not 0"),
-    ("pipeline: auth\n", "pipeline must be a list of middleware names or one-key mappings"),
+    ("middlewares: {after_prepare: x:y}\n", "middlewares.after_prepare must be a list of"),
+    ("pipeline: [auth]\n", "pipeline is no longer a setting"),
     # the environment
     ("workers: [{name: a, url: embedded, api_key: '${RP_TEST_UNSET_A}'}]\n",
      "${RP_TEST_UNSET_A} is not set (workers[0].api_key)"),
@@ -112,8 +113,8 @@ def test_environment_values_take_the_keys_type(tmp_path, monkeypatch):
     assert config["workers"][0]["api_key"] == "s3cret" and type(config["workers"][0]["api_key"]) is str
 
 
-def test_custom_middleware_sections_are_free_form_only_when_named_by_the_pipeline(tmp_path):
-    config = _load(tmp_path, 'pipeline: [stateless, "mycompany.audit:create"]\n'
+def test_custom_middleware_sections_are_free_form_only_when_named_at_a_point(tmp_path):
+    config = _load(tmp_path, 'middlewares: {after_auth: ["mycompany.audit:create"]}\n'
                              '"mycompany.audit:create": {anything: [1, 2], goes: here}\n')
     assert config["mycompany.audit:create"] == {"anything": [1, 2], "goes": "here"}
     assert "unknown key 'mycompany.audit:create'" in _error(tmp_path, '"mycompany.audit:create": {a: 1}\n')
@@ -323,7 +324,7 @@ def test_readme_middleware_next_to_config_runs_as_written(tmp_path):
     (site / "mycompany").mkdir(parents=True)
     (site / "mycompany" / "audit.py").write_text(python_block)
     (site / "config.yaml").write_text(yaml_block)  # as written: the embedded simulator, ./data/ledger.db
-    assert yaml.safe_load(yaml_block)["pipeline"][2] == "mycompany.audit:create"
+    assert yaml.safe_load(yaml_block)["middlewares"]["after_auth"] == ["mycompany.audit:create"]
     # Run from another folder: the module is found through the config file's folder alone.
     server = Server(["--config", str(site / "config.yaml"), "serve", "--demo-key"], cwd=tmp_path)
     try:

@@ -14,6 +14,7 @@ from proxy.config.load import ConfigError
 from proxy.protocol.dialects import chat_for, messages_for
 from proxy.simulator.server import Simulator
 from proxy.upstream.workers import parse_workers
+from tests.conftest import only
 
 MODEL = "tiny-org/tiny-model"
 REPLAY = [
@@ -61,7 +62,7 @@ async def test_input_tokens_of_a_replay_counts_its_reasoning(make_proxy, dialect
     """input_tokens (the worker's /tokenize) must agree with what the chat endpoint bills for
     the same replayed conversation, reasoning included (vLLM 0.32: 56 vs 93 before)."""
     async with Simulator(dialect=dialect) as sim:
-        proxy = await make_proxy({"pipeline": []}, workers=[{"name": "w", "url": sim.url, "dialect": dialect,
+        proxy = await make_proxy(only(), workers=[{"name": "w", "url": sim.url, "dialect": dialect,
                                                               "models": [MODEL]}])
         client = proxy.openai()
         counted = await client.responses.input_tokens.count(model=MODEL, input=REPLAY)
@@ -74,7 +75,7 @@ async def test_input_tokens_of_a_replay_counts_its_reasoning(make_proxy, dialect
 
 async def test_the_worker_receives_its_dialects_fields(make_proxy):
     async with Simulator(dialect="vllm") as sim:
-        proxy = await make_proxy({"pipeline": []}, workers=[{"name": "w", "url": sim.url, "dialect": "vllm",
+        proxy = await make_proxy(only(), workers=[{"name": "w", "url": sim.url, "dialect": "vllm",
                                                               "models": [MODEL], "thinking_switch": "thinking"}])
         sim.script({"text": "ok"})
         await proxy.openai().responses.create(model=MODEL, input=REPLAY, reasoning={"effort": "none"})

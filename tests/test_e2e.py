@@ -14,8 +14,9 @@ import orjson
 import pytest
 
 from tests.sdk_check import check_sequence, normalise, parse_sse, validate_response, validate_sdk_response
+from tests.conftest import only
 
-NO_AUTH = {"pipeline": ["stateless"]}
+NO_AUTH = only("stateless")
 
 WEATHER = {
     "type": "function", "name": "get_weather", "description": "Weather for a city",

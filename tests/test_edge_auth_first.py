@@ -1,5 +1,5 @@
-"""Nothing costly before authentication: auth runs first in the chain wherever config.yaml
-lists it, a request without a valid key is refused from its headers alone (its body is
+"""Nothing costly before authentication: auth is the first phase (no configuration moves it),
+a request without a valid key is refused from its headers alone (its body is
 never read, the answer comes while the client is still sending), HEAD is guarded like GET,
 and two Authorization headers are refused."""
 
@@ -10,6 +10,7 @@ import asyncio
 import aiohttp
 import orjson
 import pytest
+from tests.conftest import POLICIES, only
 
 CUSTOM = "tests.custom_mw:create"
 BODY = orjson.dumps({"model": "tiny-org/tiny-model", "input": "hi", "max_output_tokens": 5})
@@ -41,34 +42,20 @@ async def test_a_bad_body_without_a_key_is_401_not_400(sim, make_proxy):
     assert status == 400 and error(raw)["code"] == "invalid_json"
 
 
-LAST = ["stateless", "limits", "tools", "balance", "notices", "auth"]
-
-
-async def test_auth_listed_last_still_runs_first(sim, make_proxy):
-    proxy = await make_proxy({"pipeline": LAST})
+async def test_auth_runs_before_every_body_check(sim, make_proxy):
+    proxy = await make_proxy(only(*POLICIES))
     stored = orjson.dumps({"model": "tiny-org/tiny-model", "input": "hi", "previous_response_id": "resp_1"})
     for body in (b"{bad", stored, b"x" * 1000):
         status, _, raw = await call(proxy, body)
         assert status == 401 and error(raw)["code"] == "invalid_api_key"
-    status, _, raw = await call(proxy, stored, headers=key(proxy))  # the rest of the chain still runs
+    status, _, raw = await call(proxy, stored, headers=key(proxy))  # the later phases still run
     assert status == 400 and error(raw)["code"] == "stateless_only"
     status, _, raw = await call(proxy, headers=key(proxy))
     assert status == 200, raw
 
 
-def test_the_chain_puts_auth_first_and_keeps_the_rest_in_order(tmp_path):
-    from proxy.http.app import build_app
-    from proxy.config.load import Config
-
-    app = build_app(Config.from_dict({
-        "pipeline": ["stateless", {CUSTOM: {"header": "x-c"}}, "limits", "auth", "tools", "balance", "notices"],
-        "ledger": {"path": str(tmp_path / "l.db")}}))
-    names = [m.__name__ for m in app.middlewares]
-    assert names == ["envelope_and_access_log", "auth", "stateless", "custom", "limits", "tools_mw", "balance"]
-
-
-async def test_a_custom_middleware_listed_before_auth_runs_after_it(sim, make_proxy):
-    proxy = await make_proxy({"pipeline": [{CUSTOM: {"header": "x-custom", "refuse_model": "banned"}}, "auth"]})
+async def test_a_custom_middleware_after_auth_sees_only_authenticated_requests(sim, make_proxy):
+    proxy = await make_proxy(only(*POLICIES, after_auth=[{CUSTOM: {"header": "x-custom", "refuse_model": "banned"}}]))
     banned = orjson.dumps({"model": "banned", "input": "hi"})
     status, headers, raw = await call(proxy, banned)
     assert status == 401 and error(raw)["code"] == "invalid_api_key"
@@ -77,7 +64,7 @@ async def test_a_custom_middleware_listed_before_auth_runs_after_it(sim, make_pr
 
 
 async def test_a_pipeline_without_auth_still_serves_without_a_key(sim, make_proxy):
-    proxy = await make_proxy({"pipeline": ["stateless", "tools"]})
+    proxy = await make_proxy(only("stateless", "tools"))
     status, _, raw = await call(proxy)
     assert status == 200, raw
 

@@ -12,6 +12,7 @@ import pytest
 
 from proxy.http.forwarder import POOL
 from tests.test_workers import ask, call, served_by, settings, start_sim, wait_for, worker  # noqa: F401
+from tests.conftest import only
 
 POISON = 'SIM:{"status": 500}'  # the simulator answers this request with a 500, every time
 CODEX_ATTEMPTS = 5  # Codex: the request and its default 4 retries
@@ -96,7 +97,7 @@ async def test_retry_after_is_the_time_until_the_earliest_worker_can_return(star
 async def test_retry_after_without_active_checks_is_the_ejection_left(start_sim, make_proxy):
     a = await start_sim()
     b = await start_sim()
-    proxy = await make_proxy({"pipeline": ["stateless"], "health": {
+    proxy = await make_proxy({**only("stateless"), "health": {
         "enabled": False, "outlier": {"consecutive_failures": 1, "base_ejection_s": 40}}},
         workers=[worker("a", a.url), worker("b", b.url)])
     assert (await call(proxy, ask({"only": ["a"]}, input=POISON)))[0] == 502
@@ -110,9 +111,9 @@ def test_bad_max_ejection_percent_stops_start_up():
 
     for bad in (-1, 101, "half"):
         with pytest.raises(ConfigError):
-            build_app(Config.from_dict({"pipeline": ["stateless"], "ledger": {"backend": "none"},
+            build_app(Config.from_dict({**only("stateless"), "ledger": {"backend": "none"},
                                         "health": {"outlier": {"max_ejection_percent": bad}}}))
     with pytest.raises(ConfigError):
-        build_app(Config.from_dict({"pipeline": ["stateless"], "ledger": {"backend": "none"},
+        build_app(Config.from_dict({**only("stateless"), "ledger": {"backend": "none"},
                                     "health": {"outlier": {"max_ejection_pct": 50}}}))
 

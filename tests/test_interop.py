@@ -9,8 +9,9 @@ import pytest
 
 from proxy.upstream.models import resolve_model
 from proxy.simulator.server import Simulator
+from tests.conftest import only
 
-NO_AUTH = {"pipeline": ["stateless"]}
+NO_AUTH = only("stateless")
 TIMEOUTS = {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}
 
 

@@ -207,11 +207,10 @@ def _observed_app(module) -> tuple[web.Application, Any]:
         {"name": "b", "url": "http://b", "models": ["tiny-model"], "capacity": 8}])))
     for path, model, status, seconds, outcome in SEQUENCE:
         request = make_mocked_request("POST", path, app=app)
-        if model is not None:
-            request[state.TRANSLATION] = SimpleNamespace(upstream_model=model)
-        if outcome is not None:
-            request[state.OUTCOME] = state.Outcome(**outcome)
-        module.observe(request, status, seconds)
+        ctx = state.RequestContext("req_test", "POST", path,
+                                   translation=SimpleNamespace(upstream_model=model) if model is not None else None,
+                                   outcome=state.Outcome(**outcome) if outcome is not None else None)
+        module.observe(request, ctx, status, seconds)
     found.holds.set(3)
     return app, found
 
@@ -249,11 +248,11 @@ def test_a_negative_token_count_is_refused_as_before():
     app[proxy_metrics.METRICS] = found = proxy_metrics.Metrics(WorkerPool(parse_workers([
         {"name": "a", "url": "http://a", "models": ["tiny-model"]}])))
     request = make_mocked_request("POST", "/v1/responses", app=app)
-    request[state.TRANSLATION] = SimpleNamespace(upstream_model="tiny-model")
-    request[state.OUTCOME] = state.Outcome(status="completed", input_tokens=-1)
+    ctx = state.RequestContext("req_test", "POST", "/v1/responses", translation=SimpleNamespace(upstream_model="tiny-model"),
+                               outcome=state.Outcome(status="completed", input_tokens=-1))
     with pytest.raises(ValueError):
-        found.observe(request, 200, 0.1)
-    proxy_metrics.observe(request, 200, 0.1)  # the hook logs it and never raises
+        found.observe(ctx, 200, 0.1)
+    proxy_metrics.observe(request, ctx, 200, 0.1)  # the hook logs it and never raises
     _, samples = _parse(generate_latest(found.registry).decode())
     # As with prometheus_client's labels().inc(): the series is made, at 0, before the refusal.
     assert ("responses_proxy_input_tokens_total", (("model", "tiny-model"),)) in samples

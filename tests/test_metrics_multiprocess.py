@@ -161,11 +161,10 @@ def test_the_merged_view_of_one_process_has_the_figures_of_the_plain_one(tmp_pat
             {"name": "b", "url": "http://b", "models": ["tiny-model"], "capacity": 8}])), shared_dir)
         for path, model, status, seconds, outcome in SEQUENCE:
             request = make_mocked_request("POST", path, app=app)
-            if model is not None:
-                request[state.TRANSLATION] = SimpleNamespace(upstream_model=model)
-            if outcome is not None:
-                request[state.OUTCOME] = state.Outcome(**outcome)
-            proxy_metrics.observe(request, status, seconds)
+            ctx = state.RequestContext("req_test", "POST", path,
+                                       translation=SimpleNamespace(upstream_model=model) if model is not None else None,
+                                       outcome=state.Outcome(**outcome) if outcome is not None else None)
+            proxy_metrics.observe(request, ctx, status, seconds)
         found.holds.set(3)
         found.publish_pool()
         return _samples(generate_latest(found.registry).decode())

@@ -19,6 +19,7 @@ from middlewares.notices import header_value, sanitize
 from proxy import state
 from proxy.ledger.pricing import cost_micros, price_for
 from proxy.protocol.translate import translate_request
+from tests.conftest import only
 
 # 1 micro per input and output token, 0.1 per cached token: costs are easy to check by hand.
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
@@ -285,7 +286,7 @@ async def test_per_key_concurrency_429_with_retry_after(make_proxy, http, sim):
 
 
 async def test_global_concurrency_429_limits_alone(make_proxy, http, sim):
-    p = await make_proxy({"pipeline": ["limits"], "limits": {"global_concurrency": 2}})
+    p = await make_proxy({**only("limits"), "limits": {"global_concurrency": 2}})
     slow = [await _slow_stream(http, p, "ignored") for _ in range(2)]
     status, headers, body = await call(http, p, key=None)
     assert status == 429
@@ -386,7 +387,7 @@ async def test_unknown_tool_type_named(make_proxy, http):
 
 
 async def test_tool_lists_configurable(make_proxy, http, sim):
-    p = await make_proxy({"pipeline": ["tools", "notices"], "tools": {"drop": ["web_search"], "refuse": ["mcp"]}})
+    p = await make_proxy({**only("tools", "notices"), "tools": {"drop": ["web_search"], "refuse": ["mcp"]}})
     status, _, body = await call(http, p, {"model": MODEL, "input": "hi", "tools": HOSTED[1:2]}, key=None)
     assert status == 400 and body["error"]["code"] == "unsupported_tool"
     status, _, body = await call(http, p, {"model": MODEL, "input": "hi", "tools": [{"type": "file_search"}]}, key=None)
@@ -396,7 +397,7 @@ async def test_tool_lists_configurable(make_proxy, http, sim):
 
 
 async def test_tools_alone_drops_without_header(make_proxy, http, sim):
-    p = await make_proxy({"pipeline": ["tools"]})
+    p = await make_proxy(only("tools"))
     status, headers, _ = await call(http, p, {"model": MODEL, "input": "hi", "tools": HOSTED}, key=None)
     assert status == 200
     assert "x-token-notice" not in headers
@@ -428,7 +429,7 @@ async def test_notice_header_sanitised_end_to_end(make_proxy, http, sim):
 
 
 async def test_notice_header_capped(make_proxy, http, sim):
-    p = await make_proxy({"pipeline": ["tests.custom_mw:create", "notices"],
+    p = await make_proxy({**only("notices", after_auth=["tests.custom_mw:create"]),
                           "tests.custom_mw:create": {"header": "x-custom", "notice": "n" * 10_000},
                           "notices": {"max_bytes": 1024}})
     status, headers, _ = await call(http, p, key=None)
@@ -437,7 +438,7 @@ async def test_notice_header_capped(make_proxy, http, sim):
 
 
 async def test_notices_on_error_and_position_independent(make_proxy, http):
-    p = await make_proxy({"pipeline": ["notices", "stateless", "auth", "limits", "tools", "balance"],
+    p = await make_proxy({**only("notices", "stateless", "auth", "limits", "tools", "balance"),
                           "prices": PRICES})
     secret, _ = await p.ledger.create_key("poor", balance_micros=1)
     status, headers, body = await call(http, p, {"model": MODEL, "input": "hi", "tools": HOSTED}, key=secret)
@@ -446,7 +447,7 @@ async def test_notices_on_error_and_position_independent(make_proxy, http):
 
 
 async def test_notices_alone_carries_translation_notices(make_proxy, http):
-    p = await make_proxy({"pipeline": ["notices"]})
+    p = await make_proxy(only("notices"))
     status, headers, _ = await call(http, p, {"model": MODEL, "input": "hi", "tools": HOSTED[:1]}, key=None)
     assert status == 200
     assert headers["x-token-notice"].startswith("tools left out: web_search")
@@ -456,7 +457,7 @@ async def test_notices_alone_carries_translation_notices(make_proxy, http):
 
 
 async def test_balance_alone_passes_through(make_proxy, http):
-    p = await make_proxy({"pipeline": ["balance"]})
+    p = await make_proxy(only("balance"))
     assert (await call(http, p, key=None))[0] == 200
     assert await p.ledger.list_usage() == []
 

@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from tests.test_metrics import scrape, total
 from tests.test_workers import ask, call, dead_url, settings, start_sim, worker  # noqa: F401
+from tests.conftest import only
 
 POISON = 'SIM:{"status": 500}'
 
@@ -58,7 +59,7 @@ async def test_failover_is_logged_only_when_a_worker_takes_over(start_sim, make_
 
 async def test_failover_to_a_live_worker_is_logged_once_and_completes(start_sim, make_proxy):
     live = await start_sim()
-    proxy = await make_proxy({"pipeline": ["stateless"], "health": {"enabled": False}},
+    proxy = await make_proxy({**only("stateless"), "health": {"enabled": False}},
                              workers=[worker("dead", dead_url()), worker("live", live.url)])
     with capture_logs() as logs:
         status, _, _ = await call(proxy, ask({"order": ["dead"]}))

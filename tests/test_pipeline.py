@@ -1,5 +1,5 @@
-"""The middleware chain from config: an operator's own module by dotted path, and every
-start-up failure as a one-line ConfigError (build_app) / exit status 2 (the CLI)."""
+"""The phases from config: an operator's own middleware by dotted path at a named point, and
+every start-up failure as a one-line ConfigError (build_app) / exit status 2 (the CLI)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ async def _post(proxy, body, key=None):
 async def test_custom_middleware_by_dotted_path(make_proxy, form):
     section = {"header": "x-custom", "value": "hello", "refuse_model": "banned-model"}
     if form == "mapping":
-        overrides = {"pipeline": ["stateless", "auth", {CUSTOM: section}, "tools", "balance", "notices"]}
+        overrides = {"middlewares": {"after_auth": [{CUSTOM: section}]}}
     else:
-        overrides = {"pipeline": ["stateless", "auth", CUSTOM, "tools", "balance", "notices"], CUSTOM: section}
+        overrides = {"middlewares": {"after_auth": [CUSTOM]}, CUSTOM: section}
     p = await make_proxy(overrides)
     status, headers, body = await _post(p, {"model": "tiny-org/tiny-model", "input": "hi"}, p.api_key)
     assert status == 200, body
@@ -55,17 +55,20 @@ def _build(overrides) -> None:
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        ({"pipeline": ["stateless", "nope"]}, "unknown middleware 'nope'"),
-        ({"pipeline": ["tests.no_such_module:create"]}, "cannot import 'tests.no_such_module'"),
-        ({"pipeline": ["tests.custom_mw:nope"]}, "has no callable 'nope'"),
-        ({"pipeline": ["tests.custom_mw:NOT_CALLABLE"]}, "has no callable 'NOT_CALLABLE'"),
-        ({"pipeline": ["tests.custom_mw:not_a_factory"], "tests.custom_mw:not_a_factory": {}},
+        ({"middlewares": {"after_auth": ["nope"]}}, "'nope' is not \"package.module:factory\""),
+        ({"middlewares": {"after_auth": ["tests.no_such_module:create"]}}, "cannot import 'tests.no_such_module'"),
+        ({"middlewares": {"after_prepare": ["tests.custom_mw:nope"]}}, "has no callable 'nope'"),
+        ({"middlewares": {"before_handler": ["tests.custom_mw:NOT_CALLABLE"]}}, "has no callable 'NOT_CALLABLE'"),
+        ({"middlewares": {"after_auth": ["tests.custom_mw:not_a_factory"]}, "tests.custom_mw:not_a_factory": {}},
          "did not return a middleware"),
-        ({"pipeline": [CUSTOM]}, "custom_mw.header must be a non-empty string"),
-        ({"pipeline": [{CUSTOM: {"header": "x", "explode": True}}]},
+        ({"middlewares": {"after_auth": [CUSTOM]}}, "custom_mw.header must be a non-empty string"),
+        ({"middlewares": {"after_auth": [{CUSTOM: {"header": "x", "explode": True}}]}},
          "rejected its config section: RuntimeError: the factory blew up on purpose"),
-        ({"pipeline": [{CUSTOM: ["not", "a", "mapping"]}]}, "must be a mapping"),
-        ({"pipeline": "auth"}, "pipeline must be a list"),
+        ({"middlewares": {"after_auth": [{CUSTOM: ["not", "a", "mapping"]}]}}, "must be a mapping"),
+        ({"middlewares": {"after_auth": "auth"}}, "middlewares.after_auth must be a list"),
+        ({"middlewares": {"before_auth": []}}, "unknown key 'middlewares.before_auth'"),
+        ({"pipeline": ["auth"]}, "pipeline is no longer a setting"),
+        ({"auth": {"enabled": "no"}}, "auth.enabled must be true or false"),
         ({"limits": {"global_concurrency": 0}}, "limits.global_concurrency must be an integer >= 1 or null, not 0"),
         ({"limits": {"retry_after_s": "soon"}}, "limits.retry_after_s must be a number >= 0, not 'soon'"),
         ({"limits": {"burst": 3}}, "unknown key 'limits.burst'"),
@@ -77,7 +80,6 @@ def _build(overrides) -> None:
         ({"tools": {"drop": "web_search"}}, "tools.drop must be a list of strings or null, not 'web_search'"),
         ({"tools": {"drop": ["web_search"], "refuse": ["web_search"]}}, "web_search is both dropped and refused"),
         ({"tools": {"refuse": ["function"]}}, "tools.refuse cannot name function"),
-        ({"pipeline": ["auth", "balance", "tools"]}, "'tools' must come before 'balance'"),
         ({"balance": {"hold_ttl_s": 0}}, "balance.hold_ttl_s must be a number > 0, not 0"),
         ({"balance": {"demo_balance_micros": -1}}, "balance.demo_balance_micros must be an integer >= 0, not -1"),
         ({"prices": {"big-model": {"input": 1}}}, "prices.big-model needs 'output'"),
@@ -95,22 +97,23 @@ def test_startup_failures_are_config_errors(overrides, expected, monkeypatch):
     assert "\n" not in message
 
 
-def test_default_pipeline_builds():
+def test_default_config_builds():
+    from proxy.state import PHASES
+
     app = build_app(Config.from_dict({}))
-    # envelope + the six built-ins, less notices: it works in on_response_prepare alone, so
-    # it is marked pass_through and not called on every request
-    assert len(app.middlewares) == 6
-    assert not any(getattr(m, "pass_through", False) for m in app.middlewares)
+    assert len(app.middlewares) == 1  # the envelope; it runs the phases
+    # auth, limits, prepare, balance (stateless and tools are prepare's body checks, notices a hook)
+    assert len(app[PHASES].steps) == 4
 
 
 @pytest.mark.parametrize("form", ["top-level", "after-serve"])
 def test_cli_serve_bad_config_exits_2_with_one_line(tmp_path, form):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("pipeline: [stateless, nope]\nledger: {path: %s}\n" % (tmp_path / "l.db"))
+    bad.write_text("middlewares: {after_auth: [nope]}\nledger: {path: %s}\n" % (tmp_path / "l.db"))
     args = ["--config", str(bad), "serve"] if form == "top-level" else ["serve", "--config", str(bad)]
     proc = subprocess.run([sys.executable, "-m", "proxy", *args, "--port", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) == 1, lines
-    assert "configuration error" in lines[0] and "unknown middleware 'nope'" in lines[0]
+    assert "configuration error" in lines[0] and "'nope' is not" in lines[0]

@@ -13,7 +13,7 @@ import pytest
 from proxy import state
 from proxy.upstream import health
 from proxy.http.forwarder import POOL
-from tests.conftest import free_port
+from tests.conftest import free_port, only
 
 FAST = {"connect": 1, "first_byte": 5, "idle": 5, "total": 30}
 
@@ -121,6 +121,6 @@ async def test_a_flood_of_readiness_probes_costs_one_ledger_read(sim, make_proxy
 
 
 async def test_readiness_without_a_ledger(sim, make_proxy):
-    proxy = await make_proxy({"ledger": {"backend": "none"}, "pipeline": ["stateless"]})
+    proxy = await make_proxy({"ledger": {"backend": "none"}, **only("stateless")})
     status, _, raw = await get(proxy, "/readyz")
     assert status == 200 and orjson.loads(raw) == {"status": "ready"}

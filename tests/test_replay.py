@@ -18,8 +18,9 @@ import orjson
 import pytest
 
 from tests.sdk_check import validate_sdk_response
+from tests.conftest import only
 
-PIPELINE = ["stateless", "tools", "notices"]
+PIPELINE = only("stateless", "tools", "notices")
 INSTRUCTIONS = "You are a careful agent. Use the tools."
 QUESTION = "Plan a trip: check weather and time in ten cities."
 TOOLS = [
@@ -75,7 +76,7 @@ def normalise_upstream(messages: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("sealed", [False, True], ids=["no_key", "seal_key"])
 async def test_ten_turn_tool_loop_replays_exactly(sim, make_proxy, monkeypatch, sealed, stream):
     monkeypatch.delenv("RESPONSES_PROXY_SEAL_KEY", raising=False)
-    overrides: dict = {"pipeline": PIPELINE}
+    overrides: dict = dict(PIPELINE)
     if sealed:
         overrides["reasoning_seal"] = {"keys": {"k1": base64.urlsafe_b64encode(os.urandom(32)).decode()},
                                        "active": "k1"}

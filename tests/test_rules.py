@@ -7,10 +7,11 @@ from __future__ import annotations
 import aiohttp
 import orjson
 import pytest
+from tests.conftest import only
 
 MODEL = "tiny-org/tiny-model"
 FULL = None  # the default pipeline: stateless and tools run before the translation
-BARE = {"pipeline": ["notices"]}  # only the translation applies the rules
+BARE = only("notices")  # only the translation applies the rules
 FN = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
 
 

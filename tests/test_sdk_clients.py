@@ -16,10 +16,10 @@ import pytest
 import zstandard
 from openai.types.responses import Response
 
-from proxy.config.load import DEFAULTS
 from tests.sdk_check import check_sequence, parse_sse, validate_response, validate_sdk_response
+from tests.conftest import POLICIES, only
 
-PIPELINE = list(DEFAULTS["pipeline"])  # the default chain: auth (demo key), balance...
+PIPELINE = only(*POLICIES)  # every policy: auth (demo key), balance...
 WEATHER = {
     "type": "function", "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
@@ -29,7 +29,7 @@ RESPONSE_FIELDS = set(Response.model_fields)
 
 @pytest.fixture
 async def proxy(make_proxy):
-    return await make_proxy({"pipeline": PIPELINE})
+    return await make_proxy(PIPELINE)
 
 
 def assert_every_field(response: dict, sdk_dump: bool = False) -> None:

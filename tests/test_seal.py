@@ -13,8 +13,9 @@ import pytest
 from proxy.config.load import ConfigError
 from proxy.protocol.seal import PREFIX, Sealer, sealer_from_config
 from tests.sdk_check import check_sequence, parse_sse, validate_response
+from tests.conftest import only
 
-PIPELINE = ["stateless", "tools", "notices"]
+PIPELINE = only("stateless", "tools", "notices")
 CIPHER_ONLY = {"reasoning_in_clear": False}  # responses section: with a seal, send only the ciphertext
 NOTICE = "reasoning item dropped: encrypted_content could not be opened"
 THOUGHT = "First I look at the weather tool, then I answer in one line."
@@ -151,7 +152,7 @@ def follow_up(output: list[dict]) -> dict:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_sealed_reasoning_round_trip(sim, make_proxy, stream):
-    proxy = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+    proxy = await make_proxy({**PIPELINE, "responses": CIPHER_ONLY,
                               "reasoning_seal": {"keys": {"k1": key()}, "active": "k1"}})
     output = await sealed_first_turn(sim, proxy, stream)
     reasoning = next(i for i in output if i["type"] == "reasoning")
@@ -167,7 +168,7 @@ async def test_sealed_reasoning_round_trip(sim, make_proxy, stream):
 
 
 async def test_without_include_no_ciphertext_is_produced(sim, make_proxy):
-    proxy = await make_proxy({"pipeline": PIPELINE, "reasoning_seal": {"keys": {"k1": key()}}})
+    proxy = await make_proxy({**PIPELINE, "reasoning_seal": {"keys": {"k1": key()}}})
     sim.script({"reasoning": THOUGHT, "text": "ok"})
     body = first_turn_body(False)
     del body["include"]
@@ -179,12 +180,12 @@ async def test_without_include_no_ciphertext_is_produced(sim, make_proxy):
 
 async def test_rotation_through_the_proxy(sim, make_proxy):
     k1, k2 = key(), key()
-    first = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+    first = await make_proxy({**PIPELINE, "responses": CIPHER_ONLY,
                               "reasoning_seal": {"keys": {"k1": k1}, "active": "k1"}})
     output = await sealed_first_turn(sim, first, False)
 
     # k2 active, k1 still configured: the old ciphertext opens.
-    rotated = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+    rotated = await make_proxy({**PIPELINE, "responses": CIPHER_ONLY,
                                 "reasoning_seal": {"keys": {"k1": k1, "k2": k2}, "active": "k2"}})
     sim.script({"reasoning": "again", "text": "Sunny."})
     status, headers, data = await post(rotated, follow_up(output))
@@ -195,7 +196,7 @@ async def test_rotation_through_the_proxy(sim, make_proxy):
     assert new["encrypted_content"].startswith(f"{PREFIX}.k2.")
 
     # k1 removed: dropped with a notice; the call and its output still go through.
-    retired = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+    retired = await make_proxy({**PIPELINE, "responses": CIPHER_ONLY,
                                 "reasoning_seal": {"keys": {"k2": k2}, "active": "k2"}})
     sim.script({"text": "Sunny."})
     status, headers, data = await post(retired, follow_up(output))
@@ -210,7 +211,7 @@ async def test_rotation_through_the_proxy(sim, make_proxy):
 @pytest.mark.parametrize("case", ["tampered", "foreign", "garbage", "other_key_id"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_unopenable_ciphertext_is_dropped_with_a_notice(sim, make_proxy, case, stream):
-    proxy = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+    proxy = await make_proxy({**PIPELINE, "responses": CIPHER_ONLY,
                               "reasoning_seal": {"keys": {"k1": key()}, "active": "k1"}})
     output = await sealed_first_turn(sim, proxy, False)
     reasoning = next(i for i in output if i["type"] == "reasoning")
@@ -233,10 +234,10 @@ async def test_unopenable_ciphertext_is_dropped_with_a_notice(sim, make_proxy, c
 
 async def test_ciphertext_without_a_configured_key_is_dropped_not_a_500(sim, make_proxy, monkeypatch):
     monkeypatch.delenv("RESPONSES_PROXY_SEAL_KEY", raising=False)
-    sealed = await make_proxy({"pipeline": PIPELINE, "responses": CIPHER_ONLY,
+    sealed = await make_proxy({**PIPELINE, "responses": CIPHER_ONLY,
                                "reasoning_seal": {"keys": {"k1": key()}}})
     output = await sealed_first_turn(sim, sealed, False)
-    keyless = await make_proxy({"pipeline": PIPELINE})
+    keyless = await make_proxy(PIPELINE)
     sim.script({"text": "Sunny."})
     status, _, data = await post(keyless, follow_up(output))
     assert status == 200, data
@@ -245,7 +246,7 @@ async def test_ciphertext_without_a_configured_key_is_dropped_not_a_500(sim, mak
 
 async def test_keyless_proxy_replays_the_reasoning_text(sim, make_proxy, monkeypatch):
     monkeypatch.delenv("RESPONSES_PROXY_SEAL_KEY", raising=False)
-    proxy = await make_proxy({"pipeline": PIPELINE})
+    proxy = await make_proxy(PIPELINE)
     output = await sealed_first_turn(sim, proxy, True)
     reasoning = next(i for i in output if i["type"] == "reasoning")
     assert not reasoning.get("encrypted_content")
@@ -258,7 +259,7 @@ async def test_keyless_proxy_replays_the_reasoning_text(sim, make_proxy, monkeyp
 
 async def test_seal_key_from_the_environment(sim, make_proxy, monkeypatch):
     monkeypatch.setenv("RESPONSES_PROXY_SEAL_KEY", key())
-    proxy = await make_proxy({"pipeline": PIPELINE})
+    proxy = await make_proxy(PIPELINE)
     output = await sealed_first_turn(sim, proxy, False)
     reasoning = next(i for i in output if i["type"] == "reasoning")
     assert reasoning["encrypted_content"].startswith(f"{PREFIX}.env.")
@@ -271,7 +272,7 @@ async def test_seal_key_from_the_environment(sim, make_proxy, monkeypatch):
 async def test_default_sends_the_summary_too_and_the_ciphertext_wins(sim, make_proxy):
     """responses.reasoning_in_clear defaults to true: the summary carries the text beside the
     ciphertext. On replay the opened ciphertext is what the model gets, not the client's copy."""
-    proxy = await make_proxy({"pipeline": PIPELINE, "reasoning_seal": {"keys": {"k1": key()}, "active": "k1"}})
+    proxy = await make_proxy({**PIPELINE, "reasoning_seal": {"keys": {"k1": key()}, "active": "k1"}})
     output = await sealed_first_turn(sim, proxy, True)
     reasoning = next(i for i in output if i["type"] == "reasoning")
     assert reasoning["summary"][0]["text"] == THOUGHT

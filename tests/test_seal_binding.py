@@ -20,6 +20,7 @@ import pytest
 from proxy.config.load import ConfigError
 from proxy.protocol.seal import ANONYMOUS, PREFIX, Sealer, SealExpired, sealer_from_config
 from tests.test_seal import THOUGHT, WEATHER, first_turn_body, follow_up
+from tests.conftest import only
 
 ALICE, BOB = "sk-test-alice-0123456789abcdef", "sk-test-bob-0123456789abcdef"
 SEAL_KEY = base64.urlsafe_b64encode(os.urandom(32)).decode()
@@ -28,7 +29,7 @@ EXPIRED = "reasoning item dropped: encrypted_content expired"
 
 
 def keyed(**seal) -> dict:
-    return {"pipeline": ["stateless", "auth", "tools", "notices"],
+    return {**only("stateless", "auth", "tools", "notices"),
             "auth": {"demo_key": False, "static_keys": [{"name": "alice", "key": ALICE}, {"name": "bob", "key": BOB}]},
             "responses": {"reasoning_in_clear": False},
             "reasoning_seal": {"keys": {"k1": SEAL_KEY}, "active": "k1", **seal}}
@@ -73,7 +74,7 @@ async def test_a_ciphertext_made_for_one_key_does_not_open_for_another(sim, make
 
 async def test_an_unauthenticated_proxys_ciphertext_does_not_open_for_a_key(sim, make_proxy):
     # The same seal key on a proxy without auth: its ciphertexts are bound to "anonymous".
-    open_proxy = await make_proxy({**keyed(), "pipeline": ["stateless", "tools", "notices"]})
+    open_proxy = await make_proxy({**keyed(), **only("stateless", "tools", "notices")})
     output = await first_turn(sim, open_proxy, None)
     keyed_proxy = await make_proxy(keyed())
     sim.script({"text": "Sunny."})
@@ -118,7 +119,7 @@ def test_bad_ttl_stops_start_up(ttl):
 
 async def test_without_a_seal_key_encrypted_content_is_named_in_the_notice(sim, make_proxy, monkeypatch):
     monkeypatch.delenv("RESPONSES_PROXY_SEAL_KEY", raising=False)
-    proxy = await make_proxy({"pipeline": ["stateless", "tools", "notices"]})
+    proxy = await make_proxy(only("stateless", "tools", "notices"))
     sim.script({"reasoning": THOUGHT, "text": "ok"})
     status, headers, _ = await post(proxy, first_turn_body(False), None)
     assert status == 200

@@ -8,7 +8,7 @@ Real simulators on loopback, a real proxy, real HTTP between.
 from __future__ import annotations
 
 from proxy.http.forwarder import POOL
-from tests.conftest import free_port
+from tests.conftest import free_port, only
 from tests.test_workers import ask, call, settings, start_sim, wait_for, worker  # noqa: F401
 
 
@@ -65,6 +65,6 @@ async def test_a_worker_up_at_start_up_takes_the_first_request(start_sim, make_p
 async def test_without_active_checks_nothing_is_held_back(start_sim, make_proxy):
     # No checks would ever let a worker in: with health.enabled false every worker takes traffic.
     a = await start_sim()
-    proxy = await make_proxy({"pipeline": ["stateless"], "health": {"enabled": False}}, workers=[worker("a", a.url)])
+    proxy = await make_proxy({**only("stateless"), "health": {"enabled": False}}, workers=[worker("a", a.url)])
     status, _, body = await call(proxy, ask())
     assert status == 200, body

@@ -14,6 +14,7 @@ import pytest
 from proxy.protocol.rewriter import StreamRewriter
 from tests.raw_chat_upstream import ChatUpstream, chunked, gzipped, json_answer, sse_events
 from tests.sdk_check import parse_sse
+from tests.conftest import only
 
 
 @dataclass
@@ -86,7 +87,7 @@ def assert_one_response(answer: Raw) -> None:
 
 
 STREAM = {"model": "tiny-org/tiny-model", "input": "hello there", "stream": True, "max_output_tokens": 50}
-PIPELINE = ["stateless", "auth", "balance", "notices"]
+PIPELINE = only("stateless", "auth", "balance", "notices")
 
 
 # -- errors after the first byte
@@ -112,7 +113,7 @@ async def test_an_exception_mid_stream_ends_with_response_failed(make_proxy, mon
         return True
 
     async with ChatUpstream(behave) as upstream:
-        proxy = await make_proxy({"pipeline": PIPELINE, "health": {"enabled": False}}, workers=[upstream.worker()])
+        proxy = await make_proxy({**PIPELINE, "health": {"enabled": False}}, workers=[upstream.worker()])
         for _ in range(3):
             answer = await raw_post(proxy, STREAM)
             assert answer.status == 200 and answer.terminated, answer
@@ -141,7 +142,7 @@ async def test_a_broken_upstream_chunk_mid_stream_ends_with_response_failed(make
         return "close"
 
     async with ChatUpstream(behave) as upstream:
-        proxy = await make_proxy({"pipeline": PIPELINE, "health": {"enabled": False}}, workers=[upstream.worker()])
+        proxy = await make_proxy({**PIPELINE, "health": {"enabled": False}}, workers=[upstream.worker()])
         answer = await raw_post(proxy, STREAM)
         assert answer.status == 200 and answer.terminated, answer
         assert_one_response(answer)
@@ -150,7 +151,7 @@ async def test_a_broken_upstream_chunk_mid_stream_ends_with_response_failed(make
 
 @pytest.mark.parametrize("mode", ["raise_after", "api_error_after"])
 async def test_an_exception_after_a_whole_stream_leaves_it_whole(make_proxy, mode):
-    proxy = await make_proxy({"pipeline": PIPELINE + [{"tests.fault_mw:create": {"mode": mode}}]})
+    proxy = await make_proxy({**PIPELINE, "middlewares": {"before_handler": [{"tests.fault_mw:create": {"mode": mode}}]}})
     for _ in range(3):
         answer = await raw_post(proxy, STREAM)
         assert answer.status == 200 and answer.terminated, answer
@@ -159,7 +160,7 @@ async def test_an_exception_after_a_whole_stream_leaves_it_whole(make_proxy, mod
 
 
 async def test_an_exception_in_a_stream_no_rewriter_knows_cuts_the_connection(make_proxy):
-    proxy = await make_proxy({"pipeline": PIPELINE + [{"tests.fault_mw:create": {"mode": "own_stream"}}]})
+    proxy = await make_proxy({**PIPELINE, "middlewares": {"before_handler": [{"tests.fault_mw:create": {"mode": "own_stream"}}]}})
     answer = await raw_post(proxy, STREAM)
     assert answer.status == 200
     assert not answer.terminated, answer  # a truncated body, not a valid-looking end
@@ -168,7 +169,7 @@ async def test_an_exception_in_a_stream_no_rewriter_knows_cuts_the_connection(ma
 
 
 async def test_a_prepare_hook_that_fails_gets_one_clean_error_response(make_proxy):
-    proxy = await make_proxy({"pipeline": PIPELINE + [{"tests.fault_mw:create": {"mode": "hook_raises"}}]})
+    proxy = await make_proxy({**PIPELINE, "middlewares": {"before_handler": [{"tests.fault_mw:create": {"mode": "hook_raises"}}]}})
     for _ in range(2):
         answer = await raw_post(proxy, STREAM)
         assert answer.status == 500 and answer.terminated, answer
@@ -177,7 +178,7 @@ async def test_a_prepare_hook_that_fails_gets_one_clean_error_response(make_prox
 
 
 async def test_non_stream_errors_after_the_handler_are_still_envelopes(make_proxy):
-    proxy = await make_proxy({"pipeline": PIPELINE + [{"tests.fault_mw:create": {"mode": "raise_after"}}]})
+    proxy = await make_proxy({**PIPELINE, "middlewares": {"before_handler": [{"tests.fault_mw:create": {"mode": "raise_after"}}]}})
     answer = await raw_post(proxy, {**STREAM, "stream": False})
     assert answer.status == 500 and answer.terminated
     assert_one_response(answer)
@@ -212,7 +213,7 @@ async def test_a_stream_that_is_not_plain_events_fails_over(make_proxy, sim, ans
 
     async with ChatUpstream(behave) as upstream:
         sim_worker = {"name": "sim", "url": sim.url, "dialect": "vllm", "models": ["tiny-org/tiny-model"]}
-        proxy = await make_proxy({"pipeline": PIPELINE, "health": {"enabled": False},
+        proxy = await make_proxy({**PIPELINE, "health": {"enabled": False},
                                   "routing": {"affinity": {"enabled": False}}},
                                  workers=[upstream.worker(), sim_worker])
         for _ in range(4):
@@ -232,7 +233,7 @@ async def test_a_stream_that_is_not_plain_events_with_no_other_worker_is_a_502(m
         return True
 
     async with ChatUpstream(behave) as upstream:
-        proxy = await make_proxy({"pipeline": PIPELINE, "health": {"enabled": False}}, workers=[upstream.worker()])
+        proxy = await make_proxy({**PIPELINE, "health": {"enabled": False}}, workers=[upstream.worker()])
         got = await raw_post(proxy, STREAM)
         assert got.status == 502, got
         assert_one_response(got)
@@ -245,7 +246,7 @@ async def test_a_gzipped_json_answer_is_refused_not_parsed(make_proxy):
         return True
 
     async with ChatUpstream(behave) as upstream:
-        proxy = await make_proxy({"pipeline": PIPELINE, "health": {"enabled": False}}, workers=[upstream.worker()])
+        proxy = await make_proxy({**PIPELINE, "health": {"enabled": False}}, workers=[upstream.worker()])
         got = await raw_post(proxy, {**STREAM, "stream": False})
         assert got.status == 502, got
         error = orjson.loads(got.body)["error"]

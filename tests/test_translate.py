@@ -14,13 +14,12 @@ from proxy.protocol.translate import (
     HOSTED_ITEM_TYPES,
     HOSTED_TOOL_TYPES,
     REFUSED_TOOL_TYPES,
-    _NO_SEAL_INCLUDE,
-    _NO_SEAL_KEY,
-    _UNSEAL_FAILED,
+    NO_SEAL_INCLUDE,
+    NO_SEAL_KEY,
+    UNSEAL_FAILED,
     ToolOrigin,
     TranslateOptions,
     Translation,
-    set_output_cap,
     translate_request,
 )
 
@@ -64,7 +63,7 @@ def test_string_input_is_one_user_message():
     assert t.chat["stream"] is False
     assert "stream_options" not in t.chat
     assert t.stream is False
-    assert t.notices == []
+    assert t.notices == ()
 
 
 @pytest.mark.parametrize(
@@ -295,7 +294,7 @@ def test_reasoning_unsealed():
                  msg("assistant", "a")]), unseal=unseal)
     assert seen == ["CIPHER"]
     assert t.chat["messages"][1] == {"role": "assistant", "content": "a", "reasoning_content": "secret thoughts"}
-    assert t.notices == []
+    assert t.notices == ()
 
 
 def test_reasoning_unseal_fails_dropped_with_notice():
@@ -305,14 +304,14 @@ def test_reasoning_unseal_fails_dropped_with_notice():
            unseal=lambda s: None)
     assert t.chat["messages"][1] == {"role": "assistant", "content": "a"}
     assert t.chat["messages"][3] == {"role": "assistant", "content": "b"}
-    assert t.notices == [_UNSEAL_FAILED]
+    assert t.notices == (UNSEAL_FAILED,)
 
 
 def test_reasoning_unseal_fails_falls_back_to_summary_text():
     t = tr(body([msg("user", "u"), {"type": "reasoning", "summary": [{"type": "summary_text", "text": "sum"}],
                                     "encrypted_content": "junk"}, msg("assistant", "a")]), unseal=lambda s: None)
     assert t.chat["messages"][1]["reasoning_content"] == "sum"
-    assert t.notices == []
+    assert t.notices == ()
 
 
 def test_reasoning_unseal_exception_is_a_failure_not_a_500():
@@ -321,14 +320,14 @@ def test_reasoning_unseal_exception_is_a_failure_not_a_500():
 
     t = tr(body([msg("user", "u"), {"type": "reasoning", "encrypted_content": "x"}]), unseal=boom)
     assert t.chat["messages"] == [{"role": "user", "content": "u"}]
-    assert t.notices == [_UNSEAL_FAILED]
+    assert t.notices == (UNSEAL_FAILED,)
 
 
 def test_encrypted_reasoning_without_unseal_ignored_with_a_notice():
     t = tr(body([msg("user", "u"), {"type": "reasoning", "summary": [], "encrypted_content": "CIPHER"},
                  msg("assistant", "a")]))
     assert t.chat["messages"][1] == {"role": "assistant", "content": "a"}
-    assert t.notices == [_NO_SEAL_KEY]
+    assert t.notices == (NO_SEAL_KEY,)
 
 
 def test_bad_reasoning_item():
@@ -591,13 +590,13 @@ def test_namespace_tool_flattened():
 def test_hosted_tools_left_out_with_notice(ttype):
     t = tr(body("u", tools=[{"type": ttype}, FN]))
     assert [x["function"]["name"] for x in t.chat["tools"]] == ["get_weather"]
-    assert t.notices == [f"tools left out: {ttype}"]
+    assert t.notices == (f"tools left out: {ttype}",)
     assert [x["name"] for x in t.echo["tools"]] == ["get_weather"]
 
 
 def test_hosted_tools_one_notice_listing_them():
     t = tr(body("u", tools=[{"type": "web_search"}, {"type": "mcp", "server_label": "x"}, {"type": "web_search"}]))
-    assert t.notices == ["tools left out: web_search, mcp"]
+    assert t.notices == ("tools left out: web_search, mcp",)
     assert "tools" not in t.chat and "tool_choice" not in t.chat
     assert t.tools == {}
 
@@ -673,7 +672,7 @@ def test_tool_choice_allowed_tools_and_hosted():
     assert t.echo["tools"] == [dict(FN, strict=None)]
     t = tr(body("u", tools=[FN], tool_choice={"type": "web_search"}))
     assert t.chat["tool_choice"] == "auto"
-    assert t.notices == ["tools left out: web_search"]
+    assert t.notices == ("tools left out: web_search",)
     refused(body("u", tools=[FN], tool_choice={"type": "allowed_tools", "mode": "none"}), param="tool_choice.mode")
 
 
@@ -740,7 +739,7 @@ def test_codex_shaped_body():
     assert t.tools["mcp_files__tool3"] == ToolOrigin("function", "tool3", "mcp_files")
     assert t.tools["apply_patch"] == ToolOrigin("custom", "apply_patch")
     assert len(t.tools) == 6
-    assert t.notices == [_NO_SEAL_INCLUDE, "tools left out: web_search", _NO_SEAL_KEY]
+    assert t.notices == (NO_SEAL_INCLUDE, "tools left out: web_search", NO_SEAL_KEY,)
     assert t.include_encrypted_reasoning is True
     assert t.prompt_cache_key == "019a-session"
     assert [x["type"] for x in t.echo["tools"]] == ["namespace", "custom"]
@@ -749,21 +748,27 @@ def test_codex_shaped_body():
     assert "client_metadata" not in c and "prompt_cache_key" not in c and "include" not in c
 
 
-# --------------------------------------------------------------------------- set_output_cap
+# --------------------------------------------------------------------------- the output cap
 
 
-def test_set_output_cap():
+def test_with_cap_returns_a_new_translation_and_leaves_the_old_one_as_it_was():
     t = tr(body("u", max_output_tokens=1000))
-    set_output_cap(t, 250)
-    assert t.chat["max_tokens"] == 250
-    assert t.echo["max_output_tokens"] == 250
-    assert t.max_output_tokens == 250
+    capped = t.with_cap(250)
+    assert capped.chat["max_tokens"] == 250
+    assert capped.echo["max_output_tokens"] == 250
+    assert capped.max_output_tokens == 250 and capped.output_cap == 250
+    assert t.chat["max_tokens"] == 1000 and t.echo["max_output_tokens"] == 1000 and t.output_cap == 1000
     t2 = tr(body("u"))
-    assert "max_tokens" not in t2.chat
-    set_output_cap(t2, 64)
-    assert t2.chat["max_tokens"] == 64
+    assert "max_tokens" not in t2.chat and t2.output_cap is None
+    assert t2.with_cap(64).chat["max_tokens"] == 64
+    reserved = t2.with_cap(64, lowered=False)  # held to 64, nothing sent or echoed
+    assert "max_tokens" not in reserved.chat and reserved.echo["max_output_tokens"] is None
+    assert reserved.output_cap == 64
+    assert reserved.with_max_tokens(32).output_cap == 32 and reserved.output_cap == 64
     with pytest.raises(ValueError):
-        set_output_cap(t2, 0)
+        t2.with_cap(0)
+    with pytest.raises(AttributeError):  # frozen
+        t2.chat = {}
 
 
 # --------------------------------------------------------------------------- fuzz: only APIError, only 4xx

@@ -6,6 +6,8 @@ Real simulators on loopback (two or three per test), a real proxy, real HTTP bet
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import asyncio
 import socket
 import time
@@ -17,11 +19,12 @@ import pytest
 
 from proxy.http.forwarder import POOL
 from proxy.upstream.routing import check_context_window, parse_provider
+from proxy.protocol.translate import translate_request
 from proxy.simulator.server import Simulator
-from tests.conftest import free_port
+from tests.conftest import free_port, only
 from tests.sdk_check import parse_sse
 
-NO_AUTH = {"pipeline": ["stateless"]}
+NO_AUTH = only("stateless")
 FAST = {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}
 
 
@@ -577,13 +580,15 @@ class _NoSession:
 
 
 def _t(chat: dict, window: int = 32768):
-    return SimpleNamespace(upstream_model="m", chat=chat), SimpleNamespace(
+    body = {"model": "m", "input": "x"}
+    t = replace(translate_request(body), chat={"model": "m", **chat})
+    return t, SimpleNamespace(
         max_model_len={"m": window}, dialect="vllm", name="w")
 
 
 async def test_context_check_costs_nothing_when_it_clearly_fits():
     t, w = _t({"messages": [{"role": "user", "content": "hi " * 1000}], "max_tokens": 1000})
-    assert await check_context_window(_NoSession(), w, t, 1000) == "fits"
+    assert await check_context_window(_NoSession(), w, t, 1000) == ("fits", t)
 
 
 async def test_context_check_refuses_clearly_over_without_a_call():
@@ -596,7 +601,7 @@ async def test_context_check_refuses_clearly_over_without_a_call():
 async def test_context_check_leaves_vllm_uncapped_requests_alone():
     # No max_output_tokens from the client: the cap is the proxy's; vLLM lowers it itself.
     t, w = _t({"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 32768})
-    assert await check_context_window(_NoSession(), w, t, None) == "fits"
+    assert await check_context_window(_NoSession(), w, t, None) == ("fits", t)
     assert t.chat["max_tokens"] == 32768
 
 
@@ -605,8 +610,9 @@ async def test_context_check_lowers_the_proxys_own_cap_for_sglang():
     # from the size bound, still without an upstream call.
     t, w = _t({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 32768})
     w.dialect = "sglang"
-    assert await check_context_window(_NoSession(), w, t, None) == "clamped"
-    assert 32768 - 400 < t.chat["max_tokens"] < 32768
+    decision, sent = await check_context_window(_NoSession(), w, t, None)
+    assert decision == "clamped" and 32768 - 400 < sent.chat["max_tokens"] < 32768
+    assert t.chat["max_tokens"] == 32768  # a new Translation: the one the phases made is unchanged
 
 
 # --------------------------------------------------------------------------- configuration

@@ -12,8 +12,8 @@ key whose default lives in the code that reads it: known and checked, shown comm
 in the reference, left out of DEFAULTS (so the reading module's default stays the one in
 force). Adding a key is one line in its section below.
 
-Sections of custom middlewares ("package.module:factory", named by a `pipeline` entry)
-are free-form: their factory checks them.
+Sections of custom middlewares ("package.module:factory", named under `middlewares`) are
+free-form: their factory checks them.
 """
 
 from __future__ import annotations
@@ -96,23 +96,36 @@ PRICE = Section({
     "output": F(Num(lo=0), REQUIRED, "output tokens, reasoning included"),
 })
 
-class PipelineEntry(Type):
-    """A built-in name, "package.module:factory", or {name: section} (checked in validate)."""
+class CustomEntry(Type):
+    """"package.module:factory", or {"package.module:factory": section}."""
 
-    plural = "middleware names or one-key mappings {name: section}"
+    plural = "\"package.module:factory\" names or one-key mappings {name: section}"
 
     def what(self) -> str:
-        return "a middleware name or a one-key mapping {name: section}"
+        return "a \"package.module:factory\" name or a one-key mapping {name: section}"
 
     def check(self, value: Any, path: str) -> Any:
-        if isinstance(value, str) and value:
-            return str(value)
-        if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value)), str):
-            return dict(value)
-        raise self.fail(value, path)
+        name = value if isinstance(value, str) else (
+            next(iter(value)) if isinstance(value, dict) and len(value) == 1 else None)
+        if not isinstance(name, str) or not name:
+            raise self.fail(value, path)
+        if ":" not in name:
+            raise SchemaError(f"{path}: {name[:64]!r} is not \"package.module:factory\" (built-in policies are "
+                              f"switched by their section's `enabled`: {', '.join(POLICIES)})")
+        return str(value) if isinstance(value, str) else dict(value)
 
 
-PIPELINE_ENTRY = PipelineEntry()
+CUSTOM_ENTRY = CustomEntry()
+
+# The built-in policies (middlewares/<name>.py), each switched by its section's `enabled`.
+POLICIES = ("stateless", "auth", "limits", "tools", "balance", "notices")
+# Where custom middlewares go, and what each point promises them (middlewares/__init__.py).
+POINTS = {
+    "after_auth": "the key is known (context .key), the body not read yet",
+    "after_prepare": "body read and translated once (context .body, .translation), nothing held yet",
+    "before_handler": "the balance is held (context .hold) and the output cap final; the handler is next",
+}
+ENABLED_DOC = "false: this policy does not run"
 
 SCHEMA = Section({
     "server": F(Section({
@@ -196,32 +209,38 @@ Requests pick among them with the `provider` object (README, "Provider requireme
                                  "leaves them out (its generation_config.json); echoed only",
                                  note="e.g. sampling_defaults: {Qwen/Qwen3-8B: {temperature: 0.6, top_p: 0.95}}"),
     }), None),
-    "pipeline": F(ListOf(PIPELINE_ENTRY), ["stateless", "auth", "limits", "tools", "balance", "notices"],
-                  note="""\
-The middleware chain, in order. Built-ins: stateless, auth, limits, tools, balance,
-notices. Your own: "package.module:factory", configured by a top-level section of the
-same name (or written {"package.module:factory": {...}} in the list). auth always runs
-first wherever it is listed (no body is read before the key is checked); the others run
-after it in this order."""),
+    "middlewares": F(Section({
+        point: F(ListOf(CUSTOM_ENTRY), [], doc) for point, doc in POINTS.items()
+    }), None, note="""\
+The request runs through fixed phases: envelope -> auth -> limits -> prepare (read the body,
+stateless checks, tool policy, translate) -> balance -> handler. Each built-in policy below is
+switched by its section's `enabled`; the order is not configurable. Your own middlewares go at
+these named points: "package.module:factory", configured by a top-level section of the same
+name (or written {"package.module:factory": {...}} in the list); README, "Your own middleware"."""),
     "stateless": F(Section({
+        "enabled": F(Bool(), True, ENABLED_DOC),
         "previous_response_id": F(Str(choices=("refuse", "ignore")), "refuse", "refuse (004 doc) | ignore (000 doc)"),
     }), None),
     "auth": F(Section({
+        "enabled": F(Bool(), True, ENABLED_DOC),
         "demo_key": F(Bool(), False, "true: create a demo key at start and print it (true without a config file; make run passes --demo-key)"),
         "static_keys": F(ListOf(STATIC_KEY), [], "keys without a database"),
         "key_cache_ttl_s": Opt(Num(0, 3600), 5, "revocation takes effect within this; 0: no cache"),
         "key_cache_size": Opt(Int(lo=0), 10000, "cached keys per process (LRU)"),
     }), None),
     "limits": F(Section({
+        "enabled": F(Bool(), True, ENABLED_DOC),
         "global_concurrency": F(Nullable(POS_INT), 1024, "requests in flight per process; null: no limit"),
         "default_key_concurrency": F(Nullable(POS_INT), 64, "per key, unless its own limit is set"),
         "retry_after_s": F(Num(lo=0), 1, "Retry-After of a 429"),
     }), None),
     "tools": F(Section({
+        "enabled": F(Bool(), True, ENABLED_DOC),
         "drop": F(Nullable(ListOf(Str(nonempty=True))), None, "hosted tool types left out, named in x-token-notice; null: built-in list"),
         "refuse": F(Nullable(ListOf(Str(nonempty=True))), None, "tool types refused with 400; null: built-in list"),
     }), None),
     "balance": F(Section({
+        "enabled": F(Bool(), True, ENABLED_DOC),
         "hold_ttl_s": F(SECONDS, 900, "a hold whose request never settles is released after this"),
         "demo_balance_micros": F(Int(lo=0), 100_000_000, "the demo key's balance"),
         "default_max_output_tokens": Opt(POS_INT, 32768, "output cap reserved when nothing else says one"),
@@ -235,6 +254,7 @@ after it in this order."""),
         "lease_commit_ms": Opt(POS_NUM, 20, "leased usage rows are committed this far apart"),
     }), None),
     "notices": F(Section({
+        "enabled": F(Bool(), True, ENABLED_DOC),
         "header": F(Str(nonempty=True), "x-token-notice"),
         "max_bytes": Opt(Int(64, 16384), 2048),
     }), None),
@@ -271,32 +291,35 @@ Without a key the reasoning text travels in the item instead (and x-token-notice
 encrypted_content is ignored). A ciphertext opens only for the API key it was made for."""),
 })
 
-BUILTINS = ("stateless", "auth", "limits", "tools", "balance", "notices")
-
-
 def defaults() -> dict[str, Any]:
     return copy.deepcopy(SCHEMA.defaults())
+
+
+def _custom_names(middlewares: Any) -> set[str]:
+    """The custom middlewares named at the points (their top-level sections are free-form)."""
+    names = set()
+    for entries in (middlewares or {}).values() if isinstance(middlewares, dict) else ():
+        for entry in entries or ():
+            names.add(entry if isinstance(entry, str) else next(iter(entry)))
+    return names
 
 
 def validate(data: dict[str, Any]) -> dict[str, Any]:
     """The merged configuration checked against SCHEMA (raises SchemaError)."""
     if not isinstance(data, dict):
         raise SchemaError("the top level must be a mapping")
-    raw = data.get("pipeline")
-    pipeline = SCHEMA.keys["pipeline"].type.check([] if raw is None else raw, "pipeline")
-    custom = set()
-    for i, entry in enumerate(pipeline):
-        if isinstance(entry, dict):
-            ((name, section),) = entry.items()
-            if name in BUILTINS:  # its section written in the list: checked as the top-level one
-                entry[name] = SCHEMA.keys[name].type.check({} if section is None else section, f"pipeline[{i}].{name}")
-        elif entry not in BUILTINS:
-            custom.add(entry)
+    if "pipeline" in data:
+        raise SchemaError("pipeline is no longer a setting: the phases' order is fixed; switch a built-in policy "
+                          "with its section's `enabled` and put your own middlewares under `middlewares` "
+                          "(after_auth, after_prepare, before_handler)")
     out: dict[str, Any] = {}
+    if "middlewares" in data:
+        out["middlewares"] = SCHEMA.keys["middlewares"].type.check(data["middlewares"], "middlewares")
+    custom = _custom_names(out.get("middlewares"))
     for name, value in data.items():
-        if name == "pipeline":
-            out[name] = pipeline
-        elif name in SCHEMA.keys:
+        if name == "middlewares":
+            continue
+        if name in SCHEMA.keys:
             out[name] = SCHEMA.keys[name].type.check(value, name)
         elif name in custom:
             out[name] = _plain(value)  # its factory checks it

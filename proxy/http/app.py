@@ -1,4 +1,4 @@
-"""The application: the middleware chain from config.yaml, the routes, and the resources
+"""The application: the envelope and the phases (middlewares/), the routes, and the resources
 (client session, embedded simulator, ledger) as cleanup contexts."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from middlewares import build_chain
-from middlewares.auth import API_KEY
+from middlewares import Phases, build_phases
 from proxy import state
 from proxy.config.load import Config, ConfigError
 from proxy.http.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
@@ -29,7 +28,8 @@ from proxy.http.openapi import openapi_handler
 from proxy.runtime import metrics
 from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
 from proxy.upstream.affinity import AffinitySettings
-from proxy.state import AFFINITY, EVENT_STREAM, IMAGE_POLICY, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS, STARTED
+from proxy.state import (AFFINITY, CONTEXT, IMAGE_POLICY, PHASES, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS,
+                         RequestContext)
 
 LEDGER = state.LEDGER
 
@@ -42,72 +42,80 @@ def new_request_id() -> str:
     return f"req_{time.time_ns() // 1_000_000:012x}{random_bits(48):012x}"
 
 
-@web.middleware
-async def envelope_and_access_log(request: web.Request, handler):
-    """Outermost: gives every request an id, turns every failure into the OpenAI envelope
-    (never a traceback or an HTML page), and writes one access-log line."""
-    request[state.REQUEST_ID] = request_id = new_request_id()
-    started = time.perf_counter()
-    status = 500
-    error_code: str | None = None
-    try:
-        response = await _within_started(handler, request)
-        status = response.status
-        error_code = response.get(ERROR_CODE)
-        return response
-    except APIError as exc:
-        status, error_code = exc.status, exc.code
-        streamed = await refusal_as_event(request, exc)  # Codex reads a spent balance only as an event
-        return streamed if streamed is not None else exc.to_response()
-    except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and methods
-        status = exc.status
-        if exc.status < 400:
+def envelope(phases: Phases):
+    """The outermost layer (the app's one aiohttp middleware): gives every request an id and its
+    context, runs the phases, turns every failure into the OpenAI envelope (never a traceback
+    or an HTML page), and writes one access-log line."""
+
+    @web.middleware
+    async def envelope_and_access_log(request: web.Request, handler) -> web.StreamResponse:
+        ctx = request[CONTEXT] = RequestContext(new_request_id(), request.method, request.path, endpoint=handler)
+        started = time.perf_counter()
+        status = 500
+        error_code: str | None = None
+        try:
+            response = await _within_started(phases.run, request, ctx)
+            status = response.status
+            error_code = response.get(ERROR_CODE)
+            return response
+        except APIError as exc:
+            status, error_code = exc.status, exc.code
+            streamed = await refusal_as_event(request, ctx, exc)  # Codex reads a spent balance only as an event
+            return streamed if streamed is not None else exc.to_response()
+        except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and methods
+            status = exc.status
+            if exc.status < 400:
+                raise
+            message = {404: "Unknown endpoint.", 405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
+            return APIError(exc.status, f"{message} ({request.method} {request.path})", code=None).to_response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            out = ctx.outcome
+            # 499: the client went away before its answer was whole (after it, the answer stands).
+            status = 200 if out is not None and out.status in ("completed", "incomplete", "failed") else 499
             raise
-        message = {404: "Unknown endpoint.", 405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
-        return APIError(exc.status, f"{message} ({request.method} {request.path})", code=None).to_response()
-    except (asyncio.CancelledError, ConnectionResetError):
-        out = request.get(state.OUTCOME)
-        # 499: the client went away before its answer was whole (after it, the answer stands).
-        status = 200 if out is not None and out.status in ("completed", "incomplete", "failed") else 499
-        raise
-    except Exception:
-        log.exception("unhandled error", request_id=request_id)
-        error_code = "internal_error"
-        return APIError(500, "The proxy failed to handle this request.", code="internal_error").to_response()
-    finally:
-        out = request.get(state.OUTCOME)
-        if out is not None and out.status == "pending" and status >= 400:
-            # Refused or failed before any answer (a 502/503/504 after failover, a 4xx): no
-            # request ends "pending" in the log or the metrics.
-            out.status = "cancelled" if status == 499 else "error"
-        metrics.observe(request, status, time.perf_counter() - started)
-        translation = request.get(state.TRANSLATION)
-        model = translation.model if translation is not None else None
-        latency_ms = round((time.perf_counter() - started) * 1000, 2)
-        request_id = request[state.REQUEST_ID]
-        key = request.get(API_KEY)
-        key_id = key.key_id if key is not None else None
-        if error_code is None and out is not None:
-            error_code = out.error
-        if out is None:
-            access(request_id=request_id, method=request.method, path=request.path, client=request.remote,
-                   key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms)
-        else:
-            access(request_id=request_id, method=request.method, path=request.path, client=request.remote,
-                   key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms,
-                   upstream=out.upstream, outcome=out.status, input_tokens=out.input_tokens,
-                   cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, cost_micros=out.cost_micros,
-                   ttfb_ms=round(out.ttfb_ms, 2) if out.ttfb_ms is not None else None)
+        except Exception:
+            log.exception("unhandled error", request_id=ctx.request_id)
+            error_code = "internal_error"
+            return APIError(500, "The proxy failed to handle this request.", code="internal_error").to_response()
+        finally:
+            _log_access(request, ctx, status, error_code, time.perf_counter() - started)
+
+    return envelope_and_access_log
 
 
-async def _within_started(handler, request: web.Request) -> web.StreamResponse:
-    """The handler; an exception after the answer started is ended by _after_start."""
+def _log_access(request: web.Request, ctx: RequestContext, status: int, error_code: str | None,
+                elapsed_s: float) -> None:
+    out = ctx.outcome
+    if out is not None and out.status == "pending" and status >= 400:
+        # Refused or failed before any answer (a 502/503/504 after failover, a 4xx): no
+        # request ends "pending" in the log or the metrics.
+        out.status = "cancelled" if status == 499 else "error"
+    metrics.observe(request, ctx, status, elapsed_s)
+    translation = ctx.translation
+    model = translation.model if translation is not None else None
+    latency_ms = round(elapsed_s * 1000, 2)
+    key_id = ctx.key.key_id if ctx.key is not None else None
+    if error_code is None and out is not None:
+        error_code = out.error
+    if out is None:
+        access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
+               key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms)
+    else:
+        access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
+               key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms,
+               upstream=out.upstream, outcome=out.status, input_tokens=out.input_tokens,
+               cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, cost_micros=out.cost_micros,
+               ttfb_ms=round(out.ttfb_ms, 2) if out.ttfb_ms is not None else None)
+
+
+async def _within_started(run, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+    """The phases; an exception after the answer started is ended by _after_start."""
     try:
-        return await handler(request)
+        return await run(request, ctx)
     except ConnectionResetError:
         raise
     except Exception as exc:
-        started = request.get(STARTED)
+        started = ctx.started
         if started is None:
             writer = request.writer
             if writer is not None and writer.output_size == 0:
@@ -116,20 +124,21 @@ async def _within_started(handler, request: web.Request) -> web.StreamResponse:
                 writer.chunked = False
                 writer.length = None
             raise
-        return await _after_start(request, started, exc)
+        return await _after_start(request, ctx, started, exc)
 
 
-async def _after_start(request: web.Request, response: web.StreamResponse, exc: Exception) -> web.StreamResponse:
+async def _after_start(request: web.Request, ctx: RequestContext, response: web.StreamResponse,
+                       exc: Exception) -> web.StreamResponse:
     """An error after the status line and headers went out. A second response written now
     would land inside the body (or behind it, as the next answer on a keep-alive connection),
     so the only honest endings are: the answer as it stands when it was whole, a terminal
     response.failed event when the event stream can still take one, else a cut connection
     (no terminating chunk: the client sees a truncated body, never a valid-looking end)."""
-    log.error("error after the answer started", request_id=request[state.REQUEST_ID],
+    log.error("error after the answer started", request_id=ctx.request_id,
               error=f"{type(exc).__name__}: {exc}", exc_info=exc)
     if getattr(response, "_eof_sent", False):
         return response  # whole before the error: it stands
-    rewriter = request.get(EVENT_STREAM)
+    rewriter = ctx.event_stream
     if rewriter is not None and not rewriter.done:
         try:
             await response.write_eof(rewriter.fail("The proxy failed while streaming this response.",
@@ -137,9 +146,8 @@ async def _after_start(request: web.Request, response: web.StreamResponse, exc: 
         except Exception:
             pass  # the transport is cut below
         else:
-            out = request.get(state.OUTCOME)
-            if out is not None:
-                out.status = "failed"
+            if ctx.outcome is not None:
+                ctx.outcome.status = "failed"
             return response
     transport = request.transport
     if transport is not None:
@@ -148,10 +156,10 @@ async def _after_start(request: web.Request, response: web.StreamResponse, exc: 
 
 
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    request_id = request.get(state.REQUEST_ID)
-    if request_id:
-        response.headers["x-request-id"] = request_id
-    request[STARTED] = response  # the last hook: the headers go out next
+    ctx = request.get(CONTEXT)
+    if ctx is not None:
+        response.headers["x-request-id"] = ctx.request_id
+        ctx.started = response  # the last hook: the headers go out next
 
 
 def _client_session(app: web.Application):
@@ -257,8 +265,8 @@ def build_app(config: Config) -> web.Application:
     from proxy.protocol.seal import install_sealer
 
     install_sealer(app, config.section("reasoning_seal"))
-    app.middlewares.append(envelope_and_access_log)
-    app.middlewares.extend(build_chain(config, app))
+    phases = app[PHASES] = build_phases(config, app)
+    app.middlewares.append(envelope(phases))
     app.on_response_prepare.append(_add_request_id)
     app.router.add_post("/v1/responses", responses_handler)
     app.router.add_post("/v1/responses/input_tokens", input_tokens_handler)

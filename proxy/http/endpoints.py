@@ -11,7 +11,6 @@ from proxy import state
 from proxy.http.errors import APIError
 from proxy.http.forwarder import POOL, SESSION
 from proxy.state import READINESS
-from proxy.http.request import translation
 from proxy.upstream.routing import TokenCountError, choose, count_tokens, parse_provider, request_parameters
 
 _STARTED = int(time.time())
@@ -38,8 +37,9 @@ async def input_tokens_handler(request: web.Request) -> web.Response:
     The worker is chosen like a generation's (provider requirements, health), except that a
     worker at capacity may still count; a worker that cannot be reached is swapped for the next.
     """
-    t = await translation(request)
-    body = request.get(state.BODY) or {}
+    ctx = request[state.CONTEXT]  # the prepare phase read and translated the body
+    t = ctx.translation
+    body = ctx.body or {}
     prefs = parse_provider(body.get("provider"))
     pool = request.app[POOL]
     tried = []

@@ -1,7 +1,7 @@
 """The forwarding handler: the only place that talks to the upstream.
 
-It translates the request (once, via proxy.http.request), picks a worker, sends the chat
-request over the app's pooled ClientSession, and feeds the upstream bytes through the
+It takes the one Translation the prepare phase made (proxy.http.request), picks a worker,
+sends the chat request over the app's pooled upstream client (proxy.upstream.client), and feeds the upstream bytes through the
 sans-I/O StreamRewriter, writing each Responses event as soon as its chunk arrives.
 Failover happens only before the first byte reaches the client; after that, every
 problem becomes a response.failed event with retry hints.
@@ -22,18 +22,17 @@ from proxy import state
 from proxy.upstream.affinity import AffinitySettings, request_key
 from proxy.protocol.dialects import chat_for
 from proxy.http.errors import APIError
-from proxy.http.request import translation
 from proxy.runtime.logs import log
 from proxy.protocol.rewriter import (ResponseContext, StreamRewriter, client_usage, map_usage, public_message,
                             response_from_completion)
 from proxy.upstream.routing import (TokenCountError, check_context_window, choose, count_tokens, parse_provider,
                            request_parameters, tokenize)
 from proxy.protocol.seal import binding
-from proxy.protocol.translate import set_output_cap
+from proxy.protocol.translate import Translation
 from proxy.upstream.client import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected,
                             UpstreamResponse)
 from proxy.upstream.workers import Worker
-from proxy.state import EVENT_STREAM, RESPONSE_SETTINGS, SEALER
+from proxy.state import CONTEXT, RESPONSE_SETTINGS, SEALER, RequestContext
 
 SESSION, UPSTREAMS, POOL = state.SESSION, state.UPSTREAMS, state.POOL
 
@@ -111,11 +110,11 @@ class ResponseSettings:
                    bool(section.get("reasoning_items", True)), bool(section.get("reasoning_in_clear", True)))
 
 
-def _context(request: web.Request, t: Any) -> ResponseContext:
-    settings = request.app[RESPONSE_SETTINGS]
-    sealer = request.app.get(SEALER)
+def _response_context(app: web.Application, ctx: RequestContext, t: Translation) -> ResponseContext:
+    settings = app[RESPONSE_SETTINGS]
+    sealer = app.get(SEALER)
     return ResponseContext(
-        response_id="resp_" + request[state.REQUEST_ID].removeprefix("req_"),
+        response_id="resp_" + ctx.request_id.removeprefix("req_"),
         model=t.model,
         created_at=int(time.time()),
         echo=t.echo,
@@ -124,21 +123,10 @@ def _context(request: web.Request, t: Any) -> ResponseContext:
         ai_notice=settings.ai_notice,
         reasoning_items=settings.reasoning_items,
         reasoning_in_clear=settings.reasoning_in_clear,
-        seal=sealer.bound(binding(request))[0] if sealer is not None and t.include_encrypted_reasoning else None,
-        output_cap=_output_cap(request, t),
+        seal=sealer.bound(binding(ctx.key))[0] if sealer is not None and t.include_encrypted_reasoning else None,
+        output_cap=t.output_cap,
         allowed_tools=t.allowed_tools,
     )
-
-
-def _output_cap(request: web.Request, t: Any) -> int | None:
-    """The most output deltas the client may be sent (and billed): the max_tokens sent
-    upstream, or the cap the balance reserved for when none was sent."""
-    sent = t.chat.get("max_tokens")
-    sent = sent if type(sent) is int and sent >= 1 else None
-    reserved = request.get(state.RESERVED_OUTPUT)
-    if reserved is None:
-        return sent
-    return reserved if sent is None or reserved < sent else sent
 
 
 def _record_usage(out: state.Outcome, usage: dict | None, counted: int, cap: int | None,
@@ -160,29 +148,32 @@ def _record_usage(out: state.Outcome, usage: dict | None, counted: int, cap: int
         out.output_tokens = counted
 
 
-async def _settle_now(request: web.Request) -> None:
-    """The balance middleware's settlement, before the last bytes go out (state.SETTLE)."""
-    settle = request.get(state.SETTLE)
+async def _settle_now(ctx: RequestContext) -> None:
+    """The balance phase's settlement, before the last bytes go out (ctx.settle)."""
+    settle = ctx.settle
     if settle is not None:
         await settle()
 
 
 async def responses_handler(request: web.Request) -> web.StreamResponse:
-    t = await translation(request)
-    cap = request.get(state.OUTPUT_CAP)
-    if cap is not None:
-        set_output_cap(t, cap)
-    body = request.get(state.BODY) or {}
+    """POST /v1/responses, after the phases: the context holds the one Translation."""
+    return await forward(request, request[CONTEXT])
+
+
+async def forward(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+    t = ctx.translation
+    body = ctx.body or {}
     prefs = parse_provider(body.get("provider"))
     params = request_parameters(t.chat)
-    pool = request.app[POOL]
-    routing_cfg = request.app[state.CONFIG].section("routing")
-    settings = request.app.get(state.AFFINITY)
+    app = request.app
+    pool = app[POOL]
+    routing_cfg = app[state.CONFIG].section("routing")
+    settings = app.get(state.AFFINITY)
     if settings is None:  # an app not made by proxy.http.app.build_app
         settings = AffinitySettings.from_section(routing_cfg.get("affinity"))
     affinity = request_key(t, settings)  # prompt-cache affinity (proxy.upstream.affinity)
-    out = state.outcome(request)
-    ctx = _context(request, t)
+    out = ctx.started_outcome()
+    rctx = _response_context(app, ctx, t)
     attempts = 1 if prefs is not None and prefs.single_attempt else int(routing_cfg.get("max_attempts", MAX_ATTEMPTS))
     tried: list[Worker] = []
     last: _Retryable | None = None
@@ -196,13 +187,15 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
         if last is not None:  # logged here, once there is a worker to fail over to
             pool.note_failover(last.worker, str(last))
             log.info("failover", worker=last.worker.name, to=worker.name, reason=str(last),
-                     request_id=request[state.REQUEST_ID])
+                     request_id=ctx.request_id)
         worker.in_flight += 1  # taken before any await: capacity is never over-committed
         try:
+            sent = t
             if not tried and routing_cfg.get("context_check", True):
-                await check_context_window(request.app[SESSION], worker, t, body.get("max_output_tokens"),
-                                           bytes_per_token_floor=float(routing_cfg.get("bytes_per_token_floor", 16)))
-            return await _forward(request, worker, t, ctx, out)
+                # May lower max_tokens to the room the model's window leaves: a new Translation.
+                _, sent = await check_context_window(app[SESSION], worker, t, body.get("max_output_tokens"),
+                                                     bytes_per_token_floor=float(routing_cfg.get("bytes_per_token_floor", 16)))
+            return await _forward(request, ctx, worker, sent, rctx, out)
         except _Retryable as exc:
             tried.append(worker)
             last = exc
@@ -212,7 +205,7 @@ async def responses_handler(request: web.Request) -> web.StreamResponse:
     raise last.final
 
 
-async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseContext,
+async def _forward(request: web.Request, request_ctx: RequestContext, worker: Worker, t: Translation, ctx: ResponseContext,
                    out: state.Outcome) -> web.StreamResponse:
     pool = request.app[POOL]
     timeouts = worker.timeouts
@@ -269,11 +262,11 @@ async def _forward(request: web.Request, worker: Worker, t: Any, ctx: ResponseCo
             pool.record_success(worker, out.ttfb_ms / 1000)
             answer = _json_answer(worker, ctx, first, out)
             if not out.usage_reported:
-                await _count_usage(request, worker, t, ctx, answer, out)
+                await _count_usage(request.app[SESSION], worker, t, ctx, answer, out)
             return web.Response(body=orjson.dumps(answer), content_type="application/json")
         _check_stream_start(pool, worker, upstream, first)
         pool.record_success(worker, out.ttfb_ms / 1000)
-        return await _stream_answer(request, upstream, ctx, first, out, worker=worker, deadline=deadline)
+        return await _stream_answer(request, request_ctx, upstream, ctx, first, out, worker=worker, deadline=deadline)
     finally:
         if upstream is not None:
             _let_go(upstream, t, out)
@@ -357,12 +350,11 @@ def _output_text(response: dict) -> str:
     return "".join(parts)
 
 
-async def _count_usage(request: web.Request, worker: Worker, t: Any, ctx: ResponseContext, response: dict,
-                       out: state.Outcome) -> None:
+async def _count_usage(session: aiohttp.ClientSession, worker: Worker, t: Translation, ctx: ResponseContext,
+                       response: dict, out: state.Outcome) -> None:
     """A non-stream answer without a usage report: the worker's tokenizer counts the prompt and
     the output, so the client, the access line, the metrics and the bill show what it really
     processed. Left as counted when the worker cannot say."""
-    session = request.app[SESSION]
     try:
         prompt = await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
                                     t.chat.get("tools"))
@@ -490,10 +482,10 @@ async def _start_stream(request: web.Request, response: web.StreamResponse, rewr
     return pending + rewriter.feed(first)
 
 
-async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: ResponseContext,
+async def _stream_answer(request: web.Request, request_ctx: RequestContext, upstream: UpstreamResponse, ctx: ResponseContext,
                          first: bytes, out: state.Outcome, *, worker: Worker,
                          deadline: float) -> web.StreamResponse:
-    rewriter = request[EVENT_STREAM] = StreamRewriter(ctx)
+    rewriter = request_ctx.event_stream = StreamRewriter(ctx)
     response = _EventStream(status=200, headers=_SSE_HEADERS)
     recorded = False
     dog = _ReadWatchdog(worker.timeouts.idle, deadline, rewriter)
@@ -529,7 +521,7 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
         out.status = rewriter.status
         _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)
         recorded = True
-        await _settle_now(request)  # billed before the client can read the end of its answer
+        await _settle_now(request_ctx)  # billed before the client can read the end of its answer
         await response.write_eof(pending)  # the last events and the end of the body: one send
     except ConnectionResetError:
         # Clients such as Codex hang up as soon as they read the terminal event: an answer
@@ -552,27 +544,27 @@ async def _stream_answer(request: web.Request, upstream: UpstreamResponse, ctx: 
 _STREAMED_REFUSALS = frozenset({"insufficient_quota"})
 
 
-def _event_stream_only(request: web.Request) -> bool:
+def _event_stream_only(request: web.Request, ctx: RequestContext) -> bool:
     accept = request.headers.get("Accept", "").lower()
     if "text/event-stream" not in accept or "application/json" in accept or "*/*" in accept:
         return False
-    body = request.get(state.BODY)
+    body = ctx.body
     return isinstance(body, dict) and body.get("stream") is True
 
 
-async def refusal_as_event(request: web.Request, exc: APIError) -> web.StreamResponse | None:
+async def refusal_as_event(request: web.Request, ctx: RequestContext, exc: APIError) -> web.StreamResponse | None:
     """The refusal as response.created + response.failed (HTTP 200) for an event-stream-only
     client, when Accept leaves no other way to tell it; None: answer with the JSON envelope."""
-    if exc.code not in _STREAMED_REFUSALS or request.path != "/v1/responses" or not _event_stream_only(request):
+    if exc.code not in _STREAMED_REFUSALS or ctx.path != "/v1/responses" or not _event_stream_only(request, ctx):
         return None
-    t = request.get(state.TRANSLATION)
+    t = ctx.translation
     if t is None:
         return None
-    rewriter = StreamRewriter(_context(request, t))
+    rewriter = StreamRewriter(_response_context(request.app, ctx, t))
     body = rewriter.fail(exc.message, code=exc.code, retry_after_ms=None, should_retry=False, verbatim_code=True)
     response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **exc.headers, "x-should-retry": "false"})
     await response.prepare(request)
     await response.write(body)
     await response.write_eof()
-    state.outcome(request).status = "error"
+    ctx.started_outcome().status = "error"
     return response

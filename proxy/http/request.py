@@ -1,14 +1,16 @@
-"""The request body, read and parsed once, and its translation, computed once.
+"""The prepare phase: the request body, read and parsed once, checked, and translated once.
 
-Middlewares and the handler all call these; the first caller pays, the rest read the
-cached value from the request under its typed key.
+`read_json` reads the body (decoded, bounded, parsed) into the request's context; a custom
+middleware may call it early, prepare then finds it there. `prepare_phase` is the phase
+(middlewares/__init__.py): body, the key's model, the body checks (stateless, tools), the
+size limits, then one frozen Translation and the image-URL guard.
 """
 
 from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 from aiohttp import web
@@ -18,7 +20,7 @@ from proxy.http.errors import APIError, bad_request
 from proxy.policy.netguard import check_images, policy_for
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, translate_request
-from proxy.state import SAMPLING_DEFAULTS, SEALER
+from proxy.state import SAMPLING_DEFAULTS, SEALER, RequestContext
 
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs
     import zstandard
@@ -141,35 +143,42 @@ def _depth_ok(value: Any, limit: int) -> bool:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    try:  # request[...] rather than request.get(): one Python frame less (aiohttp's Request is a Mapping)
-        return request[state.BODY]
-    except KeyError:
-        pass
-    limits = _limits(request)
-    limit = int(limits["max_body_bytes"])
+    """The request's JSON body, read once (ctx.body)."""
+    ctx = request[state.CONTEXT]
+    body = ctx.body
+    if body is None:
+        body = ctx.body = await _read_body(request, _limits(request))
+    return body
+
+
+async def _read_raw(request: web.Request, limits: dict[str, Any], limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise _unread(request, _too_large(limit))
     content = request.content
     if content.is_eof():
         # The whole body is buffered already (a small body arrives with the headers): take
         # it without a timer or an await; the same bytes the loop below would read.
-        raw = content.read_nowait(limit + 1)
-    else:
-        try:
-            async with asyncio.timeout(float(limits["body_read_timeout"])):
-                # read(n) returns what has arrived so far, not n bytes: loop to the end of the body.
-                buf = bytearray()
-                while len(buf) <= limit:
-                    chunk = await content.read(limit + 1 - len(buf))
-                    if not chunk:
-                        break
-                    buf += chunk
-                raw = bytes(buf)
-        except TimeoutError:
-            raise _unread(request, APIError(408, "The request body arrived too slowly.",
-                                            code="request_timeout")) from None
-        except web.HTTPRequestEntityTooLarge:
-            raise _unread(request, _too_large(limit)) from None
+        return content.read_nowait(limit + 1)
+    try:
+        async with asyncio.timeout(float(limits["body_read_timeout"])):
+            # read(n) returns what has arrived so far, not n bytes: loop to the end of the body.
+            buf = bytearray()
+            while len(buf) <= limit:
+                chunk = await content.read(limit + 1 - len(buf))
+                if not chunk:
+                    break
+                buf += chunk
+            return bytes(buf)
+    except TimeoutError:
+        raise _unread(request, APIError(408, "The request body arrived too slowly.",
+                                        code="request_timeout")) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise _unread(request, _too_large(limit)) from None
+
+
+async def _read_body(request: web.Request, limits: dict[str, Any]) -> dict[str, Any]:
+    limit = int(limits["max_body_bytes"])
+    raw = await _read_raw(request, limits, limit)
     if len(raw) > limit:
         raise _unread(request, _too_large(limit))
     encodings = request.headers.getall("Content-Encoding", None)
@@ -188,31 +197,61 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     # limit cannot nest deeper than it: the walk is only for the rest.
     if raw.count(b"{") + raw.count(b"[") > depth and not _depth_ok(body, depth):
         raise bad_request(f"The request body nests deeper than {limits['max_json_depth']} levels.", code="too_deep")
-    request[state.BODY] = body
     return body
 
 
-async def translation(request: web.Request):
-    """The request's `Translation`, translated once (and after any middleware edits of the body)."""
-    try:
-        return request[state.TRANSLATION]
-    except KeyError:
-        pass
-    body = await read_json(request)
-    sealer = request.app.get(SEALER)
-    limits = _limits(request)
-    # Size checks before translating: a hostile body should cost a len(), not a translation.
+BodyCheck = Callable[[RequestContext, dict[str, Any]], dict[str, Any]]
+
+_PREPARED = frozenset({"/v1/responses", "/v1/responses/input_tokens"})
+
+
+def _check_model(ctx: RequestContext, body: dict[str, Any], pool: Any) -> None:
+    """A key limited to some models (auth) may use only those: 403 for the others."""
+    key = ctx.key
+    if key is None or key.allowed_models is None:
+        return
+    model = body.get("model")
+    if isinstance(model, str) and not key.allows_model(model, pool.serves if pool is not None else None):
+        raise APIError(403, f"This API key may not use the model '{model[:128]}'.",
+                       code="model_not_allowed", param="model")
+
+
+def _check_sizes(body: dict[str, Any], limits: dict[str, Any]) -> None:
+    # Before translating: a hostile body should cost a len(), not a translation.
     if isinstance(body.get("input"), list) and len(body["input"]) > int(limits["max_input_items"]):
         raise bad_request(f"input has more than {limits['max_input_items']} items.", param="input", code="too_many_items")
     if isinstance(body.get("tools"), list) and len(body["tools"]) > int(limits["max_tools"]):
         raise bad_request(f"More than {limits['max_tools']} tools.", param="tools", code="too_many_tools")
-    pool = request.app.get(state.POOL)
-    options = TranslateOptions(unseal=sealer.bound(binding(request))[1] if sealer is not None else None,
-                               served=pool.serves if pool is not None else None,
-                               sampling_defaults=request.app.get(SAMPLING_DEFAULTS))
-    result = translate_request(body, options)
-    # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
-    await check_images(policy_for(request.app), result.chat)
-    state.notices(request).extend(result.notices)
-    request[state.TRANSLATION] = result
-    return result
+
+
+def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
+    """The prepare phase of `app`, applying `body_checks` (the enabled stateless and tools
+    policies, in that order) between reading and translating. Translating is the last step:
+    nothing after it edits the body, so the one Translation is the request."""
+    checks = tuple(body_checks)
+
+    async def prepare(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
+        if ctx.method != "POST" or ctx.path not in _PREPARED:
+            return await call_next(request, ctx)
+        limits = _limits(request)
+        body = ctx.body
+        if body is None:  # a transport's turn hands in its parsed body; HTTP reads it here
+            body = ctx.body = await _read_body(request, limits)
+        pool = app.get(state.POOL)
+        _check_model(ctx, body, pool)
+        for check in checks:
+            body = check(ctx, body)
+        ctx.body = body
+        _check_sizes(body, limits)
+        sealer = app.get(SEALER)
+        options = TranslateOptions(unseal=sealer.bound(binding(ctx.key))[1] if sealer is not None else None,
+                                   served=pool.serves if pool is not None else None,
+                                   sampling_defaults=app.get(SAMPLING_DEFAULTS))
+        result = translate_request(body, options)
+        # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
+        await check_images(policy_for(app), result.chat)
+        ctx.notices.extend(result.notices)
+        ctx.translation = result
+        return await call_next(request, ctx)
+
+    return prepare

@@ -75,13 +75,12 @@ def item_reference_at(items: list) -> int | None:
 
 def check_stateless(body: dict[str, Any], previous_response_id: str = "refuse", items: bool = True) -> None:
     """Refuse what needs stored state (APIError 400 `stateless_only`). With
-    previous_response_id="ignore" that field is dropped from `body` instead. `items=False`
-    leaves the item_reference scan to a caller that walks the items anyway."""
-    if body.get("previous_response_id") is not None:
-        if previous_response_id == "refuse":
-            raise _stateless_refusal("previous_response_id is not supported: this endpoint is stateless; "
-                                     "send the whole conversation in input.", "previous_response_id")
-        body.pop("previous_response_id")
+    previous_response_id="ignore" that field is let through (the caller leaves it out:
+    `without_previous_response`). `items=False` leaves the item_reference scan to a caller
+    that walks the items anyway."""
+    if body.get("previous_response_id") is not None and previous_response_id == "refuse":
+        raise _stateless_refusal("previous_response_id is not supported: this endpoint is stateless; "
+                                 "send the whole conversation in input.", "previous_response_id")
     if body.get("background") is True:
         raise _stateless_refusal("background mode needs stored state: stream the response or wait for it.",
                                  "background")
@@ -93,6 +92,13 @@ def check_stateless(body: dict[str, Any], previous_response_id: str = "refuse", 
             at = item_reference_at(inp)
             if at is not None:
                 raise item_reference_refusal(f"input[{at}]")
+
+
+def without_previous_response(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` without previous_response_id (a new dict; the same one when it has none)."""
+    if "previous_response_id" not in body:
+        return body
+    return {k: v for k, v in body.items() if k != "previous_response_id"}
 
 
 # --------------------------------------------------------------------------- hosted tools

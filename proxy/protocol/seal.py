@@ -23,7 +23,6 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import state
 from proxy.config.load import ConfigError
 from proxy.state import SEALER
 
@@ -41,11 +40,10 @@ class SealExpired(Exception):
         super().__init__(self.notice)
 
 
-def binding(request: web.Request) -> str:
-    """Whom a request's ciphertexts are bound to: its API key's key_id ("static:<name>" for a
-    static key), or ANONYMOUS when no auth middleware identified the caller."""
-    record = request.get(state.API_KEY)
-    return record.key_id if record is not None else ANONYMOUS
+def binding(key: Any) -> str:
+    """Whom a request's ciphertexts are bound to: its API key's (a KeyRecord) key_id
+    ("static:<name>" for a static key), or ANONYMOUS when no auth phase identified the caller."""
+    return key.key_id if key is not None else ANONYMOUS
 
 
 def _ad(kid: str, bound_to: str) -> bytes:

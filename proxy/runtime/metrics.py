@@ -40,7 +40,7 @@ from prometheus_client.utils import floatToGoString
 from proxy import state
 from proxy.upstream import affinity
 from proxy.upstream.workers import WorkerPool
-from proxy.state import METRICS
+from proxy.state import METRICS, RequestContext
 
 PREFIX = "responses_proxy"
 _ENDPOINTS = {
@@ -412,8 +412,8 @@ class Metrics:
         if self.shared is not None:
             _publish(self.shared, self.pool_collector.collect())
 
-    def model_label(self, request: web.Request) -> str:
-        t = request.get(state.TRANSLATION)
+    def model_label(self, ctx: RequestContext) -> str:
+        t = ctx.translation
         if t is None:
             return ""
         # Bounded: only models some worker serves become a label value. Asked per request (a
@@ -425,10 +425,10 @@ class Metrics:
                 return model
         return "other"
 
-    def observe(self, request: web.Request, status: int, elapsed_s: float) -> None:
-        endpoint = _ENDPOINTS.get(request.path, "other")
-        model = self.model_label(request)
-        out = request.get(state.OUTCOME)
+    def observe(self, ctx: RequestContext, status: int, elapsed_s: float) -> None:
+        endpoint = _ENDPOINTS.get(ctx.path, "other")
+        model = self.model_label(ctx)
+        out = ctx.outcome
         outcome = out.status if out is not None and endpoint == "responses" else ""
         self.requests.inc((endpoint, model, str(status), outcome))
         self.latency.observe((endpoint, model), elapsed_s)
@@ -473,13 +473,13 @@ class Metrics:
         self.holds.set(found if isinstance(found, int) else len(found))
 
 
-def observe(request: web.Request, status: int, elapsed_s: float) -> None:
-    """The one hook: called by the outermost middleware when a request is done. Never raises."""
+def observe(request: web.Request, ctx: RequestContext, status: int, elapsed_s: float) -> None:
+    """The one hook: called by the envelope when a request is done. Never raises."""
     metrics = request.app.get(METRICS)
     if metrics is None:
         return
     try:
-        metrics.observe(request, status, elapsed_s)
+        metrics.observe(ctx, status, elapsed_s)
     except Exception:  # metrics must never break a request
         from proxy.runtime.logs import log
 

@@ -45,18 +45,13 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def auth_section(config: Config) -> dict[str, Any] | None:
-    for item in config.get("pipeline") or []:
-        if item == "auth":
-            if config.get("auth") is None:
-                config.data["auth"] = {}
-            section = config.data["auth"]
-            return section if isinstance(section, dict) else None
-        if isinstance(item, dict) and list(item) == ["auth"]:
-            section = item["auth"]
-            if section is None:
-                section = item["auth"] = {}
-            return section if isinstance(section, dict) else None
-    return None
+    """The auth policy's section when it runs (`auth.enabled`), else None."""
+    if config.get("auth") is None:
+        config.data["auth"] = {}
+    section = config.data["auth"]
+    if not isinstance(section, dict) or section.get("enabled", True) is False:
+        return None
+    return section
 
 
 async def _create_demo_key(config: Config) -> None:

@@ -477,19 +477,20 @@ def _too_long(window: int, prompt: int, wanted: int | None, *, estimated: bool) 
 
 
 async def check_context_window(session: aiohttp.ClientSession, worker: "Worker", t: Any, client_max: Any,
-                               *, bytes_per_token_floor: float = 16.0) -> str:
+                               *, bytes_per_token_floor: float = 16.0) -> tuple[str, Any]:
     """Refuse (400 context_length_exceeded) a request whose prompt + max_output_tokens cannot fit.
 
-    Returns what was decided ("no_window", "fits", "counted", "clamped", ...) for tests and logs.
+    Returns what was decided ("no_window", "fits", "counted", "clamped", ...) for tests and logs,
+    and the Translation to send: `t` itself, or when clamped a copy with a lower max_tokens.
     The common case costs no upstream call: an upper bound from the prompt's size settles it.
     """
     window = worker.max_model_len.get(t.upstream_model)
     max_tokens = t.chat.get("max_tokens")
     if not window or max_tokens is None:
-        return "no_window"
+        return "no_window", t
     text, media = prompt_bytes(t.chat)
     if media:
-        return "media"  # image tokens are the model server's to count
+        return "media", t  # image tokens are the model server's to count
     asked = isinstance(client_max, int) and not isinstance(client_max, bool)
     n = len(t.chat.get("messages") or [])
     upper = text + _PER_MESSAGE * n + _BASE + (_TOOLS_PREAMBLE if t.chat.get("tools") else 0)
@@ -498,28 +499,26 @@ async def check_context_window(session: aiohttp.ClientSession, worker: "Worker",
         # vLLM lowers it to the room left by itself; SGLang refuses, so lower it here, from
         # the bound, with no upstream call.
         if worker.dialect != "sglang" or upper + max_tokens <= window:
-            return "fits"
+            return "fits", t
         if window - upper >= 1:
-            t.chat["max_tokens"] = window - upper
-            return "clamped"
+            return "clamped", t.with_max_tokens(window - upper)
     wanted = int(client_max) if asked else int(max_tokens)
     if upper + wanted <= window:
-        return "fits"
+        return "fits", t
     lower = int(text / bytes_per_token_floor) if bytes_per_token_floor > 0 else 0
     if asked and lower + wanted > window:
         raise _too_long(window, lower, wanted, estimated=True)  # clearly over: no need to ask
     try:
         count = await count_tokens(session, worker, t.upstream_model, t.chat["messages"], t.chat.get("tools"))
     except TokenCountError:
-        return "uncounted"  # the model server will judge
+        return "uncounted", t  # the model server will judge
     if count >= window:
         raise _too_long(window, count, wanted if asked else None, estimated=False)
     if asked and count + wanted > window:
         raise _too_long(window, count, wanted, estimated=False)
     if count + int(max_tokens) > window:
-        t.chat["max_tokens"] = window - count
-        return "clamped"
-    return "counted"
+        return "clamped", t.with_max_tokens(window - count)
+    return "counted", t
 
 
 def validate_settings(section: dict[str, Any]) -> None:

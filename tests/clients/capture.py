@@ -1,7 +1,8 @@
-"""A pipeline entry for tests: records what clients send to /v1/responses (headers and the
-decoded JSON body) before any other middleware sees it.
+"""A custom middleware for tests: records what clients send to /v1/responses (headers and the
+decoded JSON body) right after auth, before any policy edits the body.
 
-    pipeline: ["tests.clients.capture:create", stateless, auth, limits, tools, balance, notices]
+    middlewares:
+      after_auth: ["tests.clients.capture:create"]
     ...
     app[CAPTURED] -> list of {"headers": {...}, "body": {...}, "status": int, "end": bytes}
 

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts" / "vllm_tier"))
 
 import servers  # noqa: E402
+from tests.conftest import only
 
 MODEL = servers.SERVED_MODEL
 MAX_MODEL_LEN = servers.MAX_MODEL_LEN
@@ -118,7 +119,7 @@ def _proxy_config(path: str, workers: dict[str, servers.Proc], ledger: str, rout
     import yaml
 
     config = {
-        "pipeline": ["stateless"],  # no auth, limits or balance in this tier
+        **only("stateless"),  # no auth, limits or balance in this tier
         "server": {"log_format": "json", "log_level": "info"},
         "workers": [
             {"name": name, "url": proc.url, "dialect": "vllm", "models": [MODEL],
