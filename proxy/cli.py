@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
 import sys
 
@@ -157,8 +159,7 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
     from proxy.ledger import LedgerError
 
     try:
-        web.run_app(app, sock=sockets, print=None, access_log=None, handler_cancellation=True,
-                    loop=uvloop.new_event_loop() if uvloop else None)
+        _run(app, sockets, uvloop.new_event_loop() if uvloop else asyncio.new_event_loop())
     except (ConfigError, LedgerError, OSError) as exc:
         if started:
             raise
@@ -168,6 +169,47 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
         for sock in sockets:
             sock.close()
     return 0
+
+
+def _run(app, sockets: list, loop: asyncio.AbstractEventLoop) -> None:
+    """web.run_app's sequence (start, serve until SIGINT/SIGTERM, clean up, close the loop), with
+    the proxy's ProxyRunner: run_app always makes a plain web.AppRunner (parse_errors says why)."""
+    from aiohttp import web
+
+    from proxy.http.parse_errors import ProxyRunner
+
+    asyncio.set_event_loop(loop)
+    # keepalive_timeout: run_app's default (a plain AppRunner's is an hour).
+    runner = ProxyRunner(app, handle_signals=True, access_log=None, handler_cancellation=True, keepalive_timeout=75.0)
+
+    async def serve() -> None:
+        await runner.setup()
+        try:
+            for sock in sockets:
+                await web.SockSite(runner, sock).start()
+            while True:
+                await asyncio.sleep(3600)
+        finally:
+            await runner.cleanup()
+
+    main = loop.create_task(serve())
+    try:
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            if not main.done():
+                main.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(main)
+        finally:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
 
 
 def _config_command(args: argparse.Namespace) -> int:

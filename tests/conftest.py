@@ -90,6 +90,7 @@ async def sim():
 async def make_proxy(sim, tmp_path):
     from proxy import state
     from proxy.http.app import build_app
+    from proxy.http.parse_errors import ProxyRunner
     from proxy.config.load import Config
 
     runners: list[web.AppRunner] = []
@@ -106,7 +107,7 @@ async def make_proxy(sim, tmp_path):
         if overrides:
             config = Config.from_dict({**base, **overrides})
         app = build_app(config)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        runner = ProxyRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         port = free_port()
         site = web.TCPSite(runner, "127.0.0.1", port)

@@ -40,6 +40,7 @@ class LiveStack:
 
         from proxy import state
         from proxy.http.app import build_app
+        from proxy.http.parse_errors import ProxyRunner
         from proxy.config.load import Config
         from proxy.simulator.server import Simulator
 
@@ -53,7 +54,7 @@ class LiveStack:
         }
         base.update(self.overrides)
         self.app = build_app(Config.from_dict(base))
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = ProxyRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         port = free_port()
         await web.TCPSite(self._runner, "127.0.0.1", port).start()

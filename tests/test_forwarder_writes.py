@@ -5,7 +5,6 @@ one send. Each send is a syscall and a loopback round of TCP work (see `make ben
 from __future__ import annotations
 
 import pytest
-from aiohttp import web
 from aiohttp.http_writer import StreamWriter
 
 from tests.test_faults import body, call
@@ -40,12 +39,6 @@ def sends(monkeypatch) -> dict[int, list[bytes]]:
 def _event_stream_sends(sent: dict[int, list[bytes]]) -> list[list[bytes]]:
     """The sends of our event-stream responses (the simulator's own are in the same process)."""
     return [s for s in sent.values() if s[0].startswith(b"HTTP/1.1 200") and b"event: response.created" in s[0]]
-
-
-def test_aiohttp_still_defers_headers_on_request():
-    # forwarder._EventStream relies on this class attribute (aiohttp's web.Response uses it).
-    assert web.StreamResponse._send_headers_immediately is True
-    assert web.Response._send_headers_immediately is False
 
 
 async def test_a_whole_coalesced_answer_is_one_send(sim, make_proxy, sends):

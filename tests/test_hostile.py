@@ -199,8 +199,9 @@ def status_and_error(raw: bytes) -> tuple[int, dict | None]:
 
 
 async def test_a_malformed_request_line_is_a_400_envelope_that_echoes_nothing(sim, make_proxy):
-    """Pins proxy.http.parse_errors.EnvelopeRequestHandler: aiohttp answers parser errors itself (text/plain,
-    quoting the bytes) and offers no public hook to change that, so the proxy swaps in its handler."""
+    """Pins proxy.http.parse_errors: aiohttp answers parser errors itself (text/plain, quoting the
+    bytes) and offers no public hook to change that, so the proxy's runner gives its connections
+    EnvelopeRequestHandler."""
     proxy = await make_proxy(LIMITS)
     port = int(proxy.url.rsplit(":", 1)[1])
     raw = await raw_request(port, b"GET /v1/models HTTP/1.1 SECRET-GARBAGE\r\nHost: p\r\n\r\n", [])
@@ -209,6 +210,16 @@ async def test_a_malformed_request_line_is_a_400_envelope_that_echoes_nothing(si
     assert set(error) == {"message", "type", "param", "code"}
     assert b"SECRET-GARBAGE" not in raw
     assert b"application/json" in raw.partition(b"\r\n\r\n")[0].lower()
+
+
+async def test_only_the_proxys_own_connections_answer_parser_errors_in_the_envelope(sim, make_proxy):
+    """proxy.http.parse_errors.ProxyRunner changes the proxy's connections alone: the simulator,
+    another aiohttp server in this process, still answers aiohttp's own text/plain 400."""
+    await make_proxy(LIMITS)
+    port = int(sim.url.rsplit(":", 1)[1])
+    raw = await raw_request(port, b"GET /v1/models HTTP/1.1 SECRET-GARBAGE\r\nHost: p\r\n\r\n", [])
+    head = raw.partition(b"\r\n\r\n")[0].lower()
+    assert raw.split(b" ", 2)[1] == b"400" and b"text/plain" in head and b"application/json" not in head
 
 
 async def test_a_trickled_body_is_cut_off_with_408(sim, make_proxy):

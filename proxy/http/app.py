@@ -234,9 +234,6 @@ async def _ledger(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(config: Config) -> web.Application:
     """Build the whole app; raises ConfigError for anything that cannot run."""
-    from proxy.http import parse_errors as protocol
-
-    protocol.install()  # parser-level refusals (oversize headers) in the envelope too
     server = config.section("server")
     # handler_args reach every runner (cli, tests): the header limits (aiohttp refuses an
     # oversize request line or header line with a 400 before any middleware runs).

@@ -397,11 +397,13 @@ def _early_cut(first: bytes) -> int:
 
 class _EventStream(web.StreamResponse):
     # prepare() is always followed at once by the first write (response.created and whatever
-    # the first read held): the headers go out with it, one send instead of two, as aiohttp's
-    # own web.Response does. aiohttp has no public switch for this (StreamResponse takes no
-    # "send headers with the first write" argument), so the private class attribute
-    # web.Response uses is set; tests/test_forwarder_writes.py pins both the attribute and
-    # the one-send behaviour.
+    # the first read held): the headers go out with it, one send instead of two (a syscall
+    # and a loopback round of TCP work per stream), as aiohttp's own web.Response does.
+    # aiohttp has no public switch for this: StreamResponse takes no "send headers with the
+    # first write" argument and web.Response buffers the whole body, so the class attribute
+    # web.Response itself sets is set here. Should aiohttp rename it, the answer stays right
+    # and only the sends double: tests/test_forwarder_writes.py pins the sends
+    # (test_a_whole_coalesced_answer_is_one_send, ...headers_with_the_first_events...).
     _send_headers_immediately = False
 
 
