@@ -7,11 +7,14 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 
@@ -32,6 +35,25 @@ def only(*names: str, **points: list) -> dict[str, Any]:
     if points:
         out["middlewares"] = points
     return out
+
+
+def sim_input(**script) -> str:
+    """An input text that scripts the simulator's answer (proxy/simulator/script.py)."""
+    return "SIM:" + json.dumps(script)
+
+
+def sse_events(raw: bytes) -> list[dict]:
+    """The events of a Responses stream, parsed; the spec's terminal "data: [DONE]" is no
+    event (tests/test_interop.py checks it is there)."""
+    return [orjson.loads(line[6:]) for line in raw.split(b"\n")
+            if line.startswith(b"data: ") and line != b"data: [DONE]"]
+
+
+@pytest.fixture
+async def http():
+    """One aiohttp client session for the test, without a connection limit."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        yield session
 
 
 @pytest.fixture

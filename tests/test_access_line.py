@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import json
 
-import aiohttp
 import orjson
 import pytest
 
 import proxy.http.app
 
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Codex CLI end to end: the real `codex exec` (pinned, from npm) -> the proxy (default
-pipeline, demo key) -> the simulator, scripted per request.
+"""Codex CLI end to end: the real `codex exec` (pinned, from npm) -> the proxy (every
+policy on, demo key) -> the simulator, scripted per request.
 
 Codex is installed once into .cache/codex/<version> (git-ignored) by tests/clients/codex.py.
 These tests skip only when that npm install is impossible (no npm, no network); the

@@ -141,7 +141,7 @@ async def test_health_gauge_follows_active_checks(make_proxy):
 
 
 async def test_ledger_holds_gauge_with_a_ledger(sim, make_proxy):
-    proxy = await make_proxy()  # the default pipeline: auth + balance over the SQLite ledger
+    proxy = await make_proxy()  # the default policies: auth + balance over the SQLite ledger
     text, samples = await scrape(proxy)
     assert "responses_proxy_ledger_holds" in text
     assert value(samples, "responses_proxy_ledger_holds") == 0

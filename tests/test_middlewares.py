@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 
-import aiohttp
 import orjson
 import pytest
 
@@ -19,32 +17,11 @@ from middlewares.notices import header_value, sanitize
 from proxy import state
 from proxy.ledger.pricing import cost_micros, price_for
 from proxy.protocol.translate import translate_request
-from tests.conftest import only
+from tests.conftest import only, sim_input, sse_events
 
 # 1 micro per input and output token, 0.1 per cached token: costs are easy to check by hand.
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
 MODEL = "tiny-org/tiny-model"
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        yield session
-
-
-def sim_input(**script) -> str:
-    return "SIM:" + json.dumps(script)
-
-
-def sse_events(raw: bytes) -> list[dict]:
-    out = []
-    for line in raw.split(b"\n"):
-        if line.startswith(b"data: "):
-            try:
-                out.append(orjson.loads(line[6:]))
-            except orjson.JSONDecodeError:
-                pass
-    return out
 
 
 async def call(http, proxy, body=None, *, key="default", headers=None, path="/v1/responses", method="POST"):

@@ -20,27 +20,12 @@ from middlewares import balance as balance_mw
 from middlewares.balance import estimate_input_tokens
 from proxy.ledger.pricing import Price, cost_micros
 from proxy.protocol.translate import translate_request
+from tests.conftest import sim_input, sse_events
 
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
 PRICE = Price(1_000_000, 100_000, 1_000_000)  # 1 micro per token
 MODEL = "tiny-org/tiny-model"
 MAX_AMOUNT = 2**63 - 1  # SQLite's largest INTEGER
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        yield session
-
-
-def sim_input(**script) -> str:
-    return "SIM:" + json.dumps(script)
-
-
-def sse_events(raw: bytes) -> list[dict]:
-    # The spec's terminal "data: [DONE]" is no event (tests/test_interop.py checks it).
-    return [orjson.loads(line[6:]) for line in raw.split(b"\n")
-            if line.startswith(b"data: ") and line != b"data: [DONE]"]
 
 
 async def call(http, proxy, body, *, key):

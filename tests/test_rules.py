@@ -1,6 +1,6 @@
 """One rule, one wording: the stateless guard and hosted-tool handling answer the same whether
-the `stateless` and `tools` middlewares apply them or the translation does (a pipeline without
-those middlewares), through real HTTP against the real simulator."""
+the `stateless` and `tools` policies apply them or the translation does (a deployment with
+those policies off), through real HTTP against the real simulator."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import only
 
 MODEL = "tiny-org/tiny-model"
-FULL = None  # the default pipeline: stateless and tools run before the translation
+FULL = None  # the default policies: stateless and tools run before the translation
 BARE = only("notices")  # only the translation applies the rules
 FN = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
 

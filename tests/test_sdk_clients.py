@@ -1,4 +1,4 @@
-"""The openai Python SDK, unchanged, against the proxy (default pipeline: auth, balance...).
+"""The openai Python SDK, unchanged, against the proxy (every policy on: auth, balance...).
 
 responses.create / responses.stream / responses.input_tokens.count, the exception class of
 every refusal, compressed request bodies, and every top-level field of the Response object.

@@ -116,12 +116,6 @@ async def sgl():
         yield s
 
 
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 async def chat(http, sim, body: dict, *, raw: bool = False):
     async with http.post(sim.url + "/v1/chat/completions", json=body) as r:
         data = await r.read()

@@ -1,8 +1,8 @@
 """One home for the request rules that two layers enforce: the stateless guard and hosted tools.
 
-The `stateless` and `tools` middlewares apply these first (with the operator's settings);
-the translation applies them again with the defaults, so a pipeline without those
-middlewares refuses or leaves out the same things with the same words.
+The `stateless` and `tools` policies apply these first, in the prepare phase (with the
+operator's settings); the translation applies them again with the defaults, so a deployment
+with those policies off refuses or leaves out the same things with the same words.
 """
 
 from __future__ import annotations
