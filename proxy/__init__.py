@@ -1,7 +1,8 @@
 """responses-proxy: a stateless OpenAI Responses API in front of chat-completions servers.
 
-Data path: request -> middlewares/ (the chain in config.yaml) -> proxy.http.forwarder
-(handler, the only I/O) -> proxy.protocol.rewriter (sans-I/O SSE state machine) -> client.
+Data path: request -> the fixed phases (middlewares/: auth, limits, prepare, balance) ->
+proxy.http.forwarder (handler, the upstream I/O) -> proxy.protocol.rewriter (sans-I/O) -> client.
+docs/DESIGN.md draws the map.
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The HTTP side: the app and its routes, the request envelope and context, the body, the handler.
+"""The HTTP side: the app and its routes, the envelope, the prepare phase (the body), the handler.
 
-Data path: `app` builds the chain (middlewares/) -> `forwarder.handle_responses` -> proxy.protocol
-(translate the request, rewrite the stream) over proxy.upstream -> the client."""
+Data path: `app`'s envelope -> the phases (middlewares/) -> `forwarder.responses_handler` ->
+proxy.protocol (translate the request, rewrite the stream) over proxy.upstream -> the client."""
