@@ -37,6 +37,7 @@ from aiohttp import web
 
 from proxy.config.load import Config, ConfigError
 from proxy.config.schema import POINTS, POLICIES
+from proxy.http.request import prepare_phase
 from proxy.state import RequestContext
 
 Factory = Callable[[dict[str, Any], web.Application], Any]
@@ -134,8 +135,6 @@ class Phases:
 def build_phases(config: Config, app: web.Application) -> Phases:
     """Every enabled policy and custom middleware, made in phase order (the app signals and
     cleanup contexts their factories add keep that order). Raises ConfigError for a bad entry."""
-    from proxy.http.request import prepare_phase
-
     body_checks = [check for check in (_policy(config, app, "stateless"),) if check is not None]
     auth = _policy(config, app, "auth")
     after_auth = _customs(config, app, "after_auth")
