@@ -1,8 +1,9 @@
 """The forwarding handler: the only place that talks to the upstream.
 
 It takes the one Translation the prepare phase made (proxy.http.request), picks a worker,
-sends the chat request over the app's pooled upstream client (proxy.upstream.client), and feeds the upstream bytes through the
-sans-I/O StreamRewriter, writing each Responses event as soon as its chunk arrives.
+sends the chat request over the app's pooled upstream client (proxy.upstream.client), and
+feeds the upstream bytes through the sans-I/O StreamRewriter, writing each Responses event as
+soon as its chunk arrives.
 Failover happens only before the first byte reaches the client; after that, every
 problem becomes a response.failed event with retry hints.
 """
@@ -177,6 +178,7 @@ async def forward(request: web.Request, ctx: RequestContext) -> web.StreamRespon
     attempts = 1 if prefs is not None and prefs.single_attempt else int(routing_cfg.get("max_attempts", MAX_ATTEMPTS))
     tried: list[Worker] = []
     last: _Retryable | None = None
+    sent = t  # what goes upstream: the context check may lower its max_tokens (a new Translation)
     for _ in range(max(attempts, 1)):
         try:
             worker = choose(pool, t.upstream_model, exclude=tried, prefs=prefs, params=params, affinity=affinity)
@@ -190,11 +192,10 @@ async def forward(request: web.Request, ctx: RequestContext) -> web.StreamRespon
                      request_id=ctx.request_id)
         worker.in_flight += 1  # taken before any await: capacity is never over-committed
         try:
-            sent = t
             if not tried and routing_cfg.get("context_check", True):
-                # May lower max_tokens to the room the model's window leaves: a new Translation.
+                floor = float(routing_cfg.get("bytes_per_token_floor", 16))
                 _, sent = await check_context_window(app[SESSION], worker, t, body.get("max_output_tokens"),
-                                                     bytes_per_token_floor=float(routing_cfg.get("bytes_per_token_floor", 16)))
+                                                     bytes_per_token_floor=floor)
             return await _forward(request, ctx, worker, sent, rctx, out)
         except _Retryable as exc:
             tried.append(worker)
@@ -205,8 +206,8 @@ async def forward(request: web.Request, ctx: RequestContext) -> web.StreamRespon
     raise last.final
 
 
-async def _forward(request: web.Request, request_ctx: RequestContext, worker: Worker, t: Translation, ctx: ResponseContext,
-                   out: state.Outcome) -> web.StreamResponse:
+async def _forward(request: web.Request, request_ctx: RequestContext, worker: Worker, t: Translation,
+                   ctx: ResponseContext, out: state.Outcome) -> web.StreamResponse:
     pool = request.app[POOL]
     timeouts = worker.timeouts
     out.upstream = worker.name
@@ -266,7 +267,8 @@ async def _forward(request: web.Request, request_ctx: RequestContext, worker: Wo
             return web.Response(body=orjson.dumps(answer), content_type="application/json")
         _check_stream_start(pool, worker, upstream, first)
         pool.record_success(worker, out.ttfb_ms / 1000)
-        return await _stream_answer(request, request_ctx, upstream, ctx, first, out, worker=worker, deadline=deadline)
+        return await _stream_answer(request, request_ctx, upstream, ctx, first, out, worker=worker,
+                                    deadline=deadline)
     finally:
         if upstream is not None:
             _let_go(upstream, t, out)
@@ -484,8 +486,8 @@ async def _start_stream(request: web.Request, response: web.StreamResponse, rewr
     return pending + rewriter.feed(first)
 
 
-async def _stream_answer(request: web.Request, request_ctx: RequestContext, upstream: UpstreamResponse, ctx: ResponseContext,
-                         first: bytes, out: state.Outcome, *, worker: Worker,
+async def _stream_answer(request: web.Request, request_ctx: RequestContext, upstream: UpstreamResponse,
+                         ctx: ResponseContext, first: bytes, out: state.Outcome, *, worker: Worker,
                          deadline: float) -> web.StreamResponse:
     rewriter = request_ctx.event_stream = StreamRewriter(ctx)
     response = _EventStream(status=200, headers=_SSE_HEADERS)
