@@ -109,9 +109,6 @@ class Assembler:
         self._last_call_index: int | None = None
         self._base = base_response(ctx)
         self.response: dict = self._base  # the terminal response once done
-        self._on = {Text: self._text, OutputToken: self._token, Reasoning: self._reasoning_delta,
-                    ToolCallFragment: self._tool_fragment, TextRun: self._text_run, Usage: self._usage,
-                    Finish: self._finish, End: self._end, Invalid: self._invalid, UpstreamError: self._upstream_error}
 
     # ------------------------------------------------------------------ input
     def start(self) -> None:
@@ -120,11 +117,11 @@ class Assembler:
         self._enc.event("response.in_progress", {"response": base})
 
     def feed(self, events: Iterable[Any]) -> None:
-        on = self._on
+        on = _ON
         for ev in events:
             if self.done:
                 return
-            on[ev.__class__](ev)
+            on[ev.__class__](self, ev)
 
     def fail(self, message: str, code: str, retry_after_ms: int | None, should_retry: bool,
              verbatim_code: bool = False) -> None:
@@ -413,3 +410,11 @@ class Assembler:
         self.done = True
         self._enc.event(_TERMINAL_EVENT.get(status, "response.failed"), {"response": r})
         self._enc.end()
+
+
+# Event class -> its handler (plain functions: bound methods kept on the instance would make
+# every assembler a reference cycle, alive until the cyclic GC).
+_ON = {Text: Assembler._text, OutputToken: Assembler._token, Reasoning: Assembler._reasoning_delta,
+       ToolCallFragment: Assembler._tool_fragment, TextRun: Assembler._text_run, Usage: Assembler._usage,
+       Finish: Assembler._finish, End: Assembler._end, Invalid: Assembler._invalid,
+       UpstreamError: Assembler._upstream_error}
