@@ -108,7 +108,6 @@ class Discard:
     """An encoder that writes nothing: the non-stream answer only wants the final response."""
 
     __slots__ = ()
-    seq = 0
 
     def event(self, event_type: str, fields: dict) -> None:
         pass

@@ -72,14 +72,15 @@ class StreamRewriter:
         asm = self._asm
         if asm.done:
             return b""
-        head = b"" if self._started else self.start()
+        if not self._started:
+            return self.start() + self.feed(data)
         dec = self._decoder
         payloads = dec.feed(data)
         if payloads:
             asm.feed(self._parser.events(payloads))
         if dec.overflow and not asm.done:
             asm.fail(f"upstream sent a line longer than {dec.max_line} bytes", "server_error", 1000, True)
-        return head + self._encoder.take() if head else self._encoder.take()
+        return self._encoder.take()
 
     def finish(self) -> bytes:
         asm = self._asm
