@@ -877,3 +877,46 @@ def test_seal_without_clear_text():
     # a failure mid-reasoning keeps the text hidden too
     _, rw3 = run([sse(chunk({"reasoning": "secret"}), done=False)], ctx(seal=str.upper, reasoning_in_clear=False))
     assert rw3.status == "failed" and rw3.response["output"][0]["summary"] == []
+
+
+class _EventList:
+    """Another transport's encoder (as a WebSocket one would be): events as dicts, no SSE bytes."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def event(self, event_type: str, fields: dict) -> None:
+        self.events.append({"type": event_type, "sequence_number": len(self.events), **orjson.loads(
+            orjson.dumps(fields))})
+
+    def delta(self, event_type: str, item_id: str, output_index: int, text: str) -> None:
+        fields = {"item_id": item_id, "output_index": output_index}
+        if event_type == "response.output_text.delta":
+            fields.update(content_index=0, delta=text, logprobs=[])
+        elif event_type == "response.reasoning_summary_text.delta":
+            fields.update(summary_index=0, delta=text)
+        else:
+            fields["delta"] = text
+        self.event(event_type, fields)
+
+    def text_run(self, item_id: str, output_index: int, texts: list[bytes]) -> None:
+        for text in texts:
+            self.delta("response.output_text.delta", item_id, output_index, text.decode())
+
+    def end(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        return b""
+
+
+@pytest.mark.parametrize("name", ["final_chat_stream", "r1_stream", "final_required_stream"])
+def test_another_encoder_gets_the_same_events(name):
+    """The rewriter's core with another encoder: the same events, in the same order, as the
+    SSE bytes carry (what a WebSocket transport would send as frames)."""
+    out, _ = run([BODIES[name]])
+    events = _EventList()
+    rw = StreamRewriter(det(ctx()), encoder=events)
+    assert rw.start() + rw.feed(BODIES[name]) + rw.finish() == b""
+    assert events.events == parse(out)
+    sdk_check(events.events)
