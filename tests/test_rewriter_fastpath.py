@@ -663,3 +663,34 @@ def test_a_run_whose_first_chunk_has_another_line_first(before):
     for pre in (_text_chunk(b'" pre"'), b": keep-alive\n\n"):
         read = pre + before + b"".join(_text_chunk(orjson.dumps(f" t{i}")) for i in range(30)) + _TAIL
         assert_same([first, read], ctx())
+
+
+@pytest.mark.parametrize("tc", [
+    {"index": 0, "id": "a", "function": "f"},
+    {"index": 0, "id": "a", "function": {"name": ["f"], "arguments": "{}"}},
+    {"index": 0, "id": "a", "function": {"name": {"n": 1}, "arguments": "{}"}},
+])
+@pytest.mark.parametrize("allowed", [None, frozenset({"f"})])
+def test_a_malformed_tool_call_fails_the_response_cleanly(tc, allowed):
+    """Shapes no dialect sends (a function or a name of the wrong type) end the response as
+    response.failed, both ways, instead of raising out of the rewriter."""
+    chunk = b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [tc]}}]}) + b"\n\n"
+    out, rw = run([chunk], ctx(allowed_tools=allowed))
+    events = parse(out)
+    assert events[-1]["type"] == "response.failed" and rw.status == "failed"
+    assert "invalid tool call" in events[-1]["response"]["error"]["message"]
+    comp = _comp({"tool_calls": [tc]}, "tool_calls")
+    r = response_from_completion(ctx(allowed_tools=allowed), comp)
+    assert r["status"] == "failed" and "invalid tool call" in r["error"]["message"]
+
+
+@pytest.mark.parametrize("field", [{"id": ["x"]}, {"id": 5}, {"index": ["0"]}])
+def test_an_id_or_index_of_the_wrong_type_is_ignored(field):
+    tc = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tc.update(field)
+    chunks = [b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [tc]}}]}) + b"\n\n",
+              b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}\n\ndata: [DONE]\n\n']
+    out, rw = run(chunks, ctx())
+    sdk_check(parse(out))
+    (call,) = rw.response["output"]
+    assert call["name"] == "f" and call["arguments"] == "{}" and isinstance(call["call_id"], str)

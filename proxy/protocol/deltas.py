@@ -52,9 +52,9 @@ class Reasoning:
 
 @dataclass(slots=True)
 class ToolCallFragment:
-    index: Any  # the upstream's tool_calls index (an int when the upstream sent one)
+    index: int | None  # the upstream's tool_calls index, when it sent one
     id: str | None
-    name: Any  # None until the upstream names the call
+    name: str | None  # None until the upstream names the call
     arguments: str | None
 
 
@@ -267,8 +267,8 @@ def delta_events(delta: Any, out: list[Delta]) -> None:
         for tc in tcs:
             if tc.__class__ is dict:
                 fragment = _fragment(tc)
-                if fragment is None:
-                    out.append(Invalid("upstream sent an invalid tool call (its function is not an object)"))
+                if fragment.__class__ is str:
+                    out.append(Invalid(f"upstream sent an invalid tool call ({fragment})"))
                     return
                 calls.append(fragment)
     if r is not None or c is not None or any(f.arguments for f in calls):
@@ -280,14 +280,21 @@ def delta_events(delta: Any, out: list[Delta]) -> None:
     out.extend(calls)
 
 
-def _fragment(tc: dict) -> ToolCallFragment | None:
+def _fragment(tc: dict) -> ToolCallFragment | str:
+    """A tool_calls[] entry as a fragment, or what is wrong with it."""
     fn = tc.get("function") or {}
     if fn.__class__ is not dict:
-        return None
+        return "its function is not an object"
+    name = fn.get("name") or None
+    if name is not None and name.__class__ is not str:
+        return "its name is not a string"
     args = fn.get("arguments")
     if args is not None and args.__class__ is not str:
         args = orjson.dumps(args).decode()
-    return ToolCallFragment(tc.get("index"), tc.get("id") or None, fn.get("name") or None, args)
+    tid = tc.get("id") or None
+    index = tc.get("index")
+    return ToolCallFragment(index if index.__class__ is int or index.__class__ is bool else None,
+                            tid if tid.__class__ is str else None, name, args)
 
 
 def upstream_error(err: Any) -> UpstreamError:
