@@ -15,7 +15,8 @@ import sys
 
 GROUPS = [
     ("upstream client (proxy/upstream/client.py)", ["upstream.py"]),
-    ("rewriter + SSE decoder", ["rewriter.py", "sse.py"]),
+    ("rewriter + SSE decoder", ["rewriter.py", "sse.py", "protocol/deltas.py", "protocol/assembler.py",
+                                "protocol/encoder.py", "protocol/response.py"]),
     ("middleware chain + leases + pricing", ["stateless.py", "auth.py", "limits.py", "tools.py", "balance.py",
                                              "lease.py", "pricing.py", "ledger/__init__.py", "sqlite.py"]),
     ("translate + body", ["translate.py", "request.py", "netguard.py"]),

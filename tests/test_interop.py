@@ -114,12 +114,12 @@ def _completion(names: list[str]) -> dict:
             "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_a_call_outside_allowed_tools_never_reaches_the_client(fast):
+@pytest.mark.parametrize("runs", [True, False])
+def test_a_call_outside_allowed_tools_never_reaches_the_client(runs):
     from tests.test_rewriter import COMPLETED_AT, ctx, parse, run, sdk_check
 
     c = ctx(allowed_tools=frozenset({"get_time"}))
-    out, rw = run([_tool_stream(["get_weather", "get_time", "get_weather"])], c, fast=fast)
+    out, rw = run([_tool_stream(["get_weather", "get_time", "get_weather"])], c, runs=runs)
     assert b"get_weather" not in out
     events = parse(out)
     sdk_check(events)
@@ -128,23 +128,21 @@ def test_a_call_outside_allowed_tools_never_reaches_the_client(fast):
     assert [(i["type"], i["name"]) for i in final["output"]] == [("function_call", "get_time")]
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0]
     # without the limit, all three reach the client
-    out, _ = run([_tool_stream(["get_weather", "get_time", "get_weather"])], ctx(), fast=fast)
+    out, _ = run([_tool_stream(["get_weather", "get_time", "get_weather"])], ctx(), runs=runs)
     assert [i["name"] for i in parse(out)[-1]["response"]["output"]] == ["get_weather", "get_time", "get_weather"]
 
 
-def test_a_call_outside_allowed_tools_is_dropped_from_a_non_stream_answer(monkeypatch):
-    from proxy.protocol import rewriter as rewriter_mod
+def test_a_call_outside_allowed_tools_is_dropped_from_a_non_stream_answer():
     from proxy.protocol.rewriter import response_from_completion
     from tests.test_rewriter import ctx
 
-    monkeypatch.setattr(rewriter_mod, "_now", lambda: 1_800_000_000)
-    r = response_from_completion(ctx(allowed_tools=frozenset({"get_time"})),
+    r = response_from_completion(ctx(allowed_tools=frozenset({"get_time"}), clock=lambda: 1_800_000_000),
                                  _completion(["get_weather", "get_time"]))
     assert [i["name"] for i in r["output"]] == ["get_time"]
     assert r["status"] == "completed" and r["completed_at"] == 1_800_000_000
     r = response_from_completion(ctx(allowed_tools=frozenset()), _completion(["get_weather"]))
     assert r["output"] == [] and r["status"] == "completed"
-    # the general path (a choice other than 0 in front sends the completion through the rewriter)
+    # a choice other than 0 in front
     odd = _completion(["get_weather", "get_time"])
     odd["choices"].insert(0, dict(odd["choices"][0], index=1))
     r = response_from_completion(ctx(allowed_tools=frozenset({"get_time"})), odd)

@@ -137,7 +137,7 @@ def _chunk(text: str) -> bytes:
 @pytest.mark.parametrize("cap", [1, 2, 7, 50, 300])
 @pytest.mark.parametrize("read_size", [1, 97, 4096, 1 << 20])
 def test_rewriter_cap_holds_on_every_path(cap, read_size):
-    """However the bytes are split (the batched fast paths take big reads), never more than
+    """However the bytes are split (big reads become TextRuns), never more than
     `cap` output deltas are written, and the response ends incomplete."""
     from proxy.protocol.rewriter import ResponseContext, StreamRewriter
 
@@ -366,13 +366,13 @@ def _capped_streams():
        cuts=st.lists(st.integers(0, 20_000), max_size=8),
        which=st.sampled_from(sorted(_capped_streams()[0])),
        cap=st.integers(0, 40))
-def test_random_streams_with_a_cap_fast_equals_general(events, plain, mode, cuts, which, cap):
-    """The batched paths and the per-chunk path agree byte for byte under a cap, and no
-    path lets more than `cap` output deltas through."""
+def test_random_streams_with_a_cap_runs_equal_parsed(events, plain, mode, cuts, which, cap):
+    """Runs of text chunks (TextRun) and parsing every chunk agree byte for byte under a cap,
+    and neither lets more than `cap` output deltas through."""
     from tests.test_rewriter_fastpath import _CTXS, _run, _state
     from tests.test_rewriter import ctx
 
-    # A run of plain text chunks in the middle: what the batched paths (_feed_runs, _feed_split) take.
+    # A run of plain text chunks in the middle: what becomes a TextRun.
     events = events[:len(events) // 2] + [_chunk(" w%d" % i) for i in range(plain)] + events[len(events) // 2:]
     body = b"".join(events)
     if mode == "coalesced":

@@ -6,6 +6,7 @@ run through the SDK's stream accumulator (ResponseStreamState).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass
@@ -20,7 +21,6 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-import proxy.protocol.rewriter as rewriter_mod
 from proxy.protocol.rewriter import ResponseContext, StreamRewriter, map_usage, response_from_completion
 from proxy.protocol.sse import SSEDecoder
 
@@ -68,28 +68,18 @@ def ctx(**kw) -> ResponseContext:
 COMPLETED_AT = 1_795_980_007
 
 
-class _DetIds:
-    """Deterministic item ids so that two runs can be compared byte for byte."""
-
-    def __enter__(self):
-        counter = itertools.count()
-        self._orig = rewriter_mod._hex, rewriter_mod._now
-        rewriter_mod._hex = lambda: f"{next(counter):024x}"
-        rewriter_mod._now = lambda: COMPLETED_AT
-        return self
-
-    def __exit__(self, *exc):
-        rewriter_mod._hex, rewriter_mod._now = self._orig
+def det(c: ResponseContext) -> ResponseContext:
+    """The same context with deterministic item ids (0, 1, 2, ... in hex) and completed_at,
+    so that two runs can be compared byte for byte."""
+    counter = itertools.count()
+    return dataclasses.replace(c, ids=lambda: f"{next(counter):024x}", clock=lambda: COMPLETED_AT)
 
 
-def run(chunks, c: ResponseContext | None = None, *, det: bool = True,
-        finish: bool = True, fast: bool = True) -> tuple[bytes, StreamRewriter]:
-    """Feed `chunks` through a rewriter; `fast=False` forces the general (non-template) path."""
-    if det:
-        with _DetIds():
-            return run(chunks, c, det=False, finish=finish, fast=fast)
-    rw = StreamRewriter(c or ctx())
-    rw._fast = fast
+def run(chunks, c: ResponseContext | None = None, *, det_ids: bool = True,
+        finish: bool = True, runs: bool = True) -> tuple[bytes, StreamRewriter]:
+    """Feed `chunks` through a rewriter; `runs=False` parses every chunk (no TextRun)."""
+    c = c or ctx()
+    rw = StreamRewriter(det(c) if det_ids else c, runs=runs)
     out = [rw.start()]
     for ch in chunks:
         out.append(rw.feed(ch))
@@ -261,7 +251,7 @@ def test_decoder_every_split_large_fixtures(name):
 @pytest.mark.parametrize("name", STREAMS)
 def test_fixture_events_valid_and_faithful(name):
     body = BODIES[name]
-    out, rw = run([body], det=False)
+    out, rw = run([body], det_ids=False)
     events = parse(out)
     sdk_check(events)
     final = events[-1]["response"]
@@ -302,8 +292,8 @@ def test_fixture_bytewise_equals_unsplit(name):
     whole, _ = run([body])
     assert run([body[i:i + 1] for i in range(len(body))])[0] == whole
     # with real random ids too, compared after normalisation
-    a = normalise(parse(run([body], det=False)[0]))
-    b = normalise(parse(run([body[i:i + 1] for i in range(len(body))], det=False)[0]))
+    a = normalise(parse(run([body], det_ids=False)[0]))
+    b = normalise(parse(run([body[i:i + 1] for i in range(len(body))], det_ids=False)[0]))
     assert a == b
 
 
@@ -529,7 +519,7 @@ def test_call_without_id_and_duplicate_ids_get_fresh_call_ids():
         chunk({"tool_calls": [{"id": "dup", "index": 2, "function": {"name": "c", "arguments": "{}"}}]}),
         chunk({}, "tool_calls"),
     )
-    out, rw = run([body], det=False)
+    out, rw = run([body], det_ids=False)
     sdk_check(parse(out))
     ids = [i["call_id"] for i in rw.response["output"]]
     assert re.fullmatch(r"call_[0-9a-f]{24}", ids[0]) and ids[1] == "dup" and ids[2] != "dup"
@@ -807,8 +797,7 @@ def _shape(resp):
 )
 def test_response_from_completion_matches_stream(nonstream, stream, exact):
     completion = orjson.loads((FIX / f"{nonstream}.body").read_bytes())
-    with _DetIds():
-        got = response_from_completion(ctx(), completion)
+    got = response_from_completion(det(ctx()), completion)
     Response.model_validate(got)
     _, rw = run([BODIES[stream]])
     want = rw.response
@@ -888,3 +877,46 @@ def test_seal_without_clear_text():
     # a failure mid-reasoning keeps the text hidden too
     _, rw3 = run([sse(chunk({"reasoning": "secret"}), done=False)], ctx(seal=str.upper, reasoning_in_clear=False))
     assert rw3.status == "failed" and rw3.response["output"][0]["summary"] == []
+
+
+class _EventList:
+    """Another transport's encoder (as a WebSocket one would be): events as dicts, no SSE bytes."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def event(self, event_type: str, fields: dict) -> None:
+        self.events.append({"type": event_type, "sequence_number": len(self.events), **orjson.loads(
+            orjson.dumps(fields))})
+
+    def delta(self, event_type: str, item_id: str, output_index: int, text: str) -> None:
+        fields = {"item_id": item_id, "output_index": output_index}
+        if event_type == "response.output_text.delta":
+            fields.update(content_index=0, delta=text, logprobs=[])
+        elif event_type == "response.reasoning_summary_text.delta":
+            fields.update(summary_index=0, delta=text)
+        else:
+            fields["delta"] = text
+        self.event(event_type, fields)
+
+    def text_run(self, item_id: str, output_index: int, texts: list[bytes]) -> None:
+        for text in texts:
+            self.delta("response.output_text.delta", item_id, output_index, text.decode())
+
+    def end(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        return b""
+
+
+@pytest.mark.parametrize("name", ["final_chat_stream", "r1_stream", "final_required_stream"])
+def test_another_encoder_gets_the_same_events(name):
+    """The rewriter's core with another encoder: the same events, in the same order, as the
+    SSE bytes carry (what a WebSocket transport would send as frames)."""
+    out, _ = run([BODIES[name]])
+    events = _EventList()
+    rw = StreamRewriter(det(ctx()), encoder=events)
+    assert rw.start() + rw.feed(BODIES[name]) + rw.finish() == b""
+    assert events.events == parse(out)
+    sdk_check(events.events)

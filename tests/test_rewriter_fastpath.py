@@ -1,9 +1,12 @@
-"""The rewriter's per-token fast path (StreamRewriter._feed_fast, byte templates, the decoder's
-single-"data:"-line fast path) against the general path: identical bytes out, identical state.
+"""The rewriter's one fast path (TextRun: a run of same-shape text chunks in one read, not
+parsed one by one; proxy.protocol.deltas) against parsing every chunk: identical bytes out,
+identical state, on the fixtures, on random streams cut anywhere, and on look-alike chunks
+that must stay out of a run. Also: the SSE decoder's fast paths against its line-by-line
+path, the non-stream answer against the stream of its message as one chunk, and the
+forwarder's read watchdog.
 
-The general path is the same class with `_fast = False` (every payload through _on_payload ->
-_on_chunk -> dict + orjson.dumps per event). Item ids are made deterministic so that both runs
-can be compared byte for byte.
+Item ids and completed_at are made deterministic (ResponseContext.ids / .clock) so that two
+runs can be compared byte for byte.
 """
 
 from __future__ import annotations
@@ -19,20 +22,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types.responses import Response
 
-import proxy.protocol.rewriter as rewriter_mod
-from proxy.protocol.rewriter import (_SEQ, StreamRewriter, _args_template, _reasoning_template, _text_template,
-                            response_from_completion)
+from proxy.protocol.deltas import OUTPUT_TOKEN, ChunkParser, Text, TextRun
+from proxy.protocol.response import random_hex
+from proxy.protocol.rewriter import StreamRewriter, response_from_completion
 from proxy.protocol.sse import SSEDecoder
-from tests.test_rewriter import FIX, BODIES, STREAMS, ToolOrigin, _DetIds, ctx, parse, run, sdk_check
+from tests.test_rewriter import BODIES, FIX, STREAMS, ToolOrigin, ctx, det, parse, run, sdk_check
 
 
-def _run(chunks: list[bytes], c, fast: bool, finish: bool = True) -> tuple[bytes, StreamRewriter]:
-    return run(chunks, c, finish=finish, fast=fast)
+def _run(chunks: list[bytes], c, runs: bool, finish: bool = True) -> tuple[bytes, StreamRewriter]:
+    return run(chunks, c, finish=finish, runs=runs)
 
 
 def _state(rw: StreamRewriter) -> tuple:
     return (rw.done, rw.status, rw.usage, rw.output_tokens_seen, rw.reasoning_deltas_seen, rw.finish_reason,
-            rw.response, rw._seq, rw._last_call_index)
+            rw.response, rw.capped)
 
 
 def assert_same(chunks: list[bytes], c, finish: bool = True) -> bytes:
@@ -49,7 +52,7 @@ def events_of(body: bytes) -> list[bytes]:
 
 # ---------------------------------------------------------------- fixtures
 @pytest.mark.parametrize("name", STREAMS)
-def test_fixture_fast_equals_general(name):
+def test_fixture_runs_equal_parsed(name):
     body = BODIES[name]
     whole = assert_same([body], ctx())
     assert assert_same(events_of(body), ctx()) == whole  # one feed per upstream event
@@ -58,7 +61,7 @@ def test_fixture_fast_equals_general(name):
 
 @pytest.mark.parametrize("name", ["r1_stream", "final_chat_stream", "final_required_stream"])
 @pytest.mark.parametrize("variant", ["hidden", "sealed", "sealed_clear"])
-def test_fixture_fast_equals_general_reasoning_variants(name, variant):
+def test_fixture_runs_equal_parsed_reasoning_variants(name, variant):
     kw = {"hidden": dict(reasoning_items=False),
           "sealed": dict(seal=lambda t: "S:" + t, reasoning_in_clear=False),
           "sealed_clear": dict(seal=lambda t: "S:" + t)}[variant]
@@ -67,45 +70,15 @@ def test_fixture_fast_equals_general_reasoning_variants(name, variant):
     assert assert_same(events_of(body), ctx(**kw)) == whole
 
 
-def test_templates_match_event_dicts():
-    """Each template, filled in, is byte for byte what _event() writes for the dict."""
-    with _DetIds():
-        rw = StreamRewriter(ctx())
-        rw.start()
-        rw.feed(b'data: {"choices":[{"index":0,"delta":{"reasoning":"a"}}]}\n\n')
-        rs = rw._reasoning
-        rw.feed(b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n')
-        msg = rw._message
-        rw.feed(b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1",'
-                b'"function":{"name":"f","arguments":""}}]}}]}\n\n')
-        call = rw._calls[0]
-    for seq in (0, 7, len(_SEQ) - 1, len(_SEQ), 123456):
-        for text in ("x", "", "h\u00e9\"\\\n\u2028\U0001f600", "</script>"):
-            cases = [
-                (_text_template(msg), {"type": "response.output_text.delta", "sequence_number": seq,
-                                       "item_id": msg.id, "output_index": msg.index, "content_index": 0,
-                                       "delta": text, "logprobs": []}),
-                (_reasoning_template(rs), {"type": "response.reasoning_summary_text.delta", "sequence_number": seq,
-                                           "item_id": rs.id, "output_index": rs.index, "summary_index": 0,
-                                           "delta": text}),
-                (_args_template(call), {"type": "response.function_call_arguments.delta", "sequence_number": seq,
-                                        "item_id": call.id, "output_index": call.index, "delta": text}),
-            ]
-            for (head, mid, tail), ev in cases:
-                digits = _SEQ[seq] if seq < len(_SEQ) else b"%d" % seq
-                got = head + digits + mid + orjson.dumps(text) + tail
-                want = b"event: " + ev["type"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n"
-                assert got == want
-
-
 def test_long_stream_past_the_precomputed_sequence_numbers():
-    n = len(_SEQ) + 50
+    n = 8192 + 50
     parts = [b'data: {"choices":[{"index":0,"delta":{"content":"w"}}]}\n\n'] * n
     parts.append(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
     body = b"".join(parts)
     out = assert_same([body], ctx())
     events = parse(out)  # sequence numbers 0..N without a gap
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == "w" * n
+    assert events[-1]["sequence_number"] > 8192
 
 
 # ---------------------------------------------------------------- randomised streams
@@ -227,7 +200,7 @@ _CTXS = {
        cuts=st.lists(st.integers(0, 10_000), max_size=8),
        which=st.sampled_from(sorted(_CTXS)),
        finish=st.booleans())
-def test_random_streams_fast_equals_general(events, mode, cuts, which, finish):
+def test_random_streams_runs_equal_parsed(events, mode, cuts, which, finish):
     body = b"".join(events)
     if mode == "coalesced":
         chunks = [body]
@@ -247,7 +220,7 @@ def test_random_streams_fast_equals_general(events, mode, cuts, which, finish):
 @given(events=st.lists(st.sampled_from(["content", "reasoning", "args"]), min_size=1, max_size=30),
        per_event=st.booleans())
 def test_random_well_formed_streams_pass_the_sdk(events, per_event):
-    """Streams of the common shape, through the fast path, validated by the openai SDK."""
+    """Streams of the common shape, validated by the openai SDK."""
     parts = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n']
     call_open = False
     for i, kind in enumerate(events):
@@ -293,7 +266,7 @@ def test_decoder_fast_paths_equal_line_by_line(blocks, split):
 
 
 @pytest.mark.parametrize("per_event", [False, True])
-def test_tool_argument_chunks_that_must_leave_the_fast_path(per_event):
+def test_tool_argument_chunks(per_event):
     """A new id on an index already in use (SGLang: one call per chunk), arguments before the
     name, a custom tool (no argument deltas), and a reasoning item still open."""
     c = ctx(tools={"apply_patch": ToolOrigin(kind="custom", name="apply_patch")})
@@ -370,17 +343,35 @@ async def test_watchdog_rearms_across_reads(sim, make_proxy):
     assert text.split() == words.split()
 
 
-# ---------------------------------------------------------------- non-stream: the direct build
-# response_from_completion builds the usual completions directly (_response_direct) and replays
-# the rest through a StreamRewriter (_response_via_rewriter): both must give the same bytes.
-def _both_ways(c, completion) -> list:
-    got = []
-    for build in (response_from_completion, rewriter_mod._response_via_rewriter):
-        with _DetIds():
-            try:
-                got.append(orjson.dumps(build(c, copy.deepcopy(completion))))
-            except Exception as exc:  # the same failure both ways (e.g. a function that is a string)
-                got.append(type(exc))
+# ---------------------------------------------------------------- non-stream: one chunk through the same assembler
+# A chat.completion is the stream of one chunk whose delta is its message: its Response is the
+# one that stream ends with (response_from_completion shares the assembler, not this shape).
+def _as_stream(completion: dict) -> bytes:
+    chunk: dict = {"usage": completion.get("usage")}
+    choice = next(c for c in completion["choices"] if isinstance(c, dict) and (c.get("index") or 0) == 0)
+    msg = choice.get("message") or {}
+    delta = {"reasoning": msg.get("reasoning") if msg.get("reasoning") is not None else msg.get("reasoning_content"),
+             "content": msg.get("content")}
+    calls = msg.get("tool_calls")
+    if calls and isinstance(calls, list):
+        delta["tool_calls"] = [dict(tc, index=i) for i, tc in enumerate(calls) if isinstance(tc, dict)]
+    chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": choice.get("finish_reason") or "stop"}]
+    return b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
+
+
+def _streamable(completion) -> bool:
+    choices = completion.get("choices") if isinstance(completion, dict) else None
+    if not isinstance(choices, list) or completion.get("error") or completion.get("object") == "error":
+        return False
+    choice = next((c for c in choices if isinstance(c, dict) and (c.get("index") or 0) == 0), None)
+    return choice is not None and isinstance(choice.get("message") or {}, dict)
+
+
+def assert_completion_is_its_stream(c, completion) -> dict:
+    got = response_from_completion(det(c), copy.deepcopy(completion))
+    if _streamable(completion):
+        _, rw = run([_as_stream(completion)], c)
+        assert orjson.dumps(got) == orjson.dumps(rw.response)
     return got
 
 
@@ -388,14 +379,15 @@ _NONSTREAM = [p.name[: -len(".body")] for p in sorted(FIX.glob("*.body")) if not
 
 
 @pytest.mark.parametrize("which", sorted(_CTXS))
-def test_nonstream_fixtures_direct_equals_rewriter(which):
+def test_nonstream_fixtures_equal_their_stream(which):
     for name in _NONSTREAM:
         try:
             completion = orjson.loads((FIX / f"{name}.body").read_bytes())
         except orjson.JSONDecodeError:
             continue
-        direct, replayed = _both_ways(ctx(**_CTXS[which]), completion)
-        assert direct == replayed, name
+        got = assert_completion_is_its_stream(ctx(**_CTXS[which]), completion)
+        if got["status"] != "failed":
+            Response.model_validate(got)
 
 
 def _comp(msg, finish="stop", usage=None) -> dict:
@@ -447,20 +439,16 @@ _COMPLETIONS = {
 
 @pytest.mark.parametrize("which", sorted(_CTXS))
 @pytest.mark.parametrize("name", sorted(_COMPLETIONS))
-def test_nonstream_shapes_direct_equals_rewriter(name, which):
-    direct, replayed = _both_ways(ctx(**_CTXS[which]), _COMPLETIONS[name])
-    assert direct == replayed
+def test_nonstream_shapes_equal_their_stream(name, which):
+    assert_completion_is_its_stream(ctx(**_CTXS[which]), _COMPLETIONS[name])
 
 
-def test_nonstream_usual_answers_take_the_direct_path(monkeypatch):
-    def replay(*_):
-        raise AssertionError("took the rewriter")
-
-    monkeypatch.setattr(rewriter_mod, "_response_via_rewriter", replay)
-    for name in ("final_chat", "r1_nonstream", "final_required", "final_named", "toolmodel_auto_seed2",
-                 "qwen3_required_seed6", "chat_n2_logprobs"):
-        completion = orjson.loads((FIX / f"{name}.body").read_bytes())
-        Response.model_validate(response_from_completion(ctx(), completion))
+def test_a_function_that_is_not_an_object_fails_cleanly():
+    for build in (lambda c: response_from_completion(c, _COMPLETIONS["function_not_an_object"]),
+                  lambda c: run([_as_stream(_COMPLETIONS["function_not_an_object"])], c)[1].response):
+        r = build(ctx())
+        assert r["status"] == "failed" and r["error"]["code"] == "server_error"
+        assert "not an object" in r["error"]["message"] and r["output"] == []
 
 
 _TOOL_NAMES = st.sampled_from(["f", "apply_patch", "ns__grammar", "get_time", None, ""])
@@ -504,20 +492,19 @@ def completion(draw):
 
 @settings(max_examples=500, deadline=None)
 @given(comp=completion(), which=st.sampled_from(sorted(_CTXS)))
-def test_random_completions_direct_equals_rewriter(comp, which):
-    direct, replayed = _both_ways(ctx(**_CTXS[which]), comp)
-    assert direct == replayed
+def test_random_completions_equal_their_stream(comp, which):
+    assert_completion_is_its_stream(ctx(**_CTXS[which]), comp)
 
 
 # ---------------------------------------------------------------- ids
 def test_ids_are_hex_unique_and_reseeded_in_forked_children():
-    ids = {rewriter_mod._hex() for _ in range(2000)}
+    ids = {random_hex() for _ in range(2000)}
     assert len(ids) == 2000 and all(re.fullmatch("[0-9a-f]{24}", i) for i in ids)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its first id, then out (no pytest teardown in the child)
         try:
-            os.write(write, rewriter_mod._hex().encode())
+            os.write(write, random_hex().encode())
         finally:
             os._exit(0)
     os.close(write)
@@ -525,10 +512,10 @@ def test_ids_are_hex_unique_and_reseeded_in_forked_children():
     os.close(read)
     os.waitpid(pid, 0)
     assert re.fullmatch("[0-9a-f]{24}", child)
-    assert child != rewriter_mod._hex()  # without the re-seed, the child repeats the parent's next id
+    assert child != random_hex()  # without the re-seed, the child repeats the parent's next id
 
 
-# ---------------------------------------------------------------- raw text chunks (no parse)
+# ---------------------------------------------------------------- TextRun: runs of text chunks in one read
 _HEAD = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
          b'[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')
 
@@ -543,13 +530,28 @@ _TAIL = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1
          b'[{"index":0,"delta":{"content":""},"logprobs":null,"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
 
 
-def test_plain_text_chunks_take_the_raw_path_and_write_the_same_bytes():
-    chunks = [_HEAD] + [_text_chunk(orjson.dumps(f" word{i}")) for i in range(20)] + [_TAIL]
-    body = assert_same(chunks, ctx())
-    _, rw = _run(chunks[:3], ctx(), True, finish=False)
-    assert rw._raw is not None  # learned from the first text chunk, used by the next ones
-    assert b" word19" in body
+def _payloads(chunks: list[bytes]) -> list[bytes]:
+    return SSEDecoder().feed(b"".join(chunks))
+
+
+def test_a_coalesced_read_is_one_text_run_and_the_same_bytes():
+    chunks = [_HEAD] + [_text_chunk(orjson.dumps(f" w{i}")) for i in range(40)] + [_TAIL]
+    events = ChunkParser().events(_payloads(chunks))
+    # The first text is parsed (and its shape learned), the 39 after it are one run.
+    assert [type(e).__name__ for e in events] == ["OutputToken", "Text", "TextRun", "Finish", "End"]
+    assert events[2].texts == [b" w%d" % i for i in range(1, 40)]
+    assert [type(e) for e in ChunkParser(runs=False).events(_payloads(chunks))].count(Text) == 40
+    body = assert_same([b"".join(chunks)], ctx())
+    assert b'"text":"' + "".join(f" w{i}" for i in range(40)).encode() + b'"' in body
     sdk_check(parse(body))
+
+
+def test_per_chunk_reads_are_parsed_one_by_one():
+    parser = ChunkParser()
+    chunks = [_HEAD] + [_text_chunk(orjson.dumps(f" w{i}")) for i in range(5)]
+    events = [e for ch in chunks for e in parser.events(_payloads([ch]))]
+    assert events == [OUTPUT_TOKEN, Text(" w0"), OUTPUT_TOKEN, Text(" w1"), OUTPUT_TOKEN, Text(" w2"),
+                      OUTPUT_TOKEN, Text(" w3"), OUTPUT_TOKEN, Text(" w4")]
 
 
 @pytest.mark.parametrize("middle", [
@@ -561,87 +563,49 @@ def test_plain_text_chunks_take_the_raw_path_and_write_the_same_bytes():
     b'""',                    # empty text
     b'null',
     b'"unterminated',
+    b'"quote\\"inside"',
+    b'"del\x7f"',            # DEL is plain JSON: stays in the run
 ])
-def test_chunks_the_raw_path_must_not_take_still_match_the_general_path(middle):
-    # The first text opens the message, the second is learned from, the third is the test.
-    chunks = [_HEAD, _text_chunk(b'" first"'), _text_chunk(b'" second"'), _text_chunk(middle),
-              _text_chunk(b'" last"'), _TAIL]
+def test_runs_broken_by_chunks_that_only_look_alike(middle):
+    middles = [orjson.dumps(f" a{i}") for i in range(6)] + [middle] + [orjson.dumps(f" b{i}") for i in range(6)]
+    chunks = [_HEAD] + [_text_chunk(m) for m in middles] + [_TAIL]
+    assert_same([b"".join(chunks[:2]), b"".join(chunks[2:])], ctx())
     assert_same(chunks, ctx())
-    assert_same([b"".join(chunks)], ctx())
+    parser = ChunkParser()
+    parser.events(_payloads(chunks[:2]))  # learns the shape from the first text
+    runs = [len(e.texts) for e in parser.events(_payloads(chunks[2:])) if isinstance(e, TextRun)]
+    assert runs == ([12] if middle == b'"del\x7f"' else [5, 6])
+
+
+def test_sglang_first_text_chunk_with_role_then_plain_chunks():
+    first = (b'data: {"id":"1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+             b'"delta":{"role":"assistant","content":"Hi"},"logprobs":null,"finish_reason":null}]}\n\n')
+    chunks = [first] + [_text_chunk(orjson.dumps(f" w{i}")) for i in range(12)] + [_TAIL]
+    out = assert_same([b"".join(chunks)], ctx())
+    assert b'"text":"Hi w0 w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11"' in out
+    events = ChunkParser().events(_payloads(chunks))
+    assert [len(e.texts) for e in events if isinstance(e, TextRun)] == [11]  # learned again from " w0"
 
 
 @given(texts=st.lists(st.text(max_size=6), min_size=1, max_size=12), per_event=st.booleans())
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_random_text_chunks_raw_path_equals_general(texts, per_event):
+def test_random_text_chunks_runs_equal_parsed(texts, per_event):
     chunks = [_HEAD] + [_text_chunk(orjson.dumps(t)) for t in texts] + [_TAIL]
     if not per_event:
         chunks = [b"".join(chunks)]
     assert_same(chunks, ctx())
 
 
-# ---------------------------------------------------------------- runs of raw chunks (one read, many events)
-def _lookalike_stream(middles: list[bytes]) -> list[bytes]:
-    return [_HEAD] + [_text_chunk(m) for m in middles] + [_TAIL]
-
-
-def _count_runs(monkeypatch) -> list[int]:
-    """How many delta events each bulk write wrote (one entry per run written in one go)."""
-    written: list[int] = []
-    real = StreamRewriter._write_texts
-
-    def spy(self, texts, joined):
-        n = real(self, texts, joined)
-        written.append(n)
-        return n
-    monkeypatch.setattr(StreamRewriter, "_write_texts", spy)
-    return written
-
-
-def test_a_coalesced_read_is_written_as_runs_and_the_same_bytes(monkeypatch):
-    written = _count_runs(monkeypatch)
-    chunks = _lookalike_stream([orjson.dumps(f" w{i}") for i in range(40)])
-    # As the forwarder feeds a coalesced answer: the first two events, then all the others.
-    first, rest = b"".join(chunks[:2]), b"".join(chunks[2:])
-    body = assert_same([first, rest], ctx())
-    assert written == [39]  # one run: every chunk after the first text (learned from), in one go
-    sdk_check(parse(body))
-
-
-@pytest.mark.parametrize("middle", [
-    b'"a","role":"b"', b'"caf\\u00e9"', '"café"'.encode(), b'"tab\\there"', b'"\x01"', b'""', b'null',
-    b'"unterminated', b'"quote\\"inside"', b'"del\x7f"',
-])
-def test_runs_broken_by_chunks_the_raw_path_must_not_take(middle, monkeypatch):
-    written = _count_runs(monkeypatch)
-    middles = [orjson.dumps(f" a{i}") for i in range(6)] + [middle] + [orjson.dumps(f" b{i}") for i in range(6)]
-    chunks = _lookalike_stream(middles)
-    assert_same([b"".join(chunks[:2]), b"".join(chunks[2:])], ctx())
-    # The run stops at the odd chunk (per-chunk path) and goes on after it; DEL is plain JSON;
-    # a raw control character is not JSON at all: the stream fails there.
-    assert written == {b'"del\x7f"': [12], b'"\x01"': [5], b'"unterminated': [5]}.get(middle, [5, 6])
-
-
-def test_sglang_first_text_chunk_with_role_then_plain_chunks_are_learned_again():
-    first = (b'data: {"id":"1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-             b'"delta":{"role":"assistant","content":"Hi"},"logprobs":null,"finish_reason":null}]}\n\n')
-    chunks = [first] + [_text_chunk(orjson.dumps(f" w{i}")) for i in range(12)] + [_TAIL]
-    out = assert_same([b"".join(chunks)], ctx())
-    _, rw = _run([b"".join(chunks[:3])], ctx(), True, finish=False)
-    assert rw._raw is not None and b'"role"' not in rw._raw[0]  # the later chunks' shape, not the first's
-    assert b'"text":"Hi w0 w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11"' in out
-
-
 @given(texts=st.lists(st.text(alphabet=st.sampled_from(['a', ' ', '"', '\\', '\x01', 'é', '\x7f']), max_size=4),
                       min_size=1, max_size=30),
        cut=st.integers(min_value=1, max_value=6))
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_random_runs_equal_general(texts, cut):
+def test_random_runs_equal_parsed(texts, cut):
     chunks = [_HEAD] + [_text_chunk(orjson.dumps(t)) for t in texts] + [_TAIL]
     cut = min(cut, len(chunks) - 1)
     assert_same([b"".join(chunks[:cut]), b"".join(chunks[cut:])], ctx())
 
 
-# ---------------------------------------------------------------- one split per read (_feed_split)
 def _role_text_chunk(text: str) -> bytes:  # same tail as a raw chunk, another head (SGLang's first)
     return (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
             b'[{"index":0,"delta":{"role":"assistant","content":' + orjson.dumps(text) + b'},"logprobs":null,'
@@ -672,7 +636,7 @@ _EVENT = st.one_of(
 
 @given(events=st.lists(_EVENT, min_size=2, max_size=60), cuts=st.lists(st.integers(0, 20000), max_size=3))
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_random_reads_split_once_equal_general(events, cuts):
+def test_random_reads_cut_anywhere_runs_equal_parsed(events, cuts):
     # The raw shape is learned from the first two text chunks (first read), then the rest comes
     # in reads cut anywhere (a cut inside an event leaves the decoder mid-event: no split).
     body = b"".join(events) + _TAIL
@@ -682,21 +646,13 @@ def test_random_reads_split_once_equal_general(events, cuts):
     assert_same(reads, ctx())
 
 
-def test_a_read_starting_and_ending_with_look_alikes_is_still_split(monkeypatch):
-    written = _count_runs(monkeypatch)
-    runs: list[int] = []
-    real_runs = StreamRewriter._feed_runs
-    monkeypatch.setattr(StreamRewriter, "_feed_runs", lambda self, p: (runs.append(len(p)), real_runs(self, p)))
-    first = b"".join([_HEAD, _text_chunk(b'" one"'), _text_chunk(b'" two"')])
-    finish = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
-              b'[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
-    # Before the run a chunk with the raw chunk's tail but another head; after it one with the
-    # raw chunk's head and tail around a string that is not plain: both outside the run.
-    read = (_role_text_chunk("r") + b"".join(_text_chunk(orjson.dumps(f" t{i}")) for i in range(30))
-            + _text_chunk(b'"not \\"plain\\""') + finish)
-    out = assert_same([first, read], ctx())
-    assert written == [30] and runs == []  # the 30 in one go, found by the split (no fallback)
-    assert b'"delta":"r"' in out and b'not \\"plain\\"' in out
+def test_every_byte_boundary_of_a_fixture_equals_the_whole():
+    """The assembler fed a stream split at every byte boundary writes what the whole does."""
+    body = b"".join([_HEAD, _text_chunk(b'" one"'), _reasoning_chunk("r")]
+                    + [_text_chunk(orjson.dumps(f" t{i}")) for i in range(6)]) + _TAIL
+    whole, _ = run([body], ctx())
+    for at in range(1, len(body)):
+        assert run([body[:at], body[at:]], ctx())[0] == whole
 
 
 @pytest.mark.parametrize("before", [b"data: x\n", b"event: message\n", b"id: 7\n"])
@@ -707,3 +663,34 @@ def test_a_run_whose_first_chunk_has_another_line_first(before):
     for pre in (_text_chunk(b'" pre"'), b": keep-alive\n\n"):
         read = pre + before + b"".join(_text_chunk(orjson.dumps(f" t{i}")) for i in range(30)) + _TAIL
         assert_same([first, read], ctx())
+
+
+@pytest.mark.parametrize("tc", [
+    {"index": 0, "id": "a", "function": "f"},
+    {"index": 0, "id": "a", "function": {"name": ["f"], "arguments": "{}"}},
+    {"index": 0, "id": "a", "function": {"name": {"n": 1}, "arguments": "{}"}},
+])
+@pytest.mark.parametrize("allowed", [None, frozenset({"f"})])
+def test_a_malformed_tool_call_fails_the_response_cleanly(tc, allowed):
+    """Shapes no dialect sends (a function or a name of the wrong type) end the response as
+    response.failed, both ways, instead of raising out of the rewriter."""
+    chunk = b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [tc]}}]}) + b"\n\n"
+    out, rw = run([chunk], ctx(allowed_tools=allowed))
+    events = parse(out)
+    assert events[-1]["type"] == "response.failed" and rw.status == "failed"
+    assert "invalid tool call" in events[-1]["response"]["error"]["message"]
+    comp = _comp({"tool_calls": [tc]}, "tool_calls")
+    r = response_from_completion(ctx(allowed_tools=allowed), comp)
+    assert r["status"] == "failed" and "invalid tool call" in r["error"]["message"]
+
+
+@pytest.mark.parametrize("field", [{"id": ["x"]}, {"id": 5}, {"index": ["0"]}])
+def test_an_id_or_index_of_the_wrong_type_is_ignored(field):
+    tc = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tc.update(field)
+    chunks = [b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [tc]}}]}) + b"\n\n",
+              b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}\n\ndata: [DONE]\n\n']
+    out, rw = run(chunks, ctx())
+    sdk_check(parse(out))
+    (call,) = rw.response["output"]
+    assert call["name"] == "f" and call["arguments"] == "{}" and isinstance(call["call_id"], str)

@@ -476,7 +476,7 @@ async def _start_stream(request: web.Request, response: web.StreamResponse, rewr
     cut = _early_cut(first)
     if cut:
         # The first two events rewritten on their own (the rest is then rewritten in bulk,
-        # see StreamRewriter._feed_split) and, unless this read holds the whole answer,
+        # a TextRun, proxy.protocol.deltas) and, unless this read holds the whole answer,
         # written on their own: the first delta does not wait for the rest of a big read.
         pending += rewriter.feed(first[:cut])
         first = first[cut:]

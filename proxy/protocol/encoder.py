@@ -1,0 +1,125 @@
+"""Responses events -> SSE bytes: the only place that numbers events and writes bytes (sans-I/O).
+
+The assembler hands each event over as its type and its fields (a dict in the SDK's field
+order, without `type` and `sequence_number`); the encoder writes
+
+    event: <type>\\ndata: {"type":<type>,"sequence_number":<n>,<fields>}\\n\\n
+
+byte for byte what orjson.dumps writes for the whole event dict. The per-token delta events
+come with their item instead of a dict and are written from a byte template per item (the
+constant parts built once), runs of plain text deltas with one join. After the terminal
+event comes the spec's literal `data: [DONE]`.
+
+Another transport (WebSocket frames) is another class with the same four methods."""
+
+from __future__ import annotations
+
+from itertools import repeat
+
+import orjson
+
+__all__ = ["SSEEncoder", "Discard", "TEXT_DELTA", "REASONING_DELTA", "ARGUMENTS_DELTA"]
+
+TEXT_DELTA = "response.output_text.delta"
+REASONING_DELTA = "response.reasoning_summary_text.delta"
+ARGUMENTS_DELTA = "response.function_call_arguments.delta"
+
+# The fields of each delta event around its `delta`: % (JSON item id, output_index), then the rest.
+_DELTA_FIELDS = {
+    TEXT_DELTA: (b',"item_id":%s,"output_index":%d,"content_index":0,"delta":', b',"logprobs":[]}\n\n'),
+    REASONING_DELTA: (b',"item_id":%s,"output_index":%d,"summary_index":0,"delta":', b"}\n\n"),
+    ARGUMENTS_DELTA: (b',"item_id":%s,"output_index":%d,"delta":', b"}\n\n"),
+}
+_SEQ = tuple(b"%d" % i for i in range(8192))  # sequence_number digits, precomputed
+_NSEQ = len(_SEQ)
+_DONE = b"data: [DONE]\n\n"
+
+
+def _head(event_type: str) -> bytes:
+    """What an event of that type starts with, up to its sequence_number."""
+    return b'event: %s\ndata: {"type":%s,"sequence_number":' % (event_type.encode(), orjson.dumps(event_type))
+
+
+_HEADS: dict[str, bytes] = {}  # event type -> _head(type), shared by every stream
+
+
+class SSEEncoder:
+    __slots__ = ("seq", "_out", "_templates")
+
+    def __init__(self) -> None:
+        self.seq = 0  # the next event's sequence_number
+        self._out: list[bytes] = []
+        # item id -> its delta events' template (an item streams one kind of delta)
+        self._templates: dict[str, tuple[bytes, bytes, bytes]] = {}
+
+    def event(self, event_type: str, fields: dict) -> None:
+        head = _HEADS.get(event_type)
+        if head is None:
+            head = _HEADS[event_type] = _head(event_type)
+        seq = self.seq
+        self.seq = seq + 1
+        self._out.append(b"%s%s,%s\n\n" % (head, _SEQ[seq] if seq < _NSEQ else b"%d" % seq,
+                                           orjson.dumps(fields)[1:]))
+
+    def delta(self, event_type: str, item_id: str, output_index: int, text: str) -> None:
+        """One delta event (TEXT_DELTA, REASONING_DELTA or ARGUMENTS_DELTA) of an item."""
+        tpl = self._templates.get(item_id) or self._template(event_type, item_id, output_index)
+        seq = self.seq
+        self.seq = seq + 1
+        self._out.extend((tpl[0], _SEQ[seq] if seq < _NSEQ else b"%d" % seq, tpl[1], orjson.dumps(text), tpl[2]))
+
+    def text_run(self, item_id: str, output_index: int, texts: list[bytes]) -> None:
+        """A text delta event per string, each a plain JSON string body (written as is)."""
+        head, mid, end = self._templates.get(item_id) or self._template(TEXT_DELTA, item_id, output_index)
+        n = len(texts)
+        seq = self.seq
+        seqs = _SEQ[seq:seq + n] if seq + n <= _NSEQ else [b"%d" % i for i in range(seq, seq + n)]
+        # head, then per event: seq, mid + quote, text, quote + end + the next head (the last: end)
+        pieces = [mid + b'"'] * (4 * n)
+        pieces[0::4] = seqs
+        pieces[2::4] = texts
+        pieces[3::4] = repeat(b'"' + end + head, n)
+        pieces[-1] = b'"' + end
+        out = self._out
+        out.append(head)
+        out.extend(pieces)
+        self.seq = seq + n
+
+    def end(self) -> None:
+        """After the terminal event: the end of the stream."""
+        self._out.append(_DONE)
+
+    def take(self) -> bytes:
+        """The bytes written since the last take."""
+        out = self._out
+        if not out:
+            return b""
+        self._out = []
+        return b"".join(out)
+
+    def _template(self, event_type: str, item_id: str, output_index: int) -> tuple[bytes, bytes, bytes]:
+        mid, tail = _DELTA_FIELDS[event_type]
+        head = _HEADS.get(event_type) or _HEADS.setdefault(event_type, _head(event_type))
+        tpl = self._templates[item_id] = (head, mid % (orjson.dumps(item_id), output_index), tail)
+        return tpl
+
+
+class Discard:
+    """An encoder that writes nothing: the non-stream answer only wants the final response."""
+
+    __slots__ = ()
+
+    def event(self, event_type: str, fields: dict) -> None:
+        pass
+
+    def delta(self, event_type: str, item_id: str, output_index: int, text: str) -> None:
+        pass
+
+    def text_run(self, item_id: str, output_index: int, texts: list[bytes]) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        return b""
