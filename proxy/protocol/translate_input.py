@@ -4,7 +4,7 @@ with TranslateOptions.unseal."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import orjson
 
@@ -78,6 +78,15 @@ def _image_part(part: dict, param: str) -> dict:
     return {"type": "image_url", "image_url": img}
 
 
+def _typed_parts(parts: list, param: str, what: str) -> Iterator[tuple[str, dict, Any]]:
+    """(path, part, type) of each part of a content or output array; a non-object is a 400."""
+    for j, part in enumerate(parts):
+        pparam = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise bad_request(f"Invalid {what} part: expected an object.", param=pparam)
+        yield pparam, part, part.get("type")
+
+
 def _message_content(content: Any, param: str, allow_images: bool) -> tuple[list[dict], bool]:
     """-> (chat parts, has_images). Parts are {"type":"text"} or {"type":"image_url"}."""
     if isinstance(content, str):
@@ -86,11 +95,7 @@ def _message_content(content: Any, param: str, allow_images: bool) -> tuple[list
         raise bad_request("Invalid type for message 'content': expected a string or an array.", param=param)
     out: list[dict] = []
     has_images = False
-    for j, part in enumerate(content):
-        pparam = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise bad_request("Invalid content part: expected an object.", param=pparam)
-        ptype = part.get("type")
+    for pparam, part, ptype in _typed_parts(content, param, "content"):
         if isinstance(ptype, str) and ptype in _TEXT_PARTS:
             out.append({"type": "text", "text": _text_of(part, pparam)})
         elif ptype == "input_image":
@@ -122,11 +127,7 @@ def _tool_output(output: Any, param: str) -> str:
     if not isinstance(output, list):
         raise bad_request("Invalid type for 'output': expected a string or an array.", param=param)
     texts: list[str] = []
-    for j, part in enumerate(output):
-        pparam = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise bad_request("Invalid output part: expected an object.", param=pparam)
-        ptype = part.get("type")
+    for pparam, part, ptype in _typed_parts(output, param, "output"):
         if isinstance(ptype, str) and ptype in _TEXT_PARTS:
             texts.append(_text_of(part, pparam))
         elif ptype == "input_image":

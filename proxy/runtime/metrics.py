@@ -37,7 +37,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
-from proxy import state
 from proxy.upstream import affinity
 from proxy.upstream.workers import WorkerPool
 from proxy.state import METRICS, RequestContext
