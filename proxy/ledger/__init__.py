@@ -30,7 +30,9 @@ from typing import Any
 from proxy.ledger.base import (  # the interface, re-exported: callers import it from the package
     SECRET_PREFIX,
     UNSET,
+    USAGE_GROUPS,
     USAGE_STATUSES,
+    AuditEntry,
     DuplicateRequest,
     Hold,
     InsufficientBalance,
@@ -39,12 +41,16 @@ from proxy.ledger.base import (  # the interface, re-exported: callers import it
     LedgerError,
     UnknownKey,
     UsageRecord,
+    UsageTotals,
 )
 
 __all__ = [
     "KeyRecord",
     "Hold",
     "UsageRecord",
+    "UsageTotals",
+    "USAGE_GROUPS",
+    "AuditEntry",
     "USAGE_STATUSES",
     "LedgerError",
     "UnknownKey",

@@ -26,7 +26,11 @@ CREATE TABLE IF NOT EXISTS keys (
     concurrency     INTEGER,
     rate_per_min    INTEGER,
     revoked         INTEGER NOT NULL DEFAULT 0,
-    created_at      REAL NOT NULL
+    created_at      REAL NOT NULL,
+    expires_at      REAL,
+    tokens_per_min  INTEGER,
+    daily_budget_micros   INTEGER,
+    monthly_budget_micros INTEGER
 );
 CREATE TABLE IF NOT EXISTS holds (
     request_id      TEXT PRIMARY KEY,
@@ -48,7 +52,8 @@ CREATE TABLE IF NOT EXISTS usage (
     cost_micros      INTEGER NOT NULL CHECK (cost_micros >= 0),
     debited_micros   INTEGER NOT NULL CHECK (debited_micros >= 0 AND debited_micros <= cost_micros),
     status           TEXT NOT NULL,
-    created_at       REAL NOT NULL
+    created_at       REAL NOT NULL,
+    worker           TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_by_key ON usage(key_id, seq);
 CREATE TRIGGER IF NOT EXISTS usage_no_update BEFORE UPDATE ON usage
@@ -62,7 +67,53 @@ CREATE TABLE IF NOT EXISTS topups (
     micros          INTEGER NOT NULL,
     created_at      REAL NOT NULL
 );
+-- Every change to a key (the operator's console): who, what, when. Never a secret.
+CREATE TABLE IF NOT EXISTS audit (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_at      REAL NOT NULL,
+    actor           TEXT NOT NULL,
+    action          TEXT NOT NULL,
+    key_id          TEXT,
+    details         TEXT NOT NULL    -- JSON object
+);
+CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit
+    BEGIN SELECT RAISE(ABORT, 'audit is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
+    BEGIN SELECT RAISE(ABORT, 'audit is append-only'); END;
 """
+
+# Columns added after the first release: a ledger made before them gets them on open.
+_ADDED_COLUMNS = (
+    ("keys", "expires_at", "REAL"),
+    ("keys", "tokens_per_min", "INTEGER"),
+    ("keys", "daily_budget_micros", "INTEGER"),
+    ("keys", "monthly_budget_micros", "INTEGER"),
+    ("usage", "worker", "TEXT"),
+)
+
+# The time-range reads of the console and of budgets: by time over all keys, by key then time.
+INDEXES = """
+CREATE INDEX IF NOT EXISTS usage_by_time ON usage(created_at);
+CREATE INDEX IF NOT EXISTS usage_by_key_time ON usage(key_id, created_at);
+CREATE INDEX IF NOT EXISTS audit_by_key ON audit(key_id, seq);
+CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
+"""
+
+
+def apply_schema(conn: sqlite3.Connection) -> None:
+    """Create the tables, add the columns an older ledger lacks, then the indexes."""
+    conn.executescript(SCHEMA)
+    for table, column, kind in _ADDED_COLUMNS:
+        present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in present:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")  # fixed names, not input
+    conn.executescript(INDEXES)
+
+
+KEY_COLUMNS = (
+    "key_id, name, prefix, balance_micros, allowed_models, concurrency, rate_per_min, revoked, created_at,"
+    " expires_at, tokens_per_min, daily_budget_micros, monthly_budget_micros"
+)
 
 
 def hash_secret(secret: str) -> bytes:
@@ -87,6 +138,10 @@ def _key_record(row: tuple) -> KeyRecord:
         rate_per_min=row[6],
         revoked=bool(row[7]),
         created_at=row[8],
+        expires_at=row[9],
+        tokens_per_min=row[10],
+        daily_budget_micros=row[11],
+        monthly_budget_micros=row[12],
     )
 
 
@@ -130,8 +185,8 @@ def _models_json(models: Any) -> str | None:
 _KEY_BALANCE = "SELECT balance_micros FROM keys WHERE key_id = ?"
 _INSERT_USAGE = (
     "INSERT OR IGNORE INTO usage (request_id, key_id, model, input_tokens, cached_tokens,"
-    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at, worker)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _COST, _DEBITED = 7, 8  # positions in an _INSERT_USAGE row
 _NEWEST_USAGE = "SELECT request_id FROM usage ORDER BY seq DESC LIMIT ?"

@@ -1,0 +1,134 @@
+"""The SQLite ledger's reads and writes for the operator's console: the audit log, usage
+rows over a time range (paginated by seq), usage totals grouped by key / model / worker /
+day / hour, and a key's spend since a time (budgets).
+
+A mixin of SQLiteLedger (proxy/ledger/sqlite.py), which supplies `_run`. Only SQL lives
+here: what a group or a range means is decided by the caller (proxy/ledger/service.py).
+The ranges use the indexes usage_by_time(created_at) and usage_by_key_time(key_id,
+created_at) (proxy/ledger/schema.py; tests/test_admin_ledger.py checks the query plans).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from typing import Any
+
+from proxy.ledger.base import USAGE_GROUPS, AuditEntry, UsageRecord, UsageTotals
+from proxy.ledger.writer import Durability
+
+READ = Durability.READ
+
+_USAGE_ROW_COLUMNS = (
+    "seq, request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
+    " cost_micros, status, created_at, debited_micros, worker"
+)
+# Each group's SQL expression; "day" and "hour" are the UTC bucket's start in Unix seconds.
+_GROUP_SQL = {
+    "key": "key_id",
+    "model": "model",
+    "worker": "worker",
+    "day": "CAST(created_at / 86400 AS INTEGER) * 86400",
+    "hour": "CAST(created_at / 3600 AS INTEGER) * 3600",
+}
+assert set(_GROUP_SQL) == set(USAGE_GROUPS)
+_SUMS = (
+    "COUNT(*), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(output_tokens), 0),"
+    " COALESCE(SUM(reasoning_tokens), 0), COALESCE(SUM(cost_micros), 0), COALESCE(SUM(debited_micros), 0)"
+)
+
+
+def _where(since: float | None, until: float | None, key_id: str | None, model: str | None,
+           before_seq: int | None = None, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    for clause, value in (("key_id = ?", key_id), ("created_at >= ?", since), ("created_at < ?", until),
+                          ("model = ?", model), ("seq < ?", before_seq)):
+        if value is not None:
+            clauses.append(clause)
+            params.append(value)
+    if statuses:
+        clauses.append(f"status IN ({', '.join('?' for _ in statuses)})")
+        params.extend(statuses)
+    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+def _limit(limit: int) -> int:
+    return max(0, min(int(limit), 100_000))
+
+
+class ConsoleOps:
+    """The console's ledger operations over the writer; mixed into SQLiteLedger."""
+
+    async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
+        text = json.dumps(details, sort_keys=True, default=str)
+
+        def op(conn: sqlite3.Connection) -> AuditEntry:
+            now = time.time()
+            cur = conn.execute(
+                "INSERT INTO audit (created_at, actor, action, key_id, details) VALUES (?, ?, ?, ?, ?)",
+                (now, str(actor), str(action), key_id, text),
+            )
+            return AuditEntry(cur.lastrowid, now, str(actor), str(action), key_id, json.loads(text))
+
+        return await self._run(op)
+
+    async def list_audit(self, *, key_id: str | None = None, since: float | None = None,
+                         until: float | None = None, before_seq: int | None = None,
+                         limit: int = 100) -> list[AuditEntry]:
+        where, params = _where(since, until, key_id, None, before_seq)
+
+        def op(conn: sqlite3.Connection) -> list[AuditEntry]:
+            rows = conn.execute(
+                f"SELECT seq, created_at, actor, action, key_id, details FROM audit{where}"
+                " ORDER BY seq DESC LIMIT ?", (*params, _limit(limit)))
+            return [AuditEntry(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+
+        return await self._run(op, READ)
+
+    async def usage_rows(self, *, since: float | None = None, until: float | None = None,
+                         key_id: str | None = None, model: str | None = None,
+                         before_seq: int | None = None, limit: int = 100) -> list[tuple[int, UsageRecord]]:
+        where, params = _where(since, until, key_id, model, before_seq)
+
+        def op(conn: sqlite3.Connection) -> list[tuple[int, UsageRecord]]:
+            rows = conn.execute(f"SELECT {_USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC LIMIT ?",
+                                (*params, _limit(limit)))
+            return [(r[0], UsageRecord(*r[1:])) for r in rows]
+
+        return await self._run(op, READ)
+
+    async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,
+                           until: float | None = None, key_id: str | None = None,
+                           model: str | None = None, statuses: tuple[str, ...] | None = None) -> list[UsageTotals]:
+        unknown = [g for g in group_by if g not in _GROUP_SQL]
+        if unknown or len(set(group_by)) != len(group_by):
+            raise ValueError(f"group_by must be distinct names of {', '.join(USAGE_GROUPS)}, not {list(group_by)}")
+        where, params = _where(since, until, key_id, model, statuses=statuses)
+        columns = [_GROUP_SQL[g] for g in group_by]
+        select = ", ".join([*columns, _SUMS])
+        grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(columns)))}" if columns else ""
+        order = f" ORDER BY {', '.join(str(i + 1) for i in range(len(columns)))}" if columns else ""
+
+        def op(conn: sqlite3.Connection) -> list[UsageTotals]:
+            out = []
+            for row in conn.execute(f"SELECT {select} FROM usage{where}{grouping}{order}", params):
+                group = dict(zip(group_by, row[:len(columns)]))
+                out.append(UsageTotals(group, *row[len(columns):]))
+            return out
+
+        return await self._run(op, READ)
+
+    async def spend_since(self, key_id: str, since: float) -> int:
+        def op(conn: sqlite3.Connection) -> int:
+            return conn.execute(
+                "SELECT COALESCE(SUM(debited_micros), 0) FROM usage WHERE key_id = ? AND created_at >= ?",
+                (key_id, float(since)),
+            ).fetchone()[0]
+
+        return await self._run(op, READ)
+
+    async def explain(self, sql: str, params: tuple = ()) -> list[str]:
+        """SQLite's query plan of `sql` (tests check that the console's reads use the indexes)."""
+        return await self._run(lambda conn: [r[-1] for r in conn.execute("EXPLAIN QUERY PLAN " + sql, params)], READ)
