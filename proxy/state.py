@@ -62,6 +62,8 @@ KEY_CACHE = web.AppKey("key_cache", "KeyCache")  # middlewares.auth
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
 AFFINITY = web.AppKey("affinity_settings", "AffinitySettings")  # routing.affinity, parsed (proxy.upstream.affinity)
 SETTLEMENTS = web.AppKey("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
+ADMIN = web.AppKey("admin_console", "AdminConsole")  # proxy.admin: admin keys, session signer (on the admin sub-app)
+KEY_METRICS = web.AppKey("key_metrics", "KeyMetrics")  # proxy.runtime.key_metrics: per-key spend and balance
 # The embedded upstream's state (proxy.simulator.server): on the simulator's own app, not the proxy's.
 SIM_STATE = web.AppKey("simulator_state", "SimState")
 
@@ -83,6 +85,8 @@ EVENT_STREAM = web.RequestKey("event_stream", "StreamRewriter")  # the streamed 
 # The response whose headers went out (set by the last on_response_prepare hook): past that
 # point an error can no longer become an HTTP status (see proxy.http.app._after_start).
 STARTED = web.RequestKey("started_response", web.StreamResponse)
+ADMIN_ACTOR = web.RequestKey("admin_actor", str)  # proxy.admin: "admin:<name>" of an admin request
+ADMIN_SESSION = web.RequestKey("admin_session", "Session")  # proxy.admin.auth: the dashboard session, if any
 
 
 def notices(request: web.Request) -> list[str]:
