@@ -40,5 +40,10 @@ def install(app: web.Application, section: dict[str, Any]) -> web.Application | 
     routes.add_routes(admin)
     dashboard.add_routes(admin, prefix)
     admin.router.add_get("/openapi.json", openapi.handler)
+
+    async def to_page(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound(prefix + "/")  # the page's relative links need the slash
+
+    app.router.add_get(prefix, to_page)  # before the sub-app, which would take the bare prefix too
     app.add_subapp(prefix, admin)
     return admin

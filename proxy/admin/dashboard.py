@@ -37,7 +37,9 @@ def _static_files() -> dict[str, Path]:
     return {p.name: p for p in STATIC.iterdir() if p.is_file() and p.suffix in _TYPES}
 
 
-async def page(request: web.Request) -> web.Response:
+async def page(request: web.Request) -> web.StreamResponse:
+    if not request.path.endswith("/"):  # the page's relative links need the slash
+        raise web.HTTPFound(request.path + "/")
     return web.FileResponse(STATIC / "index.html", headers={
         "Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": _CSP, "Cache-Control": "no-store",
         "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"})
@@ -127,8 +129,10 @@ async def overview(request: web.Request) -> web.Response:
     top = sorted((totals_dict(t) for t in by_key), key=lambda r: (-r["cost_micros"], r["key"]))[:10]
     for row in top:
         row["name"] = names.get(row["key"], "")
+    step = 3600 if bucket == "hour" else 86400
     return json_response({
         "range": chosen, "bucket": bucket, "since": iso(since), "until": iso(until),
+        "buckets": [iso(t) for t in range(int(since // step * step), int(until) + 1, step)],
         "totals": totals_dict(total[0]) if total else {},
         "series": {"by_key": [totals_dict(t) for t in by_key_time],
                    "by_model": [totals_dict(t) for t in by_model_time]},
