@@ -62,18 +62,61 @@ async def test_totals_group_by_time_buckets_and_dimensions(ledger):
         await ledger.usage_totals(("colour",))
 
 
+async def test_totals_from_the_hourly_sums_equal_the_rows(ledger):
+    import random
+
+    rng = random.Random(18)
+    keys = [(await ledger.create_key(f"k{i}", 10**9))[1].key_id for i in range(3)]
+    base = 1_764_547_200.0
+    rows = []
+    for n in range(200):
+        at = base + rng.uniform(0, 3 * DAY)
+        usage = _usage(f"r{n}", rng.choice(keys), at, model=rng.choice(["m1", "m2"]),
+                       worker=rng.choice(["w1", None]), cost=rng.randint(1, 500),
+                       status=rng.choice(["completed", "failed"]))
+        assert await ledger.settle(usage.request_id, usage)
+        rows.append(usage)
+    bounds = [None, base, base + 3600, base + 5000.5, base + DAY, base + DAY + 59.25, base + 3 * DAY]
+    for _ in range(40):
+        since, until = rng.choice(bounds), rng.choice(bounds)
+        if since is not None and until is not None and until <= since:
+            continue
+        group_by = tuple(rng.sample(["key", "model", "worker", rng.choice(["day", "hour"])], rng.randint(0, 3)))
+        found = await ledger.usage_totals(group_by, since=since, until=until)
+        expected: dict[tuple, list[int]] = {}
+        for u in rows:
+            if (since is not None and u.created_at < since) or (until is not None and u.created_at >= until):
+                continue
+            values = {"key": u.key_id, "model": u.model, "worker": u.worker,
+                      "day": int(u.created_at // DAY * DAY), "hour": int(u.created_at // 3600 * 3600)}
+            sums = expected.setdefault(tuple(values[g] for g in group_by), [0, 0, 0])
+            sums[0] += 1
+            sums[1] += u.cost_micros
+            sums[2] += u.input_tokens
+        if not group_by and not expected:
+            expected[()] = [0, 0, 0]
+        got = {tuple(t.group[g] for g in group_by): [t.requests, t.cost_micros, t.input_tokens] for t in found}
+        assert got == expected, (group_by, since, until)
+        failed = await ledger.usage_totals((), since=since, until=until, statuses=("failed",))
+        assert failed[0].requests == sum(1 for u in rows if u.status == "failed"
+                                         and (since is None or u.created_at >= since)
+                                         and (until is None or u.created_at < until))
+
+
 async def test_console_reads_use_the_indexes(ledger):
     plans = {
         "by time": ("SELECT COUNT(*), SUM(cost_micros) FROM usage WHERE created_at >= ? AND created_at < ?",
                     (0.0, 1.0), "usage_by_time"),
         "by key and time": ("SELECT COALESCE(SUM(debited_micros), 0) FROM usage WHERE key_id = ? AND created_at >= ?",
-                            ("k", 0.0), "usage_by_key_time"),
+                            ("k", 0.0), "COVERING INDEX usage_by_key_time"),
+        "hourly sums": ("SELECT key_id, SUM(cost_micros) FROM usage_hourly WHERE hour >= ? AND hour < ? GROUP BY 1",
+                        (0, 3600), "PRIMARY KEY"),
         "audit by key": ("SELECT * FROM audit WHERE key_id = ? ORDER BY seq DESC LIMIT 5", ("k",), "audit_by_key"),
     }
     for what, (sql, params, index) in plans.items():
         plan = " ".join(await ledger.explain(sql, params))
         assert index in plan, (what, plan)
-        assert "SCAN usage" not in plan and "SCAN audit" not in plan, (what, plan)
+        assert "SCAN usage " not in plan + " " and "SCAN audit" not in plan, (what, plan)
 
 
 async def test_audit_is_append_only_and_service_audits_every_change(ledger):
@@ -139,6 +182,8 @@ async def test_a_ledger_from_before_the_console_is_migrated(tmp_path):
         assert record.balance_micros == 500 and record.tokens_per_min is None and record.expires_at is None
         ((_, row),) = await ledger.usage_rows()
         assert row.worker is None and row.request_id == "r0"
+        (total,) = await ledger.usage_totals(())  # the hourly sums were filled from the old rows
+        assert total.requests == 1 and total.cost_micros == 3
         await ledger.set_limits("key_old", tokens_per_min=100)
         assert (await ledger.get_key("key_old")).tokens_per_min == 100
 

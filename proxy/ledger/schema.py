@@ -91,23 +91,70 @@ _ADDED_COLUMNS = (
     ("usage", "worker", "TEXT"),
 )
 
-# The time-range reads of the console and of budgets: by time over all keys, by key then time.
+# The time-range reads of the console and of budgets: by time over all keys, by key then
+# time (covering the debit: a budget check reads the index alone).
 INDEXES = """
 CREATE INDEX IF NOT EXISTS usage_by_time ON usage(created_at);
-CREATE INDEX IF NOT EXISTS usage_by_key_time ON usage(key_id, created_at);
+CREATE INDEX IF NOT EXISTS usage_by_key_time ON usage(key_id, created_at, debited_micros);
 CREATE INDEX IF NOT EXISTS audit_by_key ON audit(key_id, seq);
 CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
 """
 
+# Usage summed per UTC hour, key, model and worker, kept by a trigger in the transaction that
+# inserts the usage row: reports over days or months read these sums instead of every row
+# (proxy/ledger/sqlite_console.py). Derived data: rebuilt from usage when it is missing.
+_ROLLUP_SUMS = "input_tokens, cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros"
+ROLLUP = f"""
+CREATE TABLE IF NOT EXISTS usage_hourly (
+    hour             INTEGER NOT NULL,   -- Unix seconds of the UTC hour's start
+    key_id           TEXT NOT NULL,
+    model            TEXT NOT NULL,
+    worker           TEXT NOT NULL,      -- '' for rows without one
+    requests         INTEGER NOT NULL,
+    input_tokens     INTEGER NOT NULL,
+    cached_tokens    INTEGER NOT NULL,
+    output_tokens    INTEGER NOT NULL,
+    reasoning_tokens INTEGER NOT NULL,
+    cost_micros      INTEGER NOT NULL,
+    debited_micros   INTEGER NOT NULL,
+    PRIMARY KEY (hour, key_id, model, worker)
+) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS usage_rollup AFTER INSERT ON usage BEGIN
+    INSERT INTO usage_hourly VALUES (CAST(NEW.created_at / 3600 AS INTEGER) * 3600, NEW.key_id, NEW.model,
+        COALESCE(NEW.worker, ''), 1, NEW.input_tokens, NEW.cached_tokens, NEW.output_tokens,
+        NEW.reasoning_tokens, NEW.cost_micros, NEW.debited_micros)
+    ON CONFLICT (hour, key_id, model, worker) DO UPDATE SET requests = requests + 1,
+        input_tokens = input_tokens + excluded.input_tokens, cached_tokens = cached_tokens + excluded.cached_tokens,
+        output_tokens = output_tokens + excluded.output_tokens,
+        reasoning_tokens = reasoning_tokens + excluded.reasoning_tokens,
+        cost_micros = cost_micros + excluded.cost_micros, debited_micros = debited_micros + excluded.debited_micros;
+END;
+"""
+_ROLLUP_BACKFILL = (
+    "INSERT OR IGNORE INTO usage_hourly SELECT CAST(created_at / 3600 AS INTEGER) * 3600, key_id, model,"
+    f" COALESCE(worker, ''), COUNT(*), {', '.join(f'SUM({c})' for c in _ROLLUP_SUMS.split(', '))}"
+    " FROM usage GROUP BY 1, 2, 3, 4"
+)
+
 
 def apply_schema(conn: sqlite3.Connection) -> None:
-    """Create the tables, add the columns an older ledger lacks, then the indexes."""
+    """Create the tables, add the columns an older ledger lacks, then the indexes and the
+    hourly rollup (filled from the usage rows when it is new)."""
     conn.executescript(SCHEMA)
     for table, column, kind in _ADDED_COLUMNS:
         present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         if column not in present:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")  # fixed names, not input
+    old_index = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'usage_by_key_time'").fetchone()
+    if old_index and "debited_micros" not in old_index[0]:
+        conn.execute("DROP INDEX usage_by_key_time")
     conn.executescript(INDEXES)
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'usage_hourly'").fetchone() is None:
+        # One transaction: the table, its trigger and the sums of the rows already there, so
+        # a row another process inserts meanwhile is counted exactly once (OR IGNORE: a
+        # process that raced this one to it has filled it already, and its trigger ran since).
+        conn.executescript(f"BEGIN IMMEDIATE; {ROLLUP} {_ROLLUP_BACKFILL}; COMMIT;")
+
 
 
 KEY_COLUMNS = (

@@ -11,6 +11,7 @@ created_at) (proxy/ledger/schema.py; tests/test_admin_ledger.py checks the query
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import time
 from typing import Any
@@ -33,6 +34,19 @@ _GROUP_SQL = {
     "hour": "CAST(created_at / 3600 AS INTEGER) * 3600",
 }
 assert set(_GROUP_SQL) == set(USAGE_GROUPS)
+# The same groups over usage_hourly (proxy/ledger/schema.py: ROLLUP).
+_ROLLUP_GROUP_SQL = {
+    "key": "key_id",
+    "model": "model",
+    "worker": "NULLIF(worker, '')",
+    "day": "CAST(hour / 86400 AS INTEGER) * 86400",
+    "hour": "hour",
+}
+_ROLLUP_SUMS = (
+    "COALESCE(SUM(requests), 0), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
+    " COALESCE(SUM(output_tokens), 0), COALESCE(SUM(reasoning_tokens), 0), COALESCE(SUM(cost_micros), 0),"
+    " COALESCE(SUM(debited_micros), 0)"
+)
 _SUMS = (
     "COUNT(*), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(output_tokens), 0),"
     " COALESCE(SUM(reasoning_tokens), 0), COALESCE(SUM(cost_micros), 0), COALESCE(SUM(debited_micros), 0)"
@@ -52,6 +66,29 @@ def _where(since: float | None, until: float | None, key_id: str | None, model: 
         clauses.append(f"status IN ({', '.join('?' for _ in statuses)})")
         params.extend(statuses)
     return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+def _split_hours(since: float | None, until: float | None) -> tuple[list[tuple], tuple | None]:
+    """[since, until) as (the ragged ends, each a (lo, hi) range of rows; the whole UTC hours
+    between them as (first hour, end) for the hourly sums, None when there is none)."""
+    lo = None if since is None else -(-int(math.ceil(since)) // 3600) * 3600
+    hi = None if until is None else int(until) // 3600 * 3600
+    if lo is not None and hi is not None and lo >= hi:
+        return [(since, until)], None
+    raw = []
+    if since is not None and lo > since:
+        raw.append((since, float(lo)))
+    if until is not None and hi < until:
+        raw.append((float(hi), until))
+    return raw, (lo, hi)
+
+
+def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], table: str, where: str, params: list,
+                rolled: bool = False) -> tuple[str, list]:
+    exprs = [columns[g] for g in group_by]
+    select = ", ".join([*exprs, _ROLLUP_SUMS if rolled else _SUMS])
+    grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(exprs)))}" if exprs else ""
+    return f"SELECT {select} FROM {table}{where}{grouping}", params
 
 
 def _limit(limit: int) -> int:
@@ -106,18 +143,31 @@ class ConsoleOps:
         unknown = [g for g in group_by if g not in _GROUP_SQL]
         if unknown or len(set(group_by)) != len(group_by):
             raise ValueError(f"group_by must be distinct names of {', '.join(USAGE_GROUPS)}, not {list(group_by)}")
-        where, params = _where(since, until, key_id, model, statuses=statuses)
-        columns = [_GROUP_SQL[g] for g in group_by]
-        select = ", ".join([*columns, _SUMS])
-        grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(columns)))}" if columns else ""
-        order = f" ORDER BY {', '.join(str(i + 1) for i in range(len(columns)))}" if columns else ""
+        # Whole hours come from the hourly sums; the ragged ends of the range, and any
+        # status filter (the sums do not keep statuses), from the rows.
+        raw, whole = ([(since, until)], None) if statuses else _split_hours(since, until)
+        queries = [_totals_sql(group_by, _GROUP_SQL, "usage", *_where(lo, hi, key_id, model, statuses=statuses))
+                   for lo, hi in raw]
+        if whole is not None:
+            where, params = _where(None, None, key_id, model)
+            for clause, value in (("hour >= ?", whole[0]), ("hour < ?", whole[1])):
+                if value is not None:
+                    where += (" AND " if where else " WHERE ") + clause
+                    params.append(value)
+            queries.append(_totals_sql(group_by, _ROLLUP_GROUP_SQL, "usage_hourly", where, params, rolled=True))
 
         def op(conn: sqlite3.Connection) -> list[UsageTotals]:
-            out = []
-            for row in conn.execute(f"SELECT {select} FROM usage{where}{grouping}{order}", params):
-                group = dict(zip(group_by, row[:len(columns)]))
-                out.append(UsageTotals(group, *row[len(columns):]))
-            return out
+            sums: dict[tuple, list[int]] = {}
+            for sql, params in queries:
+                for row in conn.execute(sql, params):
+                    group, values = tuple(row[:len(group_by)]), row[len(group_by):]
+                    found = sums.setdefault(group, [0] * len(values))
+                    for i, value in enumerate(values):
+                        found[i] += value
+            if not group_by and not sums:
+                sums[()] = [0] * 7
+            order = sorted(sums, key=lambda g: tuple((v is not None, v if v is not None else 0) for v in g))
+            return [UsageTotals(dict(zip(group_by, group)), *sums[group]) for group in order]
 
         return await self._run(op, READ)
 
