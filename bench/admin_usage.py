@@ -1,7 +1,8 @@
 """The console's reads on a big ledger: `python -m bench.admin_usage [--rows 1000000]`.
 
-Builds a SQLite ledger (the real schema and indexes, proxy/ledger/schema.py) holding
---rows usage rows spread over 30 days, 1,000 keys, 8 models and 4 workers, then times
+Builds a SQLite ledger (the real schema, indexes and hourly sums, proxy/ledger/schema.py)
+holding --rows usage rows spread over 30 days, 1,000 keys (a few of them carrying most of
+the traffic), 8 models and 4 workers, then times
 through SQLiteLedger (the writer thread, as the admin API calls it) the reads the admin API
 and the dashboard make. Prints a Markdown table for bench/results.md ("Design measurements").
 Not part of `make test` (building the file takes a while); tests/test_admin_ledger.py checks
@@ -19,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from proxy.ledger.schema import _ROLLUP_BACKFILL
 from proxy.ledger.service import period_starts
 from proxy.ledger.sqlite import SQLiteLedger
 
@@ -52,6 +54,9 @@ def build(path: Path, rows: int, keys: int = 1000, seed: int = 7) -> float:
         "INSERT INTO usage (request_id, key_id, model, input_tokens, cached_tokens, output_tokens,"
         " reasoning_tokens, cost_micros, debited_micros, status, created_at, worker)"
         " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", gen())
+    # the hourly sums, as settles and lease commits add to them row by row
+    conn.execute("DELETE FROM usage_hourly")
+    conn.execute(_ROLLUP_BACKFILL)
     conn.execute("COMMIT")
     conn.execute("ANALYZE")
     conn.close()

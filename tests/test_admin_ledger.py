@@ -74,8 +74,14 @@ async def test_totals_from_the_hourly_sums_equal_the_rows(ledger):
         usage = _usage(f"r{n}", rng.choice(keys), at, model=rng.choice(["m1", "m2"]),
                        worker=rng.choice(["w1", None]), cost=rng.randint(1, 500),
                        status=rng.choice(["completed", "failed"]))
-        assert await ledger.settle(usage.request_id, usage)
+        if n % 2:  # both ways rows are recorded: one settle, or a lease's batch commit
+            assert await ledger.settle(usage.request_id, usage)
+        else:
+            results, _ = await ledger.lease_commit([("lease:test", usage)], [])
+            assert results == [usage.cost_micros]
         rows.append(usage)
+    again, _ = await ledger.lease_commit([("lease:test", rows[0])], [])  # recorded already: not summed twice
+    assert again == [None]
     bounds = [None, base, base + 3600, base + 5000.5, base + DAY, base + DAY + 59.25, base + 3 * DAY]
     for _ in range(40):
         since, until = rng.choice(bounds), rng.choice(bounds)

@@ -100,11 +100,12 @@ CREATE INDEX IF NOT EXISTS audit_by_key ON audit(key_id, seq);
 CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
 """
 
-# Usage summed per UTC hour, key, model and worker, kept by a trigger in the transaction that
-# inserts the usage row: reports over days or months read these sums instead of every row
-# (proxy/ledger/sqlite_console.py). Derived data: rebuilt from usage when it is missing.
+# Usage summed per UTC hour, key, model and worker, added to in the transaction that inserts
+# the usage rows (roll_up below, called by settle and lease_commit: one upsert per group of a
+# batch, not per row): reports over days or months read these sums instead of every row
+# (proxy/ledger/sqlite_console.py). Derived data: filled from the usage rows when missing.
 _ROLLUP_SUMS = "input_tokens, cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros"
-ROLLUP = f"""
+ROLLUP = """
 CREATE TABLE IF NOT EXISTS usage_hourly (
     hour             INTEGER NOT NULL,   -- Unix seconds of the UTC hour's start
     key_id           TEXT NOT NULL,
@@ -119,22 +120,40 @@ CREATE TABLE IF NOT EXISTS usage_hourly (
     debited_micros   INTEGER NOT NULL,
     PRIMARY KEY (hour, key_id, model, worker)
 ) WITHOUT ROWID;
-CREATE TRIGGER IF NOT EXISTS usage_rollup AFTER INSERT ON usage BEGIN
-    INSERT INTO usage_hourly VALUES (CAST(NEW.created_at / 3600 AS INTEGER) * 3600, NEW.key_id, NEW.model,
-        COALESCE(NEW.worker, ''), 1, NEW.input_tokens, NEW.cached_tokens, NEW.output_tokens,
-        NEW.reasoning_tokens, NEW.cost_micros, NEW.debited_micros)
-    ON CONFLICT (hour, key_id, model, worker) DO UPDATE SET requests = requests + 1,
-        input_tokens = input_tokens + excluded.input_tokens, cached_tokens = cached_tokens + excluded.cached_tokens,
-        output_tokens = output_tokens + excluded.output_tokens,
-        reasoning_tokens = reasoning_tokens + excluded.reasoning_tokens,
-        cost_micros = cost_micros + excluded.cost_micros, debited_micros = debited_micros + excluded.debited_micros;
-END;
 """
 _ROLLUP_BACKFILL = (
     "INSERT OR IGNORE INTO usage_hourly SELECT CAST(created_at / 3600 AS INTEGER) * 3600, key_id, model,"
     f" COALESCE(worker, ''), COUNT(*), {', '.join(f'SUM({c})' for c in _ROLLUP_SUMS.split(', '))}"
     " FROM usage GROUP BY 1, 2, 3, 4"
 )
+_ROLLUP_ADD = (
+    "INSERT INTO usage_hourly VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (hour, key_id, model, worker) DO UPDATE SET requests = requests + excluded.requests,"
+    " input_tokens = input_tokens + excluded.input_tokens, cached_tokens = cached_tokens + excluded.cached_tokens,"
+    " output_tokens = output_tokens + excluded.output_tokens,"
+    " reasoning_tokens = reasoning_tokens + excluded.reasoning_tokens,"
+    " cost_micros = cost_micros + excluded.cost_micros, debited_micros = debited_micros + excluded.debited_micros"
+)
+
+
+def roll_up(conn: sqlite3.Connection, inserted: list[tuple[tuple, int]]) -> None:
+    """Add usage rows just inserted (each an _INSERT_USAGE row and its debit) to the hourly
+    sums, in the caller's transaction."""
+    groups: dict[tuple, list[int]] = {}
+    for row, debit in inserted:
+        worker = row[11]
+        group = (int(row[10] // 3600) * 3600, row[1], row[2], "" if worker is None else worker)
+        sums = groups.get(group)
+        if sums is None:
+            sums = groups[group] = [0, 0, 0, 0, 0, 0, 0]
+        sums[0] += 1
+        sums[1] += row[3]
+        sums[2] += row[4]
+        sums[3] += row[5]
+        sums[4] += row[6]
+        sums[5] += row[7]
+        sums[6] += debit
+    conn.executemany(_ROLLUP_ADD, [(*group, *sums) for group, sums in groups.items()])
 
 
 def apply_schema(conn: sqlite3.Connection) -> None:
@@ -150,9 +169,8 @@ def apply_schema(conn: sqlite3.Connection) -> None:
         conn.execute("DROP INDEX usage_by_key_time")
     conn.executescript(INDEXES)
     if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'usage_hourly'").fetchone() is None:
-        # One transaction: the table, its trigger and the sums of the rows already there, so
-        # a row another process inserts meanwhile is counted exactly once (OR IGNORE: a
-        # process that raced this one to it has filled it already, and its trigger ran since).
+        # One transaction: the table and the sums of the rows already there; a process that
+        # raced this one to it filled it already (OR IGNORE), and adds its own rows since.
         conn.executescript(f"BEGIN IMMEDIATE; {ROLLUP} {_ROLLUP_BACKFILL}; COMMIT;")
 
 

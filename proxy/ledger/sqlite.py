@@ -61,6 +61,7 @@ from proxy.ledger.schema import (
     _REDUCE_LEASE,
     _usage_record,
     hash_secret,
+    roll_up,
     new_secret,
     apply_schema,
 )
@@ -287,6 +288,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             if debit:
                 conn.execute(_DEBIT_KEY, (debit, key_id))
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
+            roll_up(conn, [((request_id, key_id, model, *counts, cost, debit, status, created_at, worker), debit)])
             return debit
 
         debited = await self._run(op, LINGER if linger else SYNC)
@@ -385,6 +387,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         def op(conn: sqlite3.Connection) -> tuple[list, set[str]]:
             now = time.time()
             results, debits, taken = _record_usage(conn, rows, lease_ids)
+            roll_up(conn, [(row, debit) for row, debit in zip(rows, results) if type(debit) is int])
             for key_id, debit in debits.items():
                 if debit:
                     conn.execute(_DEBIT_KEY, (debit, key_id))
