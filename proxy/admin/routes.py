@@ -29,7 +29,7 @@ from proxy.ledger.service import (
     USAGE_FIELDS,
     KeyService,
     UsageQuery,
-    _bounded_int,
+    bounded_int,
     iso,
     key_dict,
     parse_time,
@@ -168,8 +168,8 @@ async def audit(request: web.Request) -> web.Response:
     q = request.query
     try:
         since, until = parse_time(q.get("since"), "since"), parse_time(q.get("until"), "until")
-        limit = _bounded_int(q.get("limit"), "limit", 100, 1, 1000)
-        cursor = _bounded_int(q.get("cursor"), "cursor", None, 1, 2**63 - 1)
+        limit = bounded_int(q.get("limit"), "limit", 100, 1, 1000)
+        cursor = bounded_int(q.get("cursor"), "cursor", None, 1, 2**63 - 1)
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
     entries = await guarded(ledger_of(request).list_audit(

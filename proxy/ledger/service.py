@@ -251,8 +251,8 @@ class UsageQuery:
         self.format = (params.get("format") or "json").lower()
         if self.format not in ("json", "csv"):
             raise ValueError("format must be json or csv")
-        self.limit = _bounded_int(params.get("limit"), "limit", 100, 1, MAX_PAGE)
-        self.cursor = _bounded_int(params.get("cursor"), "cursor", None, 1, MAX_AMOUNT)
+        self.limit = bounded_int(params.get("limit"), "limit", 100, 1, MAX_PAGE)
+        self.cursor = bounded_int(params.get("cursor"), "cursor", None, 1, MAX_AMOUNT)
         raw = params.get("group_by") or ""
         groups = tuple(g.strip() for g in (raw.split(",") if isinstance(raw, str) else raw) if g.strip())
         bad = [g for g in groups if g not in USAGE_GROUPS]
@@ -275,7 +275,7 @@ class UsageQuery:
                                          key_id=self.key_id, model=self.model)
 
 
-def _bounded_int(value: Any, what: str, default: Any, lo: int, hi: int) -> Any:
+def bounded_int(value: Any, what: str, default: Any, lo: int, hi: int) -> Any:
     if value is None or value == "":
         return default
     try:
