@@ -220,7 +220,11 @@ async def test_session_cookie_signed_expiring_and_csrf_on_writes(admin_proxy):
         assert r.status == 403 and (await r.json())["error"]["code"] == "csrf_failed"
         r = await s.post(p.url + "/admin/api/keys", json={"name": "via-session"}, headers={"X-CSRF-Token": "x" * 43})
         assert r.status == 403
-        r = await s.post(p.url + "/admin/api/keys", json={"name": "via-session"}, headers={"X-CSRF-Token": token})
+        r = await s.post(p.url + "/admin/api/keys", json={"name": "via-session"},
+                         headers={"X-CSRF-Token": token, "Origin": "https://evil.example"})
+        assert r.status == 403  # the right token from another site's page (it could not read it, but still)
+        r = await s.post(p.url + "/admin/api/keys", json={"name": "via-session"},
+                         headers={"X-CSRF-Token": token, "Origin": p.url})
         assert r.status == 201
         key_id = (await r.json())["key"]["key_id"]
         entry = (await p.ledger.list_audit(key_id=key_id))[0]

@@ -9,7 +9,8 @@ dashboard's session cookie.
     but GET/HEAD) made with it also needs `X-CSRF-Token`, the HMAC of the session id under
     the same signing key (handed out by login and GET <prefix>/api/session): a page of
     another site can make the browser send the cookie, not read the token. Bearer calls
-    need no CSRF token (nothing ambient: the caller sends the key itself).
+    need no CSRF token (nothing ambient: the caller sends the key itself). A session write
+    whose Origin header names another host is refused too.
 
 Admin keys are kept as sha256 only, compared in constant time against every entry.
 The signing key is admin.session_secret when set, else random per process.
@@ -26,6 +27,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -160,6 +162,15 @@ def _admin_keys(raw: list[Any]) -> list[tuple[str, bytes]]:
     return out
 
 
+def _same_origin(request: web.Request) -> bool:
+    """No Origin header (not a browser, or an old one), or one naming this host: a second
+    line behind the CSRF token (the scheme is not compared: TLS may end in front of us)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return True
+    return urlsplit(origin).netloc.lower() == (request.host or "").lower()
+
+
 def bearer(request: web.Request) -> str | None:
     """The bearer token of the request; APIError for a malformed or doubled header."""
     headers = request.headers.getall("Authorization", None)
@@ -202,9 +213,10 @@ def guard(auth: AdminAuth, prefix: str):
         session = auth.verify(request.cookies.get(COOKIE))
         if session is None:
             raise unauthorized()
-        if request.method not in SAFE_METHODS and not auth.csrf_ok(session, request.headers.get(CSRF_HEADER)):
-            raise APIError(403, f"A write with the dashboard session needs the {CSRF_HEADER} header.",
-                           code="csrf_failed")
+        if request.method not in SAFE_METHODS and not (
+                auth.csrf_ok(session, request.headers.get(CSRF_HEADER)) and _same_origin(request)):
+            raise APIError(403, f"A write with the dashboard session needs the {CSRF_HEADER} header "
+                           "and, when the browser sends an Origin, this host's.", code="csrf_failed")
         request[state.ADMIN_ACTOR] = "admin:" + session.name
         request[state.ADMIN_SESSION] = session
         return await handler(request)
