@@ -300,3 +300,53 @@ async def test_admin_openapi_describes_every_route(admin_proxy):
                 served.add((path, route.method.lower()))
     documented = {(path, method) for path, item in doc["paths"].items() for method in item if method != "parameters"}
     assert served == documented
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"keys": [{"name": "ops", "key": "short"}]}, "at least 16"),
+    ({"keys": [{"name": "ops", "key": ADMIN_KEY}, {"name": "ops", "key": OTHER_ADMIN}]}, "duplicate"),
+    ({"keys": [{"name": "ops", "key": ADMIN_KEY, "sha256": "0" * 64}]}, "exactly one"),
+    ({"keys": [{"name": "ops", "sha256": "xyz"}]}, "64 hex"),
+    ({"keys": [{"name": "ops", "key": ADMIN_KEY}], "prefix": "/v1/admin"}, "prefix"),
+    ({"keys": [{"name": "ops", "key": ADMIN_KEY}], "session_secret": "tiny"}, "session_secret"),
+])
+def test_bad_admin_sections_stop_start_up(section, message):
+    from proxy.config.load import Config, ConfigError
+    from proxy.http.app import build_app
+
+    with pytest.raises(ConfigError, match=message):
+        build_app(Config.from_dict({"admin": section}))
+
+
+async def test_admin_key_given_as_sha256_and_another_prefix(make_proxy):
+    import hashlib
+
+    p = await make_proxy({"admin": {"keys": [{"name": "hashed", "sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}],
+                                    "prefix": "/console"}})
+    async with aiohttp.ClientSession() as s:
+        assert (await s.get(p.url + "/console/api/keys", headers=_h())).status == 200
+        assert (await s.get(p.url + "/admin/api/keys", headers=_h())).status == 404
+        doc = await (await s.get(p.url + "/console/openapi.json")).json()
+        assert doc["servers"] == [{"url": "/console"}]
+        r = await s.get(p.url + "/console", allow_redirects=False)
+        assert r.status == 302 and r.headers["Location"] == "/console/"
+
+
+async def test_dashboard_page_loads_only_its_own_files(admin_proxy):
+    import re
+
+    p = admin_proxy
+    async with aiohttp.ClientSession() as s:
+        r = await s.get(p.url + "/admin/")
+        html = await r.text()
+        csp = r.headers["Content-Security-Policy"]
+        assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp and "unsafe" not in csp
+        assert r.headers["Cache-Control"] == "no-store"
+        sources = re.findall(r'(?:src|href)="([^"]+)"', html)
+        assert sources and all(not re.match(r"^[a-z]+://|^//", src) for src in sources), sources
+        for src in sources:
+            if src.startswith("static/"):
+                assert (await s.get(p.url + "/admin/" + src)).status == 200, src
+        assert (await s.get(p.url + "/admin/static/..%2fauth.py")).status == 404
+        assert (await s.get(p.url + "/admin/static/../auth.py")).status in (401, 404)  # the client resolves ..
+        assert (await s.get(p.url + "/admin/static/VENDOR.md")).status == 404  # only the page's own kinds
