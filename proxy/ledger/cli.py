@@ -207,16 +207,19 @@ def _key_line(record: KeyRecord) -> str:
     models = ",".join(record.allowed_models) if record.allowed_models is not None else "*"
     conc = "-" if record.concurrency is None else str(record.concurrency)
     rate = "-" if record.rate_per_min is None else str(record.rate_per_min)
+    tpm = "-" if record.tokens_per_min is None else str(record.tokens_per_min)
+    budgets = "/".join("-" if b is None else str(b) for b in (record.daily_budget_micros, record.monthly_budget_micros))
+    expires = (iso(record.expires_at) or "-")[:10]
     return (
         f"{record.key_id:<20} {record.name[:24]:<24} {record.prefix + '...':<16} "
         f"{record.balance_micros:>16} {_money(record.balance_micros):>14} {models[:30]:<30} "
-        f"{conc:>5} {rate:>6} {'yes' if record.revoked else 'no':>7}"
+        f"{conc:>5} {rate:>6} {tpm:>8} {budgets:>21} {expires:>10} {'yes' if record.revoked else 'no':>7}"
     )
 
 
 _KEY_HEADER = (
-    f"{'KEY_ID':<20} {'NAME':<24} {'PREFIX':<12} {'BALANCE_MICROS':>16} {'BALANCE':>14} {'MODELS':<30} "
-    f"{'CONC':>5} {'RATE':>6} {'REVOKED':>7}"
+    f"{'KEY_ID':<20} {'NAME':<24} {'PREFIX':<16} {'BALANCE_MICROS':>16} {'BALANCE':>14} {'MODELS':<30} "
+    f"{'CONC':>5} {'RATE':>6} {'TPM':>8} {'BUDGET_DAY/MONTH':>21} {'EXPIRES':>10} {'REVOKED':>7}"
 )
 
 
