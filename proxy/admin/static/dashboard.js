@@ -70,7 +70,7 @@
       const byBucket = new Map(rows.filter((r) => r[dim] === g).map((r) => [r[bucket], value(r)]));
       const colour = palette[i % palette.length];
       return { label: (names && names[g]) ? names[g] + " (" + g + ")" : String(g), borderColor: colour,
-               backgroundColor: colour + "55", data: labels.map((l) => byBucket.get(l) || 0), tension: 0.2,
+               backgroundColor: colour + "55", data: labels.map((l) => byBucket.get(l) || 0), cubicInterpolationMode: "monotone",
                pointRadius: 2 };
     });
     return { labels: labels.map((l) => bucketLabel(l, bucket)), datasets: datasets };
