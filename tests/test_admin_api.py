@@ -12,6 +12,7 @@ import json
 import time
 
 import aiohttp
+import yarl
 import pytest
 
 from proxy.admin.auth import COOKIE, AdminAuth
@@ -229,9 +230,13 @@ async def test_session_cookie_signed_expiring_and_csrf_on_writes(admin_proxy):
         key_id = (await r.json())["key"]["key_id"]
         entry = (await p.ledger.list_audit(key_id=key_id))[0]
         assert entry.actor == "admin:ops"
+        cookie = jar.filter_cookies(yarl.URL(p.url + "/admin/"))[COOKIE].value
         r = await s.post(p.url + "/admin/api/logout", headers={"X-CSRF-Token": token})
         assert r.status == 200
         assert (await s.get(p.url + "/admin/api/keys")).status == 401
+    async with aiohttp.ClientSession() as s:  # the cookie kept by someone else is refused too
+        r = await s.get(p.url + "/admin/api/keys", headers={"Cookie": f"{COOKIE}={cookie}"})
+        assert r.status == 401
     # a forged or tampered cookie, an expired one, one signed with another secret
     auth = AdminAuth({"keys": [{"name": "ops", "key": ADMIN_KEY}], "session_secret": "s" * 32})
     good, _ = auth.issue("ops")

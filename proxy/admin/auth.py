@@ -72,6 +72,7 @@ class AdminAuth:
     def __init__(self, section: dict[str, Any]) -> None:
         self.keys = _admin_keys(section.get("keys") or [])
         self.prefix = "/admin"  # set by proxy.admin.install
+        self.logged_out: dict[str, float] = {}  # session id -> its expiry: refused until then
         self.ttl = int(section.get("session_ttl_s", 28800))
         self.secure = bool(section.get("cookie_secure", False))
         secret = section.get("session_secret")
@@ -122,7 +123,16 @@ class AdminAuth:
             return None
         if session.name not in {name for name, _ in self.keys}:
             return None  # the admin key was removed from the config since
+        if session.sid in self.logged_out:
+            return None
         return session
+
+    def log_out(self, session: Session, now: float | None = None) -> None:
+        """Refuse this session from now on, in this process (another process of serve
+        --workers N still takes it until it expires; the browser drops the cookie anyway)."""
+        now = time.time() if now is None else now
+        self.logged_out = {sid: exp for sid, exp in self.logged_out.items() if exp > now}  # bounded by the ttl
+        self.logged_out[session.sid] = session.expires_at
 
     def csrf_token(self, session: Session) -> str:
         return _b64(self._mac(b"csrf\0" + session.sid.encode()))

@@ -88,7 +88,11 @@ async def session_info(request: web.Request) -> web.Response:
 def _logout_handler(prefix: str):
     async def logout(request: web.Request) -> web.Response:
         response = json_response({"logged_out": True})
-        request.app[state.ADMIN].clear_cookie(response, prefix)
+        auth = request.app[state.ADMIN]
+        session = request.get(state.ADMIN_SESSION)
+        if session is not None:
+            auth.log_out(session)
+        auth.clear_cookie(response, prefix)
         return response
     return logout
 
