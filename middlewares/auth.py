@@ -1,7 +1,7 @@
 """API keys: `Authorization: Bearer <key>` on the API routes.
 
-Guarded: /v1/responses, /v1/responses/input_tokens and /v1/models (as on OpenAI, listing
-models needs a key), by path, whatever the method (HEAD /v1/models too); a method a guarded
+Guarded: /v1/responses, /v1/responses/input_tokens, /v1/models (as on OpenAI, listing
+models needs a key) and /v1/key (the caller's own key), by path, whatever the method (HEAD /v1/models too); a method a guarded
 path does not serve still gets its 405. The probes (/livez, /healthz, /readyz) and /metrics
 stay open. Auth is the first phase after the envelope (middlewares/__init__.py), so a
 request without a valid key is refused from its headers alone: its body is never read, and
@@ -31,7 +31,7 @@ memory or evict real ones; each costs one indexed read, as before). Consequences
   * a cached KeyRecord's balance_micros is as old as the entry; nothing on the request
     path reads it (the balance middleware asks the ledger).
 
-Every failure (missing header, another scheme, unknown or revoked key) is the same 401
+Every failure (missing header, another scheme, unknown, revoked or expired key) is the same 401
 `invalid_api_key`, whose message never repeats what was sent. Two Authorization headers
 are a 400 `duplicate_header` (which one counts would depend on the software reading them).
 A key limited to some models gets 403 `model_not_allowed` for the others (checked by the
@@ -66,7 +66,7 @@ from proxy.state import KEY_CACHE, RequestContext
 STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
 
-_GUARDED = frozenset({"/v1/responses", "/v1/responses/input_tokens", "/v1/models"})
+_GUARDED = frozenset({"/v1/responses", "/v1/responses/input_tokens", "/v1/models", "/v1/key"})
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
 
@@ -281,7 +281,7 @@ def create(section: dict[str, Any], app: web.Application):
                     record = await ledger.lookup_key(secret)
                     if record is not None and not record.revoked:
                         cache.put(digest, record, generation)
-        if record is None or record.revoked:
+        if record is None or record.revoked or record.expires_at is not None and record.expired():
             return await _refuse(request, ctx, call_next, _unauthorized(
                 "Incorrect API key provided, or the key was revoked."))
         ctx.key = record

@@ -49,6 +49,13 @@ cancellation cannot reach and shutdown waits for:
     print the billed figures.
   * the model server was never reached, or refused before producing anything -> release.
 
+Budgets. A key with daily_budget_micros / monthly_budget_micros (UTC day, calendar month)
+is refused with 402 budget_exceeded once its settled spend in the period reaches the
+budget, and a request's hold (so its output cap) is kept within what is left
+(proxy.ledger.service.budget_room: one indexed read per budget, only for keys with one).
+Requests in flight are not in the spend yet: concurrent ones may pass a budget by their
+holds; the prepaid balance stays the hard bound.
+
 Leases. The ledger calls go through proxy.ledger.lease.Leases (one per app): for a busy key
 the hold above is taken in memory from the process's lease (a hold row of its own in the
 ledger) and the settle / release is an in-memory debit whose usage row is committed with
@@ -77,6 +84,7 @@ from proxy.config.load import ConfigError
 from proxy.http.errors import APIError
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
 from proxy.ledger.lease import LeaseHold, Leases
+from proxy.ledger.service import budget_room
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.runtime.logs import log
@@ -251,13 +259,23 @@ class _Billing:
         return int(window) if window else self.default_cap
 
     async def reserve(self, ctx: RequestContext, leases: Leases, key_id: str, t: Any, price: Price,
-                      est: int) -> tuple[Hold, int]:
-        """(the hold, the input bound it was sized with)."""
+                      est: int, room: int | None = None) -> tuple[Hold, int]:
+        """(the hold, the input bound it was sized with). `room`: what the key's budgets
+        still allow (None: no budget); the hold, and so the output cap, stays within it."""
         wanted = self.output_cap(t)
         if wanted < 1:
             raise _insufficient("The available balance does not cover any output for this request.")
         # (no balance exceeds MAX_AMOUNT: a larger amount is simply one it cannot cover)
         least = min(cost_micros(price, est, 0, 1), MAX_AMOUNT)  # the input and one output token
+        if room is not None:
+            if room < least:
+                raise APIError(402, "This API key's daily or monthly budget is spent; it resets at the start of "
+                               "the next UTC day or month.", code="budget_exceeded", type="insufficient_quota")
+            fits = max_output_tokens_for(price, room, est, 0)  # >= 1: room covers `least`
+            if fits < wanted:
+                wanted = fits
+                ctx.translation = ctx.translation.with_cap(fits)  # sent upstream and echoed
+                ctx.notices.append(f"max_output_tokens lowered to {fits} to fit the key's budget")
         most = min(cost_micros(price, est, 0, wanted), MAX_AMOUNT)
         try:
             found = await leases.hold_up_to(ctx.request_id, key_id, least, most)
@@ -353,6 +371,7 @@ class _Billing:
             request_id=request_id, key_id=hold.key_id, model=t.model,
             input_tokens=billed.input_tokens, cached_tokens=billed.cached_tokens, output_tokens=billed.output_tokens,
             reasoning_tokens=billed.reasoning_tokens, cost_micros=billed.cost_micros, status=status,
+            worker=out.upstream,
         )
 
     def finish(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
@@ -366,7 +385,7 @@ class _Billing:
             usage = None if out is None or out.upstream is None else UsageRecord(
                 request_id=hold.request_id, key_id=hold.key_id, model=t.model, input_tokens=est, cached_tokens=0,
                 output_tokens=0, reasoning_tokens=0, cost_micros=min(hold.amount_micros, cost_micros(price, est, 0, 0)),
-                status="error")
+                status="error", worker=out.upstream)
             if usage is not None:
                 out.cost_micros = usage.cost_micros
         return leases.finish(hold, usage, waited=not cancelled)
@@ -390,13 +409,15 @@ class _Billing:
         return self.finish(ctx, leases, hold, t, price, est, cancelled, None)
 
     async def bill(self, request: web.Request, ctx: RequestContext, call_next, ledger: Any,
-                   key_id: str) -> web.StreamResponse:
+                   record: Any) -> web.StreamResponse:
         """Hold, run the rest (the handler), settle (or release)."""
+        key_id = record.key_id
         t = ctx.translation
         price = self.price_of(t.model)
         est = estimate_input_tokens(t.chat, self.bytes_per_token)
         leases = self.leases_for(ledger)
-        hold, est = await self.reserve(ctx, leases, key_id, t, price, est)
+        room = await budget_room(ledger, record)
+        hold, est = await self.reserve(ctx, leases, key_id, t, price, est, room)
         ctx.hold = hold
         settling: list[asyncio.Task | None] = []  # one entry once settlement started
 
@@ -449,7 +470,7 @@ def create(section: dict[str, Any], app: web.Application):
         ledger = app.get(state.LEDGER)  # this phase's app: the one whose ledger bills its requests
         if ledger is None:
             return await call_next(request, ctx)
-        return await billing.bill(request, ctx, call_next, ledger, record.key_id)
+        return await billing.bill(request, ctx, call_next, ledger, record)
 
     app.on_shutdown.append(billing.drain)
     return balance

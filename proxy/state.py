@@ -67,6 +67,8 @@ NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.
 AFFINITY = web.AppKey("affinity_settings", "AffinitySettings")  # routing.affinity, parsed (proxy.upstream.affinity)
 SETTLEMENTS = web.AppKey("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
 PHASES = web.AppKey("phases", "Phases")  # middlewares.Phases: auth .. handler, for one request or one turn
+ADMIN = web.AppKey("admin_console", "AdminConsole")  # proxy.admin: admin keys, session signer (on the admin sub-app)
+KEY_METRICS = web.AppKey("key_metrics", "KeyMetrics")  # proxy.runtime.key_metrics: per-key spend and balance
 # The embedded upstream's state (proxy.simulator.server): on the simulator's own app, not the proxy's.
 SIM_STATE = web.AppKey("simulator_state", "SimState")
 
@@ -74,6 +76,8 @@ SIM_STATE = web.AppKey("simulator_state", "SimState")
 # to every phase and the handler; it is also on the request under CONTEXT, for aiohttp-shaped
 # code (a custom middleware, an on_response_prepare hook, a route handler).
 CONTEXT = web.RequestKey("context", "RequestContext")
+ADMIN_ACTOR = web.RequestKey("admin_actor", str)  # proxy.admin: "admin:<name>" of an admin request
+ADMIN_SESSION = web.RequestKey("admin_session", "Session")  # proxy.admin.auth: the dashboard session, if any
 
 
 @dataclass(eq=False, slots=True)

@@ -74,6 +74,12 @@ WORKER = Section({
     "timeouts": F(TIMEOUTS, None, "seconds"),
 })
 
+ADMIN_KEY = Section({
+    "name": F(Str(nonempty=True), REQUIRED, "unique; the audit log names it (admin:<name>)"),
+    "sha256": Opt(Str(), OMIT, "hex sha256 of the admin key (one of sha256 or key)"),
+    "key": Opt(Str(), OMIT, "the admin key itself, e.g. ${ADMIN_KEY}"),
+})
+
 STATIC_KEY = Section({
     "name": F(Str(nonempty=True), REQUIRED, "unique"),
     "sha256": Opt(Str(), OMIT, "hex sha256 of the key (one of sha256 or key)"),
@@ -197,6 +203,9 @@ Requests pick among them with the `provider` object (README, "Provider requireme
     "metrics": F(Section({
         "enabled": F(Bool(), True),
         "path": F(Str(nonempty=True), "/metrics", "Prometheus text, unauthenticated: keep it off the public edge"),
+        "key_ids": F(ListOf(Str(nonempty=True)), [], "per-key spend and balance for these keys (opt-in)"),
+        "top_keys": F(Int(0, 1000), 0, "and for the N keys with the most spend this month (0: none)"),
+        "key_refresh_s": Opt(SECONDS, 15, "the per-key figures are read from the ledger this often"),
     }), None),
     "responses": F(Section({
         "ai_markers": F(Bool(), True, "ai_generated / ai_notice on every Response"),
@@ -268,6 +277,17 @@ name (or written {"package.module:factory": {...}} in the list); README, "Your o
         "settle_linger_ms": Opt(Num(lo=0), 5, "a settle waits up to this long to share its commit"),
         "expire_interval_s": Opt(SECONDS, 30, "expired holds are swept this often"),
     }), None),
+    "admin": F(Section({
+        "keys": F(ListOf(ADMIN_KEY), [], "admin keys (never client keys); none: no admin API, no dashboard"),
+        "prefix": F(Str(nonempty=True), "/admin", "the admin API, its OpenAPI and the dashboard live under it"),
+        "session_ttl_s": F(Int(60, 604800), 28800, "a dashboard login lasts this long"),
+        "session_secret": Opt(Nullable(Str()), None, "signs dashboard sessions, e.g. ${ADMIN_SESSION_SECRET}; "
+                              "unset: random per process (set it with serve --workers > 1)"),
+        "cookie_secure": Opt(Bool(), False, "true: the session cookie is sent over HTTPS only (behind TLS)"),
+    }), None, note="""\
+The operator's console (README "Operator's console"): /admin/api/... (keys, usage,
+audit), /admin/openapi.json, and the dashboard at /admin/. Admin keys are separate from
+client keys: a client key gets 403 there, no key 401."""),
     "prices": F(MapOf(PRICE), {"default": {"input": 500_000, "cached_input": 100_000, "output": 1_500_000}},
                 note="""\
 Per million tokens, in integer micro-units of the account currency (1 unit = 1,000,000),

@@ -25,6 +25,7 @@ from proxy.runtime.logs import access, log
 from proxy.upstream.models import parse_sampling_defaults
 from proxy.policy.netguard import ImagePolicy
 from proxy.http.openapi import openapi_handler
+from proxy.http.key_view import key_handler
 from proxy.runtime import metrics
 from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
 from proxy.upstream.affinity import AffinitySettings
@@ -273,6 +274,10 @@ def build_app(config: Config) -> web.Application:
     app.router.add_get("/healthz", healthz_handler)  # liveness, as /livez
     app.router.add_get("/readyz", readyz_handler)
     app.router.add_get("/openapi.json", openapi_handler)
+    app.router.add_get("/v1/key", key_handler)
+    from proxy.admin import install as install_admin
+
+    install_admin(app, config.section("admin"))
     metrics.install(app, app[POOL], config.section("metrics"))
     return app
 

@@ -163,6 +163,28 @@ _ENVELOPE = {
 _JSON_REQUEST = {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}}
 
 
+_KEY_PATH: dict[str, Any] = {
+    "get": {
+        "operationId": "getKey",
+        "security": [{"bearer": []}],
+        "responses": {
+            "200": {
+                "description": "The caller's own key (as OpenRouter's key endpoint): its balance, limits, "
+                               "spend today and this month (UTC). Nothing about other keys.",
+                "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["data"], "properties": {"data": {
+                        "type": "object", "required": ["label", "key_id", "limits"],
+                        "properties": {"label": {"type": "string"}, "key_id": {"type": "string"},
+                                       "balance_micros": {"type": ["integer", "null"]},
+                                       "limit_remaining": {"type": ["number", "null"]},
+                                       "limits": {"type": "object"}}}}}}},
+            },
+            **_errors(401, 429),
+        },
+    }
+}
+
+
 def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
@@ -231,6 +253,7 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/key": _KEY_PATH,
             "/livez": _probe("livez", "Liveness: the process answers (no dependency is checked).", None),
             "/healthz": _probe("healthz", "Liveness, as /livez.", None),
             "/readyz": _probe("readyz", "Readiness: some worker takes traffic and the ledger answers.",

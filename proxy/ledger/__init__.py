@@ -19,6 +19,11 @@ Backends with `supports_leases` (SQLiteLedger) also offer lease_grow / lease_com
 proxy.ledger.lease.Leases uses to take request holds from a per-process lease in memory and
 commit settles in batches (see that module); the balance middleware goes through Leases.
 
+Key management and the operator's console (create / rotate / limits / budgets / expiry, the
+audit log, usage rows and totals over time ranges, spend since a time) are abstract methods
+of the same interface; proxy.ledger.service holds their rules, shared by the keys CLI and the
+admin API (proxy/admin/).
+
 Secrets never appear in logs, exception messages or reprs; they are stored as sha256.
 """
 
@@ -30,7 +35,9 @@ from typing import Any
 from proxy.ledger.base import (  # the interface, re-exported: callers import it from the package
     SECRET_PREFIX,
     UNSET,
+    USAGE_GROUPS,
     USAGE_STATUSES,
+    AuditEntry,
     DuplicateRequest,
     Hold,
     InsufficientBalance,
@@ -39,12 +46,16 @@ from proxy.ledger.base import (  # the interface, re-exported: callers import it
     LedgerError,
     UnknownKey,
     UsageRecord,
+    UsageTotals,
 )
 
 __all__ = [
     "KeyRecord",
     "Hold",
     "UsageRecord",
+    "UsageTotals",
+    "USAGE_GROUPS",
+    "AuditEntry",
     "USAGE_STATUSES",
     "LedgerError",
     "UnknownKey",

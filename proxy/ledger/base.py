@@ -49,6 +49,14 @@ class KeyRecord:
     rate_per_min: int | None
     revoked: bool
     created_at: float
+    # Added by the operator's console (issue 18); defaults keep older callers working.
+    expires_at: float | None = None  # Unix time after which lookup_key no longer finds it
+    tokens_per_min: int | None = None  # input + output tokens per minute (middlewares/limits.py)
+    daily_budget_micros: int | None = None  # spend per UTC day, on top of the balance
+    monthly_budget_micros: int | None = None  # spend per UTC calendar month
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires_at is not None and (time.time() if now is None else now) >= self.expires_at
 
     def allows_model(self, model: str, served: Callable[[str], bool] | None = None) -> bool:
         """True when the key may use `model`: it is listed, or it means (proxy.upstream.models.resolve_model
@@ -86,6 +94,38 @@ class UsageRecord:
     # What was actually taken from the balance: cost clamped at the balance (never below 0).
     # Filled in by the ledger; ignored on input to settle().
     debited_micros: int | None = None
+    worker: str | None = None  # the worker that answered (None: unknown, or rows from before it was kept)
+
+
+# The dimensions usage_totals groups by. "day" and "hour" are UTC buckets (their start, Unix time).
+USAGE_GROUPS = ("key", "model", "worker", "day", "hour")
+
+
+@dataclass(frozen=True)
+class UsageTotals:
+    """One group of usage_totals: its group values (by USAGE_GROUPS name) and its sums."""
+
+    group: dict[str, Any]
+    requests: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    reasoning_tokens: int
+    cost_micros: int
+    debited_micros: int
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One change to a key: who (the admin key's name, "cli:<user>"), what, when, details.
+    Details never hold a secret (proxy/ledger/service.py writes them)."""
+
+    seq: int
+    created_at: float
+    actor: str
+    action: str
+    key_id: str | None
+    details: dict[str, Any]
 
 
 class LedgerError(Exception):
@@ -215,6 +255,11 @@ class Ledger(abc.ABC):
         allowed_models: list[str] | tuple[str, ...] | None = None,
         concurrency: int | None = None,
         rate_per_min: int | None = None,
+        *,
+        tokens_per_min: int | None = None,
+        daily_budget_micros: int | None = None,
+        monthly_budget_micros: int | None = None,
+        expires_at: float | None = None,
     ) -> tuple[str, KeyRecord]:
         """A new key; returns the secret (shown once, never stored) and the record."""
 
@@ -238,9 +283,53 @@ class Ledger(abc.ABC):
         allowed_models: Any = UNSET,
         concurrency: Any = UNSET,
         rate_per_min: Any = UNSET,
+        tokens_per_min: Any = UNSET,
+        daily_budget_micros: Any = UNSET,
+        monthly_budget_micros: Any = UNSET,
+        expires_at: Any = UNSET,
     ) -> KeyRecord:
-        """Change limits; UNSET leaves a limit alone, None clears it."""
+        """Change limits; UNSET leaves a limit alone, None clears it. Bumps key_generation."""
 
     @abc.abstractmethod
     async def revoke(self, key_id: str) -> None:
         """Revoke a key (lookup_key returns None for it from now on)."""
+
+    @abc.abstractmethod
+    async def rotate_key(self, key_id: str) -> tuple[str, KeyRecord]:
+        """A new secret for the same key (same id, balance, limits, usage); the old secret
+        stops working at once (lookup_key). Returns the new secret, shown once. UnknownKey;
+        LedgerError for a revoked key. Bumps key_generation."""
+
+    # the operator's console (proxy/ledger/service.py, proxy/admin)
+    @abc.abstractmethod
+    async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
+        """Append one entry to the audit log (append-only; its time is the ledger's now)."""
+
+    @abc.abstractmethod
+    async def list_audit(self, *, key_id: str | None = None, since: float | None = None,
+                         until: float | None = None, before_seq: int | None = None,
+                         limit: int = 100) -> list[AuditEntry]:
+        """Audit entries, newest first: created_at in [since, until), seq < before_seq (the
+        cursor of the next page), at most `limit`."""
+
+    @abc.abstractmethod
+    async def usage_rows(self, *, since: float | None = None, until: float | None = None,
+                         key_id: str | None = None, model: str | None = None,
+                         before_seq: int | None = None, limit: int = 100,
+                         statuses: tuple[str, ...] | None = None) -> list[tuple[int, UsageRecord]]:
+        """Usage records as (seq, record), newest first: created_at in [since, until),
+        optionally of one key, one model and some statuses, seq < before_seq (the next
+        page's cursor)."""
+
+    @abc.abstractmethod
+    async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,
+                           until: float | None = None, key_id: str | None = None,
+                           model: str | None = None, statuses: tuple[str, ...] | None = None) -> list[UsageTotals]:
+        """Sums over usage records with created_at in [since, until) (and the filters),
+        grouped by the USAGE_GROUPS names in `group_by` (none: one total), ordered by the
+        group values. "day" / "hour" group by the UTC bucket's start (Unix seconds)."""
+
+    @abc.abstractmethod
+    async def spend_since(self, key_id: str, since: float) -> int:
+        """The sum of debited_micros of the key's usage records with created_at >= since
+        (budgets and GET /v1/key: one indexed range read)."""

@@ -1,12 +1,23 @@
-"""Key management on the ledger database (no admin HTTP surface).
+"""Key management on the ledger database, through the same service layer as the admin API
+(proxy/ledger/service.py: one copy of the rules; every change is in the audit log as
+"cli:<user>").
 
     responses-proxy keys create NAME [--balance MICROS | --balance-usd 1.50] [--models a,b]
-                                     [--concurrency N] [--rate N]
+                                     [--concurrency N] [--rate N] [--tpm N]
+                                     [--daily-budget MICROS] [--monthly-budget MICROS] [--expires WHEN]
     responses-proxy keys list
+    responses-proxy keys show KEY_ID
     responses-proxy keys topup KEY_ID MICROS
     responses-proxy keys limits KEY_ID [--models a,b|*] [--concurrency N|none] [--rate N|none]
+                                       [--tpm N|none] [--daily-budget N|none] [--monthly-budget N|none]
+                                       [--expires WHEN|none]
     responses-proxy keys revoke KEY_ID
-    responses-proxy keys usage [--key KEY_ID] [--limit N]
+    responses-proxy keys rotate KEY_ID         (a new secret, printed once; same key and balance)
+    responses-proxy keys usage [--key KEY_ID] [--model M] [--since T] [--until T] [--limit N]
+                               [--group-by key,model,worker,day|hour] [--format table|json|csv]
+    responses-proxy keys audit [--key KEY_ID] [--limit N]
+
+Times (WHEN, T) are Unix seconds or ISO 8601 (UTC unless a zone is given).
 
 Also `python -m proxy.ledger.cli [--config FILE] [--db PATH] keys ...`.
 The secret is printed once, by `create`; nothing else ever prints it (only its prefix).
@@ -26,12 +37,23 @@ import argparse
 import asyncio
 import json
 import sys
-from dataclasses import asdict
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Sequence
 
 from proxy.ledger import UNSET, KeyRecord, LedgerError, open_ledger, resolve_path
+from proxy.ledger.service import (
+    TOTAL_FIELDS,
+    USAGE_FIELDS,
+    KeyService,
+    UsageQuery,
+    iso,
+    key_dict,
+    parse_time,
+    to_csv,
+    totals_dict,
+    usage_dict,
+)
 from proxy.ledger.usage import MAX_AMOUNT
 
 MICROS = 1_000_000
@@ -94,6 +116,17 @@ def _models(text: str) -> list[str] | None:
     return models
 
 
+def _when(text: str) -> float:
+    try:
+        return parse_time(text, "time")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _when_or_none(text: str) -> float | None:
+    return None if text.lower() in ("none", "never", "off", "-") else _when(text)
+
+
 def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     """Add `keys ...` to a parser's subparsers; returns the `keys` parser."""
     json_flag = argparse.ArgumentParser(add_help=False)
@@ -115,6 +148,10 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     create.add_argument("--models", type=_models, default=None, metavar="A,B", help="allowed models (default: all)")
     create.add_argument("--concurrency", type=_positive, default=None, metavar="N")
     create.add_argument("--rate", type=_positive, default=None, metavar="N", help="requests per minute")
+    create.add_argument("--tpm", type=_positive, default=None, metavar="N", help="tokens per minute")
+    create.add_argument("--daily-budget", dest="daily_budget", type=_positive, default=None, metavar="MICROS")
+    create.add_argument("--monthly-budget", dest="monthly_budget", type=_positive, default=None, metavar="MICROS")
+    create.add_argument("--expires", type=_when, default=None, metavar="WHEN", help="Unix seconds or ISO 8601")
 
     sub.add_parser("list", parents=[json_flag], help="list keys (never the secrets)")
 
@@ -127,6 +164,20 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     limits.add_argument("--models", type=_models, default=UNSET, metavar="A,B|*")
     limits.add_argument("--concurrency", type=_limit, default=UNSET, metavar="N|none")
     limits.add_argument("--rate", type=_limit, default=UNSET, metavar="N|none")
+    limits.add_argument("--tpm", type=_limit, default=UNSET, metavar="N|none", help="tokens per minute")
+    limits.add_argument("--daily-budget", dest="daily_budget", type=_limit, default=UNSET, metavar="MICROS|none")
+    limits.add_argument("--monthly-budget", dest="monthly_budget", type=_limit, default=UNSET, metavar="MICROS|none")
+    limits.add_argument("--expires", type=_when_or_none, default=UNSET, metavar="WHEN|none")
+
+    show = sub.add_parser("show", parents=[json_flag], help="a key, its spend today and this month")
+    show.add_argument("key_id")
+
+    rotate = sub.add_parser("rotate", parents=[json_flag], help="a new secret for a key (printed once)")
+    rotate.add_argument("key_id")
+
+    audit = sub.add_parser("audit", parents=[json_flag], help="the audit log of key changes")
+    audit.add_argument("--key", dest="key", default=None, metavar="KEY_ID")
+    audit.add_argument("--limit", type=_nonneg, default=50, metavar="N")
 
     revoke = sub.add_parser("revoke", parents=[json_flag], help="revoke a key")
     revoke.add_argument("key_id")
@@ -134,6 +185,11 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     usage = sub.add_parser("usage", parents=[json_flag], help="recent usage records")
     usage.add_argument("--key", dest="key", default=None, metavar="KEY_ID")
     usage.add_argument("--limit", type=_nonneg, default=20, metavar="N")
+    usage.add_argument("--model", default=None, metavar="MODEL")
+    usage.add_argument("--since", type=_when, default=None, metavar="T")
+    usage.add_argument("--until", type=_when, default=None, metavar="T")
+    usage.add_argument("--group-by", dest="group_by", default=None, metavar="key,model,worker,day|hour")
+    usage.add_argument("--format", dest="format", choices=("table", "json", "csv"), default=None)
     return keys
 
 
@@ -144,25 +200,26 @@ def _money(micros: int) -> str:
 
 
 def _key_dict(record: KeyRecord) -> dict[str, Any]:
-    data = asdict(record)
-    data["allowed_models"] = list(record.allowed_models) if record.allowed_models is not None else None
-    return data
+    return key_dict(record)
 
 
 def _key_line(record: KeyRecord) -> str:
     models = ",".join(record.allowed_models) if record.allowed_models is not None else "*"
     conc = "-" if record.concurrency is None else str(record.concurrency)
     rate = "-" if record.rate_per_min is None else str(record.rate_per_min)
+    tpm = "-" if record.tokens_per_min is None else str(record.tokens_per_min)
+    budgets = "/".join("-" if b is None else str(b) for b in (record.daily_budget_micros, record.monthly_budget_micros))
+    expires = (iso(record.expires_at) or "-")[:10]
     return (
         f"{record.key_id:<20} {record.name[:24]:<24} {record.prefix + '...':<16} "
         f"{record.balance_micros:>16} {_money(record.balance_micros):>14} {models[:30]:<30} "
-        f"{conc:>5} {rate:>6} {'yes' if record.revoked else 'no':>7}"
+        f"{conc:>5} {rate:>6} {tpm:>8} {budgets:>21} {expires:>10} {'yes' if record.revoked else 'no':>7}"
     )
 
 
 _KEY_HEADER = (
-    f"{'KEY_ID':<20} {'NAME':<24} {'PREFIX':<12} {'BALANCE_MICROS':>16} {'BALANCE':>14} {'MODELS':<30} "
-    f"{'CONC':>5} {'RATE':>6} {'REVOKED':>7}"
+    f"{'KEY_ID':<20} {'NAME':<24} {'PREFIX':<16} {'BALANCE_MICROS':>16} {'BALANCE':>14} {'MODELS':<30} "
+    f"{'CONC':>5} {'RATE':>6} {'TPM':>8} {'BUDGET_DAY/MONTH':>21} {'EXPIRES':>10} {'REVOKED':>7}"
 )
 
 
@@ -217,61 +274,115 @@ def _locate(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     return {**section, "path": path}
 
 
+def _actor() -> str:
+    import getpass
+
+    try:
+        return "cli:" + getpass.getuser()
+    except Exception:  # no user name in this environment
+        return "cli"
+
+
+def _limits_of(args: argparse.Namespace, unset: Any) -> dict[str, Any]:
+    """The service's limit fields from the flags (those left at `unset` are left out)."""
+    pairs = (("allowed_models", args.models), ("concurrency", args.concurrency), ("rate_per_min", args.rate),
+             ("tokens_per_min", args.tpm), ("daily_budget_micros", args.daily_budget),
+             ("monthly_budget_micros", args.monthly_budget), ("expires_at", args.expires))
+    return {name: value for name, value in pairs if value is not unset}
+
+
+def _print_secret(secret: str, record: KeyRecord, as_json: bool, out: Any) -> None:
+    if as_json:
+        print(json.dumps({"secret": secret, **_key_dict(record)}), file=out)
+        return
+    print(f"key_id:  {record.key_id}", file=out)
+    print(f"secret:  {secret}", file=out)
+    print(f"balance: {record.balance_micros} micros ({_money(record.balance_micros)})", file=out)
+    print("The secret is shown once and is not stored; keep it now.", file=out)
+
+
+async def _usage(ledger: Any, args: argparse.Namespace, out: Any) -> None:
+    fmt = args.format or ("json" if getattr(args, "json", False) else "table")
+    query = UsageQuery({"since": args.since, "until": args.until, "key_id": args.key, "model": args.model,
+                        "group_by": args.group_by or "", "limit": max(1, min(args.limit or 1, 1000))})
+    if query.group_by:
+        rows = [totals_dict(t) for t in await query.totals(ledger)]
+        columns = [*query.group_by, *TOTAL_FIELDS]
+    else:
+        page, _ = await query.rows(ledger)
+        rows = [usage_dict(r) for _, r in page][:args.limit]
+        columns = list(USAGE_FIELDS)
+    if fmt == "json":
+        print(json.dumps(rows), file=out)
+    elif fmt == "csv":
+        print(to_csv(rows, columns), file=out, end="")
+    elif query.group_by:
+        print("  ".join(f"{c.upper():>14}" for c in columns), file=out)
+        for row in rows:
+            print("  ".join(f"{str(row[c])[:24]:>14}" for c in columns), file=out)
+    else:
+        print(f"{'CREATED':<20} {'REQUEST_ID':<36} {'KEY_ID':<20} {'MODEL':<24} {'IN':>8} {'CACHED':>8} "
+              f"{'OUT':>8} {'COST':>12} {'DEBITED':>12} STATUS", file=out)
+        for r in rows:
+            print(f"{r['created']:<20} {r['request_id'][:36]:<36} {r['key_id']:<20} {r['model'][:24]:<24} "
+                  f"{r['input_tokens']:>8} {r['cached_tokens']:>8} {r['output_tokens']:>8} {r['cost_micros']:>12} "
+                  f"{r['debited_micros'] if r['debited_micros'] is not None else '-':>12} {r['status']}", file=out)
+
+
+async def _command(service: KeyService, args: argparse.Namespace, out: Any) -> None:
+    cmd = args.keys_command
+    as_json = getattr(args, "json", False)
+    if cmd == "create":
+        balance = args.balance_usd if args.balance_usd is not None else args.balance
+        secret, record = await service.create({"name": args.name, "balance_micros": balance,
+                                               **_limits_of(args, None)})
+        _print_secret(secret, record, as_json, out)
+    elif cmd == "list":
+        records = await service.list()
+        if as_json:
+            print(json.dumps([_key_dict(r) for r in records]), file=out)
+        else:
+            print(_KEY_HEADER, file=out)
+            for record in records:
+                print(_key_line(record), file=out)
+    elif cmd == "show":
+        record = await service.get(args.key_id)
+        data = {**_key_dict(record), **await service.summary(record)}
+        print(json.dumps(data) if as_json else "\n".join(f"{k}: {v}" for k, v in data.items()), file=out)
+    elif cmd == "topup":
+        balance = await service.top_up(args.key_id, args.micros)
+        if as_json:
+            print(json.dumps({"key_id": args.key_id, "balance_micros": balance}), file=out)
+        else:
+            print(f"{args.key_id}: balance {balance} micros ({_money(balance)})", file=out)
+    elif cmd == "limits":
+        changes = _limits_of(args, UNSET)
+        record = await service.update(args.key_id, changes) if changes else await service.get(args.key_id)
+        print(json.dumps(_key_dict(record)) if as_json else _KEY_HEADER + "\n" + _key_line(record), file=out)
+    elif cmd == "revoke":
+        await service.revoke(args.key_id)
+        print(json.dumps({"key_id": args.key_id, "revoked": True}) if as_json else f"{args.key_id}: revoked",
+              file=out)
+    elif cmd == "rotate":
+        secret, record = await service.rotate(args.key_id)
+        _print_secret(secret, record, as_json, out)
+    elif cmd == "usage":
+        await _usage(service.ledger, args, out)
+    elif cmd == "audit":
+        entries = await service.ledger.list_audit(key_id=args.key, limit=args.limit)
+        for e in entries:
+            line = {"seq": e.seq, "created": iso(e.created_at), "actor": e.actor, "action": e.action,
+                    "key_id": e.key_id, "details": e.details}
+            print(json.dumps(line) if as_json else
+                  f"{line['created']} {e.actor:<16} {e.action:<12} {e.key_id or '-':<20} {json.dumps(e.details)}",
+                  file=out)
+
+
 async def _run(args: argparse.Namespace, config: Any, out: Any) -> int:
     ledger = open_ledger(_locate(args, config))
     await ledger.start()
     try:
-        cmd = args.keys_command
-        as_json = getattr(args, "json", False)
-        if cmd == "create":
-            balance = args.balance_usd if args.balance_usd is not None else args.balance
-            secret, record = await ledger.create_key(
-                args.name, balance, allowed_models=args.models, concurrency=args.concurrency, rate_per_min=args.rate
-            )
-            if as_json:
-                print(json.dumps({"secret": secret, **_key_dict(record)}), file=out)
-            else:
-                print(f"key_id:  {record.key_id}", file=out)
-                print(f"secret:  {secret}", file=out)
-                print(f"balance: {record.balance_micros} micros ({_money(record.balance_micros)})", file=out)
-                print("The secret is shown once and is not stored; keep it now.", file=out)
-        elif cmd == "list":
-            records = await ledger.list_keys()
-            if as_json:
-                print(json.dumps([_key_dict(r) for r in records]), file=out)
-            else:
-                print(_KEY_HEADER, file=out)
-                for record in records:
-                    print(_key_line(record), file=out)
-        elif cmd == "topup":
-            balance = await ledger.top_up(args.key_id, args.micros)
-            if as_json:
-                print(json.dumps({"key_id": args.key_id, "balance_micros": balance}), file=out)
-            else:
-                print(f"{args.key_id}: balance {balance} micros ({_money(balance)})", file=out)
-        elif cmd == "limits":
-            record = await ledger.set_limits(
-                args.key_id, allowed_models=args.models, concurrency=args.concurrency, rate_per_min=args.rate
-            )
-            print(json.dumps(_key_dict(record)) if as_json else _KEY_HEADER + "\n" + _key_line(record), file=out)
-        elif cmd == "revoke":
-            await ledger.revoke(args.key_id)
-            print(json.dumps({"key_id": args.key_id, "revoked": True}) if as_json else f"{args.key_id}: revoked",
-                  file=out)
-        elif cmd == "usage":
-            records = await ledger.list_usage(args.key, args.limit)
-            if as_json:
-                print(json.dumps([asdict(r) for r in records]), file=out)
-            else:
-                print(f"{'REQUEST_ID':<36} {'KEY_ID':<20} {'MODEL':<24} {'IN':>8} {'CACHED':>8} {'OUT':>8} "
-                      f"{'COST':>12} {'DEBITED':>12} STATUS", file=out)
-                for r in records:
-                    print(f"{r.request_id[:36]:<36} {r.key_id:<20} {r.model[:24]:<24} {r.input_tokens:>8} "
-                          f"{r.cached_tokens:>8} {r.output_tokens:>8} {r.cost_micros:>12} "
-                          f"{r.debited_micros if r.debited_micros is not None else '-':>12} {r.status}", file=out)
-        else:  # pragma: no cover - argparse refuses unknown commands
-            print(f"unknown keys command {cmd!r}", file=sys.stderr)
-            return 2
+        await _command(KeyService(ledger, _actor()), args, out)
         return 0
     finally:
         await ledger.close()

@@ -26,7 +26,11 @@ CREATE TABLE IF NOT EXISTS keys (
     concurrency     INTEGER,
     rate_per_min    INTEGER,
     revoked         INTEGER NOT NULL DEFAULT 0,
-    created_at      REAL NOT NULL
+    created_at      REAL NOT NULL,
+    expires_at      REAL,
+    tokens_per_min  INTEGER,
+    daily_budget_micros   INTEGER,
+    monthly_budget_micros INTEGER
 );
 CREATE TABLE IF NOT EXISTS holds (
     request_id      TEXT PRIMARY KEY,
@@ -48,7 +52,8 @@ CREATE TABLE IF NOT EXISTS usage (
     cost_micros      INTEGER NOT NULL CHECK (cost_micros >= 0),
     debited_micros   INTEGER NOT NULL CHECK (debited_micros >= 0 AND debited_micros <= cost_micros),
     status           TEXT NOT NULL,
-    created_at       REAL NOT NULL
+    created_at       REAL NOT NULL,
+    worker           TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_by_key ON usage(key_id, seq);
 CREATE TRIGGER IF NOT EXISTS usage_no_update BEFORE UPDATE ON usage
@@ -62,7 +67,118 @@ CREATE TABLE IF NOT EXISTS topups (
     micros          INTEGER NOT NULL,
     created_at      REAL NOT NULL
 );
+-- Every change to a key (the operator's console): who, what, when. Never a secret.
+CREATE TABLE IF NOT EXISTS audit (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_at      REAL NOT NULL,
+    actor           TEXT NOT NULL,
+    action          TEXT NOT NULL,
+    key_id          TEXT,
+    details         TEXT NOT NULL    -- JSON object
+);
+CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit
+    BEGIN SELECT RAISE(ABORT, 'audit is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
+    BEGIN SELECT RAISE(ABORT, 'audit is append-only'); END;
 """
+
+# Columns added after the first release: a ledger made before them gets them on open.
+_ADDED_COLUMNS = (
+    ("keys", "expires_at", "REAL"),
+    ("keys", "tokens_per_min", "INTEGER"),
+    ("keys", "daily_budget_micros", "INTEGER"),
+    ("keys", "monthly_budget_micros", "INTEGER"),
+    ("usage", "worker", "TEXT"),
+)
+
+# The time-range reads of the console and of budgets: by time over all keys, by key then
+# time (covering the debit: a budget check reads the index alone).
+INDEXES = """
+CREATE INDEX IF NOT EXISTS usage_by_time ON usage(created_at);
+CREATE INDEX IF NOT EXISTS usage_by_key_time ON usage(key_id, created_at, debited_micros);
+CREATE INDEX IF NOT EXISTS audit_by_key ON audit(key_id, seq);
+CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
+"""
+
+# Usage summed per UTC hour, key, model and worker, added to in the transaction that inserts
+# the usage rows (roll_up below, called by settle and lease_commit: one upsert per group of a
+# batch, not per row): reports over days or months read these sums instead of every row
+# (proxy/ledger/sqlite_console.py). Derived data: filled from the usage rows when missing.
+_ROLLUP_SUMS = "input_tokens, cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros"
+ROLLUP = """
+CREATE TABLE IF NOT EXISTS usage_hourly (
+    hour             INTEGER NOT NULL,   -- Unix seconds of the UTC hour's start
+    key_id           TEXT NOT NULL,
+    model            TEXT NOT NULL,
+    worker           TEXT NOT NULL,      -- '' for rows without one
+    requests         INTEGER NOT NULL,
+    input_tokens     INTEGER NOT NULL,
+    cached_tokens    INTEGER NOT NULL,
+    output_tokens    INTEGER NOT NULL,
+    reasoning_tokens INTEGER NOT NULL,
+    cost_micros      INTEGER NOT NULL,
+    debited_micros   INTEGER NOT NULL,
+    PRIMARY KEY (hour, key_id, model, worker)
+) WITHOUT ROWID;
+"""
+_ROLLUP_BACKFILL = (
+    "INSERT OR IGNORE INTO usage_hourly SELECT CAST(created_at / 3600 AS INTEGER) * 3600, key_id, model,"
+    f" COALESCE(worker, ''), COUNT(*), {', '.join(f'SUM({c})' for c in _ROLLUP_SUMS.split(', '))}"
+    " FROM usage GROUP BY 1, 2, 3, 4"
+)
+_ROLLUP_ADD = (
+    "INSERT INTO usage_hourly VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (hour, key_id, model, worker) DO UPDATE SET requests = requests + excluded.requests,"
+    " input_tokens = input_tokens + excluded.input_tokens, cached_tokens = cached_tokens + excluded.cached_tokens,"
+    " output_tokens = output_tokens + excluded.output_tokens,"
+    " reasoning_tokens = reasoning_tokens + excluded.reasoning_tokens,"
+    " cost_micros = cost_micros + excluded.cost_micros, debited_micros = debited_micros + excluded.debited_micros"
+)
+
+
+def roll_up(conn: sqlite3.Connection, inserted: list[tuple[tuple, int]]) -> None:
+    """Add usage rows just inserted (each an _INSERT_USAGE row and its debit) to the hourly
+    sums, in the caller's transaction."""
+    groups: dict[tuple, list[int]] = {}
+    for row, debit in inserted:
+        worker = row[11]
+        group = (int(row[10] // 3600) * 3600, row[1], row[2], "" if worker is None else worker)
+        sums = groups.get(group)
+        if sums is None:
+            sums = groups[group] = [0, 0, 0, 0, 0, 0, 0]
+        sums[0] += 1
+        sums[1] += row[3]
+        sums[2] += row[4]
+        sums[3] += row[5]
+        sums[4] += row[6]
+        sums[5] += row[7]
+        sums[6] += debit
+    conn.executemany(_ROLLUP_ADD, [(*group, *sums) for group, sums in groups.items()])
+
+
+def apply_schema(conn: sqlite3.Connection) -> None:
+    """Create the tables, add the columns an older ledger lacks, then the indexes and the
+    hourly rollup (filled from the usage rows when it is new)."""
+    conn.executescript(SCHEMA)
+    for table, column, kind in _ADDED_COLUMNS:
+        present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in present:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")  # fixed names, not input
+    old_index = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'usage_by_key_time'").fetchone()
+    if old_index and "debited_micros" not in old_index[0]:
+        conn.execute("DROP INDEX usage_by_key_time")
+    conn.executescript(INDEXES)
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'usage_hourly'").fetchone() is None:
+        # One transaction: the table and the sums of the rows already there; a process that
+        # raced this one to it filled it already (OR IGNORE), and adds its own rows since.
+        conn.executescript(f"BEGIN IMMEDIATE; {ROLLUP} {_ROLLUP_BACKFILL}; COMMIT;")
+
+
+
+KEY_COLUMNS = (
+    "key_id, name, prefix, balance_micros, allowed_models, concurrency, rate_per_min, revoked, created_at,"
+    " expires_at, tokens_per_min, daily_budget_micros, monthly_budget_micros"
+)
 
 
 def hash_secret(secret: str) -> bytes:
@@ -87,6 +203,10 @@ def _key_record(row: tuple) -> KeyRecord:
         rate_per_min=row[6],
         revoked=bool(row[7]),
         created_at=row[8],
+        expires_at=row[9],
+        tokens_per_min=row[10],
+        daily_budget_micros=row[11],
+        monthly_budget_micros=row[12],
     )
 
 
@@ -130,8 +250,8 @@ def _models_json(models: Any) -> str | None:
 _KEY_BALANCE = "SELECT balance_micros FROM keys WHERE key_id = ?"
 _INSERT_USAGE = (
     "INSERT OR IGNORE INTO usage (request_id, key_id, model, input_tokens, cached_tokens,"
-    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at, worker)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _COST, _DEBITED = 7, 8  # positions in an _INSERT_USAGE row
 _NEWEST_USAGE = "SELECT request_id FROM usage ORDER BY seq DESC LIMIT ?"

@@ -48,6 +48,7 @@ from proxy.ledger.base import (
     UsageRecord,
 )
 from proxy.ledger.schema import (
+    KEY_COLUMNS as _KEY_COLUMNS,
     _check_usage,
     _check_usage_values,
     _DEBIT_KEY,
@@ -60,21 +61,23 @@ from proxy.ledger.schema import (
     _REDUCE_LEASE,
     _usage_record,
     hash_secret,
+    roll_up,
     new_secret,
-    SCHEMA,
+    apply_schema,
 )
 from proxy.ledger.usage import MAX_AMOUNT
 from proxy.ledger.writer import Durability, GroupWriter
+from proxy.ledger.sqlite_console import ConsoleOps
+from proxy.ledger.sqlite_keys import KeyOps
 
 READ, HOLD, SYNC, LINGER = Durability.READ, Durability.HOLD, Durability.SYNC, Durability.LINGER
 
 log = logging.getLogger("proxy.ledger")
 
 
-_KEY_COLUMNS = "key_id, name, prefix, balance_micros, allowed_models, concurrency, rate_per_min, revoked, created_at"
 _USAGE_COLUMNS = (
     "request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
-    " cost_micros, status, created_at, debited_micros"
+    " cost_micros, status, created_at, debited_micros, worker"
 )
 # Compared against when the hash is unknown, so both paths do the same work.
 _DUMMY_HASH = hashlib.sha256(b"responses-proxy: no such key").digest()
@@ -82,7 +85,7 @@ _DUMMY_HASH = hashlib.sha256(b"responses-proxy: no such key").digest()
 
 
 
-class SQLiteLedger(Ledger):
+class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
     def __init__(
         self,
         path: str | Path,
@@ -96,7 +99,7 @@ class SQLiteLedger(Ledger):
         self.path = str(path)
         self._writer = GroupWriter(
             self.path,
-            SCHEMA,
+            apply_schema,
             synchronous=synchronous,
             hold_synchronous=hold_synchronous,
             busy_timeout_ms=busy_timeout_ms,
@@ -157,7 +160,7 @@ class SQLiteLedger(Ledger):
             if not hmac.compare_digest(stored, digest) or row is None:
                 return None
             record = _key_record(row[1:])
-            return None if record.revoked else record
+            return None if record.revoked or record.expired() else record
 
         return await self._run(op, READ)
 
@@ -254,6 +257,7 @@ class SQLiteLedger(Ledger):
         cost = usage.cost_micros
         key_id, model, status = usage.key_id, str(usage.model), usage.status
         created_at = float(usage.created_at)
+        worker = None if usage.worker is None else str(usage.worker)
 
         def op(conn: sqlite3.Connection) -> int | None:
             settled, balance, held = conn.execute(
@@ -273,9 +277,9 @@ class SQLiteLedger(Ledger):
                 # The exactly-once guarantee: UNIQUE(request_id), in this same transaction.
                 conn.execute(
                     "INSERT INTO usage (request_id, key_id, model, input_tokens, cached_tokens, output_tokens,"
-                    " reasoning_tokens, cost_micros, debited_micros, status, created_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (request_id, key_id, model, *counts, cost, debit, status, created_at),
+                    " reasoning_tokens, cost_micros, debited_micros, status, created_at, worker)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (request_id, key_id, model, *counts, cost, debit, status, created_at, worker),
                 )
             except sqlite3.IntegrityError:
                 if conn.execute("SELECT 1 FROM usage WHERE request_id = ?", (request_id,)).fetchone():
@@ -284,6 +288,7 @@ class SQLiteLedger(Ledger):
             if debit:
                 conn.execute(_DEBIT_KEY, (debit, key_id))
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
+            roll_up(conn, [((request_id, key_id, model, *counts, cost, debit, status, created_at, worker), debit)])
             return debit
 
         debited = await self._run(op, LINGER if linger else SYNC)
@@ -375,12 +380,14 @@ class SQLiteLedger(Ledger):
             rows.append((
                 usage.request_id, usage.key_id, str(usage.model), usage.input_tokens, usage.cached_tokens,
                 usage.output_tokens, usage.reasoning_tokens, cost, cost, usage.status, float(usage.created_at),
+                usage.worker,
             ))
         lease_ids = [lease_id for lease_id, _ in usages]
 
         def op(conn: sqlite3.Connection) -> tuple[list, set[str]]:
             now = time.time()
             results, debits, taken = _record_usage(conn, rows, lease_ids)
+            roll_up(conn, [(row, debit) for row, debit in zip(rows, results) if type(debit) is int])
             for key_id, debit in debits.items():
                 if debit:
                     conn.execute(_DEBIT_KEY, (debit, key_id))
@@ -448,112 +455,6 @@ class SQLiteLedger(Ledger):
             return [Hold(*r) for r in rows]
 
         return await self._run(op, READ)
-
-    # ------------------------------------------------------------------ key management
-
-    async def create_key(
-        self,
-        name: str,
-        balance_micros: int = 0,
-        allowed_models: list[str] | tuple[str, ...] | None = None,
-        concurrency: int | None = None,
-        rate_per_min: int | None = None,
-    ) -> tuple[str, KeyRecord]:
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError("a key needs a name")
-        balance = _int(balance_micros, "balance_micros")
-        models = _models_json(allowed_models)
-        conc = _opt_limit(concurrency, "concurrency")
-        rate = _opt_limit(rate_per_min, "rate_per_min")
-        secret = new_secret()
-        digest = hash_secret(secret)
-        key_id = "key_" + secrets.token_hex(8)
-
-        def op(conn: sqlite3.Connection) -> KeyRecord:
-            now = time.time()
-            conn.execute(
-                "INSERT INTO keys (key_id, name, prefix, secret_sha256, balance_micros, allowed_models,"
-                " concurrency, rate_per_min, revoked, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                (key_id, name.strip(), secret[:12], digest, balance, models, conc, rate, now),
-            )
-            if balance:
-                conn.execute(
-                    "INSERT INTO topups (key_id, micros, created_at) VALUES (?, ?, ?)", (key_id, balance, now)
-                )
-            return self._get_key(conn, key_id)
-
-        return secret, await self._run(op)
-
-    async def get_key(self, key_id: str) -> KeyRecord | None:
-        return await self._run(lambda conn: self._get_key(conn, key_id), READ)
-
-    async def list_keys(self) -> list[KeyRecord]:
-        def op(conn: sqlite3.Connection) -> list[KeyRecord]:
-            rows = conn.execute(f"SELECT {_KEY_COLUMNS} FROM keys ORDER BY created_at, key_id")
-            return [_key_record(r) for r in rows]
-
-        return await self._run(op, READ)
-
-    async def top_up(self, key_id: str, micros: int) -> int:
-        amount = _int(micros, "micros", minimum=None)
-
-        def op(conn: sqlite3.Connection) -> int:
-            row = conn.execute("SELECT balance_micros FROM keys WHERE key_id = ?", (key_id,)).fetchone()
-            if row is None:
-                raise UnknownKey(key_id)
-            if row[0] + amount < 0:
-                raise ValueError(f"the balance would go below zero ({row[0]} + {amount})")
-            if row[0] + amount > MAX_AMOUNT:
-                raise ValueError(f"the balance would exceed {MAX_AMOUNT} micros ({row[0]} + {amount})")
-            conn.execute("UPDATE keys SET balance_micros = balance_micros + ? WHERE key_id = ?", (amount, key_id))
-            conn.execute(
-                "INSERT INTO topups (key_id, micros, created_at) VALUES (?, ?, ?)", (key_id, amount, time.time())
-            )
-            return row[0] + amount
-
-        return await self._run(op)
-
-    async def set_limits(
-        self,
-        key_id: str,
-        *,
-        allowed_models: Any = UNSET,
-        concurrency: Any = UNSET,
-        rate_per_min: Any = UNSET,
-    ) -> KeyRecord:
-        changes: dict[str, Any] = {}
-        if allowed_models is not UNSET:
-            changes["allowed_models"] = _models_json(allowed_models)
-        if concurrency is not UNSET:
-            changes["concurrency"] = _opt_limit(concurrency, "concurrency")
-        if rate_per_min is not UNSET:
-            changes["rate_per_min"] = _opt_limit(rate_per_min, "rate_per_min")
-
-        def op(conn: sqlite3.Connection) -> KeyRecord:
-            if changes:
-                assignments = ", ".join(f"{column} = ?" for column in changes)  # fixed column names
-                cur = conn.execute(f"UPDATE keys SET {assignments} WHERE key_id = ?", (*changes.values(), key_id))
-                if cur.rowcount == 0:
-                    raise UnknownKey(key_id)
-            record = self._get_key(conn, key_id)
-            if record is None:
-                raise UnknownKey(key_id)
-            return record
-
-        try:
-            return await self._run(op)
-        finally:
-            self.key_generation += 1  # also on error: a cache flush is always safe
-
-    async def revoke(self, key_id: str) -> None:
-        def op(conn: sqlite3.Connection) -> None:
-            if conn.execute("UPDATE keys SET revoked = 1 WHERE key_id = ?", (key_id,)).rowcount == 0:
-                raise UnknownKey(key_id)
-
-        try:
-            await self._run(op)
-        finally:
-            self.key_generation += 1  # after the commit: caches filled before it are stale
 
     async def audit(self) -> list[tuple[str, int, int]]:
         """Per key: (key_id, balance, sum(topups) - sum(debited)); the two must be equal."""

@@ -123,7 +123,7 @@ class GroupWriter:
     def __init__(
         self,
         path: str,
-        schema: str,
+        schema: "str | Callable[[sqlite3.Connection], None]",
         *,
         synchronous: str = "FULL",
         hold_synchronous: str = "NORMAL",
@@ -222,7 +222,7 @@ class GroupWriter:
         conn.execute(f"PRAGMA synchronous = {self.synchronous}")
         self._conn_sync = self.synchronous
         conn.execute("PRAGMA foreign_keys = ON")
-        conn.executescript(self.schema)
+        self.schema(conn) if callable(self.schema) else conn.executescript(self.schema)
         return conn
 
     def _writer_main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future) -> None:

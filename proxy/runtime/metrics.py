@@ -39,6 +39,7 @@ from prometheus_client.utils import floatToGoString
 
 from proxy.upstream import affinity
 from proxy.upstream.workers import WorkerPool
+from proxy import state
 from proxy.state import METRICS, RequestContext
 
 PREFIX = "responses_proxy"
@@ -488,6 +489,9 @@ def observe(request: web.Request, ctx: RequestContext, status: int, elapsed_s: f
 async def metrics_handler(request: web.Request) -> web.Response:
     metrics = request.app[METRICS]
     await metrics.refresh_ledger(request.app)
+    keys = request.app.get(state.KEY_METRICS)
+    if keys is not None:
+        await keys.refresh(request.app.get(state.LEDGER))
     metrics.publish_pool()
     body = generate_latest(metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -498,6 +502,12 @@ def install(app: web.Application, pool: WorkerPool, section: dict[str, Any]) -> 
         return
     app[METRICS] = found = Metrics(pool, multiprocess_dir())
     app.router.add_get(str(section.get("path", "/metrics")), metrics_handler)
+    if section.get("key_ids") or section.get("top_keys"):
+        from proxy.runtime.key_metrics import KeyMetrics
+
+        app[state.KEY_METRICS] = keys = KeyMetrics(section.get("key_ids") or [], section.get("top_keys") or 0,
+                                                   section.get("key_refresh_s", 15))
+        found.registry.register(keys)
     if found.shared is not None:
         app.cleanup_ctx.append(_pool_publisher(found))
 

@@ -1,0 +1,49 @@
+"""The operator's console: the admin API, its OpenAPI description and the web dashboard,
+on a sub-app mounted under admin.prefix (default /admin) when admin.keys is not empty.
+
+    proxy/admin/auth.py       admin keys, the signed session cookie, CSRF
+    proxy/admin/routes.py     /api/keys, /api/usage, /api/audit (over proxy/ledger/service.py)
+    proxy/admin/dashboard.py  the page, its static files, login / logout, /api/overview
+    proxy/admin/openapi.py    /openapi.json of the admin API
+    proxy/admin/static/       the dashboard (HTML, JS, CSS) and Chart.js, vendored from npm
+                              (scripts/update_chartjs.sh; version and license in static/VENDOR.md)
+
+Only the page, its static files, /login and /openapi.json answer without an admin key;
+everything under /api needs `Authorization: Bearer <admin key>` or a dashboard session
+(with X-CSRF-Token on every write). A client key there is a 403, no key a 401
+(proxy/admin/auth.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from proxy import state
+from proxy.admin.auth import AdminAuth, guard
+from proxy.config.load import ConfigError
+
+def install(app: web.Application, section: dict[str, Any]) -> web.Application | None:
+    """Mount the console on `app` when admin keys are configured; the sub-app, or None."""
+    if not section.get("keys"):
+        return None
+    prefix = "/" + str(section.get("prefix", "/admin")).strip("/")
+    if prefix == "/" or prefix.startswith("/v1"):
+        raise ConfigError(f"admin.prefix must be a path of its own (e.g. /admin), not {prefix!r}")
+    from proxy.admin import dashboard, openapi, routes
+
+    auth = AdminAuth(section)
+    auth.prefix = prefix
+    admin = web.Application(middlewares=[guard(auth, prefix)])
+    admin[state.ADMIN] = auth
+    routes.add_routes(admin)
+    dashboard.add_routes(admin, prefix)
+    admin.router.add_get("/openapi.json", openapi.handler)
+
+    async def to_page(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound(prefix + "/")  # the page's relative links need the slash
+
+    app.router.add_get(prefix, to_page)  # before the sub-app, which would take the bare prefix too
+    app.add_subapp(prefix, admin)
+    return admin

@@ -1,0 +1,158 @@
+"""The dashboard: its page and static files (everything it loads is served here, no CDN),
+login / logout / session, and /api/overview, the one read the page draws from.
+
+/api/overview?range=24h|7d|30d answers, for that window (hourly buckets for 24h, daily
+otherwise), straight from the ledger and the worker pool:
+  * totals: requests, tokens, cost over the window;
+  * series: spend and tokens per bucket per key and per model;
+  * workers: health, in flight, capacity, time to first byte (EWMA), and the cached-token
+    share of the input each one served in the window;
+  * top_keys: the ten keys with the most spend in the window; recent_errors: the last
+    twenty usage rows that ended failed or in error.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from proxy import state
+from proxy.admin.auth import is_client_key
+from proxy.admin.routes import body_of, guarded, json_response, ledger_of
+from proxy.http.errors import APIError
+from proxy.ledger.service import iso, totals_dict, usage_dict
+
+STATIC = Path(__file__).resolve().parent / "static"
+_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".png": "image/png"}
+# The page loads only what this proxy serves; no inline script, no framing.
+_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+_RANGES = {"24h": (86400, "hour"), "7d": (7 * 86400, "day"), "30d": (30 * 86400, "day")}
+_ERROR_STATUSES = ("failed", "error")
+
+
+def _static_files() -> dict[str, Path]:
+    return {p.name: p for p in STATIC.iterdir() if p.is_file() and p.suffix in _TYPES}
+
+
+async def page(request: web.Request) -> web.StreamResponse:
+    if not request.path.endswith("/"):  # the page's relative links need the slash
+        raise web.HTTPFound(request.path + "/")
+    return web.FileResponse(STATIC / "index.html", headers={
+        "Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": _CSP, "Cache-Control": "no-store",
+        "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"})
+
+
+def _static_handler(files: dict[str, Path]):
+    async def static(request: web.Request) -> web.StreamResponse:
+        found = files.get(request.match_info["name"])
+        if found is None:
+            raise APIError(404, "No such file.", code="not_found")
+        return web.FileResponse(found, headers={"Content-Type": _TYPES[found.suffix],
+                                                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
+    return static
+
+
+def _login_handler(prefix: str):
+    async def login(request: web.Request) -> web.Response:
+        if request.content_type != "application/json":
+            raise APIError(415, "Log in with a JSON body {\"key\": \"<admin key>\"}.", code="unsupported_media_type")
+        data = await body_of(request)
+        key = data.get("key")
+        if not isinstance(key, str) or not key or len(key) > 512:
+            raise APIError(400, "The body must be {\"key\": \"<admin key>\"}.", code="invalid_value", param="key")
+        auth = request.app[state.ADMIN]
+        name = auth.match(key)
+        if name is None:
+            if await is_client_key(request, key):
+                raise APIError(403, "Client API keys cannot log in to the dashboard.", code="client_key_not_allowed")
+            raise APIError(401, "Invalid admin key.", code="invalid_admin_key")
+        token, session = auth.issue(name)
+        response = json_response({"name": name, "csrf_token": auth.csrf_token(session),
+                                  "expires_at": session.expires_at})
+        auth.set_cookie(response, token, prefix)
+        return response
+    return login
+
+
+async def session_info(request: web.Request) -> web.Response:
+    session = request.get(state.ADMIN_SESSION)
+    auth = request.app[state.ADMIN]
+    return json_response({"name": request[state.ADMIN_ACTOR].partition(":")[2],
+                          "csrf_token": auth.csrf_token(session) if session is not None else None,
+                          "expires_at": session.expires_at if session is not None else None})
+
+
+def _logout_handler(prefix: str):
+    async def logout(request: web.Request) -> web.Response:
+        response = json_response({"logged_out": True})
+        auth = request.app[state.ADMIN]
+        session = request.get(state.ADMIN_SESSION)
+        if session is not None:
+            auth.log_out(session)
+        auth.clear_cookie(response, prefix)
+        return response
+    return logout
+
+
+def _workers(request: web.Request, by_worker: dict[str, dict]) -> list[dict]:
+    pool = request.config_dict.get(state.POOL)
+    out = []
+    for w in (pool.workers if pool is not None else []):
+        sums = by_worker.get(w.name, {})
+        inputs = sums.get("input_tokens", 0)
+        out.append({
+            "name": w.name, "healthy": bool(w.healthy), "available": bool(w.available), "ejected": bool(w.ejected),
+            "in_flight": w.in_flight, "capacity": w.capacity,
+            "ttfb_ms": round(w.ewma_ttfb * 1000, 1) if w.ewma_ttfb is not None else None,
+            "last_check_error": w.last_check_error, "requests": sums.get("requests", 0),
+            "input_tokens": inputs, "cached_tokens": sums.get("cached_tokens", 0),
+            "cached_share": round(sums.get("cached_tokens", 0) / inputs, 4) if inputs else 0.0,
+        })
+    return out
+
+
+async def overview(request: web.Request) -> web.Response:
+    chosen = request.query.get("range", "24h")
+    if chosen not in _RANGES:
+        raise APIError(400, f"range must be one of {', '.join(_RANGES)}", code="invalid_value", param="range")
+    span, bucket = _RANGES[chosen]
+    ledger = ledger_of(request)
+    until = time.time()
+    since = until - span
+    window = {"since": since}
+    by_key_time = await guarded(ledger.usage_totals((bucket, "key"), **window))
+    by_model_time = await guarded(ledger.usage_totals((bucket, "model"), **window))
+    by_key = await guarded(ledger.usage_totals(("key",), **window))
+    by_worker = await guarded(ledger.usage_totals(("worker",), **window))
+    total = await guarded(ledger.usage_totals((), **window))
+    errors = await guarded(ledger.usage_rows(since=since, statuses=_ERROR_STATUSES, limit=20))
+    names = {k.key_id: k.name for k in await guarded(ledger.list_keys())}
+    top = sorted((totals_dict(t) for t in by_key), key=lambda r: (-r["cost_micros"], r["key"]))[:10]
+    for row in top:
+        row["name"] = names.get(row["key"], "")
+    step = 3600 if bucket == "hour" else 86400
+    return json_response({
+        "range": chosen, "bucket": bucket, "since": iso(since), "until": iso(until),
+        "buckets": [iso(t) for t in range(int(since // step * step), int(until) + 1, step)],
+        "totals": totals_dict(total[0]) if total else {},
+        "series": {"by_key": [totals_dict(t) for t in by_key_time],
+                   "by_model": [totals_dict(t) for t in by_model_time]},
+        "key_names": names,
+        "workers": _workers(request, {str(t.group["worker"]): totals_dict(t) for t in by_worker}),
+        "top_keys": top,
+        "recent_errors": [{"seq": seq, **usage_dict(r)} for seq, r in errors],
+    })
+
+
+def add_routes(app: web.Application, prefix: str) -> None:
+    r = app.router
+    r.add_get("/", page)
+    r.add_get("/static/{name}", _static_handler(_static_files()))
+    r.add_post("/login", _login_handler(prefix))
+    r.add_post("/api/logout", _logout_handler(prefix))
+    r.add_get("/api/session", session_info)
+    r.add_get("/api/overview", overview)
+

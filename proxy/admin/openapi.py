@@ -1,0 +1,169 @@
+"""The OpenAPI 3.1 description of the admin API, served at <prefix>/openapi.json (like the
+public one at /openapi.json). Paths are relative to the admin prefix (servers: [{url: prefix}]).
+tests/test_admin_api.py checks that every route of the admin sub-app is described and that
+the live answers match it (schemathesis, against a real proxy with an admin key)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy.ledger.service import CREATE_FIELDS, LIMIT_FIELDS, TOTAL_FIELDS, USAGE_FIELDS
+from proxy.ledger.base import USAGE_GROUPS
+
+_ERR = {"$ref": "#/components/schemas/ErrorEnvelope"}
+_MEANINGS = {
+    400: "Invalid input (a field of the wrong type or out of range, unknown fields, bad JSON).",
+    401: "No admin key or dashboard session, or an invalid one.",
+    403: "A client API key was presented (admin keys only), or a session write without X-CSRF-Token.",
+    404: "No such key.",
+    409: "The ledger refused the change (e.g. rotating a revoked key).",
+    413: "The body is larger than 64 KiB.",
+    415: "The login body is not JSON.",
+    503: "No ledger (ledger.backend is none).",
+}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"description": _MEANINGS[s], "content": {"application/json": {"schema": _ERR}}}
+            for s in statuses}
+
+
+def _ok(description: str, schema: dict | None = None, csv: bool = False, status: int = 200) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": schema or {"type": "object"}}}
+    if csv:
+        content["text/csv"] = {"schema": {"type": "string"}}
+    return {str(status): {"description": description, "content": content}}
+
+
+def _query(name: str, schema: dict, description: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+_KEY_ID = {"name": "key_id", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 64}}
+_TIME = {"type": "string", "maxLength": 40}
+_RANGE = [
+    _query("since", _TIME, "Unix seconds or ISO 8601 (UTC unless a zone is given); inclusive"),
+    _query("until", _TIME, "Unix seconds or ISO 8601; exclusive"),
+    _query("key_id", {"type": "string", "maxLength": 64}, "one key"),
+]
+_PAGE = [
+    _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "rows per page (default 100)"),
+    _query("cursor", {"type": "integer", "minimum": 1}, "next_cursor of the previous page"),
+]
+_FORMAT = _query("format", {"type": "string", "enum": ["json", "csv"]}, "json (default) or csv")
+_INT_OR_NULL = {"type": ["integer", "null"], "minimum": 1, "maximum": 2**63 - 1}
+_LIMITS: dict[str, Any] = {
+    "allowed_models": {"type": ["array", "null"], "items": {"type": "string", "minLength": 1, "maxLength": 256},
+                       "minItems": 1, "description": "null: every model"},
+    "concurrency": _INT_OR_NULL, "rate_per_min": _INT_OR_NULL, "tokens_per_min": _INT_OR_NULL,
+    "daily_budget_micros": _INT_OR_NULL, "monthly_budget_micros": _INT_OR_NULL,
+    "expires_at": {"type": ["number", "string", "null"], "description": "Unix seconds or ISO 8601; null: never"},
+}
+assert set(_LIMITS) == set(LIMIT_FIELDS)
+_CREATE = {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+    "name": {"type": "string", "minLength": 1, "maxLength": 200},
+    "balance_micros": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}, **_LIMITS}}
+assert set(_CREATE["properties"]) == set(CREATE_FIELDS)
+_KEY = {"type": "object", "required": ["key_id", "name", "prefix", "balance_micros", "revoked"]}
+_SECRET = {"type": "object", "required": ["secret", "key"], "properties": {
+    "secret": {"type": "string", "description": "shown once; never stored"}, "key": _KEY}}
+_LIST = {"type": "object", "required": ["object", "data"]}
+
+
+def _paths() -> dict[str, Any]:
+    key_write = _errors(400, 401, 403, 404, 409, 413)
+    return {
+        "/api/keys": {
+            "get": {"operationId": "listKeys", "summary": "Every key (never a secret)",
+                    "responses": {**_ok("The keys", _LIST), **_errors(401, 403, 503)}},
+            "post": {"operationId": "createKey", "summary": "Create a key (the secret is in this answer only)",
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": _CREATE}}},
+                     "responses": {**_ok("The new key and its secret", _SECRET, status=201),
+                                   **_errors(400, 401, 403, 413, 503)}}},
+        "/api/keys/{key_id}": {
+            "parameters": [_KEY_ID],
+            "get": {"operationId": "showKey", "summary": "A key, its balance, spend today and this month",
+                    "responses": {**_ok("The key"), **_errors(401, 403, 404, 503)}},
+            "patch": {"operationId": "updateKey", "summary": "Change limits, models, budgets, expiry (null clears)",
+                      "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                          "type": "object", "additionalProperties": False, "minProperties": 1,
+                          "properties": _LIMITS}}}},
+                      "responses": {**_ok("The key"), **key_write}}},
+        "/api/keys/{key_id}/topup": {"parameters": [_KEY_ID], "post": {
+            "operationId": "topUpKey", "summary": "Add to the balance (negative corrects; never below 0)",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["micros"], "additionalProperties": False,
+                "properties": {"micros": {"type": "integer"}}}}}},
+            "responses": {**_ok("The new balance"), **key_write}}},
+        "/api/keys/{key_id}/revoke": {"parameters": [_KEY_ID], "post": {
+            "operationId": "revokeKey", "summary": "Revoke a key (effective at once in this process)",
+            "responses": {**_ok("Revoked"), **key_write}}},
+        "/api/keys/{key_id}/rotate": {"parameters": [_KEY_ID], "post": {
+            "operationId": "rotateKey", "summary": "A new secret for the same key and balance",
+            "responses": {**_ok("The key and its new secret", _SECRET), **key_write}}},
+        "/api/usage": {"get": {
+            "operationId": "usageRows", "summary": "Usage rows, newest first, paginated",
+            "parameters": [*_RANGE, _query("model", {"type": "string"}, "one model"), *_PAGE, _FORMAT],
+            "responses": {**_ok(f"Rows with {', '.join(USAGE_FIELDS)}", _LIST, csv=True),
+                          **_errors(400, 401, 403, 503)}}},
+        "/api/usage/totals": {"get": {
+            "operationId": "usageTotals", "summary": "Usage sums over a range, grouped",
+            "parameters": [*_RANGE, _query("model", {"type": "string"}, "one model"),
+                           _query("group_by", {"type": "string"}, f"comma-separated: {', '.join(USAGE_GROUPS)}"),
+                           _FORMAT],
+            "responses": {**_ok(f"Groups with {', '.join(TOTAL_FIELDS)}", _LIST, csv=True),
+                          **_errors(400, 401, 403, 503)}}},
+        "/api/audit": {"get": {
+            "operationId": "auditLog", "summary": "Key changes: who, what, when (newest first)",
+            "parameters": [*_RANGE, *_PAGE],
+            "responses": {**_ok("Audit entries", _LIST), **_errors(400, 401, 403, 503)}}},
+        "/api/overview": {"get": {
+            "operationId": "overview", "summary": "The dashboard's figures for a window",
+            "parameters": [_query("range", {"type": "string", "enum": ["24h", "7d", "30d"]}, "default 24h")],
+            "responses": {**_ok("Totals, series, workers, top keys, recent errors"), **_errors(400, 401, 403, 503)}}},
+        "/api/session": {"get": {
+            "operationId": "session", "summary": "Who is logged in, and the CSRF token of the session",
+            "responses": {**_ok("The session"), **_errors(401, 403)}}},
+        "/api/logout": {"post": {
+            "operationId": "logout", "summary": "Drop the session cookie",
+            "responses": {**_ok("Logged out"), **_errors(401, 403)}}},
+        "/login": {"post": {
+            "operationId": "login", "summary": "Dashboard login with an admin key: sets the session cookie",
+            "security": [],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["key"], "properties": {"key": {"type": "string"}}}}}},
+            "responses": {**_ok("Logged in: the CSRF token"), **_errors(400, 401, 403, 413, 415)}}},
+    }
+
+
+def openapi_document(prefix: str = "/admin") -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "responses-proxy admin API", "version": "1",
+                 "description": "Keys, usage and audit of the operator's console. Admin keys only."},
+        "servers": [{"url": prefix}],
+        "security": [{"adminKey": []}, {"session": []}],
+        "paths": _paths(),
+        "components": {
+            "securitySchemes": {
+                "adminKey": {"type": "http", "scheme": "bearer", "description": "an admin key from admin.keys"},
+                "session": {"type": "apiKey", "in": "cookie", "name": "rp_admin_session",
+                            "description": "dashboard login; writes also need the X-CSRF-Token header"},
+            },
+            "schemas": {"ErrorEnvelope": {
+                "type": "object", "required": ["error"], "properties": {"error": {
+                    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+                        "message": {"type": "string"}, "type": {"type": "string"},
+                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}},
+        },
+    }
+
+
+async def handler(request: web.Request) -> web.Response:
+    from proxy import state
+
+    return web.Response(body=orjson.dumps(openapi_document(request.app[state.ADMIN].prefix)),
+                        content_type="application/json")

@@ -1,0 +1,196 @@
+"""The admin API's handlers (<prefix>/api/...): keys, usage, audit. Each one is a thin
+shell over proxy/ledger/service.py (the keys CLI's rules, once), answering JSON (or CSV
+for usage with format=csv) and refusing bad input with a 4xx in the OpenAI envelope.
+
+    GET    /api/keys                      every key (never a secret)
+    POST   /api/keys                      create; 201 {"secret": ..., "key": {...}} (the secret once)
+    GET    /api/keys/{key_id}             a key, its balance, spend today / this month, budgets left
+    PATCH  /api/keys/{key_id}             limits, allowed models, budgets, expiry (null clears)
+    POST   /api/keys/{key_id}/topup       {"micros": N} (negative corrects)
+    POST   /api/keys/{key_id}/revoke
+    POST   /api/keys/{key_id}/rotate      {"secret": ..., "key": {...}}: a new secret, same key
+    GET    /api/usage                     rows, newest first: since, until, key_id, model, limit, cursor, format
+    GET    /api/usage/totals              sums grouped by group_by=key,model,worker,day|hour
+    GET    /api/audit                     the audit log: key_id, since, until, limit, cursor
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy import state
+from proxy.http.errors import APIError
+from proxy.ledger import LedgerError, UnknownKey
+from proxy.ledger.service import (
+    TOTAL_FIELDS,
+    USAGE_FIELDS,
+    KeyService,
+    UsageQuery,
+    bounded_int,
+    iso,
+    key_dict,
+    parse_time,
+    to_csv,
+    totals_dict,
+    usage_dict,
+)
+
+MAX_BODY = 64 * 1024
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    # no-store: key data and usage are not for shared caches (nor the browser's back button)
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+                        headers={"Cache-Control": "no-store"})
+
+
+def ledger_of(request: web.Request) -> Any:
+    ledger = request.config_dict.get(state.LEDGER)
+    if ledger is None:
+        raise APIError(503, "No ledger (ledger.backend is none): there are no keys to manage.", code="no_ledger")
+    return ledger
+
+
+def service(request: web.Request) -> KeyService:
+    return KeyService(ledger_of(request), request[state.ADMIN_ACTOR])
+
+
+async def body_of(request: web.Request) -> dict[str, Any]:
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise APIError(413, f"The body is larger than {MAX_BODY} bytes.", code="body_too_large")
+    raw = await request.content.read(MAX_BODY + 1)
+    if len(raw) > MAX_BODY:
+        raise APIError(413, f"The body is larger than {MAX_BODY} bytes.", code="body_too_large")
+    if not raw.strip():
+        return {}
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise APIError(400, "The body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The body must be a JSON object.", code="invalid_json")
+    return data
+
+
+async def guarded(coro: Any) -> Any:
+    """The service's refusals as 4xx: unknown key 404, bad value 400, other ledger refusal 409."""
+    try:
+        return await coro
+    except UnknownKey as exc:
+        raise APIError(404, f"No key with id {exc.key_id[:64]!r}.", code="key_not_found") from None
+    except ValueError as exc:
+        raise APIError(400, str(exc)[:500], code="invalid_value") from None
+    except LedgerError as exc:
+        raise APIError(409, str(exc)[:500], code="ledger_refused") from None
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    records = await guarded(service(request).list())
+    return json_response({"object": "list", "data": [key_dict(r) for r in records]})
+
+
+async def create_key(request: web.Request) -> web.Response:
+    data = await body_of(request)
+    secret, record = await guarded(service(request).create(data))
+    return json_response({"secret": secret, "key": key_dict(record)}, status=201)
+
+
+async def show_key(request: web.Request) -> web.Response:
+    svc = service(request)
+    record = await guarded(svc.get(request.match_info["key_id"]))
+    summary = await guarded(svc.summary(record))
+    return json_response({"key": key_dict(record), **summary})
+
+
+async def update_key(request: web.Request) -> web.Response:
+    data = await body_of(request)
+    record = await guarded(service(request).update(request.match_info["key_id"], data))
+    return json_response({"key": key_dict(record)})
+
+
+async def top_up(request: web.Request) -> web.Response:
+    data = await body_of(request)
+    if set(data) != {"micros"}:
+        raise APIError(400, "The body must be {\"micros\": N}.", code="invalid_value", param="micros")
+    key_id = request.match_info["key_id"]
+    balance = await guarded(service(request).top_up(key_id, data["micros"]))
+    return json_response({"key_id": key_id, "balance_micros": balance})
+
+
+async def revoke(request: web.Request) -> web.Response:
+    key_id = request.match_info["key_id"]
+    await guarded(service(request).revoke(key_id))
+    return json_response({"key_id": key_id, "revoked": True})
+
+
+async def rotate(request: web.Request) -> web.Response:
+    secret, record = await guarded(service(request).rotate(request.match_info["key_id"]))
+    return json_response({"secret": secret, "key": key_dict(record)})
+
+
+def _query(request: web.Request) -> UsageQuery:
+    try:
+        return UsageQuery(dict(request.query))
+    except ValueError as exc:
+        raise APIError(400, str(exc)[:500], code="invalid_value") from None
+
+
+def _csv(text: str, name: str) -> web.Response:
+    return web.Response(text=text, content_type="text/csv", charset="utf-8", headers={
+        "Cache-Control": "no-store", "Content-Disposition": f'attachment; filename="{name}.csv"'})
+
+
+async def usage_rows(request: web.Request) -> web.Response:
+    query = _query(request)
+    page, cursor = await guarded(query.rows(ledger_of(request)))
+    rows = [{"seq": seq, **usage_dict(r)} for seq, r in page]
+    if query.format == "csv":
+        response = _csv(to_csv(rows, ("seq", *USAGE_FIELDS)), "usage")
+        if cursor is not None:
+            response.headers["X-Next-Cursor"] = str(cursor)
+        return response
+    return json_response({"object": "list", "data": rows, "next_cursor": cursor, "has_more": cursor is not None})
+
+
+async def usage_totals(request: web.Request) -> web.Response:
+    query = _query(request)
+    rows = [totals_dict(t) for t in await guarded(query.totals(ledger_of(request)))]
+    if query.format == "csv":
+        return _csv(to_csv(rows, (*query.group_by, *TOTAL_FIELDS)), "usage-totals")
+    return json_response({"object": "list", "group_by": list(query.group_by), "since": iso(query.since),
+                          "until": iso(query.until), "data": rows})
+
+
+async def audit(request: web.Request) -> web.Response:
+    q = request.query
+    try:
+        since, until = parse_time(q.get("since"), "since"), parse_time(q.get("until"), "until")
+        limit = bounded_int(q.get("limit"), "limit", 100, 1, 1000)
+        cursor = bounded_int(q.get("cursor"), "cursor", None, 1, 2**63 - 1)
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from None
+    entries = await guarded(ledger_of(request).list_audit(
+        key_id=q.get("key_id") or None, since=since, until=until, before_seq=cursor, limit=limit + 1))
+    more = len(entries) > limit
+    entries = entries[:limit]
+    data = [{"seq": e.seq, "created_at": e.created_at, "created": iso(e.created_at), "actor": e.actor,
+             "action": e.action, "key_id": e.key_id, "details": e.details} for e in entries]
+    next_cursor = entries[-1].seq if more and entries else None
+    return json_response({"object": "list", "data": data, "next_cursor": next_cursor, "has_more": more})
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/api/keys", list_keys)
+    r.add_post("/api/keys", create_key)
+    r.add_get("/api/keys/{key_id}", show_key)
+    r.add_patch("/api/keys/{key_id}", update_key)
+    r.add_post("/api/keys/{key_id}/topup", top_up)
+    r.add_post("/api/keys/{key_id}/revoke", revoke)
+    r.add_post("/api/keys/{key_id}/rotate", rotate)
+    r.add_get("/api/usage", usage_rows)
+    r.add_get("/api/usage/totals", usage_totals)
+    r.add_get("/api/audit", audit)

@@ -1,0 +1,172 @@
+// The operator's dashboard. Everything comes from <prefix>/api/overview (the ledger and the
+// worker pool); writes (log out) carry the session's CSRF token. No secret is ever shown:
+// the API never returns one here, and the admin key typed at login is sent once and dropped.
+"use strict";
+
+(function () {
+  const prefix = location.pathname.replace(/\/+$/, "").replace(/\/index\.html$/, "");
+  const state = { csrf: null, charts: {}, data: null, view: "spend" };
+  const $ = (id) => document.getElementById(id);
+  const palette = ["#2f6fde", "#e8590c", "#2b8a3e", "#c2255c", "#7048e8", "#0c8599", "#e67700", "#5c940d",
+                   "#a61e4d", "#364fc7"];
+
+  function money(micros) { return (micros / 1e6).toFixed(6); }
+  function int(n) { return String(n); }
+
+  async function api(path, options) {
+    const opts = Object.assign({ credentials: "same-origin", headers: {} }, options || {});
+    if (opts.method && opts.method !== "GET" && state.csrf) opts.headers["X-CSRF-Token"] = state.csrf;
+    const response = await fetch(prefix + path, opts);
+    let body = null;
+    try { body = await response.json(); } catch (e) { body = null; }
+    return { status: response.status, body: body };
+  }
+
+  function show(loggedIn) {
+    $("login").hidden = loggedIn;
+    $("app").hidden = !loggedIn;
+    $("nav").hidden = !loggedIn;
+    $("controls").hidden = !loggedIn;
+  }
+
+  async function start() {
+    const session = await api("/api/session");
+    if (session.status !== 200) { show(false); return; }
+    state.csrf = session.body.csrf_token;
+    $("who").textContent = "admin: " + session.body.name;
+    show(true);
+    await load();
+  }
+
+  async function login(event) {
+    event.preventDefault();
+    const input = $("admin-key");
+    const result = await api("/login", { method: "POST", headers: { "Content-Type": "application/json" },
+                                         body: JSON.stringify({ key: input.value }) });
+    input.value = "";
+    if (result.status !== 200) {
+      $("login-error").textContent = (result.body && result.body.error && result.body.error.message) || "Login failed.";
+      return;
+    }
+    $("login-error").textContent = "";
+    await start();
+  }
+
+  async function logout() {
+    await api("/api/logout", { method: "POST" });
+    state.csrf = null;
+    show(false);
+  }
+
+  function bucketLabel(iso, bucket) {
+    return bucket === "hour" ? iso.slice(5, 13).replace("T", " ") + ":00" : iso.slice(0, 10);
+  }
+
+  // rows: [{<bucket>: iso, <dim>: name, ...sums}] -> Chart.js line datasets, one per dim value.
+  function series(rows, bucket, dim, value, names, every) {
+    const labels = [...new Set([...(every || []), ...rows.map((r) => r[bucket])])].sort();
+    const groups = [...new Set(rows.map((r) => r[dim]))].sort();
+    const datasets = groups.map((g, i) => {
+      const byBucket = new Map(rows.filter((r) => r[dim] === g).map((r) => [r[bucket], value(r)]));
+      const colour = palette[i % palette.length];
+      return { label: (names && names[g]) ? names[g] + " (" + g + ")" : String(g), borderColor: colour,
+               backgroundColor: colour + "55", data: labels.map((l) => byBucket.get(l) || 0), cubicInterpolationMode: "monotone",
+               pointRadius: 2 };
+    });
+    return { labels: labels.map((l) => bucketLabel(l, bucket)), datasets: datasets };
+  }
+
+  function draw(id, type, data, options) {
+    if (state.charts[id]) state.charts[id].destroy();
+    state.charts[id] = new Chart($(id), { type: type, data: data, options: Object.assign({
+      responsive: true, maintainAspectRatio: false, animation: false,
+      plugins: { legend: { position: "bottom" } } }, options || {}) });
+  }
+
+  function area(data) {
+    data.datasets.forEach((d) => { d.fill = true; });
+    return data;
+  }
+
+  function cell(text, cls) {
+    const td = document.createElement("td");
+    td.textContent = text;
+    if (cls) td.className = cls;
+    return td;
+  }
+
+  function fill(tableId, rows, columns) {
+    const body = $(tableId).querySelector("tbody");
+    body.replaceChildren();
+    rows.forEach((row) => {
+      const tr = document.createElement("tr");
+      columns.forEach(([value, cls]) => tr.appendChild(cell(value(row), cls)));
+      body.appendChild(tr);
+    });
+  }
+
+  function render(d) {
+    const t = d.totals || {};
+    $("total-requests").textContent = int(t.requests || 0);
+    $("total-cost").textContent = money(t.cost_micros || 0);
+    $("total-input").textContent = int(t.input_tokens || 0);
+    $("total-cached").textContent = int(t.cached_tokens || 0);
+    $("total-output").textContent = int(t.output_tokens || 0);
+    $("window").textContent = "From " + d.since + " to " + d.until + " (UTC), by " + d.bucket + ".";
+    const b = d.bucket, names = d.key_names;
+    const spend = (r) => r.cost_micros / 1e6, tokens = (r) => r.input_tokens + r.output_tokens;
+    const money_axis = { scales: { y: { beginAtZero: true, title: { display: true, text: "spend" } } } };
+    const stacked = { scales: { y: { stacked: true, beginAtZero: true, title: { display: true, text: "tokens" } } } };
+    draw("chart-spend-key", "line", series(d.series.by_key, b, "key", spend, names, d.buckets), money_axis);
+    draw("chart-spend-model", "line", series(d.series.by_model, b, "model", spend, null, d.buckets), money_axis);
+    draw("chart-tokens-key", "line", area(series(d.series.by_key, b, "key", tokens, names, d.buckets)), stacked);
+    draw("chart-tokens-model", "line", area(series(d.series.by_model, b, "model", tokens, null, d.buckets)), stacked);
+    draw("chart-cached", "bar", {
+      labels: d.workers.map((w) => w.name),
+      datasets: [{ label: "cached share of input (%)", backgroundColor: palette[0],
+                   data: d.workers.map((w) => Math.round(w.cached_share * 1000) / 10) }],
+    }, { scales: { y: { beginAtZero: true, max: 100 } } });
+    fill("workers-table", d.workers, [
+      [(w) => w.name, "text"],
+      [(w) => (w.available ? "healthy" : (w.ejected ? "ejected" : "unhealthy")), null],
+      [(w) => int(w.in_flight)], [(w) => int(w.capacity)],
+      [(w) => (w.ttfb_ms === null ? "-" : w.ttfb_ms.toFixed(1))],
+      [(w) => int(w.requests)], [(w) => int(w.input_tokens)], [(w) => int(w.cached_tokens)],
+      [(w) => (w.cached_share * 100).toFixed(1) + "%"],
+    ]);
+    fill("keys-table", d.top_keys, [
+      [(k) => k.key, "text"], [(k) => k.name, "text"], [(k) => int(k.requests)], [(k) => int(k.input_tokens)],
+      [(k) => int(k.cached_tokens)], [(k) => int(k.output_tokens)], [(k) => money(k.cost_micros)],
+    ]);
+    fill("errors-table", d.recent_errors, [
+      [(e) => e.created, "text"], [(e) => e.request_id, "text"], [(e) => e.key_id, "text"],
+      [(e) => e.model, "text"], [(e) => e.worker || "-", "text"], [(e) => e.status, "text"],
+      [(e) => money(e.cost_micros)],
+    ]);
+    document.body.dataset.loaded = String(Date.now());
+  }
+
+  async function load() {
+    const result = await api("/api/overview?range=" + encodeURIComponent($("range").value));
+    if (result.status === 401) { show(false); return; }
+    if (result.status !== 200) return;
+    state.data = result.body;
+    render(result.body);
+  }
+
+  function select(view) {
+    state.view = view;
+    document.querySelectorAll("#nav button").forEach((b) => b.classList.toggle("active", b.dataset.view === view));
+    document.querySelectorAll(".view").forEach((v) => { v.hidden = v.id !== "view-" + view; });
+    Object.values(state.charts).forEach((c) => c.resize());
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    $("login-form").addEventListener("submit", login);
+    $("logout").addEventListener("click", logout);
+    $("refresh").addEventListener("click", load);
+    $("range").addEventListener("change", load);
+    document.querySelectorAll("#nav button").forEach((b) => b.addEventListener("click", () => select(b.dataset.view)));
+    start();
+  });
+})();

@@ -1,0 +1,315 @@
+"""The one service layer of key management and usage reports: the keys CLI
+(proxy/ledger/cli.py) and the admin API (proxy/admin/) both go through it, so the rules
+(what a field may hold, what is audited, how a time range or a budget period is read)
+exist once.
+
+    service = KeyService(ledger, actor="admin:ops")      # or "cli:<user>"
+    secret, record = await service.create({"name": "team-a", "balance_micros": 5_000_000})
+    await service.update(record.key_id, {"tokens_per_min": 20000, "daily_budget_micros": 1_000_000})
+
+Every change writes one audit entry (who, what, when, the changed fields) after it
+commits; a secret is never in one (nor in any dict this module returns, but create's and
+rotate's own return value, shown once). Input comes as a mapping of JSON values (HTTP
+bodies; the CLI builds the same mapping from its flags); anything wrong is a ValueError
+whose message names the field, which the callers turn into a 400 / exit 1.
+"""
+
+from __future__ import annotations
+
+import calendar
+import csv
+import io
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+from proxy.ledger.base import USAGE_GROUPS, UNSET, KeyRecord, Ledger, UnknownKey, UsageRecord, UsageTotals
+from proxy.ledger.usage import MAX_AMOUNT
+
+# The fields a key's limits are set with (create and update take them all).
+LIMIT_FIELDS = ("allowed_models", "concurrency", "rate_per_min", "tokens_per_min",
+                "daily_budget_micros", "monthly_budget_micros", "expires_at")
+CREATE_FIELDS = ("name", "balance_micros", *LIMIT_FIELDS)
+MAX_PAGE = 1000
+
+
+def parse_time(value: Any, what: str) -> float | None:
+    """A time as Unix seconds: a number, a numeric string, or ISO 8601 ("2026-12-01",
+    "2026-12-01T10:00:00Z"; no zone means UTC). None / "" -> None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a time (Unix seconds or ISO 8601)")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            try:
+                parsed = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+            except ValueError:
+                raise ValueError(f"{what} must be Unix seconds or ISO 8601 (e.g. 2026-12-01T10:00:00Z), "
+                                 f"not {text[:40]!r}") from None
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=timezone.utc)
+            seconds = parsed.timestamp()
+    if not 0 <= seconds < 1e11:
+        raise ValueError(f"{what} is out of range")
+    return seconds
+
+
+def iso(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def period_starts(now: float | None = None) -> tuple[float, float]:
+    """(start of the UTC day, start of the UTC calendar month) containing `now`: the periods
+    daily and monthly budgets reset at."""
+    t = time.gmtime(time.time() if now is None else now)
+    day = calendar.timegm((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0))
+    month = calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0))
+    return float(day), float(month)
+
+
+def key_dict(record: KeyRecord) -> dict[str, Any]:
+    """A key as JSON (never the secret: the record does not have it), times also in ISO 8601."""
+    data = asdict(record)
+    data["allowed_models"] = list(record.allowed_models) if record.allowed_models is not None else None
+    data["created"] = iso(record.created_at)
+    data["expires"] = iso(record.expires_at)
+    data["expired"] = record.expired()
+    return data
+
+
+def _opt_int(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be a positive integer or null")
+    if not 1 <= value <= MAX_AMOUNT:
+        raise ValueError(f"{what} must be a positive integer or null, not {value}")
+    return value
+
+
+def _models(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [m.strip() for m in value.split(",") if m.strip()]
+        if value in ([], ["*"]):
+            return None
+    if not isinstance(value, list) or not value or not all(isinstance(m, str) and m and len(m) <= 256 for m in value):
+        raise ValueError("allowed_models must be a non-empty list of model names, or null for every model")
+    return value
+
+
+def parse_limits(data: dict[str, Any]) -> dict[str, Any]:
+    """The limit fields present in `data`, checked (absent fields are left out)."""
+    out: dict[str, Any] = {}
+    for name in LIMIT_FIELDS:
+        if name not in data:
+            continue
+        value = data[name]
+        if name == "allowed_models":
+            out[name] = _models(value)
+        elif name == "expires_at":
+            out[name] = parse_time(value, name)
+        else:
+            out[name] = _opt_int(value, name)
+    return out
+
+
+def _fields(data: Any, allowed: Iterable[str]) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ValueError("the body must be a JSON object")
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(map(str, unknown))[:200]} (known: {', '.join(allowed)})")
+    return data
+
+
+class KeyService:
+    """Key management with an audit entry per change. `actor` names who acts (never a secret)."""
+
+    def __init__(self, ledger: Ledger, actor: str) -> None:
+        self.ledger = ledger
+        self.actor = actor
+
+    async def _audit(self, action: str, key_id: str | None, details: dict[str, Any]) -> None:
+        await self.ledger.append_audit(self.actor, action, key_id, details)
+
+    async def create(self, data: dict[str, Any]) -> tuple[str, KeyRecord]:
+        data = _fields(data, CREATE_FIELDS)
+        name = data.get("name")
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise ValueError("name must be a non-empty string of at most 200 characters")
+        balance = data.get("balance_micros", 0)
+        if isinstance(balance, bool) or not isinstance(balance, int) or not 0 <= balance <= MAX_AMOUNT:
+            raise ValueError("balance_micros must be a non-negative integer")
+        limits = parse_limits(data)
+        secret, record = await self.ledger.create_key(name, balance, **limits)
+        await self._audit("key.create", record.key_id, {"name": record.name, "balance_micros": balance,
+                                                        "prefix": record.prefix, **limits})
+        return secret, record
+
+    async def get(self, key_id: str) -> KeyRecord:
+        record = await self.ledger.get_key(key_id)
+        if record is None:
+            raise UnknownKey(key_id)
+        return record
+
+    async def list(self) -> list[KeyRecord]:
+        return await self.ledger.list_keys()
+
+    async def top_up(self, key_id: str, micros: Any) -> int:
+        if isinstance(micros, bool) or not isinstance(micros, int) or abs(micros) > MAX_AMOUNT:
+            raise ValueError("micros must be an integer (negative corrects the balance)")
+        balance = await self.ledger.top_up(key_id, micros)
+        await self._audit("key.topup", key_id, {"micros": micros, "balance_micros": balance})
+        return balance
+
+    async def update(self, key_id: str, data: dict[str, Any]) -> KeyRecord:
+        limits = parse_limits(_fields(data, LIMIT_FIELDS))
+        if not limits:
+            raise ValueError(f"nothing to change: give one of {', '.join(LIMIT_FIELDS)}")
+        record = await self.ledger.set_limits(key_id, **limits)
+        await self._audit("key.update", key_id, limits)
+        return record
+
+    async def revoke(self, key_id: str) -> None:
+        await self.ledger.revoke(key_id)
+        await self._audit("key.revoke", key_id, {})
+
+    async def rotate(self, key_id: str) -> tuple[str, KeyRecord]:
+        secret, record = await self.ledger.rotate_key(key_id)
+        await self._audit("key.rotate", key_id, {"prefix": record.prefix})
+        return secret, record
+
+    async def summary(self, record: KeyRecord, now: float | None = None) -> dict[str, Any]:
+        """Balance, what is available (minus holds), spend today and this month, and what is
+        left of each budget: the key holder's view (GET /v1/key) and the admin's `show`."""
+        return await key_summary(self.ledger, record, now)
+
+
+async def key_summary(ledger: Ledger, record: KeyRecord, now: float | None = None) -> dict[str, Any]:
+    day, month = period_starts(now)
+    spend_day = await ledger.spend_since(record.key_id, day)
+    spend_month = await ledger.spend_since(record.key_id, month)
+    available = await ledger.available(record.key_id)
+    return {
+        "balance_micros": record.balance_micros,
+        "available_micros": max(0, available),
+        "spend_today_micros": spend_day,
+        "spend_month_micros": spend_month,
+        "daily_budget_remaining_micros": (None if record.daily_budget_micros is None
+                                          else max(0, record.daily_budget_micros - spend_day)),
+        "monthly_budget_remaining_micros": (None if record.monthly_budget_micros is None
+                                            else max(0, record.monthly_budget_micros - spend_month)),
+    }
+
+
+async def budget_room(ledger: Ledger, record: KeyRecord, now: float | None = None) -> int | None:
+    """What the key's budgets still allow in their current periods (the smaller one); None
+    without a budget. Read from settled usage: requests in flight are not in it yet, so
+    concurrent requests may together pass a budget by at most their holds (the balance
+    itself stays a hard bound)."""
+    if record.daily_budget_micros is None and record.monthly_budget_micros is None:
+        return None
+    day, month = period_starts(now)
+    room: list[int] = []
+    if record.daily_budget_micros is not None:
+        room.append(record.daily_budget_micros - await ledger.spend_since(record.key_id, day))
+    if record.monthly_budget_micros is not None:
+        room.append(record.monthly_budget_micros - await ledger.spend_since(record.key_id, month))
+    return max(0, min(room))
+
+
+# ----------------------------------------------------------------------------- usage reports
+
+USAGE_FIELDS = ("request_id", "key_id", "model", "worker", "status", "input_tokens", "cached_tokens",
+                "output_tokens", "reasoning_tokens", "cost_micros", "debited_micros", "created_at", "created")
+TOTAL_FIELDS = ("requests", "input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens",
+                "cost_micros", "debited_micros")
+
+
+class UsageQuery:
+    """A usage report's parameters, checked: a time range [since, until), filters, a page
+    (limit and the cursor of the previous page) or a grouping, and a format."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.since = parse_time(params.get("since"), "since")
+        self.until = parse_time(params.get("until"), "until")
+        if self.since is not None and self.until is not None and self.until <= self.since:
+            raise ValueError("until must be after since")
+        self.key_id = params.get("key_id") or None
+        self.model = params.get("model") or None
+        self.format = (params.get("format") or "json").lower()
+        if self.format not in ("json", "csv"):
+            raise ValueError("format must be json or csv")
+        self.limit = bounded_int(params.get("limit"), "limit", 100, 1, MAX_PAGE)
+        self.cursor = bounded_int(params.get("cursor"), "cursor", None, 1, MAX_AMOUNT)
+        raw = params.get("group_by") or ""
+        groups = tuple(g.strip() for g in (raw.split(",") if isinstance(raw, str) else raw) if g.strip())
+        bad = [g for g in groups if g not in USAGE_GROUPS]
+        if bad or len(set(groups)) != len(groups):
+            raise ValueError(f"group_by must be distinct names of {', '.join(USAGE_GROUPS)}")
+        if "day" in groups and "hour" in groups:
+            raise ValueError("group_by takes day or hour, not both")
+        self.group_by = groups
+
+    async def rows(self, ledger: Ledger) -> tuple[list[tuple[int, UsageRecord]], int | None]:
+        """A page of rows, newest first, and the cursor of the next page (None: last page)."""
+        found = await ledger.usage_rows(since=self.since, until=self.until, key_id=self.key_id, model=self.model,
+                                        before_seq=self.cursor, limit=self.limit + 1)
+        more = len(found) > self.limit
+        found = found[:self.limit]
+        return found, (found[-1][0] if more and found else None)
+
+    async def totals(self, ledger: Ledger) -> list[UsageTotals]:
+        return await ledger.usage_totals(self.group_by, since=self.since, until=self.until,
+                                         key_id=self.key_id, model=self.model)
+
+
+def bounded_int(value: Any, what: str, default: Any, lo: int, hi: int) -> Any:
+    if value is None or value == "":
+        return default
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be an integer") from None
+    if not lo <= number <= hi:
+        raise ValueError(f"{what} must be from {lo} to {hi}")
+    return number
+
+
+def usage_dict(record: UsageRecord) -> dict[str, Any]:
+    data = {name: getattr(record, name) for name in USAGE_FIELDS if name != "created"}
+    data["created"] = iso(record.created_at)
+    return data
+
+
+def totals_dict(total: UsageTotals) -> dict[str, Any]:
+    group = dict(total.group)
+    for bucket in ("day", "hour"):
+        if bucket in group:
+            group[bucket] = iso(group[bucket])
+    return {**group, **{name: getattr(total, name) for name in TOTAL_FIELDS}}
+
+
+def to_csv(rows: list[dict[str, Any]], columns: Iterable[str]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        # A cell starting with = + - @ is a formula to a spreadsheet: quote it as text.
+        writer.writerow({k: ("'" + v if isinstance(v, str) and v[:1] in "=+-@" else v) for k, v in row.items()})
+    return out.getvalue()
+
+
+__all__ = ["KeyService", "UsageQuery", "key_dict", "key_summary", "budget_room", "usage_dict", "totals_dict",
+           "to_csv", "parse_time", "period_starts", "iso", "UNSET"]

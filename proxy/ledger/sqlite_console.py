@@ -1,0 +1,185 @@
+"""The SQLite ledger's reads and writes for the operator's console: the audit log, usage
+rows over a time range (paginated by seq), usage totals grouped by key / model / worker /
+day / hour, and a key's spend since a time (budgets).
+
+A mixin of SQLiteLedger (proxy/ledger/sqlite.py), which supplies `_run`. Only SQL lives
+here: what a group or a range means is decided by the caller (proxy/ledger/service.py).
+The ranges use the indexes usage_by_time(created_at) and usage_by_key_time(key_id,
+created_at) (proxy/ledger/schema.py; tests/test_admin_ledger.py checks the query plans).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import time
+from typing import Any
+
+from proxy.ledger.base import USAGE_GROUPS, AuditEntry, UsageRecord, UsageTotals
+from proxy.ledger.writer import Durability
+
+READ = Durability.READ
+
+_USAGE_ROW_COLUMNS = (
+    "seq, request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
+    " cost_micros, status, created_at, debited_micros, worker"
+)
+# Each group's SQL expression; "day" and "hour" are the UTC bucket's start in Unix seconds.
+_GROUP_SQL = {
+    "key": "key_id",
+    "model": "model",
+    "worker": "worker",
+    "day": "CAST(created_at / 86400 AS INTEGER) * 86400",
+    "hour": "CAST(created_at / 3600 AS INTEGER) * 3600",
+}
+assert set(_GROUP_SQL) == set(USAGE_GROUPS)
+# The same groups over usage_hourly (proxy/ledger/schema.py: ROLLUP).
+_ROLLUP_GROUP_SQL = {
+    "key": "key_id",
+    "model": "model",
+    "worker": "NULLIF(worker, '')",
+    "day": "CAST(hour / 86400 AS INTEGER) * 86400",
+    "hour": "hour",
+}
+_ROLLUP_SUMS = (
+    "COALESCE(SUM(requests), 0), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
+    " COALESCE(SUM(output_tokens), 0), COALESCE(SUM(reasoning_tokens), 0), COALESCE(SUM(cost_micros), 0),"
+    " COALESCE(SUM(debited_micros), 0)"
+)
+_SUMS = (
+    "COUNT(*), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(output_tokens), 0),"
+    " COALESCE(SUM(reasoning_tokens), 0), COALESCE(SUM(cost_micros), 0), COALESCE(SUM(debited_micros), 0)"
+)
+
+
+def _where(since: float | None, until: float | None, key_id: str | None, model: str | None,
+           before_seq: int | None = None, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    for clause, value in (("key_id = ?", key_id), ("created_at >= ?", since), ("created_at < ?", until),
+                          ("model = ?", model), ("seq < ?", before_seq)):
+        if value is not None:
+            clauses.append(clause)
+            params.append(value)
+    if statuses:
+        clauses.append(f"status IN ({', '.join('?' for _ in statuses)})")
+        params.extend(statuses)
+    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+def _split_hours(since: float | None, until: float | None) -> tuple[list[tuple], tuple | None]:
+    """[since, until) as (the ragged ends, each a (lo, hi) range of rows; the whole UTC hours
+    between them as (first hour, end) for the hourly sums, None when there is none)."""
+    lo = None if since is None else -(-int(math.ceil(since)) // 3600) * 3600
+    hi = None if until is None else int(until) // 3600 * 3600
+    if lo is not None and hi is not None and lo >= hi:
+        return [(since, until)], None
+    raw = []
+    if since is not None and lo > since:
+        raw.append((since, float(lo)))
+    if until is not None and hi < until:
+        raw.append((float(hi), until))
+    return raw, (lo, hi)
+
+
+def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], table: str, where: str, params: list,
+                rolled: bool = False) -> tuple[str, list]:
+    exprs = [columns[g] for g in group_by]
+    select = ", ".join([*exprs, _ROLLUP_SUMS if rolled else _SUMS])
+    grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(exprs)))}" if exprs else ""
+    return f"SELECT {select} FROM {table}{where}{grouping}", params
+
+
+def _limit(limit: int) -> int:
+    return max(0, min(int(limit), 100_000))
+
+
+class ConsoleOps:
+    """The console's ledger operations over the writer; mixed into SQLiteLedger."""
+
+    async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
+        text = json.dumps(details, sort_keys=True, default=str)
+
+        def op(conn: sqlite3.Connection) -> AuditEntry:
+            now = time.time()
+            cur = conn.execute(
+                "INSERT INTO audit (created_at, actor, action, key_id, details) VALUES (?, ?, ?, ?, ?)",
+                (now, str(actor), str(action), key_id, text),
+            )
+            return AuditEntry(cur.lastrowid, now, str(actor), str(action), key_id, json.loads(text))
+
+        return await self._run(op)
+
+    async def list_audit(self, *, key_id: str | None = None, since: float | None = None,
+                         until: float | None = None, before_seq: int | None = None,
+                         limit: int = 100) -> list[AuditEntry]:
+        where, params = _where(since, until, key_id, None, before_seq)
+
+        def op(conn: sqlite3.Connection) -> list[AuditEntry]:
+            rows = conn.execute(
+                f"SELECT seq, created_at, actor, action, key_id, details FROM audit{where}"
+                " ORDER BY seq DESC LIMIT ?", (*params, _limit(limit)))
+            return [AuditEntry(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+
+        return await self._run(op, READ)
+
+    async def usage_rows(self, *, since: float | None = None, until: float | None = None,
+                         key_id: str | None = None, model: str | None = None,
+                         before_seq: int | None = None, limit: int = 100,
+                         statuses: tuple[str, ...] | None = None) -> list[tuple[int, UsageRecord]]:
+        where, params = _where(since, until, key_id, model, before_seq, statuses)
+
+        def op(conn: sqlite3.Connection) -> list[tuple[int, UsageRecord]]:
+            rows = conn.execute(f"SELECT {_USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC LIMIT ?",
+                                (*params, _limit(limit)))
+            return [(r[0], UsageRecord(*r[1:])) for r in rows]
+
+        return await self._run(op, READ)
+
+    async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,
+                           until: float | None = None, key_id: str | None = None,
+                           model: str | None = None, statuses: tuple[str, ...] | None = None) -> list[UsageTotals]:
+        unknown = [g for g in group_by if g not in _GROUP_SQL]
+        if unknown or len(set(group_by)) != len(group_by):
+            raise ValueError(f"group_by must be distinct names of {', '.join(USAGE_GROUPS)}, not {list(group_by)}")
+        # Whole hours come from the hourly sums; the ragged ends of the range, and any
+        # status filter (the sums do not keep statuses), from the rows.
+        raw, whole = ([(since, until)], None) if statuses else _split_hours(since, until)
+        queries = [_totals_sql(group_by, _GROUP_SQL, "usage", *_where(lo, hi, key_id, model, statuses=statuses))
+                   for lo, hi in raw]
+        if whole is not None:
+            where, params = _where(None, None, key_id, model)
+            for clause, value in (("hour >= ?", whole[0]), ("hour < ?", whole[1])):
+                if value is not None:
+                    where += (" AND " if where else " WHERE ") + clause
+                    params.append(value)
+            queries.append(_totals_sql(group_by, _ROLLUP_GROUP_SQL, "usage_hourly", where, params, rolled=True))
+
+        def op(conn: sqlite3.Connection) -> list[UsageTotals]:
+            sums: dict[tuple, list[int]] = {}
+            for sql, params in queries:
+                for row in conn.execute(sql, params):
+                    group, values = tuple(row[:len(group_by)]), row[len(group_by):]
+                    found = sums.setdefault(group, [0] * len(values))
+                    for i, value in enumerate(values):
+                        found[i] += value
+            if not group_by and not sums:
+                sums[()] = [0] * 7
+            order = sorted(sums, key=lambda g: tuple((v is not None, v if v is not None else 0) for v in g))
+            return [UsageTotals(dict(zip(group_by, group)), *sums[group]) for group in order]
+
+        return await self._run(op, READ)
+
+    async def spend_since(self, key_id: str, since: float) -> int:
+        def op(conn: sqlite3.Connection) -> int:
+            return conn.execute(
+                "SELECT COALESCE(SUM(debited_micros), 0) FROM usage WHERE key_id = ? AND created_at >= ?",
+                (key_id, float(since)),
+            ).fetchone()[0]
+
+        return await self._run(op, READ)
+
+    async def explain(self, sql: str, params: tuple = ()) -> list[str]:
+        """SQLite's query plan of `sql` (tests check that the console's reads use the indexes)."""
+        return await self._run(lambda conn: [r[-1] for r in conn.execute("EXPLAIN QUERY PLAN " + sql, params)], READ)

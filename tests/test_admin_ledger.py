@@ -1,0 +1,297 @@
+"""The console's ledger operations and the limits they feed (issue 18), on real SQLite files:
+usage rows and totals over time ranges (and that their query plans use the indexes),
+the audit log, rotation, expiry, the migration of a ledger made before these columns,
+the keys CLI through the service layer, tokens-per-minute and budget limits through a
+real proxy, and the bounded per-key Prometheus series."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sqlite3
+import time
+
+import aiohttp
+import pytest
+
+from proxy.ledger import LedgerError, UsageRecord
+from proxy.ledger.cli import add_key_commands, run_key_command
+from proxy.ledger.service import KeyService, period_starts
+from proxy.ledger.sqlite import SQLiteLedger
+
+DAY = 86400
+
+
+def _usage(request_id: str, key_id: str, at: float, *, model: str = "m1", worker: str = "w1", cost: int = 100,
+           status: str = "completed") -> UsageRecord:
+    return UsageRecord(request_id=request_id, key_id=key_id, model=model, input_tokens=10, cached_tokens=4,
+                       output_tokens=5, reasoning_tokens=0, cost_micros=cost, status=status, created_at=at,
+                       worker=worker)
+
+
+@pytest.fixture
+async def ledger(tmp_path):
+    async with SQLiteLedger(tmp_path / "ledger.db") as found:
+        yield found
+
+
+async def test_totals_group_by_time_buckets_and_dimensions(ledger):
+    _, a = await ledger.create_key("a", 10_000_000)
+    _, b = await ledger.create_key("b", 10_000_000)
+    base = 1_764_547_200.0  # 2025-12-01T00:00:00Z
+    rows = [("r1", a, base + 10, "m1", "w1"), ("r2", a, base + 3600 + 5, "m2", "w1"),
+            ("r3", b, base + DAY + 1, "m1", "w2"), ("r4", b, base + DAY + 7200, "m1", "w2")]
+    for rid, key, at, model, worker in rows:
+        assert await ledger.settle(rid, _usage(rid, key.key_id, at, model=model, worker=worker))
+    by_day = await ledger.usage_totals(("day",))
+    assert [(t.group["day"], t.requests, t.cost_micros) for t in by_day] == [(base, 2, 200), (base + DAY, 2, 200)]
+    by_hour_key = await ledger.usage_totals(("hour", "key"), since=base, until=base + DAY)
+    assert [(t.group["hour"], t.group["key"]) for t in by_hour_key] == [(base, a.key_id), (base + 3600, a.key_id)]
+    by_worker = {t.group["worker"]: t for t in await ledger.usage_totals(("worker", "model"))}
+    assert by_worker["w2"].requests == 2 and by_worker["w2"].cached_tokens == 8
+    (everything,) = await ledger.usage_totals(())
+    assert everything.requests == 4 and everything.input_tokens == 40 and everything.debited_micros == 400
+    assert await ledger.spend_since(b.key_id, base + DAY + 3600) == 100
+    page = await ledger.usage_rows(key_id=b.key_id, limit=1)
+    assert [r.request_id for _, r in page] == ["r4"] and page[0][1].worker == "w2"
+    older = await ledger.usage_rows(key_id=b.key_id, before_seq=page[0][0])
+    assert [r.request_id for _, r in older] == ["r3"]
+    with pytest.raises(ValueError):
+        await ledger.usage_totals(("colour",))
+
+
+async def test_totals_from_the_hourly_sums_equal_the_rows(ledger):
+    import random
+
+    rng = random.Random(18)
+    keys = [(await ledger.create_key(f"k{i}", 10**9))[1].key_id for i in range(3)]
+    base = 1_764_547_200.0
+    rows = []
+    for n in range(200):
+        at = base + rng.uniform(0, 3 * DAY)
+        usage = _usage(f"r{n}", rng.choice(keys), at, model=rng.choice(["m1", "m2"]),
+                       worker=rng.choice(["w1", None]), cost=rng.randint(1, 500),
+                       status=rng.choice(["completed", "failed"]))
+        if n % 2:  # both ways rows are recorded: one settle, or a lease's batch commit
+            assert await ledger.settle(usage.request_id, usage)
+        else:
+            results, _ = await ledger.lease_commit([("lease:test", usage)], [])
+            assert results == [usage.cost_micros]
+        rows.append(usage)
+    again, _ = await ledger.lease_commit([("lease:test", rows[0])], [])  # recorded already: not summed twice
+    assert again == [None]
+    bounds = [None, base, base + 3600, base + 5000.5, base + DAY, base + DAY + 59.25, base + 3 * DAY]
+    for _ in range(40):
+        since, until = rng.choice(bounds), rng.choice(bounds)
+        if since is not None and until is not None and until <= since:
+            continue
+        group_by = tuple(rng.sample(["key", "model", "worker", rng.choice(["day", "hour"])], rng.randint(0, 3)))
+        found = await ledger.usage_totals(group_by, since=since, until=until)
+        expected: dict[tuple, list[int]] = {}
+        for u in rows:
+            if (since is not None and u.created_at < since) or (until is not None and u.created_at >= until):
+                continue
+            values = {"key": u.key_id, "model": u.model, "worker": u.worker,
+                      "day": int(u.created_at // DAY * DAY), "hour": int(u.created_at // 3600 * 3600)}
+            sums = expected.setdefault(tuple(values[g] for g in group_by), [0, 0, 0])
+            sums[0] += 1
+            sums[1] += u.cost_micros
+            sums[2] += u.input_tokens
+        if not group_by and not expected:
+            expected[()] = [0, 0, 0]
+        got = {tuple(t.group[g] for g in group_by): [t.requests, t.cost_micros, t.input_tokens] for t in found}
+        assert got == expected, (group_by, since, until)
+        failed = await ledger.usage_totals((), since=since, until=until, statuses=("failed",))
+        assert failed[0].requests == sum(1 for u in rows if u.status == "failed"
+                                         and (since is None or u.created_at >= since)
+                                         and (until is None or u.created_at < until))
+
+
+async def test_console_reads_use_the_indexes(ledger):
+    plans = {
+        "by time": ("SELECT COUNT(*), SUM(cost_micros) FROM usage WHERE created_at >= ? AND created_at < ?",
+                    (0.0, 1.0), "usage_by_time"),
+        "by key and time": ("SELECT COALESCE(SUM(debited_micros), 0) FROM usage WHERE key_id = ? AND created_at >= ?",
+                            ("k", 0.0), "COVERING INDEX usage_by_key_time"),
+        "hourly sums": ("SELECT key_id, SUM(cost_micros) FROM usage_hourly WHERE hour >= ? AND hour < ? GROUP BY 1",
+                        (0, 3600), "PRIMARY KEY"),
+        "audit by key": ("SELECT * FROM audit WHERE key_id = ? ORDER BY seq DESC LIMIT 5", ("k",), "audit_by_key"),
+    }
+    for what, (sql, params, index) in plans.items():
+        plan = " ".join(await ledger.explain(sql, params))
+        assert index in plan, (what, plan)
+        assert "SCAN usage " not in plan + " " and "SCAN audit" not in plan, (what, plan)
+
+
+async def test_audit_is_append_only_and_service_audits_every_change(ledger):
+    service = KeyService(ledger, "admin:test")
+    secret, record = await service.create({"name": "svc", "balance_micros": 5, "tokens_per_min": 10})
+    await service.top_up(record.key_id, 7)
+    await service.update(record.key_id, {"daily_budget_micros": 9, "expires_at": "2999-01-01"})
+    new_secret, _ = await service.rotate(record.key_id)
+    await service.revoke(record.key_id)
+    entries = await ledger.list_audit(key_id=record.key_id)
+    assert [e.action for e in entries] == ["key.revoke", "key.rotate", "key.update", "key.topup", "key.create"]
+    assert all(e.actor == "admin:test" for e in entries)
+    assert entries[2].details["expires_at"] == 32472144000.0
+    text = json.dumps([e.details for e in entries])
+    assert secret not in text and new_secret not in text
+    with pytest.raises(LedgerError):
+        await service.rotate(record.key_id)  # revoked: no new secret
+    with pytest.raises(ValueError):
+        await service.update(record.key_id, {"rate_per_min": 0})
+    with pytest.raises(ValueError):
+        await service.create({"name": "x", "secret": "mine"})
+    conn = sqlite3.connect(ledger.path)
+    with pytest.raises(sqlite3.DatabaseError):
+        conn.execute("UPDATE audit SET actor = 'someone else'")
+    with pytest.raises(sqlite3.DatabaseError):
+        conn.execute("DELETE FROM audit")
+    conn.close()
+
+
+async def test_expired_and_rotated_secrets_stop_working(ledger):
+    secret, record = await ledger.create_key("e", 1, expires_at=time.time() + 60)
+    assert await ledger.lookup_key(secret) is not None
+    new_secret, _ = await ledger.rotate_key(record.key_id)
+    assert await ledger.lookup_key(secret) is None and await ledger.lookup_key(new_secret) is not None
+    await ledger.set_limits(record.key_id, expires_at=time.time() - 1)
+    assert await ledger.lookup_key(new_secret) is None
+    await ledger.set_limits(record.key_id, expires_at=None)
+    assert await ledger.lookup_key(new_secret) is not None
+
+
+async def test_a_ledger_from_before_the_console_is_migrated(tmp_path):
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.executescript("""
+        CREATE TABLE keys (key_id TEXT PRIMARY KEY, name TEXT NOT NULL, prefix TEXT NOT NULL,
+            secret_sha256 BLOB NOT NULL UNIQUE, balance_micros INTEGER NOT NULL DEFAULT 0 CHECK (balance_micros >= 0),
+            allowed_models TEXT, concurrency INTEGER, rate_per_min INTEGER, revoked INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL);
+        CREATE TABLE usage (seq INTEGER PRIMARY KEY AUTOINCREMENT, request_id TEXT NOT NULL UNIQUE,
+            key_id TEXT NOT NULL REFERENCES keys(key_id), model TEXT NOT NULL, input_tokens INTEGER NOT NULL,
+            cached_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, reasoning_tokens INTEGER NOT NULL,
+            cost_micros INTEGER NOT NULL, debited_micros INTEGER NOT NULL, status TEXT NOT NULL,
+            created_at REAL NOT NULL);
+        INSERT INTO keys VALUES ('key_old', 'old', 'sk-rp-abcdef', x'00', 500, NULL, NULL, NULL, 0, 1.0);
+        INSERT INTO usage (request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,
+            cost_micros, debited_micros, status, created_at) VALUES ('r0', 'key_old', 'm', 1, 0, 1, 0, 3, 3,
+            'completed', 2.0);
+    """)
+    conn.commit()
+    conn.close()
+    async with SQLiteLedger(path) as ledger:
+        record = await ledger.get_key("key_old")
+        assert record.balance_micros == 500 and record.tokens_per_min is None and record.expires_at is None
+        ((_, row),) = await ledger.usage_rows()
+        assert row.worker is None and row.request_id == "r0"
+        (total,) = await ledger.usage_totals(())  # the hourly sums were filled from the old rows
+        assert total.requests == 1 and total.cost_micros == 3
+        await ledger.set_limits("key_old", tokens_per_min=100)
+        assert (await ledger.get_key("key_old")).tokens_per_min == 100
+
+
+def _cli(db: str, *argv: str, capsys) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    add_key_commands(parser.add_subparsers(dest="command"))
+    code = run_key_command(parser.parse_args(["keys", "--db", db, *argv]))
+    return code, capsys.readouterr().out
+
+
+def test_keys_cli_goes_through_the_service(tmp_path, capsys):
+    db = str(tmp_path / "cli.db")
+    code, out = _cli(db, "create", "cli-key", "--balance", "1000", "--tpm", "500", "--daily-budget", "300",
+                     "--expires", "2999-01-01T00:00:00Z", "--json", capsys=capsys)
+    assert code == 0
+    created = json.loads(out)
+    key_id, secret = created["key_id"], created["secret"]
+    assert created["tokens_per_min"] == 500 and created["expires"] == "2999-01-01T00:00:00Z"
+    code, out = _cli(db, "limits", key_id, "--tpm", "none", "--monthly-budget", "900", "--json", capsys=capsys)
+    assert code == 0 and json.loads(out)["tokens_per_min"] is None and json.loads(out)["monthly_budget_micros"] == 900
+    with pytest.raises(SystemExit):  # argparse refuses 0 before anything is opened
+        _cli(db, "limits", key_id, "--tpm", "0", capsys=capsys)
+    code, out = _cli(db, "show", key_id, "--json", capsys=capsys)
+    assert json.loads(out)["daily_budget_remaining_micros"] == 300
+    code, out = _cli(db, "rotate", key_id, "--json", capsys=capsys)
+    assert code == 0 and json.loads(out)["secret"] != secret
+    code, out = _cli(db, "audit", "--json", capsys=capsys)
+    actions = [json.loads(line)["action"] for line in out.splitlines()]
+    assert actions == ["key.rotate", "key.update", "key.create"]
+    assert all(json.loads(line)["actor"].startswith("cli") for line in out.splitlines())
+    assert secret not in out
+    code, out = _cli(db, "usage", "--group-by", "key,day", "--format", "csv", capsys=capsys)
+    assert code == 0 and list(csv.reader(io.StringIO(out)))[0][:2] == ["key", "day"]
+    with pytest.raises(SystemExit):
+        _cli(db, "usage", "--since", "yesterday", capsys=capsys)
+
+
+async def test_tokens_per_minute_limit(make_proxy):
+    proxy = await make_proxy({"auth": {"demo_key": True}})
+    secret, record = await proxy.ledger.create_key("tpm", 50_000_000, tokens_per_min=12)
+    async with aiohttp.ClientSession() as s:
+        h = {"Authorization": f"Bearer {secret}"}
+        body = {"model": "tiny-org/tiny-model", "input": "Tell me a long story.", "max_output_tokens": 40}
+        first = await s.post(proxy.url + "/v1/responses", json=body, headers=h)
+        assert first.status == 200
+        used = (await first.json())["usage"]
+        assert used["input_tokens"] + used["output_tokens"] >= 24  # the bucket is 12 or more below zero now
+        second = await s.post(proxy.url + "/v1/responses", json=body, headers=h)
+        assert second.status == 429
+        assert (await second.json())["error"]["code"] == "tokens_per_min_exceeded"
+        assert int(second.headers["Retry-After"]) >= 1
+        # another key is not affected
+        other = await s.post(proxy.url + "/v1/responses", json=body,
+                             headers={"Authorization": f"Bearer {proxy.api_key}"})
+        assert other.status == 200
+
+
+async def test_daily_budget_refuses_once_spent(make_proxy):
+    proxy = await make_proxy({"auth": {"demo_key": True}, "balance": {"lease_max_micros": 0}})
+    secret, record = await proxy.ledger.create_key("budget", 50_000_000, daily_budget_micros=400)
+    from middlewares.balance import wait_for_settlements
+
+    async with aiohttp.ClientSession() as s:
+        h = {"Authorization": f"Bearer {secret}"}
+        body = {"model": "tiny-org/tiny-model", "input": "Hi.", "max_output_tokens": 16}
+        statuses = []
+        for _ in range(30):
+            r = await s.post(proxy.url + "/v1/responses", json=body, headers=h)
+            statuses.append(r.status)
+            await wait_for_settlements(proxy.app)
+            if r.status == 402:
+                assert (await r.json())["error"]["code"] == "budget_exceeded"
+                break
+        assert statuses[0] == 200 and statuses[-1] == 402
+    day, _ = period_starts()
+    spent = await proxy.ledger.spend_since(record.key_id, day)
+    assert 0 < spent <= 400  # one request at a time: the budget bounds the spend exactly
+    assert (await proxy.ledger.get_key(record.key_id)).balance_micros == 50_000_000 - spent
+
+
+async def test_per_key_metrics_are_bounded(make_proxy):
+    proxy = await make_proxy({"auth": {"demo_key": True}, "metrics": {"top_keys": 1}})
+    secrets_ = {}
+    for name, n in (("big", 3), ("small", 1), ("idle", 0)):
+        secret, record = await proxy.ledger.create_key(name, 10_000_000)
+        secrets_[name] = record
+        client = proxy.openai(api_key=secret)
+        for i in range(n):
+            await client.responses.create(model="tiny-org/tiny-model", input=f"Hello {i}", max_output_tokens=8)
+    from middlewares.balance import wait_for_settlements
+
+    await wait_for_settlements(proxy.app)
+    async with aiohttp.ClientSession() as s:
+        text = await (await s.get(proxy.url + "/metrics")).text()
+    lines = [line for line in text.splitlines() if line.startswith("responses_proxy_key_")]
+    big = secrets_["big"]
+    assert {line.split("{")[0] for line in lines} == {
+        "responses_proxy_key_balance_micros", "responses_proxy_key_spend_today_micros",
+        "responses_proxy_key_spend_month_micros"}
+    assert all(big.key_id in line for line in lines) and len(lines) == 3  # top 1 only
+    balance = (await proxy.ledger.get_key(big.key_id)).balance_micros
+    shown = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
+    assert shown["responses_proxy_key_balance_micros"] == balance
+    assert shown["responses_proxy_key_spend_today_micros"] == 10_000_000 - balance > 0
