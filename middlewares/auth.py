@@ -69,8 +69,8 @@ API_KEY = state.API_KEY
 STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
 
-_GUARDED = frozenset({"/v1/responses", "/v1/responses/input_tokens", "/v1/models"})
-_MODEL_ROUTES = ("/v1/responses", "/v1/responses/input_tokens")
+_GUARDED = frozenset({"/v1/responses", "/v1/responses/input_tokens", "/v1/responses/compact", "/v1/models"})
+_MODEL_ROUTES = ("/v1/responses", "/v1/responses/input_tokens", "/v1/responses/compact")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
 

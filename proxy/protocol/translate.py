@@ -14,6 +14,7 @@ from typing import Any, Callable
 import orjson
 
 from proxy.http.errors import bad_request
+from proxy.protocol.compaction import compaction_message
 from proxy.upstream.models import DEFAULT_SAMPLING, resolve_model
 from proxy.policy.rules import (
     HOSTED_TOOL_TYPES,
@@ -650,6 +651,9 @@ def _translate_input(
                             "Invalid reasoning effort in configuration_update.", param=f"{param}.reasoning.effort"
                         )
                     config_effort = effort
+        elif itype == "compaction":  # a window compacted by /v1/responses/compact (proxy.protocol.compaction)
+            turn.flush_into(messages)
+            messages.append(compaction_message(item, param, options.unseal))
         elif itype == "item_reference":
             raise item_reference_refusal(param)
         else:
