@@ -63,7 +63,7 @@ class _BodyOnly:
         pass
 
 
-class _EventWriter(AbstractStreamWriter):
+class EventWriter(AbstractStreamWriter):
     """Where the handler's response goes: SSE bytes in, one `emit` per event out."""
 
     def __init__(self, emit: Emit) -> None:
@@ -119,7 +119,7 @@ class _EventWriter(AbstractStreamWriter):
         pass
 
 
-def _request(origin: web.Request, body: bytes, writer: _EventWriter) -> web.Request:
+def _request(origin: web.Request, body: bytes, writer: EventWriter) -> web.Request:
     headers = CIMultiDict((k, v) for k, v in origin.headers.items() if k.lower() not in _NOT_CARRIED)
     headers["Content-Type"] = "application/json"
     headers["Content-Length"] = str(len(body))
@@ -141,7 +141,7 @@ def _request(origin: web.Request, body: bytes, writer: _EventWriter) -> web.Requ
 async def run_turn(origin: web.Request, body: bytes, emit: Emit) -> TurnAnswer:
     """Run `body` (a Responses request body, JSON) as `POST /v1/responses` with `origin`'s
     headers through the app; the events go to `emit` while it runs."""
-    writer = _EventWriter(emit)
+    writer = EventWriter(emit)
     request = _request(origin, body, writer)
     # Application._handle is what aiohttp's server calls for each request: routing, the
     # middleware chain, the handler (there is no public name for "serve this request").

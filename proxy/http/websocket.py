@@ -26,7 +26,8 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from proxy import state
 from proxy.http.errors import APIError
-from proxy.http.turn import TurnAnswer, run_turn
+from proxy.http.turn import EventWriter, TurnAnswer, run_turn
+from proxy.http.warmup import warmup_stream
 from proxy.protocol.continuation import (
     RESPONSE_EVENTS,
     TERMINAL_EVENTS,
@@ -187,15 +188,27 @@ class _Connection:
                     terminal.update(orjson.loads(data))
             await send(data, WSMsgType.TEXT)
 
-        body["stream"] = True
         try:
-            answer = await run_turn(self.request, orjson.dumps(body), emit)
+            if body.pop("generate", True) is False:
+                answer = await self._warmup(body, emit)
+            else:
+                body["stream"] = True
+                answer = await run_turn(self.request, orjson.dumps(body), emit)
         except BaseException:
             self.memory.failed(previous)
             raise
         self._remember(answer, terminal, body, previous)
         if not answer.streamed:
             await self._send_json(_error_of(answer))
+
+    async def _warmup(self, body: dict[str, Any], emit: Any) -> TurnAnswer:
+        """`generate: false`: a response with no output, no model call (proxy.http.warmup)."""
+        try:
+            stream = warmup_stream(self.request, body)
+        except APIError as exc:
+            return TurnAnswer(status=exc.status, streamed=False, body=orjson.dumps(exc.envelope()))
+        await EventWriter(emit).write_eof(stream)
+        return TurnAnswer(status=200, streamed=True)
 
     def _remember(self, answer: TurnAnswer, terminal: dict[str, Any], body: dict[str, Any],
                   previous: str | None) -> None:

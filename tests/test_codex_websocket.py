@@ -1,0 +1,96 @@
+"""Codex over the Responses WebSocket transport, end to end: the real `codex exec` (0.171,
+provider configured with `supports_websockets = true`) -> a recording relay (tests/clients/relay.py)
+-> the proxy -> the simulator. The relay proves the socket was used and shows what each turn
+carried: after the first, only the new items and the previous response's id.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from tests.clients.codex import EgressTrap, run_codex, write_codex_home
+from tests.clients.relay import Relay
+from tests.test_codex import MODELS, codex_cmd, sim  # noqa: F401 - fixtures
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+WEBSOCKETS = "supports_websockets = true"
+
+
+def _workers(sim) -> list[dict]:
+    return [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": list(MODELS),
+             "timeouts": {"connect": 2, "first_byte": 20, "idle": 20, "total": 60}}]
+
+
+async def _codex(codex_cmd, tmp_path, relay: Relay, api_key: str, prompt: str, *, websockets: bool):
+    home = write_codex_home(tmp_path / ("ws" if websockets else "http"), base_url=relay.base_url,
+                            model="tiny-org/tiny-model", provider_extra=WEBSOCKETS if websockets else "")
+    workdir = tmp_path / "work"
+    workdir.mkdir(exist_ok=True)
+    async with EgressTrap() as trap:
+        result = await run_codex(codex_cmd, home, workdir, prompt, api_key=api_key, timeout=150,
+                                 egress_port=trap.port)
+    assert trap.attempts == [], f"Codex tried to reach beyond the proxy: {trap.attempts}"
+    return result, workdir
+
+
+def _creates(relay: Relay) -> list[dict]:
+    return [orjson.loads(m) for c in relay.ws_connections for m in c["sent"]
+            if orjson.loads(m).get("type") == "response.create"]
+
+
+def _turns(relay: Relay) -> list[tuple[dict, dict]]:
+    """(response.create sent, response.completed received) per turn of every socket, in order."""
+    pairs = []
+    for connection in relay.ws_connections:
+        done = [orjson.loads(m)["response"] for m in connection["received"]
+                if m.startswith('{"type":"response.completed"')]
+        sent = [orjson.loads(m) for m in connection["sent"]]
+        pairs += list(zip([m for m in sent if m.get("type") == "response.create"], done))
+    return pairs
+
+
+def _header(headers: dict, name: str) -> str:
+    return next((v for k, v in headers.items() if k.lower() == name.lower()), "")
+
+
+def _tool_loop(sim, calls: int) -> None:
+    sim.script(*[{"tool_calls": [{"name": "exec_command", "arguments": {"cmd": f"printf {i} > f{i}.txt"}}]}
+                 for i in range(calls)], {"text": "All files are written."})
+
+
+async def test_codex_runs_a_tool_loop_over_the_websocket(sim, make_proxy, tmp_path, codex_cmd):
+    proxy = await make_proxy({}, workers=_workers(sim))
+    _tool_loop(sim, 2)
+    async with Relay(proxy.url) as relay:
+        result, workdir = await _codex(codex_cmd, tmp_path, relay, proxy.api_key,
+                                       "Write f0.txt, then f1.txt.", websockets=True)
+    assert result.returncode == 0, result.explain()
+    assert [(workdir / f"f{i}.txt").read_text() for i in range(2)] == ["0", "1"], result.explain()
+    assert [m["text"] for m in result.items("agent_message")] == ["All files are written."], result.explain()
+
+    # The socket carried every turn: no POST /v1/responses reached the proxy.
+    assert [r["path"] for r in relay.http_requests if r["path"].endswith("/responses")] == []
+    assert len(relay.ws_connections) == 1, "Codex did not open (exactly) one WebSocket"
+    assert _header(relay.ws_connections[0]["headers"], "OpenAI-Beta").startswith("responses_websockets=")
+    turns = _turns(relay)
+    # Codex starts with a warm-up (generate: false): answered without a model call, no output.
+    (warmup, warm), *real = turns
+    assert warmup.get("generate") is False and warm["output"] == [] and warm["usage"]["output_tokens"] == 0
+    assert len(real) == 3 and len(sim.requests) == 3
+    # Every turn after it continues the previous response and sends only what is new: the
+    # turn's prompt once, then only tool outputs (never the instructions or history again).
+    previous = warm["id"]
+    for i, (sent, done) in enumerate(real):
+        assert sent["previous_response_id"] == previous and done["previous_response_id"] == previous
+        kinds = [item.get("type") for item in sent["input"]]
+        if i == 0:  # the turn's own context and prompt, none of what the warm-up sent
+            assert "function_call_output" not in kinds and "user" in [m.get("role") for m in sent["input"]]
+            assert not [item for item in sent["input"] if item in warmup["input"]]
+        else:
+            assert kinds == ["function_call_output"], kinds
+        previous = done["id"]
+    # The model saw the whole conversation each time: the proxy expanded the continuation.
+    last = sim.requests[-1]["messages"]
+    assert [m["role"] for m in last].count("tool") == 2 and last[0]["role"] == "system"
