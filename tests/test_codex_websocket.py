@@ -94,3 +94,50 @@ async def test_codex_runs_a_tool_loop_over_the_websocket(sim, make_proxy, tmp_pa
     # The model saw the whole conversation each time: the proxy expanded the continuation.
     last = sim.requests[-1]["messages"]
     assert [m["role"] for m in last].count("tool") == 2 and last[0]["role"] == "system"
+
+
+def _http_bytes(record: dict) -> int:
+    """A request on the wire: request line, header lines, blank line, body."""
+    head = len(f"POST {record['path']} HTTP/1.1\r\n") + 2
+    head += sum(len(k) + len(v) + 4 for k, v in record["headers"].items())
+    return head + record["bytes"]
+
+
+def _frame_bytes(payload: str) -> int:
+    """A client text frame: 2 bytes, the extended length, a 4-byte mask, the payload."""
+    n = len(payload.encode())
+    return 2 + (0 if n < 126 else 2 if n < 65536 else 8) + 4 + n
+
+
+async def test_bytes_per_turn_http_against_websocket(sim, make_proxy, tmp_path, codex_cmd):
+    """A 10-turn Codex tool loop (9 tool calls, then the answer) over each transport: what the
+    client sends per turn. README ("WebSocket transport") quotes the figures this prints."""
+    proxy = await make_proxy({}, workers=_workers(sim))
+    sent: dict[str, list[int]] = {}
+    for websockets in (False, True):
+        _tool_loop(sim, 9)
+        async with Relay(proxy.url) as relay:
+            result, workdir = await _codex(codex_cmd, tmp_path, relay, proxy.api_key,
+                                           "Write f0.txt to f8.txt, one by one.", websockets=websockets)
+        assert result.returncode == 0, result.explain()
+        assert [m["text"] for m in result.items("agent_message")] == ["All files are written."], result.explain()
+        if websockets:
+            creates = [m for c in relay.ws_connections for m in c["sent"]
+                       if orjson.loads(m).get("type") == "response.create" and orjson.loads(m).get("generate") is not False]
+            sent["websocket"] = [_frame_bytes(m) for m in creates]
+            sent["warm-up"] = [_frame_bytes(m) for c in relay.ws_connections for m in c["sent"]
+                               if orjson.loads(m).get("generate") is False]
+            sent["handshake"] = [_http_bytes({"path": "/v1/responses", "headers": c["headers"], "bytes": 0})
+                                 for c in relay.ws_connections]
+        else:
+            sent["http"] = [_http_bytes(r) for r in relay.http_requests if r["path"].endswith("/responses")]
+    http, ws = sent["http"], sent["websocket"]
+    assert len(http) == len(ws) == 10, sent
+    print(f"\nbytes sent by the client per turn, 10-turn Codex tool loop: {sent}")
+    print(f"total: http {sum(http)}, websocket {sum(ws) + sum(sent['warm-up']) + sum(sent['handshake'])} "
+          f"(turns {sum(ws)}, warm-up {sum(sent['warm-up'])}, handshake {sum(sent['handshake'])})")
+    # HTTP resends the whole conversation every turn, so it grows; over the socket a turn after
+    # the first carries only the new tool output (and the unchanged tools and settings).
+    assert all(later > earlier for earlier, later in zip(http, http[1:])), http
+    assert all(w < h for w, h in zip(ws[1:], http[1:])), (ws, http)
+    assert max(ws[2:]) - min(ws[2:]) < 200, ws  # flat: the socket's turns do not grow with the history
