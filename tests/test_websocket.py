@@ -289,3 +289,29 @@ async def test_warm_up_generates_nothing_and_is_continued(sim, make_proxy, http)
         done = await turn(ws, {"model": MODEL, "previous_response_id": final["id"], "input": "now answer"})
     assert done[-1]["type"] == "response.completed"
     assert [m["content"] for m in sim.requests[0]["messages"]] == ["context first", "now answer"]
+
+
+async def test_a_slow_reader_stalls_the_upstream(make_proxy, http):
+    """As on HTTP (tests/test_backpressure.py): sending a message waits for the socket to
+    drain, so a client that stops reading stops the proxy reading its upstream."""
+    from tests.test_backpressure import CHUNKS, TEXT, LongUpstream
+
+    async with LongUpstream() as upstream:
+        proxy = await make_proxy({}, workers=[{"name": "long", "url": upstream.url, "models": [MODEL],
+                                               "timeouts": {"connect": 2, "first_byte": 10, "idle": 60, "total": 120}}])
+        async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key), max_msg_size=0) as ws:
+            await ws.send_str(orjson.dumps({"type": "response.create", "model": MODEL, "input": "a lot"}).decode())
+            assert orjson.loads((await ws.receive()).data)["type"] == "response.created"
+            last, still = -1, 0
+            for _ in range(100):  # the client reads nothing now: wait until the upstream stops
+                await asyncio.sleep(0.1)
+                if upstream.written == last:
+                    still += 1
+                    if still >= 10:
+                        break
+                else:
+                    last, still = upstream.written, 0
+            total = CHUNKS * (len(TEXT) + 150)
+            assert still >= 10 and not upstream.finished and upstream.written < total / 2, (upstream.written, total)
+            events = await until_terminal(ws)  # reading again: the rest arrives
+        assert events[-1]["type"] in ("response.completed", "response.incomplete") and upstream.finished
