@@ -5,8 +5,9 @@ A window is cut in two: the recent items (from the last user message on, at most
 older ones are summarized by the model, and the summary travels as a `compaction` item whose
 `encrypted_content` is the proxy's seal (proxy.protocol.seal, bound to the caller's API key)
 of the summary text. When the window comes back in a later request, the translation opens the
-item (`compaction_message`) into a user message carrying the summary; an item this proxy
-cannot open is a 400, never a silently shorter context.
+item (`compaction_message`) into a user message carrying the summary; an item in this proxy's
+seal format that it cannot open is a 400, never a silently shorter context (another provider's
+compaction item is replayed as a placeholder, as any hosted item).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from proxy.protocol.ids import random_bits
 # Sealed text of a compaction starts with this, so a reasoning ciphertext cannot pose as one.
 _TAG = "compaction\x00"
 SUMMARY_HEADER = "Summary of the earlier part of this conversation (compacted):\n\n"
+# proxy.protocol.seal's token prefix (seal.PREFIX + "."; importing it would close an import
+# cycle through proxy.state; tests/test_compact.py checks they agree).
+SEAL_FORMAT = "rp2."
 _TOOL_OUTPUTS = ("function_call_output", "custom_tool_call_output")
 _USER_ROLES = ("user",)
 
@@ -77,6 +81,13 @@ def summary_text(response: dict[str, Any]) -> str:
 
 def compaction_item(summary: str, seal: Callable[[str], str]) -> dict[str, Any]:
     return {"type": "compaction", "id": f"cmp_{random_bits(128):032x}", "encrypted_content": seal(_TAG + summary)}
+
+
+def is_sealed_here(item: dict[str, Any]) -> bool:
+    """A compaction item in this proxy's seal format (another provider's is replayed as a
+    hosted item: a placeholder)."""
+    sealed = item.get("encrypted_content")
+    return isinstance(sealed, str) and sealed.startswith(SEAL_FORMAT)
 
 
 def compaction_message(item: dict[str, Any], param: str, unseal: Callable[[str], str | None] | None) -> dict:

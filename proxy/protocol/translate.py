@@ -14,7 +14,7 @@ from typing import Any, Callable
 import orjson
 
 from proxy.http.errors import bad_request
-from proxy.protocol.compaction import compaction_message
+from proxy.protocol.compaction import compaction_message, is_sealed_here
 from proxy.upstream.models import DEFAULT_SAMPLING, resolve_model
 from proxy.policy.rules import (
     HOSTED_TOOL_TYPES,
@@ -637,6 +637,9 @@ def _translate_input(
                 raise bad_request("Missing required parameter: 'output'.", param=f"{param}.output")
             out = _tool_output(item["output"], f"{param}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
+        elif itype == "compaction" and is_sealed_here(item):  # made by /v1/responses/compact
+            turn.flush_into(messages)
+            messages.append(compaction_message(item, param, options.unseal))
         elif isinstance(itype, str) and itype in HOSTED_ITEM_TYPES:
             turn.texts.append(
                 f"[{itype} replayed from a previous conversation: hosted tool results are not replayed]"
@@ -651,9 +654,6 @@ def _translate_input(
                             "Invalid reasoning effort in configuration_update.", param=f"{param}.reasoning.effort"
                         )
                     config_effort = effort
-        elif itype == "compaction":  # a window compacted by /v1/responses/compact (proxy.protocol.compaction)
-            turn.flush_into(messages)
-            messages.append(compaction_message(item, param, options.unseal))
         elif itype == "item_reference":
             raise item_reference_refusal(param)
         else:
