@@ -24,6 +24,7 @@ from proxy.protocol.compaction import as_output_item, compaction_item, split_win
 from proxy.protocol.continuation import TERMINAL_EVENTS
 from proxy.protocol.ids import random_bits
 from proxy.protocol.seal import binding
+from proxy.upstream.models import resolve_model
 
 _ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
@@ -81,9 +82,18 @@ async def _summarize(request: web.Request, body: dict[str, Any], older: list[Any
     return response
 
 
+def _check_model(request: web.Request, model: str) -> None:
+    """A model nobody serves is a 404 here too (a short window is answered without a turn)."""
+    pool = request.app.get(state.POOL)
+    if pool is not None and resolve_model(model, pool.serves) is None:
+        raise APIError(404, f"The model '{model[:128]}' does not exist or is not served here.",
+                       code="model_not_found", param="model")
+
+
 async def compact_handler(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     items = _window(body)
+    _check_model(request, body["model"])
     settings = request.app.get(state.COMPACT_SETTINGS) or CompactSettings()
     sealer = request.app.get(state.SEALER)
     if sealer is None:
