@@ -315,3 +315,26 @@ async def test_a_slow_reader_stalls_the_upstream(make_proxy, http):
             assert still >= 10 and not upstream.finished and upstream.written < total / 2, (upstream.written, total)
             events = await until_terminal(ws)  # reading again: the rest arrives
         assert events[-1]["type"] in ("response.completed", "response.incomplete") and upstream.finished
+
+
+async def test_a_sockets_turns_stay_on_one_worker(sim, make_proxy, http):
+    """Prompt-cache affinity keys each turn on its leading messages, which a continuation keeps:
+    the socket's turns reach the worker that holds their prefix cache."""
+    from proxy.simulator.server import Simulator
+
+    async with Simulator() as other:
+        workers = [{"name": name, "url": s.url, "dialect": "vllm", "models": [MODEL],
+                    "timeouts": {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}}
+                   for name, s in (("a", sim), ("b", other))]
+        proxy = await make_proxy({}, workers=workers)
+        for conversation in range(4):
+            before = (len(sim.requests), len(other.requests))
+            async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key)) as ws:
+                previous = None
+                for i in range(3):
+                    body = {"model": MODEL, "input": f"conversation {conversation}, turn {i}"}
+                    if previous is not None:
+                        body["previous_response_id"] = previous
+                    previous = (await turn(ws, body))[-1]["response"]["id"]
+            added = sorted((len(sim.requests) - before[0], len(other.requests) - before[1]))
+            assert added == [0, 3], added
