@@ -75,7 +75,17 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(heartbeat=settings.ping_interval_s, max_msg_size=settings.max_message_bytes,
                                autoping=True)
     await ws.prepare(request)
-    await _Connection(request, ws, settings).serve()
+    try:
+        await _Connection(request, ws, settings).serve()
+    except asyncio.CancelledError:
+        # aiohttp cancels the handler of a connection that is lost, which is how most sockets
+        # end (often before the close frame is read): that is the socket's end (logged 101),
+        # not a client that gave up on an answer. Any other cancellation goes on.
+        task = asyncio.current_task()
+        transport = request.transport
+        if task is None or not (ws.closed or transport is None or transport.is_closing()):
+            raise
+        task.uncancel()
     return ws
 
 
