@@ -199,6 +199,26 @@ _WEBSOCKET = {
                                     "error": {"type": "object", "required": ["code", "message"]}}},
 }
 
+_WEBSOCKET_UPGRADE = {
+    "operationId": "openResponsesWebSocket",
+    "security": [{"bearer": []}],
+    "responses": {
+        "101": {"description": "Switching Protocols: the WebSocket transport (see x-openresponses-websocket)."},
+        **_errors(401, 405),
+    },
+}
+
+_COMPACT = {
+    "operationId": "compactResponse",
+    "security": [{"bearer": []}],
+    "requestBody": {"required": True, "content": {"application/json": {"schema": _COMPACT_REQUEST}}},
+    "responses": {
+        "200": {"description": "The compacted window (nothing is stored); the summary is billed as any request.",
+                "content": {"application/json": {"schema": _COMPACTION}}},
+        **_errors(400, 401, 402, 403, 404, 408, 413, 415, 429, 501, 502, 503, 504),
+    },
+}
+
 _JSON_REQUEST = {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}}
 
 
@@ -219,14 +239,7 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/responses": {
                 "x-openresponses-websocket": _WEBSOCKET,
-                "get": {
-                    "operationId": "openResponsesWebSocket",
-                    "security": [{"bearer": []}],
-                    "responses": {
-                        "101": {"description": "Switching Protocols: the WebSocket transport (see x-openresponses-websocket)."},
-                        **_errors(401, 405),
-                    },
-                },
+                "get": _WEBSOCKET_UPGRADE,
                 "post": {
                     "operationId": "createResponse",
                     "security": [{"bearer": []}],
@@ -244,19 +257,7 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
-            "/v1/responses/compact": {
-                "post": {
-                    "operationId": "compactResponse",
-                    "security": [{"bearer": []}],
-                    "requestBody": {"required": True, "content": {"application/json": {"schema": _COMPACT_REQUEST}}},
-                    "responses": {
-                        "200": {"description": "The compacted window (nothing is stored); the summary is billed "
-                                               "as any request.",
-                                "content": {"application/json": {"schema": _COMPACTION}}},
-                        **_errors(400, 401, 402, 403, 404, 408, 413, 415, 429, 501, 502, 503, 504),
-                    },
-                }
-            },
+            "/v1/responses/compact": {"post": _COMPACT},
             "/v1/responses/input_tokens": {
                 "post": {
                     "operationId": "countInputTokens",
