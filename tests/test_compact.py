@@ -151,3 +151,15 @@ async def test_another_providers_compaction_item_is_replayed_as_a_placeholder(si
     response = await proxy.openai().responses.create(model=MODEL, input=[item, {"role": "user", "content": "hi"}])
     assert response.status == "completed"
     assert "compaction replayed" in sim.requests[-1]["messages"][0]["content"]
+
+
+async def test_the_summary_turns_notices_reach_the_compact_answer(sim, make_proxy, http):
+    proxy = await make_proxy({**SEAL, "compact": {"keep_recent_items": 1}})
+    sim.script({"text": SUMMARY})
+    foreign = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "rp2.k1.bm90LW91cnM"}
+    window = [WINDOW[0], foreign, WINDOW[1], WINDOW[2]]
+    async with http.post(proxy.url + "/v1/responses/compact", json={"model": MODEL, "input": window},
+                         headers=auth(proxy.api_key)) as resp:
+        assert resp.status == 200
+        notice = resp.headers.get("x-token-notice", "")
+    assert "reasoning" in notice and "encrypted_content" in notice, notice

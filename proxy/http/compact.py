@@ -71,6 +71,9 @@ async def _summarize(request: web.Request, body: dict[str, Any], older: list[Any
 
     turn = summary_request(body, older, settings.instructions, settings.max_summary_tokens)
     answer = await run_turn(request, orjson.dumps({**turn, "stream": True}), emit)
+    notice = request.app.get(state.NOTICES_HEADER)
+    if notice is not None and notice in answer.headers:  # the summary turn's notices, on this answer
+        state.notices(request).append(answer.headers[notice])
     if not answer.streamed:
         headers = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after", "x-should-retry")}
         return web.Response(status=answer.status, body=answer.body, content_type="application/json", headers=headers)

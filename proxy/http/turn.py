@@ -48,7 +48,7 @@ class TurnAnswer:
     status: int                       # the HTTP status the request would have had
     streamed: bool                    # an event stream was produced (status 200)
     body: bytes = b""                 # the JSON answer (an error envelope) when not streamed
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # the answer's headers (notices among them)
 
 
 class _BodyOnly:
@@ -70,6 +70,7 @@ class EventWriter(AbstractStreamWriter):
         self.emit = emit
         self.pending = bytearray()
         self.started = False
+        self.headers: dict[str, str] = {}
         self.buffer_size = 0
         self.output_size = 0
         self.length = None
@@ -114,6 +115,7 @@ class EventWriter(AbstractStreamWriter):
 
     async def write_headers(self, status_line: str, headers) -> None:
         self.started = True
+        self.headers = dict(headers)
 
     def send_headers(self) -> None:
         pass
@@ -149,7 +151,7 @@ async def run_turn(origin: web.Request, body: bytes, emit: Emit) -> TurnAnswer:
     if writer.started:
         if response.prepared:  # a handler that returned without finishing its body
             await response.write_eof()
-        return TurnAnswer(status=response.status, streamed=True)
+        return TurnAnswer(status=response.status, streamed=True, headers=writer.headers)
     answer = response.body if isinstance(response, web.Response) else b""
     return TurnAnswer(status=response.status, streamed=False,
                       body=bytes(answer) if isinstance(answer, (bytes, bytearray)) else b"",
