@@ -138,7 +138,7 @@ class _Connection:
 
     async def _next(self) -> Any:
         """The next message; _CLOSED when the peer is gone, idle too long or out of time."""
-        if self.gone.is_set() and self.queue.empty():
+        if self.gone.is_set():  # what the peer queued before it left has no one to answer
             return _CLOSED
         wait = min(self.settings.idle_timeout_s, self.deadline - self.loop.time())
         try:
