@@ -141,3 +141,26 @@ async def test_bytes_per_turn_http_against_websocket(sim, make_proxy, tmp_path, 
     assert all(later > earlier for earlier, later in zip(http, http[1:])), http
     assert all(w < h for w, h in zip(ws[1:], http[1:])), (ws, http)
     assert max(ws[2:]) - min(ws[2:]) < 200, ws  # flat: the socket's turns do not grow with the history
+
+
+async def test_codex_reconnects_at_the_connection_limit(sim, make_proxy, tmp_path,
+                                                                                       codex_cmd):
+    """A connection limit far below 60 minutes: Codex's next turn gets
+    websocket_connection_limit_reached; Codex opens a new socket, whose memory is empty, and
+    sends that turn in full there; the tool loop completes all the same."""
+    proxy = await make_proxy({"websocket": {"max_connection_minutes": 0.01}}, workers=_workers(sim))  # 0.6 s
+    sim.script(*[{"tool_calls": [{"name": "exec_command", "arguments": {"cmd": f"printf {i} > f{i}.txt"}}],
+                  "first_byte_delay": 0.4} for i in range(3)], {"text": "All files are written."})
+    async with Relay(proxy.url) as relay:
+        result, workdir = await _codex(codex_cmd, tmp_path, relay, proxy.api_key,
+                                       "Write f0.txt to f2.txt.", websockets=True)
+    assert result.returncode == 0, result.explain()
+    assert [(workdir / f"f{i}.txt").read_text() for i in range(3)] == ["0", "1", "2"]
+    assert [m["text"] for m in result.items("agent_message")] == ["All files are written."], result.explain()
+    errors = [orjson.loads(m)["error"]["code"] for c in relay.ws_connections for m in c["received"]
+              if m.startswith('{"type":"error"')]
+    assert "websocket_connection_limit_reached" in errors, errors
+    assert len(relay.ws_connections) >= 2 and [r for r in relay.http_requests if r["path"].endswith("/responses")] == []
+    first_on_the_new_socket = orjson.loads(relay.ws_connections[1]["sent"][0])
+    assert first_on_the_new_socket.get("previous_response_id") is None
+    assert first_on_the_new_socket["input"][0]["role"] == "developer"  # the whole conversation again
