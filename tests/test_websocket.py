@@ -10,6 +10,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import WSMsgType
+from openai.types.responses.responses_server_event import ResponseWsError
 from openresponses_types import types as spec_types
 
 from tests.sdk_check import check_sequence, normalise, parse_sse
@@ -47,6 +48,7 @@ async def until_terminal(ws) -> list[dict]:
 def error_of(events: list[dict]) -> dict:
     assert len(events) == 1 and events[0]["type"] == "error", events
     spec_types.WebSocketErrorEvent.model_validate_json(orjson.dumps(events[0]), strict=True)
+    ResponseWsError.model_validate(events[0], strict=True)  # the openai SDK's WebSocket error event
     return events[0]
 
 

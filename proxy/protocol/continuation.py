@@ -48,6 +48,8 @@ def error_event(status: int, error: dict[str, Any]) -> dict[str, Any]:
         error["code"] = _code_for(status)
     if not isinstance(error.get("message"), str):
         error["message"] = "The request failed."
+    if not isinstance(error.get("type"), str):  # the openai SDK's ResponseWsError requires it
+        error["type"] = "invalid_request_error" if status < 500 else "server_error"
     return {"type": "error", "status": status, "error": error}
 
 
