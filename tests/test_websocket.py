@@ -340,3 +340,12 @@ async def test_a_sockets_turns_stay_on_one_worker(sim, make_proxy, http):
                     previous = (await turn(ws, body))[-1]["response"]["id"]
             added = sorted((len(sim.requests) - before[0], len(other.requests) - before[1]))
             assert added == [0, 3], added
+
+
+async def test_the_operators_tool_policy_applies_to_each_turn(sim, make_proxy, http):
+    proxy = await make_proxy({"tools": {"refuse": ["web_search"], "drop": []}})
+    async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key)) as ws:
+        refused = error_of(await turn(ws, {"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}))
+        assert refused["status"] == 400 and refused["error"]["code"] == "unsupported_tool"
+        assert (await turn(ws, {"model": MODEL, "input": "x"}))[-1]["type"] == "response.completed"
+    assert len(sim.requests) == 1
