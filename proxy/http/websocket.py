@@ -159,8 +159,12 @@ class _Connection:
         await self.ws.close(code=WSCloseCode.OK, message=b"connection limit reached")
 
     async def _send_json(self, payload: dict[str, Any]) -> None:
-        if not self.ws.closed:
+        if self.ws.closed:
+            return
+        try:
             await self.ws.send_frame(orjson.dumps(payload), WSMsgType.TEXT)
+        except ConnectionResetError:  # the peer left: nobody to tell
+            self.gone.set()
 
     async def _run(self, message: Any) -> None:
         """One turn in a task of its own; a peer that goes away meanwhile cancels it."""
