@@ -29,6 +29,8 @@ from aiohttp.streams import StreamReader
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from proxy import state
+
 Emit = Callable[[str, bytes], Awaitable[None]]
 
 TURN_PATH = "/v1/responses"
@@ -135,9 +137,9 @@ def _request(origin: web.Request, body: bytes, writer: EventWriter) -> web.Reque
     payload.feed_eof()
     task = asyncio.current_task()
     assert task is not None
-    return web.Request(message, payload, origin.protocol, writer, task, loop,
-                       client_max_size=origin.app._client_max_size, remote=origin.remote,
-                       host=origin.host, scheme=origin.scheme)
+    limit = int(origin.app[state.CONFIG].section("server")["max_body_bytes"]) + 1  # as build_app sets it
+    return web.Request(message, payload, origin.protocol, writer, task, loop, client_max_size=limit,
+                       remote=origin.remote, host=origin.host, scheme=origin.scheme)
 
 
 async def run_turn(origin: web.Request, body: bytes, emit: Emit) -> TurnAnswer:
