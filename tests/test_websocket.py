@@ -349,3 +349,13 @@ async def test_the_operators_tool_policy_applies_to_each_turn(sim, make_proxy, h
         assert refused["status"] == 400 and refused["error"]["code"] == "unsupported_tool"
         assert (await turn(ws, {"model": MODEL, "input": "x"}))[-1]["type"] == "response.completed"
     assert len(sim.requests) == 1
+
+
+async def test_the_server_pings_and_closes_a_peer_that_does_not_answer(make_proxy, http):
+    proxy = await make_proxy({"websocket": {"ping_interval_s": 0.2}})
+    async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key), autoping=False) as ws:
+        ping = await ws.receive()
+        assert ping.type == WSMsgType.PING  # and no pong goes back
+        while (msg := await ws.receive()).type == WSMsgType.PING:
+            pass
+    assert msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING)
