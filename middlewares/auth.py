@@ -66,7 +66,7 @@ from proxy.state import KEY_CACHE, RequestContext
 STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
 
-_GUARDED = frozenset({"/v1/responses", "/v1/responses/input_tokens", "/v1/models", "/v1/key"})
+_GUARDED = frozenset({"/v1/responses", "/v1/responses/input_tokens", "/v1/responses/compact", "/v1/models", "/v1/key"})
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
 

@@ -105,6 +105,13 @@ def validate_spec_response(data: dict[str, Any]) -> spec_types.ResponseResource:
     return model
 
 
+def validate_spec_compaction(data: dict[str, Any]) -> spec_types.CompactResource:
+    """A /v1/responses/compact answer by the spec's CompactResource (strict, no undocumented field)."""
+    model = spec_types.CompactResource.model_validate_json(orjson.dumps(data), strict=True)
+    _check_extras(data, model, ())
+    return model
+
+
 def validate_spec_event(data: dict[str, Any]) -> pydantic.BaseModel | None:
     """The event by the spec's types; None for an OpenAI-only event (custom tool input)."""
     kind = data["type"]
@@ -248,7 +255,11 @@ class SpecCheckingTransport(httpx2.AsyncBaseTransport):
                         validate_spec_event(event)
                     assert events and events[-1]["type"] in _TERMINAL, "the stream has no terminal event"
                 else:
-                    validate_spec_response(orjson.loads(body))
+                    data = orjson.loads(body)
+                    if isinstance(data, dict) and data.get("object") == "response.compaction":
+                        validate_spec_compaction(data)
+                    else:
+                        validate_spec_response(data)
             except Exception as exc:  # noqa: BLE001 - every verdict is recorded, whatever raised it
                 self.log.failures.append(f"{type(exc).__name__}: {exc}")
                 raise

@@ -16,6 +16,7 @@ from aiohttp import web
 from proxy.policy.netguard import ImagePolicy, check_images, verdict_for_address
 
 PUBLIC_ROUTES = {("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens"), ("GET", "/v1/models"),
+                 ("GET", "/v1/responses"), ("POST", "/v1/responses/compact"),  # the WebSocket upgrade; compaction
                  ("GET", "/healthz"), ("GET", "/openapi.json"), ("GET", "/metrics"), ("HEAD", "/v1/models"),
                  ("HEAD", "/healthz"), ("HEAD", "/openapi.json"), ("HEAD", "/metrics"),
                  ("GET", "/livez"), ("HEAD", "/livez"), ("GET", "/readyz"), ("HEAD", "/readyz"),
@@ -198,7 +199,7 @@ async def test_no_unauthenticated_admin_surface(sim, make_proxy):
                 assert r.status in (404, 405), (method, path, r.status)
                 assert set(await r.json()) == {"error"}
         for method, path in (("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens"), ("GET", "/v1/models"),
-                             ("GET", "/v1/key")):
+                             ("GET", "/v1/key"), ("GET", "/v1/responses"), ("POST", "/v1/responses/compact")):
             async with http.request(method, proxy.url + path, json={"model": "tiny-org/tiny-model", "input": "x"}) as r:
                 assert r.status == 401
 

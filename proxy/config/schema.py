@@ -226,6 +226,24 @@ stateless checks, tool policy, translate) -> balance -> handler. Each built-in p
 switched by its section's `enabled`; the order is not configurable. Your own middlewares go at
 these named points: "package.module:factory", configured by a top-level section of the same
 name (or written {"package.module:factory": {...}} in the list); README, "Your own middleware"."""),
+    "websocket": F(Section({
+        "enabled": F(Bool(), True, "GET /v1/responses with an upgrade: the Responses WebSocket transport"),
+        "max_connection_minutes": F(POS_NUM, 60, "then websocket_connection_limit_reached and the socket closes"),
+        "idle_timeout_s": F(SECONDS, 600, "a socket with no turn in flight and no message this long is closed"),
+        "ping_interval_s": F(Nullable(SECONDS), 30, "pings this often; a peer that misses a pong is closed; null: none"),
+        "max_queued_turns": F(POS_INT, 4, "response.create messages waiting behind the one in flight; past it, reading stops"),
+    }), None, note="""\
+Continuation (previous_response_id) over a socket keeps the last response's context in the
+connection's memory only; every turn runs through the same pipeline as POST /v1/responses."""),
+    "compact": F(Section({
+        "keep_recent_items": F(POS_INT, 8, "at most this many of the latest items stay as they are (from the last user message on)"),
+        "max_summary_tokens": F(POS_INT, 2048, "output cap of the summary the model writes"),
+        "instructions": F(Str(nonempty=True), "Summarize the conversation above for a model that will continue it: "
+                          "the goal, decisions, facts learned, files and commands involved, what is done and what "
+                          "is left. Be complete and concise; write only the summary.", "the summary's instructions"),
+    }), None, note="""\
+POST /v1/responses/compact: older items replaced by a summary the model writes, sealed with
+reasoning_seal (a compaction item), opened when the window comes back in a later request."""),
     "stateless": F(Section({
         "enabled": F(Bool(), True, ENABLED_DOC),
         "previous_response_id": F(Str(choices=("refuse", "ignore")), "refuse", "refuse (004 doc) | ignore (000 doc)"),

@@ -26,6 +26,8 @@ from proxy.upstream.models import parse_sampling_defaults
 from proxy.policy.netguard import ImagePolicy
 from proxy.http.openapi import openapi_handler
 from proxy.http.key_view import key_handler
+from proxy.http.compact import CompactSettings, compact_handler
+from proxy.http.websocket import WebSocketSettings, websocket_handler
 from proxy.runtime import metrics
 from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
 from proxy.upstream.affinity import AffinitySettings
@@ -267,6 +269,10 @@ def build_app(config: Config) -> web.Application:
     app.middlewares.append(envelope(phases))
     app.on_response_prepare.append(_add_request_id)
     app.router.add_post("/v1/responses", responses_handler)
+    app[state.WEBSOCKET_SETTINGS] = WebSocketSettings.from_config(config.section("websocket"), int(server["max_body_bytes"]))
+    app.router.add_get("/v1/responses", websocket_handler, allow_head=False)
+    app[state.COMPACT_SETTINGS] = CompactSettings.from_section(config.section("compact"))
+    app.router.add_post("/v1/responses/compact", compact_handler)
     app.router.add_post("/v1/responses/input_tokens", input_tokens_handler)
     app.router.add_get("/v1/models", models_handler)
     app[READINESS] = Readiness(app[POOL], LEDGER)

@@ -23,8 +23,10 @@ ERROR_STATUSES: dict[int, str] = {
     404: "The model does not exist or is unavailable.",
     408: "The request body arrived too slowly.",
     413: "The request body is larger than server.max_body_bytes.",
+    405: "GET /v1/responses without a WebSocket upgrade (or with websocket.enabled false).",
     415: "The Content-Encoding is not supported.",
     429: "Capacity is exhausted, or a concurrency or rate limit is reached.",
+    501: "Compaction needs a sealing key (reasoning_seal.keys) the operator has not configured.",
     502: "The model server failed or could not be reached.",
     503: "No worker can take the request.",
     504: "The model server timed out before answering.",
@@ -160,6 +162,63 @@ _ENVELOPE = {
     },
 }
 
+_COMPACT_REQUEST = {
+    "type": "object",
+    "required": ["model"],
+    "properties": {
+        "model": {"type": "string"},
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": _INPUT_ITEM}, {"type": "null"}]},
+        "instructions": {"type": ["string", "null"]},
+        "prompt_cache_key": {"type": ["string", "null"]},
+    },
+}
+
+_COMPACTION = {
+    "type": "object",
+    "required": ["id", "object", "created_at", "output", "usage"],
+    "properties": {
+        "id": {"type": "string", "pattern": "^resp_"},
+        "object": {"const": "response.compaction"},
+        "created_at": {"type": "integer"},
+        "output": {"type": "array", "items": {"type": "object", "required": ["type"]},
+                   "description": "A compaction item (the summary, sealed) then the recent items as they were."},
+        "usage": _USAGE,
+    },
+}
+
+# The WebSocket transport as the Open Responses spec describes it (its `x-openresponses-websocket`).
+_WEBSOCKET = {
+    "description": "Open a WebSocket connection to /v1/responses (the key is checked at the handshake). Send "
+                   "{\"type\": \"response.create\", ...the request body without stream, stream_options, "
+                   "background}; the server sends the streaming events of the HTTP stream, one per message, "
+                   "and failures as {\"type\": \"error\", \"status\", \"error\": {\"code\", \"message\"}}. "
+                   "previous_response_id continues the connection's last response (kept in its memory only).",
+    "clientMessage": {"type": "object", "required": ["type"], "properties": {"type": {"const": "response.create"}}},
+    "errorMessage": {"type": "object", "required": ["type", "status", "error"],
+                     "properties": {"type": {"const": "error"}, "status": {"type": "integer"},
+                                    "error": {"type": "object", "required": ["code", "message"]}}},
+}
+
+_WEBSOCKET_UPGRADE = {
+    "operationId": "openResponsesWebSocket",
+    "security": [{"bearer": []}],
+    "responses": {
+        "101": {"description": "Switching Protocols: the WebSocket transport (see x-openresponses-websocket)."},
+        **_errors(401, 405),
+    },
+}
+
+_COMPACT = {
+    "operationId": "compactResponse",
+    "security": [{"bearer": []}],
+    "requestBody": {"required": True, "content": {"application/json": {"schema": _COMPACT_REQUEST}}},
+    "responses": {
+        "200": {"description": "The compacted window (nothing is stored); the summary is billed as any request.",
+                "content": {"application/json": {"schema": _COMPACTION}}},
+        **_errors(400, 401, 402, 403, 404, 408, 413, 415, 429, 501, 502, 503, 504),
+    },
+}
+
 _JSON_REQUEST = {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}}
 
 
@@ -201,6 +260,8 @@ def openapi_document() -> dict[str, Any]:
         },
         "paths": {
             "/v1/responses": {
+                "x-openresponses-websocket": _WEBSOCKET,
+                "get": _WEBSOCKET_UPGRADE,
                 "post": {
                     "operationId": "createResponse",
                     "security": [{"bearer": []}],
@@ -218,6 +279,7 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/responses/compact": {"post": _COMPACT},
             "/v1/responses/input_tokens": {
                 "post": {
                     "operationId": "countInputTokens",

@@ -10,6 +10,7 @@ import orjson
 
 from proxy.http.errors import bad_request
 from proxy.policy.rules import item_reference_refusal
+from proxy.protocol.compaction import compaction_message, is_sealed_here
 from proxy.protocol.translate_options import REASONING_EFFORTS, TranslateOptions, add_notice, show
 
 # Input items produced by hosted tools: replayed as an assistant-side note.
@@ -309,6 +310,9 @@ def _translate_input(
                 raise bad_request("Missing required parameter: 'output'.", param=f"{param}.output")
             out = _tool_output(item["output"], f"{param}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
+        elif itype == "compaction" and is_sealed_here(item):  # made by /v1/responses/compact
+            turn.flush_into(messages)
+            messages.append(compaction_message(item, param, options.unseal))
         elif isinstance(itype, str) and itype in HOSTED_ITEM_TYPES:
             turn.texts.append(
                 f"[{itype} replayed from a previous conversation: hosted tool results are not replayed]"

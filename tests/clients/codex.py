@@ -81,8 +81,9 @@ def ensure_codex() -> list[str]:
     return [str(found)]
 
 
-def write_codex_home(root: Path, *, base_url: str, model: str, extra: str = "") -> Path:
-    """A CODEX_HOME whose config.toml points Codex at the proxy and nowhere else."""
+def write_codex_home(root: Path, *, base_url: str, model: str, extra: str = "", provider_extra: str = "") -> Path:
+    """A CODEX_HOME whose config.toml points Codex at the proxy and nowhere else (`provider_extra`:
+    more lines of the provider's table, e.g. supports_websockets = true)."""
     home = root / "codex_home"
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text(f"""\
@@ -99,6 +100,7 @@ name = "responses-proxy"
 base_url = "{base_url}"
 env_key = "{KEY_ENV}"
 wire_api = "responses"
+{provider_extra}
 
 [analytics]
 enabled = false

@@ -115,7 +115,8 @@ def vllm_b(tier, vllm_a):  # depends on vllm_a: start-ups run one after the othe
     servers.stop(proc)
 
 
-def _proxy_config(path: str, workers: dict[str, servers.Proc], ledger: str, routing: dict | None = None) -> None:
+def _proxy_config(path: str, workers: dict[str, servers.Proc], ledger: str, routing: dict | None = None,
+                  extra: dict | None = None) -> None:
     import yaml
 
     config = {
@@ -131,15 +132,17 @@ def _proxy_config(path: str, workers: dict[str, servers.Proc], ledger: str, rout
     }
     if routing:
         config["routing"] = routing
+    config.update(extra or {})
     with open(path, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)
 
 
-def _start_proxy(tier: Tier, name: str, workers: dict[str, servers.Proc], routing: dict | None = None) -> ProxyInfo:
+def _start_proxy(tier: Tier, name: str, workers: dict[str, servers.Proc], routing: dict | None = None,
+                 extra: dict | None = None) -> ProxyInfo:
     folder = os.path.join(tier.workdir, name)
     os.makedirs(folder, exist_ok=True)
     config_path = os.path.join(folder, "config.yaml")
-    _proxy_config(config_path, workers, os.path.join(folder, "ledger.db"), routing)
+    _proxy_config(config_path, workers, os.path.join(folder, "ledger.db"), routing, extra)
     port = servers.free_port()
     proc = servers.start_proxy(str(REPO / ".venv" / "bin" / "python"), config_path, port, folder, name=name)
     try:
@@ -171,6 +174,18 @@ def proxy_pair_no_affinity(tier, vllm_a, vllm_b):
     take turns, so sequential turns of one conversation alternate between the workers."""
     info = _start_proxy(tier, "proxy-pair-no-affinity", {"vllm-a": vllm_a, "vllm-b": vllm_b},
                         routing={"affinity": {"enabled": False}})
+    yield info
+    servers.stop(info.proc)
+
+
+@pytest.fixture(scope="session")
+def proxy_sealed(tier, vllm_a):
+    """vllm-a behind a proxy with a seal key: /v1/responses/compact seals its summaries with it."""
+    import base64
+
+    key = base64.urlsafe_b64encode(os.urandom(32)).decode()
+    info = _start_proxy(tier, "proxy-sealed", {"vllm-a": vllm_a}, extra={"reasoning_seal": {"keys": {"k1": key}},
+                                                                  "compact": {"max_summary_tokens": 256}})
     yield info
     servers.stop(info.proc)
 

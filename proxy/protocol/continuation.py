@@ -1,0 +1,137 @@
+"""A WebSocket connection's turns and its memory of the last response, sans-I/O (Open Responses
+2026-04-24, "WebSocket Transport" and "WebSocket Continuation").
+
+`Continuation` is one connection's state: the id of its last response and that response's whole
+context (the input it was created from, then its output items, as input items). A
+`response.create` naming that id continues it: the remembered context, then the new items,
+become the turn's input. It lives in the connection's memory only: nothing is written anywhere,
+and closing the socket forgets it. A failed turn evicts the id it continued from; an id that is
+not the last one (an older response, another connection's, an evicted one) is
+`previous_response_not_found`, which Codex answers by resending the full request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+# HTTP/SSE transport fields the spec forbids in a WebSocket `response.create`. A value that
+# asks for what the socket does anyway (stream: true, background: false) is let through:
+# Codex sends `stream: true`.
+_TRANSPORT_FIELDS = {"stream": True, "stream_options": None, "background": False}
+# The events whose `response` object names the response being created.
+RESPONSE_EVENTS = frozenset({
+    "response.created", "response.queued", "response.in_progress",
+    "response.completed", "response.incomplete", "response.failed",
+})
+TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_NULL_PREVIOUS = b'"previous_response_id":null'
+
+
+class TurnRefused(Exception):
+    """A turn refused before it ran: becomes the spec's WebSocket error event."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def event(self) -> dict[str, Any]:
+        return error_event(self.status, {"type": "invalid_request_error" if self.status < 500 else "server_error",
+                                         "code": self.code, "message": self.message, "param": self.param})
+
+
+def error_event(status: int, error: dict[str, Any]) -> dict[str, Any]:
+    """The spec's WebSocket error envelope around an OpenAI `error` object."""
+    error = dict(error)
+    if not isinstance(error.get("code"), str):  # the WebSocket envelope requires a string code
+        error["code"] = _code_for(status)
+    if not isinstance(error.get("message"), str):
+        error["message"] = "The request failed."
+    if not isinstance(error.get("type"), str):  # the openai SDK's ResponseWsError requires it
+        error["type"] = "invalid_request_error" if status < 500 else "server_error"
+    return {"type": "error", "status": status, "error": error}
+
+
+def _code_for(status: int) -> str:
+    return {400: "invalid_request", 401: "invalid_api_key", 402: "insufficient_quota", 403: "forbidden",
+            404: "not_found", 408: "request_timeout", 413: "request_too_large",
+            429: "rate_limit_exceeded"}.get(status, "server_error" if status >= 500 else "invalid_request")
+
+
+def parse_client_event(data: str | bytes) -> dict[str, Any]:
+    """A client message -> the `response.create` event it is; TurnRefused(400) otherwise."""
+    try:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise TurnRefused(400, f"The message is not valid JSON: {exc.msg}.", "invalid_json") from None
+    if not isinstance(event, dict):
+        raise TurnRefused(400, "A message must be a JSON object.", "invalid_json")
+    kind = event.get("type")
+    if kind != "response.create":
+        shown = kind if isinstance(kind, str) else orjson.dumps(kind).decode()
+        raise TurnRefused(400, f"Unsupported event type '{shown[:80]}': this endpoint accepts 'response.create'.",
+                          "invalid_event_type", "type")
+    for name, harmless in _TRANSPORT_FIELDS.items():
+        if name in event and event[name] != harmless:
+            raise TurnRefused(400, f"'{name}' is an HTTP transport field: it must not be sent over the WebSocket.",
+                              "invalid_request", name)
+    return event
+
+
+def as_items(value: Any) -> list[Any]:
+    """A request's `input` as a list of items (a string is one user message)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if isinstance(value, list):
+        return list(value)
+    raise TurnRefused(400, "Invalid type for 'input': expected a string or an array.", "invalid_type", "input")
+
+
+class Continuation:
+    """One connection's last response: its id and its full context, in memory only."""
+
+    __slots__ = ("last_id", "context")
+
+    def __init__(self) -> None:
+        self.last_id: str | None = None
+        self.context: list[Any] = []
+
+    def expand(self, event: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """-> (the turn's HTTP request body, the id it continues or None). A continuation's body
+        carries the remembered context then the new items, and no previous_response_id (the
+        HTTP path refuses that field: it has no state to find it in)."""
+        body = {k: v for k, v in event.items() if k not in ("type", "stream", "stream_options", "background")}
+        previous = body.pop("previous_response_id", None)
+        if previous is None:
+            return body, None
+        if not isinstance(previous, str) or previous != self.last_id:
+            shown = previous if isinstance(previous, str) else orjson.dumps(previous).decode()
+            raise TurnRefused(400, f"Previous response with id '{shown[:100]}' not found.",
+                              "previous_response_not_found", "previous_response_id")
+        body["input"] = self.context + as_items(body.get("input"))
+        return body, previous
+
+    def completed(self, body: dict[str, Any], response: dict[str, Any]) -> None:
+        """A turn ended completed or incomplete: its response becomes the one to continue."""
+        self.last_id = response.get("id")
+        self.context = as_items(body.get("input")) + list(response.get("output") or [])
+
+    def failed(self, previous: str | None) -> None:
+        """A turn failed (4xx, 5xx, response.failed): the response it continued is evicted."""
+        if previous is not None and previous == self.last_id:
+            self.forget()
+
+    def forget(self) -> None:
+        self.last_id, self.context = None, []
+
+
+def with_previous(data: bytes, previous: str | None) -> bytes:
+    """A response event's JSON with `previous_response_id` set to the id the turn continued
+    (the HTTP path always writes null there). In the JSON of a string the field's quotes are
+    escaped, so only the object's own field matches."""
+    if previous is None:
+        return data
+    return data.replace(_NULL_PREVIOUS, b'"previous_response_id":' + orjson.dumps(previous), 1)
