@@ -49,6 +49,7 @@ class SimState:
     requests: list = field(default_factory=list)
     cache: PrefixCache = field(default_factory=PrefixCache)
     in_flight: int = 0
+    peak_in_flight: int = 0  # the most chats at once since start (limits tests read it)
     cancelled: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
 
