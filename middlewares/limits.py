@@ -121,6 +121,7 @@ def create(section: dict[str, Any], app: web.Application):
     else:
         raise ConfigError(f"limits.backend must be memory or redis, not {backend!r}")
     admit, release = counter.admit, counter.release
+    early = backend == "redis"
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
         if ctx.method != "POST" or ctx.path not in _GUARDED:
@@ -138,6 +139,8 @@ def create(section: dict[str, Any], app: web.Application):
                            code="limits_unavailable", headers={"Retry-After": unavailable_header}) from None
         if ticket.__class__ is Refused:
             raise _refusal(ticket, ask, retry_header)
+        if early:
+            return await _with_early_release(request, ctx, call_next, release, ticket)
         try:
             return await call_next(request, ctx)
         finally:
@@ -145,3 +148,23 @@ def create(section: dict[str, Any], app: web.Application):
             await release(ticket, out.input_tokens + out.output_tokens if out is not None else None)
 
     return limits
+
+
+async def _with_early_release(request: web.Request, ctx: RequestContext, call_next, release, ticket):
+    """A shared counter's release is a round trip: the stream handler awaits it before its last
+    bytes (ctx.release, as ctx.settle), else the client could ask again before its slot is free."""
+    done = False
+
+    async def release_now() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            out = ctx.outcome
+            await release(ticket, out.input_tokens + out.output_tokens if out is not None else None)
+
+    ctx.release = release_now
+    try:
+        return await call_next(request, ctx)
+    finally:
+        ctx.release = None
+        await release_now()
