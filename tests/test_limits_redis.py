@@ -215,6 +215,8 @@ async def test_redis_down_closed_refuses_open_admits_and_both_recover(stack, htt
         assert body["error"]["code"] == "limits_unavailable" and body["error"]["type"] == "service_unavailable"
         assert set(body["error"]) == {"message", "type", "param", "code"}
         assert (await post(http, opened, key))[0] == 200
+    async with http.get(closed.url + "/metrics") as r:
+        assert 'responses_proxy_limits_redis_events_total{event="error"}' in await r.text()
     held = await open_stream(http, opened, key, slow(seconds=1, words=10))
     assert (await post(http, opened, key))[0] == 429  # open: this process still counts on its own
     await held.read()
@@ -254,3 +256,12 @@ def test_supervisor_divides_memory_limits_only():
         _child_config(config, 2)
         limits = config.get("limits")
         assert (limits["global_concurrency"], limits["default_key_concurrency"]) == (expected, expected)
+
+
+def test_the_redis_settings_are_checked_at_start():
+    from proxy.config.load import ConfigError
+
+    for bad in ({"backend": "memcached"}, {"redis": {"on_error": "maybe"}}, {"redis": {"urll": "redis://x"}},
+                {"redis": {"slot_ttl_s": 0}}):
+        with pytest.raises(ConfigError):
+            Config.from_dict({"limits": bad})
