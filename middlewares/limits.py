@@ -1,12 +1,14 @@
-"""Concurrency and rate limits on the API routes (POST /v1/responses[/input_tokens]).
+"""Concurrency and rate limits on the API routes (POST /v1/responses[/input_tokens]): the policy.
 
     limits:
+      backend: memory               # memory: per process | redis: shared by every replica
       global_concurrency: 1024      # requests in flight over all keys (null: unlimited)
       default_key_concurrency: 64   # per key, unless the key has its own `concurrency`
       retry_after_s: 1              # Retry-After on a concurrency 429
+      redis: {url, key_prefix, slot_ttl_s, socket_timeout_ms, on_error, retry_after_s}
 
 Over a concurrency limit -> 429 `concurrency_limit` with Retry-After. A key with
-`rate_per_min` gets an in-memory token bucket holding one minute's allowance and
+`rate_per_min` gets a token bucket holding one minute's allowance and
 refilling continuously; empty -> 429 `rate_limit_exceeded` with Retry-After set to the
 seconds until the next token. A key with `tokens_per_min` has a second bucket, of tokens:
 it holds one minute's allowance, refills continuously, and is debited after each request
@@ -16,22 +18,33 @@ until it is positive again. A request's size is only known once it ran, so the l
 request admitted may take the bucket below zero: the next ones wait that much longer.
 A slot is held for the whole request, a stream included
 (the handler returns once the stream has ended), and is given back in a finally, so a
-client that disconnects frees it too. Counters are per process.
+client that disconnects frees it too. The key's limits are read from its record at each
+request, so a changed limit applies to the next one.
+
+The counting is a backend's (proxy/limits/): `memory` counts per process (`serve --workers N`
+divides the global limits by N); `redis` counts in one Redis for every process and replica
+(proxy/limits/redis_backend.py). With Redis unreachable, `redis.on_error: open` admits
+(counting in this process meanwhile) and `closed` answers 503 `limits_unavailable` with
+Retry-After `redis.retry_after_s`.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 from aiohttp import web
 
+from proxy import state
 from proxy.config.load import ConfigError
 from proxy.http.errors import APIError
+from proxy.limits.base import GLOBAL, KEY, RATE, Ask, LimitsUnavailable, Refused
+from proxy.limits.memory import MemoryCounter
 from proxy.state import RequestContext
 
 _GUARDED = ("/v1/responses", "/v1/responses/input_tokens")
+_SETTINGS = {"global_concurrency", "default_key_concurrency", "retry_after_s", "backend", "redis"}
+_REDIS_SETTINGS = {"url", "key_prefix", "slot_ttl_s", "socket_timeout_ms", "on_error", "retry_after_s"}
 
 
 def _opt_positive(section: dict, name: str, default: Any) -> int | None:
@@ -43,116 +56,115 @@ def _opt_positive(section: dict, name: str, default: Any) -> int | None:
     return value
 
 
-class _Bucket:
-    __slots__ = ("tokens", "stamp")
+def _seconds_header(section: dict, path: str, default: float) -> str:
+    value = section.get("retry_after_s", default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"{path}.retry_after_s must be a non-negative number, not {value!r}")
+    return str(max(0, math.ceil(value)))
 
-    def __init__(self, tokens: float, stamp: float) -> None:
-        self.tokens = tokens
-        self.stamp = stamp
+
+def _redis_counter(section: Any, app: web.Application):
+    from proxy.limits.redis_backend import RedisCounter
+
+    if not isinstance(section, dict):
+        raise ConfigError("limits.redis must be a mapping")
+    unknown = set(section) - _REDIS_SETTINGS
+    if unknown:
+        raise ConfigError(f"limits.redis: unknown setting(s) {', '.join(sorted(unknown))}")
+    if section.get("on_error", "open") not in ("open", "closed"):
+        raise ConfigError(f"limits.redis.on_error must be open or closed, not {section.get('on_error')!r}")
+
+    def report(event: str) -> None:
+        metrics = app.get(state.METRICS)
+        if metrics is not None:
+            metrics.limits_redis.inc((event,))
+
+    counter = RedisCounter(section, report)
+
+    async def running(_app: web.Application):
+        async with counter.running():
+            yield
+
+    app.cleanup_ctx.append(running)
+    return counter
 
 
-class _TokenBuckets:
-    """Per key: tokens left of its tokens_per_min, refilled continuously, debited after use."""
-
-    def __init__(self) -> None:
-        self.buckets: dict[str, _Bucket] = {}
-
-    def _refill(self, bucket: _Bucket, tpm: int, now: float) -> None:
-        bucket.tokens = min(float(tpm), bucket.tokens + (now - bucket.stamp) * tpm / 60.0)
-        bucket.stamp = now
-
-    def wait(self, key_id: str, tpm: int) -> float:
-        """0 when the key's bucket is positive, else the seconds until it is."""
-        bucket = self.buckets.get(key_id)
-        if bucket is None:
-            return 0.0
-        self._refill(bucket, tpm, time.monotonic())
-        return 0.0 if bucket.tokens > 0 else (1.0 - bucket.tokens) * 60.0 / tpm
-
-    def spend(self, key_id: str, tpm: int, used: int) -> None:
-        now = time.monotonic()
-        bucket = self.buckets.get(key_id)
-        if bucket is None:
-            bucket = self.buckets[key_id] = _Bucket(float(tpm), now)
-        self._refill(bucket, tpm, now)
-        bucket.tokens -= used
-        if bucket.tokens >= tpm:
-            del self.buckets[key_id]  # full again: forgotten (memory stays bounded by the busy keys)
+def _refusal(refused: Refused, ask: Ask, retry_header: str) -> APIError:
+    if refused.scope == GLOBAL:
+        return APIError(429, "The proxy is at its concurrency limit; retry shortly.",
+                        code="concurrency_limit", headers={"Retry-After": retry_header})
+    if refused.scope == KEY:
+        return APIError(429, f"This API key already has {ask.key_limit} requests in flight; retry when one finishes.",
+                        code="concurrency_limit", headers={"Retry-After": retry_header})
+    wait = {"Retry-After": str(max(1, math.ceil(refused.wait_s)))}
+    if refused.scope == RATE:
+        return APIError(429, f"Rate limit of {ask.rate_per_min} requests per minute reached for this API key.",
+                        code="rate_limit_exceeded", headers=wait)
+    return APIError(429, f"Limit of {ask.tokens_per_min} tokens per minute reached for this API key.",
+                    code="tokens_per_min_exceeded", headers=wait)
 
 
 def create(section: dict[str, Any], app: web.Application):
     global_limit = _opt_positive(section, "global_concurrency", 1024)
     key_default = _opt_positive(section, "default_key_concurrency", 64)
-    retry_after = section.get("retry_after_s", 1)
-    if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)) or retry_after < 0:
-        raise ConfigError(f"limits.retry_after_s must be a non-negative number, not {retry_after!r}")
-    retry_header = str(max(0, math.ceil(retry_after)))
-    unknown = set(section) - {"global_concurrency", "default_key_concurrency", "retry_after_s"}
+    retry_header = _seconds_header(section, "limits", 1)
+    unknown = set(section) - _SETTINGS
     if unknown:
         raise ConfigError(f"limits: unknown setting(s) {', '.join(sorted(unknown))}")
-
-    in_flight: dict[str, int] = {}
-    total = [0]
-    buckets: dict[str, _Bucket] = {}
-
-    def take_token(key_id: str, rate: int) -> float:
-        """0 when a token was taken, else the seconds until one is there."""
-        now = time.monotonic()
-        per_s = rate / 60.0
-        bucket = buckets.get(key_id)
-        if bucket is None:
-            bucket = buckets[key_id] = _Bucket(float(rate), now)
-        bucket.tokens = min(float(rate), bucket.tokens + (now - bucket.stamp) * per_s)
-        bucket.stamp = now
-        if bucket.tokens >= 1.0:
-            bucket.tokens -= 1.0
-            return 0.0
-        return (1.0 - bucket.tokens) / per_s
-
-    tokens = _TokenBuckets()
-
-    def busy(message: str) -> APIError:
-        return APIError(429, message, code="concurrency_limit", headers={"Retry-After": retry_header})
+    backend = section.get("backend", "memory")
+    if backend == "memory":
+        counter: Any = MemoryCounter()
+    elif backend == "redis":
+        redis_section = section.get("redis") or {}
+        counter = _redis_counter(redis_section, app)
+        unavailable_header = _seconds_header(redis_section, "limits.redis", 1)
+    else:
+        raise ConfigError(f"limits.backend must be memory or redis, not {backend!r}")
+    admit, release = counter.admit, counter.release
+    early = backend == "redis"
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
         if ctx.method != "POST" or ctx.path not in _GUARDED:
             return await call_next(request, ctx)
         record = ctx.key
-        key_id = record.key_id if record is not None else None
-        key_limit = (record.concurrency or key_default) if record is not None else None
-        # Everything from the checks to the increments runs without an await: no other
-        # request can slip in between.
-        if global_limit is not None and total[0] >= global_limit:
-            raise busy("The proxy is at its concurrency limit; retry shortly.")
-        if key_id is not None and key_limit is not None and in_flight.get(key_id, 0) >= key_limit:
-            raise busy(f"This API key already has {key_limit} requests in flight; retry when one finishes.")
-        if record is not None and record.rate_per_min:
-            wait = take_token(key_id, record.rate_per_min)
-            if wait > 0:
-                raise APIError(429, f"Rate limit of {record.rate_per_min} requests per minute reached for this API key.",
-                               code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
-        tpm = record.tokens_per_min if record is not None else None
-        if tpm:
-            wait = tokens.wait(key_id, tpm)
-            if wait > 0:
-                raise APIError(429, f"Limit of {tpm} tokens per minute reached for this API key.",
-                               code="tokens_per_min_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
-        total[0] += 1
-        if key_id is not None:
-            in_flight[key_id] = in_flight.get(key_id, 0) + 1
+        if record is None:
+            ask = Ask(None, global_limit, None, None, None)
+        else:
+            ask = Ask(record.key_id, global_limit, record.concurrency or key_default,
+                      record.rate_per_min, record.tokens_per_min)
+        try:
+            ticket = await admit(ask)
+        except LimitsUnavailable:
+            raise APIError(503, "Limits cannot be checked right now (the shared counter is unreachable); retry shortly.",
+                           code="limits_unavailable", headers={"Retry-After": unavailable_header}) from None
+        if ticket.__class__ is Refused:
+            raise _refusal(ticket, ask, retry_header)
+        if early:
+            return await _with_early_release(request, ctx, call_next, release, ticket)
         try:
             return await call_next(request, ctx)
         finally:
-            if tpm:
-                out = ctx.outcome
-                if out is not None:
-                    tokens.spend(key_id, tpm, out.input_tokens + out.output_tokens)
-            total[0] -= 1
-            if key_id is not None:
-                left = in_flight[key_id] - 1
-                if left:
-                    in_flight[key_id] = left
-                else:
-                    del in_flight[key_id]
+            out = ctx.outcome
+            await release(ticket, out.input_tokens + out.output_tokens if out is not None else None)
 
     return limits
+
+
+async def _with_early_release(request: web.Request, ctx: RequestContext, call_next, release, ticket):
+    """A shared counter's release is a round trip: the stream handler awaits it before its last
+    bytes (ctx.release, as ctx.settle), else the client could ask again before its slot is free."""
+    done = False
+
+    async def release_now() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            out = ctx.outcome
+            await release(ticket, out.input_tokens + out.output_tokens if out is not None else None)
+
+    ctx.release = release_now
+    try:
+        return await call_next(request, ctx)
+    finally:
+        ctx.release = None
+        await release_now()

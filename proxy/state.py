@@ -102,6 +102,10 @@ class RequestContext:
     # balance: settle now (the handler awaits it before the last bytes of a stream, so a client
     # that waits for its answer finds it billed); cleared when the balance phase returns.
     settle: Callable[[], Awaitable[None]] | None = None
+    # limits (a shared backend): give the slot back now, awaited after settle, before the last
+    # bytes of a stream, so a client that sends its next request on reading the end finds its
+    # slot free in every replica; cleared when the limits phase returns.
+    release: Callable[[], Awaitable[None]] | None = None
     event_stream: StreamRewriter | None = None  # the handler: the streamed answer's rewriter
     # The response whose headers went out (the last on_response_prepare hook sets it): past
     # that point an error can no longer become an HTTP status (proxy.http.app._after_start).

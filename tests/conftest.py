@@ -145,3 +145,35 @@ async def make_proxy(sim, tmp_path):
         await runner.cleanup()
     failures = [f for h in handles if h.spec is not None for f in h.spec.failures]
     assert not failures, f"answers outside the Open Responses spec: {failures[:3]}"
+
+
+# --------------------------------------------------------------------------- Redis
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One throwaway redis-server for the session (tests/redis_server.py). A missing
+    redis-server fails the tests that use it: CI installs it."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_db(redis_server):
+    """The session's Redis, running (a test may have stopped it) and empty."""
+    if redis_server.proc is None:
+        redis_server.start()
+    redis_server.flush()
+    return redis_server
+
+
+@pytest.fixture(params=["memory", "redis"])
+def limits_backend(request) -> dict[str, Any]:
+    """`limits` settings of either backend (the Redis one on the session's server, emptied)."""
+    if request.param == "memory":
+        return {"backend": "memory"}
+    server = request.getfixturevalue("redis_db")
+    return {"backend": "redis", "redis": {"url": server.url, "socket_timeout_ms": 500}}

@@ -228,8 +228,8 @@ def test_keys_cli_goes_through_the_service(tmp_path, capsys):
         _cli(db, "usage", "--since", "yesterday", capsys=capsys)
 
 
-async def test_tokens_per_minute_limit(make_proxy):
-    proxy = await make_proxy({"auth": {"demo_key": True}})
+async def test_tokens_per_minute_limit(make_proxy, limits_backend):
+    proxy = await make_proxy({"auth": {"demo_key": True}, "limits": limits_backend})
     secret, record = await proxy.ledger.create_key("tpm", 50_000_000, tokens_per_min=12)
     async with aiohttp.ClientSession() as s:
         h = {"Authorization": f"Bearer {secret}"}

@@ -246,8 +246,8 @@ async def _slow_stream(http, p, key, seconds_per_delta=0.05, words=60):
     return resp
 
 
-async def test_per_key_concurrency_429_with_retry_after(make_proxy, http, sim):
-    p = await make_proxy({"limits": {"retry_after_s": 3}})
+async def test_per_key_concurrency_429_with_retry_after(make_proxy, http, sim, limits_backend):
+    p = await make_proxy({"limits": {"retry_after_s": 3, **limits_backend}})
     secret, _ = await p.ledger.create_key("one-at-a-time", balance_micros=10_000_000, concurrency=1)
     other, _ = await p.ledger.create_key("other", balance_micros=10_000_000)
     slow = await _slow_stream(http, p, secret, seconds_per_delta=0.02, words=40)
@@ -262,8 +262,8 @@ async def test_per_key_concurrency_429_with_retry_after(make_proxy, http, sim):
     await wait_for(lambda: _ok(call(http, p, key=secret)), timeout=2)  # the slot was given back
 
 
-async def test_global_concurrency_429_limits_alone(make_proxy, http, sim):
-    p = await make_proxy({**only("limits"), "limits": {"global_concurrency": 2}})
+async def test_global_concurrency_429_limits_alone(make_proxy, http, sim, limits_backend):
+    p = await make_proxy({**only("limits"), "limits": {"global_concurrency": 2, **limits_backend}})
     slow = [await _slow_stream(http, p, "ignored") for _ in range(2)]
     status, headers, body = await call(http, p, key=None)
     assert status == 429
@@ -279,8 +279,8 @@ async def _ok(coro) -> bool:
     return (await coro)[0] == 200
 
 
-async def test_slot_released_when_client_disconnects(make_proxy, http, sim):
-    p = await make_proxy()
+async def test_slot_released_when_client_disconnects(make_proxy, http, sim, limits_backend):
+    p = await make_proxy({"limits": limits_backend})
     secret, _ = await p.ledger.create_key("one", balance_micros=10_000_000, concurrency=1)
     slow = await _slow_stream(http, p, secret, seconds_per_delta=0.5)
     assert (await call(http, p, key=secret))[0] == 429
@@ -288,8 +288,8 @@ async def test_slot_released_when_client_disconnects(make_proxy, http, sim):
     await wait_for(lambda: _ok(call(http, p, key=secret)), timeout=5)
 
 
-async def test_rate_limit_per_key(make_proxy, http):
-    p = await make_proxy()
+async def test_rate_limit_per_key(make_proxy, http, limits_backend):
+    p = await make_proxy({"limits": limits_backend})
     secret, _ = await p.ledger.create_key("two-a-minute", balance_micros=10_000_000, rate_per_min=2)
     assert (await call(http, p, key=secret))[0] == 200
     assert (await call(http, p, key=secret))[0] == 200

@@ -85,8 +85,8 @@ STATIC_KEY = Section({
     "sha256": Opt(Str(), OMIT, "hex sha256 of the key (one of sha256 or key)"),
     "key": Opt(Str(), OMIT, "the key itself, e.g. ${OPS_KEY}"),
     "allowed_models": Opt(ListOf(Str(nonempty=True)), OMIT, "default: every model"),
-    "concurrency": Opt(POS_INT, OMIT, "requests in flight (per process)"),
-    "rate_per_min": Opt(POS_INT, OMIT, "requests per minute (per process)"),
+    "concurrency": Opt(POS_INT, OMIT, "requests in flight (per process unless limits.backend is redis)"),
+    "rate_per_min": Opt(POS_INT, OMIT, "requests per minute (per process unless limits.backend is redis)"),
 })
 
 SAMPLING = Section({
@@ -257,9 +257,22 @@ reasoning_seal (a compaction item), opened when the window comes back in a later
     }), None),
     "limits": F(Section({
         "enabled": F(Bool(), True, ENABLED_DOC),
-        "global_concurrency": F(Nullable(POS_INT), 1024, "requests in flight per process; null: no limit"),
+        "backend": F(Str(choices=("memory", "redis")), "memory",
+                     "memory: counted per process (serve --workers N divides the global limits by N); "
+                     "redis: one count shared by every process and replica"),
+        "global_concurrency": F(Nullable(POS_INT), 1024, "requests in flight over all keys; null: no limit"),
         "default_key_concurrency": F(Nullable(POS_INT), 64, "per key, unless its own limit is set"),
         "retry_after_s": F(Num(lo=0), 1, "Retry-After of a 429"),
+        "redis": F(Section({
+            "url": F(Str(nonempty=True), "redis://127.0.0.1:6379/0", "e.g. ${REDIS_URL}; rediss:// for TLS"),
+            "key_prefix": F(Str(nonempty=True), "responses-proxy:limits:", "every key the limits write starts with it"),
+            "slot_ttl_s": F(Num(lo=0.5, hi=3600), 30, "a replica renews its slots every third of this; "
+                            "a dead replica's slots free up after it"),
+            "socket_timeout_ms": F(Int(1, 60000), 250, "connect and reply budget of each Redis call"),
+            "on_error": F(Str(choices=("open", "closed")), "open", "Redis unreachable: open admits (counted per "
+                          "process meanwhile); closed answers 503 limits_unavailable"),
+            "retry_after_s": F(Num(lo=0), 1, "Retry-After of that 503"),
+        }), None, "backend: redis only"),
     }), None),
     "tools": F(Section({
         "enabled": F(Bool(), True, ENABLED_DOC),

@@ -154,6 +154,9 @@ async def _settle_now(ctx: RequestContext) -> None:
     settle = ctx.settle
     if settle is not None:
         await settle()
+    release = ctx.release  # the limits' slot (a shared backend), given back as early
+    if release is not None:
+        await release()
 
 
 async def responses_handler(request: web.Request) -> web.StreamResponse:

@@ -364,6 +364,8 @@ class _RequestCollector:
         yield ratio
         if m.usage_corrections.values:  # labelled by reason: no series before the first one
             yield m.usage_corrections.family(with_created)
+        if m.limits_redis.values:
+            yield m.limits_redis.family(with_created)
 
 
 class Metrics:
@@ -397,6 +399,10 @@ class Metrics:
         # Each value of an upstream's usage report the ledger did not believe (proxy.ledger.usage).
         self.usage_corrections = counter(f"{PREFIX}_usage_corrections",
                                          "Upstream usage values replaced before billing, by reason.", ("reason",))
+        # The Redis limits backend (proxy/limits/redis_backend.py): failed calls, recoveries.
+        self.limits_redis = counter(f"{PREFIX}_limits_redis_events",
+                                    "Redis limits backend: calls that failed (error), outages ended (recovered).",
+                                    ("event",))
         self.holds = _Holds()
         self.holds_available = True
         self.pool_collector = _PoolCollector(pool)

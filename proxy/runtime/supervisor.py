@@ -12,12 +12,13 @@ Shared state across processes:
   * the SQLite ledger is shared safely: WAL mode, each process has its own connection
     and writer thread, and every hold is checked and written inside BEGIN IMMEDIATE
     (the database-wide write lock), so two processes cannot both spend the same money.
-  * concurrency limits are per process (middlewares/limits.py counts in memory), so the
-    configured `limits.global_concurrency` and `limits.default_key_concurrency` are
+  * limits: with `limits.backend: memory` (the default) they are counted per process, so
+    the configured `limits.global_concurrency` and `limits.default_key_concurrency` are
     divided by N (rounded up) for each child. This is an approximation: the kernel hashes
     connections onto processes, so one process may refuse while another has room, and a
-    key's own `concurrency` (set with `keys limits`) and `rate_per_min` apply per process
-    (up to N times the value in total).
+    key's own `concurrency` (set with `keys limits`), `rate_per_min` and `tokens_per_min`
+    apply per process (up to N times the value in total). With `limits.backend: redis` every
+    child counts in the one Redis (proxy/limits/redis_backend.py), so nothing is divided.
   * /metrics: prometheus_client's multiprocess mode (proxy/runtime/metrics.py). The supervisor
     sets PROMETHEUS_MULTIPROC_DIR before forking: a fresh temporary directory, removed at
     exit, unless the operator set it (then its *.db files are cleared first, as
@@ -76,9 +77,9 @@ async def _create_demo_key(config: Config) -> None:
 
 
 def _child_config(config: Config, workers: int) -> None:
-    """Per-process shares of the in-memory limits (documented above)."""
+    """Per-process shares of the in-memory limits (documented above); Redis limits are global."""
     limits = config.get("limits")
-    if isinstance(limits, dict):
+    if isinstance(limits, dict) and limits.get("backend", "memory") != "redis":
         for name in ("global_concurrency", "default_key_concurrency"):
             value = limits.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:

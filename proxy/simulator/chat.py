@@ -49,7 +49,7 @@ class SimState:
     requests: list = field(default_factory=list)
     cache: PrefixCache = field(default_factory=PrefixCache)
     in_flight: int = 0
-    peak_in_flight: int = 0  # the most chats at once since start (limits tests read it)
+    peak_in_flight: int = 0  # the most requests in flight at once (tests of shared limits reset it)
     cancelled: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -91,8 +91,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chat = Chat(st, body, script, gen, len(tokens), cached, created)
 
     st.in_flight += 1
-    if st.in_flight > st.peak_in_flight:
-        st.peak_in_flight = st.in_flight
+    st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
     try:
         if body.get("stream"):
             return await _stream(request, chat)
@@ -375,6 +374,9 @@ class Simulator:
     @property
     def peak_in_flight(self) -> int:
         return self.state.peak_in_flight
+
+    def reset_peak(self) -> None:
+        self.state.peak_in_flight = self.state.in_flight
 
     @property
     def cancelled(self) -> int:
