@@ -90,10 +90,10 @@ CREATE FUNCTION ledger_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     RAISE EXCEPTION '% is append-only', TG_TABLE_NAME;
 END $$;
-CREATE TRIGGER usage_no_change BEFORE UPDATE OR DELETE ON usage
-    FOR EACH ROW EXECUTE FUNCTION ledger_append_only();
-CREATE TRIGGER audit_no_change BEFORE UPDATE OR DELETE ON audit
-    FOR EACH ROW EXECUTE FUNCTION ledger_append_only();
+CREATE TRIGGER usage_no_change BEFORE UPDATE OR DELETE OR TRUNCATE ON usage
+    FOR EACH STATEMENT EXECUTE FUNCTION ledger_append_only();
+CREATE TRIGGER audit_no_change BEFORE UPDATE OR DELETE OR TRUNCATE ON audit
+    FOR EACH STATEMENT EXECUTE FUNCTION ledger_append_only();
 """),
 )
 
