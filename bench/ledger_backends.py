@@ -29,7 +29,7 @@ from proxy.ledger.lease import Leases
 
 HEADING = "### Ledger backends (issue 16)"
 TICK = os.sysconf("SC_CLK_TCK")
-NOTE = "\n\nReading it: SQLite's exact path at c=1 waits for one fsync'd commit per settle (synchronous=FULL on this machine's disk), while the throwaway PostgreSQL runs with fsync off, so its exact rows are CPU and round trips, not durability. PostgreSQL's exact path at c=16 is slower than at c=1: every pair of one key takes that key's row lock (SELECT ... FOR UPDATE) for a few round trips, so one hot key is serialised across every replica, and 16 waiters add lock hand-offs; leases (the default) take the hot key off that path. PostgreSQL costs ~1.2-2x SQLite's proxy-side CPU per pair with leases, plus the server's own CPU.\n"
+NOTE = "\n\nReading it: SQLite's exact path at c=1 waits for one fsync'd commit per settle (synchronous=FULL on this machine's disk), while the throwaway PostgreSQL runs with fsync off, so its exact rows are CPU and round trips, not durability. PostgreSQL's exact path at c=16 is slower than at c=1: every pair of one key takes that key's row lock (SELECT ... FOR UPDATE) for a few round trips, so one hot key is serialised across every replica, and 16 waiters add lock hand-offs; leases (the default) take the hot key off that path. In the committed run PostgreSQL cost about 1.2-1.6x SQLite's proxy-side CPU per pair with leases, plus the server's own CPU.\n"
 
 
 def pg_cpu(root_pid: int) -> float:
