@@ -169,7 +169,11 @@ class Spool:
             self._rotate()
             done = 0
             for path in self._leftovers():
-                records, bad = decode(path.read_bytes())
+                try:
+                    data = path.read_bytes()
+                except FileNotFoundError:  # another process sharing this spool replayed it
+                    continue
+                records, bad = decode(data)
                 if bad:
                     log.warning("ledger spool %s: %d unreadable line(s) skipped", path, bad)
                     self.stats["skipped"] += bad
@@ -177,7 +181,7 @@ class Spool:
                     await apply(record)
                     done += 1
                     self.stats["replayed"] += 1
-                path.unlink()
+                path.unlink(missing_ok=True)
                 self._sync_dir()
             return done
 
