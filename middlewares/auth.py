@@ -57,9 +57,9 @@ from aiohttp import web
 
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError
+from proxy.http.errors import APIError, ledger_unavailable
 from proxy.state import LEDGER
-from proxy.ledger import KeyRecord
+from proxy.ledger import KeyRecord, LedgerUnavailable
 from proxy.runtime.logs import log
 from proxy.state import KEY_CACHE, RequestContext
 
@@ -278,7 +278,10 @@ def create(section: dict[str, Any], app: web.Application):
                 generation = getattr(ledger, "key_generation", 0)
                 record = cache.get(digest, generation)
                 if record is None:
-                    record = await ledger.lookup_key(secret)
+                    try:
+                        record = await ledger.lookup_key(secret)
+                    except LedgerUnavailable as exc:  # 503 + Retry-After, from the headers alone
+                        return await _refuse(request, ctx, call_next, ledger_unavailable(exc.retry_after_s))
                     if record is not None and not record.revoked:
                         cache.put(digest, record, generation)
         if record is None or record.revoked or record.expires_at is not None and record.expired():

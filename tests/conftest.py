@@ -177,3 +177,57 @@ def limits_backend(request) -> dict[str, Any]:
         return {"backend": "memory"}
     server = request.getfixturevalue("redis_db")
     return {"backend": "redis", "redis": {"url": server.url, "socket_timeout_ms": 500}}
+
+# ----------------------------------------------------------------------------- PostgreSQL
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """One throwaway PostgreSQL cluster for the session (tests/pg_server.py). Missing
+    binaries FAIL the tests that need it (CI installs them): PgUnavailable is an error."""
+    from tests.pg_server import PgServer
+
+    server = PgServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def pg_dsn(pg_server):
+    """A fresh, empty database for this test (the ledger migrates it on start); dropped after."""
+    if pg_server.proc is None:  # a test stopped it and failed before starting it again
+        pg_server.start()
+    name, dsn = pg_server.create_database()
+    try:
+        yield dsn
+    finally:
+        if pg_server.proc is None:
+            pg_server.start()
+        pg_server.drop_database(name)
+
+
+LEDGER_BACKENDS = ("sqlite", "postgres")
+
+
+def ledger_section(backend: str, request: Any, tmp_path: Path) -> dict[str, Any]:
+    """The ledger config section of `backend` for a test (postgres: a fresh database)."""
+    if backend == "sqlite":
+        return {"backend": "sqlite", "path": str(tmp_path / "ledger.db")}
+    return {"backend": "postgres", "dsn": request.getfixturevalue("pg_dsn"),
+            "spool_path": str(tmp_path / "ledger-spool.jsonl")}
+
+
+@pytest.fixture(params=LEDGER_BACKENDS)
+async def any_ledger(request, tmp_path):
+    """A started ledger of each backend: ONE suite, two backends. A test about one backend
+    only narrows it: @pytest.mark.parametrize("any_ledger", ["sqlite"], indirect=True)."""
+    from proxy.ledger import open_ledger
+
+    led = open_ledger(ledger_section(request.param, request, tmp_path), base_dir=tmp_path)
+    await led.start()
+    try:
+        yield led
+    finally:
+        await led.close()

@@ -16,10 +16,11 @@ import time
 import aiohttp
 import pytest
 
-from proxy.ledger import LedgerError, UsageRecord
+from proxy.ledger import LedgerError, UsageRecord, open_ledger
 from proxy.ledger.cli import add_key_commands, run_key_command
 from proxy.ledger.service import KeyService, period_starts
 from proxy.ledger.sqlite import SQLiteLedger
+from tests.conftest import LEDGER_BACKENDS, ledger_section
 
 DAY = 86400
 
@@ -31,10 +32,18 @@ def _usage(request_id: str, key_id: str, at: float, *, model: str = "m1", worker
                        worker=worker)
 
 
-@pytest.fixture
-async def ledger(tmp_path):
-    async with SQLiteLedger(tmp_path / "ledger.db") as found:
-        yield found
+@pytest.fixture(params=LEDGER_BACKENDS)
+async def ledger(request, tmp_path):
+    """Each backend (tests/conftest.py); SQLite-only tests narrow it with @sqlite_only."""
+    if request.param == "sqlite":
+        async with SQLiteLedger(tmp_path / "ledger.db") as found:
+            yield found
+    else:
+        async with open_ledger(ledger_section(request.param, request, tmp_path)) as found:
+            yield found
+
+
+sqlite_only = pytest.mark.parametrize("ledger", ["sqlite"], indirect=True)  # SQLite's query plans
 
 
 async def test_totals_group_by_time_buckets_and_dimensions(ledger):
@@ -109,6 +118,7 @@ async def test_totals_from_the_hourly_sums_equal_the_rows(ledger):
                                          and (until is None or u.created_at < until))
 
 
+@sqlite_only
 async def test_console_reads_use_the_indexes(ledger):
     plans = {
         "by time": ("SELECT COUNT(*), SUM(cost_micros) FROM usage WHERE created_at >= ? AND created_at < ?",
@@ -144,12 +154,19 @@ async def test_audit_is_append_only_and_service_audits_every_change(ledger):
         await service.update(record.key_id, {"rate_per_min": 0})
     with pytest.raises(ValueError):
         await service.create({"name": "x", "secret": "mine"})
-    conn = sqlite3.connect(ledger.path)
-    with pytest.raises(sqlite3.DatabaseError):
-        conn.execute("UPDATE audit SET actor = 'someone else'")
-    with pytest.raises(sqlite3.DatabaseError):
-        conn.execute("DELETE FROM audit")
-    conn.close()
+    if isinstance(ledger, SQLiteLedger):
+        conn = sqlite3.connect(ledger.path)
+        with pytest.raises(sqlite3.DatabaseError):
+            conn.execute("UPDATE audit SET actor = 'someone else'")
+        with pytest.raises(sqlite3.DatabaseError):
+            conn.execute("DELETE FROM audit")
+        conn.close()
+        return
+    import asyncpg
+
+    for sql in ("UPDATE audit SET actor = 'someone else'", "DELETE FROM audit", "DELETE FROM usage"):
+        with pytest.raises(asyncpg.RaiseError, match="append-only"):
+            await ledger._db(lambda conn: conn.execute(sql))
 
 
 async def test_expired_and_rotated_secrets_stop_working(ledger):

@@ -99,3 +99,39 @@ def test_db_names_the_file_and_every_command_prints_it(tmp_path):
         proc = keys(tmp_path, "keys", "--db", str(db), *args)
         assert proc.returncode == 0, (args, proc.stderr)
         assert ledger_line(proc) == str(db.resolve())
+
+
+def test_keys_on_a_postgres_ledger_named_by_the_config(tmp_path, pg_dsn):
+    """ledger.backend: postgres with `dsn: ${LEDGER_DSN}`: every command opens that database
+    (stderr names host:port/db, never a password), and a key made by the CLI is the server's."""
+    import asyncio
+
+    from proxy.ledger import open_ledger
+
+    home = tmp_path / "srv"
+    home.mkdir()
+    (home / "config.yaml").write_text("ledger:\n  backend: postgres\n  dsn: ${LEDGER_DSN}\n")
+    env = {"LEDGER_DSN": pg_dsn}
+    created = keys(tmp_path, "keys", "--config", str(home / "config.yaml"), "create", "pg-key", "--balance", "9",
+                   env_extra=env)
+    assert created.returncode == 0, created.stderr
+    assert ledger_line(created).startswith("postgres 127.0.0.1:") and pg_dsn.rsplit("/", 1)[1] in ledger_line(created)
+    secret = SECRET_RE.search(created.stdout).group(0)
+    key_id = re.search(r"key_id:\s+(key_[0-9a-f]+)", created.stdout).group(1)
+    for args in (("list",), ("topup", key_id, "3"), ("limits", key_id, "--rate", "5"), ("show", key_id),
+                 ("usage",), ("audit",), ("revoke", key_id)):
+        proc = keys(home, "keys", *args, env_extra=env)  # ./config.yaml found
+        assert proc.returncode == 0, (args, proc.stderr)
+        assert secret not in proc.stdout + proc.stderr
+    assert list(home.iterdir()) == [home / "config.yaml"]  # no sqlite file made on the side
+
+    async def check() -> None:
+        led = open_ledger({"backend": "postgres", "dsn": pg_dsn, "spool_path": str(tmp_path / "s.jsonl")})
+        async with led:
+            record = await led.get_key(key_id)
+            assert (record.balance_micros, record.rate_per_min, record.revoked) == (12, 5, True)
+            assert [e.action for e in await led.list_audit()][:2] == ["key.revoke", "key.update"]
+
+    asyncio.run(check())
+    unset = keys(home, "keys", "list", env_extra={"LEDGER_DSN": ""})
+    assert unset.returncode != 0 and "Traceback" not in unset.stderr

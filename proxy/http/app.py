@@ -15,7 +15,8 @@ from middlewares import Phases, build_phases
 from proxy import state
 from proxy.config.load import Config, ConfigError
 from proxy.http.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
-from proxy.http.errors import ERROR_CODE, APIError
+from proxy.http.errors import ERROR_CODE, APIError, ledger_unavailable
+from proxy.ledger.base import LedgerUnavailable
 from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event, responses_handler
 from proxy.upstream.client import UpstreamPool
 from proxy.upstream.health import HealthSettings, Readiness, health_context
@@ -76,6 +77,9 @@ def envelope(phases: Phases):
             # 499: the client went away before its answer was whole (after it, the answer stands).
             status = 200 if out is not None and out.status in ("completed", "incomplete", "failed") else 499
             raise
+        except LedgerUnavailable as exc:  # any other ledger read on the way (GET /v1/key, the admin API)
+            status, error_code = 503, "ledger_unavailable"
+            return ledger_unavailable(exc.retry_after_s).to_response()
         except Exception:
             log.exception("unhandled error", request_id=ctx.request_id)
             error_code = "internal_error"

@@ -39,6 +39,14 @@ def error_type_for(status: int) -> str:
 ERROR_CODE = web.ResponseKey("error_code", object)  # the envelope's code, for the access line
 
 
+def ledger_unavailable(retry_after_s: float) -> "APIError":
+    """The answer while the ledger's database cannot be reached (proxy.ledger.LedgerUnavailable):
+    503 with Retry-After, never a 500; the client retries, nothing was held or billed."""
+    seconds = max(1, int(-(-float(retry_after_s) // 1)))
+    return APIError(503, "The billing ledger is unreachable right now; retry after the Retry-After delay.",
+                    code="ledger_unavailable", headers={"Retry-After": str(seconds)})
+
+
 class APIError(Exception):
     """An answer in the OpenAI error envelope. `headers` lets 429 carry Retry-After."""
 

@@ -44,6 +44,7 @@ from proxy.ledger.base import (  # the interface, re-exported: callers import it
     KeyRecord,
     Ledger,
     LedgerError,
+    LedgerUnavailable,
     UnknownKey,
     UsageRecord,
     UsageTotals,
@@ -58,6 +59,7 @@ __all__ = [
     "AuditEntry",
     "USAGE_STATUSES",
     "LedgerError",
+    "LedgerUnavailable",
     "UnknownKey",
     "DuplicateRequest",
     "InsufficientBalance",
@@ -84,6 +86,9 @@ def open_ledger(config_section: dict[str, Any] | None, base_dir: str | Path | No
     sqlite: {"backend": "sqlite", "path": "data/ledger.db", "synchronous": "FULL",
              "hold_synchronous": "NORMAL", "busy_timeout_ms": 5000, "max_batch": 1024,
              "settle_linger_ms": 5}
+    postgres: {"backend": "postgres", "dsn": "postgresql://user@host/db", "pool_min": 1, "pool_max": 10,
+               "statement_timeout_ms": 5000, "connect_timeout_s": 5,
+               "spool_path": "data/ledger-spool.jsonl", "unavailable_retry_after_s": 5}
     """
     section = dict(config_section or {})
     backend = str(section.get("backend", "sqlite")).lower()
@@ -98,4 +103,19 @@ def open_ledger(config_section: dict[str, Any] | None, base_dir: str | Path | No
             max_batch=int(section.get("max_batch", 1024)),
             settle_linger_s=float(section.get("settle_linger_ms", 5)) / 1000,
         )
-    raise LedgerError(f"unknown ledger backend {backend!r} (known: sqlite)")
+    if backend == "postgres":
+        from proxy.ledger.postgres import PostgresLedger
+
+        dsn = section.get("dsn")
+        if not dsn:
+            raise LedgerError("ledger.backend is postgres but ledger.dsn is empty (is its environment variable set?)")
+        return PostgresLedger(
+            str(dsn),
+            pool_min=int(section.get("pool_min", 1)),
+            pool_max=int(section.get("pool_max", 10)),
+            statement_timeout_ms=int(section.get("statement_timeout_ms", 5000)),
+            connect_timeout_s=float(section.get("connect_timeout_s", 5)),
+            spool_path=resolve_path(str(section.get("spool_path") or "data/ledger-spool.jsonl"), base_dir),
+            unavailable_retry_after_s=float(section.get("unavailable_retry_after_s", 5)),
+        )
+    raise LedgerError(f"unknown ledger backend {backend!r} (known: sqlite, postgres)")

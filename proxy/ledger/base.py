@@ -132,6 +132,16 @@ class LedgerError(Exception):
     """A ledger operation that cannot be done (unknown key, storage failure...)."""
 
 
+class LedgerUnavailable(LedgerError):
+    """The ledger's storage cannot be reached now (a database down, a timeout): the request
+    path answers 503 with Retry-After `retry_after_s`, never 500; settlements that cannot
+    reach it are spooled (proxy/ledger/spool.py) and replayed when it answers again."""
+
+    def __init__(self, message: str = "the ledger database is unreachable", retry_after_s: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class UnknownKey(LedgerError):
     def __init__(self, key_id: str) -> None:
         super().__init__(f"unknown key id {key_id!r}")

@@ -22,7 +22,8 @@ Times (WHEN, T) are Unix seconds or ISO 8601 (UTC unless a zone is given).
 Also `python -m proxy.ledger.cli [--config FILE] [--db PATH] keys ...`.
 The secret is printed once, by `create`; nothing else ever prints it (only its prefix).
 
-Which ledger: the one the server would open, found as `serve` finds its config (--config,
+Which ledger: the one the server would open (ledger.backend sqlite or postgres: with
+postgres, `ledger.dsn` names the database, and stderr says `ledger: postgres host:port/db`), found as `serve` finds its config (--config,
 else $RESPONSES_PROXY_CONFIG, else ./config.yaml, else the embedded defaults), its
 `ledger.path` taken relative to that file; `--db PATH` names the file itself. Every command
 prints `ledger: /absolute/path` on stderr first. A ledger file that does not exist is never
@@ -260,6 +261,12 @@ def _locate(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     backend = str(section.get("backend", "sqlite")).lower()
     if backend == "none":
         raise LedgerError(f"ledger.backend is none in {_where(args, config)}: there are no keys to manage")
+    if backend == "postgres":  # a database server: nothing is made by accident (the schema is migrated)
+        from proxy.ledger.postgres import redact
+
+        print(f"ledger: postgres {redact(str(section.get('dsn') or ''))}", file=sys.stderr, flush=True)
+        return {**section, "spool_path": resolve_path(str(section.get("spool_path") or "data/ledger-spool.jsonl"),
+                                                      _base_dir(args, config) or Path.cwd())}
     path = resolve_path(str(section.get("path") or "data/ledger.db"), _base_dir(args, config) or Path.cwd())
     if path != ":memory:":
         path = str(Path(path).resolve())

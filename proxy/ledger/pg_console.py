@@ -1,0 +1,120 @@
+"""The PostgreSQL ledger's reads and writes for the operator's console: the audit log,
+usage rows over a time range (paginated by seq), usage totals grouped by key / model /
+worker / day / hour, and a key's spend since a time (budgets).
+
+A mixin of PostgresLedger (proxy/ledger/postgres.py), which supplies `_db`. The same answers
+as proxy/ledger/sqlite_console.py; totals are summed from the usage rows over the indexes
+usage_by_time(created_at) and usage_by_key_time(key_id, created_at) INCLUDE (debited_micros).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from proxy.ledger.base import USAGE_GROUPS, AuditEntry, UsageRecord, UsageTotals
+
+_USAGE_ROW_COLUMNS = (
+    "seq, request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
+    " cost_micros, status, created_at, debited_micros, worker"
+)
+_GROUP_SQL = {
+    "key": "key_id",
+    "model": "model",
+    "worker": "worker",
+    "day": "(floor(created_at / 86400) * 86400)::bigint",
+    "hour": "(floor(created_at / 3600) * 3600)::bigint",
+}
+assert set(_GROUP_SQL) == set(USAGE_GROUPS)
+_SUMS = (
+    "COUNT(*), COALESCE(SUM(input_tokens), 0)::bigint, COALESCE(SUM(cached_tokens), 0)::bigint,"
+    " COALESCE(SUM(output_tokens), 0)::bigint, COALESCE(SUM(reasoning_tokens), 0)::bigint,"
+    " COALESCE(SUM(cost_micros), 0)::bigint, COALESCE(SUM(debited_micros), 0)::bigint"
+)
+
+
+def _where(since: float | None, until: float | None, key_id: str | None, model: str | None,
+           before_seq: int | None = None, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    for clause, value in (("key_id = ", key_id), ("created_at >= ", None if since is None else float(since)),
+                          ("created_at < ", None if until is None else float(until)), ("model = ", model),
+                          ("seq < ", None if before_seq is None else int(before_seq))):
+        if value is not None:
+            params.append(value)
+            clauses.append(f"{clause}${len(params)}")
+    if statuses:
+        params.append(list(statuses))
+        clauses.append(f"status = ANY(${len(params)}::text[])")
+    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+def _limit(limit: int) -> int:
+    return max(0, min(int(limit), 100_000))
+
+
+class PgConsoleOps:
+    """The console's ledger operations over the pool; mixed into PostgresLedger."""
+
+    async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
+        text = json.dumps(details, sort_keys=True, default=str)
+
+        async def op(conn: Any) -> AuditEntry:
+            now = time.time()
+            seq = await conn.fetchval(
+                "INSERT INTO audit (created_at, actor, action, key_id, details) VALUES ($1, $2, $3, $4, $5)"
+                " RETURNING seq", now, str(actor), str(action), key_id, text)
+            return AuditEntry(seq, now, str(actor), str(action), key_id, json.loads(text))
+
+        return await self._db(op, transaction=False)
+
+    async def list_audit(self, *, key_id: str | None = None, since: float | None = None,
+                         until: float | None = None, before_seq: int | None = None,
+                         limit: int = 100) -> list[AuditEntry]:
+        where, params = _where(since, until, key_id, None, before_seq)
+
+        async def op(conn: Any) -> list[AuditEntry]:
+            rows = await conn.fetch(f"SELECT seq, created_at, actor, action, key_id, details FROM audit{where}"
+                                    f" ORDER BY seq DESC LIMIT ${len(params) + 1}", *params, _limit(limit))
+            return [AuditEntry(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+
+        return await self._db(op, transaction=False)
+
+    async def usage_rows(self, *, since: float | None = None, until: float | None = None,
+                         key_id: str | None = None, model: str | None = None,
+                         before_seq: int | None = None, limit: int = 100,
+                         statuses: tuple[str, ...] | None = None) -> list[tuple[int, UsageRecord]]:
+        where, params = _where(since, until, key_id, model, before_seq, statuses)
+
+        async def op(conn: Any) -> list[tuple[int, UsageRecord]]:
+            rows = await conn.fetch(f"SELECT {_USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC"
+                                    f" LIMIT ${len(params) + 1}", *params, _limit(limit))
+            return [(r[0], UsageRecord(*tuple(r)[1:])) for r in rows]
+
+        return await self._db(op, transaction=False)
+
+    async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,
+                           until: float | None = None, key_id: str | None = None,
+                           model: str | None = None, statuses: tuple[str, ...] | None = None) -> list[UsageTotals]:
+        unknown = [g for g in group_by if g not in _GROUP_SQL]
+        if unknown or len(set(group_by)) != len(group_by):
+            raise ValueError(f"group_by must be distinct names of {', '.join(USAGE_GROUPS)}, not {list(group_by)}")
+        where, params = _where(since, until, key_id, model, statuses=statuses)
+        exprs = [_GROUP_SQL[g] for g in group_by]
+        grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(exprs)))}" if exprs else ""
+        sql = f"SELECT {', '.join([*exprs, _SUMS])} FROM usage{where}{grouping}"
+
+        async def op(conn: Any) -> list[UsageTotals]:
+            sums = {tuple(r)[:len(group_by)]: list(tuple(r)[len(group_by):]) for r in await conn.fetch(sql, *params)}
+            if not group_by and not sums:
+                sums[()] = [0] * 7
+            order = sorted(sums, key=lambda g: tuple((v is not None, v if v is not None else 0) for v in g))
+            return [UsageTotals(dict(zip(group_by, group)), *sums[group]) for group in order]
+
+        return await self._db(op, transaction=False)
+
+    async def spend_since(self, key_id: str, since: float) -> int:
+        return await self._db(lambda conn: conn.fetchval(
+            "SELECT COALESCE(SUM(debited_micros), 0)::bigint FROM usage WHERE key_id = $1 AND created_at >= $2",
+            key_id, float(since)), transaction=False)

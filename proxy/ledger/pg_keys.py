@@ -1,0 +1,179 @@
+"""The PostgreSQL ledger's key management: create, list, top up, limits, revoke, rotate.
+
+A mixin of PostgresLedger (proxy/ledger/postgres.py), which supplies `_db` (a pooled
+connection in a transaction) and `key_generation`. The values are checked by the same
+functions as the SQLite ledger's (proxy/ledger/schema.py, sqlite_keys.py). A change a cached
+lookup could miss (limits, revoke, rotate) NOTIFYs every replica in its own transaction
+(proxy/ledger/pg_listen.py) and bumps this object's key_generation after the commit (also
+on error: a cache flush is always safe). A top-up does not: no cached field depends on it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from proxy.ledger.base import UNSET, KeyRecord, LedgerError, UnknownKey
+from proxy.ledger.pg_listen import CHANNEL
+from proxy.ledger.schema import KEY_COLUMNS, _int, _key_record, _models_json, _opt_limit, hash_secret, new_secret
+from proxy.ledger.sqlite_keys import _opt_budget, _opt_time
+from proxy.ledger.usage import MAX_AMOUNT
+
+_NOTIFY = f"SELECT pg_notify('{CHANNEL}', $1)"
+
+
+async def _get_key(conn: Any, key_id: str) -> KeyRecord | None:
+    row = await conn.fetchrow(f"SELECT {KEY_COLUMNS} FROM keys WHERE key_id = $1", key_id)
+    return _key_record(tuple(row)) if row else None
+
+
+class PgKeyOps:
+    """Key management over the pool; mixed into PostgresLedger."""
+
+    key_generation: int
+
+    async def create_key(
+        self,
+        name: str,
+        balance_micros: int = 0,
+        allowed_models: list[str] | tuple[str, ...] | None = None,
+        concurrency: int | None = None,
+        rate_per_min: int | None = None,
+        *,
+        tokens_per_min: int | None = None,
+        daily_budget_micros: int | None = None,
+        monthly_budget_micros: int | None = None,
+        expires_at: float | None = None,
+    ) -> tuple[str, KeyRecord]:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError("a key needs a name")
+        balance = _int(balance_micros, "balance_micros")
+        values = (
+            _models_json(allowed_models), _opt_limit(concurrency, "concurrency"),
+            _opt_limit(rate_per_min, "rate_per_min"), _opt_time(expires_at, "expires_at"),
+            _opt_limit(tokens_per_min, "tokens_per_min"), _opt_budget(daily_budget_micros, "daily_budget_micros"),
+            _opt_budget(monthly_budget_micros, "monthly_budget_micros"),
+        )
+        secret = new_secret()
+        digest = hash_secret(secret)
+        key_id = "key_" + secrets.token_hex(8)
+
+        async def op(conn: Any) -> KeyRecord:
+            now = time.time()
+            await conn.execute(
+                "INSERT INTO keys (key_id, name, prefix, secret_sha256, balance_micros, allowed_models,"
+                " concurrency, rate_per_min, expires_at, tokens_per_min, daily_budget_micros,"
+                " monthly_budget_micros, revoked, created_at)"
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, FALSE, $13)",
+                key_id, name.strip(), secret[:12], digest, balance, *values, now)
+            if balance:
+                await conn.execute("INSERT INTO topups (key_id, micros, created_at) VALUES ($1, $2, $3)",
+                                   key_id, balance, now)
+            return await _get_key(conn, key_id)
+
+        return secret, await self._db(op)
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        return await self._db(lambda conn: _get_key(conn, key_id), transaction=False)
+
+    async def list_keys(self) -> list[KeyRecord]:
+        async def op(conn: Any) -> list[KeyRecord]:
+            rows = await conn.fetch(f"SELECT {KEY_COLUMNS} FROM keys ORDER BY created_at, key_id")
+            return [_key_record(tuple(r)) for r in rows]
+
+        return await self._db(op, transaction=False)
+
+    async def top_up(self, key_id: str, micros: int) -> int:
+        amount = _int(micros, "micros", minimum=None)
+
+        async def op(conn: Any) -> int:
+            balance = await conn.fetchval("SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE", key_id)
+            if balance is None:
+                raise UnknownKey(key_id)
+            if balance + amount < 0:
+                raise ValueError(f"the balance would go below zero ({balance} + {amount})")
+            if balance + amount > MAX_AMOUNT:
+                raise ValueError(f"the balance would exceed {MAX_AMOUNT} micros ({balance} + {amount})")
+            await conn.execute("UPDATE keys SET balance_micros = balance_micros + $1 WHERE key_id = $2",
+                               amount, key_id)
+            await conn.execute("INSERT INTO topups (key_id, micros, created_at) VALUES ($1, $2, $3)",
+                               key_id, amount, time.time())
+            return balance + amount
+
+        return await self._db(op)
+
+    async def set_limits(
+        self,
+        key_id: str,
+        *,
+        allowed_models: Any = UNSET,
+        concurrency: Any = UNSET,
+        rate_per_min: Any = UNSET,
+        tokens_per_min: Any = UNSET,
+        daily_budget_micros: Any = UNSET,
+        monthly_budget_micros: Any = UNSET,
+        expires_at: Any = UNSET,
+    ) -> KeyRecord:
+        checks = {
+            "allowed_models": (allowed_models, _models_json),
+            "concurrency": (concurrency, _opt_limit),
+            "rate_per_min": (rate_per_min, _opt_limit),
+            "tokens_per_min": (tokens_per_min, _opt_limit),
+            "daily_budget_micros": (daily_budget_micros, _opt_budget),
+            "monthly_budget_micros": (monthly_budget_micros, _opt_budget),
+            "expires_at": (expires_at, _opt_time),
+        }
+        changes: dict[str, Any] = {}
+        for column, (value, check) in checks.items():
+            if value is not UNSET:
+                changes[column] = check(value) if check is _models_json else check(value, column)
+
+        async def op(conn: Any) -> KeyRecord:
+            if changes:
+                assignments = ", ".join(f"{column} = ${i + 2}" for i, column in enumerate(changes))  # fixed names
+                status = await conn.execute(f"UPDATE keys SET {assignments} WHERE key_id = $1",
+                                            key_id, *changes.values())
+                if status.endswith(" 0"):
+                    raise UnknownKey(key_id)
+                await conn.execute(_NOTIFY, key_id)
+            record = await _get_key(conn, key_id)
+            if record is None:
+                raise UnknownKey(key_id)
+            return record
+
+        try:
+            return await self._db(op)
+        finally:
+            self.key_generation += 1
+
+    async def revoke(self, key_id: str) -> None:
+        async def op(conn: Any) -> None:
+            if (await conn.execute("UPDATE keys SET revoked = TRUE WHERE key_id = $1", key_id)).endswith(" 0"):
+                raise UnknownKey(key_id)
+            await conn.execute(_NOTIFY, key_id)
+
+        try:
+            await self._db(op)
+        finally:
+            self.key_generation += 1  # after the commit: caches filled before it are stale
+
+    async def rotate_key(self, key_id: str) -> tuple[str, KeyRecord]:
+        secret = new_secret()
+        digest = hash_secret(secret)
+
+        async def op(conn: Any) -> KeyRecord:
+            revoked = await conn.fetchval("SELECT revoked FROM keys WHERE key_id = $1 FOR UPDATE", key_id)
+            if revoked is None:
+                raise UnknownKey(key_id)
+            if revoked:
+                raise LedgerError(f"key {key_id!r} is revoked: create a new key instead")
+            await conn.execute("UPDATE keys SET secret_sha256 = $1, prefix = $2 WHERE key_id = $3",
+                               digest, secret[:12], key_id)
+            await conn.execute(_NOTIFY, key_id)
+            return await _get_key(conn, key_id)
+
+        try:
+            return secret, await self._db(op)
+        finally:
+            self.key_generation += 1

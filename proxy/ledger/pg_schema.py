@@ -1,0 +1,129 @@
+"""The PostgreSQL ledger's schema, as numbered migrations the proxy applies itself.
+
+`migrate(conn)` applies every migration not yet in `schema_migrations`, each in its own
+transaction that first takes a transaction-level advisory lock (`pg_advisory_xact_lock`,
+one fixed key), so replicas starting at once queue on it: the first applies migration N
+and records it, the others then find N recorded and skip it. Migration N is applied once,
+atomically (PostgreSQL's DDL is transactional: a failed migration leaves nothing behind).
+The statements are deliberately plain CREATEs (no IF NOT EXISTS): applying one twice
+would fail loudly, which is what tests/test_ledger_pg.py's "4 replicas start at once" checks.
+
+Tables match the SQLite ledger's (proxy/ledger/schema.py) column for column, so records
+and checks are shared; money is BIGINT micro-units, times are DOUBLE PRECISION Unix
+seconds written by the proxy (not the database's clock: see proxy/ledger/postgres.py).
+There is no usage_hourly rollup: totals are summed from usage rows over the
+(created_at) and (key_id, created_at) indexes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# An arbitrary, fixed 64-bit key: "every ledger migration" across every replica.
+MIGRATION_LOCK = 0x7270_6C65_6467_6572  # "rpledger"
+
+MIGRATIONS: tuple[tuple[int, str, str], ...] = (
+    (1, "keys, holds, usage, topups, audit", """
+CREATE TABLE keys (
+    key_id          TEXT PRIMARY KEY,
+    name            TEXT NOT NULL,
+    prefix          TEXT NOT NULL,
+    secret_sha256   BYTEA NOT NULL UNIQUE,
+    balance_micros  BIGINT NOT NULL DEFAULT 0 CHECK (balance_micros >= 0),
+    allowed_models  TEXT,
+    concurrency     INTEGER,
+    rate_per_min    INTEGER,
+    revoked         BOOLEAN NOT NULL DEFAULT FALSE,
+    created_at      DOUBLE PRECISION NOT NULL,
+    expires_at      DOUBLE PRECISION,
+    tokens_per_min  INTEGER,
+    daily_budget_micros   BIGINT,
+    monthly_budget_micros BIGINT
+);
+CREATE TABLE holds (
+    request_id      TEXT PRIMARY KEY,
+    key_id          TEXT NOT NULL REFERENCES keys(key_id),
+    amount_micros   BIGINT NOT NULL CHECK (amount_micros >= 0),
+    expires_at      DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX holds_by_key ON holds(key_id, expires_at);
+CREATE INDEX holds_by_expiry ON holds(expires_at);
+CREATE TABLE usage (
+    seq              BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    request_id       TEXT NOT NULL UNIQUE,
+    key_id           TEXT NOT NULL REFERENCES keys(key_id),
+    model            TEXT NOT NULL,
+    input_tokens     BIGINT NOT NULL,
+    cached_tokens    BIGINT NOT NULL,
+    output_tokens    BIGINT NOT NULL,
+    reasoning_tokens BIGINT NOT NULL,
+    cost_micros      BIGINT NOT NULL CHECK (cost_micros >= 0),
+    debited_micros   BIGINT NOT NULL CHECK (debited_micros >= 0 AND debited_micros <= cost_micros),
+    status           TEXT NOT NULL,
+    created_at       DOUBLE PRECISION NOT NULL,
+    worker           TEXT
+);
+CREATE INDEX usage_by_key ON usage(key_id, seq);
+CREATE INDEX usage_by_time ON usage(created_at);
+CREATE INDEX usage_by_key_time ON usage(key_id, created_at) INCLUDE (debited_micros);
+CREATE TABLE topups (
+    seq             BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    key_id          TEXT NOT NULL REFERENCES keys(key_id),
+    micros          BIGINT NOT NULL,
+    created_at      DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX topups_by_key ON topups(key_id);
+CREATE TABLE audit (
+    seq             BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    created_at      DOUBLE PRECISION NOT NULL,
+    actor           TEXT NOT NULL,
+    action          TEXT NOT NULL,
+    key_id          TEXT,
+    details         TEXT NOT NULL
+);
+CREATE INDEX audit_by_key ON audit(key_id, seq);
+CREATE INDEX audit_by_time ON audit(created_at);
+"""),
+    (2, "usage and audit are append-only", """
+CREATE FUNCTION ledger_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION '% is append-only', TG_TABLE_NAME;
+END $$;
+CREATE TRIGGER usage_no_change BEFORE UPDATE OR DELETE OR TRUNCATE ON usage
+    FOR EACH STATEMENT EXECUTE FUNCTION ledger_append_only();
+CREATE TRIGGER audit_no_change BEFORE UPDATE OR DELETE OR TRUNCATE ON audit
+    FOR EACH STATEMENT EXECUTE FUNCTION ledger_append_only();
+"""),
+)
+
+_BOOKKEEPING = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version     INTEGER PRIMARY KEY,
+    name        TEXT NOT NULL,
+    applied_at  DOUBLE PRECISION NOT NULL
+)
+"""
+
+
+async def migrate(conn: Any, migrations: tuple[tuple[int, str, str], ...] = MIGRATIONS) -> list[int]:
+    """Apply the migrations `conn`'s database lacks, in order; returns the versions this call
+    applied (none when another replica got there first)."""
+    applied: list[int] = []
+    for version, name, sql in migrations:
+        async with conn.transaction():
+            # Held to the end of this transaction; also serialises the bookkeeping table's
+            # creation (concurrent CREATE TABLE IF NOT EXISTS can still collide).
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
+            await conn.execute(_BOOKKEEPING)
+            if await conn.fetchval("SELECT 1 FROM schema_migrations WHERE version = $1", version):
+                continue
+            await conn.execute(sql)
+            await conn.execute("INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",
+                               version, name, time.time())
+            applied.append(version)
+    return applied
+
+
+def latest_version(migrations: tuple[tuple[int, str, str], ...] = MIGRATIONS) -> int:
+    return max(version for version, _, _ in migrations)

@@ -1,0 +1,118 @@
+"""The PostgreSQL ledger's usage rows: the row of a UsageRecord, and lease_commit's batch
+(insert exactly once, debit clamped at the balance, take the debits off the lease rows).
+The same contract as proxy/ledger/schema.py's _record_usage (tests/test_ledger_lease_commit.py
+checks both against one model), in PostgreSQL: the key rows locked first, in key_id order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from proxy.ledger.base import UnknownKey, UsageRecord
+
+USAGE_COLUMNS = ("request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
+                 " cost_micros, debited_micros, status, created_at, worker")
+_COST, _DEBITED = 7, 8  # positions in a usage_row
+_TYPES = ("text", "text", "text", "bigint", "bigint", "bigint", "bigint", "bigint", "bigint", "text",
+          "float8", "text")
+_INSERT_ONE = (f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+               " ON CONFLICT (request_id) DO NOTHING")
+# The whole batch in one statement: one array per column; RETURNING says which rows were new.
+_INSERT_MANY = (f"INSERT INTO usage ({USAGE_COLUMNS}) SELECT * FROM unnest("
+                + ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(_TYPES))
+                + ") ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
+_DEBIT_KEY = "UPDATE keys SET balance_micros = balance_micros - $1 WHERE key_id = $2"
+
+
+def usage_row(usage: UsageRecord, request_id: str | None = None) -> tuple:
+    """The row of `usage` in USAGE_COLUMNS order, debited = cost (the caller clamps)."""
+    cost = usage.cost_micros
+    return (request_id or usage.request_id, usage.key_id, str(usage.model), usage.input_tokens, usage.cached_tokens,
+            usage.output_tokens, usage.reasoning_tokens, cost, cost, usage.status, float(usage.created_at),
+            None if usage.worker is None else str(usage.worker))
+
+
+async def _lock_balances(conn: Any, rows: list) -> dict[str, int]:
+    key_ids = sorted({row[1] for row in rows if type(row) is tuple})
+    if not key_ids:
+        return {}
+    locked = await conn.fetch("SELECT key_id, balance_micros FROM keys WHERE key_id = ANY($1::text[])"
+                              " ORDER BY key_id FOR UPDATE", key_ids)
+    return {r[0]: r[1] for r in locked}
+
+
+async def insert_usage_batch(conn: Any, rows: list[tuple | ValueError], lease_ids: list[str]
+                             ) -> tuple[list[int | BaseException | None], dict[str, int]]:
+    """Insert the rows (or their validation errors) in order, each exactly once, debiting
+    its cost clamped at what is left of its key's balance. Returns (per row: the debit,
+    None if recorded already, or the error; per lease id, the debits of its new rows)."""
+    results: list[int | BaseException | None] = [None] * len(rows)
+    balances = await _lock_balances(conn, rows)
+    wanted: dict[str, int] = defaultdict(int)
+    todo: list[int] = []
+    for i, row in enumerate(rows):
+        if type(row) is not tuple:
+            results[i] = row
+        elif row[1] not in balances:
+            results[i] = UnknownKey(row[1])
+        else:
+            wanted[row[1]] += row[_COST]
+            todo.append(i)
+    debits: dict[str, int] = defaultdict(int)
+    taken: dict[str, int] = defaultdict(int)
+    if todo and all(cost <= balances[key_id] for key_id, cost in wanted.items()):
+        # Nothing clamps, whichever rows turn out to be new: one statement for the batch.
+        columns = [list(col) for col in zip(*(rows[i] for i in todo))]
+        fresh = {r[0] for r in await conn.fetch(_INSERT_MANY, *columns)}
+        for i in todo:
+            row = rows[i]
+            if row[0] in fresh:
+                fresh.discard(row[0])  # twice in this batch: only the first was inserted
+                results[i] = row[_COST]
+                debits[row[1]] += row[_COST]
+                taken[lease_ids[i]] += row[_COST]
+    else:  # a balance runs out: each debit depends on those before it
+        for i in todo:
+            row = rows[i]
+            debit = min(row[_COST], balances[row[1]])
+            status = await conn.execute(_INSERT_ONE, *row[:_DEBITED], debit, *row[_DEBITED + 1:])
+            if status.endswith(" 0"):
+                continue
+            balances[row[1]] -= debit
+            results[i] = debit
+            debits[row[1]] += debit
+            taken[lease_ids[i]] += debit
+    for key_id in sorted(debits):
+        if debits[key_id]:
+            await conn.execute(_DEBIT_KEY, debits[key_id], key_id)
+    return results, taken
+
+
+async def lease_changes(conn: Any, taken: dict[str, int], leases: list[tuple[str, int, float | None, bool]],
+                        now: float) -> set[str]:
+    """Take the debits off their lease rows and apply each (lease id, give back, ttl, drop);
+    the lease ids whose row had expired or vanished."""
+    changes: dict[str, list] = {lease_id: [total, None, False] for lease_id, total in taken.items()}
+    for lease_id, give_back, ttl, drop in leases:
+        change = changes.setdefault(lease_id, [0, None, False])
+        change[0] += max(0, int(give_back))
+        if ttl is not None:
+            change[1] = now + float(ttl)
+        change[2] = change[2] or bool(drop)
+    lapsed: set[str] = set()
+    for lease_id in sorted(changes):  # a fixed order: two commits never wait on each other's rows
+        total, expires_at, drop = changes[lease_id]
+        if drop:
+            await conn.execute("DELETE FROM holds WHERE request_id = $1", lease_id)
+            continue
+        if expires_at is None:
+            status = await conn.execute("UPDATE holds SET amount_micros = GREATEST(0, amount_micros - $1)"
+                                        " WHERE request_id = $2 AND expires_at > $3", total, lease_id, now)
+        else:
+            status = await conn.execute("UPDATE holds SET amount_micros = GREATEST(0, amount_micros - $1),"
+                                        " expires_at = $2 WHERE request_id = $3 AND expires_at > $4",
+                                        total, expires_at, lease_id, now)
+        if status.endswith(" 0"):
+            lapsed.add(lease_id)
+    return lapsed

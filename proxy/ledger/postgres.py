@@ -1,0 +1,526 @@
+"""The PostgreSQL ledger backend (asyncpg): the same interface and rules as the SQLite
+ledger (proxy/ledger/sqlite.py), shared by every replica of the proxy.
+
+Locking: row locks, not SERIALIZABLE. Every operation that moves money or reserves it
+(hold, hold_up_to, settle, lease_grow, lease_commit) begins its READ COMMITTED transaction
+with `SELECT ... FROM keys WHERE key_id = ... FOR UPDATE` on the key row(s) (several keys
+in key_id order, so two batches cannot deadlock), and reads the holds and usage of that key
+only in the NEXT statement. So all money moves of one key are serialised across every
+replica, with no retry loop and no false conflicts between keys; SERIALIZABLE would abort
+and retry whole transactions under exactly the contention a busy key creates. The two
+statements matter: in READ COMMITTED the statement after the lock takes a fresh snapshot,
+which sees every hold committed before the lock was granted (a subquery in the locking
+statement itself would use the older snapshot and could miss one). A transaction that still
+fails on a deadlock or serialisation error (expire_holds meeting a commit) is retried.
+Releases and expiry only delete holds (they can only raise what is available) and take no
+key lock; expire_holds skips rows another transaction has locked.
+
+Exactly once: UNIQUE(usage.request_id) and PRIMARY KEY(holds.request_id); inserts use
+ON CONFLICT DO NOTHING, so a duplicate is an answer (False / DuplicateRequest), not an
+aborted transaction. Debits are clamped at the balance and at the request's own hold.
+
+Time: the proxy's clock (time.time()), passed as a parameter, as the SQLite ledger does,
+never the database's now(); expire_holds(now) and the tests' times mean the same thing on
+both backends. Replicas need synchronised clocks (NTP); a skew of s seconds makes holds
+expire up to s early or late on the skewed replica, nothing else.
+
+Unavailable database: a connection error, a connect or statement timeout, a shutting-down
+server become `LedgerUnavailable` (HTTP 503 with Retry-After). settle, release and
+lease_commit do not raise it: they append their record to the spool (proxy/ledger/spool.py,
+fsync'd) and report success; a background task replays the spool when the database answers
+(idempotent by request id), and start() replays a non-empty spool before serving. A spooled
+lease row counts as debited in lease_commit's answer, so proxy/ledger/lease.py does not put
+its cost back into the lease's free part; its replay is lease_commit of that one row (the
+debit, and the same amount off the lease row, if the row is still there), so the lease row
+reserves at least what memory believes until then (never an overdraft), and after the replay
+exactly that. A lease row whose renewal could not be committed just expires.
+
+Key changes NOTIFY every replica (proxy/ledger/pg_listen.py); the schema is migrated by
+the proxy under an advisory lock (proxy/ledger/pg_schema.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
+
+import asyncpg
+
+from proxy.ledger.base import (DuplicateRequest, Hold, InsufficientBalance, Ledger, LedgerError, LedgerUnavailable,
+                               UnknownKey, UsageRecord)
+from proxy.ledger.pg_console import PgConsoleOps
+from proxy.ledger.pg_keys import KEY_COLUMNS, PgKeyOps
+from proxy.ledger.pg_listen import KeyListener
+from proxy.ledger.pg_schema import migrate
+from proxy.ledger.pg_usage import USAGE_COLUMNS, insert_usage_batch, lease_changes, usage_row
+from proxy.ledger.schema import _check_usage, _check_usage_values, _int, _key_record, hash_secret
+from proxy.ledger.spool import Spool, release_record, settle_record, usage_of
+from proxy.ledger.sqlite import _DUMMY_HASH
+
+log = logging.getLogger("proxy.ledger")
+
+# What "the database cannot be reached now" looks like (TimeoutError is an OSError).
+_UNAVAILABLE = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
+                asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.InsufficientResourcesError)
+_RETRY = (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError)
+# UsageRecord's field order
+_READ_USAGE = ("request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
+               " cost_micros, status, created_at, debited_micros, worker")
+_LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
+
+
+def redact(dsn: str) -> str:
+    """host:port/database of a DSN, never its password."""
+    try:
+        parts = urlsplit(dsn)
+        return f"{parts.hostname or ''}:{parts.port or 5432}{parts.path or ''}"
+    except ValueError:
+        return "?"
+
+
+class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
+    supports_leases = True
+
+    def __init__(self, dsn: str, *, pool_min: int = 1, pool_max: int = 10, statement_timeout_ms: int = 5000,
+                 connect_timeout_s: float = 5.0, spool_path: str | Path = "data/ledger-spool.jsonl",
+                 unavailable_retry_after_s: float = 5.0, replay_interval_s: float = 1.0,
+                 listen_ping_s: float = 2.0) -> None:
+        if not dsn:
+            raise LedgerError("ledger.dsn is required for the postgres backend")
+        self.dsn = dsn
+        self.pool_min = max(0, int(pool_min))
+        self.pool_max = max(1, self.pool_min, int(pool_max))
+        self.statement_timeout_ms = int(statement_timeout_ms)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.retry_after_s = float(unavailable_retry_after_s)
+        self.replay_interval_s = float(replay_interval_s)
+        self.spool = Spool(spool_path)
+        self.key_generation = 0
+        self.stats = {"unavailable": 0, "spooled": 0, "replayed": 0, "retries": 0}
+        self._settings = {"statement_timeout": str(self.statement_timeout_ms), "application_name": "responses-proxy"}
+        self._listener = KeyListener(dsn, self._key_changed, connect_timeout_s=self.connect_timeout_s,
+                                     ping_s=listen_ping_s, server_settings=self._settings)
+        self._pool: asyncpg.Pool | None = None
+        self._replayer: asyncio.Task | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"PostgresLedger({redact(self.dsn)!r})"
+
+    def _key_changed(self) -> None:
+        self.key_generation += 1
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._pool is not None:
+            return
+        if self._closed:
+            raise LedgerError("ledger is closed")
+        try:
+            self._pool = await asyncpg.create_pool(
+                self.dsn, min_size=self.pool_min, max_size=self.pool_max, timeout=self.connect_timeout_s,
+                server_settings=self._settings)
+            async with self._pool.acquire(timeout=self.connect_timeout_s) as conn:
+                await migrate(conn)
+        except _UNAVAILABLE as exc:
+            await self._close_pool()
+            raise LedgerUnavailable(f"cannot reach the ledger database {redact(self.dsn)}: {exc}",
+                                    self.retry_after_s) from None
+        except BaseException:
+            await self._close_pool()
+            raise
+        await self._listener.start()
+        if self.spool.pending():  # settlements of a previous run first, before serving
+            await self.replay_spool()
+        await self.expire_holds()
+        self._replayer = asyncio.create_task(self._replay_forever(), name="ledger-spool-replay")
+
+    async def _close_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                await asyncio.wait_for(pool.close(), 10)
+            except (asyncio.TimeoutError, Exception):
+                pool.terminate()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._replayer is not None:
+            self._replayer.cancel()
+            try:
+                await self._replayer
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self._listener.close()
+        if self._pool is not None and self.spool.pending():
+            try:
+                await self.replay_spool()  # a last chance; what stays is replayed by the next start()
+            except LedgerError:
+                pass
+        await self._close_pool()
+
+    # ------------------------------------------------------------------ the connection
+
+    async def _db(self, fn: Callable[[asyncpg.Connection], Awaitable[Any]], *, transaction: bool = True) -> Any:
+        """fn(conn) on a pooled connection, in a transaction; LedgerUnavailable when the
+        database cannot be reached; retried on a deadlock or serialisation failure."""
+        pool = self._pool
+        if pool is None or self._closed:
+            raise LedgerError("ledger is closed" if self._closed else "ledger is not started")
+        for attempt in range(4):
+            try:
+                async with pool.acquire(timeout=self.connect_timeout_s) as conn:
+                    if not transaction:
+                        return await fn(conn)
+                    async with conn.transaction():
+                        return await fn(conn)
+            except _RETRY:
+                if attempt == 3:
+                    raise
+                self.stats["retries"] += 1
+                await asyncio.sleep(0.005 * (attempt + 1))
+            except _UNAVAILABLE as exc:
+                if self._closed:
+                    raise LedgerError("ledger is closed") from None
+                self.stats["unavailable"] += 1
+                raise LedgerUnavailable(f"the ledger database is unreachable ({type(exc).__name__})",
+                                        self.retry_after_s) from None
+
+    def _spool(self, record: dict[str, Any]) -> None:
+        self.spool.append(record)
+        self.stats["spooled"] += 1
+        log.warning("ledger database unreachable: %s of %s spooled to %s", record["kind"],
+                    record["request_id"], self.spool.path)
+
+    # ------------------------------------------------------------------ the request path
+
+    async def lookup_key(self, secret: str) -> Any:
+        if not isinstance(secret, str) or not secret:
+            return None
+        try:
+            digest = hash_secret(secret)
+        except UnicodeEncodeError:
+            return None
+
+        async def op(conn: asyncpg.Connection) -> Any:
+            return await conn.fetchrow(f"SELECT secret_sha256, {KEY_COLUMNS} FROM keys WHERE secret_sha256 = $1",
+                                       digest)
+
+        row = await self._db(op, transaction=False)
+        stored = bytes(row[0]) if row else _DUMMY_HASH
+        if not hmac.compare_digest(stored, digest) or row is None:
+            return None
+        record = _key_record(tuple(row)[1:])
+        return None if record.revoked or record.expired() else record
+
+    async def available(self, key_id: str) -> int:
+        async def op(conn: asyncpg.Connection) -> int:
+            row = await conn.fetchrow(
+                "SELECT balance_micros, (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds"
+                " WHERE holds.key_id = keys.key_id AND expires_at > $2) FROM keys WHERE key_id = $1",
+                key_id, time.time())
+            if row is None:
+                raise UnknownKey(key_id)
+            return row[0] - row[1]
+
+        return await self._db(op, transaction=False)
+
+    async def hold(self, request_id: str, key_id: str, amount_micros: int, ttl_s: float) -> Hold:
+        amount = _int(amount_micros, "amount_micros")
+        return await self._hold(request_id, key_id, amount, amount, ttl_s, None)
+
+    async def hold_up_to(self, request_id: str, key_id: str, min_micros: int, max_micros: int, ttl_s: float,
+                         *, lease_return: tuple[str, int] | None = None) -> Hold:
+        """`lease_return` as SQLiteLedger.hold_up_to: that much of a lease goes back first, in
+        the same transaction, kept even when the hold is refused."""
+        low = _int(min_micros, "min_micros")
+        high = _int(max_micros, "max_micros")
+        if low > high:
+            raise ValueError("min_micros must not exceed max_micros")
+        if lease_return is not None and lease_return[1] <= 0:
+            lease_return = None
+        return await self._hold(request_id, key_id, low, high, ttl_s, lease_return)
+
+    async def _hold(self, request_id: str, key_id: str, low: int, high: int, ttl_s: float,
+                    lease_return: tuple[str, int] | None) -> Hold:
+        if not request_id:
+            raise ValueError("request_id is required")
+        ttl = float(ttl_s)
+        if not ttl > 0:
+            raise ValueError("ttl_s must be positive")
+
+        async def op(conn: asyncpg.Connection) -> Hold | LedgerError:
+            balance = await conn.fetchval(_LOCK_KEY, key_id)  # first: every money move of the key waits here
+            if lease_return is not None:
+                await conn.execute("UPDATE holds SET amount_micros = GREATEST(0, amount_micros - $1)"
+                                   " WHERE request_id = $2", int(lease_return[1]), lease_return[0])
+            if balance is None:
+                return UnknownKey(key_id)
+            now = time.time()
+            held, settled = await conn.fetchrow(
+                "SELECT (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds WHERE key_id = $1"
+                " AND expires_at > $2), EXISTS (SELECT 1 FROM usage WHERE request_id = $3)", key_id, now, request_id)
+            if settled:
+                return DuplicateRequest(request_id)
+            available = balance - held
+            if available < low:
+                return InsufficientBalance(max(available, 0), low)
+            amount = min(available, high)
+            status = await conn.execute(
+                "INSERT INTO holds (request_id, key_id, amount_micros, expires_at) VALUES ($1, $2, $3, $4)"
+                " ON CONFLICT (request_id) DO NOTHING", request_id, key_id, amount, now + ttl)
+            if status.endswith(" 0"):
+                return DuplicateRequest(request_id)
+            return Hold(request_id, key_id, amount, now + ttl)
+
+        # Refusals are returned, not raised, so the transaction (a lease give-back) commits.
+        result = await self._db(op)
+        if isinstance(result, LedgerError):
+            raise result
+        return result
+
+    async def _settle_db(self, request_id: str, usage: UsageRecord) -> int | None:
+        row = usage_row(usage, request_id)
+
+        async def op(conn: asyncpg.Connection) -> int | None:
+            balance = await conn.fetchval(_LOCK_KEY, usage.key_id)
+            settled, held = await conn.fetchrow(
+                "SELECT EXISTS (SELECT 1 FROM usage WHERE request_id = $1),"
+                " (SELECT amount_micros FROM holds WHERE request_id = $1)", request_id)
+            if settled:
+                return None
+            if balance is None:
+                raise UnknownKey(usage.key_id)
+            # Never more than the request's own hold, nor than the balance (as sqlite).
+            cost = usage.cost_micros
+            debit = min(cost, balance) if held is None else min(cost, balance, held)
+            status = await conn.execute(
+                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+                " ON CONFLICT (request_id) DO NOTHING", *row[:8], debit, *row[9:])
+            if status.endswith(" 0"):
+                return None
+            if debit:
+                await conn.execute("UPDATE keys SET balance_micros = balance_micros - $1 WHERE key_id = $2",
+                                   debit, usage.key_id)
+            await conn.execute("DELETE FROM holds WHERE request_id = $1", request_id)
+            return debit
+
+        return await self._db(op)
+
+    async def settle(self, request_id: str, usage: UsageRecord, *, linger: bool = True) -> bool:
+        if not request_id:
+            raise ValueError("request_id is required")
+        _check_usage_values(usage)
+        try:
+            debited = await self._settle_db(request_id, usage)
+        except LedgerUnavailable:
+            self._spool(settle_record(request_id, usage))
+            return True  # recorded (in the spool): replayed exactly once by request id
+        if debited is None:
+            return False
+        usage.debited_micros = debited
+        return True
+
+    async def release(self, request_id: str, *, linger: bool = True) -> bool:
+        async def op(conn: asyncpg.Connection) -> bool:
+            return (await conn.execute("DELETE FROM holds WHERE request_id = $1", request_id)) != "DELETE 0"
+
+        try:
+            return await self._db(op, transaction=False)
+        except LedgerUnavailable:
+            self._spool(release_record(request_id))
+            return True
+
+    async def expire_holds(self, now: float | None = None) -> int:
+        cutoff = time.time() if now is None else float(now)
+
+        async def op(conn: asyncpg.Connection) -> int:
+            status = await conn.execute(
+                "DELETE FROM holds WHERE request_id IN (SELECT request_id FROM holds WHERE expires_at <= $1"
+                " FOR UPDATE SKIP LOCKED)", cutoff)
+            return int(status.split()[-1])
+
+        return await self._db(op, transaction=False)
+
+    async def usage(self, request_id: str) -> UsageRecord | None:
+        row = await self._db(lambda conn: conn.fetchrow(
+            f"SELECT {_READ_USAGE} FROM usage WHERE request_id = $1", request_id), transaction=False)
+        return UsageRecord(*tuple(row)) if row else None
+
+    async def list_usage(self, key_id: str | None = None, limit: int = 50) -> list[UsageRecord]:
+        limit = max(0, int(limit))
+
+        async def op(conn: asyncpg.Connection) -> list:
+            if key_id is None:
+                return await conn.fetch(f"SELECT {_READ_USAGE} FROM usage ORDER BY seq DESC LIMIT $1", limit)
+            return await conn.fetch(f"SELECT {_READ_USAGE} FROM usage WHERE key_id = $1 ORDER BY seq DESC LIMIT $2",
+                                    key_id, limit)
+
+        return [UsageRecord(*tuple(r)) for r in await self._db(op, transaction=False)]
+
+    # ------------------------------------------------------------------ leases (proxy/ledger/lease.py)
+
+    async def lease_grow(self, lease_id: str, key_id: str, min_micros: int, max_micros: int, ttl_s: float,
+                         share: int = 2) -> tuple[int, bool]:
+        """As SQLiteLedger.lease_grow: add min(max, available // share) (available without
+        the lease itself) to the lease row, push its expiry; nothing below min_micros."""
+        low = _int(min_micros, "min_micros")
+        high = _int(max_micros, "max_micros")
+        share = max(1, int(share))
+        ttl = float(ttl_s)
+
+        async def op(conn: asyncpg.Connection) -> tuple[int, bool]:
+            balance = await conn.fetchval(_LOCK_KEY, key_id)
+            if balance is None:
+                raise UnknownKey(key_id)
+            now = time.time()
+            others, own = await conn.fetchrow(
+                "SELECT (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds WHERE key_id = $1"
+                " AND expires_at > $2 AND request_id <> $3),"
+                " (SELECT amount_micros FROM holds WHERE request_id = $3 AND expires_at > $2)", key_id, now, lease_id)
+            available = balance - others - (own or 0)
+            grant = min(high, max(0, available) // share)
+            if grant < low:
+                grant = 0
+            if own is None:  # absent, or expired (then it counts for nothing: start afresh)
+                if not grant:
+                    await conn.execute("DELETE FROM holds WHERE request_id = $1", lease_id)
+                    return 0, False
+                await conn.execute(
+                    "INSERT INTO holds (request_id, key_id, amount_micros, expires_at) VALUES ($1, $2, $3, $4)"
+                    " ON CONFLICT (request_id) DO UPDATE SET amount_micros = EXCLUDED.amount_micros,"
+                    " expires_at = EXCLUDED.expires_at", lease_id, key_id, grant, now + ttl)
+            else:
+                await conn.execute("UPDATE holds SET amount_micros = amount_micros + $1, expires_at = $2"
+                                   " WHERE request_id = $3", grant, now + ttl, lease_id)
+            return grant, own is not None
+
+        return await self._db(op)
+
+    async def lease_commit(
+        self,
+        usages: list[tuple[str, UsageRecord]],
+        leases: list[tuple[str, int, float | None, bool]],
+    ) -> tuple[list[int | BaseException | None], set[str]]:
+        """As SQLiteLedger.lease_commit, in one transaction. When the database cannot be
+        reached, each valid row is spooled (with its lease id) and answered as debited at
+        its cost: its replay debits it (clamped) and takes it off the lease row."""
+        try:
+            return await self._lease_commit_db(usages, leases)
+        except LedgerUnavailable:
+            results: list[int | BaseException | None] = []
+            for lease_id, usage in usages:
+                try:
+                    _check_usage(usage)
+                except ValueError as exc:
+                    results.append(exc)
+                    continue
+                self._spool(settle_record(usage.request_id, usage, lease_id=lease_id))
+                results.append(usage.cost_micros)
+            return results, set()
+
+    async def _lease_commit_db(
+        self,
+        usages: list[tuple[str, UsageRecord]],
+        leases: list[tuple[str, int, float | None, bool]],
+    ) -> tuple[list[int | BaseException | None], set[str]]:
+        rows: list[tuple | ValueError] = []
+        for _, usage in usages:
+            try:
+                _check_usage(usage)
+            except ValueError as exc:
+                rows.append(exc)
+                continue
+            rows.append(usage_row(usage))
+        lease_ids = [lease_id for lease_id, _ in usages]
+
+        async def op(conn: asyncpg.Connection) -> tuple[list, set[str]]:
+            results, taken = await insert_usage_batch(conn, rows, lease_ids)
+            lapsed = await lease_changes(conn, taken, leases, time.time())
+            return results, lapsed
+
+        results, lapsed = await self._db(op)
+        for (_, usage), result in zip(usages, results):
+            if isinstance(result, int):
+                usage.debited_micros = result
+        return results, lapsed
+
+    # ------------------------------------------------------------------ the spool
+
+    async def _replay_one(self, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        try:
+            if kind == "release":
+                await self._db(lambda conn: conn.execute("DELETE FROM holds WHERE request_id = $1",
+                                                         record["request_id"]), transaction=False)
+                return
+            usage = usage_of(record)
+            if kind == "lease_usage":
+                results, _ = await self._lease_commit_db([(record["lease_id"], usage)], [])
+                if isinstance(results[0], BaseException):
+                    raise results[0]
+            else:
+                await self._settle_db(record["request_id"], usage)
+        except (UnknownKey, ValueError, TypeError, KeyError) as exc:
+            log.error("ledger spool: %s of %s cannot be applied, dropped: %s", kind, record.get("request_id"), exc)
+
+    async def replay_spool(self) -> int:
+        """Replay the spool now; how many records were applied (LedgerUnavailable stops it:
+        the rest waits, nothing is lost)."""
+        done = await self.spool.replay(self._replay_one)
+        self.stats["replayed"] += done
+        if done:
+            log.info("ledger spool: %d settlement(s) replayed", done)
+        return done
+
+    async def _replay_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.replay_interval_s)
+            if not self.spool.pending():
+                continue
+            try:
+                await self.replay_spool()
+            except LedgerUnavailable:
+                continue
+            except Exception:
+                log.exception("ledger spool replay failed")
+
+    # ------------------------------------------------------------------ tests and tools
+
+    async def holds(self, key_id: str | None = None) -> list[Hold]:
+        """Open holds (expired ones included until expire_holds drops them)."""
+        sql = "SELECT request_id, key_id, amount_micros, expires_at FROM holds"
+
+        async def op(conn: asyncpg.Connection) -> list[Hold]:
+            found = await (conn.fetch(sql + " WHERE key_id = $1", key_id) if key_id else conn.fetch(sql))
+            return [Hold(*r) for r in found]
+
+        return await self._db(op, transaction=False)
+
+    async def audit(self) -> list[tuple[str, int, int]]:
+        """Per key: (key_id, balance, sum(topups) - sum(debited)); the two must be equal."""
+
+        async def op(conn: asyncpg.Connection) -> list[tuple[str, int, int]]:
+            found = await conn.fetch(
+                "SELECT k.key_id, k.balance_micros,"
+                " (SELECT COALESCE(SUM(micros), 0) FROM topups t WHERE t.key_id = k.key_id)::bigint"
+                " - (SELECT COALESCE(SUM(debited_micros), 0) FROM usage u WHERE u.key_id = k.key_id)::bigint"
+                " FROM keys k ORDER BY k.key_id")
+            return [tuple(r) for r in found]
+
+        return await self._db(op, transaction=False)
+
+    async def explain(self, sql: str, params: tuple = ()) -> list[str]:
+        """PostgreSQL's query plan of `sql` ($n placeholders)."""
+        async def op(conn: asyncpg.Connection) -> list[str]:
+            return [r[0] for r in await conn.fetch("EXPLAIN " + sql, *params)]
+
+        return await self._db(op, transaction=False)

@@ -1,0 +1,197 @@
+"""The settlement spool: settlements a backend could not reach its database with, kept in a
+local append-only file until they can be replayed. Usable by any backend.
+
+    spool = Spool("data/ledger-spool.jsonl")
+    spool.append(settle_record(request_id, usage))      # flush + fsync before it returns
+    done = await spool.replay(apply)                     # apply(record) per line, in order
+
+One JSON object per line: {"kind": "settle" | "lease_usage" | "release", "request_id": ...,
+"usage": {...UsageRecord fields...}, "lease_id": ...}. The format is the pure half of this
+module (`encode`, `decode`, `settle_record`, `usage_of`: bytes and dicts, no I/O); `Spool` is
+the file half.
+
+Replay never loses a line written meanwhile: it first renames the spool to
+`<path>.replay-<pid>-<n>` (atomic; the next append makes a fresh spool file), replays that
+file, and deletes it only once every line of it was applied. A replay cut short (the
+database went away again, the process died) leaves the renamed file in place; the next
+replay takes it again, first. `apply` must therefore be idempotent: backends replay by
+request id (UNIQUE: a row already recorded is skipped, never debited twice).
+
+A torn last line (a crash in the middle of a write: it was never acknowledged) is skipped
+with a warning; so is any line that is not a JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from proxy.ledger.base import UsageRecord
+
+log = logging.getLogger("proxy.ledger")
+
+KINDS = ("settle", "lease_usage", "release")
+_USAGE_FIELDS = tuple(f.name for f in fields(UsageRecord))
+_serial = itertools.count(1)
+
+
+# ----------------------------------------------------------------------------- the format (pure)
+
+
+def settle_record(request_id: str, usage: UsageRecord, *, lease_id: str | None = None) -> dict[str, Any]:
+    """A settle (or, with lease_id, a leased usage row) as a spool record."""
+    data = asdict(usage)
+    data["debited_micros"] = None  # the ledger decides it at replay
+    record: dict[str, Any] = {"kind": "lease_usage" if lease_id else "settle", "request_id": request_id,
+                              "usage": data}
+    if lease_id:
+        record["lease_id"] = lease_id
+    return record
+
+
+def release_record(request_id: str) -> dict[str, Any]:
+    return {"kind": "release", "request_id": request_id}
+
+
+def usage_of(record: dict[str, Any]) -> UsageRecord:
+    """The UsageRecord of a settle / lease_usage record (unknown fields ignored)."""
+    data = record["usage"]
+    return UsageRecord(**{name: data[name] for name in _USAGE_FIELDS if name in data})
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    if record.get("kind") not in KINDS or not record.get("request_id"):
+        raise ValueError(f"not a spool record: {record!r}")
+    return json.dumps(record, separators=(",", ":"), sort_keys=True).encode() + b"\n"
+
+
+def decode(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """(the records of a spool file's bytes, how many lines were skipped as unreadable)."""
+    records: list[dict[str, Any]] = []
+    bad = 0
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(record, dict) and record.get("kind") in KINDS and record.get("request_id"):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad
+
+
+# ----------------------------------------------------------------------------- the file
+
+
+class Spool:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._replaying = asyncio.Lock() if _has_loop() else None
+        self.stats = {"appended": 0, "replayed": 0, "skipped": 0}
+
+    def __repr__(self) -> str:
+        return f"Spool({str(self.path)!r})"
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Append one record; returns once it is on disk (write, flush, fsync)."""
+        line = encode(record)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.path.exists()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            written = os.write(fd, line)  # O_APPEND: one write, never interleaved with another's
+            if written != len(line):
+                raise OSError(f"short write to the ledger spool {self.path}")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if new:
+            self._sync_dir()  # the file's name is durable too
+        self.stats["appended"] += 1
+
+    def _sync_dir(self) -> None:
+        try:
+            fd = os.open(self.path.parent, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def _leftovers(self) -> list[Path]:
+        """Renamed spools of replays that did not finish, oldest first."""
+        found = self.path.parent.glob(self.path.name + ".replay-*") if self.path.parent.is_dir() else []
+        return sorted(found, key=lambda p: (p.stat().st_mtime, p.name))
+
+    def pending(self) -> bool:
+        """True when there is anything to replay."""
+        try:
+            if self.path.stat().st_size > 0:
+                return True
+        except FileNotFoundError:
+            pass
+        return bool(self._leftovers())
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record waiting (leftovers first, then the spool); for tests and tools."""
+        out: list[dict[str, Any]] = []
+        for path in [*self._leftovers(), self.path]:
+            if path.exists():
+                out.extend(decode(path.read_bytes())[0])
+        return out
+
+    def _rotate(self) -> None:
+        """Move the spool aside (atomic rename): appends from now on start a new file."""
+        if self.path.exists() and self.path.stat().st_size > 0:
+            target = self.path.with_name(f"{self.path.name}.replay-{os.getpid()}-{next(_serial)}")
+            os.rename(self.path, target)
+            self._sync_dir()
+
+    async def replay(self, apply: Callable[[dict[str, Any]], Awaitable[Any]]) -> int:
+        """Apply every waiting record in order; returns how many. An exception from apply
+        stops the replay (the rest waits for the next one) and propagates."""
+        if self._replaying is None:
+            self._replaying = asyncio.Lock()
+        async with self._replaying:
+            self._rotate()
+            done = 0
+            for path in self._leftovers():
+                try:
+                    data = path.read_bytes()
+                except FileNotFoundError:  # another process sharing this spool replayed it
+                    continue
+                records, bad = decode(data)
+                if bad:
+                    log.warning("ledger spool %s: %d unreadable line(s) skipped", path, bad)
+                    self.stats["skipped"] += bad
+                for record in records:
+                    await apply(record)
+                    done += 1
+                    self.stats["replayed"] += 1
+                path.unlink(missing_ok=True)
+                self._sync_dir()
+            return done
+
+
+def _has_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+__all__ = ["Spool", "settle_record", "release_record", "usage_of", "encode", "decode", "KINDS"]
