@@ -1,0 +1,360 @@
+"""Scale-out: 4 proxy replicas (separate processes on separate ports, as separate hosts would
+be) share one PostgreSQL ledger and one Redis for limits, in front of one simulator.
+
+What is shown, each against real servers started by the fixtures (tests/pg_server.py,
+tests/redis_server.py), never mocks:
+  * 200 concurrent mixed requests over the replicas: no overdraft on a key whose balance
+    covers about 10 of them (balance decrease == sum of debits, no debit above its hold),
+    and a global concurrency limit of 8 is never exceeded at the upstream;
+  * a replica SIGKILLed under load: its holds expire, nothing is billed twice, the other
+    replicas keep serving, and its Redis slots expire (the limit frees up);
+  * PostgreSQL stopped for 10 s under load: only 503s (with Retry-After) for new requests,
+    every settlement of the requests that were running reaches the ledger afterwards (the
+    spool replayed), the audit balances;
+  * Redis stopped: the documented fail mode (closed: 503 + Retry-After) holds, and the
+    replicas recover when it is back, without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+import orjson
+import pytest
+import yaml
+from multidict import CIMultiDict
+
+from tests.live import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = ROOT / ".venv" / "bin" / "python"
+MODEL = "tiny-org/tiny-model"
+REPLICAS = 4
+GLOBAL_LIMIT = 8
+# One request: a short prompt, 20 output tokens. Its cost is about 40 micros at the
+# default prices; its hold (an upper bound) is several times that.
+SHORT = {"text": " ".join(["tok"] * 20), "delay": 0.02}
+
+
+def python() -> str:
+    return str(PYTHON) if PYTHON.exists() else os.environ.get("PYTHON", "python3")
+
+
+class Replica:
+    def __init__(self, index: int, tmp: Path, config: dict[str, Any]) -> None:
+        self.index = index
+        self.dir = tmp / f"replica{index}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        cfg = dict(self.config)
+        cfg["ledger"] = dict(cfg["ledger"], spool_path=str(self.dir / "spool.jsonl"))
+        path = self.dir / "proxy.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        log = open(self.dir / "proxy.log", "ab")
+        self.proc = await asyncio.create_subprocess_exec(
+            python(), "-m", "proxy", "serve", "--config", str(path), "--port", str(self.port),
+            cwd=ROOT, stdout=log, stderr=log)
+        log.close()
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 60
+            while True:
+                assert self.proc.returncode is None, self.log()[-3000:]
+                assert time.monotonic() < deadline, self.log()[-3000:]
+                try:
+                    async with http.get(self.url + "/readyz") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+
+    def log(self) -> str:
+        return (self.dir / "proxy.log").read_text(errors="replace")
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+            await self.proc.wait()
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(20):
+                    await self.proc.wait()
+            except TimeoutError:
+                await self.kill()
+
+
+class Cluster:
+    """The replicas, their shared database and the keys the tests spend."""
+
+    def __init__(self, dsn: str, replicas: list[Replica], sim) -> None:
+        self.dsn = dsn
+        self.replicas = replicas
+        self.sim = sim
+        self.keys: dict[str, tuple[str, str, int]] = {}  # name -> (key id, secret, initial balance)
+
+    async def query(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            return await conn.fetch(sql, *args)
+        finally:
+            await conn.close()
+
+    async def audit(self) -> None:
+        """Every key: balance == initial - sum of debits >= 0; no usage row billed twice;
+        no debit above the cost it records."""
+        for name, (key_id, _, initial) in self.keys.items():
+            balance = (await self.query("SELECT balance_micros FROM keys WHERE key_id = $1", key_id))[0][0]
+            debited = (await self.query("SELECT COALESCE(SUM(debited_micros), 0) FROM usage WHERE key_id = $1",
+                                        key_id))[0][0]
+            assert balance >= 0, (name, balance)
+            assert initial - balance == debited, (name, initial, balance, debited)
+        dupes = await self.query("SELECT request_id FROM usage GROUP BY request_id HAVING COUNT(*) > 1")
+        assert dupes == []
+        over = await self.query("SELECT request_id FROM usage WHERE debited_micros > cost_micros")
+        assert over == []
+
+    async def open_holds(self) -> int:
+        return (await self.query("SELECT COUNT(*) FROM holds"))[0][0]
+
+
+def replica_config(sim_url: str, dsn: str, redis_url: str, prefix: str, **limits: Any) -> dict[str, Any]:
+    return {
+        "server": {"log_format": "json", "log_level": "warning"},
+        "workers": [{"name": "sim", "url": sim_url, "models": [MODEL], "capacity": 4096,
+                     "timeouts": {"connect": 2, "first_byte": 20, "idle": 20, "total": 120}}],
+        "ledger": {"backend": "postgres", "dsn": dsn, "expire_interval_s": 0.25,
+                   "unavailable_retry_after_s": 2, "statement_timeout_ms": 2000, "connect_timeout_s": 1},
+        "balance": {"hold_ttl_s": 3},
+        "limits": {"backend": "redis", "global_concurrency": GLOBAL_LIMIT, "default_key_concurrency": 4096,
+                   "redis": {"url": redis_url, "key_prefix": prefix, "slot_ttl_s": 3, "socket_timeout_ms": 500,
+                             "on_error": "closed", "retry_after_s": 1}, **limits},
+    }
+
+
+@pytest.fixture
+async def cluster(pg_dsn, redis_db, sim, tmp_path):
+    from proxy.ledger import open_ledger
+
+    dsn = pg_dsn
+    ledger = open_ledger({"backend": "postgres", "dsn": dsn}, base_dir=tmp_path)
+    await ledger.start()
+    keys: dict[str, tuple[str, str, int]] = {}
+    try:
+        for name, balance in (("poor", 450), ("rich", 50_000_000)):
+            secret, record = await ledger.create_key(name, balance_micros=balance)
+            keys[name] = (record.key_id, secret, balance)
+    finally:
+        await ledger.close()
+    config = replica_config(sim.url, dsn, redis_db.url, f"rp-{secrets.token_hex(3)}:")
+    replicas = [Replica(i, tmp_path, config) for i in range(REPLICAS)]
+    await asyncio.gather(*(r.start() for r in replicas))
+    c = Cluster(dsn, replicas, sim)
+    c.keys = keys
+    try:
+        yield c
+    finally:
+        await asyncio.gather(*(r.stop() for r in replicas))
+
+
+async def send(http: aiohttp.ClientSession, replica: Replica, secret: str, stream: bool,
+               script: dict | None = None) -> tuple[int, CIMultiDict, bytes]:
+    body = {"model": MODEL, "stream": stream, "max_output_tokens": 40,
+            "input": "hello SIM:" + json.dumps(script or SHORT)}
+    async with http.post(replica.url + "/v1/responses", data=orjson.dumps(body),
+                         headers={"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}) as r:
+        return r.status, CIMultiDict(r.headers), await r.read()
+
+
+def completed(status: int, raw: bytes, stream: bool) -> bool:
+    if status != 200:
+        return False
+    if stream:
+        return b"event: response.completed" in raw
+    return orjson.loads(raw).get("status") == "completed"
+
+
+async def test_200_mixed_requests_on_4_replicas_never_overdraw_nor_pass_the_global_limit(cluster):
+    poor = cluster.keys["poor"][1]
+    rich = cluster.keys["rich"][1]
+    slow = {"text": " ".join(["tok"] * 20), "delay": 0.01}
+    refused = [0]  # 429s: each client backs off and tries again until it gets an answer
+
+    async def client(http: aiohttp.ClientSession, i: int) -> tuple[int, CIMultiDict, bytes]:
+        replica = cluster.replicas[i % REPLICAS]
+        secret = poor if i % 2 else rich
+        deadline = time.monotonic() + 60
+        while True:
+            status, headers, raw = await send(http, replica, secret, stream=bool(i % 3), script=slow)
+            if status != 429 or time.monotonic() > deadline:
+                return status, headers, raw
+            assert "Retry-After" in headers
+            refused[0] += 1
+            await asyncio.sleep(0.02 + (i % 7) * 0.01)
+
+    async with aiohttp.ClientSession() as http:
+        results = await asyncio.gather(*(client(http, i) for i in range(200)))
+    statuses = [s for s, _, _ in results]
+    by_status = {s: statuses.count(s) for s in sorted(set(statuses))}
+    print(f"200 requests over {REPLICAS} replicas: {by_status}, upstream peak in flight {cluster.sim.peak_in_flight}")
+    print(f"  ({refused[0]} answers were 429 first and tried again)")
+    assert set(statuses) <= {200, 402}, by_status
+    assert refused[0] > 0  # the limit bound: 200 clients over 4 replicas against 8 slots
+    rich_ok = sum(1 for (st, _, _), i in zip(results, range(200)) if i % 2 == 0 and st == 200)
+    assert rich_ok == 100
+    # The limit holds across the replicas at the upstream: never 9 chats at once.
+    assert cluster.sim.peak_in_flight <= GLOBAL_LIMIT
+    assert cluster.sim.peak_in_flight == GLOBAL_LIMIT
+    await asyncio.sleep(0.5)  # settlements of the last answers
+    await cluster.audit()
+    key_id, _, initial = cluster.keys["poor"]
+    spent = initial - (await cluster.query("SELECT balance_micros FROM keys WHERE key_id=$1", key_id))[0][0]
+    print(f"poor key: {initial} -> {initial - spent} micros")
+    assert 0 < spent <= initial
+    poor_ok = sum(1 for (st, _, _), i in zip(results, range(200)) if i % 2 and st == 200)
+    print(f"poor key: {poor_ok} answered, {statuses.count(402)} refused with 402")
+    assert 5 <= poor_ok <= 15  # its balance covers about 10
+    assert statuses.count(402) == 100 - poor_ok
+
+
+async def test_a_sigkilled_replica_leaves_nothing_charged_twice_and_the_others_keep_serving(cluster):
+    rich = cluster.keys["rich"][1]
+    victim, others = cluster.replicas[0], cluster.replicas[1:]
+    stop = asyncio.Event()
+    after_kill: list[int] = []
+    killed = asyncio.Event()
+
+    async def load(replica: Replica, http: aiohttp.ClientSession, n: int) -> None:
+        while not stop.is_set():
+            try:
+                status, _, raw = await send(http, replica, rich, stream=bool(n % 2))
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                if replica is victim:
+                    return
+                raise
+            if killed.is_set() and replica is not victim:
+                after_kill.append(status)
+            n += 1
+
+    async with aiohttp.ClientSession() as http:
+        tasks = [asyncio.create_task(load(cluster.replicas[i % REPLICAS], http, i)) for i in range(12)]
+        await asyncio.sleep(1.5)
+        await victim.kill()
+        killed.set()
+        await asyncio.sleep(2.0)
+        stop.set()
+        await asyncio.gather(*tasks)
+    # The others kept serving (429s are fine: the killed replica's slots count until they expire).
+    assert after_kill.count(200) >= 10, after_kill[:20]
+    assert set(after_kill) <= {200, 429}
+    # Its holds expire (hold_ttl_s 3, swept by the live replicas) and its Redis slots too:
+    # 8 requests at once are admitted again.
+    deadline = time.monotonic() + 20
+    while await cluster.open_holds():
+        assert time.monotonic() < deadline, "the killed replica's holds never expired"
+        await asyncio.sleep(0.25)
+    await asyncio.sleep(3.5)  # slot_ttl_s
+    slow = {"text": "x", "delay": 1.0}
+    async with aiohttp.ClientSession() as http:
+        results = await asyncio.gather(*(send(http, others[i % 3], rich, False, slow) for i in range(GLOBAL_LIMIT)))
+    assert [s for s, _, _ in results] == [200] * GLOBAL_LIMIT
+    await cluster.audit()
+
+
+async def test_postgres_down_for_10s_gives_503s_and_loses_no_settlement(cluster, pg_server):
+    rich = cluster.keys["rich"][1]
+    long = {"text": " ".join(["tok"] * 30), "delay": 0.1}  # ~3 s streams, running when the database stops
+    done: list[str] = []  # request ids of answers the clients received complete
+    during: list[tuple[int, dict]] = []
+    down = asyncio.Event()
+
+    async def running(http: aiohttp.ClientSession, i: int) -> None:
+        replica = cluster.replicas[i % REPLICAS]
+        status, headers, raw = await send(http, replica, rich, stream=bool(i % 2), script=long)
+        if completed(status, raw, bool(i % 2)):
+            done.append(headers["x-request-id"])
+
+    async def newcomers(http: aiohttp.ClientSession) -> None:
+        await down.wait()
+        t_end = time.monotonic() + 8
+        i = 0
+        while time.monotonic() < t_end:
+            status, headers, raw = await send(http, cluster.replicas[i % REPLICAS], rich, stream=False)
+            during.append((status, headers))
+            i += 1
+            await asyncio.sleep(0.1)
+
+    async with aiohttp.ClientSession() as http:
+        tasks = [asyncio.create_task(running(http, i)) for i in range(GLOBAL_LIMIT)]
+        await asyncio.sleep(0.8)  # they hold and stream
+        await asyncio.to_thread(pg_server.stop)
+        down.set()
+        t_stop = time.monotonic()
+        comers = asyncio.create_task(newcomers(http))
+        await asyncio.gather(*tasks)
+        await comers
+        await asyncio.sleep(max(0.0, 10 - (time.monotonic() - t_stop)))
+        await asyncio.to_thread(pg_server.start)
+    # Every request that was running finished for its client.
+    assert len(done) == GLOBAL_LIMIT
+    # New requests while the database was down: 503 with Retry-After, nothing else (no 500).
+    assert during, "no request was tried while the database was down"
+    assert {s for s, _ in during} == {503}, sorted({s for s, _ in during})
+    assert all("Retry-After" in h for _, h in during)
+    # The spool is replayed: every answered request has its usage row, once.
+    deadline = time.monotonic() + 30
+    while True:
+        rows = await cluster.query("SELECT request_id FROM usage WHERE request_id = ANY($1::text[])", done)
+        if len(rows) == len(done):
+            break
+        assert time.monotonic() < deadline, f"{len(done) - len(rows)} settlements never reached the ledger"
+        await asyncio.sleep(0.25)
+    await cluster.audit()
+    # And the replicas serve again without a restart.
+    async with aiohttp.ClientSession() as http:
+        for replica in cluster.replicas:
+            status, _, _ = await send(http, replica, rich, stream=False)
+            assert status == 200
+
+
+async def test_redis_down_fails_closed_then_recovers_without_a_restart(cluster, redis_server):
+    rich = cluster.keys["rich"][1]
+    async with aiohttp.ClientSession() as http:
+        assert (await send(http, cluster.replicas[0], rich, False))[0] == 200
+        await asyncio.to_thread(redis_server.stop)
+        try:
+            results = await asyncio.gather(*(send(http, r, rich, False) for r in cluster.replicas))
+            for status, headers, raw in results:
+                assert status == 503, raw[:300]
+                assert "Retry-After" in headers
+                error = orjson.loads(raw)["error"]
+                assert set(error) >= {"message", "type", "param", "code"}
+        finally:
+            await asyncio.to_thread(redis_server.start)
+        deadline = time.monotonic() + 15
+        for replica in cluster.replicas:
+            while True:
+                status, _, raw = await send(http, replica, rich, False)
+                if status == 200:
+                    break
+                assert time.monotonic() < deadline, raw[:300]
+                await asyncio.sleep(0.2)
+    await cluster.audit()
