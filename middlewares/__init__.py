@@ -118,10 +118,8 @@ async def _endpoint(request: web.Request, ctx: RequestContext) -> web.StreamResp
 class Phases:
     """The phases after the envelope, chained once: `run(request, ctx)` runs them and the handler.
 
-    One turn of another transport (a WebSocket message) runs through the same phases: make a
-    RequestContext with its method and path, its parsed body in `body` (prepare then reads no
-    HTTP body) and the turn's handler in `endpoint`, and call run() with the connection's
-    upgrade request (its headers carry the key)."""
+    One turn of another transport (a WebSocket message, the compact endpoint's summary) comes
+    through the envelope like any request, so through these phases too (proxy.http.turn)."""
 
     def __init__(self, steps: list[Phase]) -> None:
         self.steps = tuple(steps)

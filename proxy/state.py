@@ -80,6 +80,8 @@ SIM_STATE = web.AppKey("simulator_state", "SimState")
 CONTEXT = web.RequestKey("context", "RequestContext")
 ADMIN_ACTOR = web.RequestKey("admin_actor", str)  # proxy.admin: "admin:<name>" of an admin request
 ADMIN_SESSION = web.RequestKey("admin_session", "Session")  # proxy.admin.auth: the dashboard session, if any
+# proxy.http.turn: a transport's turn (its body in memory, where its event stream goes)
+TURN = web.RequestKey("turn", "Turn")
 
 
 @dataclass(eq=False, slots=True)
@@ -93,7 +95,7 @@ class RequestContext:
     method: str  # the request's, or "POST" for a turn of another transport
     path: str  # the route: /v1/responses, /v1/responses/input_tokens, ...
     key: KeyRecord | None = None  # auth: the caller's key (None: no auth, or not a guarded route)
-    body: dict | None = None  # prepare: the parsed body, read once (a transport's turn may hand it in)
+    body: dict | None = None  # prepare: the parsed body, read once (a turn's from its TURN, proxy.http.turn)
     # prepare: the one translation; balance replaces it with a capped copy (Translation.with_cap).
     translation: Translation | None = None
     notices: list[str] = field(default_factory=list)  # joined into x-token-notice (middlewares.notices)

@@ -36,7 +36,7 @@ def create(section: dict[str, Any], app: web.Application):
 
     @web.middleware
     async def fault(request: web.Request, handler):
-        if request.path != "/v1/responses":
+        if request.method != "POST" or request.path != "/v1/responses":  # a WebSocket handshake passes
             return await handler(request)
         if mode == "hook_raises":
             return await handler(request)

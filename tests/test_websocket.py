@@ -359,3 +359,29 @@ async def test_the_server_pings_and_closes_a_peer_that_does_not_answer(make_prox
         while (msg := await ws.receive()).type == WSMsgType.PING:
             pass
     assert msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING)
+
+
+async def test_each_turn_meets_the_rate_limit(sim, make_proxy, http):
+    """The limits policy runs per turn, not once per handshake: a key allowed one request a
+    minute gets its second turn refused as a 429 error event carrying Retry-After."""
+    proxy = await make_proxy({})
+    secret, _ = await proxy.ledger.create_key("one-a-minute", balance_micros=10_000_000, rate_per_min=1)
+    async with http.ws_connect(ws_url(proxy), headers=auth(secret)) as ws:
+        sim.script({"text": "first"})
+        assert (await turn(ws, {"model": MODEL, "input": "one"}))[-1]["type"] == "response.completed"
+        limited = error_of(await turn(ws, {"model": MODEL, "input": "two"}))
+    assert limited["status"] == 429 and limited["error"]["code"] == "rate_limit_exceeded"
+    assert int(limited["error"]["retry_after"]) >= 1
+    assert len(sim.requests) == 1
+
+
+async def test_a_custom_middlewares_own_stream_on_a_turn_is_an_error_event(sim, make_proxy, http):
+    """A custom middleware that prepares an event stream of its own on a turn must not write
+    HTTP onto the socket (the turn shares the handshake's connection): the turn is a 500 error
+    event and the socket stays usable."""
+    proxy = await make_proxy({"middlewares": {"before_handler": [{"tests.fault_mw:create": {"mode": "own_stream"}}]}})
+    async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key)) as ws:
+        for _ in range(2):
+            failed = error_of(await turn(ws, {"model": MODEL, "input": "x"}))
+            assert failed["status"] == 500 and failed["error"]["code"] == "internal_error"
+    assert sim.requests == []

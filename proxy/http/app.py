@@ -28,6 +28,7 @@ from proxy.policy.netguard import ImagePolicy
 from proxy.http.openapi import openapi_handler
 from proxy.http.key_view import key_handler
 from proxy.http.compact import CompactSettings, compact_handler
+from proxy.http.turn import refuse_other_answers
 from proxy.http.websocket import WebSocketSettings, websocket_handler
 from proxy.runtime import metrics
 from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
@@ -143,6 +144,9 @@ async def _after_start(request: web.Request, ctx: RequestContext, response: web.
     (no terminating chunk: the client sees a truncated body, never a valid-looking end)."""
     log.error("error after the answer started", request_id=ctx.request_id,
               error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+    # aiohttp has no public "the body was ended" flag (prepared stays True after write_eof): the
+    # attribute its StreamResponse sets is read, as TurnStream sets it (tests/test_stream_integrity.py
+    # raise_after pins that a whole answer stands).
     if getattr(response, "_eof_sent", False):
         return response  # whole before the error: it stands
     rewriter = ctx.event_stream
@@ -271,6 +275,8 @@ def build_app(config: Config) -> web.Application:
     install_sealer(app, config.section("reasoning_seal"))
     phases = app[PHASES] = build_phases(config, app)
     app.middlewares.append(envelope(phases))
+    # Before _add_request_id: a turn's foreign answer is refused while it is not started yet.
+    app.on_response_prepare.append(refuse_other_answers)
     app.on_response_prepare.append(_add_request_id)
     app.router.add_post("/v1/responses", responses_handler)
     app[state.WEBSOCKET_SETTINGS] = WebSocketSettings.from_config(config.section("websocket"), int(server["max_body_bytes"]))

@@ -493,7 +493,8 @@ async def _stream_answer(request: web.Request, request_ctx: RequestContext, upst
                          ctx: ResponseContext, first: bytes, out: state.Outcome, *, worker: Worker,
                          deadline: float) -> web.StreamResponse:
     rewriter = request_ctx.event_stream = StreamRewriter(ctx)
-    response = _EventStream(status=200, headers=_SSE_HEADERS)
+    turn = request.get(state.TURN)  # a transport's turn (proxy.http.turn) takes the events itself
+    response = _EventStream(status=200, headers=_SSE_HEADERS) if turn is None else turn.stream(_SSE_HEADERS)
     recorded = False
     dog = _ReadWatchdog(worker.timeouts.idle, deadline, rewriter)
     try:

@@ -178,9 +178,15 @@ async def _read_raw(request: web.Request, limits: dict[str, Any], limit: int) ->
 
 async def _read_body(request: web.Request, limits: dict[str, Any]) -> dict[str, Any]:
     limit = int(limits["max_body_bytes"])
-    raw = await _read_raw(request, limits, limit)
-    if len(raw) > limit:
-        raise _unread(request, _too_large(limit))
+    turn = request.get(state.TURN)
+    if turn is not None:  # a transport's turn: its body is in memory, not on the connection
+        raw = turn.body
+        if len(raw) > limit:
+            raise _too_large(limit)
+    else:
+        raw = await _read_raw(request, limits, limit)
+        if len(raw) > limit:
+            raise _unread(request, _too_large(limit))
     encodings = request.headers.getall("Content-Encoding", None)
     if encodings is not None:
         raw = _decompress(raw, encodings, limit)
@@ -235,7 +241,7 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
             return await call_next(request, ctx)
         limits = _limits(request)
         body = ctx.body
-        if body is None:  # a transport's turn hands in its parsed body; HTTP reads it here
+        if body is None:  # read once: a custom middleware may have read it (read_json) already
             body = ctx.body = await _read_body(request, limits)
         pool = app.get(state.POOL)
         _check_model(ctx, body, pool)

@@ -1,33 +1,35 @@
 """One Responses turn run in-process through the app's whole HTTP path: the one entry point
 the WebSocket transport and /v1/responses/compact use to create a response.
 
-`run_turn(origin, body, emit)` builds a `POST /v1/responses` request from the headers of
-`origin` (the WebSocket handshake, the compact request) and `body`, and hands it to the app as
-aiohttp would hand it a request off the wire: the same router, every middleware of the chain
-(auth, limits, tools, balance, notices, custom ones) and the same handler. A turn is therefore
-authenticated, limited, held and billed exactly as the HTTP request with these headers and this
-body. Its answer is not written to a socket: the event stream's bytes are cut into events and
-each one is awaited through `emit(event_type, data_json)`, so a slow consumer stalls the
-handler's writes, which stall its upstream reads (the HTTP path's backpressure). Cancelling the
-caller cancels the turn as a client disconnect cancels an HTTP handler.
+`run_turn(origin, body, emit)` makes the turn's request with aiohttp's public `Request.clone()`
+(`POST /v1/responses` with `origin`'s headers: the WebSocket handshake, the compact request),
+resolves it with the app's router and runs it through the app's own middlewares (the envelope:
+request id, context, every phase, error envelope, access line, metrics) to the route's handler,
+as a request off the wire. A turn is therefore authenticated, limited, held and billed exactly
+as the HTTP request with these headers and this body.
 
-The coupling with the rest of the product is this function's signature and the request path:
-a change of the chain's internals does not reach the transports.
+What differs is only where the bytes are and where the answer goes, both said by the request's
+`state.TURN` (a `Turn`): the prepare phase takes the turn's body from it instead of reading the
+HTTP body (proxy.http.request), and the forwarder writes its event stream to `Turn.stream()`, a
+`TurnStream`, instead of an HTTP response. The TurnStream cuts the SSE bytes into events and
+awaits each through `emit(event_type, data_json)`, so a slow consumer stalls the handler's
+writes, which stall its upstream reads (the HTTP path's backpressure). Cancelling the caller
+cancels the turn as a client disconnect cancels an HTTP handler.
+
+The clone shares the origin's connection, so any other response prepared for a turn (a custom
+middleware's own stream) would write HTTP onto it: `refuse_other_answers` (an on_response_prepare
+hook of the app) fails such a turn before a byte is written.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
-from aiohttp.http_parser import RawRequestMessage
-from aiohttp.http_writer import HttpVersion11
-from aiohttp.streams import StreamReader
-from multidict import CIMultiDict, CIMultiDictProxy
-from yarl import URL
+from multidict import CIMultiDict
 
 from proxy import state
 
@@ -53,38 +55,39 @@ class TurnAnswer:
     headers: dict[str, str] = field(default_factory=dict)  # the answer's headers (notices among them)
 
 
-class _BodyOnly:
-    """The flow-control side of a request body that is already whole in memory."""
+class TurnStream:
+    """Where a turn's event stream goes: the forwarder prepares, writes and ends it as it would
+    its web.StreamResponse (the calls it makes are these); SSE bytes in, one `emit` per event out."""
 
-    _reading_paused = False
+    def __init__(self, emit: Emit, headers: dict[str, str] | None = None) -> None:
+        self.status = 200
+        self.headers: CIMultiDict[str] = CIMultiDict(headers or {})
+        self.prepared = False
+        # The flag proxy.http.app._after_start reads on an aiohttp response: whole, it stands.
+        self._eof_sent = False
+        self._state: dict[Any, Any] = {}
+        self._emit = emit
+        self._pending = bytearray()
 
-    def pause_reading(self, *args: object, **kwargs: object) -> None:
-        pass
+    def get(self, key: Any, default: Any = None) -> Any:  # a response is a mapping (ERROR_CODE)
+        return self._state.get(key, default)
 
-    def resume_reading(self, *args: object, **kwargs: object) -> None:
-        pass
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._state[key] = value
 
+    async def prepare(self, request: web.Request) -> None:
+        if not self.prepared:
+            self.prepared = True
+            # The app's response hooks see it as any answer: x-request-id, notices, ctx.started.
+            await request.app.on_response_prepare.send(request, self)
 
-class EventWriter(AbstractStreamWriter):
-    """Where the handler's response goes: SSE bytes in, one `emit` per event out."""
-
-    def __init__(self, emit: Emit) -> None:
-        self.emit = emit
-        self.pending = bytearray()
-        self.started = False
-        self.headers: dict[str, str] = {}
-        self.buffer_size = 0
-        self.output_size = 0
-        self.length = None
-
-    async def write(self, chunk) -> None:
-        self.output_size += len(chunk)
-        self.pending += chunk
-        cut = self.pending.rfind(b"\n\n")
+    async def write(self, data: bytes) -> None:
+        self._pending += data
+        cut = self._pending.rfind(b"\n\n")
         if cut < 0:
             return
-        block = bytes(self.pending[:cut])
-        del self.pending[:cut + 2]
+        block = bytes(self._pending[:cut])
+        del self._pending[:cut + 2]
         for event in block.split(b"\n\n"):
             await self._event(event)
 
@@ -98,62 +101,61 @@ class EventWriter(AbstractStreamWriter):
         name = b""
         if event.startswith(b"event: "):
             name = event[7:event.index(b"\n")]
-        await self.emit(name.decode("ascii", "replace"), data)
+        await self._emit(name.decode("ascii", "replace"), data)
 
-    async def write_eof(self, chunk: bytes = b"") -> None:
-        if chunk:
-            await self.write(chunk)
-        if self.pending.strip():
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self._eof_sent:
+            return
+        if data:
+            await self.write(data)
+        if self._pending.strip():
             await self.write(b"\n\n")
-
-    async def drain(self) -> None:
-        pass
-
-    def enable_compression(self, encoding: str = "deflate", strategy=None) -> None:
-        pass
-
-    def enable_chunking(self) -> None:
-        pass
-
-    async def write_headers(self, status_line: str, headers) -> None:
-        self.started = True
-        self.headers = dict(headers)
-
-    def send_headers(self) -> None:
-        pass
+        self._eof_sent = True
 
 
-def _request(origin: web.Request, body: bytes, writer: EventWriter) -> web.Request:
+@dataclass
+class Turn:
+    """A request's `state.TURN`: the turn's body, and where its event stream goes."""
+
+    body: bytes
+    emit: Emit
+    answer: TurnStream | None = None
+
+    def stream(self, headers: dict[str, str]) -> TurnStream:
+        self.answer = TurnStream(self.emit, headers)
+        return self.answer
+
+
+async def refuse_other_answers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: a turn's answer is its TurnStream or an unprepared web.Response
+    (read by run_turn); a stream of its own would be written onto the origin's connection."""
+    turn = request.get(state.TURN)
+    if turn is not None and response is not turn.answer:
+        raise RuntimeError("a turn's event stream must be Turn.stream(); another response was prepared")
+
+
+def _headers(origin: web.Request, body: bytes) -> CIMultiDict[str]:
     headers = CIMultiDict((k, v) for k, v in origin.headers.items() if k.lower() not in _NOT_CARRIED)
     headers["Content-Type"] = "application/json"
     headers["Content-Length"] = str(len(body))
     headers["Accept"] = _ACCEPT
-    raw = tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())
-    message = RawRequestMessage("POST", TURN_PATH, HttpVersion11, CIMultiDictProxy(headers), raw,
-                                False, None, False, False, URL(TURN_PATH))
-    loop = asyncio.get_running_loop()
-    payload = StreamReader(_BodyOnly(), max(2**16, len(body)), loop=loop)  # type: ignore[arg-type]
-    payload.feed_data(body)
-    payload.feed_eof()
-    task = asyncio.current_task()
-    assert task is not None
-    limit = int(origin.app[state.CONFIG].section("server")["max_body_bytes"]) + 1  # as build_app sets it
-    return web.Request(message, payload, origin.protocol, writer, task, loop, client_max_size=limit,
-                       remote=origin.remote, host=origin.host, scheme=origin.scheme)
+    return headers
 
 
 async def run_turn(origin: web.Request, body: bytes, emit: Emit) -> TurnAnswer:
     """Run `body` (a Responses request body, JSON) as `POST /v1/responses` with `origin`'s
     headers through the app; the events go to `emit` while it runs."""
-    writer = EventWriter(emit)
-    request = _request(origin, body, writer)
-    # Application._handle is what aiohttp's server calls for each request: routing, the
-    # middleware chain, the handler (there is no public name for "serve this request").
-    response = await origin.app._handle(request)
-    if writer.started:
-        if response.prepared:  # a handler that returned without finishing its body
-            await response.write_eof()
-        return TurnAnswer(status=response.status, streamed=True, headers=writer.headers)
+    request = origin.clone(method="POST", rel_url=TURN_PATH, headers=_headers(origin, body))
+    turn = request[state.TURN] = Turn(body, emit)
+    app = request.app
+    handler = (await app.router.resolve(request)).handler
+    for middleware in reversed(app.middlewares):  # new-style middlewares: (request, handler)
+        handler = partial(middleware, handler=handler)
+    response = await handler(request)
+    stream = turn.answer
+    if stream is not None and stream.prepared:
+        await stream.write_eof()  # a handler that returned without finishing its body
+        return TurnAnswer(status=stream.status, streamed=True, headers=dict(stream.headers))
     answer = response.body if isinstance(response, web.Response) else b""
     return TurnAnswer(status=response.status, streamed=False,
                       body=bytes(answer) if isinstance(answer, (bytes, bytearray)) else b"",

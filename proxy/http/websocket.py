@@ -26,7 +26,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from proxy import state
 from proxy.http.errors import APIError
-from proxy.http.turn import EventWriter, TurnAnswer, run_turn
+from proxy.http.turn import TurnAnswer, TurnStream, run_turn
 from proxy.http.warmup import warmup_stream
 from proxy.protocol.continuation import (
     RESPONSE_EVENTS,
@@ -221,7 +221,7 @@ class _Connection:
             stream = warmup_stream(self.request, body)
         except APIError as exc:
             return TurnAnswer(status=exc.status, streamed=False, body=orjson.dumps(exc.envelope()))
-        await EventWriter(emit).write_eof(stream)
+        await TurnStream(emit).write_eof(stream)
         return TurnAnswer(status=200, streamed=True)
 
     def _remember(self, answer: TurnAnswer, terminal: dict[str, Any], body: dict[str, Any],
