@@ -246,6 +246,43 @@ async def test_start_replays_a_non_empty_spool_before_serving(pg_dsn, tmp_path):
         await led.close()
 
 
+async def test_a_start_while_the_database_is_down_serves_503_then_replays_first(pg_dsn, tmp_path, pg_server):
+    """A replica restarted during an outage comes up (no crash loop), answers unavailable,
+    and once the database is back replays its spool before any other request uses it."""
+    setup = open_ledger(pg_section(pg_dsn, tmp_path))
+    async with setup:
+        secret, key = await setup.create_key("restart-down", 1_000)
+        await setup.hold("r-down", key.key_id, 500, ttl_s=60)
+    spool = Spool(tmp_path / "spool.jsonl")
+    spool.append(settle_record("r-down", usage_for("r-down", key.key_id, 300)))
+    pg_server.stop()
+    led = open_ledger(pg_section(pg_dsn, tmp_path))
+    try:
+        await led.start()  # returns: the database is down, the ledger keeps trying
+        with pytest.raises(LedgerUnavailable):
+            await led.lookup_key(secret)
+        with pytest.raises(LedgerUnavailable):
+            await led.hold("r-new", key.key_id, 100, ttl_s=60)
+        assert spool.pending()
+        pg_server.start()
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                record = await led.lookup_key(secret)
+                break
+            except LedgerUnavailable:
+                assert time.monotonic() < deadline, "the ledger never came back"
+                await asyncio.sleep(0.1)
+        # The first answer after the outage already sees the replayed settlement.
+        assert not spool.pending()
+        assert record is not None and record.balance_micros == 700
+        assert (await led.usage("r-down")).debited_micros == 300
+    finally:
+        if pg_server.proc is None:
+            pg_server.start()
+        await led.close()
+
+
 async def test_the_proxy_answers_503_with_retry_after_while_the_database_is_down(make_proxy, pg_dsn, tmp_path,
                                                                                   pg_server):
     proxy = await make_proxy({"ledger": pg_section(pg_dsn, tmp_path), "balance": {"lease_max_micros": 0},

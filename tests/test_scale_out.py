@@ -61,7 +61,8 @@ class Replica:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self) -> None:
+    async def start(self, ready: bool = True) -> None:
+        """Start the process; wait for /readyz 200 (ready) or only /livez 200."""
         cfg = dict(self.config)
         cfg["ledger"] = dict(cfg["ledger"], spool_path=str(self.dir / "spool.jsonl"))
         path = self.dir / "proxy.yaml"
@@ -77,7 +78,7 @@ class Replica:
                 assert self.proc.returncode is None, self.log()[-3000:]
                 assert time.monotonic() < deadline, self.log()[-3000:]
                 try:
-                    async with http.get(self.url + "/readyz") as r:
+                    async with http.get(self.url + ("/readyz" if ready else "/livez")) as r:
                         if r.status == 200:
                             return
                 except aiohttp.ClientError:
@@ -144,6 +145,8 @@ def replica_config(sim_url: str, dsn: str, redis_url: str, prefix: str, **limits
         "ledger": {"backend": "postgres", "dsn": dsn, "expire_interval_s": 0.25,
                    "unavailable_retry_after_s": 2, "statement_timeout_ms": 2000, "connect_timeout_s": 1},
         "balance": {"hold_ttl_s": 3},
+        # Far longer than any wait below: a key change must reach the replicas by NOTIFY.
+        "auth": {"key_cache_ttl_s": 300},
         "limits": {"backend": "redis", "global_concurrency": GLOBAL_LIMIT, "default_key_concurrency": 4096,
                    "redis": {"url": redis_url, "key_prefix": prefix, "slot_ttl_s": 3, "socket_timeout_ms": 500,
                              "on_error": "closed", "retry_after_s": 1}, **limits},
@@ -309,6 +312,11 @@ async def test_postgres_down_for_10s_gives_503s_and_loses_no_settlement(cluster,
         down.set()
         t_stop = time.monotonic()
         comers = asyncio.create_task(newcomers(http))
+        # A replica (re)started during the outage comes up and refuses with 503 too.
+        late = Replica(REPLICAS, cluster.replicas[0].dir.parent, cluster.replicas[0].config)
+        await late.start(ready=False)
+        status, headers, _ = await send(http, late, rich, stream=False)
+        assert status == 503 and "Retry-After" in headers
         await asyncio.gather(*tasks)
         await comers
         await asyncio.sleep(max(0.0, 10 - (time.monotonic() - t_stop)))
@@ -328,11 +336,22 @@ async def test_postgres_down_for_10s_gives_503s_and_loses_no_settlement(cluster,
         assert time.monotonic() < deadline, f"{len(done) - len(rows)} settlements never reached the ledger"
         await asyncio.sleep(0.25)
     await cluster.audit()
-    # And the replicas serve again without a restart.
-    async with aiohttp.ClientSession() as http:
-        for replica in cluster.replicas:
-            status, _, _ = await send(http, replica, rich, stream=False)
-            assert status == 200
+    spooled = sum(r.log().count("spooled to") for r in cluster.replicas)
+    print(f"{len(done)} requests ran through the outage; {spooled} settlements were spooled and replayed")
+    assert spooled >= len(done)  # their settlements really went through the spool
+    for replica in cluster.replicas:
+        spool = replica.dir / "spool.jsonl"
+        assert not spool.exists() or spool.stat().st_size == 0
+    # And the replicas serve again without a restart; the late one too.
+    try:
+        async with aiohttp.ClientSession() as http:
+            for replica in cluster.replicas + [late]:
+                deadline = time.monotonic() + 10
+                while (status := (await send(http, replica, rich, stream=False))[0]) != 200:
+                    assert status == 503 and time.monotonic() < deadline, status
+                    await asyncio.sleep(0.2)
+    finally:
+        await late.stop()
 
 
 async def test_redis_down_fails_closed_then_recovers_without_a_restart(cluster, redis_server):
@@ -358,3 +377,41 @@ async def test_redis_down_fails_closed_then_recovers_without_a_restart(cluster, 
                 assert time.monotonic() < deadline, raw[:300]
                 await asyncio.sleep(0.2)
     await cluster.audit()
+
+
+async def keys_cli(replica: Replica, *args: str) -> str:
+    """The keys CLI, as an operator runs it on another machine: its own process, the
+    replica's config (the shared database)."""
+    proc = await asyncio.create_subprocess_exec(
+        python(), "-m", "proxy", "keys", "--config", str(replica.dir / "proxy.yaml"), *args,
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
+
+
+async def until_every_replica(cluster: Cluster, secret: str, want: int, within_s: float) -> float:
+    """Seconds until every replica answers `want` to the key (all asked in each round)."""
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as http:
+        while True:
+            statuses = [s for s, _, _ in await asyncio.gather(
+                *(send(http, r, secret, False, {"text": "x"}) for r in cluster.replicas))]
+            if statuses == [want] * len(cluster.replicas):
+                return time.monotonic() - t0
+            assert time.monotonic() - t0 < within_s, statuses
+            await asyncio.sleep(0.05)
+
+
+async def test_a_limit_change_and_a_revocation_reach_every_replica_at_once(cluster):
+    key_id, secret, _ = cluster.keys["rich"]
+    # Every replica has the key cached (key_cache_ttl_s: 300).
+    assert await until_every_replica(cluster, secret, 200, 5) < 5
+    await keys_cli(cluster.replicas[0], "limits", key_id, "--models", "someone/else")
+    took = await until_every_replica(cluster, secret, 403, 2)
+    print(f"allowed models changed: every replica refuses after {took * 1000:.0f} ms")
+    await keys_cli(cluster.replicas[0], "limits", key_id, "--models", "*")
+    await until_every_replica(cluster, secret, 200, 2)
+    await keys_cli(cluster.replicas[0], "revoke", key_id)
+    took = await until_every_replica(cluster, secret, 401, 2)
+    print(f"revoked: every replica refuses after {took * 1000:.0f} ms")

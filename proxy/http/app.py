@@ -218,13 +218,16 @@ async def _ledger(app: web.Application) -> AsyncIterator[None]:
     if section.get("backend", "sqlite") == "none":
         yield
         return
-    from proxy.ledger import open_ledger
+    from proxy.ledger import LedgerUnavailable, open_ledger
 
     base = app[state.CONFIG].path.parent if app[state.CONFIG].path else Path.cwd()
     ledger = open_ledger(section, base_dir=base)
     await ledger.start()
     app[LEDGER] = ledger
-    await ledger.expire_holds()
+    try:
+        await ledger.expire_holds()
+    except LedgerUnavailable:  # a database that is down at start: 503s until it is back
+        pass
     interval = float(section.get("expire_interval_s", 30))
 
     async def expire_forever() -> None:
@@ -232,6 +235,8 @@ async def _ledger(app: web.Application) -> AsyncIterator[None]:
             await asyncio.sleep(interval)
             try:
                 await ledger.expire_holds()
+            except LedgerUnavailable:
+                continue  # logged by the ledger once per outage; the next round retries
             except Exception:  # keep the sweeper alive; the next round retries
                 log.exception("hold expiry failed")
 

@@ -107,6 +107,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
                                      ping_s=listen_ping_s, server_settings=self._settings)
         self._pool: asyncpg.Pool | None = None
         self._replayer: asyncio.Task | None = None
+        self._connecting: asyncio.Task | None = None  # start() found the database down: retries
+        self._owner: asyncio.Task | None = None  # the task connecting (it alone uses the database)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -118,16 +120,36 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None or self._connecting is not None:
             return
         if self._closed:
             raise LedgerError("ledger is closed")
+        try:
+            await self._connect()
+        except LedgerUnavailable as exc:
+            # A replica (re)started while the database is down still comes up: it answers
+            # 503 (and /readyz says not ready) until the database is back, then replays its
+            # spool before any request reaches the database.
+            log.warning("%s; answering 503 until it is back", exc)
+            self._connecting = asyncio.create_task(self._connect_forever(), name="ledger-connect")
+            return
+        self._replayer = asyncio.create_task(self._replay_forever(), name="ledger-spool-replay")
+
+    async def _connect(self) -> None:
+        """Pool, migrations, listener, the spool replayed, stale holds dropped. Until it has
+        returned, only the task running it may use the database (`_db` refuses the others
+        with LedgerUnavailable): a spool of settlements is replayed before any new hold."""
+        self._owner = asyncio.current_task()
         try:
             self._pool = await asyncpg.create_pool(
                 self.dsn, min_size=self.pool_min, max_size=self.pool_max, timeout=self.connect_timeout_s,
                 server_settings=self._settings)
             async with self._pool.acquire(timeout=self.connect_timeout_s) as conn:
                 await migrate(conn)
+            await self._listener.start()
+            if self.spool.pending():  # settlements of a previous run first, before serving
+                await self.replay_spool()
+            await self.expire_holds()
         except _UNAVAILABLE as exc:
             await self._close_pool()
             raise LedgerUnavailable(f"cannot reach the ledger database {redact(self.dsn)}: {exc}",
@@ -135,11 +157,22 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         except BaseException:
             await self._close_pool()
             raise
-        await self._listener.start()
-        if self.spool.pending():  # settlements of a previous run first, before serving
-            await self.replay_spool()
-        await self.expire_holds()
-        self._replayer = asyncio.create_task(self._replay_forever(), name="ledger-spool-replay")
+        finally:
+            self._owner = None
+
+    async def _connect_forever(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(min(self.retry_after_s, 1.0))
+            try:
+                await self._connect()
+            except LedgerUnavailable:
+                continue
+            except Exception:
+                log.exception("ledger start-up failed; trying again")
+                continue
+            log.info("ledger database %s reachable: serving", redact(self.dsn))
+            self._replayer = asyncio.create_task(self._replay_forever(), name="ledger-spool-replay")
+            return
 
     async def _close_pool(self) -> None:
         pool, self._pool = self._pool, None
@@ -153,12 +186,13 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         if self._closed:
             return
         self._closed = True
-        if self._replayer is not None:
-            self._replayer.cancel()
-            try:
-                await self._replayer
-            except (asyncio.CancelledError, Exception):
-                pass
+        for task in (self._connecting, self._replayer):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
         await self._listener.close()
         if self._pool is not None and self.spool.pending():
             try:
@@ -173,8 +207,13 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         """fn(conn) on a pooled connection, in a transaction; LedgerUnavailable when the
         database cannot be reached; retried on a deadlock or serialisation failure."""
         pool = self._pool
-        if pool is None or self._closed:
-            raise LedgerError("ledger is closed" if self._closed else "ledger is not started")
+        if self._closed:
+            raise LedgerError("ledger is closed")
+        if pool is None or (self._owner is not None and asyncio.current_task() is not self._owner):
+            if pool is None and self._connecting is None:
+                raise LedgerError("ledger is not started")
+            self.stats["unavailable"] += 1
+            raise LedgerUnavailable("the ledger database is unreachable (connecting)", self.retry_after_s)
         for attempt in range(4):
             try:
                 async with pool.acquire(timeout=self.connect_timeout_s) as conn:
