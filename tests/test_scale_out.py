@@ -187,6 +187,18 @@ async def send(http: aiohttp.ClientSession, replica: Replica, secret: str, strea
         return r.status, CIMultiDict(r.headers), await r.read()
 
 
+async def hang_up(http: aiohttp.ClientSession, replica: Replica, secret: str, script: dict) -> tuple[int, CIMultiDict, bytes]:
+    """A stream the client drops after its first bytes (billed for what was generated)."""
+    body = {"model": MODEL, "stream": True, "max_output_tokens": 40, "input": "hello SIM:" + json.dumps(script)}
+    async with http.post(replica.url + "/v1/responses", data=orjson.dumps(body),
+                         headers={"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}) as r:
+        if r.status != 200:
+            return r.status, CIMultiDict(r.headers), await r.read()
+        first = await r.content.readany()
+        r.close()  # the connection is dropped, not returned to the pool
+        return r.status, CIMultiDict(r.headers), first
+
+
 def completed(status: int, raw: bytes, stream: bool) -> bool:
     if status != 200:
         return False
@@ -206,7 +218,10 @@ async def test_200_mixed_requests_on_4_replicas_never_overdraw_nor_pass_the_glob
         secret = poor if i % 2 else rich
         deadline = time.monotonic() + 60
         while True:
-            status, headers, raw = await send(http, replica, secret, stream=bool(i % 3), script=slow)
+            if i % 10 in (4, 7):  # one client in five hangs up mid-stream (both keys)
+                status, headers, raw = await hang_up(http, replica, secret, slow)
+            else:
+                status, headers, raw = await send(http, replica, secret, stream=bool(i % 3), script=slow)
             if status != 429 or time.monotonic() > deadline:
                 return status, headers, raw
             assert "Retry-After" in headers
