@@ -233,11 +233,14 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
                 raise LedgerUnavailable(f"the ledger database is unreachable ({type(exc).__name__})",
                                         self.retry_after_s) from None
 
-    def _spool(self, record: dict[str, Any]) -> None:
-        self.spool.append(record)
-        self.stats["spooled"] += 1
-        log.warning("ledger database unreachable: %s of %s spooled to %s", record["kind"],
-                    record["request_id"], self.spool.path)
+    async def _spool(self, records: list[dict[str, Any]]) -> None:
+        # On disk (fsync'd) before the settle returns; in a thread, so the fsync stalls only
+        # this request, not the event loop.
+        await asyncio.to_thread(self.spool.append_many, records)
+        self.stats["spooled"] += len(records)
+        for record in records:
+            log.warning("ledger database unreachable: %s of %s spooled to %s", record["kind"],
+                        record["request_id"], self.spool.path)
 
     # ------------------------------------------------------------------ the request path
 
@@ -361,7 +364,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         try:
             debited = await self._settle_db(request_id, usage)
         except LedgerUnavailable:
-            self._spool(settle_record(request_id, usage))
+            await self._spool([settle_record(request_id, usage)])
             return True  # recorded (in the spool): replayed exactly once by request id
         if debited is None:
             return False
@@ -375,7 +378,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         try:
             return await self._db(op, transaction=False)
         except LedgerUnavailable:
-            self._spool(release_record(request_id))
+            await self._spool([release_record(request_id)])
             return True
 
     async def expire_holds(self, now: float | None = None) -> int:
@@ -456,14 +459,16 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
             return await self._lease_commit_db(usages, leases)
         except LedgerUnavailable:
             results: list[int | BaseException | None] = []
+            spooled: list[dict[str, Any]] = []
             for lease_id, usage in usages:
                 try:
                     _check_usage(usage)
                 except ValueError as exc:
                     results.append(exc)
                     continue
-                self._spool(settle_record(usage.request_id, usage, lease_id=lease_id))
+                spooled.append(settle_record(usage.request_id, usage, lease_id=lease_id))
                 results.append(usage.cost_micros)
+            await self._spool(spooled)
             return results, set()
 
     async def _lease_commit_db(
