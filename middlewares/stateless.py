@@ -11,18 +11,18 @@ from typing import Any
 from aiohttp import web
 
 from proxy.config.load import ConfigError
-from proxy.policy.rules import check_stateless, without_previous_response
+from proxy.policy.rules import STATELESS_MODES, apply_stateless, previous_response_mode
 from proxy.state import RequestContext
 
 
 def create(section: dict[str, Any], app: web.Application):
     """The body check the prepare phase applies (before the tool policy and the translation)."""
-    mode = section.get("previous_response_id", "refuse")
-    if mode not in ("refuse", "ignore"):
-        raise ConfigError(f"stateless.previous_response_id must be 'refuse' or 'ignore', not {mode!r}")
+    given = section.get("previous_response_id", "refuse")
+    if given not in STATELESS_MODES:
+        raise ConfigError(f"stateless.previous_response_id must be 'refuse' or 'ignore', not {given!r}")
+    mode = previous_response_mode(section)
 
     def stateless(ctx: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
-        check_stateless(body, mode)
-        return without_previous_response(body) if mode == "ignore" else body
+        return apply_stateless(body, mode)
 
     return stateless

@@ -52,6 +52,10 @@ SPEC_EXTENSIONS = {
     # items: a reasoning item's status (OpenAI's), a namespaced call's namespace (Codex)
     "status", "namespace", "encrypted_content",
 }
+# Fields beyond the spec's types on a WebSocket event itself (not in its response or item),
+# documented (README, "WebSocket transport"): a turn's carried headers (its notices, the HTTP
+# x-token-notice) on its first event or its error event; a refused turn's Retry-After.
+WS_EVENT_EXTENSIONS = {"headers", "error.retry_after"}
 _OPENAI_ONLY_ITEMS = frozenset({"custom_tool_call", "custom_tool_call_output"})
 _OPENAI_ONLY_EVENTS = re.compile(r"^response\.custom_tool_call_input\.")
 
@@ -80,11 +84,15 @@ def _spec_view(response: dict[str, Any]) -> dict[str, Any]:
     return view
 
 
-def _check_extras(data: dict, model: pydantic.BaseModel, prefixes: tuple[str, ...]) -> None:
+def _check_extras(data: dict, model: pydantic.BaseModel, prefixes: tuple[str, ...],
+                  own: frozenset[str] | set[str] = frozenset()) -> None:
+    """`own`: extension paths allowed on the object itself (not under one of `prefixes`)."""
     extra: list[str] = []
     _extras(data, model.model_dump(mode="json", by_alias=True, exclude_unset=True), "", extra)
     unknown = []
     for path in extra:
+        if path in own:
+            continue
         rel = path
         for prefix in prefixes:
             if rel.startswith(prefix):
@@ -122,7 +130,14 @@ def validate_spec_event(data: dict[str, Any]) -> pydantic.BaseModel | None:
     assert cls is not None, f"event type {kind!r} is not in the Open Responses spec"
     view = dict(data, response=_spec_view(data["response"])) if "response" in data else data
     model = cls.model_validate_json(orjson.dumps(view), strict=True)
-    _check_extras(view, model, ("response.", "item."))
+    _check_extras(view, model, ("response.", "item."), WS_EVENT_EXTENSIONS)
+    return model
+
+
+def validate_spec_ws_error(data: dict[str, Any]) -> spec_types.WebSocketErrorEvent:
+    """A WebSocket error event by the spec's WebSocketErrorEvent (strict, no undocumented field)."""
+    model = spec_types.WebSocketErrorEvent.model_validate_json(orjson.dumps(data), strict=True)
+    _check_extras(data, model, (), WS_EVENT_EXTENSIONS)
     return model
 
 

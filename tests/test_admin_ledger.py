@@ -288,6 +288,79 @@ async def test_daily_budget_refuses_once_spent(make_proxy):
     assert (await proxy.ledger.get_key(record.key_id)).balance_micros == 50_000_000 - spent
 
 
+async def test_monthly_budget_refuses_once_spent_and_a_new_day_does_not_reset_it(make_proxy, monkeypatch):
+    from middlewares.balance import wait_for_settlements
+    from proxy.ledger import service
+
+    proxy = await make_proxy({"auth": {"demo_key": True}, "balance": {"lease_max_micros": 0}})
+    # The daily budget never binds here: only the monthly one can refuse.
+    secret, record = await proxy.ledger.create_key("monthly", 50_000_000, daily_budget_micros=10_000_000,
+                                                   monthly_budget_micros=400)
+    body = {"model": "tiny-org/tiny-model", "input": "Hi.", "max_output_tokens": 16}
+
+    async with aiohttp.ClientSession() as s:
+        h = {"Authorization": f"Bearer {secret}"}
+
+        async def status() -> int:
+            r = await s.post(proxy.url + "/v1/responses", json=body, headers=h)
+            await wait_for_settlements(proxy.app)
+            if r.status == 402:
+                assert (await r.json())["error"]["code"] == "budget_exceeded"
+            return r.status
+
+        statuses = []
+        for _ in range(30):
+            statuses.append(await status())
+            if statuses[-1] == 402:
+                break
+        assert statuses[0] == 200 and statuses[-1] == 402
+        _, month = period_starts()
+        spent = await proxy.ledger.spend_since(record.key_id, month)
+        assert 0 < spent <= 400  # one request at a time: the budget bounds the spend exactly
+        assert (await proxy.ledger.get_key(record.key_id)).balance_micros == 50_000_000 - spent
+
+        # A new UTC day in the same month: the spend is no longer today's, still this month's.
+        real, rollover = service.period_starts, time.time()
+        monkeypatch.setattr(service, "period_starts", lambda now=None: (rollover, real(now)[1]))
+        assert await status() == 402
+        # A new month: the budget is whole again.
+        monkeypatch.setattr(service, "period_starts", lambda now=None: (rollover, rollover))
+        assert await status() == 200
+
+
+async def test_per_key_metrics_for_the_listed_keys_only(make_proxy, tmp_path):
+    from middlewares.balance import wait_for_settlements
+
+    # The keys exist before the proxy starts, as an operator's list in config.yaml names them.
+    records = {}
+    async with SQLiteLedger(tmp_path / "ledger.db") as ledger:
+        for name in ("listed", "listed_idle", "unlisted"):
+            records[name] = await ledger.create_key(name, 10_000_000)
+    listed, idle, unlisted = (records[n][1] for n in ("listed", "listed_idle", "unlisted"))
+    proxy = await make_proxy({"auth": {"demo_key": True},
+                              "metrics": {"key_ids": [listed.key_id, idle.key_id, "key_gone"]}})
+    for name, n in (("listed", 1), ("unlisted", 3)):  # the unlisted key spends most: no top N here
+        client = proxy.openai(api_key=records[name][0])
+        for i in range(n):
+            await client.responses.create(model="tiny-org/tiny-model", input=f"Hello {i}", max_output_tokens=8)
+    await wait_for_settlements(proxy.app)
+    async with aiohttp.ClientSession() as s:
+        text = await (await s.get(proxy.url + "/metrics")).text()
+    lines = [line for line in text.splitlines() if line.startswith("responses_proxy_key_")]
+    shown = {(line.split("{")[0], line.split('key_id="')[1].split('"')[0]): float(line.rsplit(" ", 1)[1])
+             for line in lines}
+    assert {key for _, key in shown} == {listed.key_id, idle.key_id}  # unlisted and unknown ids: no series
+    assert unlisted.key_id not in text and "key_gone" not in text
+    assert all(f'name="{n}"' in text for n in ("listed", "listed_idle"))
+    for record in (listed, idle):
+        balance = (await proxy.ledger.get_key(record.key_id)).balance_micros
+        assert shown[("responses_proxy_key_balance_micros", record.key_id)] == balance
+        assert shown[("responses_proxy_key_spend_today_micros", record.key_id)] == 10_000_000 - balance
+        assert shown[("responses_proxy_key_spend_month_micros", record.key_id)] == 10_000_000 - balance
+    assert shown[("responses_proxy_key_balance_micros", listed.key_id)] < 10_000_000  # it did spend
+    assert shown[("responses_proxy_key_spend_today_micros", idle.key_id)] == 0
+
+
 async def test_per_key_metrics_are_bounded(make_proxy):
     proxy = await make_proxy({"auth": {"demo_key": True}, "metrics": {"top_keys": 1}})
     secrets_ = {}

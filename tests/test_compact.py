@@ -163,3 +163,29 @@ async def test_the_summary_turns_notices_reach_the_compact_answer(sim, make_prox
         assert resp.status == 200
         notice = resp.headers.get("x-token-notice", "")
     assert "reasoning" in notice and "encrypted_content" in notice, notice
+
+
+@pytest.mark.parametrize("stateless, status", [
+    ({"previous_response_id": "refuse"}, 400),
+    ({"previous_response_id": "ignore"}, 200),
+    # Off, the translation still refuses it with its defaults: compact answers as HTTP does.
+    ({"enabled": False, "previous_response_id": "ignore"}, 400),
+])
+async def test_compact_follows_the_operators_stateless_policy(sim, make_proxy, http, stateless, status):
+    proxy = await make_proxy({**SEAL, "compact": {"keep_recent_items": 2}, "stateless": stateless})
+    body = {"model": MODEL, "previous_response_id": "resp_1"}
+    sim.script({"text": "Hi."})
+    async with http.post(proxy.url + "/v1/responses", json={**body, "input": "hi"},
+                         headers=auth(proxy.api_key)) as resp:
+        assert resp.status == status  # the HTTP path's answer under this policy
+    sim.script({"text": SUMMARY})
+    async with http.post(proxy.url + "/v1/responses/compact", json={**body, "input": WINDOW},
+                         headers=auth(proxy.api_key)) as resp:
+        assert resp.status == status, await resp.text()
+        answer = await resp.json()
+    if status == 400:
+        assert answer["error"]["code"] == "stateless_only" and answer["error"]["param"] == "previous_response_id"
+    else:
+        assert answer["object"] == "response.compaction" and answer["output"][0]["type"] == "compaction"
+        # The summary turn went without the id (nothing to continue from: the window is all).
+        assert "previous_response_id" not in orjson.dumps(sim.requests[-1]).decode()

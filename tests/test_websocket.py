@@ -13,7 +13,7 @@ from aiohttp import WSMsgType
 from openai.types.responses.responses_server_event import ResponseWsError
 from openresponses_types import types as spec_types
 
-from tests.sdk_check import check_sequence, normalise, parse_sse
+from tests.sdk_check import check_sequence, normalise, parse_sse, validate_spec_ws_error
 
 MODEL = "tiny-org/tiny-model"
 PRICES = {"default": {"input": 1_000_000, "cached_input": 1_000_000, "output": 1_000_000}}
@@ -47,7 +47,7 @@ async def until_terminal(ws) -> list[dict]:
 
 def error_of(events: list[dict]) -> dict:
     assert len(events) == 1 and events[0]["type"] == "error", events
-    spec_types.WebSocketErrorEvent.model_validate_json(orjson.dumps(events[0]), strict=True)
+    validate_spec_ws_error(events[0])  # strict, and only documented fields beyond the spec
     ResponseWsError.model_validate(events[0], strict=True)  # the openai SDK's WebSocket error event
     return events[0]
 
@@ -384,4 +384,55 @@ async def test_a_custom_middlewares_own_stream_on_a_turn_is_an_error_event(sim, 
         for _ in range(2):
             failed = error_of(await turn(ws, {"model": MODEL, "input": "x"}))
             assert failed["status"] == 500 and failed["error"]["code"] == "internal_error"
+    assert sim.requests == []
+
+
+WEB_SEARCH_TURN = {"model": MODEL, "input": "What is new?", "tools": [{"type": "web_search"}]}
+
+
+async def test_a_turns_notices_reach_the_socket(sim, make_proxy, http):
+    """The notices HTTP sends in x-token-notice come on the turn's response.created as a
+    `headers` object (as OpenAI's WebSocket mode carries a response's headers on its events),
+    judged by the spec's types and the SDK's like every other event."""
+    proxy = await make_proxy({})
+    sim.script({"text": "No search here."})
+    async with http.post(proxy.url + "/v1/responses", json={**WEB_SEARCH_TURN, "stream": True},
+                         headers=auth(proxy.api_key)) as resp:
+        notice = resp.headers["x-token-notice"]
+        over_http = parse_sse(await resp.read())
+    assert "web_search" in notice and all("headers" not in e for e in over_http)  # HTTP: the header only
+    sim.script({"text": "No search here."})
+    async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key)) as ws:
+        events = await turn(ws, WEB_SEARCH_TURN)
+        quiet = await turn(ws, {"model": MODEL, "input": "Nothing to say about this one."})
+    check_sequence(events)
+    assert events[0]["type"] == "response.created" and events[0]["headers"] == {"x-token-notice": notice}
+    assert all("headers" not in e for e in events[1:])  # once per turn, on its first event
+    assert [(e["type"], e["sequence_number"]) for e in events] == [(e["type"], e["sequence_number"]) for e in over_http]
+    check_sequence(quiet)
+    assert all("headers" not in e for e in quiet)  # a turn with nothing to say says nothing
+
+
+async def test_the_sdk_connection_reads_a_turns_notices(sim, make_proxy):
+    proxy = await make_proxy({"notices": {"header": "x-proxy-notes"}})
+    sim.script({"text": "No search here."})
+    async with proxy.openai().responses.connect() as connection:
+        await connection.response.create(**WEB_SEARCH_TURN)
+        events = await _events(connection)
+        created = connection.parse_event(orjson.dumps(events[0]))
+    check_sequence(events)
+    assert created.type == "response.created" and "web_search" in created.model_extra["headers"]["x-proxy-notes"]
+
+
+async def test_a_refused_turns_notices_reach_the_socket(sim, make_proxy, http):
+    """A turn refused after a notice was made (a hosted tool left out, then no balance): the
+    error event carries the notice as the HTTP error envelope's header does."""
+    proxy = await make_proxy({"prices": PRICES})
+    secret, _ = await proxy.ledger.create_key("poor", balance_micros=1)
+    async with http.post(proxy.url + "/v1/responses", json=WEB_SEARCH_TURN, headers=auth(secret)) as resp:
+        assert resp.status == 402
+        notice = resp.headers["x-token-notice"]
+    async with http.ws_connect(ws_url(proxy), headers=auth(secret)) as ws:
+        broke = error_of(await turn(ws, WEB_SEARCH_TURN))
+    assert broke["status"] == 402 and broke["headers"] == {"x-token-notice": notice}
     assert sim.requests == []

@@ -286,7 +286,7 @@ def build_app(config: Config) -> web.Application:
     app.router.add_post("/v1/responses", responses_handler)
     app[state.WEBSOCKET_SETTINGS] = WebSocketSettings.from_config(config.section("websocket"), int(server["max_body_bytes"]))
     app.router.add_get("/v1/responses", websocket_handler, allow_head=False)
-    app[state.COMPACT_SETTINGS] = CompactSettings.from_section(config.section("compact"))
+    app[state.COMPACT_SETTINGS] = CompactSettings.from_section(config.section("compact"), config.section("stateless"))
     app.router.add_post("/v1/responses/compact", compact_handler)
     app.router.add_post("/v1/responses/input_tokens", input_tokens_handler)
     app.router.add_get("/v1/models", models_handler)

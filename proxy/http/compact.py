@@ -19,7 +19,7 @@ from proxy import state
 from proxy.http.errors import APIError, bad_request
 from proxy.http.request import read_json
 from proxy.http.turn import run_turn
-from proxy.policy.rules import check_stateless
+from proxy.policy.rules import apply_stateless, previous_response_mode
 from proxy.protocol.compaction import as_output_item, compaction_item, split_window, summary_request, summary_text
 from proxy.protocol.continuation import TERMINAL_EVENTS
 from proxy.protocol.ids import random_bits
@@ -35,22 +35,24 @@ class CompactSettings:
     keep_recent_items: int = 8
     max_summary_tokens: int = 2048
     instructions: str = "Summarize the conversation above for a model that will continue it."
+    previous_response_id: str = "refuse"  # the operator's stateless policy (proxy.policy.rules)
 
     @classmethod
-    def from_section(cls, section: dict[str, Any]) -> "CompactSettings":
+    def from_section(cls, section: dict[str, Any], stateless: dict[str, Any] | None = None) -> "CompactSettings":
         return cls(keep_recent_items=int(section.get("keep_recent_items", cls.keep_recent_items)),
                    max_summary_tokens=int(section.get("max_summary_tokens", cls.max_summary_tokens)),
-                   instructions=str(section.get("instructions") or cls.instructions))
+                   instructions=str(section.get("instructions") or cls.instructions),
+                   previous_response_id=previous_response_mode(stateless or {}))
 
 
-def _window(body: dict[str, Any]) -> list[Any]:
+def _window(body: dict[str, Any], settings: CompactSettings) -> list[Any]:
     model = body.get("model")
     if model is None:
         raise bad_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
     if not isinstance(model, str) or not model:
         raise bad_request("Invalid 'model': expected a non-empty string.", param="model", code="invalid_type")
-    check_stateless(body, "refuse")
-    value = body.get("input")
+    # The window is the whole conversation: an ignored previous_response_id is left out.
+    value = apply_stateless(body, settings.previous_response_id).get("input")
     if value is None:
         return []
     if isinstance(value, str):
@@ -95,9 +97,9 @@ def _check_model(request: web.Request, model: str) -> None:
 
 async def compact_handler(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    items = _window(body)
-    _check_model(request, body["model"])
     settings = request.app.get(state.COMPACT_SETTINGS) or CompactSettings()
+    items = _window(body, settings)
+    _check_model(request, body["model"])
     sealer = request.app.get(state.SEALER)
     if sealer is None:
         raise APIError(501, "Compaction needs a sealing key: the operator has not configured reasoning_seal.keys.",

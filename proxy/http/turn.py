@@ -34,6 +34,8 @@ from multidict import CIMultiDict
 from proxy import state
 
 Emit = Callable[[str, bytes], Awaitable[None]]
+# Told the answer's headers once the app's response hooks set them, before the first event.
+OnPrepare = Callable[[CIMultiDict[str]], None]
 
 TURN_PATH = "/v1/responses"
 # Headers of the origin that describe its own framing or connection, not the turn.
@@ -59,7 +61,7 @@ class TurnStream:
     """Where a turn's event stream goes: the forwarder prepares, writes and ends it as it would
     its web.StreamResponse (the calls it makes are these); SSE bytes in, one `emit` per event out."""
 
-    def __init__(self, emit: Emit, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, emit: Emit, headers: dict[str, str] | None = None, on_prepare: OnPrepare | None = None) -> None:
         self.status = 200
         self.headers: CIMultiDict[str] = CIMultiDict(headers or {})
         self.prepared = False
@@ -67,6 +69,7 @@ class TurnStream:
         self._eof_sent = False
         self._state: dict[Any, Any] = {}
         self._emit = emit
+        self._on_prepare = on_prepare
         self._pending = bytearray()
 
     def get(self, key: Any, default: Any = None) -> Any:  # a response is a mapping (ERROR_CODE)
@@ -80,6 +83,8 @@ class TurnStream:
             self.prepared = True
             # The app's response hooks see it as any answer: x-request-id, notices, ctx.started.
             await request.app.on_response_prepare.send(request, self)
+            if self._on_prepare is not None:  # the transport's say in them (a socket's first event)
+                self._on_prepare(self.headers)
 
     async def write(self, data: bytes) -> None:
         self._pending += data
@@ -120,9 +125,11 @@ class Turn:
     body: bytes
     emit: Emit
     answer: TurnStream | None = None
+    on_prepare: OnPrepare | None = None
+    refusal: web.StreamResponse | None = None  # the JSON answer run_turn reads (never written)
 
     def stream(self, headers: dict[str, str]) -> TurnStream:
-        self.answer = TurnStream(self.emit, headers)
+        self.answer = TurnStream(self.emit, headers, self.on_prepare)
         return self.answer
 
 
@@ -130,7 +137,7 @@ async def refuse_other_answers(request: web.Request, response: web.StreamRespons
     """on_response_prepare: a turn's answer is its TurnStream or an unprepared web.Response
     (read by run_turn); a stream of its own would be written onto the origin's connection."""
     turn = request.get(state.TURN)
-    if turn is not None and response is not turn.answer:
+    if turn is not None and response is not turn.answer and response is not turn.refusal:
         raise RuntimeError("a turn's event stream must be Turn.stream(); another response was prepared")
 
 
@@ -142,11 +149,12 @@ def _headers(origin: web.Request, body: bytes) -> CIMultiDict[str]:
     return headers
 
 
-async def run_turn(origin: web.Request, body: bytes, emit: Emit) -> TurnAnswer:
+async def run_turn(origin: web.Request, body: bytes, emit: Emit, on_prepare: OnPrepare | None = None) -> TurnAnswer:
     """Run `body` (a Responses request body, JSON) as `POST /v1/responses` with `origin`'s
-    headers through the app; the events go to `emit` while it runs."""
+    headers through the app; the events go to `emit` while it runs. `on_prepare` is told the
+    event stream's headers (notices among them) before its first event is emitted."""
     request = origin.clone(method="POST", rel_url=TURN_PATH, headers=_headers(origin, body))
-    turn = request[state.TURN] = Turn(body, emit)
+    turn = request[state.TURN] = Turn(body, emit, on_prepare=on_prepare)
     app = request.app
     handler = (await app.router.resolve(request)).handler
     for middleware in reversed(app.middlewares):  # new-style middlewares: (request, handler)
@@ -156,6 +164,11 @@ async def run_turn(origin: web.Request, body: bytes, emit: Emit) -> TurnAnswer:
     if stream is not None and stream.prepared:
         await stream.write_eof()  # a handler that returned without finishing its body
         return TurnAnswer(status=stream.status, streamed=True, headers=dict(stream.headers))
+    if not response.prepared:
+        # The hooks an HTTP refusal meets when aiohttp prepares it (its notices, x-request-id),
+        # on the answer read here instead of written.
+        turn.refusal = response
+        await app.on_response_prepare.send(request, response)
     answer = response.body if isinstance(response, web.Response) else b""
     return TurnAnswer(status=response.status, streamed=False,
                       body=bytes(answer) if isinstance(answer, (bytes, bytearray)) else b"",

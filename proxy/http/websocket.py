@@ -10,6 +10,12 @@ text message, the same objects with the same sequence numbers. One turn is in fl
 time; later messages wait in order (`max_queued_turns`, then the socket is not read). A peer
 that goes away cancels the turn in flight as a client disconnect cancels an HTTP request.
 
+A turn's per-response headers have no place on a socket: the notices HTTP sends in the
+notices header (`x-token-notice`) come as a `headers` object on the turn's first event
+(`response.created`), or on its error event when it is refused, as OpenAI's WebSocket mode
+carries a response's headers on its events. The spec lets an implementation extend its
+schemas; the events keep their types, order and sequence numbers.
+
 Ends of a connection: the client closes; `idle_timeout_s` without a message or a turn;
 `max_connection_minutes` (an error event `websocket_connection_limit_reached`, then close);
 a missed pong (`ping_interval_s`).
@@ -193,13 +199,21 @@ class _Connection:
             await self._send_json(exc.event())
             return
         terminal: dict[str, Any] = {}
+        carried: dict[str, str] = {}  # the turn's headers, for its first event
         send = self.ws.send_frame
+        names = self._carried_headers()
+
+        def prepared(headers: Any) -> None:
+            carried.update(_carried(headers, names))
 
         async def emit(name: str, data: bytes) -> None:
             if name in RESPONSE_EVENTS:
                 data = with_previous(data, previous)
                 if name in TERMINAL_EVENTS:
                     terminal.update(orjson.loads(data))
+            if carried:
+                data = _with_headers(data, carried)
+                carried.clear()
             await send(data, WSMsgType.TEXT)
 
         try:
@@ -207,13 +221,19 @@ class _Connection:
                 answer = await self._warmup(body, emit)
             else:
                 body["stream"] = True
-                answer = await run_turn(self.request, orjson.dumps(body), emit)
+                answer = await run_turn(self.request, orjson.dumps(body), emit, prepared)
         except BaseException:
             self.memory.failed(previous)
             raise
         self._remember(answer, terminal, body, previous)
         if not answer.streamed:
-            await self._send_json(_error_of(answer))
+            await self._send_json(_error_of(answer, names))
+
+    def _carried_headers(self) -> tuple[str, ...]:
+        """The answer headers a turn carries on its events: the notices header, when the
+        notices policy is on (proxy.state.NOTICES_HEADER)."""
+        notice = self.request.app.get(state.NOTICES_HEADER)
+        return (notice,) if notice else ()
 
     async def _warmup(self, body: dict[str, Any], emit: Any) -> TurnAnswer:
         """`generate: false`: a response with no output, no model call (proxy.http.warmup)."""
@@ -233,8 +253,25 @@ class _Connection:
             self.memory.failed(previous)
 
 
-def _error_of(answer: TurnAnswer) -> dict[str, Any]:
-    """An HTTP refusal (the OpenAI error envelope) as the spec's WebSocket error event."""
+def _carried(headers: Any, names: tuple[str, ...]) -> dict[str, str]:
+    """The `names` among an answer's headers, as the event's `headers` object (lower case)."""
+    found = {}
+    for name in names:
+        value = headers.get(name)
+        if value:
+            found[name.lower()] = value
+    return found
+
+
+def _with_headers(data: bytes, headers: dict[str, str]) -> bytes:
+    """An event's JSON (an object, as the encoder writes it) with a `headers` member added."""
+    data = data.rstrip()
+    return data[:-1] + b',"headers":' + orjson.dumps(headers) + b"}"
+
+
+def _error_of(answer: TurnAnswer, names: tuple[str, ...] = ()) -> dict[str, Any]:
+    """An HTTP refusal (the OpenAI error envelope) as the spec's WebSocket error event, with
+    the answer's carried headers (its notices) as it had them."""
     try:
         error = orjson.loads(answer.body).get("error")
     except (orjson.JSONDecodeError, AttributeError):
@@ -244,4 +281,8 @@ def _error_of(answer: TurnAnswer) -> dict[str, Any]:
     retry_after = answer.headers.get("Retry-After")
     if retry_after is not None:
         error = {**error, "retry_after": retry_after}
-    return error_event(answer.status, error)
+    event = error_event(answer.status, error)
+    headers = _carried(answer.headers, names)
+    if headers:
+        event["headers"] = headers
+    return event

@@ -15,7 +15,10 @@ from proxy.http.errors import APIError
 __all__ = [
     "HOSTED_TOOL_TYPES",
     "REFUSED_TOOL_TYPES",
+    "STATELESS_MODES",
+    "apply_stateless",
     "check_stateless",
+    "previous_response_mode",
     "item_reference_at",
     "item_reference_refusal",
     "tool_type_refusal",
@@ -99,6 +102,26 @@ def without_previous_response(body: dict[str, Any]) -> dict[str, Any]:
     if "previous_response_id" not in body:
         return body
     return {k: v for k, v in body.items() if k != "previous_response_id"}
+
+
+STATELESS_MODES = ("refuse", "ignore")
+
+
+def previous_response_mode(section: dict[str, Any]) -> str:
+    """What the operator's `stateless` section means for previous_response_id: "ignore" only
+    when the policy is enabled and says so; otherwise "refuse" (a deployment with the policy
+    off still has the translation refuse it, with its defaults). Every endpoint that takes a
+    Responses body (the prepare phase's policy, /v1/responses/compact) asks this."""
+    if section.get("enabled", True) is False:
+        return "refuse"
+    return "ignore" if section.get("previous_response_id", "refuse") == "ignore" else "refuse"
+
+
+def apply_stateless(body: dict[str, Any], mode: str) -> dict[str, Any]:
+    """The stateless guard with `mode` (see `previous_response_mode`): refuses what needs stored
+    state; with "ignore", returns the body without previous_response_id."""
+    check_stateless(body, mode)
+    return without_previous_response(body) if mode == "ignore" else body
 
 
 # --------------------------------------------------------------------------- hosted tools
