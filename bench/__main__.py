@@ -21,9 +21,15 @@ the round with the median CPU per request; the ratio to the pass-through is the 
 per-round ratios (each round's proxy over the same round's pass-through, run back to back),
 shown with their min-max and with the ratio of the medians.
 
-    python -m bench                 # everything, 5 rounds (cells of 2 s JSON, 1.5 s coalesced, 2.5 s chunked), ~8 minutes
-    python -m bench --quick         # 3 rounds of 1 s cells, ~3.5 minutes
+Last, the backend rows (issue 16): the same proxy and load (non-stream and coalesced stream,
+c=1 and 16, 3 rounds of 1 s cells) with `ledger.backend` sqlite + `limits.backend` memory,
+postgres + memory and postgres + redis, against a throwaway PostgreSQL (fsync off) and
+redis-server (bench/backing.py) pinned to the load core, whose CPU per request is shown too.
+
+    python -m bench                 # everything, 5 rounds (cells of 2 s JSON, 1.5 s coalesced, 2.5 s chunked), ~9.5 minutes
+    python -m bench --quick         # 3 rounds of 1 s cells, ~5 minutes
     python -m bench --hold 1000     # only: 1,000 concurrent open streams through the proxy
+    python -m bench --backends-only # only the backend rows (~75 s); they replace their section of --out
 """
 
 from __future__ import annotations
@@ -388,7 +394,7 @@ def main() -> int:
     ap.add_argument("--no-backends", action="store_true",
                     help="skip the ledger/limits backend rows (SQLite+memory, PostgreSQL+memory, PostgreSQL+Redis)")
     ap.add_argument("--backends-only", action="store_true",
-                    help="only the backend rows (~1.5 min); with --out, they replace their section of that file")
+                    help="only the backend rows (~75 s): they replace their section of --out, the rest of it kept")
     ap.add_argument("--out", default=str(BENCH / "results.md"))
     args = ap.parse_args()
     if args.rounds is None:
@@ -516,6 +522,17 @@ BACKEND_ROUNDS = 3
 BACKEND_SECONDS = 1.0  # per cell, after its warm-up (1 s of wrk, one stream per client)
 
 
+BACKENDS_NOTE = (
+    "Reading it: with `limits.backend: redis` every request makes two round trips to redis-server (the "
+    "admission script before the upstream call, the release before the answer's last bytes): most of that "
+    "setup's added proxy CPU and latency. The PostgreSQL ledger with leases (the default) goes to the database "
+    "for a key's lease, its top-ups and the batched usage rows, not once per request. Its p99 is the widest and "
+    "swings most from run to run: each cell starts after its key sat idle through the other setups' cells, its "
+    "lease given back (balance.lease_idle_s 2), so a burst's first requests take the exact path, every settle "
+    "taking the key's row lock (at c=16 they queue on it; the proxy's access log shows the slow ones in bursts), "
+    "and PostgreSQL shares core 1 with the load generator and whatever else runs on the machine.")
+
+
 def backend_rows(tmp: Path, upstream: Server, started: float) -> list[str]:
     """The same proxy, chain and load against each of BACKEND_SETUPS: its CPU and latency per
     request, and the CPU its PostgreSQL and redis-server spent on those requests.
@@ -619,6 +636,7 @@ def backend_report(results: dict[tuple, list[dict]], seconds: float) -> list[str
                     f"| {fmt(None if pg is None else pg / n * 1000, '.3f')} "
                     f"| {fmt(None if rd is None else rd / n * 1000, '.3f')} | {total(r):.3f} | {total_ratio} "
                     f"| {sum(c['errors'] for c in cells)} |")
+    lines += ["", BACKENDS_NOTE]
     return lines
 
 
