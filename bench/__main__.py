@@ -21,9 +21,15 @@ the round with the median CPU per request; the ratio to the pass-through is the 
 per-round ratios (each round's proxy over the same round's pass-through, run back to back),
 shown with their min-max and with the ratio of the medians.
 
-    python -m bench                 # everything, 5 rounds (cells of 2 s JSON, 1.5 s coalesced, 2.5 s chunked), ~8 minutes
-    python -m bench --quick         # 3 rounds of 1 s cells, ~3.5 minutes
+Last, the backend rows (issue 16): the same proxy and load (non-stream and coalesced stream,
+c=1 and 16, 3 rounds of 1 s cells) with `ledger.backend` sqlite + `limits.backend` memory,
+postgres + memory and postgres + redis, against a throwaway PostgreSQL (fsync off) and
+redis-server (bench/backing.py) pinned to the load core, whose CPU per request is shown too.
+
+    python -m bench                 # everything, 5 rounds (cells of 2 s JSON, 1.5 s coalesced, 2.5 s chunked), ~9.5 minutes
+    python -m bench --quick         # 3 rounds of 1 s cells, ~5 minutes
     python -m bench --hold 1000     # only: 1,000 concurrent open streams through the proxy
+    python -m bench --backends-only # only the backend rows (~75 s); they replace their section of --out
 """
 
 from __future__ import annotations
@@ -138,6 +144,9 @@ class Server:
     path: str  # the URL path the load goes to
     body_kind: str  # chat | responses
     headers: dict = field(default_factory=dict)
+    # name -> CPU seconds of a server behind this one (its PostgreSQL, its redis-server), read
+    # around each measured window like the server's own
+    backing: dict = field(default_factory=dict)
 
     def pids(self) -> list[int]:
         kids = children(self.proc.pid)
@@ -188,11 +197,12 @@ def start(cmd: list[str], cores: str, *, env: dict | None = None, stdout=None, s
                             preexec_fn=raise_nofile)
 
 
-async def _create_key(db: str) -> str:
+async def _create_key(db: str | dict) -> str:
+    """A key with a bottomless balance in the ledger at this path (SQLite) or of this config section."""
     sys.path.insert(0, str(ROOT))
     from proxy.ledger import open_ledger
 
-    ledger = open_ledger({"path": db})
+    ledger = open_ledger({"path": db} if isinstance(db, str) else db)
     await ledger.start()
     try:
         secret, _ = await ledger.create_key("bench", balance_micros=10**15, concurrency=100_000)
@@ -205,7 +215,8 @@ POLICIES = ["stateless", "auth", "limits", "tools", "balance", "notices"]
 NO_CHAIN = "proxy no chain"  # the same proxy with every policy off: what the policies cost
 
 
-def proxy_config(tmp: Path, port: int, upstream_port: int, workers: int, chain: bool = True) -> Path:
+def proxy_config(tmp: Path, port: int, upstream_port: int, workers: int, chain: bool = True,
+                 ledger: dict | None = None, limits: dict | None = None, tag: str = "") -> Path:
     cfg = {
         "server": {"host": "127.0.0.1", "port": port, "log_format": "json", "workers": workers},
         "workers": [{"name": "fake", "url": f"http://127.0.0.1:{upstream_port}", "dialect": "vllm",
@@ -213,18 +224,20 @@ def proxy_config(tmp: Path, port: int, upstream_port: int, workers: int, chain: 
                      "capacity": 100_000, "timeouts": {"connect": 5, "first_byte": 60, "idle": 60, "total": 600}}],
         **{name: {"enabled": chain} for name in POLICIES},
         "auth": {"enabled": chain, "demo_key": False},
-        "limits": {"enabled": chain, "global_concurrency": 4096},
-        "ledger": {"path": str(tmp / "ledger.db")},
+        "limits": {"enabled": chain, "global_concurrency": 4096, **(limits or {})},
+        "ledger": ledger or {"path": str(tmp / "ledger.db")},
     }
-    path = tmp / f"config-{workers}{'' if chain else '-nochain'}.yaml"
+    path = tmp / f"config-{workers}{'' if chain else '-nochain'}{tag}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     return path
 
 
-def start_proxy(tmp: Path, upstream_port: int, key: str, workers: int, cores: str, chain: bool = True) -> Server:
+def start_proxy(tmp: Path, upstream_port: int, key: str, workers: int, cores: str, chain: bool = True, *,
+                ledger: dict | None = None, limits: dict | None = None, name: str | None = None) -> Server:
     port = free_port()
-    cfg = proxy_config(tmp, port, upstream_port, workers, chain)
-    log = open(tmp / f"proxy-{workers}{'' if chain else '-nochain'}.log", "ab")
+    tag = "" if name is None else "-" + re.sub(r"\W+", "-", name)
+    cfg = proxy_config(tmp, port, upstream_port, workers, chain, ledger, limits, tag)
+    log = open(tmp / f"proxy-{workers}{'' if chain else '-nochain'}{tag}.log", "ab")
     proc = start([PY, "-m", "proxy", "--config", str(cfg), "serve"], cores, stdout=log, stderr=log)
     wait_port(port)
     if workers > 1:
@@ -232,7 +245,7 @@ def start_proxy(tmp: Path, upstream_port: int, key: str, workers: int, cores: st
         while len(children(proc.pid)) < workers and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1.0)  # every child listening
-    name = ("proxy" if chain else NO_CHAIN) if workers == 1 else f"proxy x{workers}"
+    name = name or (("proxy" if chain else NO_CHAIN) if workers == 1 else f"proxy x{workers}")
     return Server(name, proc, port, "/v1/responses", "responses", {"Authorization": f"Bearer {key}"})
 
 
@@ -263,11 +276,13 @@ class Window:
     def open(self) -> None:
         time.sleep(SETTLE_S)
         self.cpu0, self.up_cpu0 = self.server.cpu(), self.upstream.cpu()
+        self.backing0 = {name: cpu() for name, cpu in self.server.backing.items()}
         self.server.reset_hwm()
 
     def close(self) -> dict:
         return {"cpu": self.server.cpu() - self.cpu0, "upstream_cpu": self.upstream.cpu() - self.up_cpu0,
-                "hwm": self.server.hwm_mb()}
+                "hwm": self.server.hwm_mb(),
+                "backing_cpu": {name: cpu() - self.backing0[name] for name, cpu in self.server.backing.items()}}
 
 
 def run_wrk(server: Server, upstream: Server, conc: int, seconds: float, tmp: Path, cores: str) -> dict:
@@ -376,6 +391,10 @@ def main() -> int:
     ap.add_argument("--hold", type=int, default=None,
                     help="only the held-streams test with this many concurrent streams (default run: 1000 at the end)")
     ap.add_argument("--no-scaling", action="store_true", help="skip the 1 -> 2 workers rows")
+    ap.add_argument("--no-backends", action="store_true",
+                    help="skip the ledger/limits backend rows (SQLite+memory, PostgreSQL+memory, PostgreSQL+Redis)")
+    ap.add_argument("--backends-only", action="store_true",
+                    help="only the backend rows (~75 s): they replace their section of --out, the rest of it kept")
     ap.add_argument("--out", default=str(BENCH / "results.md"))
     args = ap.parse_args()
     if args.rounds is None:
@@ -408,6 +427,13 @@ def main() -> int:
             proxy = start_proxy(tmp, up_port, key, 1, SERVER_CORE)
             servers.append(proxy)
             say(hold_test(proxy, upstream, args.hold, LOAD_CORE))
+            return 0
+        if args.backends_only:
+            for line in backend_rows(tmp, upstream, started):
+                say(line)
+            out = Path(args.out)
+            out.write_text(with_backends_section(out.read_text() if out.exists() else "", "\n".join(lines)))
+            print(f"\nwritten to {args.out}", file=sys.stderr)
             return 0
 
         pt_port = free_port()
@@ -464,10 +490,15 @@ def main() -> int:
             servers.append(proxy)
 
         hold_line = hold_test(proxy, upstream, 1000, LOAD_CORE)
+        backend_lines = [] if args.no_backends else backend_rows(tmp, upstream, time.monotonic())
         run = (f"{cells_text(args)}, median of {args.rounds} round{'s' * (args.rounds > 1)}, "
                f"{(time.monotonic() - started) / 60:.1f} min in all, "
                f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
         report(say, results, concs, args.rounds, run, scaling, hold_line)
+        if backend_lines:
+            say()
+            for line in backend_lines:
+                say(line)
     finally:
         for srv in servers:
             srv.stop()
@@ -478,6 +509,147 @@ def main() -> int:
     out.write_text(with_kept_section("\n".join(lines) + "\n", out.read_text() if out.exists() else ""))
     print(f"\nwritten to {args.out}", file=sys.stderr)
     return 0
+
+
+# ---------------------------------------------------------------------------- backend rows (issue 16)
+
+BACKENDS_HEADING = "### Ledger and limits backends over HTTP (issue 16)"
+# (ledger.backend, limits.backend): today's single-node default, then the shared backends
+BACKEND_SETUPS = [("sqlite", "memory"), ("postgres", "memory"), ("postgres", "redis")]
+BACKEND_WORKLOADS = WORKLOADS[:2]  # non-stream, stream coalesced
+BACKEND_CONCS = (1, 16)
+BACKEND_ROUNDS = 3
+BACKEND_SECONDS = 1.0  # per cell, after its warm-up (1 s of wrk, one stream per client)
+
+
+BACKENDS_NOTE = (
+    "Reading it: with `limits.backend: redis` every request makes two round trips to redis-server (the "
+    "admission script before the upstream call, the release before the answer's last bytes): most of that "
+    "setup's added proxy CPU and latency. The PostgreSQL ledger with leases (the default) goes to the database "
+    "for a key's lease, its top-ups and the batched usage rows, not once per request. Its p99 is the widest and "
+    "swings most from run to run: each cell starts after its key sat idle through the other setups' cells, its "
+    "lease given back (balance.lease_idle_s 2), so a burst's first requests take the exact path, every settle "
+    "taking the key's row lock (at c=16 they queue on it; the proxy's access log shows the slow ones in bursts), "
+    "and PostgreSQL shares core 1 with the load generator and whatever else runs on the machine.")
+
+
+def backend_rows(tmp: Path, upstream: Server, started: float) -> list[str]:
+    """The same proxy, chain and load against each of BACKEND_SETUPS: its CPU and latency per
+    request, and the CPU its PostgreSQL and redis-server spent on those requests.
+
+    The servers are bench/backing.py's (PostgreSQL with fsync off), pinned to the load core with
+    the load generator and the fake upstream: the proxy keeps core 0 to itself, as above.
+    """
+    from bench.backing import Backing
+
+    results: dict[tuple, list[dict]] = {}
+    servers: list[Server] = []
+    load_cores = {int(c) for c in LOAD_CORE.split(",")}
+    with Backing(load_cores) as backing:
+        try:
+            for i, (ledger_name, limits_name) in enumerate(BACKEND_SETUPS):
+                if ledger_name == "sqlite":
+                    ledger = {"path": str(tmp / f"ledger-backends-{i}.db")}
+                else:
+                    ledger = {"backend": "postgres", "dsn": backing.pg_database("bench"),
+                              "spool_path": str(tmp / f"ledger-spool-{i}.jsonl")}
+                limits = ({"backend": "redis", "redis": {"url": backing.redis.url, "key_prefix": f"bench{i}:"}}
+                          if limits_name == "redis" else None)
+                key = asyncio.run(_create_key(ledger))
+                srv = start_proxy(tmp, upstream.port, key, 1, SERVER_CORE, ledger=ledger, limits=limits,
+                                  name=f"{ledger_name}+{limits_name}")
+                if ledger_name == "postgres":
+                    srv.backing["postgres"] = backing.pg_cpu
+                if limits_name == "redis":
+                    srv.backing["redis-server"] = backing.redis_cpu
+                servers.append(srv)
+            total_cells = len(BACKEND_WORKLOADS) * len(BACKEND_CONCS) * BACKEND_ROUNDS * len(servers)
+            done = 0
+            for wname, model in BACKEND_WORKLOADS:
+                for conc in BACKEND_CONCS:
+                    for rnd in range(1, BACKEND_ROUNDS + 1):
+                        for srv in servers:  # interleaved, like the cells above
+                            r = (run_wrk(srv, upstream, conc, BACKEND_SECONDS, tmp, LOAD_CORE) if model == "bench-json"
+                                 else run_sse(srv, upstream, model, conc, BACKEND_SECONDS, LOAD_CORE))
+                            results.setdefault((wname, conc, srv.name), []).append(r)
+                            done += 1
+                            side = "".join(f"  {k} {v / (r['n'] or 1) * 1000:.3f} ms"
+                                           for k, v in r["backing_cpu"].items())
+                            print(f"  backends [{done}/{total_cells}] {wname:16s} c={conc:<3d} round {rnd} "
+                                  f"{srv.name:18s} {r['rps']:7.0f}/s p50 {fmt(r['p50'])} ms  "
+                                  f"CPU/req {cpu_per_req(r):.3f} ms{side}  errors {r['errors']}",
+                                  file=sys.stderr, flush=True)
+        finally:
+            for srv in servers:
+                srv.stop()
+    return backend_report(results, time.monotonic() - started)
+
+
+def backend_report(results: dict[tuple, list[dict]], seconds: float) -> list[str]:
+    base_name = "+".join(BACKEND_SETUPS[0])
+    lines = [
+        f"{BACKENDS_HEADING}",
+        "",
+        f"`python -m bench --backends-only --out bench/results.md` (also the last part of `make bench`; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {NCPU} cores, {BACKEND_SECONDS:g} s cells after a warm-up, median of "
+        f"{BACKEND_ROUNDS} rounds, the three setups interleaved within a round, {seconds:.0f} s in all, "
+        f"load average {os.getloadavg()[0]:.1f}). The same proxy, full default chain (leases on: "
+        "balance.lease_max_micros 10,000,000) and load, POST /v1/responses, against `ledger.backend` x "
+        "`limits.backend`: sqlite + memory (one node, the default), postgres + memory, postgres + redis. "
+        "PostgreSQL 15 and redis-server are throwaway local servers on loopback (tests/pg_server.py, "
+        "tests/redis_server.py; **PostgreSQL runs with fsync, synchronous_commit and full_page_writes off**, so "
+        "its figures are CPU and round trips, not disk; redis-server without persistence), pinned with the load "
+        "generator and the fake upstream to core 1; the proxy alone on core 0. `PostgreSQL CPU/req` = the "
+        "postmaster and all its processes (backends, walwriter...: their CPU clocks, plus reaped children's "
+        "cutime/cstime from /proc/<pid>/stat), `redis-server CPU/req` = its process; `total` = proxy + both. "
+        f"Each row is the round with the median proxy CPU per request; `x {base_name}` = the median over the "
+        f"rounds of that round's proxy (or total) CPU per request over the same round's {base_name} cell's.",
+        "",
+        f"| workload | c | ledger | limits | req/s | p50 ms | p99 ms | proxy CPU/req ms | proxy x {base_name} "
+        f"(min-max) | PostgreSQL CPU/req ms | redis-server CPU/req ms | total CPU/req ms | total x {base_name} "
+        "| errors |",
+        "|---|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+
+    def total(r: dict) -> float:
+        return (r["cpu"] + sum(r["backing_cpu"].values())) / (r["n"] or 1) * 1000
+
+    for wname, _ in BACKEND_WORKLOADS:
+        for conc in BACKEND_CONCS:
+            base = results[(wname, conc, base_name)]
+            for ledger_name, limits_name in BACKEND_SETUPS:
+                name = f"{ledger_name}+{limits_name}"
+                cells = results[(wname, conc, name)]
+                r = median_cell(cells)
+                n = r["n"] or 1
+                ratios = sorted(cpu_per_req(c) / cpu_per_req(b) for c, b in zip(cells, base) if b["cpu"])
+                totals = sorted(total(c) / total(b) for c, b in zip(cells, base) if b["cpu"])
+                mid = (len(ratios) - 1) // 2
+                ratio = "-" if name == base_name or not ratios else (
+                    f"{ratios[mid]:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+                total_ratio = "-" if name == base_name or not totals else f"{totals[mid]:.2f}"
+                pg = r["backing_cpu"].get("postgres")
+                rd = r["backing_cpu"].get("redis-server")
+                lines.append(
+                    f"| {wname} | {conc} | {ledger_name} | {limits_name} | {r['rps']:.0f} | {fmt(r['p50'])} "
+                    f"| {fmt(r['p99'])} | {cpu_per_req(r):.3f} | {ratio} "
+                    f"| {fmt(None if pg is None else pg / n * 1000, '.3f')} "
+                    f"| {fmt(None if rd is None else rd / n * 1000, '.3f')} | {total(r):.3f} | {total_ratio} "
+                    f"| {sum(c['errors'] for c in cells)} |")
+    lines += ["", BACKENDS_NOTE]
+    return lines
+
+
+def with_backends_section(text: str, block: str) -> str:
+    """text with its backend-rows section replaced by block (or block put before the kept section)."""
+    block = block.strip("\n")
+    if BACKENDS_HEADING in text:
+        pattern = re.compile(re.escape(BACKENDS_HEADING) + r".*?(?=\n#{2,3} |\Z)", re.S)
+        return pattern.sub(lambda _: block + "\n", text, count=1)
+    at = text.find(KEPT_HEADING)
+    if at < 0:
+        return (text.rstrip("\n") + "\n\n" if text.strip() else "") + block + "\n"
+    return text[:at] + block + "\n\n" + text[at:]
 
 
 def hold_test(proxy: Server, upstream: Server, n: int, cores: str) -> str:
