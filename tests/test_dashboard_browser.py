@@ -112,7 +112,9 @@ async def test_dashboard_views_match_the_ledger(make_proxy):
             # a wrong key is refused on the page
             await page.fill("#admin-key", "adm-wrong-0123456789abcdef")
             await page.click("#login-button")
-            await page.wait_for_function("document.getElementById('login-error').textContent.length > 0")
+            # A locator wait, not wait_for_function: that one compiles its predicate with eval in
+            # the page, which the dashboard's CSP (script-src 'self') refuses, depending on timing.
+            await playwright_api.expect(page.locator("#login-error")).not_to_be_empty()
             await page.fill("#admin-key", ADMIN_KEY)
             await page.click("#login-button")
             await page.wait_for_selector("body[data-loaded]")
