@@ -2,7 +2,7 @@
 
 A mixin of PostgresLedger (proxy/ledger/postgres.py), which supplies `_db` (a pooled
 connection in a transaction) and `key_generation`. The values are checked by the same
-functions as the SQLite ledger's (proxy/ledger/schema.py, sqlite_keys.py). A change a cached
+rules as the SQLite ledger's (proxy/ledger/key_rules.py). A change a cached
 lookup could miss (limits, revoke, rotate) NOTIFYs every replica in its own transaction
 (proxy/ledger/pg_listen.py) and bumps this object's key_generation after the commit (also
 on error: a cache flush is always safe). A top-up does not: no cached field depends on it.
@@ -16,9 +16,8 @@ from typing import Any
 
 from proxy.ledger.base import UNSET, KeyRecord, LedgerError, UnknownKey
 from proxy.ledger.pg_listen import CHANNEL
-from proxy.ledger.schema import KEY_COLUMNS, _int, _key_record, _models_json, _opt_limit, hash_secret, new_secret
-from proxy.ledger.sqlite_keys import _opt_budget, _opt_time
-from proxy.ledger.usage import MAX_AMOUNT
+from proxy.ledger.key_rules import limit_changes, new_key_values, topped_up
+from proxy.ledger.schema import KEY_COLUMNS, _int, _key_record, hash_secret, new_secret
 
 _NOTIFY = f"SELECT pg_notify('{CHANNEL}', $1)"
 
@@ -46,15 +45,10 @@ class PgKeyOps:
         monthly_budget_micros: int | None = None,
         expires_at: float | None = None,
     ) -> tuple[str, KeyRecord]:
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError("a key needs a name")
-        balance = _int(balance_micros, "balance_micros")
-        values = (
-            _models_json(allowed_models), _opt_limit(concurrency, "concurrency"),
-            _opt_limit(rate_per_min, "rate_per_min"), _opt_time(expires_at, "expires_at"),
-            _opt_limit(tokens_per_min, "tokens_per_min"), _opt_budget(daily_budget_micros, "daily_budget_micros"),
-            _opt_budget(monthly_budget_micros, "monthly_budget_micros"),
-        )
+        name, balance, values = new_key_values(name, balance_micros, {
+            "allowed_models": allowed_models, "concurrency": concurrency, "rate_per_min": rate_per_min,
+            "expires_at": expires_at, "tokens_per_min": tokens_per_min,
+            "daily_budget_micros": daily_budget_micros, "monthly_budget_micros": monthly_budget_micros})
         secret = new_secret()
         digest = hash_secret(secret)
         key_id = "key_" + secrets.token_hex(8)
@@ -66,7 +60,7 @@ class PgKeyOps:
                 " concurrency, rate_per_min, expires_at, tokens_per_min, daily_budget_micros,"
                 " monthly_budget_micros, revoked, created_at)"
                 " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, FALSE, $13)",
-                key_id, name.strip(), secret[:12], digest, balance, *values, now)
+                key_id, name, secret[:12], digest, balance, *values, now)
             if balance:
                 await conn.execute("INSERT INTO topups (key_id, micros, created_at) VALUES ($1, $2, $3)",
                                    key_id, balance, now)
@@ -91,15 +85,12 @@ class PgKeyOps:
             balance = await conn.fetchval("SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE", key_id)
             if balance is None:
                 raise UnknownKey(key_id)
-            if balance + amount < 0:
-                raise ValueError(f"the balance would go below zero ({balance} + {amount})")
-            if balance + amount > MAX_AMOUNT:
-                raise ValueError(f"the balance would exceed {MAX_AMOUNT} micros ({balance} + {amount})")
+            after = topped_up(balance, amount)
             await conn.execute("UPDATE keys SET balance_micros = balance_micros + $1 WHERE key_id = $2",
                                amount, key_id)
             await conn.execute("INSERT INTO topups (key_id, micros, created_at) VALUES ($1, $2, $3)",
                                key_id, amount, time.time())
-            return balance + amount
+            return after
 
         return await self._db(op)
 
@@ -115,19 +106,10 @@ class PgKeyOps:
         monthly_budget_micros: Any = UNSET,
         expires_at: Any = UNSET,
     ) -> KeyRecord:
-        checks = {
-            "allowed_models": (allowed_models, _models_json),
-            "concurrency": (concurrency, _opt_limit),
-            "rate_per_min": (rate_per_min, _opt_limit),
-            "tokens_per_min": (tokens_per_min, _opt_limit),
-            "daily_budget_micros": (daily_budget_micros, _opt_budget),
-            "monthly_budget_micros": (monthly_budget_micros, _opt_budget),
-            "expires_at": (expires_at, _opt_time),
-        }
-        changes: dict[str, Any] = {}
-        for column, (value, check) in checks.items():
-            if value is not UNSET:
-                changes[column] = check(value) if check is _models_json else check(value, column)
+        changes = limit_changes({
+            "allowed_models": allowed_models, "concurrency": concurrency, "rate_per_min": rate_per_min,
+            "tokens_per_min": tokens_per_min, "daily_budget_micros": daily_budget_micros,
+            "monthly_budget_micros": monthly_budget_micros, "expires_at": expires_at})
 
         async def op(conn: Any) -> KeyRecord:
             if changes:

@@ -14,25 +14,11 @@ import time
 from typing import Any
 
 from proxy.ledger.base import UNSET, KeyRecord, LedgerError, UnknownKey
-from proxy.ledger.schema import KEY_COLUMNS, _int, _key_record, _models_json, _opt_limit, hash_secret, new_secret
-from proxy.ledger.usage import MAX_AMOUNT
+from proxy.ledger.key_rules import limit_changes, new_key_values, topped_up
+from proxy.ledger.schema import KEY_COLUMNS, _int, _key_record, hash_secret, new_secret
 from proxy.ledger.writer import Durability
 
 READ = Durability.READ
-
-
-def _opt_budget(value: Any, what: str) -> int | None:
-    """A budget in micros: a positive integer, or None (no budget)."""
-    return _opt_limit(value, what)
-
-
-def _opt_time(value: Any, what: str) -> float | None:
-    """An expiry: Unix seconds (a finite number > 0), or None (never)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e11:
-        raise ValueError(f"{what} must be a Unix time in seconds (None: never), not {value!r}")
-    return float(value)
 
 
 class KeyOps:
@@ -53,15 +39,10 @@ class KeyOps:
         monthly_budget_micros: int | None = None,
         expires_at: float | None = None,
     ) -> tuple[str, KeyRecord]:
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError("a key needs a name")
-        balance = _int(balance_micros, "balance_micros")
-        values = (
-            _models_json(allowed_models), _opt_limit(concurrency, "concurrency"),
-            _opt_limit(rate_per_min, "rate_per_min"), _opt_time(expires_at, "expires_at"),
-            _opt_limit(tokens_per_min, "tokens_per_min"), _opt_budget(daily_budget_micros, "daily_budget_micros"),
-            _opt_budget(monthly_budget_micros, "monthly_budget_micros"),
-        )
+        name, balance, values = new_key_values(name, balance_micros, {
+            "allowed_models": allowed_models, "concurrency": concurrency, "rate_per_min": rate_per_min,
+            "expires_at": expires_at, "tokens_per_min": tokens_per_min,
+            "daily_budget_micros": daily_budget_micros, "monthly_budget_micros": monthly_budget_micros})
         secret = new_secret()
         digest = hash_secret(secret)
         key_id = "key_" + secrets.token_hex(8)
@@ -72,7 +53,7 @@ class KeyOps:
                 "INSERT INTO keys (key_id, name, prefix, secret_sha256, balance_micros, allowed_models,"
                 " concurrency, rate_per_min, expires_at, tokens_per_min, daily_budget_micros,"
                 " monthly_budget_micros, revoked, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                (key_id, name.strip(), secret[:12], digest, balance, *values, now),
+                (key_id, name, secret[:12], digest, balance, *values, now),
             )
             if balance:
                 conn.execute(
@@ -99,15 +80,12 @@ class KeyOps:
             row = conn.execute("SELECT balance_micros FROM keys WHERE key_id = ?", (key_id,)).fetchone()
             if row is None:
                 raise UnknownKey(key_id)
-            if row[0] + amount < 0:
-                raise ValueError(f"the balance would go below zero ({row[0]} + {amount})")
-            if row[0] + amount > MAX_AMOUNT:
-                raise ValueError(f"the balance would exceed {MAX_AMOUNT} micros ({row[0]} + {amount})")
+            balance = topped_up(row[0], amount)
             conn.execute("UPDATE keys SET balance_micros = balance_micros + ? WHERE key_id = ?", (amount, key_id))
             conn.execute(
                 "INSERT INTO topups (key_id, micros, created_at) VALUES (?, ?, ?)", (key_id, amount, time.time())
             )
-            return row[0] + amount
+            return balance
 
         return await self._run(op)
 
@@ -123,19 +101,10 @@ class KeyOps:
         monthly_budget_micros: Any = UNSET,
         expires_at: Any = UNSET,
     ) -> KeyRecord:
-        checks = {
-            "allowed_models": (allowed_models, _models_json),
-            "concurrency": (concurrency, _opt_limit),
-            "rate_per_min": (rate_per_min, _opt_limit),
-            "tokens_per_min": (tokens_per_min, _opt_limit),
-            "daily_budget_micros": (daily_budget_micros, _opt_budget),
-            "monthly_budget_micros": (monthly_budget_micros, _opt_budget),
-            "expires_at": (expires_at, _opt_time),
-        }
-        changes: dict[str, Any] = {}
-        for column, (value, check) in checks.items():
-            if value is not UNSET:
-                changes[column] = check(value) if check is _models_json else check(value, column)
+        changes = limit_changes({
+            "allowed_models": allowed_models, "concurrency": concurrency, "rate_per_min": rate_per_min,
+            "tokens_per_min": tokens_per_min, "daily_budget_micros": daily_budget_micros,
+            "monthly_budget_micros": monthly_budget_micros, "expires_at": expires_at})
 
         def op(conn: sqlite3.Connection) -> KeyRecord:
             if changes:
