@@ -154,6 +154,30 @@ class PgServer:
             proc.kill()  # our own child, by its pid
             proc.wait(10)
 
+    def _cluster_pids(self) -> list[int]:
+        """The postmaster and its children (each backend is its own session: PostgreSQL calls
+        setsid in every child, so the postmaster's process group does not reach them)."""
+        pids = [self.proc.pid]
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                with open(stat) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid:  # ppid
+                pids.append(int(stat.split("/")[2]))
+        return pids
+
+    def freeze(self) -> None:
+        """SIGSTOP the whole cluster: a server that holds its connections open and answers
+        nothing, as across a partitioned network."""
+        for pid in self._cluster_pids():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self._cluster_pids():
+            os.kill(pid, signal.SIGCONT)
+
     def psql(self, sql: str, database: str = "postgres") -> str:
         proc = subprocess.run(
             [str(self.bin / "psql") if (self.bin / "psql").exists() else "psql",

@@ -205,6 +205,37 @@ async def test_unreachable_database_is_unavailable_and_settles_are_spooled_then_
         await led.close()
 
 
+async def test_a_frozen_database_is_unavailable_in_bounded_time_not_a_hang(pg_dsn, tmp_path, pg_server):
+    """A server that keeps its connections open and answers nothing (SIGSTOP: a partitioned
+    network looks the same): every call ends within statement_timeout + 1 s, as
+    LedgerUnavailable; settles are spooled; after the thaw they are replayed once."""
+    led = open_ledger(pg_section(pg_dsn, tmp_path, statement_timeout_ms=500))
+    await led.start()
+    led.replay_interval_s = 0.2
+    try:
+        secret, key = await led.create_key("frozen", 10_000)
+        await led.hold("f-0", key.key_id, 1_000, ttl_s=60)
+        pg_server.freeze()
+        try:
+            for call in (lambda: led.lookup_key(secret), lambda: led.hold("f-new", key.key_id, 1, ttl_s=60)):
+                t0 = time.monotonic()
+                with pytest.raises(LedgerUnavailable):
+                    await asyncio.wait_for(call(), 10)  # the wait_for only keeps a failing test from hanging
+                assert time.monotonic() - t0 < 3.5
+            t0 = time.monotonic()
+            assert await asyncio.wait_for(led.settle("f-0", usage_for("f-0", key.key_id, 400)), 10)
+            assert time.monotonic() - t0 < 3.5
+            assert led.spool.pending()
+        finally:
+            pg_server.thaw()
+        assert await wait_for(lambda: not led.spool.pending(), 15.0)
+        assert (await led.get_key(key.key_id)).balance_micros == 10_000 - 400
+        assert (await led.usage("f-0")).debited_micros == 400
+    finally:
+        pg_server.thaw()
+        await led.close()
+
+
 async def test_a_failed_lease_commit_spools_its_rows_and_the_replay_takes_them_off_the_lease(
         pg_dsn, tmp_path, pg_server):
     led = open_ledger(pg_section(pg_dsn, tmp_path))

@@ -141,9 +141,12 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         with LedgerUnavailable): a spool of settlements is replayed before any new hold."""
         self._owner = asyncio.current_task()
         try:
+            # command_timeout: the client's own bound on every statement, past the server's
+            # statement_timeout, for a server that cannot even answer that (frozen, or a
+            # network that drops packets): a request gets its 503 instead of hanging.
             self._pool = await asyncpg.create_pool(
                 self.dsn, min_size=self.pool_min, max_size=self.pool_max, timeout=self.connect_timeout_s,
-                server_settings=self._settings)
+                command_timeout=self.statement_timeout_ms / 1000 + 1.0, server_settings=self._settings)
             async with self._pool.acquire(timeout=self.connect_timeout_s) as conn:
                 await migrate(conn)
             await self._listener.start()
