@@ -232,6 +232,26 @@ async def test_redis_down_closed_refuses_open_admits_and_both_recover(stack, htt
     stream.release()
 
 
+async def test_a_frozen_redis_is_a_bounded_wait_not_a_hang(stack, http, redis_db):
+    """A Redis that holds the connection open and answers nothing (SIGSTOP; a partitioned
+    network looks the same): socket_timeout_ms bounds every admission (503 when closed,
+    admitted when open), and once it answers again the limits are shared again."""
+    sim, ledger, launch = stack
+    closed, opened = await launch("closed", on_error="closed"), await launch("open")
+    key, _ = await ledger.create_key("k", balance_micros=100_000_000, concurrency=1)
+    assert (await post(http, closed, key))[0] == 200
+    os.kill(redis_db.proc.pid, signal.SIGSTOP)
+    try:
+        for proxy, want in ((closed, 503), (opened, 200), (closed, 503)):
+            t0 = time.monotonic()
+            status, _, _ = await asyncio.wait_for(post(http, proxy, key), 10)
+            assert status == want
+            assert time.monotonic() - t0 < 2.0  # socket_timeout_ms (200), not the client's patience
+    finally:
+        os.kill(redis_db.proc.pid, signal.SIGCONT)
+    await until(lambda: _status_is(http, closed, key, 200), timeout=5)
+
+
 async def test_two_workers_with_redis_do_not_divide_the_global_limit(stack, http):
     sim, ledger, launch = stack
     both = await launch("both", workers=2, limits={"global_concurrency": 3})
