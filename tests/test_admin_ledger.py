@@ -118,6 +118,56 @@ async def test_totals_from_the_hourly_sums_equal_the_rows(ledger):
                                          and (until is None or u.created_at < until))
 
 
+async def test_totals_equal_the_rows_for_random_ranges_filters_and_groupings(ledger):
+    """Random bounds anywhere (fractions of a second, exactly on an hour, just before one),
+    rows on and just off the hour boundaries, random key / model filters and groupings: every
+    field of every group equals the sums of the matching rows (proxy/ledger/rollup.py's split)."""
+    import random
+
+    rng = random.Random(1618)
+    keys = [(await ledger.create_key(f"k{i}", 10**9))[1].key_id for i in range(2)]
+    base = 1_764_547_200.0
+    edges = [base + h * 3600 + d for h in range(0, 50, 7) for d in (0.0, -0.001, 0.001)]
+    rows = []
+    for n in range(160):
+        at = edges[n] if n < len(edges) else base + rng.uniform(0, 2 * DAY)
+        u = _usage(f"q{n}", rng.choice(keys), at, model=rng.choice(["m1", "m2", "m3"]),
+                   worker=rng.choice(["w1", "w2", None]), cost=rng.randint(0, 900))
+        u.input_tokens, u.cached_tokens = rng.randint(0, 5000), rng.randint(0, 50)
+        u.output_tokens, u.reasoning_tokens = rng.randint(0, 700), rng.randint(0, 9)
+        if n % 3:  # a lease's batch commit, or one settle
+            results, _ = await ledger.lease_commit([("lease:r", u)], [])
+            assert results == [u.cost_micros]
+        else:
+            assert await ledger.settle(u.request_id, u)
+        rows.append(u)
+    points = [None, *edges, *(base + rng.uniform(-3600, 2 * DAY + 3600) for _ in range(20))]
+    for _ in range(60):
+        since, until = rng.choice(points), rng.choice(points)
+        if since is not None and until is not None and until < since:
+            since, until = until, since
+        key_id, model = rng.choice([None, keys[0]]), rng.choice([None, None, "m2"])
+        group_by = tuple(rng.sample(["key", "model", "worker", rng.choice(["day", "hour"])], rng.randint(0, 4)))
+        found = await ledger.usage_totals(group_by, since=since, until=until, key_id=key_id, model=model)
+        expected: dict[tuple, list[int]] = {}
+        for u in rows:
+            if ((since is not None and u.created_at < since) or (until is not None and u.created_at >= until)
+                    or (key_id and u.key_id != key_id) or (model and u.model != model)):
+                continue
+            values = {"key": u.key_id, "model": u.model, "worker": u.worker,
+                      "day": int(u.created_at // DAY * DAY), "hour": int(u.created_at // 3600 * 3600)}
+            sums = expected.setdefault(tuple(values[g] for g in group_by), [0] * 7)
+            for i, v in enumerate((1, u.input_tokens, u.cached_tokens, u.output_tokens, u.reasoning_tokens,
+                                   u.cost_micros, u.cost_micros)):
+                sums[i] += v
+        if not group_by and not expected:
+            expected[()] = [0] * 7
+        got = {tuple(t.group[g] for g in group_by): [t.requests, t.input_tokens, t.cached_tokens, t.output_tokens,
+                                                     t.reasoning_tokens, t.cost_micros, t.debited_micros]
+               for t in found}
+        assert got == expected, (group_by, since, until, key_id, model)
+
+
 @sqlite_only
 async def test_console_reads_use_the_indexes(ledger):
     plans = {

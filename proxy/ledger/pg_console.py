@@ -3,8 +3,11 @@ usage rows over a time range (paginated by seq), usage totals grouped by key / m
 worker / day / hour, and a key's spend since a time (budgets).
 
 A mixin of PostgresLedger (proxy/ledger/postgres.py), which supplies `_db`. The same answers
-as proxy/ledger/sqlite_console.py; totals are summed from the usage rows over the indexes
-usage_by_time(created_at) and usage_by_key_time(key_id, created_at) INCLUDE (debited_micros).
+as proxy/ledger/sqlite_console.py, by the same rule (proxy/ledger/rollup.py): totals read the
+hourly sums (usage_hourly, proxy/ledger/pg_schema.py migration 3) for the whole UTC hours
+of the range and the usage rows for its ragged ends (and for a status filter), over the
+indexes usage_by_time(created_at) and usage_by_key_time(key_id, created_at) INCLUDE
+(debited_micros), all in one REPEATABLE READ snapshot.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from typing import Any
 
 from proxy.ledger.base import USAGE_GROUPS, AuditEntry, UsageRecord, UsageTotals
+from proxy.ledger.rollup import check_group_by, merge_totals, split_totals
 
 _USAGE_ROW_COLUMNS = (
     "seq, request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
@@ -27,6 +31,20 @@ _GROUP_SQL = {
     "hour": "(floor(created_at / 3600) * 3600)::bigint",
 }
 assert set(_GROUP_SQL) == set(USAGE_GROUPS)
+# The same groups over usage_hourly.
+_ROLLUP_GROUP_SQL = {
+    "key": "key_id",
+    "model": "model",
+    "worker": "NULLIF(worker, '')",
+    "day": "hour / 86400 * 86400",
+    "hour": "hour",
+}
+_ROLLUP_SUMS = (
+    "COALESCE(SUM(requests), 0)::bigint, COALESCE(SUM(input_tokens), 0)::bigint,"
+    " COALESCE(SUM(cached_tokens), 0)::bigint, COALESCE(SUM(output_tokens), 0)::bigint,"
+    " COALESCE(SUM(reasoning_tokens), 0)::bigint, COALESCE(SUM(cost_micros), 0)::bigint,"
+    " COALESCE(SUM(debited_micros), 0)::bigint"
+)
 _SUMS = (
     "COUNT(*), COALESCE(SUM(input_tokens), 0)::bigint, COALESCE(SUM(cached_tokens), 0)::bigint,"
     " COALESCE(SUM(output_tokens), 0)::bigint, COALESCE(SUM(reasoning_tokens), 0)::bigint,"
@@ -48,6 +66,24 @@ def _where(since: float | None, until: float | None, key_id: str | None, model: 
         params.append(list(statuses))
         clauses.append(f"status = ANY(${len(params)}::text[])")
     return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+def _hourly_where(first: int | None, end: int | None, key_id: str | None, model: str | None
+                  ) -> tuple[str, list[Any]]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    for clause, value in (("key_id = ", key_id), ("model = ", model), ("hour >= ", first), ("hour < ", end)):
+        if value is not None:
+            params.append(value)
+            clauses.append(f"{clause}${len(params)}")
+    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], sums: str, table: str, where: str,
+                params: list) -> tuple[str, list]:
+    exprs = [columns[g] for g in group_by]
+    grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(exprs)))}" if exprs else ""
+    return f"SELECT {', '.join([*exprs, sums])} FROM {table}{where}{grouping}", params
 
 
 def _limit(limit: int) -> int:
@@ -97,20 +133,21 @@ class PgConsoleOps:
     async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,
                            until: float | None = None, key_id: str | None = None,
                            model: str | None = None, statuses: tuple[str, ...] | None = None) -> list[UsageTotals]:
-        unknown = [g for g in group_by if g not in _GROUP_SQL]
-        if unknown or len(set(group_by)) != len(group_by):
-            raise ValueError(f"group_by must be distinct names of {', '.join(USAGE_GROUPS)}, not {list(group_by)}")
-        where, params = _where(since, until, key_id, model, statuses=statuses)
-        exprs = [_GROUP_SQL[g] for g in group_by]
-        grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(exprs)))}" if exprs else ""
-        sql = f"SELECT {', '.join([*exprs, _SUMS])} FROM usage{where}{grouping}"
+        check_group_by(group_by)
+        raw, whole = split_totals(since, until, statuses)
+        queries = [_totals_sql(group_by, _GROUP_SQL, _SUMS, "usage",
+                               *_where(lo, hi, key_id, model, statuses=statuses)) for lo, hi in raw]
+        if whole is not None:
+            queries.append(_totals_sql(group_by, _ROLLUP_GROUP_SQL, _ROLLUP_SUMS, "usage_hourly",
+                                       *_hourly_where(*whole, key_id, model)))
 
         async def op(conn: Any) -> list[UsageTotals]:
-            sums = {tuple(r)[:len(group_by)]: list(tuple(r)[len(group_by):]) for r in await conn.fetch(sql, *params)}
-            if not group_by and not sums:
-                sums[()] = [0] * 7
-            order = sorted(sums, key=lambda g: tuple((v is not None, v if v is not None else 0) for v in g))
-            return [UsageTotals(dict(zip(group_by, group)), *sums[group]) for group in order]
+            if len(queries) == 1:  # one statement is one snapshot already
+                sql, params = queries[0]
+                return merge_totals(group_by, [await conn.fetch(sql, *params)])
+            async with conn.transaction(isolation="repeatable_read", readonly=True):  # one snapshot for the parts
+                parts = [await conn.fetch(sql, *params) for sql, params in queries]
+            return merge_totals(group_by, parts)
 
         return await self._db(op, transaction=False)
 

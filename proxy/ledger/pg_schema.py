@@ -11,8 +11,16 @@ would fail loudly, which is what tests/test_ledger_pg.py's "4 replicas start at 
 Tables match the SQLite ledger's (proxy/ledger/schema.py) column for column, so records
 and checks are shared; money is BIGINT micro-units, times are DOUBLE PRECISION Unix
 seconds written by the proxy (not the database's clock: see proxy/ledger/postgres.py).
-There is no usage_hourly rollup: totals are summed from usage rows over the
-(created_at) and (key_id, created_at) indexes.
+Migration 3 adds usage_hourly, the hourly sums of SQLite's schema (proxy/ledger/schema.py
+ROLLUP; the rules: proxy/ledger/rollup.py), filled from the rows already there in the same
+transaction. The sums are kept by a statement-level trigger on usage, not by the proxy's
+code: every INSERT into usage (settle, lease_commit's batch, the spool's replay, a replica
+still running the previous release during a rolling upgrade, an operator's own INSERT) adds
+the rows it actually inserted (its transition table: a duplicate skipped by ON CONFLICT DO
+NOTHING is not in it) with one upsert per (hour, key, model, worker) group, in the inserting
+transaction. Created before the backfill, the trigger's lock on usage (SHARE ROW EXCLUSIVE)
+waits for every open insert and holds off new ones until the migration commits: each row is
+summed exactly once, by the backfill or by the trigger.
 """
 
 from __future__ import annotations
@@ -22,6 +30,13 @@ from typing import Any
 
 # An arbitrary, fixed 64-bit key: "every ledger migration" across every replica.
 MIGRATION_LOCK = 0x7270_6C65_6467_6572  # "rpledger"
+
+# usage_hourly's sums (migration 3): the groups of proxy/ledger/rollup.py, in SQL.
+_SUMS = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens", "cost_micros", "debited_micros")
+_SUM_COLUMNS_DDL = ",\n    ".join(f"{c:<16} BIGINT NOT NULL" for c in _SUMS)
+_ROLLUP_FROM = ("SELECT (floor(created_at / 3600) * 3600)::bigint, key_id, model, COALESCE(worker, ''), COUNT(*), "
+                + ", ".join(f"SUM({c})::bigint" for c in _SUMS) + " FROM {rows} GROUP BY 1, 2, 3, 4")
+_ROLLUP_ADD = ", ".join(f"{c} = h.{c} + EXCLUDED.{c}" for c in _SUMS)
 
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "keys, holds, usage, topups, audit", """
@@ -94,6 +109,27 @@ CREATE TRIGGER usage_no_change BEFORE UPDATE OR DELETE OR TRUNCATE ON usage
     FOR EACH STATEMENT EXECUTE FUNCTION ledger_append_only();
 CREATE TRIGGER audit_no_change BEFORE UPDATE OR DELETE OR TRUNCATE ON audit
     FOR EACH STATEMENT EXECUTE FUNCTION ledger_append_only();
+"""),
+    (3, "usage_hourly: usage summed per UTC hour, key, model and worker", f"""
+CREATE TABLE usage_hourly (
+    hour             BIGINT NOT NULL,    -- Unix seconds of the UTC hour's start
+    key_id           TEXT NOT NULL,
+    model            TEXT NOT NULL,
+    worker           TEXT NOT NULL,      -- '' for rows without one
+    requests         BIGINT NOT NULL,
+    {_SUM_COLUMNS_DDL},
+    PRIMARY KEY (hour, key_id, model, worker)
+);
+CREATE FUNCTION usage_roll_up() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO usage_hourly AS h {_ROLLUP_FROM.format(rows="new_rows")}
+        ON CONFLICT (hour, key_id, model, worker) DO UPDATE SET requests = h.requests + EXCLUDED.requests,
+        {_ROLLUP_ADD};
+    RETURN NULL;
+END $$;
+CREATE TRIGGER usage_roll_up AFTER INSERT ON usage REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION usage_roll_up();
+INSERT INTO usage_hourly {_ROLLUP_FROM.format(rows="usage")};
 """),
 )
 

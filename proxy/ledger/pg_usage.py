@@ -2,6 +2,8 @@
 (insert exactly once, debit clamped at the balance, take the debits off the lease rows).
 The same contract as proxy/ledger/schema.py's _record_usage (tests/test_ledger_lease_commit.py
 checks both against one model), in PostgreSQL: the key rows locked first, in key_id order.
+The hourly sums of the rows inserted here are added by the database itself, in the same
+transaction (the trigger of proxy/ledger/pg_schema.py migration 3): nothing to call.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from collections import defaultdict
 from typing import Any
 
 from proxy.ledger.base import SECRET_PREFIX, USAGE_STATUSES, KeyRecord, UnknownKey, UsageRecord
+from proxy.ledger.rollup import hourly_sums
 from proxy.ledger.usage import MAX_AMOUNT
 
 SCHEMA = """
@@ -103,7 +104,7 @@ CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
 # Usage summed per UTC hour, key, model and worker, added to in the transaction that inserts
 # the usage rows (roll_up below, called by settle and lease_commit: one upsert per group of a
 # batch, not per row): reports over days or months read these sums instead of every row
-# (proxy/ledger/sqlite_console.py). Derived data: filled from the usage rows when missing.
+# (proxy/ledger/sqlite_console.py; the rules: proxy/ledger/rollup.py). Derived data: filled from the usage rows when missing.
 _ROLLUP_SUMS = "input_tokens, cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros"
 ROLLUP = """
 CREATE TABLE IF NOT EXISTS usage_hourly (
@@ -138,22 +139,8 @@ _ROLLUP_ADD = (
 
 def roll_up(conn: sqlite3.Connection, inserted: list[tuple[tuple, int]]) -> None:
     """Add usage rows just inserted (each an _INSERT_USAGE row and its debit) to the hourly
-    sums, in the caller's transaction."""
-    groups: dict[tuple, list[int]] = {}
-    for row, debit in inserted:
-        worker = row[11]
-        group = (int(row[10] // 3600) * 3600, row[1], row[2], "" if worker is None else worker)
-        sums = groups.get(group)
-        if sums is None:
-            sums = groups[group] = [0, 0, 0, 0, 0, 0, 0]
-        sums[0] += 1
-        sums[1] += row[3]
-        sums[2] += row[4]
-        sums[3] += row[5]
-        sums[4] += row[6]
-        sums[5] += row[7]
-        sums[6] += debit
-    conn.executemany(_ROLLUP_ADD, [(*group, *sums) for group, sums in groups.items()])
+    sums, in the caller's transaction: one upsert per group (proxy/ledger/rollup.py)."""
+    conn.executemany(_ROLLUP_ADD, hourly_sums(inserted))
 
 
 def apply_schema(conn: sqlite3.Connection) -> None:

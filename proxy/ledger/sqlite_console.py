@@ -11,12 +11,12 @@ created_at) (proxy/ledger/schema.py; tests/test_admin_ledger.py checks the query
 from __future__ import annotations
 
 import json
-import math
 import sqlite3
 import time
 from typing import Any
 
 from proxy.ledger.base import USAGE_GROUPS, AuditEntry, UsageRecord, UsageTotals
+from proxy.ledger.rollup import check_group_by, merge_totals, split_totals
 from proxy.ledger.writer import Durability
 
 READ = Durability.READ
@@ -66,21 +66,6 @@ def _where(since: float | None, until: float | None, key_id: str | None, model: 
         clauses.append(f"status IN ({', '.join('?' for _ in statuses)})")
         params.extend(statuses)
     return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
-
-
-def _split_hours(since: float | None, until: float | None) -> tuple[list[tuple], tuple | None]:
-    """[since, until) as (the ragged ends, each a (lo, hi) range of rows; the whole UTC hours
-    between them as (first hour, end) for the hourly sums, None when there is none)."""
-    lo = None if since is None else -(-int(math.ceil(since)) // 3600) * 3600
-    hi = None if until is None else int(until) // 3600 * 3600
-    if lo is not None and hi is not None and lo >= hi:
-        return [(since, until)], None
-    raw = []
-    if since is not None and lo > since:
-        raw.append((since, float(lo)))
-    if until is not None and hi < until:
-        raw.append((float(hi), until))
-    return raw, (lo, hi)
 
 
 def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], table: str, where: str, params: list,
@@ -140,12 +125,10 @@ class ConsoleOps:
     async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,
                            until: float | None = None, key_id: str | None = None,
                            model: str | None = None, statuses: tuple[str, ...] | None = None) -> list[UsageTotals]:
-        unknown = [g for g in group_by if g not in _GROUP_SQL]
-        if unknown or len(set(group_by)) != len(group_by):
-            raise ValueError(f"group_by must be distinct names of {', '.join(USAGE_GROUPS)}, not {list(group_by)}")
+        check_group_by(group_by)
         # Whole hours come from the hourly sums; the ragged ends of the range, and any
-        # status filter (the sums do not keep statuses), from the rows.
-        raw, whole = ([(since, until)], None) if statuses else _split_hours(since, until)
+        # status filter (the sums do not keep statuses), from the rows (proxy/ledger/rollup.py).
+        raw, whole = split_totals(since, until, statuses)
         queries = [_totals_sql(group_by, _GROUP_SQL, "usage", *_where(lo, hi, key_id, model, statuses=statuses))
                    for lo, hi in raw]
         if whole is not None:
@@ -157,17 +140,7 @@ class ConsoleOps:
             queries.append(_totals_sql(group_by, _ROLLUP_GROUP_SQL, "usage_hourly", where, params, rolled=True))
 
         def op(conn: sqlite3.Connection) -> list[UsageTotals]:
-            sums: dict[tuple, list[int]] = {}
-            for sql, params in queries:
-                for row in conn.execute(sql, params):
-                    group, values = tuple(row[:len(group_by)]), row[len(group_by):]
-                    found = sums.setdefault(group, [0] * len(values))
-                    for i, value in enumerate(values):
-                        found[i] += value
-            if not group_by and not sums:
-                sums[()] = [0] * 7
-            order = sorted(sums, key=lambda g: tuple((v is not None, v if v is not None else 0) for v in g))
-            return [UsageTotals(dict(zip(group_by, group)), *sums[group]) for group in order]
+            return merge_totals(group_by, (conn.execute(sql, params) for sql, params in queries))
 
         return await self._run(op, READ)
 
