@@ -74,6 +74,19 @@ _READ_USAGE = ("request_id, key_id, model, input_tokens, cached_tokens, output_t
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
 
 
+def _checked_rows(usages: list[tuple[str, UsageRecord]]) -> list[tuple | ValueError]:
+    """Each usage checked once: its ready-made row, or why it cannot be recorded."""
+    rows: list[tuple | ValueError] = []
+    for _, usage in usages:
+        try:
+            _check_usage(usage)
+        except ValueError as exc:
+            rows.append(exc)
+            continue
+        rows.append(usage_row(usage))
+    return rows
+
+
 def redact(dsn: str) -> str:
     """host:port/database of a DSN, never its password."""
     try:
@@ -458,16 +471,15 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         """As SQLiteLedger.lease_commit, in one transaction. When the database cannot be
         reached, each valid row is spooled (with its lease id) and answered as debited at
         its cost: its replay debits it (clamped) and takes it off the lease row."""
+        rows = _checked_rows(usages)
         try:
-            return await self._lease_commit_db(usages, leases)
+            return await self._lease_commit_db(usages, leases, rows)
         except LedgerUnavailable:
             results: list[int | BaseException | None] = []
             spooled: list[dict[str, Any]] = []
-            for lease_id, usage in usages:
-                try:
-                    _check_usage(usage)
-                except ValueError as exc:
-                    results.append(exc)
+            for (lease_id, usage), row in zip(usages, rows):
+                if isinstance(row, ValueError):
+                    results.append(row)
                     continue
                 spooled.append(settle_record(usage.request_id, usage, lease_id=lease_id))
                 results.append(usage.cost_micros)
@@ -478,15 +490,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         self,
         usages: list[tuple[str, UsageRecord]],
         leases: list[tuple[str, int, float | None, bool]],
+        rows: list[tuple | ValueError],
     ) -> tuple[list[int | BaseException | None], set[str]]:
-        rows: list[tuple | ValueError] = []
-        for _, usage in usages:
-            try:
-                _check_usage(usage)
-            except ValueError as exc:
-                rows.append(exc)
-                continue
-            rows.append(usage_row(usage))
         lease_ids = [lease_id for lease_id, _ in usages]
 
         async def op(conn: asyncpg.Connection) -> tuple[list, set[str]]:
@@ -511,7 +516,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
                 return
             usage = usage_of(record)
             if kind == "lease_usage":
-                results, _ = await self._lease_commit_db([(record["lease_id"], usage)], [])
+                pair = [(record["lease_id"], usage)]
+                results, _ = await self._lease_commit_db(pair, [], _checked_rows(pair))
                 if isinstance(results[0], BaseException):
                     raise results[0]
             else:
