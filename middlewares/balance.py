@@ -81,8 +81,8 @@ from aiohttp import web
 from middlewares.auth import is_static
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError, ledger_unavailable
-from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, LedgerUnavailable, UsageRecord
+from proxy.http.errors import APIError
+from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
 from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.service import budget_room
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
@@ -416,11 +416,9 @@ class _Billing:
         price = self.price_of(t.model)
         est = estimate_input_tokens(t.chat, self.bytes_per_token)
         leases = self.leases_for(ledger)
-        try:
-            room = await budget_room(ledger, record)
-            hold, est = await self.reserve(ctx, leases, key_id, t, price, est, room)
-        except LedgerUnavailable as exc:  # nothing held: the client retries after Retry-After
-            raise ledger_unavailable(exc.retry_after_s) from None
+        # A LedgerUnavailable here holds nothing: the envelope answers it 503 with Retry-After.
+        room = await budget_room(ledger, record)
+        hold, est = await self.reserve(ctx, leases, key_id, t, price, est, room)
         ctx.hold = hold
         settling: list[asyncio.Task | None] = []  # one entry once settlement started
 

@@ -63,7 +63,10 @@ def envelope(phases: Phases):
             status = response.status
             error_code = response.get(ERROR_CODE)
             return response
-        except APIError as exc:
+        except (APIError, LedgerUnavailable) as caught:
+            # A ledger that cannot be reached on the way (a hold, GET /v1/key, the admin API)
+            # is its 503 with Retry-After, answered like any refusal.
+            exc = caught if isinstance(caught, APIError) else ledger_unavailable(caught.retry_after_s)
             status, error_code = exc.status, exc.code
             streamed = await refusal_as_event(request, ctx, exc)  # Codex reads a spent balance only as an event
             return streamed if streamed is not None else exc.to_response()
@@ -78,9 +81,6 @@ def envelope(phases: Phases):
             # 499: the client went away before its answer was whole (after it, the answer stands).
             status = 200 if out is not None and out.status in ("completed", "incomplete", "failed") else 499
             raise
-        except LedgerUnavailable as exc:  # any other ledger read on the way (GET /v1/key, the admin API)
-            status, error_code = 503, "ledger_unavailable"
-            return ledger_unavailable(exc.retry_after_s).to_response()
         except Exception:
             log.exception("unhandled error", request_id=ctx.request_id)
             error_code = "internal_error"

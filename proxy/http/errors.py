@@ -7,6 +7,7 @@ code path can answer with a bare 500 or an HTML page.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import orjson
@@ -42,7 +43,7 @@ ERROR_CODE = web.ResponseKey("error_code", object)  # the envelope's code, for t
 def ledger_unavailable(retry_after_s: float) -> "APIError":
     """The answer while the ledger's database cannot be reached (proxy.ledger.LedgerUnavailable):
     503 with Retry-After, never a 500; the client retries, nothing was held or billed."""
-    seconds = max(1, int(-(-float(retry_after_s) // 1)))
+    seconds = max(1, math.ceil(retry_after_s))
     return APIError(503, "The billing ledger is unreachable right now; retry after the Retry-After delay.",
                     code="ledger_unavailable", headers={"Retry-After": str(seconds)})
 
