@@ -265,8 +265,7 @@ def _locate(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         from proxy.ledger.postgres import redact
 
         print(f"ledger: postgres {redact(str(section.get('dsn') or ''))}", file=sys.stderr, flush=True)
-        return {**section, "spool_path": resolve_path(str(section.get("spool_path") or "data/ledger-spool.jsonl"),
-                                                      _base_dir(args, config) or Path.cwd())}
+        return section  # its spool_path: relative to the config's folder, as for the server (open_ledger)
     path = resolve_path(str(section.get("path") or "data/ledger.db"), _base_dir(args, config) or Path.cwd())
     if path != ":memory:":
         path = str(Path(path).resolve())
@@ -386,7 +385,7 @@ async def _command(service: KeyService, args: argparse.Namespace, out: Any) -> N
 
 
 async def _run(args: argparse.Namespace, config: Any, out: Any) -> int:
-    ledger = open_ledger(_locate(args, config))
+    ledger = open_ledger(_locate(args, config), base_dir=_base_dir(args, config))
     await ledger.start()
     try:
         await _command(KeyService(ledger, _actor()), args, out)
