@@ -96,7 +96,7 @@ def decode(data: bytes) -> tuple[list[dict[str, Any]], int]:
 class Spool:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._replaying = asyncio.Lock() if _has_loop() else None
+        self._replaying = asyncio.Lock()  # binds to no loop until first used (Python >= 3.10)
         self.stats = {"appended": 0, "replayed": 0, "skipped": 0}
 
     def __repr__(self) -> str:
@@ -170,8 +170,6 @@ class Spool:
     async def replay(self, apply: Callable[[dict[str, Any]], Awaitable[Any]]) -> int:
         """Apply every waiting record in order; returns how many. An exception from apply
         stops the replay (the rest waits for the next one) and propagates."""
-        if self._replaying is None:
-            self._replaying = asyncio.Lock()
         async with self._replaying:
             self._rotate()
             done = 0
@@ -191,14 +189,6 @@ class Spool:
                 path.unlink(missing_ok=True)
                 self._sync_dir()
             return done
-
-
-def _has_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 __all__ = ["Spool", "settle_record", "release_record", "usage_of", "encode", "decode", "KINDS"]
