@@ -88,7 +88,7 @@ from proxy.ledger.service import budget_room
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.runtime.logs import log
-from proxy.upstream.routing import TokenCountError, count_tokens, prompt_bytes
+from proxy.upstream.routing import TokenCountError, count_tokens
 from proxy.state import METRICS, RequestContext
 
 # The chat template's own tokens (see estimate_input_tokens): in front of everything, around
@@ -354,7 +354,7 @@ class _Billing:
         if not _billable(out, cancelled):
             return None
         cap = ctx.translation.reserved_output
-        media = prompt_bytes(t.chat)[1]
+        media = t.prompt_size()[1]
         billed = clean_usage(out.reported_usage if out.usage_reported else None,
                              counted_output=out.counted_output,
                              input_fallback=counted_input if counted_input is not None else est,

@@ -14,7 +14,8 @@ import pytest
 
 from proxy.upstream.affinity import AffinityKey, AffinitySettings, key_point, request_key
 from proxy.http.errors import APIError
-from proxy.upstream.routing import choose, parse_provider, prompt_bytes, select
+from proxy.protocol.prompt import prompt_bytes
+from proxy.upstream.routing import choose, parse_provider, select
 from proxy.upstream.workers import OutlierPolicy, Worker, WorkerPool
 
 

@@ -12,11 +12,12 @@ The parts: `translate_options` (plain fields, sampling, text format, the chat bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.http.errors import bad_request
 from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, check_stateless
+from proxy.protocol.prompt import prompt_bytes
 from proxy.protocol.translate_input import HOSTED_ITEM_TYPES, NO_SEAL_KEY, UNSEAL_FAILED, messages_of
 from proxy.protocol.translate_options import (
     NO_SEAL_INCLUDE,
@@ -69,6 +70,10 @@ class Translation:
     # The most output tokens the client may be sent and billed, when the balance reserved for
     # a number (None: max_tokens as sent, if any). The rewriter stops there.
     reserved_output: int | None = None
+    # (chat's messages, its tools, prompt_bytes(chat)), computed once: the balance and the
+    # context check both read it. It stands while chat holds those same two objects: the copies
+    # share them (chat is never edited in place), a replace() with other messages does not.
+    prompt: tuple[Any, Any, tuple[int, bool]] | None = field(default=None, compare=False, repr=False)
 
     def with_cap(self, cap: int, *, lowered: bool = True) -> "Translation":
         """This request with its output held to `cap` tokens (reserved_output). lowered: the cap
@@ -77,14 +82,28 @@ class Translation:
         if not is_int(cap) or cap < 1:
             raise ValueError(f"output cap must be a positive integer, got {cap!r}")
         if not lowered:
-            return replace(self, reserved_output=cap)
-        return replace(self, chat={**self.chat, "max_tokens": cap}, echo={**self.echo, "max_output_tokens": cap},
-                       max_output_tokens=cap, reserved_output=cap)
+            return self._copy(self.chat, self.echo, self.max_output_tokens, cap)
+        return self._copy({**self.chat, "max_tokens": cap}, {**self.echo, "max_output_tokens": cap}, cap, cap)
 
     def with_max_tokens(self, max_tokens: int) -> "Translation":
         """This request with `max_tokens` sent upstream (the context check lowers it to the room
         the model's window leaves); the echo and the reserved cap stay as they are."""
-        return replace(self, chat={**self.chat, "max_tokens": max_tokens})
+        return self._copy({**self.chat, "max_tokens": max_tokens}, self.echo, self.max_output_tokens,
+                          self.reserved_output)
+
+    def _copy(self, chat: dict, echo: dict, max_output_tokens: int | None, reserved_output: int | None) -> "Translation":
+        # Every field by position: dataclasses.replace walks fields() and builds keyword
+        # arguments on each call, and the balance makes this copy for every billed request.
+        return Translation(chat, self.model, self.upstream_model, self.stream, self.tools, echo, self.notices,
+                           self.include_encrypted_reasoning, self.prompt_cache_key, self.conversation,
+                           max_output_tokens, self.allowed_tools, reserved_output, self.prompt)
+
+    def prompt_size(self) -> tuple[int, bool]:
+        """(UTF-8 bytes of the prompt's text, whether it carries media): proxy.protocol.prompt."""
+        chat, found = self.chat, self.prompt
+        if found is not None and found[0] is chat.get("messages") and found[1] is chat.get("tools"):
+            return found[2]
+        return prompt_bytes(chat)
 
     @property
     def output_cap(self) -> int | None:
@@ -144,5 +163,6 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         conversation=sc.conversation,
         max_output_tokens=sc.max_out,
         allowed_tools=allowed_tools,
+        prompt=(chat.get("messages"), chat.get("tools"), prompt_bytes(chat)),
     )
 

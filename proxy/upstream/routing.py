@@ -418,52 +418,6 @@ _BASE = 256
 _TOOLS_PREAMBLE = 512
 
 
-_TEXT_KEYS = frozenset(("content", "reasoning_content", "reasoning", "name", "tool_call_id"))
-
-
-def _utf8_len(text: str) -> int:
-    # isascii() is a flag check in CPython: an ASCII string's length is its UTF-8 size, no copy.
-    return len(text) if text.isascii() else len(text.encode())
-
-
-def _parts_bytes(parts: list) -> tuple[int, bool]:
-    total, media = 0, False
-    for part in parts:
-        if isinstance(part, dict):
-            text = part.get("text")
-            if isinstance(text, str):
-                total += _utf8_len(text)
-            elif part.get("type") not in (None, "text"):
-                media = True
-        elif isinstance(part, str):
-            total += _utf8_len(part)
-    return total, media
-
-
-def prompt_bytes(chat: dict) -> tuple[int, bool]:
-    """(UTF-8 bytes of every text the template renders, whether the prompt carries media)."""
-    total, media = 0, False
-    for message in chat.get("messages") or []:
-        if not isinstance(message, dict):
-            continue
-        # A message's own keys (usually just role and content), not a lookup of every text key.
-        for key, value in message.items():
-            if key in _TEXT_KEYS:
-                if isinstance(value, str):
-                    total += _utf8_len(value)
-                elif isinstance(value, list):
-                    size, has_media = _parts_bytes(value)
-                    total += size
-                    media = media or has_media
-            elif key == "tool_calls" and value:
-                for call in value:
-                    if isinstance(call, dict):
-                        total += len(orjson.dumps(call.get("function") or {}))
-    if chat.get("tools"):
-        total += len(orjson.dumps(chat["tools"]))
-    return total, media
-
-
 def _too_long(window: int, prompt: int, wanted: int | None, *, estimated: bool) -> APIError:
     counted = f"at least {prompt} input tokens (estimated from its size)" if estimated else f"{prompt} input tokens"
     if wanted is None:
@@ -488,7 +442,7 @@ async def check_context_window(session: aiohttp.ClientSession, worker: "Worker",
     max_tokens = t.chat.get("max_tokens")
     if not window or max_tokens is None:
         return "no_window", t
-    text, media = prompt_bytes(t.chat)
+    text, media = t.prompt_size()
     if media:
         return "media", t  # image tokens are the model server's to count
     asked = isinstance(client_max, int) and not isinstance(client_max, bool)
