@@ -24,8 +24,8 @@ from proxy.upstream.affinity import AffinitySettings, request_key
 from proxy.protocol.dialects import chat_for
 from proxy.http.errors import APIError
 from proxy.runtime.logs import log
-from proxy.protocol.rewriter import (ResponseContext, StreamRewriter, client_usage, map_usage, public_message,
-                            response_from_completion)
+from proxy.protocol.rewriter import (ResponseContext, StreamRewriter, client_usage, completion_response, map_usage,
+                                     public_message)
 from proxy.upstream.routing import (TokenCountError, check_context_window, choose, count_tokens, parse_provider,
                            request_parameters, tokenize)
 from proxy.protocol.seal import binding
@@ -131,7 +131,7 @@ def _response_context(app: web.Application, ctx: RequestContext, t: Translation)
 
 
 def _record_usage(out: state.Outcome, usage: dict | None, counted: int, cap: int | None,
-                  capped: bool = False) -> None:
+                  capped: bool = False, shown: dict | None = None) -> None:
     """The usage as reported (checked by the balance middleware before billing, which then
     puts the billed figures here) and the output deltas counted; the figures kept here for
     the access line and the metrics when nothing is billed are the same checks, short."""
@@ -140,7 +140,8 @@ def _record_usage(out: state.Outcome, usage: dict | None, counted: int, cap: int
     if usage:
         out.usage_reported = True
         out.reported_usage = usage
-        shown = client_usage(usage, cap)
+        if shown is None:  # the caller may pass what its Response shows: the same figures
+            shown = client_usage(usage, cap)
         out.input_tokens = shown["input_tokens"]
         out.cached_tokens = shown["input_tokens_details"]["cached_tokens"]
         out.output_tokens = max(shown["output_tokens"], counted)
@@ -330,12 +331,12 @@ def _json_answer(worker: Worker, ctx: ResponseContext, body: bytes, out: state.O
     if not isinstance(completion, dict) or "error" in completion or completion.get("object") == "error":
         message, _ = _upstream_message(body)
         raise APIError(502, message or "The model server failed.", code="upstream_error")
-    response = response_from_completion(ctx, completion)
+    response, reported = completion_response(ctx, completion)
     out.status = response["status"]
     usage = completion.get("usage")
     # Without a usage report, what the client is shown was counted (one per item with text).
-    _record_usage(out, map_usage(usage) if isinstance(usage, dict) and usage else None,
-                  int(response["usage"]["output_tokens"]) if not usage else 0, ctx.output_cap)
+    _record_usage(out, reported if usage else None, 0 if usage else int(response["usage"]["output_tokens"]),
+                  ctx.output_cap, shown=response["usage"])
     return response
 
 

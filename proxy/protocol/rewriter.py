@@ -30,8 +30,8 @@ from proxy.protocol.encoder import Discard, SSEEncoder
 from proxy.protocol.response import ResponseContext, client_usage, map_usage, public_message
 from proxy.protocol.sse import MAX_LINE, SSEDecoder
 
-__all__ = ["ResponseContext", "StreamRewriter", "response_from_completion", "map_usage", "client_usage",
-           "public_message"]
+__all__ = ["ResponseContext", "StreamRewriter", "response_from_completion", "completion_response", "map_usage",
+           "client_usage", "public_message"]
 
 
 class StreamRewriter:
@@ -104,6 +104,12 @@ class StreamRewriter:
 
 def response_from_completion(ctx: ResponseContext, completion: Any) -> dict:
     """A non-stream chat.completion -> the Response object the equivalent stream ends with."""
+    return completion_response(ctx, completion)[0]
+
+
+def completion_response(ctx: ResponseContext, completion: Any) -> tuple[dict, dict | None]:
+    """response_from_completion, and the completion's usage as reported (map_usage; None
+    when it sent none), which the billing reads."""
     asm = Assembler(ctx, Discard())
     asm.feed(completion_events(completion))
-    return asm.response
+    return asm.response, asm.usage
