@@ -113,25 +113,18 @@ def create(section: dict[str, Any], app: web.Application):
         raise ConfigError(f"limits: unknown setting(s) {', '.join(sorted(unknown))}")
     backend = section.get("backend", "memory")
     if backend == "memory":
-        counter: Any = MemoryCounter()
-    elif backend == "redis":
-        redis_section = section.get("redis") or {}
-        counter = _redis_counter(redis_section, app)
-        unavailable_header = _seconds_header(redis_section, "limits.redis", 1)
-    else:
+        return _in_process(MemoryCounter(), global_limit, key_default, retry_header)
+    if backend != "redis":
         raise ConfigError(f"limits.backend must be memory or redis, not {backend!r}")
+    redis_section = section.get("redis") or {}
+    counter = _redis_counter(redis_section, app)
+    unavailable_header = _seconds_header(redis_section, "limits.redis", 1)
     admit, release = counter.admit, counter.release
-    early = backend == "redis"
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
         if ctx.method != "POST" or ctx.path not in _GUARDED:
             return await call_next(request, ctx)
-        record = ctx.key
-        if record is None:
-            ask = Ask(None, global_limit, None, None, None)
-        else:
-            ask = Ask(record.key_id, global_limit, record.concurrency or key_default,
-                      record.rate_per_min, record.tokens_per_min)
+        ask = _ask(ctx, global_limit, key_default)
         try:
             ticket = await admit(ask)
         except LimitsUnavailable:
@@ -139,13 +132,36 @@ def create(section: dict[str, Any], app: web.Application):
                            code="limits_unavailable", headers={"Retry-After": unavailable_header}) from None
         if ticket.__class__ is Refused:
             raise _refusal(ticket, ask, retry_header)
-        if early:
-            return await _with_early_release(request, ctx, call_next, release, ticket)
+        return await _with_early_release(request, ctx, call_next, release, ticket)
+
+    return limits
+
+
+def _ask(ctx: RequestContext, global_limit: int | None, key_default: int | None) -> Ask:
+    record = ctx.key
+    if record is None:
+        return Ask(None, global_limit, None, None, None)
+    return Ask(record.key_id, global_limit, record.concurrency or key_default, record.rate_per_min,
+               record.tokens_per_min)
+
+
+def _in_process(counter: MemoryCounter, global_limit: int | None, key_default: int | None, retry_header: str):
+    """The phase over this process's own counters: no I/O, so admit and release are plain
+    calls, made before the handler and when it returns."""
+    admit, release = counter.admit_now, counter.release_now
+
+    async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
+        if ctx.method != "POST" or ctx.path not in _GUARDED:
+            return await call_next(request, ctx)
+        ask = _ask(ctx, global_limit, key_default)
+        ticket = admit(ask)
+        if ticket.__class__ is Refused:
+            raise _refusal(ticket, ask, retry_header)
         try:
             return await call_next(request, ctx)
         finally:
             out = ctx.outcome
-            await release(ticket, out.input_tokens + out.output_tokens if out is not None else None)
+            release(ticket, out.input_tokens + out.output_tokens if out is not None else None)
 
     return limits
 

@@ -126,8 +126,7 @@ def cost_micros(price: Price, input_tokens: int, cached_tokens: int, output_toke
     if not (type(output_tokens) is int and output_tokens >= 0):
         _check_count("output_tokens", output_tokens)
     uncached, cached = _split(input_tokens, cached_tokens)
-    numerator = uncached * price.input + cached * price.cached_input + output_tokens * price.output
-    return -(-numerator // PER)
+    return -(-(uncached * price.input + cached * price.cached_input + output_tokens * price.output) // PER)
 
 
 def input_cost_micros(price: Price, input_tokens: int, cached_tokens: int) -> int:
