@@ -8,7 +8,7 @@ error envelope's code.
 `access(**fields)` writes the one access-log line per request. With JSON output at level
 info or below it skips structlog's processor chain: the same fields in the same order
 (the caller's, then event, level, timestamp) serialised once by orjson and written through
-structlog's own PrintLogger (same file, same lock, flushed). Otherwise (console output, a
+structlog's own WriteLogger (same file, same lock, flushed). Otherwise (console output, a
 level above info, or structlog never configured, as in the tests) it is `access_log.info`.
 """
 
@@ -80,13 +80,15 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # WriteLogger: the line and its newline in one write (PrintLogger's print() makes two
+        # writes to an unbuffered stderr, two system calls per line).
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     _flush_access()  # what the previous configuration still holds goes out under it
     _access_writer = _access_flush = None
     if fmt != "console" and threshold <= logging.INFO:
-        printer = structlog.PrintLogger(file=sys.stderr)
+        printer = structlog.WriteLogger(file=sys.stderr)
         # Under load many requests end in one turn of the event loop: their lines are written
         # together at the end of it, one write and flush instead of one per request. A line
         # waits at most that turn; outside a loop it is written at once.
