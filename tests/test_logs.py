@@ -62,3 +62,34 @@ def test_configure_registers_no_exit_hook_of_its_own(monkeypatch, capsys):
         structlog.reset_defaults()
         logs._access_writer = logs._access_flush = None
     assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+class _Recorder:
+    """A stderr that records each write(): one per line is one system call on a real one."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_a_line_and_its_newline_are_one_write(monkeypatch):
+    err = _Recorder()
+    monkeypatch.setattr(logs.sys, "stderr", err)
+    try:
+        logs.configure("json", "info")
+        logs.access(request_id="req_1", status=200)  # no running loop: written at once
+        logs._flush_access()
+    finally:
+        structlog.reset_defaults()
+        logs._access_writer = logs._access_flush = None
+    assert len(err.writes) == 1 and err.writes[0].endswith("}\n") and err.writes[0].count("\n") == 1
+    assert json.loads(err.writes[0])["request_id"] == "req_1"
