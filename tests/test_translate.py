@@ -774,8 +774,6 @@ def test_with_cap_returns_a_new_translation_and_leaves_the_old_one_as_it_was():
 def test_the_copies_keep_every_other_field():
     # with_cap and with_max_tokens name every field by position (Translation._copy): a field
     # added to Translation and left out there, or two swapped, fails here.
-    import dataclasses
-
     t = tr(body("u", max_output_tokens=1000, tools=[{"type": "function", "name": "f", "parameters": {}}],
                 prompt_cache_key="k", include=["reasoning.encrypted_content"]))
     copies = {
@@ -784,21 +782,19 @@ def test_the_copies_keep_every_other_field():
         "clamped": (t.with_max_tokens(7), {"chat"}),
     }
     for name, (copy_, changed) in copies.items():
-        for f in dataclasses.fields(t):
-            if f.name not in changed:
-                assert getattr(copy_, f.name) is getattr(t, f.name), (name, f.name)
-        assert dataclasses.replace(t, **{n: getattr(copy_, n) for n in changed}) == copy_, name
+        for field in t._fields:
+            if field not in changed:
+                assert getattr(copy_, field) is getattr(t, field), (name, field)
+        assert t._replace(**{n: getattr(copy_, n) for n in changed}) == copy_, name
 
 
 def test_the_prompt_size_is_computed_once_and_follows_the_messages():
-    import dataclasses
-
     from proxy.protocol.prompt import prompt_bytes
 
     t = tr(body("héllo"))
     assert t.prompt_size() == prompt_bytes(t.chat) == (6, False)
     assert t.with_cap(5).prompt_size() == (6, False)  # a copy shares the messages, and the size
-    other = dataclasses.replace(t, chat={**t.chat, "messages": [{"role": "user", "content": "a much longer text"}]})
+    other = t._replace(chat={**t.chat, "messages": [{"role": "user", "content": "a much longer text"}]})
     assert other.prompt_size() == (18, False)  # other messages: counted again, never the stale size
 
 

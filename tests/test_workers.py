@@ -6,7 +6,6 @@ Real simulators on loopback (two or three per test), a real proxy, real HTTP bet
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import asyncio
 import socket
@@ -581,7 +580,7 @@ class _NoSession:
 
 def _t(chat: dict, window: int = 32768):
     body = {"model": "m", "input": "x"}
-    t = replace(translate_request(body), chat={"model": "m", **chat})
+    t = translate_request(body)._replace(chat={"model": "m", **chat})
     return t, SimpleNamespace(
         max_model_len={"m": window}, dialect="vllm", name="w")
 

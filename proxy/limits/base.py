@@ -11,7 +11,7 @@ process (proxy/limits/memory.py); the Redis one in a Redis every replica shares
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 # Which limit refused a request (Refused.scope).
 GLOBAL = "global"  # limits.global_concurrency
@@ -20,10 +20,10 @@ RATE = "rate"  # the key's rate_per_min
 TOKENS = "tokens"  # the key's tokens_per_min
 
 
-@dataclass(frozen=True, slots=True)
-class Ask:
+class Ask(NamedTuple):
     """One request's admission: the limits in force for it (read from the key record each
-    time, so a changed limit applies to the next request). None: no such limit."""
+    time, so a changed limit applies to the next request). None: no such limit. Immutable
+    (a NamedTuple: one is made for every request)."""
 
     key_id: str | None
     global_limit: int | None

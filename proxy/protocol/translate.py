@@ -12,8 +12,7 @@ The parts: `translate_options` (plain fields, sampling, text format, the chat bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.http.errors import bad_request
 from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, check_stateless
@@ -48,12 +47,13 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class Translation:
+class Translation(NamedTuple):
     """One request, translated once. Frozen: a later phase that changes what is sent (the
     balance's output cap, the context check's clamp) makes a new one (`with_cap`,
     `with_max_tokens`), so what an earlier phase looked at never changes under it. `chat` and
-    `echo` are never edited in place either: the copies get copies."""
+    `echo` are never edited in place either: the copies get copies. A NamedTuple, not a frozen
+    dataclass: the same immutability, built by one C call instead of an object.__setattr__
+    per field (it is built twice for every billed request)."""
 
     chat: dict  # the chat-completions request body; chat["model"] is upstream_model
     model: str  # the model exactly as the client sent it
@@ -72,8 +72,8 @@ class Translation:
     reserved_output: int | None = None
     # (chat's messages, its tools, prompt_bytes(chat)), computed once: the balance and the
     # context check both read it. It stands while chat holds those same two objects: the copies
-    # share them (chat is never edited in place), a replace() with other messages does not.
-    prompt: tuple[Any, Any, tuple[int, bool]] | None = field(default=None, compare=False, repr=False)
+    # share them (chat is never edited in place), a _replace() with other messages does not.
+    prompt: tuple[Any, Any, tuple[int, bool]] | None = None
 
     def with_cap(self, cap: int, *, lowered: bool = True) -> "Translation":
         """This request with its output held to `cap` tokens (reserved_output). lowered: the cap
@@ -92,8 +92,7 @@ class Translation:
                           self.reserved_output)
 
     def _copy(self, chat: dict, echo: dict, max_output_tokens: int | None, reserved_output: int | None) -> "Translation":
-        # Every field by position: dataclasses.replace walks fields() and builds keyword
-        # arguments on each call, and the balance makes this copy for every billed request.
+        # Every field by position (_replace() builds keyword arguments and walks the fields).
         return Translation(chat, self.model, self.upstream_model, self.stream, self.tools, echo, self.notices,
                            self.include_encrypted_reasoning, self.prompt_cache_key, self.conversation,
                            max_output_tokens, self.allowed_tools, reserved_output, self.prompt)

@@ -5,7 +5,7 @@ translation shares. Pure: no I/O."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from proxy.http.errors import bad_request
 
@@ -116,9 +116,8 @@ def text_format(text: Any) -> tuple[dict | None, dict]:
     raise bad_request(f"Unknown text format type '{shown}'.", param="text.format.type")
 
 
-@dataclass(slots=True)
-class Scalars:
-    """The request's plain fields, checked."""
+class Scalars(NamedTuple):
+    """The request's plain fields, checked (a NamedTuple: made once per request, read, dropped)."""
 
     instructions: str | None
     stream: bool
