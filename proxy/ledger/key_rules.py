@@ -4,10 +4,11 @@ out; the backends only write what these return."""
 
 from __future__ import annotations
 
-from typing import Any
+import secrets
+from typing import Any, NamedTuple
 
 from proxy.ledger.base import UNSET
-from proxy.ledger.schema import _int, _models_json, _opt_limit
+from proxy.ledger.schema import _int, _models_json, _opt_limit, hash_secret, new_secret
 from proxy.ledger.usage import MAX_AMOUNT
 
 # The limit columns of a key, in the order the backends' INSERT lists them after the balance.
@@ -40,12 +41,25 @@ _CHECKS = {
 }
 
 
-def new_key_values(name: Any, balance_micros: Any, limits: dict[str, Any]) -> tuple[str, int, tuple]:
-    """(the name, the balance, the LIMIT_COLUMNS values) of a key to create."""
+class NewKey(NamedTuple):
+    """A key to create, as both backends insert it."""
+
+    key_id: str
+    secret: str  # shown once to the caller, never stored
+    digest: bytes  # what is stored: hash_secret(secret)
+    name: str
+    balance: int
+    limits: tuple  # the LIMIT_COLUMNS values
+
+
+def new_key(name: Any, balance_micros: Any, limits: dict[str, Any]) -> NewKey:
+    """A key to create: its name, balance and limits checked, a fresh id and secret."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError("a key needs a name")
     balance = _int(balance_micros, "balance_micros")
-    return name.strip(), balance, tuple(_CHECKS[c](limits.get(c), c) for c in LIMIT_COLUMNS)
+    values = tuple(_CHECKS[c](limits.get(c), c) for c in LIMIT_COLUMNS)
+    secret = new_secret()
+    return NewKey("key_" + secrets.token_hex(8), secret, hash_secret(secret), name.strip(), balance, values)
 
 
 def limit_changes(limits: dict[str, Any]) -> dict[str, Any]:

@@ -10,13 +10,12 @@ on error: a cache flush is always safe). A top-up does not: no cached field depe
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any
 
 from proxy.ledger.base import UNSET, KeyRecord, LedgerError, UnknownKey
 from proxy.ledger.pg_listen import CHANNEL
-from proxy.ledger.key_rules import limit_changes, new_key_values, topped_up
+from proxy.ledger.key_rules import limit_changes, new_key, topped_up
 from proxy.ledger.schema import KEY_COLUMNS, _int, _key_record, hash_secret, new_secret
 
 _NOTIFY = f"SELECT pg_notify('{CHANNEL}', $1)"
@@ -45,13 +44,11 @@ class PgKeyOps:
         monthly_budget_micros: int | None = None,
         expires_at: float | None = None,
     ) -> tuple[str, KeyRecord]:
-        name, balance, values = new_key_values(name, balance_micros, {
+        key = new_key(name, balance_micros, {
             "allowed_models": allowed_models, "concurrency": concurrency, "rate_per_min": rate_per_min,
             "expires_at": expires_at, "tokens_per_min": tokens_per_min,
             "daily_budget_micros": daily_budget_micros, "monthly_budget_micros": monthly_budget_micros})
-        secret = new_secret()
-        digest = hash_secret(secret)
-        key_id = "key_" + secrets.token_hex(8)
+        key_id, balance = key.key_id, key.balance
 
         async def op(conn: Any) -> KeyRecord:
             now = time.time()
@@ -60,13 +57,13 @@ class PgKeyOps:
                 " concurrency, rate_per_min, expires_at, tokens_per_min, daily_budget_micros,"
                 " monthly_budget_micros, revoked, created_at)"
                 " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, FALSE, $13)",
-                key_id, name, secret[:12], digest, balance, *values, now)
+                key_id, key.name, key.secret[:12], key.digest, balance, *key.limits, now)
             if balance:
                 await conn.execute("INSERT INTO topups (key_id, micros, created_at) VALUES ($1, $2, $3)",
                                    key_id, balance, now)
             return await _get_key(conn, key_id)
 
-        return secret, await self._db(op)
+        return key.secret, await self._db(op)
 
     async def get_key(self, key_id: str) -> KeyRecord | None:
         return await self._db(lambda conn: _get_key(conn, key_id), transaction=False)

@@ -8,13 +8,12 @@ a cache flush is always safe).
 
 from __future__ import annotations
 
-import secrets
 import sqlite3
 import time
 from typing import Any
 
 from proxy.ledger.base import UNSET, KeyRecord, LedgerError, UnknownKey
-from proxy.ledger.key_rules import limit_changes, new_key_values, topped_up
+from proxy.ledger.key_rules import limit_changes, new_key, topped_up
 from proxy.ledger.schema import KEY_COLUMNS, _int, _key_record, hash_secret, new_secret
 from proxy.ledger.writer import Durability
 
@@ -39,13 +38,11 @@ class KeyOps:
         monthly_budget_micros: int | None = None,
         expires_at: float | None = None,
     ) -> tuple[str, KeyRecord]:
-        name, balance, values = new_key_values(name, balance_micros, {
+        key = new_key(name, balance_micros, {
             "allowed_models": allowed_models, "concurrency": concurrency, "rate_per_min": rate_per_min,
             "expires_at": expires_at, "tokens_per_min": tokens_per_min,
             "daily_budget_micros": daily_budget_micros, "monthly_budget_micros": monthly_budget_micros})
-        secret = new_secret()
-        digest = hash_secret(secret)
-        key_id = "key_" + secrets.token_hex(8)
+        key_id, balance = key.key_id, key.balance
 
         def op(conn: sqlite3.Connection) -> KeyRecord:
             now = time.time()
@@ -53,7 +50,7 @@ class KeyOps:
                 "INSERT INTO keys (key_id, name, prefix, secret_sha256, balance_micros, allowed_models,"
                 " concurrency, rate_per_min, expires_at, tokens_per_min, daily_budget_micros,"
                 " monthly_budget_micros, revoked, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                (key_id, name, secret[:12], digest, balance, *values, now),
+                (key_id, key.name, key.secret[:12], key.digest, balance, *key.limits, now),
             )
             if balance:
                 conn.execute(
@@ -61,7 +58,7 @@ class KeyOps:
                 )
             return self._get_key(conn, key_id)
 
-        return secret, await self._run(op)
+        return key.secret, await self._run(op)
 
     async def get_key(self, key_id: str) -> KeyRecord | None:
         return await self._run(lambda conn: self._get_key(conn, key_id), READ)
