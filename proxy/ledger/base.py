@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from proxy.upstream.models import resolve_model, strip_vendor
@@ -95,6 +95,18 @@ class UsageRecord:
     # Filled in by the ledger; ignored on input to settle().
     debited_micros: int | None = None
     worker: str | None = None  # the worker that answered (None: unknown, or rows from before it was kept)
+
+
+# The usage columns both backends read, in UsageRecord's field order (a row is UsageRecord(*row));
+# a page of rows reads seq first (UsageRecord(*row[1:])). And the most rows one page holds.
+USAGE_RECORD_COLUMNS = ", ".join(f.name for f in fields(UsageRecord))
+USAGE_ROW_COLUMNS = "seq, " + USAGE_RECORD_COLUMNS
+MAX_PAGE = 100_000
+
+
+def page_limit(limit: int) -> int:
+    """A page's row count asked for, bounded to [0, MAX_PAGE]."""
+    return max(0, min(int(limit), MAX_PAGE))
 
 
 # The dimensions usage_totals groups by. "day" and "hour" are UTC buckets (their start, Unix time).

@@ -16,13 +16,9 @@ import json
 import time
 from typing import Any
 
-from proxy.ledger.base import USAGE_GROUPS, AuditEntry, UsageRecord, UsageTotals
+from proxy.ledger.base import USAGE_GROUPS, USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
 from proxy.ledger.rollup import check_group_by, merge_totals, split_totals
 
-_USAGE_ROW_COLUMNS = (
-    "seq, request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
-    " cost_micros, status, created_at, debited_micros, worker"
-)
 _GROUP_SQL = {
     "key": "key_id",
     "model": "model",
@@ -86,10 +82,6 @@ def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], sums: str, t
     return f"SELECT {', '.join([*exprs, sums])} FROM {table}{where}{grouping}", params
 
 
-def _limit(limit: int) -> int:
-    return max(0, min(int(limit), 100_000))
-
-
 class PgConsoleOps:
     """The console's ledger operations over the pool; mixed into PostgresLedger."""
 
@@ -112,7 +104,7 @@ class PgConsoleOps:
 
         async def op(conn: Any) -> list[AuditEntry]:
             rows = await conn.fetch(f"SELECT seq, created_at, actor, action, key_id, details FROM audit{where}"
-                                    f" ORDER BY seq DESC LIMIT ${len(params) + 1}", *params, _limit(limit))
+                                    f" ORDER BY seq DESC LIMIT ${len(params) + 1}", *params, page_limit(limit))
             return [AuditEntry(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
         return await self._db(op, transaction=False)
@@ -124,8 +116,8 @@ class PgConsoleOps:
         where, params = _where(since, until, key_id, model, before_seq, statuses)
 
         async def op(conn: Any) -> list[tuple[int, UsageRecord]]:
-            rows = await conn.fetch(f"SELECT {_USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC"
-                                    f" LIMIT ${len(params) + 1}", *params, _limit(limit))
+            rows = await conn.fetch(f"SELECT {USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC"
+                                    f" LIMIT ${len(params) + 1}", *params, page_limit(limit))
             return [(r[0], UsageRecord(*tuple(r)[1:])) for r in rows]
 
         return await self._db(op, transaction=False)

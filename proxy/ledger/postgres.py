@@ -51,8 +51,8 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
-from proxy.ledger.base import (DuplicateRequest, Hold, InsufficientBalance, Ledger, LedgerError, LedgerUnavailable,
-                               UnknownKey, UsageRecord)
+from proxy.ledger.base import (USAGE_RECORD_COLUMNS, DuplicateRequest, Hold, InsufficientBalance, Ledger, LedgerError,
+                               LedgerUnavailable, UnknownKey, UsageRecord)
 from proxy.ledger.pg_console import PgConsoleOps
 from proxy.ledger.pg_keys import KEY_COLUMNS, PgKeyOps
 from proxy.ledger.pg_listen import KeyListener
@@ -68,9 +68,6 @@ log = logging.getLogger("proxy.ledger")
 _UNAVAILABLE = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
                 asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.InsufficientResourcesError)
 _RETRY = (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError)
-# UsageRecord's field order
-_READ_USAGE = ("request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
-               " cost_micros, status, created_at, debited_micros, worker")
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
 
 
@@ -410,7 +407,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
 
     async def usage(self, request_id: str) -> UsageRecord | None:
         row = await self._db(lambda conn: conn.fetchrow(
-            f"SELECT {_READ_USAGE} FROM usage WHERE request_id = $1", request_id), transaction=False)
+            f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE request_id = $1", request_id), transaction=False)
         return UsageRecord(*tuple(row)) if row else None
 
     async def list_usage(self, key_id: str | None = None, limit: int = 50) -> list[UsageRecord]:
@@ -418,8 +415,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
 
         async def op(conn: asyncpg.Connection) -> list:
             if key_id is None:
-                return await conn.fetch(f"SELECT {_READ_USAGE} FROM usage ORDER BY seq DESC LIMIT $1", limit)
-            return await conn.fetch(f"SELECT {_READ_USAGE} FROM usage WHERE key_id = $1 ORDER BY seq DESC LIMIT $2",
+                return await conn.fetch(f"SELECT {USAGE_RECORD_COLUMNS} FROM usage ORDER BY seq DESC LIMIT $1", limit)
+            return await conn.fetch(f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE key_id = $1 ORDER BY seq DESC LIMIT $2",
                                     key_id, limit)
 
         return [UsageRecord(*tuple(r)) for r in await self._db(op, transaction=False)]

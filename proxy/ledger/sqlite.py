@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from proxy.ledger.base import (
     UNSET,
+    USAGE_RECORD_COLUMNS,
     DuplicateRequest,
     Hold,
     InsufficientBalance,
@@ -75,10 +76,6 @@ READ, HOLD, SYNC, LINGER = Durability.READ, Durability.HOLD, Durability.SYNC, Du
 log = logging.getLogger("proxy.ledger")
 
 
-_USAGE_COLUMNS = (
-    "request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
-    " cost_micros, status, created_at, debited_micros, worker"
-)
 # Compared against when the hash is unknown, so both paths do the same work.
 _DUMMY_HASH = hashlib.sha256(b"responses-proxy: no such key").digest()
 
@@ -426,7 +423,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
 
     async def usage(self, request_id: str) -> UsageRecord | None:
         def op(conn: sqlite3.Connection) -> UsageRecord | None:
-            row = conn.execute(f"SELECT {_USAGE_COLUMNS} FROM usage WHERE request_id = ?", (request_id,)).fetchone()
+            row = conn.execute(f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE request_id = ?", (request_id,)).fetchone()
             return _usage_record(row) if row else None
 
         return await self._run(op, READ)
@@ -436,10 +433,10 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
 
         def op(conn: sqlite3.Connection) -> list[UsageRecord]:
             if key_id is None:
-                rows = conn.execute(f"SELECT {_USAGE_COLUMNS} FROM usage ORDER BY seq DESC LIMIT ?", (limit,))
+                rows = conn.execute(f"SELECT {USAGE_RECORD_COLUMNS} FROM usage ORDER BY seq DESC LIMIT ?", (limit,))
             else:
                 rows = conn.execute(
-                    f"SELECT {_USAGE_COLUMNS} FROM usage WHERE key_id = ? ORDER BY seq DESC LIMIT ?",
+                    f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE key_id = ? ORDER BY seq DESC LIMIT ?",
                     (key_id, limit),
                 )
             return [_usage_record(r) for r in rows]

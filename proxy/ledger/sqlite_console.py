@@ -15,16 +15,12 @@ import sqlite3
 import time
 from typing import Any
 
-from proxy.ledger.base import USAGE_GROUPS, AuditEntry, UsageRecord, UsageTotals
+from proxy.ledger.base import USAGE_GROUPS, USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
 from proxy.ledger.rollup import check_group_by, merge_totals, split_totals
 from proxy.ledger.writer import Durability
 
 READ = Durability.READ
 
-_USAGE_ROW_COLUMNS = (
-    "seq, request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
-    " cost_micros, status, created_at, debited_micros, worker"
-)
 # Each group's SQL expression; "day" and "hour" are the UTC bucket's start in Unix seconds.
 _GROUP_SQL = {
     "key": "key_id",
@@ -76,10 +72,6 @@ def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], table: str, 
     return f"SELECT {select} FROM {table}{where}{grouping}", params
 
 
-def _limit(limit: int) -> int:
-    return max(0, min(int(limit), 100_000))
-
-
 class ConsoleOps:
     """The console's ledger operations over the writer; mixed into SQLiteLedger."""
 
@@ -104,7 +96,7 @@ class ConsoleOps:
         def op(conn: sqlite3.Connection) -> list[AuditEntry]:
             rows = conn.execute(
                 f"SELECT seq, created_at, actor, action, key_id, details FROM audit{where}"
-                " ORDER BY seq DESC LIMIT ?", (*params, _limit(limit)))
+                " ORDER BY seq DESC LIMIT ?", (*params, page_limit(limit)))
             return [AuditEntry(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
         return await self._run(op, READ)
@@ -116,8 +108,8 @@ class ConsoleOps:
         where, params = _where(since, until, key_id, model, before_seq, statuses)
 
         def op(conn: sqlite3.Connection) -> list[tuple[int, UsageRecord]]:
-            rows = conn.execute(f"SELECT {_USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC LIMIT ?",
-                                (*params, _limit(limit)))
+            rows = conn.execute(f"SELECT {USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC LIMIT ?",
+                                (*params, page_limit(limit)))
             return [(r[0], UsageRecord(*r[1:])) for r in rows]
 
         return await self._run(op, READ)
