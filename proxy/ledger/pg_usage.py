@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from proxy.ledger.base import UnknownKey, UsageRecord
+from proxy.ledger.base import UnknownKey
+from proxy.ledger.commit_rules import lease_row_changes
 
 USAGE_COLUMNS = ("request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
                  " cost_micros, debited_micros, status, created_at, worker")
-_COST, _DEBITED = 7, 8  # positions in a usage_row
+_COST, _DEBITED = 7, 8  # positions in a usage row (proxy/ledger/commit_rules.py)
 _TYPES = ("text", "text", "text", "bigint", "bigint", "bigint", "bigint", "bigint", "bigint", "text",
           "float8", "text")
 _INSERT_ONE = (f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
@@ -25,14 +26,6 @@ _INSERT_MANY = (f"INSERT INTO usage ({USAGE_COLUMNS}) SELECT * FROM unnest("
                 + ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(_TYPES))
                 + ") ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
 _DEBIT_KEY = "UPDATE keys SET balance_micros = balance_micros - $1 WHERE key_id = $2"
-
-
-def usage_row(usage: UsageRecord, request_id: str | None = None) -> tuple:
-    """The row of `usage` in USAGE_COLUMNS order, debited = cost (the caller clamps)."""
-    cost = usage.cost_micros
-    return (request_id or usage.request_id, usage.key_id, str(usage.model), usage.input_tokens, usage.cached_tokens,
-            usage.output_tokens, usage.reasoning_tokens, cost, cost, usage.status, float(usage.created_at),
-            None if usage.worker is None else str(usage.worker))
 
 
 async def _lock_balances(conn: Any, rows: list) -> dict[str, int]:
@@ -95,13 +88,7 @@ async def lease_changes(conn: Any, taken: dict[str, int], leases: list[tuple[str
                         now: float) -> set[str]:
     """Take the debits off their lease rows and apply each (lease id, give back, ttl, drop);
     the lease ids whose row had expired or vanished."""
-    changes: dict[str, list] = {lease_id: [total, None, False] for lease_id, total in taken.items()}
-    for lease_id, give_back, ttl, drop in leases:
-        change = changes.setdefault(lease_id, [0, None, False])
-        change[0] += max(0, int(give_back))
-        if ttl is not None:
-            change[1] = now + float(ttl)
-        change[2] = change[2] or bool(drop)
+    changes = lease_row_changes(taken, leases, now)
     lapsed: set[str] = set()
     for lease_id in sorted(changes):  # a fixed order: two commits never wait on each other's rows
         total, expires_at, drop = changes[lease_id]

@@ -57,8 +57,9 @@ from proxy.ledger.pg_console import PgConsoleOps
 from proxy.ledger.pg_keys import KEY_COLUMNS, PgKeyOps
 from proxy.ledger.pg_listen import KeyListener
 from proxy.ledger.pg_schema import migrate
-from proxy.ledger.pg_usage import USAGE_COLUMNS, insert_usage_batch, lease_changes, usage_row
-from proxy.ledger.schema import _check_usage, _check_usage_values, _int, _key_record, hash_secret
+from proxy.ledger.commit_rules import checked_rows, usage_row
+from proxy.ledger.pg_usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
+from proxy.ledger.schema import _check_usage_values, _int, _key_record, hash_secret
 from proxy.ledger.spool import Spool, release_record, settle_record, usage_of
 from proxy.ledger.sqlite import _DUMMY_HASH
 
@@ -69,19 +70,6 @@ _UNAVAILABLE = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, 
                 asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.InsufficientResourcesError)
 _RETRY = (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError)
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
-
-
-def _checked_rows(usages: list[tuple[str, UsageRecord]]) -> list[tuple | ValueError]:
-    """Each usage checked once: its ready-made row, or why it cannot be recorded."""
-    rows: list[tuple | ValueError] = []
-    for _, usage in usages:
-        try:
-            _check_usage(usage)
-        except ValueError as exc:
-            rows.append(exc)
-            continue
-        rows.append(usage_row(usage))
-    return rows
 
 
 def redact(dsn: str) -> str:
@@ -468,7 +456,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         """As SQLiteLedger.lease_commit, in one transaction. When the database cannot be
         reached, each valid row is spooled (with its lease id) and answered as debited at
         its cost: its replay debits it (clamped) and takes it off the lease row."""
-        rows = _checked_rows(usages)
+        rows = checked_rows(usages)
         try:
             return await self._lease_commit_db(usages, leases, rows)
         except LedgerUnavailable:
@@ -514,7 +502,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
             usage = usage_of(record)
             if kind == "lease_usage":
                 pair = [(record["lease_id"], usage)]
-                results, _ = await self._lease_commit_db(pair, [], _checked_rows(pair))
+                results, _ = await self._lease_commit_db(pair, [], checked_rows(pair))
                 if isinstance(results[0], BaseException):
                     raise results[0]
             else:

@@ -50,7 +50,6 @@ from proxy.ledger.base import (
 )
 from proxy.ledger.schema import (
     KEY_COLUMNS as _KEY_COLUMNS,
-    _check_usage,
     _check_usage_values,
     _DEBIT_KEY,
     _int,
@@ -66,6 +65,7 @@ from proxy.ledger.schema import (
     new_secret,
     apply_schema,
 )
+from proxy.ledger.commit_rules import checked_rows, lease_row_changes
 from proxy.ledger.usage import MAX_AMOUNT
 from proxy.ledger.writer import Durability, GroupWriter
 from proxy.ledger.sqlite_console import ConsoleOps
@@ -366,19 +366,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         the lease ids whose row had expired or vanished)."""
         # Validated here, on the event loop, into ready-made usage rows (debited = cost),
         # so that the writer thread only looks up the balances and inserts.
-        rows: list[tuple | ValueError] = []
-        for _, usage in usages:
-            try:
-                _check_usage(usage)
-            except ValueError as exc:
-                rows.append(exc)
-                continue
-            cost = usage.cost_micros
-            rows.append((
-                usage.request_id, usage.key_id, str(usage.model), usage.input_tokens, usage.cached_tokens,
-                usage.output_tokens, usage.reasoning_tokens, cost, cost, usage.status, float(usage.created_at),
-                usage.worker,
-            ))
+        rows = checked_rows(usages)
         lease_ids = [lease_id for lease_id, _ in usages]
 
         def op(conn: sqlite3.Connection) -> tuple[list, set[str]]:
@@ -389,14 +377,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
                 if debit:
                     conn.execute(_DEBIT_KEY, (debit, key_id))
             lapsed: set[str] = set()
-            changes = {lease_id: [total, None, False] for lease_id, total in taken.items()}
-            for lease_id, give_back, ttl, drop in leases:
-                change = changes.setdefault(lease_id, [0, None, False])
-                change[0] += max(0, int(give_back))
-                if ttl is not None:
-                    change[1] = now + float(ttl)
-                change[2] = change[2] or bool(drop)
-            for lease_id, (total, expires_at, drop) in changes.items():
+            for lease_id, (total, expires_at, drop) in lease_row_changes(taken, leases, now).items():
                 if drop:
                     conn.execute("DELETE FROM holds WHERE request_id = ?", (lease_id,))
                     continue
