@@ -315,22 +315,38 @@ async def test_tokens_per_minute_limit(make_proxy, limits_backend):
         assert other.status == 200
 
 
+def _budget_client(s: aiohttp.ClientSession, proxy, secret: str):
+    """One request of the key, settled before it returns: its status (a 402 must be the budget's)."""
+    from middlewares.balance import wait_for_settlements
+
+    h = {"Authorization": f"Bearer {secret}"}
+    body = {"model": "tiny-org/tiny-model", "input": "Hi.", "max_output_tokens": 16}
+
+    async def status() -> int:
+        r = await s.post(proxy.url + "/v1/responses", json=body, headers=h)
+        await wait_for_settlements(proxy.app)
+        if r.status == 402:
+            assert (await r.json())["error"]["code"] == "budget_exceeded"
+        return r.status
+
+    return status
+
+
+async def _until_refused(status) -> list[int]:
+    statuses = []
+    for _ in range(30):
+        statuses.append(await status())
+        if statuses[-1] == 402:
+            break
+    return statuses
+
+
 async def test_daily_budget_refuses_once_spent(make_proxy):
     proxy = await make_proxy({"auth": {"demo_key": True}, "balance": {"lease_max_micros": 0}})
     secret, record = await proxy.ledger.create_key("budget", 50_000_000, daily_budget_micros=400)
-    from middlewares.balance import wait_for_settlements
 
     async with aiohttp.ClientSession() as s:
-        h = {"Authorization": f"Bearer {secret}"}
-        body = {"model": "tiny-org/tiny-model", "input": "Hi.", "max_output_tokens": 16}
-        statuses = []
-        for _ in range(30):
-            r = await s.post(proxy.url + "/v1/responses", json=body, headers=h)
-            statuses.append(r.status)
-            await wait_for_settlements(proxy.app)
-            if r.status == 402:
-                assert (await r.json())["error"]["code"] == "budget_exceeded"
-                break
+        statuses = await _until_refused(_budget_client(s, proxy, secret))
         assert statuses[0] == 200 and statuses[-1] == 402
     day, _ = period_starts()
     spent = await proxy.ledger.spend_since(record.key_id, day)
@@ -339,30 +355,16 @@ async def test_daily_budget_refuses_once_spent(make_proxy):
 
 
 async def test_monthly_budget_refuses_once_spent_and_a_new_day_does_not_reset_it(make_proxy, monkeypatch):
-    from middlewares.balance import wait_for_settlements
     from proxy.ledger import service
 
     proxy = await make_proxy({"auth": {"demo_key": True}, "balance": {"lease_max_micros": 0}})
     # The daily budget never binds here: only the monthly one can refuse.
     secret, record = await proxy.ledger.create_key("monthly", 50_000_000, daily_budget_micros=10_000_000,
                                                    monthly_budget_micros=400)
-    body = {"model": "tiny-org/tiny-model", "input": "Hi.", "max_output_tokens": 16}
 
     async with aiohttp.ClientSession() as s:
-        h = {"Authorization": f"Bearer {secret}"}
-
-        async def status() -> int:
-            r = await s.post(proxy.url + "/v1/responses", json=body, headers=h)
-            await wait_for_settlements(proxy.app)
-            if r.status == 402:
-                assert (await r.json())["error"]["code"] == "budget_exceeded"
-            return r.status
-
-        statuses = []
-        for _ in range(30):
-            statuses.append(await status())
-            if statuses[-1] == 402:
-                break
+        status = _budget_client(s, proxy, secret)
+        statuses = await _until_refused(status)
         assert statuses[0] == 200 and statuses[-1] == 402
         _, month = period_starts()
         spent = await proxy.ledger.spend_since(record.key_id, month)
