@@ -380,6 +380,13 @@ async def test_monthly_budget_refuses_once_spent_and_a_new_day_does_not_reset_it
         assert await status() == 200
 
 
+async def _key_series(proxy) -> tuple[str, list[str]]:
+    """The /metrics text, and its per-key lines."""
+    async with aiohttp.ClientSession() as s:
+        text = await (await s.get(proxy.url + "/metrics")).text()
+    return text, [line for line in text.splitlines() if line.startswith("responses_proxy_key_")]
+
+
 async def test_per_key_metrics_for_the_listed_keys_only(make_proxy, tmp_path):
     from middlewares.balance import wait_for_settlements
 
@@ -396,9 +403,7 @@ async def test_per_key_metrics_for_the_listed_keys_only(make_proxy, tmp_path):
         for i in range(n):
             await client.responses.create(model="tiny-org/tiny-model", input=f"Hello {i}", max_output_tokens=8)
     await wait_for_settlements(proxy.app)
-    async with aiohttp.ClientSession() as s:
-        text = await (await s.get(proxy.url + "/metrics")).text()
-    lines = [line for line in text.splitlines() if line.startswith("responses_proxy_key_")]
+    text, lines = await _key_series(proxy)
     shown = {(line.split("{")[0], line.split('key_id="')[1].split('"')[0]): float(line.rsplit(" ", 1)[1])
              for line in lines}
     assert {key for _, key in shown} == {listed.key_id, idle.key_id}  # unlisted and unknown ids: no series
@@ -425,9 +430,7 @@ async def test_per_key_metrics_are_bounded(make_proxy):
     from middlewares.balance import wait_for_settlements
 
     await wait_for_settlements(proxy.app)
-    async with aiohttp.ClientSession() as s:
-        text = await (await s.get(proxy.url + "/metrics")).text()
-    lines = [line for line in text.splitlines() if line.startswith("responses_proxy_key_")]
+    text, lines = await _key_series(proxy)
     big = secrets_["big"]
     assert {line.split("{")[0] for line in lines} == {
         "responses_proxy_key_balance_micros", "responses_proxy_key_spend_today_micros",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from proxy.ledger.base import UsageRecord
 from proxy.ledger.schema import _check_usage
 
-__all__ = ["usage_row", "checked_rows", "lease_row_changes"]
+__all__ = ["usage_row", "checked_rows", "lease_row_changes", "note_debits"]
 
 
 def usage_row(usage: UsageRecord, request_id: str | None = None) -> tuple:
@@ -49,3 +49,10 @@ def lease_row_changes(taken: dict[str, int], leases: list[tuple[str, int, float 
             change[1] = now + float(ttl)
         change[2] = change[2] or bool(drop)
     return changes
+
+
+def note_debits(usages: list[tuple[str, UsageRecord]], results: list) -> None:
+    """What each usage recorded now was debited, written back on its record (debited_micros)."""
+    for (_, usage), result in zip(usages, results):
+        if isinstance(result, int):
+            usage.debited_micros = result

@@ -57,7 +57,7 @@ from proxy.ledger.pg_console import PgConsoleOps
 from proxy.ledger.pg_keys import KEY_COLUMNS, PgKeyOps
 from proxy.ledger.pg_listen import KeyListener
 from proxy.ledger.pg_schema import migrate
-from proxy.ledger.commit_rules import checked_rows, usage_row
+from proxy.ledger.commit_rules import checked_rows, note_debits, usage_row
 from proxy.ledger.pg_usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
 from proxy.ledger.schema import _check_usage_values, _int, _key_record, hash_secret
 from proxy.ledger.spool import Spool, release_record, settle_record, usage_of
@@ -485,9 +485,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
             return results, lapsed
 
         results, lapsed = await self._db(op)
-        for (_, usage), result in zip(usages, results):
-            if isinstance(result, int):
-                usage.debited_micros = result
+        note_debits(usages, results)
         return results, lapsed
 
     # ------------------------------------------------------------------ the spool

@@ -65,7 +65,7 @@ from proxy.ledger.schema import (
     new_secret,
     apply_schema,
 )
-from proxy.ledger.commit_rules import checked_rows, lease_row_changes
+from proxy.ledger.commit_rules import checked_rows, lease_row_changes, note_debits
 from proxy.ledger.usage import MAX_AMOUNT
 from proxy.ledger.writer import Durability, GroupWriter
 from proxy.ledger.sqlite_console import ConsoleOps
@@ -390,9 +390,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             return results, lapsed
 
         results, lapsed = await self._run(op)
-        for (_, usage), result in zip(usages, results):
-            if isinstance(result, int):
-                usage.debited_micros = result
+        note_debits(usages, results)
         return results, lapsed
 
     async def expire_holds(self, now: float | None = None) -> int:
