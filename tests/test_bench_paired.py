@@ -1,0 +1,29 @@
+"""bench/paired.py: the config it runs every tree with, and how it pairs the rounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.paired import paired_ratios, tree_config
+from proxy.config.load import Config
+
+
+def test_the_tree_config_is_one_this_tree_accepts(tmp_path: Path):
+    # The strict config refuses an unknown or misspelt key: a paired run would die at start-up.
+    path = tmp_path / "config.yaml"
+    path.write_text(str(tree_config(18080, 18081, tmp_path / "ledger.db")).replace("'", '"'))
+    config = Config.load(path)
+    assert config["auth"]["demo_key"] is False
+    assert config["workers"][0]["url"] == "http://127.0.0.1:18081"
+    assert config["ledger"]["path"] == str(tmp_path / "ledger.db")
+
+
+def _cell(cpu_s: float, n: int) -> dict:
+    return {"cpu": cpu_s, "n": n}
+
+
+def test_each_round_is_divided_by_the_same_rounds_base():
+    base = [_cell(1.0, 1000), _cell(2.0, 1000), _cell(1.0, 1000)]  # 1, 2, 1 ms per request
+    cells = [_cell(2.0, 1000), _cell(3.0, 1000), _cell(1.5, 1000)]  # 2, 3, 1.5 ms per request
+    # Per round 2.0, 1.5, 1.5: the median of those, not the ratio of the medians (2 / 1).
+    assert paired_ratios(cells, base) == "1.50 (1.50-2.00)"
