@@ -226,6 +226,22 @@ def test_decoder_every_split_and_line_endings():
     assert [p for b in body for p in d.feed(bytes([b]))] == want
 
 
+@pytest.mark.parametrize("body", [
+    b"data: a\ndata: b\n\ndata: c\n\n",  # two data lines in the first of two events
+    b"data: a\n\ndata: b\ndata: c\n\n",  # in the last
+    b"data: a\n\nevent: x\ndata: b\n\n",  # another field
+    b"data: a\n\n: keep-alive\n\ndata: b\n\n",  # a comment between
+    b"data: a\n\ndata: \n\ndata: b\n\n",  # an empty payload
+    b"data: {\"x\":1}\n\ndata: {\"y\":2}\n\n",  # the usual case
+])
+def test_a_whole_read_of_events_decodes_as_byte_by_byte(body):
+    # A read of whole "\n"-only events takes the fast paths; fed a byte at a time, every
+    # byte goes through the line-by-line path. They must agree.
+    d = SSEDecoder()
+    want = [p for b in body for p in d.feed(bytes([b]))]
+    assert SSEDecoder().feed(body) == want
+
+
 def test_decoder_flush_unterminated_and_overflow():
     d = SSEDecoder()
     assert d.feed(b"data: [DONE]") == [] and d.flush() == [b"[DONE]"]

@@ -49,12 +49,13 @@ class SSEDecoder:
             # line-by-line path below.
             if chunk[:6] == b"data: ":
                 # Fastest, the usual case: events of one "data: " line each. One event when
-                # its first line break is the final blank line's; several when there are
-                # exactly two "\n" per event (no payload holds one, no other line).
+                # its first line break is the final blank line's; several when no payload
+                # holds a "\n" (no other line). The joined payloads are searched with memchr:
+                # bytes.count() walks a 100-event read byte by byte, several times slower.
                 if chunk.find(10) == len(chunk) - 2:
                     return [chunk[6:-2]]
                 payloads = chunk[6:-2].split(b"\n\ndata: ")
-                if chunk.count(10) == 2 * len(payloads):
+                if 10 not in b"".join(payloads):
                     return payloads
             out: list[bytes] = []
             for block in chunk[:-2].split(b"\n\n"):
