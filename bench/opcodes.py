@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.opcodes --model bench-coalesced
     .venv/bin/python -m bench.opcodes --pass-through       # bench/passthrough.py, the floor
     .venv/bin/python -m bench.opcodes --tree ../old-checkout --top 40
+    .venv/bin/python -m bench.opcodes --set '{"balance": {"enabled": false}}'   # what one policy costs
 
 CPU per request on this shared machine swings by +-30% from one minute to the next (make
 bench, "Benchmark"), too much to see a change of a few percent. This count does not swing:
@@ -64,7 +65,14 @@ else:
 '''
 
 
-def _config(tmp: Path, port: int, upstream_port: int) -> Path:
+def _merged(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _config(tmp: Path, port: int, upstream_port: int, extra: dict | None = None) -> Path:
     cfg = {
         "server": {"host": "127.0.0.1", "port": port, "log_format": "json"},
         "workers": [{"name": "fake", "url": f"http://127.0.0.1:{upstream_port}", "dialect": "vllm",
@@ -75,7 +83,7 @@ def _config(tmp: Path, port: int, upstream_port: int) -> Path:
         "ledger": {"path": str(tmp / "ledger.db")},
     }
     path = tmp / "config.yaml"
-    path.write_text(json.dumps(cfg))  # JSON is YAML
+    path.write_text(json.dumps(_merged(cfg, extra or {})))  # JSON is YAML
     return path
 
 
@@ -145,6 +153,8 @@ def main() -> None:
     ap.add_argument("--model", default="bench-json", help="bench-json (non-stream) or bench-coalesced (a stream)")
     ap.add_argument("--requests", type=int, default=300, help="requests counted, after 100 of warm-up")
     ap.add_argument("--top", type=int, default=25, help="functions listed")
+    ap.add_argument("--set", default="{}", metavar="JSON",
+                    help='config merged into the proxy\'s, e.g. \'{"balance": {"enabled": false}}\': what a policy costs')
     args = ap.parse_args()
     tree = Path(args.tree).resolve()
     stream = args.model != "bench-json"
@@ -163,7 +173,7 @@ def main() -> None:
                 "stream": stream}
     else:
         key = _tree_key(tree, tmp / "ledger.db")
-        cmd = ["-m", "proxy", "--config", str(_config(tmp, port, up_port)), "serve"]
+        cmd = ["-m", "proxy", "--config", str(_config(tmp, port, up_port, json.loads(args.set))), "serve"]
         path = "/v1/responses"
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
         body = {"model": args.model, "input": prompt, "max_output_tokens": 128, "stream": stream}

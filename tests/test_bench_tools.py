@@ -1,9 +1,10 @@
-"""bench/paired.py: the config it runs every tree with, and how it pairs the rounds."""
+"""bench/paired.py (the config it runs every tree with, how it pairs the rounds) and bench/opcodes.py's --set."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from bench.opcodes import _config
 from bench.paired import paired_ratios, tree_config
 from proxy.config.load import Config
 
@@ -27,3 +28,13 @@ def test_each_round_is_divided_by_the_same_rounds_base():
     cells = [_cell(2.0, 1000), _cell(3.0, 1000), _cell(1.5, 1000)]  # 2, 3, 1.5 ms per request
     # Per round 2.0, 1.5, 1.5: the median of those, not the ratio of the medians (2 / 1).
     assert paired_ratios(cells, base) == "1.50 (1.50-2.00)"
+
+
+def test_opcodes_set_merges_into_the_sections_it_names(tmp_path: Path):
+    # --set '{"balance": {"enabled": false}}' turns one policy off and leaves the rest of the
+    # config as it was, so that two counts differ by that policy alone.
+    path = _config(tmp_path, 18080, 18081, {"balance": {"enabled": False}, "limits": {"enabled": False}})
+    config = Config.load(path)
+    assert config["balance"]["enabled"] is False and config["limits"]["enabled"] is False
+    assert config["limits"]["global_concurrency"] == 4096  # the rest of its section kept
+    assert config["auth"]["demo_key"] is False and config["server"]["port"] == 18080
