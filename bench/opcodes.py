@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench.__main__ import PY, ROOT, build_upstream, free_port, wait_port
+from bench.trees import tree_key, write_tree_config
 
 # Runs the server with the counter installed; SIGUSR1 writes "count<TAB>file:line:function" lines.
 _COUNTER = r'''
@@ -63,38 +64,6 @@ if script == "-m":
 else:
     runpy.run_path(script, run_name="__main__")
 '''
-
-
-def _merged(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def _config(tmp: Path, port: int, upstream_port: int, extra: dict | None = None) -> Path:
-    cfg = {
-        "server": {"host": "127.0.0.1", "port": port, "log_format": "json"},
-        "workers": [{"name": "fake", "url": f"http://127.0.0.1:{upstream_port}", "dialect": "vllm",
-                     "models": ["bench-json", "bench-coalesced", "bench-chunked"], "capacity": 100_000,
-                     "timeouts": {"connect": 5, "first_byte": 60, "idle": 60, "total": 600}}],
-        "auth": {"demo_key": False},
-        "limits": {"global_concurrency": 4096},
-        "ledger": {"path": str(tmp / "ledger.db")},
-    }
-    path = tmp / "config.yaml"
-    path.write_text(json.dumps(_merged(cfg, extra or {})))  # JSON is YAML
-    return path
-
-
-def _tree_key(tree: Path, db: Path) -> str:
-    """A key with a bottomless balance, made by `tree`'s own ledger code (its schema)."""
-    code = ("import asyncio\nfrom proxy.ledger import open_ledger\nasync def m():\n"
-            f"    l = open_ledger({{'path': {str(db)!r}}})\n    await l.start()\n"
-            "    s, _ = await l.create_key('bench', balance_micros=10**15, concurrency=100000)\n"
-            "    await l.close()\n    print(s)\nasyncio.run(m())\n")
-    return subprocess.run([PY, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def _snapshot(proc: subprocess.Popen, out: Path) -> dict[str, int]:
@@ -154,7 +123,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300, help="requests counted, after 100 of warm-up")
     ap.add_argument("--top", type=int, default=25, help="functions listed")
     ap.add_argument("--set", default="{}", metavar="JSON",
-                    help='config merged into the proxy\'s, e.g. \'{"balance": {"enabled": false}}\': what a policy costs')
+                    help='config merged into the proxy\'s, e.g. \'{"balance": {"enabled": false}}\': '
+                         'what a policy costs')
     args = ap.parse_args()
     tree = Path(args.tree).resolve()
     stream = args.model != "bench-json"
@@ -172,8 +142,9 @@ def main() -> None:
         body = {"model": args.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 128,
                 "stream": stream}
     else:
-        key = _tree_key(tree, tmp / "ledger.db")
-        cmd = ["-m", "proxy", "--config", str(_config(tmp, port, up_port, json.loads(args.set))), "serve"]
+        key = tree_key(tree, tmp / "ledger.db")
+        config = write_tree_config(tmp, port, up_port, json.loads(args.set))
+        cmd = ["-m", "proxy", "--config", str(config), "serve"]
         path = "/v1/responses"
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
         body = {"model": args.model, "input": prompt, "max_output_tokens": 128, "stream": stream}

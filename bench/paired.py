@@ -19,7 +19,6 @@ its own temp SQLite ledger and key made by that tree's own code, with the defaul
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -28,41 +27,18 @@ from pathlib import Path
 
 from bench.__main__ import (LOAD_CORE, PY, ROOT, SERVER_CORE, Server, build_upstream, cpu_per_req, free_port,
                             raise_nofile, run_sse, run_wrk, start, wait_port)
-
-_KEY = """
-import asyncio, sys
-from proxy.ledger import open_ledger
-async def main():
-    ledger = open_ledger({"path": sys.argv[1]})
-    await ledger.start()
-    secret, _ = await ledger.create_key("bench", balance_micros=10**15, concurrency=100_000)
-    await ledger.close()
-    print(secret)
-asyncio.run(main())
-"""
-
-
-def tree_config(port: int, upstream_port: int, db: Path) -> dict:
-    """The config every tree runs: its default chain, written only with keys that every checkout
-    since the trust work reads (not make bench's per-policy switches, which older ones lack)."""
-    return {"server": {"host": "127.0.0.1", "port": port, "log_format": "json"},
-            "workers": [{"name": "fake", "url": f"http://127.0.0.1:{upstream_port}", "dialect": "vllm",
-                         "models": ["bench-json", "bench-coalesced", "bench-chunked"], "capacity": 100_000,
-                         "timeouts": {"connect": 5, "first_byte": 60, "idle": 60, "total": 600}}],
-            "auth": {"demo_key": False}, "limits": {"global_concurrency": 4096}, "ledger": {"path": str(db)}}
+from bench.trees import tree_key, write_tree_config
 
 
 def start_tree(tree: Path, tmp: Path, upstream_port: int) -> Server:
-    """The proxy of `tree`, on its own ledger and key, made by the tree's own code."""
+    """The proxy of `tree` (bench.trees: its config and key), on its own ledger."""
     port = free_port()
-    db = tmp / "ledger.db"
-    key = subprocess.run([PY, "-c", _KEY, str(db)], cwd=tree, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    (tmp / "config.yaml").write_text(json.dumps(tree_config(port, upstream_port, db)))  # JSON is YAML
+    key = tree_key(tree, tmp / "ledger.db")
+    config = write_tree_config(tmp, port, upstream_port)
     log = open(tmp / "proxy.log", "ab")
     # `python -m proxy` from the tree's directory imports that tree's proxy and middlewares.
-    proc = subprocess.Popen(["taskset", "-c", SERVER_CORE, PY, "-m", "proxy", "--config", str(tmp / "config.yaml"),
-                             "serve"], cwd=tree, stdout=log, stderr=log, preexec_fn=raise_nofile)
+    proc = subprocess.Popen(["taskset", "-c", SERVER_CORE, PY, "-m", "proxy", "--config", str(config), "serve"],
+                            cwd=tree, stdout=log, stderr=log, preexec_fn=raise_nofile)
     wait_port(port)
     return Server(str(tree), proc, port, "/v1/responses", "responses", {"Authorization": f"Bearer {key}"})
 

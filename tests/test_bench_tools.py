@@ -1,19 +1,18 @@
-"""bench/paired.py (the config it runs every tree with, how it pairs the rounds) and bench/opcodes.py's --set."""
+"""bench/trees.py (the config every compared tree runs, with bench.opcodes' --set merged in) and
+bench/paired.py (how it pairs the rounds)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.opcodes import _config
-from bench.paired import paired_ratios, tree_config
+from bench.paired import paired_ratios
+from bench.trees import write_tree_config
 from proxy.config.load import Config
 
 
 def test_the_tree_config_is_one_this_tree_accepts(tmp_path: Path):
     # The strict config refuses an unknown or misspelt key: a paired run would die at start-up.
-    path = tmp_path / "config.yaml"
-    path.write_text(str(tree_config(18080, 18081, tmp_path / "ledger.db")).replace("'", '"'))
-    config = Config.load(path)
+    config = Config.load(write_tree_config(tmp_path, 18080, 18081))
     assert config["auth"]["demo_key"] is False
     assert config["workers"][0]["url"] == "http://127.0.0.1:18081"
     assert config["ledger"]["path"] == str(tmp_path / "ledger.db")
@@ -33,7 +32,7 @@ def test_each_round_is_divided_by_the_same_rounds_base():
 def test_opcodes_set_merges_into_the_sections_it_names(tmp_path: Path):
     # --set '{"balance": {"enabled": false}}' turns one policy off and leaves the rest of the
     # config as it was, so that two counts differ by that policy alone.
-    path = _config(tmp_path, 18080, 18081, {"balance": {"enabled": False}, "limits": {"enabled": False}})
+    path = write_tree_config(tmp_path, 18080, 18081, {"balance": {"enabled": False}, "limits": {"enabled": False}})
     config = Config.load(path)
     assert config["balance"]["enabled"] is False and config["limits"]["enabled"] is False
     assert config["limits"]["global_concurrency"] == 4096  # the rest of its section kept
