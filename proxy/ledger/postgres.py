@@ -404,8 +404,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         async def op(conn: asyncpg.Connection) -> list:
             if key_id is None:
                 return await conn.fetch(f"SELECT {USAGE_RECORD_COLUMNS} FROM usage ORDER BY seq DESC LIMIT $1", limit)
-            return await conn.fetch(f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE key_id = $1 ORDER BY seq DESC LIMIT $2",
-                                    key_id, limit)
+            return await conn.fetch(f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE key_id = $1"
+                                    " ORDER BY seq DESC LIMIT $2", key_id, limit)
 
         return [UsageRecord(*tuple(r)) for r in await self._db(op, transaction=False)]
 

@@ -402,7 +402,8 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
 
     async def usage(self, request_id: str) -> UsageRecord | None:
         def op(conn: sqlite3.Connection) -> UsageRecord | None:
-            row = conn.execute(f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE request_id = ?", (request_id,)).fetchone()
+            row = conn.execute(f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE request_id = ?",
+                               (request_id,)).fetchone()
             return _usage_record(row) if row else None
 
         return await self._run(op, READ)

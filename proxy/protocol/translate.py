@@ -91,7 +91,8 @@ class Translation(NamedTuple):
         return self._copy({**self.chat, "max_tokens": max_tokens}, self.echo, self.max_output_tokens,
                           self.reserved_output)
 
-    def _copy(self, chat: dict, echo: dict, max_output_tokens: int | None, reserved_output: int | None) -> "Translation":
+    def _copy(self, chat: dict, echo: dict, max_output_tokens: int | None,
+              reserved_output: int | None) -> "Translation":
         # Every field by position (_replace() builds keyword arguments and walks the fields).
         return Translation(chat, self.model, self.upstream_model, self.stream, self.tools, echo, self.notices,
                            self.include_encrypted_reasoning, self.prompt_cache_key, self.conversation,
