@@ -1,9 +1,10 @@
 """API keys: `Authorization: Bearer <key>` on the API routes.
 
-Guarded: /v1/responses, /v1/responses/input_tokens, /v1/models (as on OpenAI, listing
-models needs a key) and /v1/key (the caller's own key), by path, whatever the method (HEAD /v1/models too); a method a guarded
-path does not serve still gets its 405. The probes (/livez, /healthz, /readyz) and /metrics
-stay open. Auth is the first phase after the envelope (middlewares/__init__.py), so a
+Guarded: every unit of work whose phases include `auth` (proxy.http.routes, proxy.http.units):
+the Responses routes, each WebSocket turn (a key revoked after the handshake stops the next
+turn), /v1/models (as on OpenAI, listing models needs a key) and /v1/key (the caller's own
+key), whatever the method (HEAD /v1/models too); a method a guarded path does not serve still
+gets its 405. The probes (/livez, /healthz, /readyz) and /metrics stay open. Auth is the first phase after the envelope (middlewares/__init__.py), so a
 request without a valid key is refused from its headers alone: its body is never read, and
 when the body is still arriving the refusal closes the connection (`_refuse`).
 
@@ -58,6 +59,7 @@ from aiohttp import web
 from proxy import state
 from proxy.config.load import ConfigError
 from proxy.http.errors import APIError, ledger_unavailable
+from proxy.http.units import AUTH
 from proxy.state import LEDGER
 from proxy.ledger import KeyRecord, LedgerUnavailable
 from proxy.runtime.logs import log
@@ -66,7 +68,6 @@ from proxy.state import KEY_CACHE, RequestContext
 STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
 
-_GUARDED = frozenset({"/v1/responses", "/v1/responses/input_tokens", "/v1/responses/compact", "/v1/models", "/v1/key"})
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
 
@@ -255,7 +256,7 @@ def create(section: dict[str, Any], app: web.Application):
         return found
 
     async def auth(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
-        if ctx.path not in _GUARDED:
+        if AUTH not in ctx.unit.phases:
             return await call_next(request, ctx)
         headers = request.headers.getall("Authorization", None)
         if not headers:

@@ -82,6 +82,7 @@ from middlewares.auth import is_static
 from proxy import state
 from proxy.config.load import ConfigError
 from proxy.http.errors import APIError
+from proxy.http.units import BALANCE
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
 from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.service import budget_room
@@ -466,7 +467,7 @@ def create(section: dict[str, Any], app: web.Application):
 
     async def balance(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
         record = ctx.key
-        if ctx.method != "POST" or ctx.path != "/v1/responses" or record is None or is_static(record):
+        if BALANCE not in ctx.unit.phases or record is None or is_static(record):
             return await call_next(request, ctx)
         ledger = app.get(state.LEDGER)  # this phase's app: the one whose ledger bills its requests
         if ledger is None:

@@ -38,11 +38,11 @@ from aiohttp import web
 from proxy import state
 from proxy.config.load import ConfigError
 from proxy.http.errors import APIError
+from proxy.http.units import LIMITS
 from proxy.limits.base import GLOBAL, KEY, RATE, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter
 from proxy.state import RequestContext
 
-_GUARDED = ("/v1/responses", "/v1/responses/input_tokens")
 _SETTINGS = {"global_concurrency", "default_key_concurrency", "retry_after_s", "backend", "redis"}
 _REDIS_SETTINGS = {"url", "key_prefix", "slot_ttl_s", "socket_timeout_ms", "on_error", "retry_after_s"}
 
@@ -122,7 +122,7 @@ def create(section: dict[str, Any], app: web.Application):
     admit, release = counter.admit, counter.release
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
-        if ctx.method != "POST" or ctx.path not in _GUARDED:
+        if LIMITS not in ctx.unit.phases:
             return await call_next(request, ctx)
         ask = _ask(ctx, global_limit, key_default)
         try:
@@ -151,7 +151,7 @@ def _in_process(counter: MemoryCounter, global_limit: int | None, key_default: i
     admit, release = counter.admit_now, counter.release_now
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
-        if ctx.method != "POST" or ctx.path not in _GUARDED:
+        if LIMITS not in ctx.unit.phases:
             return await call_next(request, ctx)
         ask = _ask(ctx, global_limit, key_default)
         ticket = admit(ask)

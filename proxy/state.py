@@ -16,7 +16,7 @@ from aiohttp import web
 if TYPE_CHECKING:  # imported for annotations only, to keep this module import-light
     from proxy.config.load import Config
     from proxy.protocol.translate import Translation
-# RequestContext's other field types are named, not imported (annotations are never evaluated
+# RequestContext's other field types are named (Unit: proxy.http.units), not imported (annotations are never evaluated
 # here): KeyRecord and Hold (proxy.ledger), StreamRewriter (proxy.protocol.rewriter). This module
 # stands below everything that keeps state on an app or a request.
 
@@ -63,6 +63,7 @@ SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.upstream.mode
 IMAGE_POLICY = web.AppKey("image_policy", "ImagePolicy")  # proxy.policy.netguard
 SEALER = web.AppKey("sealer", "Sealer")  # the app's proxy.protocol.seal.Sealer, when seal keys are configured
 WEBSOCKET_SETTINGS = web.AppKey("websocket_settings", "WebSocketSettings")  # proxy.http.websocket
+SOCKETS = web.AppKey("socket_admission", "SocketAdmission")  # proxy.http.websocket: open sockets per key
 COMPACT_SETTINGS = web.AppKey("compact_settings", "CompactSettings")  # proxy.http.compact
 KEY_CACHE = web.AppKey("key_cache", "KeyCache")  # middlewares.auth
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
@@ -113,6 +114,9 @@ class RequestContext:
     # that point an error can no longer become an HTTP status (proxy.http.app._after_start).
     started: web.StreamResponse | None = None
     endpoint: Any = None  # what runs after the last phase: the route's handler(request)
+    # The unit of work (proxy.http.units): which phases run. The envelope sets it from the route
+    # table or the turn; the body phase may refine it to one of its variants.
+    unit: Unit = None  # type: ignore[assignment]
 
     def started_outcome(self) -> Outcome:
         """The outcome, created when the handler first reports."""

@@ -14,10 +14,10 @@ from aiohttp import web
 from middlewares import Phases, build_phases
 from proxy import state
 from proxy.config.load import Config, ConfigError
-from proxy.http.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
 from proxy.http.errors import ERROR_CODE, APIError, ledger_unavailable
 from proxy.ledger.base import LedgerUnavailable
-from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event, responses_handler
+from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event
+from proxy.http.routes import add_routes, unit_for
 from proxy.upstream.client import UpstreamPool
 from proxy.upstream.health import HealthSettings, Readiness, health_context
 from proxy.protocol.ids import random_bits
@@ -25,16 +25,14 @@ from proxy.upstream.routing import validate_settings as validate_routing
 from proxy.runtime.logs import access, log
 from proxy.upstream.models import parse_sampling_defaults
 from proxy.policy.netguard import ImagePolicy
-from proxy.http.openapi import openapi_handler
-from proxy.http.key_view import key_handler
-from proxy.http.compact import CompactSettings, compact_handler
+from proxy.http.compact import CompactSettings
 from proxy.http.turn import refuse_other_answers
-from proxy.http.websocket import WebSocketSettings, websocket_handler
+from proxy.http.websocket import SocketAdmission, WebSocketSettings
 from proxy.runtime import metrics
 from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
 from proxy.upstream.affinity import AffinitySettings
 from proxy.state import (AFFINITY, CONTEXT, IMAGE_POLICY, PHASES, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS,
-                         RequestContext)
+                         TURN, RequestContext)
 
 LEDGER = state.LEDGER
 
@@ -55,6 +53,8 @@ def envelope(phases: Phases):
     @web.middleware
     async def envelope_and_access_log(request: web.Request, handler) -> web.StreamResponse:
         ctx = request[CONTEXT] = RequestContext(new_request_id(), request.method, request.path, endpoint=handler)
+        turn = request.get(TURN)
+        ctx.unit = unit_for(request.method, request.path) if turn is None else turn.unit
         started = time.perf_counter()
         status = 500
         error_code: str | None = None
@@ -283,19 +283,11 @@ def build_app(config: Config) -> web.Application:
     # Before _add_request_id: a turn's foreign answer is refused while it is not started yet.
     app.on_response_prepare.append(refuse_other_answers)
     app.on_response_prepare.append(_add_request_id)
-    app.router.add_post("/v1/responses", responses_handler)
-    app[state.WEBSOCKET_SETTINGS] = WebSocketSettings.from_config(config.section("websocket"), int(server["max_body_bytes"]))
-    app.router.add_get("/v1/responses", websocket_handler, allow_head=False)
+    app[state.WEBSOCKET_SETTINGS] = WebSocketSettings.from_config(config.section("websocket"), server)
+    app[state.SOCKETS] = SocketAdmission(app[state.WEBSOCKET_SETTINGS])
     app[state.COMPACT_SETTINGS] = CompactSettings.from_section(config.section("compact"), config.section("stateless"))
-    app.router.add_post("/v1/responses/compact", compact_handler)
-    app.router.add_post("/v1/responses/input_tokens", input_tokens_handler)
-    app.router.add_get("/v1/models", models_handler)
     app[READINESS] = Readiness(app[POOL], LEDGER)
-    app.router.add_get("/livez", livez_handler)
-    app.router.add_get("/healthz", healthz_handler)  # liveness, as /livez
-    app.router.add_get("/readyz", readyz_handler)
-    app.router.add_get("/openapi.json", openapi_handler)
-    app.router.add_get("/v1/key", key_handler)
+    add_routes(app)  # every API route, its handler and its unit of work: proxy.http.routes
     from proxy.admin import install as install_admin
 
     install_admin(app, config.section("admin"))

@@ -1,9 +1,12 @@
 """POST /v1/responses/compact (Open Responses 2026-04-24): a Responses request's input window
 in, the compacted window out (`object: "response.compaction"`), nothing stored.
 
-The summary is one Responses turn run through `proxy.http.turn.run_turn`, the whole HTTP path
-with this request's headers: it is authenticated, limited, held and billed as any request, and
-its usage is the one reported. The cut and the sealed item are proxy.protocol.compaction's.
+The request is the unit COMPACT (proxy.http.units): authenticated, limited, its body bounded and
+counted, the key's models checked, whether or not the window is long enough to summarize. The
+summary is one Responses turn run through `proxy.http.turn.run_turn`, the whole HTTP path with
+this request's headers, as the unit COMPACT_SUMMARY: authenticated again, held and billed as any
+request (its concurrency slot and rate token are the compact request's), and its usage is the
+one reported. The cut and the sealed item are proxy.protocol.compaction's.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from proxy import state
 from proxy.http.errors import APIError, bad_request
 from proxy.http.request import read_json
 from proxy.http.turn import run_turn
+from proxy.http.units import COMPACT_SUMMARY
 from proxy.policy.rules import apply_stateless, previous_response_mode
 from proxy.protocol.compaction import as_output_item, compaction_item, split_window, summary_request, summary_text
 from proxy.protocol.continuation import TERMINAL_EVENTS
@@ -72,7 +76,7 @@ async def _summarize(request: web.Request, body: dict[str, Any], older: list[Any
             terminal.update(orjson.loads(data))
 
     turn = summary_request(body, older, settings.instructions, settings.max_summary_tokens)
-    answer = await run_turn(request, orjson.dumps({**turn, "stream": True}), emit)
+    answer = await run_turn(request, orjson.dumps({**turn, "stream": True}), emit, unit=COMPACT_SUMMARY)
     notice = request.app.get(state.NOTICES_HEADER)
     if notice is not None and notice in answer.headers:  # the summary turn's notices, on this answer
         state.context(request).notices.append(answer.headers[notice])

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.http.errors import APIError, bad_request
+from proxy.http.units import BODY, MODELS, SIZES, TRANSLATE
 from proxy.policy.netguard import check_images, policy_for
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, translate_request
@@ -143,11 +144,12 @@ def _depth_ok(value: Any, limit: int) -> bool:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The request's JSON body, read once (ctx.body)."""
+    """The request's JSON body, read once (ctx.body), within its unit's body bound."""
     ctx = request[state.CONTEXT]
     body = ctx.body
     if body is None:
-        body = ctx.body = await _read_body(request, _limits(request))
+        limits = _limits(request)
+        body = ctx.body = await _read_body(request, limits, int(limits[ctx.unit.body_limit]))
     return body
 
 
@@ -176,8 +178,7 @@ async def _read_raw(request: web.Request, limits: dict[str, Any], limit: int) ->
         raise _unread(request, _too_large(limit)) from None
 
 
-async def _read_body(request: web.Request, limits: dict[str, Any]) -> dict[str, Any]:
-    limit = int(limits["max_body_bytes"])
+async def _read_body(request: web.Request, limits: dict[str, Any], limit: int) -> dict[str, Any]:
     turn = request.get(state.TURN)
     if turn is not None:  # a transport's turn: its body is in memory, not on the connection
         raw = turn.body
@@ -208,9 +209,6 @@ async def _read_body(request: web.Request, limits: dict[str, Any]) -> dict[str, 
 
 BodyCheck = Callable[[RequestContext, dict[str, Any]], dict[str, Any]]
 
-_PREPARED = frozenset({"/v1/responses", "/v1/responses/input_tokens"})
-
-
 def _check_model(ctx: RequestContext, body: dict[str, Any], pool: Any) -> None:
     """A key limited to some models (auth) may use only those: 403 for the others."""
     key = ctx.key
@@ -230,34 +228,60 @@ def _check_sizes(body: dict[str, Any], limits: dict[str, Any]) -> None:
         raise bad_request(f"More than {limits['max_tools']} tools.", param="tools", code="too_many_tools")
 
 
+def _decoded_turn(request: web.Request, ctx: RequestContext, limits: dict[str, Any], body: dict[str, Any]) -> dict:
+    """A transport's message -> the request body it stands for (proxy.http.turn.Turn.decode), and
+    the unit it asks for: one of the turn's declared variants (a warm-up), with that variant's
+    handler and body bound."""
+    turn = request.get(state.TURN)
+    if turn is None or turn.decode is None:
+        return body
+    body, unit = turn.decode(body)
+    if unit is not ctx.unit:
+        if unit not in ctx.unit.variants:
+            raise RuntimeError(f"{unit.name} is not a variant of {ctx.unit.name}")
+        ctx.unit = unit
+        ctx.endpoint = turn.handlers.get(unit, ctx.endpoint)
+        limit = int(limits[unit.body_limit])
+        if len(turn.body) > limit:
+            raise _too_large(limit)
+    return body
+
+
 def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
-    """The prepare phase of `app`, applying `body_checks` (the enabled stateless and tools
-    policies, in that order) between reading and translating. Translating is the last step:
-    nothing after it edits the body, so the one Translation is the request."""
+    """The prepare phase of `app`: the body, sizes, models and translate steps of each unit of
+    work (proxy.http.units), those its unit declares, applying `body_checks` (the enabled
+    stateless and tools policies, in that order) between reading and translating. Translating
+    is the last step: nothing after it edits the body, so the one Translation is the request."""
     checks = tuple(body_checks)
 
     async def prepare(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
-        if ctx.method != "POST" or ctx.path not in _PREPARED:
+        phases = ctx.unit.phases
+        if BODY not in phases:
             return await call_next(request, ctx)
         limits = _limits(request)
         body = ctx.body
         if body is None:  # read once: a custom middleware may have read it (read_json) already
-            body = ctx.body = await _read_body(request, limits)
+            body = await _read_body(request, limits, int(limits[ctx.unit.body_limit]))
+        body = ctx.body = _decoded_turn(request, ctx, limits, body)
+        phases = ctx.unit.phases
+        if SIZES in phases:
+            _check_sizes(body, limits)
         pool = app.get(state.POOL)
-        _check_model(ctx, body, pool)
-        for check in checks:
-            body = check(ctx, body)
-        ctx.body = body
-        _check_sizes(body, limits)
-        sealer = app.get(SEALER)
-        options = TranslateOptions(unseal=sealer.bound(binding(ctx.key))[1] if sealer is not None else None,
-                                   served=pool.serves if pool is not None else None,
-                                   sampling_defaults=app.get(SAMPLING_DEFAULTS))
-        result = translate_request(body, options)
-        # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
-        await check_images(policy_for(app), result.chat)
-        ctx.notices.extend(result.notices)
-        ctx.translation = result
+        if MODELS in phases:
+            _check_model(ctx, body, pool)
+        if TRANSLATE in phases:
+            for check in checks:
+                body = check(ctx, body)
+            ctx.body = body
+            sealer = app.get(SEALER)
+            options = TranslateOptions(unseal=sealer.bound(binding(ctx.key))[1] if sealer is not None else None,
+                                       served=pool.serves if pool is not None else None,
+                                       sampling_defaults=app.get(SAMPLING_DEFAULTS))
+            result = translate_request(body, options)
+            # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
+            await check_images(policy_for(app), result.chat)
+            ctx.notices.extend(result.notices)
+            ctx.translation = result
         return await call_next(request, ctx)
 
     return prepare

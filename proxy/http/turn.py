@@ -32,6 +32,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy import state
+from proxy.http.units import RESPONSES, Unit
 
 Emit = Callable[[str, bytes], Awaitable[None]]
 # Told the answer's headers once the app's response hooks set them, before the first event.
@@ -118,12 +119,20 @@ class TurnStream:
         self._eof_sent = True
 
 
+# A transport's message (parsed JSON) -> the Responses request body it stands for, and its unit
+# (the turn's own, or one of its variants); raises APIError for a message it refuses.
+Decode = Callable[[dict[str, Any]], tuple[dict[str, Any], Unit]]
+
+
 @dataclass
 class Turn:
-    """A request's `state.TURN`: the turn's body, and where its event stream goes."""
+    """A request's `state.TURN`: the turn's body, its unit of work, and where its event stream goes."""
 
     body: bytes
     emit: Emit
+    unit: Unit = RESPONSES
+    decode: Decode | None = None  # run by the body phase, after auth and limits
+    handlers: dict[Unit, Any] = field(default_factory=dict)  # a variant's handler (a warm-up answers itself)
     answer: TurnStream | None = None
     on_prepare: OnPrepare | None = None
     refusal: web.StreamResponse | None = None  # the JSON answer run_turn reads (never written)
@@ -149,12 +158,14 @@ def _headers(origin: web.Request, body: bytes) -> CIMultiDict[str]:
     return headers
 
 
-async def run_turn(origin: web.Request, body: bytes, emit: Emit, on_prepare: OnPrepare | None = None) -> TurnAnswer:
-    """Run `body` (a Responses request body, JSON) as `POST /v1/responses` with `origin`'s
-    headers through the app; the events go to `emit` while it runs. `on_prepare` is told the
-    event stream's headers (notices among them) before its first event is emitted."""
+async def run_turn(origin: web.Request, body: bytes, emit: Emit, on_prepare: OnPrepare | None = None, *,
+                   unit: Unit, decode: Decode | None = None, handlers: dict[Unit, Any] | None = None) -> TurnAnswer:
+    """Run `body` (JSON: a Responses request body, or a message `decode` turns into one) as
+    `POST /v1/responses` with `origin`'s headers through the app, as the unit of work `unit`
+    (its phases: proxy.http.units); the events go to `emit` while it runs. `on_prepare` is told
+    the event stream's headers (notices among them) before its first event is emitted."""
     request = origin.clone(method="POST", rel_url=TURN_PATH, headers=_headers(origin, body))
-    turn = request[state.TURN] = Turn(body, emit, on_prepare=on_prepare)
+    turn = request[state.TURN] = Turn(body, emit, unit, decode, handlers or {}, on_prepare=on_prepare)
     app = request.app
     handler = (await app.router.resolve(request)).handler
     for middleware in reversed(app.middlewares):  # new-style middlewares: (request, handler)

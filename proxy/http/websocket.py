@@ -1,14 +1,26 @@
 """The Responses WebSocket transport: `GET /v1/responses` with an upgrade (Open Responses
 2026-04-24, "WebSocket Transport").
 
-The handshake passes the middleware chain as any request to /v1/responses does, so the key is
-checked there (the same header as HTTP) before the socket opens. Each `response.create`
-message is one turn: the connection's `Continuation` (proxy.protocol.continuation) turns it
-into the body of a `POST /v1/responses`, `proxy.http.turn.run_turn` runs that through the whole
-HTTP path (every policy, the same hold and debit), and each event of its stream is sent as one
-text message, the same objects with the same sequence numbers. One turn is in flight at a
-time; later messages wait in order (`max_queued_turns`, then the socket is not read). A peer
-that goes away cancels the turn in flight as a client disconnect cancels an HTTP request.
+The handshake is the unit WS_HANDSHAKE (proxy.http.units): the key is checked from its headers
+(the same header as HTTP) before the socket opens, then the socket is admitted: at most
+`max_sockets_per_key` open sockets per key and `max_sockets` in all, in this process (429
+`too_many_connections` otherwise). Each `response.create` message is one turn, the unit WS_TURN:
+`proxy.http.turn.run_turn` runs it through the whole HTTP path (the key checked again, so a
+revoked key stops at its next turn; the limits before the message is parsed; its size, models,
+policies, the same hold and debit), and the body phase turns the message into the body of a
+`POST /v1/responses` with the connection's `Continuation` (proxy.protocol.continuation). A
+`generate: false` message is the variant WS_WARMUP: the same phases but the balance, answered
+without a model (proxy.http.warmup). Each event of a turn's stream is sent as one text message,
+the same objects with the same sequence numbers.
+
+One turn is in flight at a time; later messages wait in order, at most `max_queued_turns` of
+them and `max_queued_bytes` (counted as received, after permessage-deflate inflated them; a
+message is bounded by `max_message_bytes` while it is inflated). Past either bound the socket
+gets an error event `websocket_queue_full` and is closed (1008): the reader never stops reading,
+so a close frame is seen at once, and a close (or a peer that goes away) cancels the turn in
+flight, as a client disconnect cancels an HTTP request, and drops the queued ones. Pings and
+pongs from the peer are answered within `max_control_frames_per_s` (twice that as a burst);
+a flood past it closes the socket (1008).
 
 A turn's per-response headers have no place on a socket: the notices HTTP sends in the
 notices header (`x-token-notice`) come as a `headers` object on the turn's first event
@@ -18,12 +30,13 @@ schemas; the events keep their types, order and sequence numbers.
 
 Ends of a connection: the client closes; `idle_timeout_s` without a message or a turn;
 `max_connection_minutes` (an error event `websocket_connection_limit_reached`, then close);
-a missed pong (`ping_interval_s`).
+a missed pong (`ping_interval_s`); a bound above.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,20 +45,22 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from proxy import state
 from proxy.http.errors import APIError
-from proxy.http.turn import TurnAnswer, TurnStream, run_turn
-from proxy.http.warmup import warmup_stream
+from proxy.http.turn import TurnAnswer, run_turn
+from proxy.http.units import WS_TURN, WS_WARMUP, Unit
+from proxy.http.warmup import warmup_handler
 from proxy.protocol.continuation import (
     RESPONSE_EVENTS,
     TERMINAL_EVENTS,
     Continuation,
     TurnRefused,
+    check_client_event,
     error_event,
-    parse_client_event,
     with_previous,
 )
 from proxy.runtime.logs import log
 
 _CLOSED = object()  # the queue's end: the peer closed, or the socket failed
+_CONTROL = (WSMsgType.PING, WSMsgType.PONG)
 
 
 @dataclass(frozen=True)
@@ -55,17 +70,59 @@ class WebSocketSettings:
     idle_timeout_s: float = 600.0
     ping_interval_s: float | None = 30.0
     max_queued_turns: int = 4
-    max_message_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: int = 8 * 1024 * 1024
+    max_queued_bytes: int = 8 * 1024 * 1024
+    max_sockets: int | None = 1024
+    max_sockets_per_key: int | None = 16
+    max_control_frames_per_s: float = 10.0
+    permessage_deflate: bool = True
 
     @classmethod
-    def from_config(cls, section: dict[str, Any], max_body_bytes: int) -> "WebSocketSettings":
+    def from_config(cls, section: dict[str, Any], server: dict[str, Any]) -> "WebSocketSettings":
         ping = section.get("ping_interval_s", 30)
+        max_body = int(server.get("max_body_bytes", cls.max_message_bytes))
         return cls(enabled=bool(section.get("enabled", True)),
                    max_connection_s=float(section.get("max_connection_minutes", 60)) * 60,
                    idle_timeout_s=float(section.get("idle_timeout_s", 600)),
                    ping_interval_s=float(ping) if ping is not None else None,
                    max_queued_turns=int(section.get("max_queued_turns", 4)),
-                   max_message_bytes=int(max_body_bytes))
+                   max_message_bytes=int(section.get("max_message_bytes") or max_body),
+                   max_queued_bytes=int(section.get("max_queued_bytes", cls.max_queued_bytes)),
+                   max_sockets=section.get("max_sockets", cls.max_sockets),
+                   max_sockets_per_key=section.get("max_sockets_per_key", cls.max_sockets_per_key),
+                   max_control_frames_per_s=float(section.get("max_control_frames_per_s",
+                                                              cls.max_control_frames_per_s)),
+                   permessage_deflate=bool(section.get("permessage_deflate", True)))
+
+
+class SocketAdmission:
+    """Open sockets, per key and in all, in this process: a socket is admitted at its handshake
+    (after auth, before the upgrade) or refused with 429, and counted until it ends."""
+
+    def __init__(self, settings: WebSocketSettings) -> None:
+        self.settings = settings
+        self.total = 0
+        self.per_key: dict[str | None, int] = {}
+
+    def admit(self, key_id: str | None) -> None:
+        settings = self.settings
+        if settings.max_sockets is not None and self.total >= settings.max_sockets:
+            raise APIError(429, "The proxy is at its limit of open WebSocket connections; retry shortly.",
+                           code="too_many_connections", headers={"Retry-After": "1"})
+        held = self.per_key.get(key_id, 0)
+        if key_id is not None and settings.max_sockets_per_key is not None and held >= settings.max_sockets_per_key:
+            raise APIError(429, f"This API key already has {held} WebSocket connections open; close one first.",
+                           code="too_many_connections", headers={"Retry-After": "1"})
+        self.total += 1
+        self.per_key[key_id] = held + 1
+
+    def release(self, key_id: str | None) -> None:
+        self.total -= 1
+        left = self.per_key[key_id] - 1
+        if left:
+            self.per_key[key_id] = left
+        else:
+            del self.per_key[key_id]
 
 
 def _is_upgrade(request: web.Request) -> bool:
@@ -78,36 +135,56 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     if not settings.enabled or not _is_upgrade(request):
         raise APIError(405, f"Method not allowed on this endpoint ({request.method} {request.path}); "
                             "POST a request, or open a WebSocket.", code=None)
-    ws = web.WebSocketResponse(heartbeat=settings.ping_interval_s, max_msg_size=settings.max_message_bytes,
-                               autoping=True)
-    await ws.prepare(request)
+    admission = request.app.get(state.SOCKETS) or SocketAdmission(settings)
+    key = state.context(request).key
+    key_id = key.key_id if key is not None else None
+    admission.admit(key_id)
     try:
-        await _Connection(request, ws, settings).serve()
-    except asyncio.CancelledError:
-        # aiohttp cancels the handler of a connection that is lost, which is how most sockets
-        # end (often before the close frame is read): that is the socket's end (logged 101),
-        # not a client that gave up on an answer. Any other cancellation goes on.
-        task = asyncio.current_task()
-        transport = request.transport
-        if task is None or not (ws.closed or transport is None or transport.is_closing()):
-            raise
-        task.uncancel()
-    return ws
+        # autoping off: the reader answers pings itself, within the control-frame budget.
+        ws = web.WebSocketResponse(heartbeat=settings.ping_interval_s, max_msg_size=settings.max_message_bytes,
+                                   autoping=False, compress=settings.permessage_deflate)
+        await ws.prepare(request)
+        try:
+            await _Connection(request, ws, settings).serve()
+        except asyncio.CancelledError:
+            # aiohttp cancels the handler of a connection that is lost, which is how most sockets
+            # end (often before the close frame is read): that is the socket's end (logged 101),
+            # not a client that gave up on an answer. Any other cancellation goes on.
+            task = asyncio.current_task()
+            transport = request.transport
+            if task is None or not (ws.closed or transport is None or transport.is_closing()):
+                raise
+            task.uncancel()
+        return ws
+    finally:
+        admission.release(key_id)
+
+
+def _refused(exc: TurnRefused) -> APIError:
+    return APIError(exc.status, exc.message, code=exc.code, param=exc.param)
 
 
 class _Connection:
-    """One socket: a reader task queues the client's messages; the handler's task runs them
-    one by one, each turn in a task of its own that a vanished peer cancels."""
+    """One socket: a reader task queues the client's messages (never blocking, so a close frame
+    is read at once); the handler's task runs them one by one, each turn in a task of its own
+    that a close or a vanished peer cancels. A message is neither parsed nor decompressed
+    further here: each turn's phases (auth, limits, then the body) decide what it costs."""
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, settings: WebSocketSettings) -> None:
         self.request = request
         self.ws = ws
         self.settings = settings
         self.memory = Continuation()
-        self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=settings.max_queued_turns)
+        self.queue: deque[bytes] = deque()
+        self.queued_bytes = 0
+        self.arrived = asyncio.Event()
         self.gone = asyncio.Event()  # the peer closed or the socket failed
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + settings.max_connection_s
+        rate = settings.max_control_frames_per_s
+        self.control_budget = (rate, max(rate, 1.0) * 2)  # refill per second, burst
+        self.control_tokens = self.control_budget[1]
+        self.control_at = self.loop.time()
 
     async def serve(self) -> None:
         reader = asyncio.create_task(self._read())
@@ -125,37 +202,94 @@ class _Connection:
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
+            self.queue.clear()
             if not self.ws.closed:
                 await self.ws.close()
 
     async def _read(self) -> None:
+        ws = self.ws
         try:
-            async for msg in self.ws:
-                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
-                    await self.queue.put(msg.data)
-                elif msg.type == WSMsgType.ERROR:
+            while True:
+                msg = await ws.receive()
+                kind = msg.type
+                if kind is WSMsgType.TEXT:
+                    data = msg.data.encode()
+                elif kind is WSMsgType.BINARY:
+                    data = msg.data
+                elif kind in _CONTROL:
+                    if not self._control_frame_allowed():
+                        await self._close_for(WSCloseCode.POLICY_VIOLATION, "too many control frames")
+                        break
+                    if kind is WSMsgType.PING:
+                        await ws.pong(msg.data)
+                    continue
+                else:  # CLOSE, CLOSING, CLOSED, ERROR: the socket's end
+                    break
+                if not self._enqueue(data):
+                    await self._queue_full()
                     break
         finally:
             self.gone.set()
-            try:
-                self.queue.put_nowait(_CLOSED)
-            except asyncio.QueueFull:
-                pass  # serve() sees `gone` after the turn in flight
+            self.arrived.set()
+
+    def _control_frame_allowed(self) -> bool:
+        """A token bucket over pings and pongs: a flood of them is answered by closing."""
+        now = self.loop.time()
+        rate, burst = self.control_budget
+        self.control_tokens = min(burst, self.control_tokens + (now - self.control_at) * rate)
+        self.control_at = now
+        if self.control_tokens < 1:
+            return False
+        self.control_tokens -= 1
+        return True
+
+    def _enqueue(self, data: bytes) -> bool:
+        """Queue a message behind the turn in flight; False past the socket's bounds (messages,
+        and their bytes as received, inflated)."""
+        if (len(self.queue) >= self.settings.max_queued_turns
+                or self.queued_bytes + len(data) > self.settings.max_queued_bytes):
+            return False
+        self.queue.append(data)
+        self.queued_bytes += len(data)
+        self.arrived.set()
+        return True
+
+    async def _queue_full(self) -> None:
+        settings = self.settings
+        await self._send_json(error_event(429, {
+            "type": "rate_limit_error", "code": "websocket_queue_full", "param": None,
+            "message": f"More than {settings.max_queued_turns} messages or {settings.max_queued_bytes} bytes "
+                       "wait behind the turn in flight; send the next response.create after the last one ended."}))
+        await self._close_for(WSCloseCode.POLICY_VIOLATION, "queue full")
+
+    async def _close_for(self, code: int, reason: str) -> None:
+        self.gone.set()  # before the close handshake: the turn in flight is cancelled meanwhile
+        try:
+            await self.ws.close(code=code, message=reason.encode())
+        except Exception:  # the transport may be gone already
+            pass
 
     async def _next(self) -> Any:
         """The next message; _CLOSED when the peer is gone, idle too long or out of time."""
-        if self.gone.is_set():  # what the peer queued before it left has no one to answer
+        while not self.queue:
+            if self.gone.is_set():  # what the peer queued before it left has no one to answer
+                return _CLOSED
+            self.arrived.clear()
+            wait = min(self.settings.idle_timeout_s, self.deadline - self.loop.time())
+            try:
+                async with asyncio.timeout(max(wait, 0)):
+                    await self.arrived.wait()
+            except TimeoutError:
+                if self.loop.time() >= self.deadline:
+                    await self._limit_reached()
+                else:
+                    await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"idle timeout")
+                return _CLOSED
+        if self.gone.is_set():
             return _CLOSED
-        wait = min(self.settings.idle_timeout_s, self.deadline - self.loop.time())
-        try:
-            async with asyncio.timeout(max(wait, 0)):
-                return await self.queue.get()
-        except TimeoutError:
-            if self.loop.time() >= self.deadline:
-                await self._limit_reached()
-            else:
-                await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"idle timeout")
-            return _CLOSED
+        data = self.queue.popleft()
+        self.queued_bytes -= len(data)
+        return data
 
     async def _limit_reached(self) -> None:
         minutes = self.settings.max_connection_s / 60
@@ -172,8 +306,8 @@ class _Connection:
         except ConnectionResetError:  # the peer left: nobody to tell
             self.gone.set()
 
-    async def _run(self, message: Any) -> None:
-        """One turn in a task of its own; a peer that goes away meanwhile cancels it."""
+    async def _run(self, message: bytes) -> None:
+        """One turn in a task of its own; a peer that closes or goes away meanwhile cancels it."""
         turn = asyncio.create_task(self._turn(message))
         gone = asyncio.create_task(self.gone.wait())
         try:
@@ -191,24 +325,31 @@ class _Connection:
                 await self._send_json(error_event(500, {"type": "server_error", "code": "internal_error",
                                                         "message": "The proxy failed to handle this turn."}))
 
-    async def _turn(self, message: Any) -> None:
-        try:
-            event = parse_client_event(message)
-            body, previous = self.memory.expand(event)
-        except TurnRefused as exc:  # nothing ran: an unknown id had nothing to evict
-            await self._send_json(exc.event())
-            return
+    async def _turn(self, message: bytes) -> None:
         terminal: dict[str, Any] = {}
         carried: dict[str, str] = {}  # the turn's headers, for its first event
         send = self.ws.send_frame
         names = self._carried_headers()
+        decoded: dict[str, Any] = {}  # what the body phase made of the message, once it ran
+
+        def decode(event: dict[str, Any]) -> tuple[dict[str, Any], Unit]:
+            """Run by the turn's body phase, after auth and limits passed."""
+            try:
+                body, previous = self.memory.expand(check_client_event(event))
+            except TurnRefused as exc:  # nothing ran: an unknown id had nothing to evict
+                raise _refused(exc) from None
+            decoded.update(body=body, previous=previous)
+            if body.pop("generate", True) is False:
+                return body, WS_WARMUP
+            body["stream"] = True
+            return body, WS_TURN
 
         def prepared(headers: Any) -> None:
             carried.update(_carried(headers, names))
 
         async def emit(name: str, data: bytes) -> None:
             if name in RESPONSE_EVENTS:
-                data = with_previous(data, previous)
+                data = with_previous(data, decoded.get("previous"))
                 if name in TERMINAL_EVENTS:
                     terminal.update(orjson.loads(data))
             if carried:
@@ -217,15 +358,13 @@ class _Connection:
             await send(data, WSMsgType.TEXT)
 
         try:
-            if body.pop("generate", True) is False:
-                answer = await self._warmup(body, emit)
-            else:
-                body["stream"] = True
-                answer = await run_turn(self.request, orjson.dumps(body), emit, prepared)
+            answer = await run_turn(self.request, message, emit, prepared, unit=WS_TURN, decode=decode,
+                                    handlers={WS_WARMUP: warmup_handler})
         except BaseException:
-            self.memory.failed(previous)
+            self.memory.failed(decoded.get("previous"))
             raise
-        self._remember(answer, terminal, body, previous)
+        if decoded:
+            self._remember(answer, terminal, decoded["body"], decoded["previous"])
         if not answer.streamed:
             await self._send_json(_error_of(answer, names))
 
@@ -234,15 +373,6 @@ class _Connection:
         notices policy is on (proxy.state.NOTICES_HEADER)."""
         notice = self.request.app.get(state.NOTICES_HEADER)
         return (notice,) if notice else ()
-
-    async def _warmup(self, body: dict[str, Any], emit: Any) -> TurnAnswer:
-        """`generate: false`: a response with no output, no model call (proxy.http.warmup)."""
-        try:
-            stream = warmup_stream(self.request, body)
-        except APIError as exc:
-            return TurnAnswer(status=exc.status, streamed=False, body=orjson.dumps(exc.envelope()))
-        await TurnStream(emit).write_eof(stream)
-        return TurnAnswer(status=200, streamed=True)
 
     def _remember(self, answer: TurnAnswer, terminal: dict[str, Any], body: dict[str, Any],
                   previous: str | None) -> None:

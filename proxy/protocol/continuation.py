@@ -65,6 +65,11 @@ def parse_client_event(data: str | bytes) -> dict[str, Any]:
         event = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise TurnRefused(400, f"The message is not valid JSON: {exc.msg}.", "invalid_json") from None
+    return check_client_event(event)
+
+
+def check_client_event(event: Any) -> dict[str, Any]:
+    """A parsed client message -> the `response.create` event it is; TurnRefused(400) otherwise."""
     if not isinstance(event, dict):
         raise TurnRefused(400, "A message must be a JSON object.", "invalid_json")
     kind = event.get("type")

@@ -1,0 +1,64 @@
+"""The route table: every route of the proxy's API, its handler and its unit of work
+(proxy.http.units: the phases it runs). build_app registers the routes from it and the envelope
+reads each request's unit from it, so a route cannot be served without being declared here.
+
+A guarded path answers any other method after auth (a 401 before its 405), as it always did:
+whether a path exists is not told to a caller without a key. Paths not listed (the admin
+console's sub-app, /metrics at its configured path, unknown paths) run no phase: the console
+has its own guard (proxy.admin.auth), the rest are public or 404.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from proxy.http.compact import compact_handler
+from proxy.http.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
+from proxy.http.forwarder import responses_handler
+from proxy.http.key_view import key_handler
+from proxy.http.openapi import openapi_handler
+from proxy.http.units import COMPACT, INPUT_TOKENS, KEYED, PUBLIC, RESPONSES, WS_HANDSHAKE, Unit
+from proxy.http.websocket import websocket_handler
+
+
+class Route(NamedTuple):
+    method: str
+    path: str
+    handler: Any
+    unit: Unit
+
+
+ROUTES = (
+    Route("POST", "/v1/responses", responses_handler, RESPONSES),
+    Route("GET", "/v1/responses", websocket_handler, WS_HANDSHAKE),
+    Route("POST", "/v1/responses/compact", compact_handler, COMPACT),
+    Route("POST", "/v1/responses/input_tokens", input_tokens_handler, INPUT_TOKENS),
+    Route("GET", "/v1/models", models_handler, KEYED),
+    Route("GET", "/v1/key", key_handler, KEYED),
+    Route("GET", "/livez", livez_handler, PUBLIC),
+    Route("GET", "/healthz", healthz_handler, PUBLIC),
+    Route("GET", "/readyz", readyz_handler, PUBLIC),
+    Route("GET", "/openapi.json", openapi_handler, PUBLIC),
+)
+
+_BY_METHOD = {(r.method, r.path): r.unit for r in ROUTES}
+_BY_METHOD.update({("HEAD", r.path): r.unit for r in ROUTES if r.method == "GET" and r.unit is not WS_HANDSHAKE})
+# Any other method on a guarded path: auth first, then the router's 405.
+_BY_PATH = {r.path: KEYED for r in ROUTES if r.unit is not PUBLIC}
+
+
+def unit_for(method: str, path: str) -> Unit:
+    """The unit of an HTTP request (a transport's turn carries its own: proxy.http.turn.Turn)."""
+    unit = _BY_METHOD.get((method, path))
+    if unit is None:
+        unit = _BY_PATH.get(path, PUBLIC)
+    return unit
+
+
+def add_routes(app: Any) -> None:
+    for route in ROUTES:
+        if route.method == "GET":
+            # The socket's GET has no HEAD: a HEAD there is a 405 (after auth), never an upgrade.
+            app.router.add_get(route.path, route.handler, allow_head=route.unit is not WS_HANDSHAKE)
+        else:
+            app.router.add_route(route.method, route.path, route.handler)

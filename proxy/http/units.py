@@ -1,0 +1,93 @@
+"""Units of work and the phases each one runs: the one place that says which checks apply where.
+
+A unit is what the edge does for a client once: an HTTP request to a route, one WebSocket
+`response.create` (a generation or a `generate: false` warm-up), the summary turn of a
+compaction. The route table (proxy.http.routes) gives every HTTP route its unit and the
+transports give their turns theirs (proxy.http.turn.Turn.unit); the envelope puts it on the
+request's context (`ctx.unit`) before any phase runs, and each phase asks only whether its
+name is in `ctx.unit.phases`. No phase keeps a list of paths, so a new route or message type
+runs exactly what its unit declares, and tests/test_units.py sends each unit every phase's
+refusal to prove it.
+
+The phases, in their fixed order (middlewares/__init__.py):
+
+  auth       the key from the headers; a revoked key stops (each turn of a socket too)
+  limits     concurrency and rate, before a byte of the body is read or parsed
+  body       the body read (or a turn's message decoded) within the unit's `body_limit`
+  sizes      input items and tools counted against server.max_input_items / max_tools
+  models     the key's allowed models
+  translate  the stateless and tool policies, then the one Translation and the image guard
+  balance    the hold (and the output cap lowered to it), settled after the handler
+
+A unit whose work is decided by its body (a socket message is a generation or a warm-up) has
+`variants`: the body phase picks one, and a variant must run the same phases before the body
+as the unit it refines (checked below at import), since those ran before anyone knew.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+AUTH = "auth"
+LIMITS = "limits"
+BODY = "body"
+SIZES = "sizes"
+MODELS = "models"
+TRANSLATE = "translate"
+BALANCE = "balance"
+ORDER = (AUTH, LIMITS, BODY, SIZES, MODELS, TRANSLATE, BALANCE)
+BEFORE_BODY = frozenset({AUTH, LIMITS})
+
+EVERY = frozenset(ORDER)
+UNBILLED = EVERY - {BALANCE}
+NONE: frozenset[str] = frozenset()
+
+# The body bounds a unit may name (server settings): work nobody pays for gets the smaller one.
+BILLED_BODY = "max_body_bytes"
+UNBILLED_BODY = "max_unbilled_body_bytes"
+
+
+class Unit(NamedTuple):
+    name: str
+    phases: frozenset[str]
+    body_limit: str = BILLED_BODY
+    # What runs after the phases instead of the route's handler (a warm-up answers itself).
+    handler: Any = None
+    variants: tuple["Unit", ...] = ()
+    why: str = ""  # the reason for each phase it skips: the table is read by people too
+
+    def runs(self, phase: str) -> bool:
+        return phase in self.phases
+
+
+RESPONSES = Unit("POST /v1/responses", EVERY)
+INPUT_TOKENS = Unit("POST /v1/responses/input_tokens", UNBILLED, body_limit=UNBILLED_BODY,
+                    why="a count is free of charge; limited, and bounded by the unbilled body size")
+COMPACT = Unit("POST /v1/responses/compact", frozenset({AUTH, LIMITS, BODY, SIZES, MODELS}),
+               why="the window is cut by the handler; the summary is its own turn (COMPACT_SUMMARY), "
+                   "held and billed; a window too short to summarize costs nothing")
+COMPACT_SUMMARY = Unit("compaction summary turn", EVERY - {LIMITS},
+                       why="its compaction request took the concurrency slot and the rate token already")
+WS_WARMUP = Unit("WebSocket response.create generate=false", UNBILLED, body_limit=UNBILLED_BODY,
+                 why="a warm-up calls no model: free of charge, limited, bounded by the unbilled body size")
+WS_TURN = Unit("WebSocket response.create", EVERY, variants=(WS_WARMUP,))
+WS_HANDSHAKE = Unit("GET /v1/responses (WebSocket handshake)", frozenset({AUTH}),
+                    why="each message is a unit of its own (WS_TURN); the socket itself is admitted "
+                        "per key and in all by proxy.http.websocket")
+KEYED = Unit("keyed read", frozenset({AUTH}), why="no body, no upstream call, nothing billed")
+PUBLIC = Unit("public", NONE, why="probes, /metrics, the API description: no key (the admin console has its own)")
+UNITS = (RESPONSES, INPUT_TOKENS, COMPACT, COMPACT_SUMMARY, WS_TURN, WS_WARMUP, WS_HANDSHAKE, KEYED, PUBLIC)
+
+
+def _check(units: tuple[Unit, ...]) -> None:
+    for unit in units:
+        if not unit.phases <= EVERY:
+            raise AssertionError(f"{unit.name}: unknown phase(s) {sorted(unit.phases - EVERY)}")
+        if unit.phases != EVERY and not unit.why:
+            raise AssertionError(f"{unit.name} skips {sorted(EVERY - unit.phases)} without saying why")
+        for variant in unit.variants:
+            if variant.phases & BEFORE_BODY != unit.phases & BEFORE_BODY:
+                raise AssertionError(f"{variant.name} must run {unit.name}'s phases before the body")
+
+
+_check(UNITS)
