@@ -194,3 +194,22 @@ async def test_paths_without_a_unit_run_no_phase_and_guarded_paths_auth_any_meth
         assert resp.status == 405  # auth ran, and left the router's 405 to be told (middlewares.auth._refuse)
     assert unit_for("DELETE", "/v1/models").runs(AUTH)
     assert not unit_for("GET", "/nowhere").phases
+
+
+async def test_a_window_with_nothing_to_summarize_is_free_and_bounded_as_free_work(make_proxy, http):
+    """330 B of zstd used to buy 8 MB of echo: a compaction that calls no model is answered up
+    to server.max_unbilled_body_bytes, like every unit nobody pays for."""
+    import zstandard
+
+    proxy = await make_proxy(CONFIG)
+    window = [{"type": "message", "role": "user", "content": "y" * 60_000}]
+    raw = zstandard.ZstdCompressor().compress(orjson.dumps({"model": MODEL, "input": window}))
+    assert len(raw) < 1_000
+    headers = {"Authorization": f"Bearer {proxy.api_key}", "Content-Type": "application/json",
+               "Content-Encoding": "zstd"}
+    async with http.post(proxy.url + "/v1/responses/compact", data=raw, headers=headers) as resp:
+        assert resp.status == 413 and (await resp.json())["error"]["code"] == "request_too_large"
+    window[0]["content"] = "short"
+    async with http.post(proxy.url + "/v1/responses/compact", json={"model": MODEL, "input": window},
+                         headers={"Authorization": f"Bearer {proxy.api_key}"}) as resp:
+        assert resp.status == 200 and (await resp.json())["output"][0]["content"][0]["text"] == "short"

@@ -22,7 +22,7 @@ from proxy import state
 from proxy.http.errors import APIError, bad_request
 from proxy.http.request import read_json
 from proxy.http.turn import run_turn
-from proxy.http.units import COMPACT_SUMMARY
+from proxy.http.units import COMPACT_SUMMARY, UNBILLED_BODY
 from proxy.policy.rules import apply_stateless, previous_response_mode
 from proxy.protocol.compaction import as_output_item, compaction_item, split_window, summary_request, summary_text
 from proxy.protocol.continuation import TERMINAL_EVENTS
@@ -111,9 +111,15 @@ async def compact_handler(request: web.Request) -> web.StreamResponse:
     older, recent = split_window(items, settings.keep_recent_items)
     kept = [as_output_item(item) for item in recent]
     if not older:  # nothing to summarize: the window is already as short as it gets
-        answer = {"id": f"resp_{random_bits(128):032x}", "object": "response.compaction",
-                  "created_at": int(time.time()), "output": kept, "usage": _ZERO_USAGE}
-        return web.json_response(answer, dumps=lambda v: orjson.dumps(v).decode())
+        answer = orjson.dumps({"id": f"resp_{random_bits(128):032x}", "object": "response.compaction",
+                               "created_at": int(time.time()), "output": kept, "usage": _ZERO_USAGE})
+        # Free of charge, so bounded as free work is: a small compressed body must not buy an
+        # answer of server.max_body_bytes.
+        limit = int(request.app[state.CONFIG].section("server")[UNBILLED_BODY])
+        if len(answer) > limit:
+            raise APIError(413, f"A window with nothing to summarize is answered free of charge up to {limit} bytes; "
+                                "this one is larger.", code="request_too_large")
+        return web.Response(body=answer, content_type="application/json")
     response = await _summarize(request, body, older, settings)
     if isinstance(response, web.Response):
         return response
