@@ -7,11 +7,13 @@ real proxy, and the bounded per-key Prometheus series."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import io
 import json
 import sqlite3
 import time
+from typing import Any
 
 import aiohttp
 import pytest
@@ -120,8 +122,10 @@ async def test_totals_from_the_hourly_sums_equal_the_rows(ledger):
 
 async def test_totals_equal_the_rows_for_random_ranges_filters_and_groupings(ledger):
     """Random bounds anywhere (fractions of a second, exactly on an hour, just before one),
-    rows on and just off the hour boundaries, random key / model filters and groupings: every
-    field of every group equals the sums of the matching rows (proxy/ledger/rollup.py's split)."""
+    rows on and just off the hour boundaries, random key / model filters and groupings, rows
+    with a served model under an alias and rows without one (recorded before it was kept): every
+    field of every group equals the sums of the matching rows (proxy/ledger/rollup.py's split),
+    the model being the served one (UsageRecord.grouped_model)."""
     import random
 
     rng = random.Random(1618)
@@ -135,6 +139,8 @@ async def test_totals_equal_the_rows_for_random_ranges_filters_and_groupings(led
                    worker=rng.choice(["w1", "w2", None]), cost=rng.randint(0, 900))
         u.input_tokens, u.cached_tokens = rng.randint(0, 5000), rng.randint(0, 50)
         u.output_tokens, u.reasoning_tokens = rng.randint(0, 700), rng.randint(0, 9)
+        if rng.random() < 0.6:  # an alias ("vendor7/m2") of the served model
+            u.served_model, u.model = u.model, f"vendor{rng.randint(0, 40)}/{u.model}"
         if n % 3:  # a lease's batch commit, or one settle
             results, _ = await ledger.lease_commit([("lease:r", u)], [])
             assert results == [u.cost_micros]
@@ -152,9 +158,9 @@ async def test_totals_equal_the_rows_for_random_ranges_filters_and_groupings(led
         expected: dict[tuple, list[int]] = {}
         for u in rows:
             if ((since is not None and u.created_at < since) or (until is not None and u.created_at >= until)
-                    or (key_id and u.key_id != key_id) or (model and u.model != model)):
+                    or (key_id and u.key_id != key_id) or (model and u.grouped_model != model)):
                 continue
-            values = {"key": u.key_id, "model": u.model, "worker": u.worker,
+            values = {"key": u.key_id, "model": u.grouped_model, "worker": u.worker,
                       "day": int(u.created_at // DAY * DAY), "hour": int(u.created_at // 3600 * 3600)}
             sums = expected.setdefault(tuple(values[g] for g in group_by), [0] * 7)
             for i, v in enumerate((1, u.input_tokens, u.cached_tokens, u.output_tokens, u.reasoning_tokens,
@@ -440,3 +446,159 @@ async def test_per_key_metrics_are_bounded(make_proxy):
     shown = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
     assert shown["responses_proxy_key_balance_micros"] == balance
     assert shown["responses_proxy_key_spend_today_micros"] == 10_000_000 - balance > 0
+
+
+# ------------------------------------------------ bounded model cardinality (issue 25)
+
+_SERVED = "tiny-org/tiny-model"  # what the simulator's worker serves (tests/conftest.py make_proxy)
+
+
+@pytest.mark.parametrize("backend", LEDGER_BACKENDS)
+async def test_aliases_of_one_model_are_one_model_in_the_console(make_proxy, request, tmp_path, backend):
+    """The attacker sends many distinct model strings that all mean one served model
+    ("p7/tiny-org/tiny-model": resolve_model strips the leading segment). The console's
+    per-model breakdown (totals, the dashboard's series, from the rows and from the hourly
+    sums) has exactly one entry, the served model, with all the traffic; a row's detail still
+    shows the client's string."""
+    admin_key = "adm-test-0123456789abcdef"
+    proxy = await make_proxy({"admin": {"keys": [{"name": "ops", "key": admin_key}], "session_secret": "s" * 32},
+                              "auth": {"demo_key": True}, "ledger": ledger_section(backend, request, tmp_path)})
+    sent = [_SERVED] + [f"p{i}/{_SERVED}" for i in range(47)]
+    gate = asyncio.Semaphore(8)
+
+    async def one(s: aiohttp.ClientSession, i: int, model: str) -> None:
+        async with gate:
+            r = await s.post(proxy.url + "/v1/responses", headers={"Authorization": f"Bearer {proxy.api_key}"},
+                             json={"model": model, "input": f"Hello {i}", "max_output_tokens": 8, "stream": i % 2 == 1})
+            body = await r.read()
+            assert r.status == 200, body[:300]
+            if i % 2 == 0:
+                assert json.loads(body)["model"] == model  # the Response echoes the client's string
+
+    from middlewares.balance import wait_for_settlements
+
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    async with aiohttp.ClientSession() as s:
+        await asyncio.gather(*(one(s, i, m) for i, m in enumerate(sent)))
+        await wait_for_settlements(proxy.app)
+
+        async def get(path: str) -> Any:
+            r = await s.get(proxy.url + "/admin/api" + path, headers=admin)
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+        by_model = (await get("/usage/totals?group_by=model"))["data"]
+        assert [(t["model"], t["requests"]) for t in by_model] == [(_SERVED, len(sent))]
+        # Whole hours only: read from the hourly sums (usage_hourly), keyed by the served model too.
+        hour = int(time.time()) // 3600 * 3600
+        summed = (await get(f"/usage/totals?group_by=model,hour&since={hour - 3600}&until={hour + 7200}"))["data"]
+        assert {t["model"] for t in summed} == {_SERVED}
+        assert sum(t["requests"] for t in summed) == len(sent)
+        for window in ("24h", "7d"):
+            overview = await get(f"/overview?range={window}")
+            series = overview["series"]["by_model"]
+            assert {e["model"] for e in series} == {_SERVED}, window
+            assert sum(e["requests"] for e in series) == len(sent) == overview["totals"]["requests"]
+        rows = (await get("/usage?limit=1000"))["data"]
+        assert sorted(r["model"] for r in rows) == sorted(sent)  # the detail keeps what the client sent
+        assert {r["served_model"] for r in rows} == {_SERVED}
+        assert len((await get(f"/usage?limit=1000&model={_SERVED}"))["data"]) == len(sent)
+
+
+async def test_usage_rows_keep_the_served_model_beside_the_clients_string(ledger):
+    """Both ways a row is recorded (settle, a lease's batch) keep served_model; totals and the
+    model filter go by it, rows without one (older rows) by their model; the ledger's boundary
+    refuses a served_model that is not a non-empty string."""
+    _, key = await ledger.create_key("k", 10**9)
+    base = 1_764_547_200.0
+    sent = []
+    for n in range(12):
+        u = _usage(f"r{n}", key.key_id, base + n * 1000, model=f"vendor{n}/m1")
+        u.served_model = "m1"
+        sent.append(u)
+    old = _usage("old", key.key_id, base + 5, model="legacy/m1")  # as recorded before served_model
+    for n, u in enumerate([*sent, old]):
+        if n % 2:
+            assert await ledger.settle(u.request_id, u)
+        else:
+            assert (await ledger.lease_commit([("lease:s", u)], []))[0] == [u.cost_micros]
+    assert (await ledger.usage("r3")).served_model == "m1" and (await ledger.usage("r3")).model == "vendor3/m1"
+    assert (await ledger.usage("old")).served_model is None
+    for since, until in ((None, None), (base, base + DAY), (base + 1.5, base + 7000.25)):
+        got = {t.group["model"]: t.requests for t in await ledger.usage_totals(("model",), since=since, until=until)}
+        want: dict[str, int] = {}
+        for u in [*sent, old]:
+            if (since is None or u.created_at >= since) and (until is None or u.created_at < until):
+                want[u.grouped_model] = want.get(u.grouped_model, 0) + 1
+        assert got == want, (since, until)
+    assert {r.request_id for _, r in await ledger.usage_rows(model="m1")} == {u.request_id for u in sent}
+    (total,) = await ledger.usage_totals((), model="m1", since=base, until=base + DAY)
+    assert total.requests == len(sent)
+    for bad in ("", 5):
+        u = _usage(f"bad-{bad}", key.key_id, base)
+        u.served_model = bad
+        with pytest.raises(ValueError):
+            await ledger.settle(u.request_id, u)
+        (result,), _ = await ledger.lease_commit([("lease:s", u)], [])
+        assert isinstance(result, ValueError)
+    assert await ledger.usage("bad-") is None
+
+
+async def test_a_ledger_from_before_served_model_is_migrated(tmp_path):
+    """A ledger made by the previous schema (usage without served_model, hourly sums keyed by
+    the client's strings) opens: the column is added, the old rows keep their sums under their
+    model, new rows are summed under their served model, and the sums equal the rows."""
+    path = tmp_path / "previous.db"
+    conn = sqlite3.connect(path)
+    conn.executescript("""
+        CREATE TABLE keys (key_id TEXT PRIMARY KEY, name TEXT NOT NULL, prefix TEXT NOT NULL,
+            secret_sha256 BLOB NOT NULL UNIQUE, balance_micros INTEGER NOT NULL DEFAULT 0 CHECK (balance_micros >= 0),
+            allowed_models TEXT, concurrency INTEGER, rate_per_min INTEGER, revoked INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL, expires_at REAL, tokens_per_min INTEGER, daily_budget_micros INTEGER,
+            monthly_budget_micros INTEGER);
+        CREATE TABLE usage (seq INTEGER PRIMARY KEY AUTOINCREMENT, request_id TEXT NOT NULL UNIQUE,
+            key_id TEXT NOT NULL REFERENCES keys(key_id), model TEXT NOT NULL, input_tokens INTEGER NOT NULL,
+            cached_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, reasoning_tokens INTEGER NOT NULL,
+            cost_micros INTEGER NOT NULL CHECK (cost_micros >= 0),
+            debited_micros INTEGER NOT NULL CHECK (debited_micros >= 0 AND debited_micros <= cost_micros),
+            status TEXT NOT NULL, created_at REAL NOT NULL, worker TEXT);
+        CREATE TABLE usage_hourly (hour INTEGER NOT NULL, key_id TEXT NOT NULL, model TEXT NOT NULL,
+            worker TEXT NOT NULL, requests INTEGER NOT NULL, input_tokens INTEGER NOT NULL,
+            cached_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, reasoning_tokens INTEGER NOT NULL,
+            cost_micros INTEGER NOT NULL, debited_micros INTEGER NOT NULL,
+            PRIMARY KEY (hour, key_id, model, worker)) WITHOUT ROWID;
+        INSERT INTO keys (key_id, name, prefix, secret_sha256, balance_micros, created_at)
+            VALUES ('key_old', 'old', 'sk-rp-abcdef', x'00', 5000, 1.0);
+        INSERT INTO usage (request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,
+            cost_micros, debited_micros, status, created_at, worker) VALUES
+            ('r0', 'key_old', 'p0/m', 1, 0, 1, 0, 3, 3, 'completed', 1764547210.0, 'w1'),
+            ('r1', 'key_old', 'p1/m', 1, 0, 1, 0, 4, 4, 'completed', 1764547220.0, 'w1');
+        INSERT INTO usage_hourly VALUES (1764547200, 'key_old', 'p0/m', 'w1', 1, 1, 0, 1, 0, 3, 3),
+            (1764547200, 'key_old', 'p1/m', 'w1', 1, 1, 0, 1, 0, 4, 4);
+    """)
+    conn.commit()
+    conn.close()
+    base = 1_764_547_200.0
+    async with SQLiteLedger(path) as ledger:
+        new = [_usage(f"n{i}", "key_old", base + 30 + i, model=f"p{i + 2}/m", cost=5) for i in range(3)]
+        for u in new:
+            u.served_model = "m"
+        assert await ledger.settle("n0", new[0])
+        assert (await ledger.lease_commit([("lease:x", u) for u in new[1:]], []))[0] == [5, 5]
+        ((_, row), *_) = await ledger.usage_rows()
+        assert row.served_model == "m"
+        assert (await ledger.usage("r0")).served_model is None
+        by_model = {t.group["model"]: (t.requests, t.cost_micros)
+                    for t in await ledger.usage_totals(("model",), since=base, until=base + 3600)}  # the sums
+        assert by_model == {"p0/m": (1, 3), "p1/m": (1, 4), "m": (3, 15)}
+    conn = sqlite3.connect(path)
+    try:
+        assert "served_model" in {r[1] for r in conn.execute("PRAGMA table_info(usage)")}
+        sums = conn.execute("SELECT hour, key_id, model, worker, requests, cost_micros FROM usage_hourly"
+                            " ORDER BY 1, 2, 3, 4").fetchall()
+        rows = conn.execute("SELECT CAST(created_at / 3600 AS INTEGER) * 3600, key_id, COALESCE(served_model, model),"
+                            " COALESCE(worker, ''), COUNT(*), SUM(cost_micros) FROM usage GROUP BY 1, 2, 3, 4"
+                            " ORDER BY 1, 2, 3, 4").fetchall()
+        assert sums == rows
+    finally:
+        conn.close()

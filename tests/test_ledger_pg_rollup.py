@@ -16,7 +16,8 @@ from proxy.ledger.spool import settle_record
 
 BASE = 1_764_547_200.0  # 2025-12-01T00:00:00Z
 # usage_hourly as it must be: the rows grouped by the rule of proxy/ledger/rollup.py.
-_FROM_ROWS = ("SELECT (floor(created_at / 3600) * 3600)::bigint, key_id, model, COALESCE(worker, ''), COUNT(*),"
+_FROM_ROWS = ("SELECT (floor(created_at / 3600) * 3600)::bigint, key_id, COALESCE(served_model, model),"
+              " COALESCE(worker, ''), COUNT(*),"
               " SUM(input_tokens)::bigint, SUM(cached_tokens)::bigint, SUM(output_tokens)::bigint,"
               " SUM(reasoning_tokens)::bigint, SUM(cost_micros)::bigint, SUM(debited_micros)::bigint"
               " FROM usage GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4")
@@ -109,3 +110,50 @@ async def test_every_way_a_row_is_recorded_adds_it_once(pg_dsn, tmp_path):
         assert [(s[9], s[10]) for s in poor_sums] == [(300, 250)]  # cost and debit summed apart
         (total,) = await ledger.usage_totals((), since=BASE, until=BASE + 2 * 86400)
         assert total.requests == 19 and total.debited_micros == sum(s[10] for s in sums)
+
+
+async def test_a_ledger_from_before_served_model_is_migrated(pg_dsn, tmp_path):
+    """A database at migration 3 (usage without served_model, sums keyed by the client's
+    strings) gets the column on start (migration 4); its sums stay, new rows are summed under
+    their served model whichever way they come (settle, lease batch, the spool's replay), a
+    row inserted without one (a replica of the previous release) under its model."""
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await migrate(conn, tuple(m for m in MIGRATIONS if m[0] <= 3)) == [1, 2, 3]
+        await conn.execute("INSERT INTO keys (key_id, name, prefix, secret_sha256, balance_micros, created_at)"
+                           " VALUES ('key_a', 'a', 'sk-rp-', '\\x01', 1000000, 0)")
+        await conn.executemany(
+            "INSERT INTO usage (request_id, key_id, model, input_tokens, cached_tokens, output_tokens,"
+            " reasoning_tokens, cost_micros, debited_micros, status, created_at, worker)"
+            " VALUES ($1, 'key_a', $2, 10, 4, 5, 1, 10, 10, 'completed', $3, 'w1')",
+            [(f"old-{n}", f"p{n}/m1", BASE + n) for n in range(5)])
+    finally:
+        await conn.close()
+    async with open_ledger(pg_section(pg_dsn, tmp_path)) as ledger:
+        assert latest_version() >= 4
+        versions = await ledger._db(lambda c: c.fetch("SELECT version FROM schema_migrations ORDER BY 1"),
+                                    transaction=False)
+        assert [r[0] for r in versions] == list(range(1, latest_version() + 1))
+        assert (await ledger.usage("old-0")).served_model is None
+        fresh = [usage(f"new-{n}", "key_a", BASE + 10 + n, model=f"q{n}/m1") for n in range(6)]
+        for u in fresh:
+            u.served_model = "m1"
+        assert await ledger.settle("new-0", fresh[0])
+        results, _ = await ledger.lease_commit([("lease:a", u) for u in fresh[1:4]], [])
+        assert results == [100, 100, 100]
+        await ledger._spool([settle_record("new-4", fresh[4]), settle_record("new-5", fresh[5], lease_id="lease:a")])
+        assert await ledger.replay_spool() == 2
+        assert (await ledger.usage("new-5")).served_model == "m1"
+        conn = await asyncpg.connect(pg_dsn)
+        try:  # the previous release's INSERT, during a rolling upgrade: no served_model
+            await conn.execute(
+                "INSERT INTO usage (request_id, key_id, model, input_tokens, cached_tokens, output_tokens,"
+                " reasoning_tokens, cost_micros, debited_micros, status, created_at, worker)"
+                " VALUES ('x1', 'key_a', 'p9/m1', 1, 0, 1, 0, 7, 7, 'completed', $1, 'w1')", BASE + 20)
+        finally:
+            await conn.close()
+        by_model = {t.group["model"]: t.requests
+                    for t in await ledger.usage_totals(("model",), since=BASE, until=BASE + 3600)}  # the sums
+        assert by_model == {"m1": 6, "p9/m1": 1, **{f"p{n}/m1": 1 for n in range(5)}}
+        sums, rows = await sums_and_rows(pg_dsn)
+        assert sums == rows and sum(s[4] for s in sums) == 12

@@ -4,7 +4,8 @@ login / logout / session, and /api/overview, the one read the page draws from.
 /api/overview?range=24h|7d|30d answers, for that window (hourly buckets for 24h, daily
 otherwise), straight from the ledger and the worker pool:
   * totals: requests, tokens, cost over the window;
-  * series: spend and tokens per bucket per key and per model;
+  * series: spend and tokens per bucket per key and per served model (what the workers serve,
+    not the client's string: 4,000 aliases of one model are one series);
   * workers: health, in flight, capacity, time to first byte (EWMA), and the cached-token
     share of the input each one served in the window;
   * top_keys: the ten keys with the most spend in the window; recent_errors: the last

@@ -106,12 +106,13 @@ def _paths() -> dict[str, Any]:
             "responses": {**_ok("The key and its new secret", _SECRET), **key_write}}},
         "/api/usage": {"get": {
             "operationId": "usageRows", "summary": "Usage rows, newest first, paginated",
-            "parameters": [*_RANGE, _query("model", {"type": "string"}, "one model"), *_PAGE, _FORMAT],
+            "parameters": [*_RANGE, _query("model", {"type": "string"}, "one served model (rows from before"
+                                           " served_model was kept: their model)"), *_PAGE, _FORMAT],
             "responses": {**_ok(f"Rows with {', '.join(USAGE_FIELDS)}", _LIST, csv=True),
                           **_errors(400, 401, 403, 503)}}},
         "/api/usage/totals": {"get": {
             "operationId": "usageTotals", "summary": "Usage sums over a range, grouped",
-            "parameters": [*_RANGE, _query("model", {"type": "string"}, "one model"),
+            "parameters": [*_RANGE, _query("model", {"type": "string"}, "one served model"),
                            _query("group_by", {"type": "string"}, f"comma-separated: {', '.join(USAGE_GROUPS)}"),
                            _FORMAT],
             "responses": {**_ok(f"Groups with {', '.join(TOTAL_FIELDS)}", _LIST, csv=True),

@@ -11,6 +11,7 @@ for usage with format=csv) and refusing bad input with a 4xx in the OpenAI envel
     POST   /api/keys/{key_id}/rotate      {"secret": ..., "key": {...}}: a new secret, same key
     GET    /api/usage                     rows, newest first: since, until, key_id, model, limit, cursor, format
     GET    /api/usage/totals              sums grouped by group_by=key,model,worker,day|hour
+                                          (model: the served model; also the filter's)
     GET    /api/audit                     the audit log: key_id, since, until, limit, cursor
 """
 

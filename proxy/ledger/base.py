@@ -95,6 +95,16 @@ class UsageRecord:
     # Filled in by the ledger; ignored on input to settle().
     debited_micros: int | None = None
     worker: str | None = None  # the worker that answered (None: unknown, or rows from before it was kept)
+    # The model that served it (proxy.upstream.models.resolve_model: one of the names the workers
+    # serve), beside `model`, the client's string as sent (any alias, "vendor/name"...). The
+    # console groups and filters by it: a bounded set, whatever strings clients send. None: rows
+    # from before it was kept; those are grouped under `model` (grouped_model).
+    served_model: str | None = None
+
+    @property
+    def grouped_model(self) -> str:
+        """The model this row counts under in totals and the model filter: served_model, else model."""
+        return self.model if self.served_model is None else self.served_model
 
 
 # The usage columns both backends read, in UsageRecord's field order (a row is UsageRecord(*row));
@@ -340,8 +350,8 @@ class Ledger(abc.ABC):
                          before_seq: int | None = None, limit: int = 100,
                          statuses: tuple[str, ...] | None = None) -> list[tuple[int, UsageRecord]]:
         """Usage records as (seq, record), newest first: created_at in [since, until),
-        optionally of one key, one model and some statuses, seq < before_seq (the next
-        page's cursor)."""
+        optionally of one key, one model (the served model: UsageRecord.grouped_model) and
+        some statuses, seq < before_seq (the next page's cursor)."""
 
     @abc.abstractmethod
     async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,
@@ -349,7 +359,9 @@ class Ledger(abc.ABC):
                            model: str | None = None, statuses: tuple[str, ...] | None = None) -> list[UsageTotals]:
         """Sums over usage records with created_at in [since, until) (and the filters),
         grouped by the USAGE_GROUPS names in `group_by` (none: one total), ordered by the
-        group values. "day" / "hour" group by the UTC bucket's start (Unix seconds)."""
+        group values. "day" / "hour" group by the UTC bucket's start (Unix seconds); "model"
+        (and the `model` filter) is the served model (UsageRecord.grouped_model), never the
+        client's unbounded string."""
 
     @abc.abstractmethod
     async def spend_since(self, key_id: str, since: float) -> int:

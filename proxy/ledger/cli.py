@@ -186,7 +186,7 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     usage = sub.add_parser("usage", parents=[json_flag], help="recent usage records")
     usage.add_argument("--key", dest="key", default=None, metavar="KEY_ID")
     usage.add_argument("--limit", type=_nonneg, default=20, metavar="N")
-    usage.add_argument("--model", default=None, metavar="MODEL")
+    usage.add_argument("--model", default=None, metavar="MODEL", help="one served model")
     usage.add_argument("--since", type=_when, default=None, metavar="T")
     usage.add_argument("--until", type=_when, default=None, metavar="T")
     usage.add_argument("--group-by", dest="group_by", default=None, metavar="key,model,worker,day|hour")

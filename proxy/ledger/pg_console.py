@@ -4,7 +4,7 @@ worker / day / hour, and a key's spend since a time (budgets).
 
 A mixin of PostgresLedger (proxy/ledger/postgres.py), which supplies `_db`. The same answers
 as proxy/ledger/sqlite_console.py, by the same rule (proxy/ledger/rollup.py): totals read the
-hourly sums (usage_hourly, proxy/ledger/pg_schema.py migration 3) for the whole UTC hours
+hourly sums (usage_hourly, proxy/ledger/pg_schema.py migrations 3 and 4) for the whole UTC hours
 of the range and the usage rows for its ragged ends (and for a status filter), over the
 indexes usage_by_time(created_at) and usage_by_key_time(key_id, created_at) INCLUDE
 (debited_micros), all in one REPEATABLE READ snapshot.
@@ -19,9 +19,12 @@ from typing import Any
 from proxy.ledger.base import USAGE_GROUPS, USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
 from proxy.ledger.rollup import check_group_by, merge_totals, split_totals
 
+# A row's model in totals and the model filter: the served model, else (rows from before it
+# was kept) the client's string (UsageRecord.grouped_model; usage_hourly.model holds the same).
+SERVED_MODEL_SQL = "COALESCE(served_model, model)"
 _GROUP_SQL = {
     "key": "key_id",
-    "model": "model",
+    "model": SERVED_MODEL_SQL,
     "worker": "worker",
     "day": "(floor(created_at / 86400) * 86400)::bigint",
     "hour": "(floor(created_at / 3600) * 3600)::bigint",
@@ -53,7 +56,8 @@ def _where(since: float | None, until: float | None, key_id: str | None, model: 
     clauses: list[str] = []
     params: list[Any] = []
     for clause, value in (("key_id = ", key_id), ("created_at >= ", None if since is None else float(since)),
-                          ("created_at < ", None if until is None else float(until)), ("model = ", model),
+                          ("created_at < ", None if until is None else float(until)),
+                          (f"{SERVED_MODEL_SQL} = ", model),
                           ("seq < ", None if before_seq is None else int(before_seq))):
         if value is not None:
             params.append(value)

@@ -21,6 +21,12 @@ NOTHING is not in it) with one upsert per (hour, key, model, worker) group, in t
 transaction. Created before the backfill, the trigger's lock on usage (SHARE ROW EXCLUSIVE)
 waits for every open insert and holds off new ones until the migration commits: each row is
 summed exactly once, by the backfill or by the trigger.
+Migration 4 adds usage.served_model (what resolve_model chose, beside the client's string in
+`model`) and re-creates the trigger's function to sum by COALESCE(served_model, model): the
+sums are per served model, whatever aliases clients send; rows without one (made before, or
+by a replica of an older release during a rolling upgrade) are summed under their `model`,
+as they already were, so the sums made before stay right and nothing is re-summed. Adding a
+nullable column without a default is a change of the catalog only (no table rewrite).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ _SUM_COLUMNS_DDL = ",\n    ".join(f"{c:<16} BIGINT NOT NULL" for c in _SUMS)
 _ROLLUP_FROM = ("SELECT (floor(created_at / 3600) * 3600)::bigint, key_id, model, COALESCE(worker, ''), COUNT(*), "
                 + ", ".join(f"SUM({c})::bigint" for c in _SUMS) + " FROM {rows} GROUP BY 1, 2, 3, 4")
 _ROLLUP_ADD = ", ".join(f"{c} = h.{c} + EXCLUDED.{c}" for c in _SUMS)
+# From migration 4 on, the model summed is the served one (migration 3's text stays as applied).
+_ROLLUP_FROM_SERVED = _ROLLUP_FROM.replace(" key_id, model,", " key_id, COALESCE(served_model, model),", 1)
+assert _ROLLUP_FROM_SERVED != _ROLLUP_FROM
 
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "keys, holds, usage, topups, audit", """
@@ -130,6 +139,17 @@ END $$;
 CREATE TRIGGER usage_roll_up AFTER INSERT ON usage REFERENCING NEW TABLE AS new_rows
     FOR EACH STATEMENT EXECUTE FUNCTION usage_roll_up();
 INSERT INTO usage_hourly {_ROLLUP_FROM.format(rows="usage")};
+"""),
+    (4, "usage.served_model; usage_hourly summed per served model", f"""
+ALTER TABLE usage ADD COLUMN served_model TEXT;
+CREATE OR REPLACE FUNCTION usage_roll_up() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO usage_hourly AS h {_ROLLUP_FROM_SERVED.format(rows="new_rows")}
+        ON CONFLICT (hour, key_id, model, worker) DO UPDATE SET requests = h.requests + EXCLUDED.requests,
+        {_ROLLUP_ADD};
+    RETURN NULL;
+END $$;
+COMMENT ON COLUMN usage_hourly.model IS 'the served model: COALESCE(usage.served_model, usage.model)';
 """),
 )
 

@@ -346,8 +346,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
             cost = usage.cost_micros
             debit = min(cost, balance) if held is None else min(cost, balance, held)
             status = await conn.execute(
-                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
-                " ON CONFLICT (request_id) DO NOTHING", *row[:8], debit, *row[9:])
+                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
+                " $13) ON CONFLICT (request_id) DO NOTHING", *row[:8], debit, *row[9:])
             if status.endswith(" 0"):
                 return None
             if debit:

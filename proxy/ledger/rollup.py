@@ -1,7 +1,11 @@
 """The hourly sums' rules, shared by both ledger backends (one home for each):
 
   * which usage rows a sum adds up: per UTC hour (its start, Unix seconds, floor), key,
-    model and worker ('' for a row without one); `hourly_sums` groups a batch of rows
+    model and worker ('' for a row without one). The model is the served model (what
+    resolve_model chose: one of the names the workers serve), or the client's string for a
+    row recorded before it was kept (served_model NULL): SQL's COALESCE(served_model, model),
+    UsageRecord.grouped_model. Never the client's string when a served model is known, so
+    4,000 aliases of one model are one group, not 4,000; `hourly_sums` groups a batch of rows
     just inserted into one sum per group (the upsert SQLite's roll_up runs; PostgreSQL's
     is the same grouping in SQL, proxy/ledger/pg_schema.py);
   * how a time range is answered: `split_totals` splits [since, until) into the whole UTC
@@ -22,8 +26,8 @@ from proxy.ledger.base import USAGE_GROUPS, UsageTotals
 HOUR = 3600
 # Positions in a usage row as both backends insert it (schema.py _INSERT_USAGE, pg_usage.py
 # USAGE_COLUMNS): request_id, key_id, model, input, cached, output, reasoning, cost, debited,
-# status, created_at, worker.
-_KEY, _MODEL, _INPUT, _CREATED, _WORKER = 1, 2, 3, 10, 11
+# status, created_at, worker, served_model.
+_KEY, _MODEL, _INPUT, _CREATED, _WORKER, _SERVED = 1, 2, 3, 10, 11, 12
 
 
 def hour_of(created_at: float) -> int:
@@ -35,8 +39,9 @@ def hourly_sums(inserted: Iterable[tuple[Sequence, int]]) -> list[tuple]:
     per group of `inserted`: usage rows just inserted, each with its debit."""
     groups: dict[tuple, list[int]] = {}
     for row, debit in inserted:
-        worker = row[_WORKER]
-        group = (hour_of(row[_CREATED]), row[_KEY], row[_MODEL], "" if worker is None else worker)
+        worker, served = row[_WORKER], row[_SERVED]
+        group = (hour_of(row[_CREATED]), row[_KEY], row[_MODEL] if served is None else served,
+                 "" if worker is None else worker)
         sums = groups.get(group)
         if sums is None:
             sums = groups[group] = [0, 0, 0, 0, 0, 0, 0]

@@ -54,7 +54,8 @@ CREATE TABLE IF NOT EXISTS usage (
     debited_micros   INTEGER NOT NULL CHECK (debited_micros >= 0 AND debited_micros <= cost_micros),
     status           TEXT NOT NULL,
     created_at       REAL NOT NULL,
-    worker           TEXT
+    worker           TEXT,
+    served_model     TEXT             -- what resolve_model chose; NULL: rows from before it was kept
 );
 CREATE INDEX IF NOT EXISTS usage_by_key ON usage(key_id, seq);
 CREATE TRIGGER IF NOT EXISTS usage_no_update BEFORE UPDATE ON usage
@@ -90,6 +91,7 @@ _ADDED_COLUMNS = (
     ("keys", "daily_budget_micros", "INTEGER"),
     ("keys", "monthly_budget_micros", "INTEGER"),
     ("usage", "worker", "TEXT"),
+    ("usage", "served_model", "TEXT"),
 )
 
 # The time-range reads of the console and of budgets: by time over all keys, by key then
@@ -101,7 +103,8 @@ CREATE INDEX IF NOT EXISTS audit_by_key ON audit(key_id, seq);
 CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
 """
 
-# Usage summed per UTC hour, key, model and worker, added to in the transaction that inserts
+# Usage summed per UTC hour, key, served model (the client's string for rows without one) and
+# worker, added to in the transaction that inserts
 # the usage rows (roll_up below, called by settle and lease_commit: one upsert per group of a
 # batch, not per row): reports over days or months read these sums instead of every row
 # (proxy/ledger/sqlite_console.py; the rules: proxy/ledger/rollup.py). Derived data: filled from the usage rows when missing.
@@ -110,7 +113,7 @@ ROLLUP = """
 CREATE TABLE IF NOT EXISTS usage_hourly (
     hour             INTEGER NOT NULL,   -- Unix seconds of the UTC hour's start
     key_id           TEXT NOT NULL,
-    model            TEXT NOT NULL,
+    model            TEXT NOT NULL,      -- the served model: COALESCE(usage.served_model, usage.model)
     worker           TEXT NOT NULL,      -- '' for rows without one
     requests         INTEGER NOT NULL,
     input_tokens     INTEGER NOT NULL,
@@ -123,7 +126,8 @@ CREATE TABLE IF NOT EXISTS usage_hourly (
 ) WITHOUT ROWID;
 """
 _ROLLUP_BACKFILL = (
-    "INSERT OR IGNORE INTO usage_hourly SELECT CAST(created_at / 3600 AS INTEGER) * 3600, key_id, model,"
+    "INSERT OR IGNORE INTO usage_hourly SELECT CAST(created_at / 3600 AS INTEGER) * 3600, key_id,"
+    " COALESCE(served_model, model),"
     f" COALESCE(worker, ''), COUNT(*), {', '.join(f'SUM({c})' for c in _ROLLUP_SUMS.split(', '))}"
     " FROM usage GROUP BY 1, 2, 3, 4"
 )
@@ -237,8 +241,8 @@ def _models_json(models: Any) -> str | None:
 _KEY_BALANCE = "SELECT balance_micros FROM keys WHERE key_id = ?"
 _INSERT_USAGE = (
     "INSERT OR IGNORE INTO usage (request_id, key_id, model, input_tokens, cached_tokens,"
-    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at, worker)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at, worker, served_model)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _COST, _DEBITED = 7, 8  # positions in an _INSERT_USAGE row
 _NEWEST_USAGE = "SELECT request_id FROM usage ORDER BY seq DESC LIMIT ?"
@@ -260,9 +264,12 @@ def _check_usage(usage: UsageRecord) -> None:
 
 
 def _check_usage_values(usage: UsageRecord) -> None:
-    """ValueError unless usage's status and counts can be recorded (settle and lease_commit)."""
+    """ValueError unless usage's status, served model and counts can be recorded (settle and lease_commit)."""
     if usage.status not in USAGE_STATUSES:
         raise ValueError(f"usage.status must be one of {sorted(USAGE_STATUSES)}")
+    served = usage.served_model
+    if served is not None and (type(served) is not str or not served):
+        raise ValueError("usage.served_model must be a non-empty string or None")
     a, b, c, d, cost = (
         usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens, usage.cost_micros
     )

@@ -231,8 +231,11 @@ async def budget_room(ledger: Ledger, record: KeyRecord, now: float | None = Non
 
 # ----------------------------------------------------------------------------- usage reports
 
-USAGE_FIELDS = ("request_id", "key_id", "model", "worker", "status", "input_tokens", "cached_tokens",
-                "output_tokens", "reasoning_tokens", "cost_micros", "debited_micros", "created_at", "created")
+# A row's `model` is the client's string as sent, `served_model` what served it (null: a row
+# from before it was kept); totals' "model" group and the `model` filter mean the served model.
+USAGE_FIELDS = ("request_id", "key_id", "model", "served_model", "worker", "status", "input_tokens",
+                "cached_tokens", "output_tokens", "reasoning_tokens", "cost_micros", "debited_micros", "created_at",
+                "created")
 TOTAL_FIELDS = ("requests", "input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens",
                 "cost_micros", "debited_micros")
 

@@ -255,6 +255,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         key_id, model, status = usage.key_id, str(usage.model), usage.status
         created_at = float(usage.created_at)
         worker = None if usage.worker is None else str(usage.worker)
+        served = usage.served_model
 
         def op(conn: sqlite3.Connection) -> int | None:
             settled, balance, held = conn.execute(
@@ -274,9 +275,9 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
                 # The exactly-once guarantee: UNIQUE(request_id), in this same transaction.
                 conn.execute(
                     "INSERT INTO usage (request_id, key_id, model, input_tokens, cached_tokens, output_tokens,"
-                    " reasoning_tokens, cost_micros, debited_micros, status, created_at, worker)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (request_id, key_id, model, *counts, cost, debit, status, created_at, worker),
+                    " reasoning_tokens, cost_micros, debited_micros, status, created_at, worker, served_model)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served),
                 )
             except sqlite3.IntegrityError:
                 if conn.execute("SELECT 1 FROM usage WHERE request_id = ?", (request_id,)).fetchone():
@@ -285,7 +286,8 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             if debit:
                 conn.execute(_DEBIT_KEY, (debit, key_id))
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
-            roll_up(conn, [((request_id, key_id, model, *counts, cost, debit, status, created_at, worker), debit)])
+            roll_up(conn, [((request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served),
+                            debit)])
             return debit
 
         debited = await self._run(op, LINGER if linger else SYNC)

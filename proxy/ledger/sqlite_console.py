@@ -21,10 +21,13 @@ from proxy.ledger.writer import Durability
 
 READ = Durability.READ
 
+# A row's model in totals and the model filter: the served model, else (rows from before it
+# was kept) the client's string (UsageRecord.grouped_model; usage_hourly.model holds the same).
+SERVED_MODEL_SQL = "COALESCE(served_model, model)"
 # Each group's SQL expression; "day" and "hour" are the UTC bucket's start in Unix seconds.
 _GROUP_SQL = {
     "key": "key_id",
-    "model": "model",
+    "model": SERVED_MODEL_SQL,
     "worker": "worker",
     "day": "CAST(created_at / 86400 AS INTEGER) * 86400",
     "hour": "CAST(created_at / 3600 AS INTEGER) * 3600",
@@ -54,7 +57,7 @@ def _where(since: float | None, until: float | None, key_id: str | None, model: 
     clauses: list[str] = []
     params: list[Any] = []
     for clause, value in (("key_id = ?", key_id), ("created_at >= ?", since), ("created_at < ?", until),
-                          ("model = ?", model), ("seq < ?", before_seq)):
+                          (f"{SERVED_MODEL_SQL} = ?", model), ("seq < ?", before_seq)):
         if value is not None:
             clauses.append(clause)
             params.append(value)
@@ -124,8 +127,8 @@ class ConsoleOps:
         queries = [_totals_sql(group_by, _GROUP_SQL, "usage", *_where(lo, hi, key_id, model, statuses=statuses))
                    for lo, hi in raw]
         if whole is not None:
-            where, params = _where(None, None, key_id, model)
-            for clause, value in (("hour >= ?", whole[0]), ("hour < ?", whole[1])):
+            where, params = _where(None, None, key_id, None)
+            for clause, value in (("model = ?", model), ("hour >= ?", whole[0]), ("hour < ?", whole[1])):
                 if value is not None:
                     where += (" AND " if where else " WHERE ") + clause
                     params.append(value)
