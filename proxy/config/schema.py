@@ -148,6 +148,11 @@ SCHEMA = Section({
         "body_read_timeout": F(SECONDS, 30.0, "seconds; a client that trickles its body gets 408"),
         "max_line_size": Opt(POS_INT, 8190, "bytes of the request line; 400 above"),
         "max_field_size": Opt(POS_INT, 8190, "bytes of one header line; 400 above"),
+        "max_headers": Opt(POS_INT, 128, "header lines of one request; 400 above"),
+        "max_header_bytes": F(POS_INT, 32 * 1024,
+                              "request line + headers of one request, in bytes; 431, close"),
+        "header_read_timeout_s": F(SECONDS, 10.0, "for a request's line + headers (from the connection's "
+                                   "start, then its first byte); 408, close"),
     }), None),
     "simulator": F(Section({
         "host": F(Str(nonempty=True), "127.0.0.1"),
