@@ -1,9 +1,9 @@
 """The edge's promises under hostile clients (issue 25), written as the attacker: a head of
-128 headers of 8 KB, a head that trickles a byte at a time. Each is refused in the envelope,
-in bounded bytes and time, and the connection is closed; what a good client does on the same
-connection (a body larger than the head budget, a body or a WebSocket slower than the head
-timeout, the next request on a keep-alive connection) is never cut by it.
-proxy/http/parse_errors.py."""
+128 headers of 8 KB, a head that trickles a byte at a time, HTTP/1.0 with Transfer-Encoding.
+Each is refused in the envelope, in bounded bytes and time, or answered, and the connection
+is closed; what a good client does on the same connection (a body larger than the head
+budget, a body or a WebSocket slower than the head timeout, the next request on a keep-alive
+connection) is never cut by it. proxy/http/parse_errors.py."""
 
 from __future__ import annotations
 
@@ -174,3 +174,40 @@ async def test_a_slow_body_a_websocket_and_an_idle_keepalive_outlive_the_head_ti
                     assert msg.type == aiohttp.WSMsgType.TEXT, msg
                     if orjson.loads(msg.data)["type"] in ("response.completed", "response.incomplete"):
                         break
+
+
+# --------------------------------------------------------------------------- HTTP/1.0 + Transfer-Encoding
+
+@pytest.mark.parametrize("path, auth", [("/v1/models", True), ("/v1/models", False), ("/livez", False)],
+                         ids=["answered", "refused-before-the-handler", "probe"])
+async def test_http10_with_transfer_encoding_is_answered_then_closed(make_proxy, path, auth):
+    """RFC 9112 6.1: the framing of an HTTP/1.0 message with Transfer-Encoding is faulty; the
+    server closes after answering. Before: `Connection: keep-alive` kept the connection."""
+    p = await make_proxy()
+    reader, writer = await asyncio.open_connection(*_host(p.url))
+    head = f"GET {path} HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n"
+    if auth:
+        head += f"Authorization: Bearer {p.api_key}\r\n"
+    writer.write(head.encode() + b"\r\n0\r\n\r\n")
+    await writer.drain()
+    raw = await _read_to_eof(reader, within=10)
+    writer.close()
+    assert raw.startswith(b"HTTP/1."), raw[:200]
+    status, headers, _ = _answer(raw)
+    assert status == (200 if auth or path == "/livez" else 401)
+    assert headers.get("connection", "").lower() != "keep-alive"
+
+
+async def test_http10_with_transfer_encoding_streamed_answer_then_closed(make_proxy):
+    """The same for a streamed answer, whose head left before the handler was done."""
+    p = await make_proxy()
+    body = orjson.dumps({"model": "tiny-org/tiny-model", "input": "hello", "max_output_tokens": 4, "stream": True})
+    reader, writer = await asyncio.open_connection(*_host(p.url))
+    writer.write(b"POST /v1/responses HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n"
+                 b"Content-Type: application/json\r\nAuthorization: Bearer " + p.api_key.encode() + b"\r\n\r\n"
+                 + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+    await writer.drain()
+    raw = await _read_to_eof(reader, within=30)
+    writer.close()
+    assert raw.startswith(b"HTTP/1.") and b" 200 " in raw.split(b"\r\n", 1)[0], raw[:300]
+    assert b"response.completed" in raw or b"response.incomplete" in raw

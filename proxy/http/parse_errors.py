@@ -1,7 +1,7 @@
 """The edge of the proxy's own connections, below the app: errors raised by aiohttp's HTTP
 parser (a header line past `max_field_size`, a malformed request line) answered in the OpenAI
-envelope too, and the bounds on a request's head (its request line and headers: total bytes
-and the time to arrive).
+envelope too, the bounds on a request's head (its request line and headers: total bytes and
+the time to arrive), and HTTP/1.0 with Transfer-Encoding closed after its answer.
 
 aiohttp builds parser-error answers in `RequestHandler.handle_error` as text/plain and quotes
 the offending bytes; `EnvelopeRequestHandler` answers JSON, never echoes the client's bytes, and
@@ -15,7 +15,7 @@ request-handler class or protocol factory. So `ProxyRunner` implements BaseRunne
 `_make_server` (the method aiohttp's own runners implement) by letting AppRunner make the
 app's web.Server as usual and making its connections `EnvelopeRequestHandler`s: the subclass
 adds no state (`__slots__ = ()`) and only replaces the public `handle_error`,
-`connection_made` and `connection_lost`. Pinned by
+`connection_made`, `connection_lost` and `finish_response`. Pinned by
 tests/test_hostile.py::test_a_malformed_request_line_is_a_400_envelope_that_echoes_nothing,
 ::test_limits_answer_clear_4xx (431) and
 ::test_only_the_proxys_own_connections_answer_parser_errors_in_the_envelope.
@@ -40,7 +40,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web, web_protocol
+from aiohttp import HttpVersion11, web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.streams import EMPTY_PAYLOAD
 
@@ -213,6 +213,16 @@ class EnvelopeRequestHandler(web_protocol.RequestHandler):
         if bound is not None:
             bound.stop_timer()
         super().connection_lost(exc)
+
+    async def finish_response(self, request, resp, start_time):
+        # RFC 9112 6.1: a request in HTTP/1.0 with Transfer-Encoding has faulty framing;
+        # the server closes the connection after answering it. Every answer passes here
+        # (refusals before the handler and streamed answers too), before its keep-alive
+        # decides whether the connection takes another request.
+        if (isinstance(resp, web.StreamResponse) and request.version < HttpVersion11
+                and "Transfer-Encoding" in request.headers):
+            resp.force_close()
+        return await super().finish_response(request, resp, start_time)
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None):
