@@ -1,9 +1,10 @@
 """The edge's promises under hostile clients (issue 25), written as the attacker: a head of
-128 headers of 8 KB, a head that trickles a byte at a time, HTTP/1.0 with Transfer-Encoding.
-Each is refused in the envelope, in bounded bytes and time, or answered, and the connection
-is closed; what a good client does on the same connection (a body larger than the head
-budget, a body or a WebSocket slower than the head timeout, the next request on a keep-alive
-connection) is never cut by it. proxy/http/parse_errors.py."""
+128 headers of 8 KB, a head that trickles a byte at a time, HTTP/1.0 with Transfer-Encoding,
+a flood of wrong admin keys. Each is refused in the envelope, in bounded bytes and time, or
+answered, and the connection is closed; what a good client does on the same connection (a
+body larger than the head budget, a body or a WebSocket slower than the head timeout, the
+next request on a keep-alive connection) is never cut by it. proxy/http/parse_errors.py,
+proxy/admin/auth.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
+ADMIN_KEY = "adm-" + "a" * 28
 PAD = 8000  # one header line stays under aiohttp's max_field_size (8190)
 
 
@@ -211,3 +213,70 @@ async def test_http10_with_transfer_encoding_streamed_answer_then_closed(make_pr
     writer.close()
     assert raw.startswith(b"HTTP/1.") and b" 200 " in raw.split(b"\r\n", 1)[0], raw[:300]
     assert b"response.completed" in raw or b"response.incomplete" in raw
+
+
+# --------------------------------------------------------------------------- admin keys
+
+def _admin(**extra):
+    return {"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY}], **extra}}
+
+
+@pytest.mark.parametrize("via", ["bearer", "login"])
+async def test_a_flood_of_wrong_admin_keys_is_throttled_and_the_right_key_too(make_proxy, via):
+    """Before: 1,000-3,400 guesses a second, none refused. After the burst (10 by default)
+    every key from the address is a 429 with Retry-After, the right one too, so guessing stops."""
+    p = await make_proxy(_admin())
+
+    async def attempt(s: aiohttp.ClientSession, key: str) -> aiohttp.ClientResponse:
+        if via == "bearer":
+            return await s.get(p.url + "/admin/api/keys", headers={"Authorization": f"Bearer {key}"})
+        return await s.post(p.url + "/admin/login", json={"key": key})
+
+    async with aiohttp.ClientSession() as s:
+        statuses = []
+        for i in range(25):
+            r = await attempt(s, f"guess-{i:04d}-" + "x" * 20)
+            statuses.append(r.status)
+            if r.status == 429:
+                body = await r.json()
+                assert body["error"]["code"] == "too_many_login_attempts"
+                assert set(body["error"]) == {"message", "type", "param", "code"}
+                assert 1 <= int(r.headers["Retry-After"]) <= 60
+        assert statuses[:10] == [401] * 10 and statuses[10:] == [429] * 15, statuses
+        r = await attempt(s, ADMIN_KEY)
+        assert r.status == 429  # the right key is not even compared while throttled
+
+
+async def test_right_admin_keys_are_never_throttled(make_proxy):
+    """Successes spend nothing: 30 right keys (3x the burst) from one address, then 9 wrong
+    ones still get their 401."""
+    p = await make_proxy(_admin())
+    async with aiohttp.ClientSession() as s:
+        for _ in range(30):
+            r = await s.get(p.url + "/admin/api/keys", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+            assert r.status == 200
+        for _ in range(9):
+            r = await s.get(p.url + "/admin/api/keys", headers={"Authorization": "Bearer wrong-" + "w" * 20})
+            assert r.status == 401
+
+
+def test_the_login_throttle_is_per_address_refills_and_is_bounded():
+    from proxy.admin.auth import LoginThrottle
+
+    t = LoginThrottle(per_min=60, burst=3, max_addresses=100)  # one failure a second
+    for _ in range(3):
+        assert t.retry_after("203.0.113.7", now=0.0) == 0
+        t.failed("203.0.113.7", now=0.0)
+    assert t.retry_after("203.0.113.7", now=0.0) == pytest.approx(1.0)
+    assert t.retry_after("203.0.113.8", now=0.0) == 0  # another address keeps its budget
+    assert t.retry_after("::ffff:203.0.113.7", now=0.0) > 0  # the same IPv4 address, mapped
+    assert t.retry_after("203.0.113.7", now=1.5) == 0  # refilled one failure's worth
+    # one IPv6 host holds a /64: its addresses share one budget
+    for i in range(3):
+        t.failed(f"2001:db8::{i + 1}", now=0.0)
+    assert t.retry_after("2001:db8::ffff", now=0.0) > 0
+    assert t.retry_after("2001:db8:0:1::1", now=0.0) == 0
+    # memory: at most max_addresses tracked, the least recently failing forgotten first
+    for i in range(1000):
+        t.failed(f"198.51.{i // 256}.{i % 256}", now=2.0)
+    assert len(t) == 100

@@ -329,6 +329,9 @@ reasoning_seal (a compaction item), opened when the window comes back in a later
         "session_secret": Opt(Nullable(Str()), None, "signs dashboard sessions, e.g. ${ADMIN_SESSION_SECRET}; "
                               "unset: random per process (set it with serve --workers > 1)"),
         "cookie_secure": Opt(Bool(), False, "true: the session cookie is sent over HTTPS only (behind TLS)"),
+        "login_failures_per_min": F(POS_INT, 10, "failed admin keys (login, Bearer) per client address; "
+                                    "past it 429, even for the right key"),
+        "login_failure_burst": F(POS_INT, 10, "failed admin keys an address may make at once"),
     }), None, note="""\
 The operator's console (README "Operator's console"): /admin/api/... (keys, usage,
 audit), /admin/openapi.json, and the dashboard at /admin/. Admin keys are separate from
