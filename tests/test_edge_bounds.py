@@ -148,7 +148,7 @@ async def test_a_connection_that_sends_nothing_is_closed_at_the_timeout(make_pro
     writer.close()
 
 
-async def test_a_slow_body_a_websocket_and_an_idle_keepalive_outlive_the_head_timeout(make_proxy):
+async def test_a_slow_body_and_a_websocket_outlive_the_head_timeout(make_proxy):
     """The timer covers heads only: a body that takes 2.5 s and a WebSocket open 2.5 s, with a
     1 s head timeout (a keep-alive connection idle between requests: the test above)."""
     p = await make_proxy({"server": {"log_format": "json", "header_read_timeout_s": 1.0}})
