@@ -71,6 +71,7 @@ AFFINITY = web.AppKey("affinity_settings", "AffinitySettings")  # routing.affini
 SETTLEMENTS = web.AppKey("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
 PHASES = web.AppKey("phases", "Phases")  # middlewares.Phases: auth .. handler, for one request or one turn
 ADMIN = web.AppKey("admin_console", "AdminConsole")  # proxy.admin: admin keys, session signer (on the admin sub-app)
+HEAD_LIMITS = web.AppKey("head_limits", "HeadLimits")  # proxy.http.parse_errors: bounds on a request's head
 KEY_METRICS = web.AppKey("key_metrics", "KeyMetrics")  # proxy.runtime.key_metrics: per-key spend and balance
 # The embedded upstream's state (proxy.simulator.server): on the simulator's own app, not the proxy's.
 SIM_STATE = web.AppKey("simulator_state", "SimState")

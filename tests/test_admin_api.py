@@ -177,8 +177,10 @@ async def test_v1_key_shows_only_the_callers_key(admin_proxy):
         assert (await s.get(p.url + "/v1/key")).status == 401
 
 
-async def test_admin_refuses_client_keys_and_anonymous_calls(admin_proxy):
-    p = admin_proxy
+async def test_admin_refuses_client_keys_and_anonymous_calls(make_proxy):
+    # 20 wrong keys from one address: past the default budget of failures (10), which
+    # tests/test_edge_bounds.py pins; here each refusal's own answer is the point.
+    p = await make_proxy(_admin_config(login_failure_burst=100))
     client_secret, _ = await p.ledger.create_key("client", 1_000_000)
     routes = [("get", "/admin/api/keys"), ("post", "/admin/api/keys"), ("get", "/admin/api/usage"),
               ("get", "/admin/api/usage/totals"), ("get", "/admin/api/audit"), ("get", "/admin/api/overview"),

@@ -14,6 +14,14 @@ dashboard's session cookie.
 
 Admin keys are kept as sha256 only, compared in constant time against every entry.
 The signing key is admin.session_secret when set, else random per process.
+
+Failed admin keys are throttled per client address (`LoginThrottle`): the login form and
+a Bearer key on <prefix>/api both spend from the address's budget (admin.login_failures_per_min,
+a burst of admin.login_failure_burst); past it every key from that address, the right one
+too, is a 429 `too_many_login_attempts` with Retry-After, before the key is compared, so
+guessing cannot go on. Successes spend nothing. The address is the connection's peer
+(X-Forwarded-For is not read), an IPv6 address by its /64; at most LoginThrottle.MAX_ADDRESSES
+addresses are tracked, the least recently failing forgotten first.
 """
 
 from __future__ import annotations
@@ -21,10 +29,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
+import math
 import re
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -59,6 +70,72 @@ def forbidden_client_key() -> APIError:
     return APIError(403, "Client API keys cannot use the admin API; use an admin key.", code="client_key_not_allowed")
 
 
+def too_many_attempts(retry_after_s: float) -> APIError:
+    seconds = max(1, math.ceil(retry_after_s))
+    return APIError(429, f"Too many failed admin logins from this address; retry after {seconds} s.",
+                    code="too_many_login_attempts", headers={"Retry-After": str(seconds)})
+
+
+class LoginThrottle:
+    """Failed admin logins per client address: a token bucket of `burst` failures that
+    refills at `per_min` a minute. Only failures spend; an address with less than one
+    failure left is refused before its key is compared. Memory: at most MAX_ADDRESSES
+    buckets (an LRU: the address that failed least recently is forgotten first; a bucket
+    that refilled to full is dropped when next seen)."""
+
+    MAX_ADDRESSES = 10_000
+
+    def __init__(self, per_min: float, burst: int, max_addresses: int = MAX_ADDRESSES) -> None:
+        self.rate = float(per_min) / 60.0  # failures a second
+        self.burst = float(burst)
+        self.max_addresses = max_addresses
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # address -> (tokens, at)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    @staticmethod
+    def key(address: str | None) -> str:
+        """The address a budget belongs to: an IPv6 address by its /64 (one host has them all)."""
+        if not address:
+            return "?"
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return address  # a unix socket path, or whatever the transport named
+        if isinstance(ip, ipaddress.IPv6Address):
+            if ip.ipv4_mapped is not None:
+                return str(ip.ipv4_mapped)
+            return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+        return str(ip)
+
+    def _tokens(self, key: str, now: float) -> float:
+        entry = self._buckets.get(key)
+        if entry is None:
+            return self.burst
+        tokens, at = entry
+        return min(self.burst, tokens + (now - at) * self.rate)
+
+    def retry_after(self, address: str | None, now: float | None = None) -> float:
+        """0 when the address may try a key now, else the seconds until it may."""
+        now = time.monotonic() if now is None else now
+        key = self.key(address)
+        tokens = self._tokens(key, now)
+        if tokens >= 1.0:
+            if tokens >= self.burst:
+                self._buckets.pop(key, None)  # refilled: nothing to remember
+            return 0.0
+        return (1.0 - tokens) / self.rate if self.rate > 0 else 60.0
+
+    def failed(self, address: str | None, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        key = self.key(address)
+        self._buckets[key] = (max(0.0, self._tokens(key, now) - 1.0), now)
+        self._buckets.move_to_end(key)
+        while len(self._buckets) > self.max_addresses:
+            self._buckets.popitem(last=False)
+
+
 @dataclass(frozen=True)
 class Session:
     name: str
@@ -75,6 +152,8 @@ class AdminAuth:
         self.logged_out: dict[str, float] = {}  # session id -> its expiry: refused until then
         self.ttl = int(section.get("session_ttl_s", 28800))
         self.secure = bool(section.get("cookie_secure", False))
+        self.throttle = LoginThrottle(float(section.get("login_failures_per_min", 10)),
+                                      int(section.get("login_failure_burst", 10)))
         secret = section.get("session_secret")
         if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
             raise ConfigError("admin.session_secret must be at least 16 characters (is its variable set?)")
@@ -94,6 +173,17 @@ class AdminAuth:
             if hmac.compare_digest(hashed, digest):
                 found = name
         return found
+
+    def authenticate(self, secret: str, address: str | None) -> str | None:
+        """match() behind the address's budget of failures: APIError 429 when it is spent
+        (the key not even compared), else the admin name, or None (a failure, counted)."""
+        wait = self.throttle.retry_after(address)
+        if wait > 0:
+            raise too_many_attempts(wait)
+        name = self.match(secret)
+        if name is None:
+            self.throttle.failed(address)
+        return name
 
     # ------------------------------------------------------------------ sessions
 
@@ -214,7 +304,7 @@ def guard(auth: AdminAuth, prefix: str):
             return await handler(request)
         token = bearer(request)
         if token is not None:
-            name = auth.match(token)
+            name = auth.authenticate(token, request.remote)
             if name is None:
                 raise forbidden_client_key() if await is_client_key(request, token) else unauthorized(
                     "Invalid admin key.")

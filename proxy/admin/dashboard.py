@@ -65,7 +65,7 @@ def _login_handler(prefix: str):
         if not isinstance(key, str) or not key or len(key) > 512:
             raise APIError(400, "The body must be {\"key\": \"<admin key>\"}.", code="invalid_value", param="key")
         auth = request.app[state.ADMIN]
-        name = auth.match(key)
+        name = auth.authenticate(key, request.remote)
         if name is None:
             if await is_client_key(request, key):
                 raise APIError(403, "Client API keys cannot log in to the dashboard.", code="client_key_not_allowed")

@@ -22,11 +22,15 @@ _MEANINGS = {
     409: "The ledger refused the change (e.g. rotating a revoked key).",
     413: "The body is larger than 64 KiB.",
     415: "The login body is not JSON.",
+    429: "Too many failed admin keys from this address (admin.login_failures_per_min): every key is "
+         "refused until Retry-After.",
     503: "No ledger (ledger.backend is none).",
 }
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
+    if 401 in statuses:  # where a key is checked, failed ones are throttled (proxy/admin/auth.py)
+        statuses += (429,)
     return {str(s): {"description": _MEANINGS[s], "content": {"application/json": {"schema": _ERR}}}
             for s in statuses}
 

@@ -149,6 +149,11 @@ SCHEMA = Section({
         "body_read_timeout": F(SECONDS, 30.0, "seconds; a client that trickles its body gets 408"),
         "max_line_size": Opt(POS_INT, 8190, "bytes of the request line; 400 above"),
         "max_field_size": Opt(POS_INT, 8190, "bytes of one header line; 400 above"),
+        "max_headers": Opt(POS_INT, 128, "header lines of one request; 400 above"),
+        "max_header_bytes": F(POS_INT, 32 * 1024,
+                              "request line + headers of one request, in bytes; 431, close"),
+        "header_read_timeout_s": F(SECONDS, 10.0, "for a request's line + headers (from the connection's "
+                                   "start, then its first byte); 408, close"),
     }), None),
     "simulator": F(Section({
         "host": F(Str(nonempty=True), "127.0.0.1"),
@@ -331,6 +336,9 @@ reasoning_seal (a compaction item), opened when the window comes back in a later
         "session_secret": Opt(Nullable(Str()), None, "signs dashboard sessions, e.g. ${ADMIN_SESSION_SECRET}; "
                               "unset: random per process (set it with serve --workers > 1)"),
         "cookie_secure": Opt(Bool(), False, "true: the session cookie is sent over HTTPS only (behind TLS)"),
+        "login_failures_per_min": F(POS_INT, 10, "failed admin keys (login, Bearer) per client address; "
+                                    "past it 429, even for the right key"),
+        "login_failure_burst": F(POS_INT, 10, "failed admin keys an address may make at once"),
     }), None, note="""\
 The operator's console (README "Operator's console"): /admin/api/... (keys, usage,
 audit), /admin/openapi.json, and the dashboard at /admin/. Admin keys are separate from

@@ -26,6 +26,7 @@ from proxy.runtime.logs import access, log
 from proxy.upstream.models import parse_sampling_defaults
 from proxy.policy.netguard import ImagePolicy
 from proxy.http.compact import CompactSettings
+from proxy.http.parse_errors import HeadLimits
 from proxy.http.turn import refuse_other_answers
 from proxy.http.websocket import SocketAdmission, WebSocketSettings
 from proxy.runtime import metrics
@@ -256,12 +257,15 @@ def build_app(config: Config) -> web.Application:
     app = web.Application(client_max_size=int(server["max_body_bytes"]) + 1, handler_args={
         "max_line_size": int(server.get("max_line_size", 8190)),
         "max_field_size": int(server.get("max_field_size", 8190)),
+        "max_headers": int(server.get("max_headers", 128)),
         # Request bodies are decoded by proxy/http/request.py alone (gzip, deflate, zstd, bounded by
         # max_body_bytes): aiohttp's own decoding would run first, so a gzip body was decoded
         # twice (400) and a zstd body refused outright without backports.zstd.
         "auto_decompress": False,
     })
     app[state.CONFIG] = config
+    # The bounds on a whole head (bytes, time): applied by ProxyRunner's connections (parse_errors).
+    app[state.HEAD_LIMITS] = HeadLimits(int(server["max_header_bytes"]), float(server["header_read_timeout_s"]))
     app[IMAGE_POLICY] = ImagePolicy(config.section("images"))
     health = config.section("health")
     HealthSettings.from_section(health)  # a bad section stops start-up here, not in the checker
