@@ -188,13 +188,29 @@ class Leases:
         k.free -= give_back
         self.stats["exact_holds"] += 1
         if give_back:
-            hold = await self.ledger.hold_up_to(
-                request_id, key_id, low, high, self.hold_ttl_s, lease_return=(k.lease_id, give_back)
-            )
+            op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s,
+                                        lease_return=(k.lease_id, give_back))
         else:
-            hold = await self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s)
+            op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s)
+        # The ledger operation runs as a task of its own that no cancellation reaches: a client
+        # that goes away (aiohttp cancels its handler) while the hold is in flight would
+        # otherwise leave a hold nobody knows of, refusing the key's next requests until it
+        # expires (hold_ttl_s). Made after all, it is given back at once (_orphaned).
+        task = self._spawn(op)
+        try:
+            hold = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._orphaned)
+            raise
         self._reserve(k, hold.amount_micros)
         return hold
+
+    def _orphaned(self, task: asyncio.Task) -> None:
+        """A hold whose request was cancelled while it was being made: released (tracked, so
+        shutdown and wait_for_settlements wait for it)."""
+        if task.cancelled() or task.exception() is not None:
+            return  # nothing was held
+        self._spawn(self._settle_exact(task.result(), None))
 
     def finish(self, hold: Hold, usage: UsageRecord | None, *, waited: bool = False) -> asyncio.Task | None:
         """Settle (usage) or release (None) a hold from hold_up_to; never waits. A lease hold
