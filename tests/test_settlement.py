@@ -206,14 +206,14 @@ async def test_a_stream_cancelled_mid_way_logs_and_counts_what_it_billed(make_pr
 PROMPT_TOKENS = 26  # what the raw worker says the prompt is (far below the hold's bound)
 
 
-def cut_after(n: int):
+def cut_after(n: int, honours: bool = True):
     """A vLLM-shaped worker that sends the role chunk and n one-token text chunks, then drops
     the connection mid-stream. It reports usage on every chunk only when the request asks for
-    continuous_usage_stats (as vLLM and SGLang do)."""
+    continuous_usage_stats (as vLLM and SGLang do), and never when it does not `honour` it."""
 
     async def behave(_n: int, chat: dict, writer: asyncio.StreamWriter):
         options = chat.get("stream_options") or {}
-        continuous = bool(options.get("include_usage") and options.get("continuous_usage_stats"))
+        continuous = honours and bool(options.get("include_usage") and options.get("continuous_usage_stats"))
 
         def chunk(delta: dict, done: int) -> bytes:
             body: dict = {"id": "chatcmpl-cut", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
@@ -289,3 +289,27 @@ async def test_a_simulated_worker_dropping_mid_stream_bills_what_the_client_is_s
     assert row.input_tokens > 0 and row.output_tokens == 4
     assert (shown["input_tokens"], shown["output_tokens"]) == (row.input_tokens, row.output_tokens)
     assert json.dumps(shown)  # plain JSON
+
+
+async def test_a_cut_stream_without_any_usage_shows_the_client_what_it_billed(make_proxy):
+    """A worker that reports no usage (and cannot count: no /tokenize): the prompt is billed at
+    the bound, the output as counted, and response.failed says exactly that, not input 0."""
+    async with ChatUpstream(cut_after(3, honours=False)) as upstream:
+        p = await make_proxy({"prices": PRICES, "balance": {"lease_max_micros": 0}},
+                             workers=[upstream.worker()])
+        secret, _ = await p.ledger.create_key("payer", balance_micros=50_000_000)
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http:
+            async with http.post(p.url + "/v1/responses", headers={"Authorization": f"Bearer {secret}"},
+                                 json={"model": MODEL, "input": "x " * 150, "stream": True,
+                                       "max_output_tokens": 50}) as resp:
+                request_id = resp.headers["x-request-id"]
+                events = parse_sse(await resp.read())
+        await assert_books_balance(p)
+    failed = events[-1]
+    assert failed["type"] == "response.failed"
+    row = await p.ledger.usage(request_id)
+    assert row.status == "failed" and row.output_tokens == 3 and row.input_tokens > PROMPT_TOKENS
+    shown = failed["response"]["usage"]
+    assert (shown["input_tokens"], shown["output_tokens"]) == (row.input_tokens, row.output_tokens)

@@ -140,11 +140,14 @@ class Assembler:
             on[ev.__class__](self, ev)
 
     def fail(self, message: str, code: str, retry_after_ms: int | None, should_retry: bool,
-             verbatim_code: bool = False) -> None:
+             verbatim_code: bool = False, usage: dict | None = None) -> None:
         """End as response.failed. `verbatim_code` keeps a code outside the SDK's closed set
-        (insufficient_quota: what Codex reads as "stop, do not retry")."""
+        (insufficient_quota: what Codex reads as "stop, do not retry"). `usage` (chat-shaped):
+        what the failed response shows instead of the usage last reported (the bill)."""
         if self.done:
             return
+        if usage is not None:
+            self._raw_usage = usage
         message = public_message(message)
         known = verbatim_code or code in ERROR_CODES
         error: dict[str, Any] = {"code": code if known else "server_error", "message": message}
