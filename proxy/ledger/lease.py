@@ -192,25 +192,18 @@ class Leases:
                                         lease_return=(k.lease_id, give_back))
         else:
             op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s)
-        # The ledger operation runs as a task of its own that no cancellation reaches: a client
-        # that goes away (aiohttp cancels its handler) while the hold is in flight would
-        # otherwise leave a hold nobody knows of, refusing the key's next requests until it
-        # expires (hold_ttl_s). Made after all, it is given back at once (_orphaned).
-        task = self._spawn(op)
+        # A client that goes away (aiohttp cancels its handler) while the hold is in flight
+        # would leave a hold nobody knows of, refusing the key's next requests until it expires
+        # (hold_ttl_s): the request's hold is released in a tracked task, queued behind the
+        # operation in flight (the ledger runs one key's money moves in order), so a hold made
+        # after all is given back; releasing one that was never made changes nothing.
         try:
-            hold = await asyncio.shield(task)
+            hold = await op
         except asyncio.CancelledError:
-            task.add_done_callback(self._orphaned)
+            self._spawn(self._settle_exact(Hold(request_id, key_id, 0, 0.0), None))
             raise
         self._reserve(k, hold.amount_micros)
         return hold
-
-    def _orphaned(self, task: asyncio.Task) -> None:
-        """A hold whose request was cancelled while it was being made: released (tracked, so
-        shutdown and wait_for_settlements wait for it)."""
-        if task.cancelled() or task.exception() is not None:
-            return  # nothing was held
-        self._spawn(self._settle_exact(task.result(), None))
 
     def finish(self, hold: Hold, usage: UsageRecord | None, *, waited: bool = False) -> asyncio.Task | None:
         """Settle (usage) or release (None) a hold from hold_up_to; never waits. A lease hold
