@@ -522,8 +522,8 @@ async def _stream_answer(request: web.Request, request_ctx: RequestContext, upst
             except asyncio.CancelledError:
                 if not dog.caused():
                     raise
+                failure = (dog.message(worker.timeouts.total), "upstream_timeout", True)  # reads dog.since
                 dog.since = None
-                failure = (dog.message(worker.timeouts.total), "upstream_timeout", True)
                 break
             except (Disconnected, BadResponse):
                 dog.since = None
