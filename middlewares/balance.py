@@ -446,6 +446,14 @@ class _Billing:
                 raise
             await settle_now()
             return response
+        except asyncio.CancelledError:
+            # Cancelled during the handler or while waiting for the settle: the settlement goes
+            # on in its task; the envelope writes the access line and the metrics once it is
+            # done, so they carry the billed figures.
+            task = settling[0] if settling else None
+            if task is not None and not task.done():
+                ctx.settling = task
+            raise
         finally:
             # ctx -> settle_now -> ctx: a cycle only the cyclic GC would free
             ctx.settle = None

@@ -110,6 +110,10 @@ class RequestContext:
     # bytes of a stream, so a client that sends its next request on reading the end finds its
     # slot free in every replica; cleared when the limits phase returns.
     release: Callable[[], Awaitable[None]] | None = None
+    # balance: the settlement still in flight when the handler was cancelled (the client went
+    # away); the envelope writes the access line and the metrics once it is done, so they carry
+    # the billed figures (an asyncio.Task).
+    settling: Any = None
     event_stream: StreamRewriter | None = None  # the handler: the streamed answer's rewriter
     # The response whose headers went out (the last on_response_prepare hook sets it): past
     # that point an error can no longer become an HTTP status (proxy.http.app._after_start).

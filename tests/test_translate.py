@@ -483,7 +483,7 @@ def test_stream_sets_include_usage():
     t = tr(body("u", stream=True, stream_options={"include_obfuscation": False}))
     assert t.stream is True
     assert t.chat["stream"] is True
-    assert t.chat["stream_options"] == {"include_usage": True}
+    assert t.chat["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
 
 
 def test_accepted_not_forwarded():
@@ -719,7 +719,7 @@ def test_codex_shaped_body():
     assert b == snapshot  # input not mutated
     c = t.chat
     assert c["model"] == "gpt-oss-20b" and t.model == "openai/gpt-oss-20b"
-    assert c["stream"] is True and c["stream_options"] == {"include_usage": True}
+    assert c["stream"] is True and c["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert c["reasoning_effort"] == "medium" and c["chat_template_kwargs"] == {"enable_thinking": True}
     assert [x["function"]["name"] for x in c["tools"]] == [f"mcp_files__tool{k}" for k in range(5)] + ["apply_patch"]
     assert c["tool_choice"] == "auto" and c["parallel_tool_calls"] is False

@@ -87,13 +87,22 @@ def envelope(phases: Phases):
             error_code = "internal_error"
             return APIError(500, "The proxy failed to handle this request.", code="internal_error").to_response()
         finally:
-            _log_access(request, ctx, status, error_code, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            settling = ctx.settling
+            if settling is not None and not settling.done():
+                # The client went away while the request was being billed: the settlement goes
+                # on in a task of its own; the access line and the metrics wait for it, so they
+                # carry the figures the ledger row has.
+                settling.add_done_callback(lambda _: _log_access(request, ctx, status, error_code, elapsed))
+            else:
+                _log_access(request, ctx, status, error_code, elapsed)
 
     return envelope_and_access_log
 
 
 def _log_access(request: web.Request, ctx: RequestContext, status: int, error_code: str | None,
                 elapsed_s: float) -> None:
+    ctx.settling = None
     out = ctx.outcome
     if out is not None and out.status == "pending" and status >= 400:
         # Refused or failed before any answer (a 502/503/504 after failover, a 4xx): no

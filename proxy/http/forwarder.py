@@ -150,6 +150,14 @@ def _record_usage(out: state.Outcome, usage: dict | None, counted: int, cap: int
         out.output_tokens = counted
 
 
+def _billed_usage(out: state.Outcome) -> dict:
+    """The outcome's figures (what the balance billed, else what was recorded) as a chat usage,
+    for the response.failed the proxy writes itself."""
+    return {"prompt_tokens": out.input_tokens, "completion_tokens": out.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": out.reasoning_tokens}}
+
+
 async def _settle_now(ctx: RequestContext) -> None:
     """The balance phase's settlement, before the last bytes go out (ctx.settle)."""
     settle = ctx.settle
@@ -498,6 +506,7 @@ async def _stream_answer(request: web.Request, request_ctx: RequestContext, upst
     response = _EventStream(status=200, headers=_SSE_HEADERS) if turn is None else turn.stream(_SSE_HEADERS)
     recorded = False
     dog = _ReadWatchdog(worker.timeouts.idle, deadline, rewriter)
+    failure: tuple[str, str, bool] | None = None  # (message, code, the proxy's own error code)
     try:
         pending = await _start_stream(request, response, rewriter, first)
         read = upstream.read
@@ -513,24 +522,39 @@ async def _stream_answer(request: web.Request, request_ctx: RequestContext, upst
             except asyncio.CancelledError:
                 if not dog.caused():
                     raise
-                message = dog.message(worker.timeouts.total)
+                failure = (dog.message(worker.timeouts.total), "upstream_timeout", True)  # reads dog.since
                 dog.since = None
-                pending = rewriter.fail(message, code="upstream_timeout")
-                out.error = "upstream_timeout"
                 break
             except (Disconnected, BadResponse):
                 dog.since = None
                 request.app[POOL].record_failure(worker, "disconnected mid-stream")
-                pending = rewriter.fail("The connection to the model server was lost mid-stream.",
-                                        code="upstream_disconnected")
-                out.error = "upstream_disconnected"
+                failure = ("The connection to the model server was lost mid-stream.", "upstream_disconnected", True)
                 break
             dog.since = None
-            pending = feed(data) if data else rewriter.finish()
-        out.status = rewriter.status
-        _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)
-        recorded = True
-        await _settle_now(request_ctx)  # billed before the client can read the end of its answer
+            if data:
+                pending = feed(data)
+                continue
+            pending = rewriter.drain()
+            if rewriter.done or rewriter.finish_reason is not None:
+                pending += rewriter.finish()
+            else:  # the worker ended the stream mid-way
+                failure = ("upstream stream ended without a finish_reason", "server_error", False)
+        if failure is not None:
+            # The proxy ends the stream: billed first, so its response.failed shows the bill
+            # (the prompt and the output the worker reported so far, else as counted).
+            message, code, own = failure
+            out.status = "failed"
+            if own:
+                out.error = code
+            _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)
+            recorded = True
+            await _settle_now(request_ctx)
+            pending += rewriter.fail(message, code=code, usage=_billed_usage(out))
+        else:
+            out.status = rewriter.status
+            _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)
+            recorded = True
+            await _settle_now(request_ctx)  # billed before the client can read the end of its answer
         await response.write_eof(pending)  # the last events and the end of the body: one send
     except ConnectionResetError:
         # Clients such as Codex hang up as soon as they read the terminal event: an answer

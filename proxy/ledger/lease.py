@@ -188,11 +188,20 @@ class Leases:
         k.free -= give_back
         self.stats["exact_holds"] += 1
         if give_back:
-            hold = await self.ledger.hold_up_to(
-                request_id, key_id, low, high, self.hold_ttl_s, lease_return=(k.lease_id, give_back)
-            )
+            op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s,
+                                        lease_return=(k.lease_id, give_back))
         else:
-            hold = await self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s)
+            op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s)
+        # A client that goes away (aiohttp cancels its handler) while the hold is in flight
+        # would leave a hold nobody knows of, refusing the key's next requests until it expires
+        # (hold_ttl_s): the request's hold is released in a tracked task, queued behind the
+        # operation in flight (the ledger runs one key's money moves in order), so a hold made
+        # after all is given back; releasing one that was never made changes nothing.
+        try:
+            hold = await op
+        except asyncio.CancelledError:
+            self._spawn(self._settle_exact(Hold(request_id, key_id, 0, 0.0), None))
+            raise
         self._reserve(k, hold.amount_micros)
         return hold
 

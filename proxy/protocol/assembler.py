@@ -32,7 +32,7 @@ from proxy.protocol.deltas import (End, Finish, Invalid, OutputToken, Reasoning,
                                    UpstreamError, Usage)
 from proxy.protocol.encoder import ARGUMENTS_DELTA, REASONING_DELTA, TEXT_DELTA
 from proxy.protocol.response import (ERROR_CODES, ResponseContext, base_response, client_usage, counted_usage,
-                                     public_message)
+                                     map_usage, public_message)
 
 __all__ = ["Assembler"]
 
@@ -91,7 +91,13 @@ class Assembler:
         self.ctx = ctx
         self.done = False
         self.status = "in_progress"
-        self.usage: dict | None = None  # Responses-shaped, only when the upstream reported usage
+        # The chat usage of the last chunk that carried one (continuous usage stats: every chunk,
+        # so the prompt's count from the first one and the output so far), and the one before it;
+        # `usage` maps it (map_usage) when read, not per chunk.
+        self._raw_usage: dict | None = None
+        self._raw_before: dict | None = None
+        self._mapped: dict | None = None
+        self._mapped_of: dict | None = None
         self.output_tokens_seen = 0
         self.reasoning_deltas_seen = 0
         self.finish_reason: str | None = None
@@ -110,6 +116,16 @@ class Assembler:
         self._base = base_response(ctx)
         self.response: dict = self._base  # the terminal response once done
 
+    @property
+    def usage(self) -> dict | None:
+        """Responses-shaped (map_usage), only when the upstream reported usage: the last seen."""
+        raw = self._raw_usage
+        if raw is None:
+            return None
+        if self._mapped_of is not raw:
+            self._mapped, self._mapped_of = map_usage(raw), raw
+        return self._mapped
+
     # ------------------------------------------------------------------ input
     def start(self) -> None:
         base = self._base
@@ -124,11 +140,14 @@ class Assembler:
             on[ev.__class__](self, ev)
 
     def fail(self, message: str, code: str, retry_after_ms: int | None, should_retry: bool,
-             verbatim_code: bool = False) -> None:
+             verbatim_code: bool = False, usage: dict | None = None) -> None:
         """End as response.failed. `verbatim_code` keeps a code outside the SDK's closed set
-        (insufficient_quota: what Codex reads as "stop, do not retry")."""
+        (insufficient_quota: what Codex reads as "stop, do not retry"). `usage` (chat-shaped):
+        what the failed response shows instead of the usage last reported (the bill)."""
         if self.done:
             return
+        if usage is not None:
+            self._raw_usage = usage
         message = public_message(message)
         known = verbatim_code or code in ERROR_CODES
         error: dict[str, Any] = {"code": code if known else "server_error", "message": message}
@@ -151,7 +170,8 @@ class Assembler:
 
     # ------------------------------------------------------------------ events
     def _usage(self, ev: Usage) -> None:
-        self.usage = ev.usage  # continuous usage stats: the last one wins
+        self._raw_before = self._raw_usage  # continuous usage stats: the last one wins
+        self._raw_usage = ev.usage
 
     def _token(self, _: OutputToken) -> None:
         if self.finish_reason is not None:
@@ -310,6 +330,11 @@ class Assembler:
 
     def _cut_at_cap(self) -> None:
         self.capped = True
+        usage = self.usage
+        if usage is not None and self._raw_before is not None and (usage["output_tokens"] or 0) > (self.cap or 0):
+            # The chunk that went past the cap carried its own running usage: the output seen is
+            # what the chunk before it reported.
+            self._raw_usage = self._raw_before
         self._finish(Finish("length"))
         self.end_of_input()
 

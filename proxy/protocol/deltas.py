@@ -34,7 +34,7 @@ from typing import Any, Union
 
 import orjson
 
-from proxy.protocol.response import ERROR_CODES, map_usage
+from proxy.protocol.response import ERROR_CODES
 
 __all__ = ["Text", "Reasoning", "ToolCallFragment", "Finish", "Usage", "UpstreamError", "Invalid", "TextRun",
            "OutputToken", "End", "OUTPUT_TOKEN", "END", "Delta", "ChunkParser", "chunk_events", "completion_events"]
@@ -65,7 +65,7 @@ class Finish:
 
 @dataclass(slots=True)
 class Usage:
-    usage: dict  # Responses-shaped (map_usage)
+    usage: dict  # the chunk's chat usage as sent; the assembler maps the last one (map_usage) when read
 
 
 @dataclass(slots=True)
@@ -231,7 +231,7 @@ def chunk_events(obj: dict, out: list[Delta]) -> None:
         return
     usage = obj.get("usage")
     if usage.__class__ is dict:
-        out.append(Usage(map_usage(usage)))
+        out.append(Usage(usage))  # continuous usage stats: on every chunk, so mapped only when read
     choices = obj.get("choices")
     if not choices or choices.__class__ is not list:
         return
@@ -330,7 +330,7 @@ def completion_events(completion: Any) -> list[Delta]:
         return out
     usage = completion.get("usage")
     if usage.__class__ is dict:
-        out.append(Usage(map_usage(usage)))
+        out.append(Usage(usage))
     choices = completion.get("choices")
     choice = None
     if choices.__class__ is list:

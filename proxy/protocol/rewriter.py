@@ -82,6 +82,15 @@ class StreamRewriter:
             asm.fail(f"upstream sent a line longer than {dec.max_line} bytes", "server_error", 1000, True)
         return self._encoder.take()
 
+    def drain(self) -> bytes:
+        """Upstream EOF, before finish(): the events of what the decoder still holds, so the
+        caller can tell from `finish_reason` whether the stream was whole."""
+        asm = self._asm
+        if asm.done or not self._started:
+            return b""
+        asm.feed(self._parser.events(self._decoder.flush()))
+        return self._encoder.take()
+
     def finish(self) -> bytes:
         asm = self._asm
         if asm.done:
@@ -92,13 +101,14 @@ class StreamRewriter:
         return head + self._encoder.take()
 
     def fail(self, message: str, *, code: str = "upstream_error", retry_after_ms: int | None = 1000,
-             should_retry: bool = True, verbatim_code: bool = False) -> bytes:
+             should_retry: bool = True, verbatim_code: bool = False, usage: dict | None = None) -> bytes:
         """End the stream as response.failed. `verbatim_code` keeps a code outside the SDK's
-        closed set (insufficient_quota: what Codex reads as "stop, do not retry")."""
+        closed set (insufficient_quota: what Codex reads as "stop, do not retry"). `usage`: a
+        chat-shaped usage the failed response shows (the handler passes what it billed)."""
         if self._asm.done:
             return b""
         head = b"" if self._started else self.start()
-        self._asm.fail(message, code, retry_after_ms, should_retry, verbatim_code)
+        self._asm.fail(message, code, retry_after_ms, should_retry, verbatim_code, usage)
         return head + self._encoder.take()
 
 

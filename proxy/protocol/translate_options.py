@@ -219,7 +219,10 @@ def chat_body(sc: Scalars, upstream_model: str, messages: list[dict], effort: st
         chat["user"] = chat_user
     chat["stream"] = sc.stream
     if sc.stream:
-        chat["stream_options"] = {"include_usage": True}
+        # Usage on every chunk (vLLM and SGLang both read continuous_usage_stats): the prompt's
+        # count from the first chunk and the output so far, so a stream the worker cuts, or the
+        # client leaves, is billed what the worker reported, never the hold's upper bound.
+        chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if sc.top_logprobs:  # 0 asks for no alternatives: logprobs stay off upstream
         chat["logprobs"] = True
         chat["top_logprobs"] = sc.top_logprobs
