@@ -539,22 +539,16 @@ async def _stream_answer(request: web.Request, request_ctx: RequestContext, upst
                 pending += rewriter.finish()
             else:  # the worker ended the stream mid-way
                 failure = ("upstream stream ended without a finish_reason", "server_error", False)
+        out.status = rewriter.status if failure is None else "failed"
+        if failure is not None and failure[2]:
+            out.error = failure[1]
+        _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)
+        recorded = True
+        await _settle_now(request_ctx)  # billed before the client can read the end of its answer
         if failure is not None:
-            # The proxy ends the stream: billed first, so its response.failed shows the bill
-            # (the prompt and the output the worker reported so far, else as counted).
-            message, code, own = failure
-            out.status = "failed"
-            if own:
-                out.error = code
-            _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)
-            recorded = True
-            await _settle_now(request_ctx)
-            pending += rewriter.fail(message, code=code, usage=_billed_usage(out))
-        else:
-            out.status = rewriter.status
-            _record_usage(out, rewriter.usage, rewriter.output_tokens_seen, ctx.output_cap, rewriter.capped)
-            recorded = True
-            await _settle_now(request_ctx)  # billed before the client can read the end of its answer
+            # The proxy ends the stream, billed first: its response.failed shows the bill (the
+            # prompt and the output the worker reported so far, else as counted).
+            pending += rewriter.fail(failure[0], code=failure[1], usage=_billed_usage(out))
         await response.write_eof(pending)  # the last events and the end of the body: one send
     except ConnectionResetError:
         # Clients such as Codex hang up as soon as they read the terminal event: an answer
