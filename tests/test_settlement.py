@@ -15,6 +15,8 @@ broken tree fails instead of hanging.
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncio
 import json
 
@@ -27,24 +29,11 @@ from proxy import state
 from tests.conftest import sim_input
 from tests.raw_chat_upstream import ChatUpstream
 from tests.sdk_check import parse_sse
+from tests.test_access_line import lines  # noqa: F401 (the access lines, as the envelope hands them over)
 from tests.test_metrics import scrape, total
 
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
 MODEL = "tiny-org/tiny-model"
-
-
-@pytest.fixture
-def lines(monkeypatch):
-    """The access lines, as the envelope hands them over."""
-    found: list[dict] = []
-    real = proxy.http.app.access
-
-    def record(**fields):
-        found.append(dict(fields))
-        real(**fields)
-
-    monkeypatch.setattr(proxy.http.app, "access", record)
-    return found
 
 
 async def until(predicate, what: str, rounds: int = 2000):
@@ -235,13 +224,15 @@ def cut_after(n: int, honours: bool = True):
     return behave
 
 
-async def test_a_stream_cut_by_the_worker_is_billed_what_it_reported(make_proxy):
-    async with ChatUpstream(cut_after(3)) as upstream:
+async def _cut_stream(make_proxy, behave) -> tuple[dict, Any]:
+    """A streamed request of ~150 prompt tokens to a raw worker that `behave`s: -> its last
+    event and its usage row, once the books balance."""
+    import aiohttp
+
+    async with ChatUpstream(behave) as upstream:
         p = await make_proxy({"prices": PRICES, "balance": {"lease_max_micros": 0}},
                              workers=[upstream.worker()])
         secret, _ = await p.ledger.create_key("payer", balance_micros=50_000_000)
-        import aiohttp
-
         async with aiohttp.ClientSession() as http:
             async with http.post(p.url + "/v1/responses", headers={"Authorization": f"Bearer {secret}"},
                                  json={"model": MODEL, "input": "x " * 150, "stream": True,
@@ -249,9 +240,12 @@ async def test_a_stream_cut_by_the_worker_is_billed_what_it_reported(make_proxy)
                 request_id = resp.headers["x-request-id"]
                 events = parse_sse(await resp.read())
         await assert_books_balance(p)
-    failed = events[-1]
-    assert failed["type"] == "response.failed", [e["type"] for e in events]
-    row = await p.ledger.usage(request_id)
+    assert events[-1]["type"] == "response.failed", [e["type"] for e in events]
+    return events[-1], await p.ledger.usage(request_id)
+
+
+async def test_a_stream_cut_by_the_worker_is_billed_what_it_reported(make_proxy):
+    failed, row = await _cut_stream(make_proxy, cut_after(3))
     assert row.status == "failed"
     # What the worker reported: its prompt count (not the hold's bound of ~300+), the output seen.
     assert (row.input_tokens, row.output_tokens) == (PROMPT_TOKENS, 3)
@@ -294,22 +288,7 @@ async def test_a_simulated_worker_dropping_mid_stream_bills_what_the_client_is_s
 async def test_a_cut_stream_without_any_usage_shows_the_client_what_it_billed(make_proxy):
     """A worker that reports no usage (and cannot count: no /tokenize): the prompt is billed at
     the bound, the output as counted, and response.failed says exactly that, not input 0."""
-    async with ChatUpstream(cut_after(3, honours=False)) as upstream:
-        p = await make_proxy({"prices": PRICES, "balance": {"lease_max_micros": 0}},
-                             workers=[upstream.worker()])
-        secret, _ = await p.ledger.create_key("payer", balance_micros=50_000_000)
-        import aiohttp
-
-        async with aiohttp.ClientSession() as http:
-            async with http.post(p.url + "/v1/responses", headers={"Authorization": f"Bearer {secret}"},
-                                 json={"model": MODEL, "input": "x " * 150, "stream": True,
-                                       "max_output_tokens": 50}) as resp:
-                request_id = resp.headers["x-request-id"]
-                events = parse_sse(await resp.read())
-        await assert_books_balance(p)
-    failed = events[-1]
-    assert failed["type"] == "response.failed"
-    row = await p.ledger.usage(request_id)
+    failed, row = await _cut_stream(make_proxy, cut_after(3, honours=False))
     assert row.status == "failed" and row.output_tokens == 3 and row.input_tokens > PROMPT_TOKENS
     shown = failed["response"]["usage"]
     assert (shown["input_tokens"], shown["output_tokens"]) == (row.input_tokens, row.output_tokens)
