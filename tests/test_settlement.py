@@ -23,7 +23,6 @@ import json
 import orjson
 import pytest
 
-import proxy.http.app
 from middlewares.balance import wait_for_settlements
 from proxy import state
 from tests.conftest import sim_input
