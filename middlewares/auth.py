@@ -4,9 +4,10 @@ Guarded: every unit of work whose phases include `auth` (proxy.http.routes, prox
 the Responses routes, each WebSocket turn (a key revoked after the handshake stops the next
 turn), /v1/models (as on OpenAI, listing models needs a key) and /v1/key (the caller's own
 key), whatever the method (HEAD /v1/models too); a method a guarded path does not serve still
-gets its 405. The probes (/livez, /healthz, /readyz) and /metrics stay open. Auth is the first phase after the envelope (middlewares/__init__.py), so a
-request without a valid key is refused from its headers alone: its body is never read, and
-when the body is still arriving the refusal closes the connection (`_refuse`).
+gets its 405. The probes (/livez, /healthz, /readyz) and /metrics stay open. Auth is the first
+phase after the envelope (middlewares/__init__.py), so a request without a valid key is
+refused from its headers alone: its body is never read, and when the body is still arriving
+the refusal closes the connection (`_refuse`).
 
 Keys come from the ledger (`app[LEDGER].lookup_key`) and, for deployments without a
 database, from `static_keys` in the section:

@@ -16,9 +16,10 @@ from aiohttp import web
 if TYPE_CHECKING:  # imported for annotations only, to keep this module import-light
     from proxy.config.load import Config
     from proxy.protocol.translate import Translation
-# RequestContext's other field types are named (Unit: proxy.http.units), not imported (annotations are never evaluated
-# here): KeyRecord and Hold (proxy.ledger), StreamRewriter (proxy.protocol.rewriter). This module
-# stands below everything that keeps state on an app or a request.
+# RequestContext's other field types are named, not imported (annotations are never evaluated
+# here): KeyRecord and Hold (proxy.ledger), Unit (proxy.http.units), StreamRewriter
+# (proxy.protocol.rewriter). This module stands below everything that keeps state on an app or
+# a request.
 
 
 @dataclass

@@ -145,7 +145,8 @@ SCHEMA = Section({
         "max_json_depth": F(POS_INT, 64, "400 above this nesting depth"),
         "max_input_items": F(POS_INT, 4096, "400 above this many input items"),
         "max_tools": F(POS_INT, 512, "400 above this many tools"),
-        "max_unbilled_body_bytes": F(POS_INT, 1024 * 1024, "413 above this for work nobody pays for: input_tokens counts and WebSocket warm-ups"),
+        "max_unbilled_body_bytes": F(POS_INT, 1024 * 1024, "413 above this for work nobody pays for: input_tokens "
+                                                           "counts and WebSocket warm-ups"),
         "body_read_timeout": F(SECONDS, 30.0, "seconds; a client that trickles its body gets 408"),
         "max_line_size": Opt(POS_INT, 8190, "bytes of the request line; 400 above"),
         "max_field_size": Opt(POS_INT, 8190, "bytes of one header line; 400 above"),
@@ -237,13 +238,18 @@ name (or written {"package.module:factory": {...}} in the list); README, "Your o
         "max_connection_minutes": F(POS_NUM, 60, "then websocket_connection_limit_reached and the socket closes"),
         "idle_timeout_s": F(SECONDS, 600, "a socket with no turn in flight and no message this long is closed"),
         "ping_interval_s": F(Nullable(SECONDS), 30, "pings this often; a peer that misses a pong is closed; null: none"),
-        "max_queued_turns": F(POS_INT, 4, "response.create messages waiting behind the one in flight; past it, websocket_queue_full and the socket closes"),
+        "max_queued_turns": F(POS_INT, 4, "response.create messages waiting behind the one in flight; past it, "
+                                          "websocket_queue_full and the socket closes"),
         "max_queued_bytes": F(POS_INT, 8 * 1024 * 1024, "bytes of those messages (as inflated); past it, the same"),
-        "max_message_bytes": Opt(POS_INT, 8 * 1024 * 1024, "one message, bounded while permessage-deflate inflates it (default: server.max_body_bytes)"),
-        "max_sockets_per_key": F(Nullable(POS_INT), 16, "open sockets of one key in this process; past it the handshake gets 429 too_many_connections"),
+        "max_message_bytes": Opt(POS_INT, 8 * 1024 * 1024, "one message, bounded while permessage-deflate inflates it "
+                                                           "(default: server.max_body_bytes)"),
+        "max_sockets_per_key": F(Nullable(POS_INT), 16, "open sockets of one key in this process; past it the "
+                                                        "handshake gets 429 too_many_connections"),
         "max_sockets": F(Nullable(POS_INT), 1024, "open sockets in all in this process; past it, the same"),
-        "max_control_frames_per_s": F(POS_NUM, 10, "pings and pongs a peer may send (twice this as a burst); a flood past it closes the socket"),
-        "permessage_deflate": F(Bool(), True, "accept compressed messages (RFC 7692); their inflated size is what every bound counts"),
+        "max_control_frames_per_s": F(POS_NUM, 10, "pings and pongs a peer may send (twice this as a burst); a flood "
+                                                   "past it closes the socket"),
+        "permessage_deflate": F(Bool(), True, "accept compressed messages (RFC 7692); their inflated size is what "
+                                              "every bound counts"),
     }), None, note="""\
 Continuation (previous_response_id) over a socket keeps the last response's context in the
 connection's memory only; every turn runs through the same pipeline as POST /v1/responses."""),

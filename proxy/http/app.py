@@ -274,7 +274,8 @@ def build_app(config: Config) -> web.Application:
     })
     app[state.CONFIG] = config
     # The bounds on a whole head (bytes, time): applied by ProxyRunner's connections (parse_errors).
-    app[state.HEAD_LIMITS] = HeadLimits(int(server["max_header_bytes"]), float(server["header_read_timeout_s"]))
+    app[state.HEAD_LIMITS] = HeadLimits(int(server["max_header_bytes"]),
+                                        float(server["header_read_timeout_s"]))
     app[IMAGE_POLICY] = ImagePolicy(config.section("images"))
     health = config.section("health")
     HealthSettings.from_section(health)  # a bad section stops start-up here, not in the checker

@@ -26,7 +26,7 @@ as the unit it refines (checked below at import), since those ran before anyone 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 AUTH = "auth"
 LIMITS = "limits"
@@ -51,8 +51,6 @@ class Unit(NamedTuple):
     name: str
     phases: frozenset[str]
     body_limit: str = BILLED_BODY
-    # What runs after the phases instead of the route's handler (a warm-up answers itself).
-    handler: Any = None
     variants: tuple["Unit", ...] = ()
     why: str = ""  # the reason for each phase it skips: the table is read by people too
 

@@ -135,7 +135,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     if not settings.enabled or not _is_upgrade(request):
         raise APIError(405, f"Method not allowed on this endpoint ({request.method} {request.path}); "
                             "POST a request, or open a WebSocket.", code=None)
-    admission = request.app.get(state.SOCKETS) or SocketAdmission(settings)
+    admission = request.app[state.SOCKETS]
     key = state.context(request).key
     key_id = key.key_id if key is not None else None
     admission.admit(key_id)
