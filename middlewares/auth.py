@@ -283,7 +283,7 @@ def create(section: dict[str, Any], app: web.Application):
                     try:
                         record = await ledger.lookup_key(secret)
                     except LedgerUnavailable as exc:  # 503 + Retry-After, from the headers alone
-                        return await _refuse(request, ctx, call_next, ledger_unavailable(exc.retry_after_s))
+                        return await _refuse(request, ctx, call_next, ledger_unavailable(exc))
                     if record is not None and not record.revoked:
                         cache.put(digest, record, generation)
         if record is None or record.revoked or record.expires_at is not None and record.expired():

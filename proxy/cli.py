@@ -156,7 +156,7 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
             print(f"responses-proxy listening on http://{host}:{port}", flush=True)
 
     app.on_startup.append(ready)
-    from proxy.ledger import LedgerError
+    from proxy.ledger import LedgerError, LedgerFault
 
     try:
         _run(app, sockets, uvloop.new_event_loop() if uvloop else asyncio.new_event_loop())
@@ -164,7 +164,9 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
         if started:
             raise
         print(f"responses-proxy: cannot start: {exc}", file=sys.stderr, flush=True)
-        return 1
+        # 2: the ledger's database refuses us in a way only its operator can fix (a wrong
+        # password, a missing table); a supervisor should not restart us in a loop.
+        return 2 if isinstance(exc, LedgerFault) else 1
     finally:
         for sock in sockets:
             sock.close()

@@ -220,9 +220,13 @@ async def test_audit_is_append_only_and_service_audits_every_change(ledger):
         return
     import asyncpg
 
-    for sql in ("UPDATE audit SET actor = 'someone else'", "DELETE FROM audit", "DELETE FROM usage"):
-        with pytest.raises(asyncpg.RaiseError, match="append-only"):
-            await ledger._db(lambda conn: conn.execute(sql))
+    conn = await asyncpg.connect(ledger.dsn)  # as anyone with the database's address would
+    try:
+        for sql in ("UPDATE audit SET actor = 'someone else'", "DELETE FROM audit", "DELETE FROM usage"):
+            with pytest.raises(asyncpg.RaiseError, match="append-only"):
+                await conn.execute(sql)
+    finally:
+        await conn.close()
 
 
 async def test_expired_and_rotated_secrets_stop_working(ledger):

@@ -45,7 +45,7 @@ def test_spool_format_round_trips_and_skips_a_torn_line(tmp_path):
     line = encode(settle_record("r1", u))
     torn = encode(release_record("r2"))[:-7]  # a crash in the middle of a write
     records, bad = decode(line + encode(settle_record("r3", u, lease_id="lease:x")) + torn)
-    assert bad == 1 and [r["kind"] for r in records] == ["settle", "lease_usage"]
+    assert len(bad) == 1 and [r["kind"] for r in records] == ["settle", "lease_usage"]
     again = usage_of(records[0])
     assert (again.request_id, again.cost_micros, again.worker, again.debited_micros) == ("r1", 42, "w1", None)
     assert records[1]["lease_id"] == "lease:x"

@@ -87,7 +87,7 @@ async def test_not_ready_when_the_ledger_does_not_answer(sim, make_proxy, monkey
     for broken in (hangs, breaks):
         monkeypatch.setattr(ledger, "get_key", broken)
         status, _, raw = await get(proxy, "/readyz")
-        assert status == 503 and orjson.loads(raw) == {"status": "not_ready", "reason": "ledger"}
+        assert status == 503 and orjson.loads(raw) == {"status": "not_ready", "reason": "ledger", "cause": "unreachable"}
     monkeypatch.setattr(ledger, "get_key", real)  # answers again: ready at the next check
     status, _, raw = await get(proxy, "/readyz")
     assert status == 200, raw

@@ -67,7 +67,7 @@ def envelope(phases: Phases):
         except (APIError, LedgerUnavailable) as caught:
             # A ledger that cannot be reached on the way (a hold, GET /v1/key, the admin API)
             # is its 503 with Retry-After, answered like any refusal.
-            exc = caught if isinstance(caught, APIError) else ledger_unavailable(caught.retry_after_s)
+            exc = caught if isinstance(caught, APIError) else ledger_unavailable(caught)
             status, error_code = exc.status, exc.code
             streamed = await refusal_as_event(request, ctx, exc)  # Codex reads a spent balance only as an event
             return streamed if streamed is not None else exc.to_response()

@@ -79,10 +79,13 @@ async def livez_handler(request: web.Request) -> web.Response:
 
 async def readyz_handler(request: web.Request) -> web.Response:
     """Readiness: 200 {"status": "ready"} while some worker takes traffic and the ledger
-    answers; else 503 {"status": "not_ready", "reason": "no_worker" | "ledger"}. No worker
+    answers; else 503 {"status": "not_ready", "reason": "no_worker" | "ledger"} (with the ledger's
+"cause": "unreachable", "auth_failed", "schema_missing", ...). No worker
     names, addresses or errors: those are the operator's (/metrics, the log)."""
-    ready, reason = await request.app[READINESS].verdict(request.app)
+    ready, reason, cause = await request.app[READINESS].verdict(request.app)
     body = {"status": "ready"} if ready else {"status": "not_ready", "reason": reason}
+    if cause is not None:
+        body["cause"] = cause  # a word ("auth_failed", "schema_missing"), never the database's message
     return web.Response(status=200 if ready else 503, body=orjson.dumps(body), content_type="application/json",
                         headers=_NO_STORE)
 

@@ -13,6 +13,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.ledger.base import FAULT_EXPLAINED
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -40,12 +42,20 @@ def error_type_for(status: int) -> str:
 ERROR_CODE = web.ResponseKey("error_code", object)  # the envelope's code, for the access line
 
 
-def ledger_unavailable(retry_after_s: float) -> "APIError":
-    """The answer while the ledger's database cannot be reached (proxy.ledger.LedgerUnavailable):
-    503 with Retry-After, never a 500; the client retries, nothing was held or billed."""
-    seconds = max(1, math.ceil(retry_after_s))
+def ledger_unavailable(exc: Any) -> "APIError":
+    """The answer while the ledger cannot serve (proxy.ledger.LedgerUnavailable): 503 with
+    Retry-After, never a 500; the client retries, nothing was held or billed. A LedgerFault
+    (a wrong password, a missing table: the operator must act) is `ledger_fault`, its cause
+    named in words (never the database's address or its own message)."""
+    seconds = max(1, math.ceil(getattr(exc, "retry_after_s", 5.0)))
+    headers = {"Retry-After": str(seconds)}
+    cause = getattr(exc, "cause", None)
+    if cause is not None:
+        what = FAULT_EXPLAINED.get(cause, "the ledger database has a fault")
+        return APIError(503, f"The billing ledger has a fault its operator must fix: {what}. Retry later.",
+                        code="ledger_fault", headers=headers)
     return APIError(503, "The billing ledger is unreachable right now; retry after the Retry-After delay.",
-                    code="ledger_unavailable", headers={"Retry-After": str(seconds)})
+                    code="ledger_unavailable", headers=headers)
 
 
 class APIError(Exception):

@@ -154,6 +154,23 @@ class LedgerError(Exception):
     """A ledger operation that cannot be done (unknown key, storage failure...)."""
 
 
+# What each cause of a LedgerUnavailable / LedgerFault (proxy/ledger/pg_errors.py classifies
+# the driver's errors) tells a client (the 503's message) and an operator (the log line).
+FAULT_EXPLAINED = {
+    "unreachable": "the ledger database cannot be reached",
+    "too_many_connections": "the ledger database refuses more connections",
+    "auth_failed": "the ledger database rejected the proxy's credentials",
+    "database_missing": "the ledger database does not exist",
+    "permission_denied": "the ledger database denies the proxy a privilege it needs",
+    "schema_missing": "the ledger's tables are missing or changed in the database",
+    "read_only": "the ledger database is read-only (a standby?)",
+    "disk_full": "the ledger database's disk is full",
+    "misconfigured": "the ledger database's connection settings are invalid",
+    "database_error": "the ledger database answered with an unexpected error",
+    "conflict": "the ledger database kept aborting the transaction",
+}
+
+
 class LedgerUnavailable(LedgerError):
     """The ledger's storage cannot be reached now (a database down, a timeout): the request
     path answers 503 with Retry-After `retry_after_s`, never 500; settlements that cannot
@@ -162,6 +179,17 @@ class LedgerUnavailable(LedgerError):
     def __init__(self, message: str = "the ledger database is unreachable", retry_after_s: float = 5.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class LedgerFault(LedgerUnavailable):
+    """The ledger's database answers, but in a way no retry fixes (a rejected password, a
+    missing table): the operator must act. Answered like LedgerUnavailable (503, settlements
+    spooled and kept until a replay after the repair applies them), with its `cause` named
+    (proxy/ledger/pg_errors.py) in the 503, in /readyz and in the log."""
+
+    def __init__(self, message: str, retry_after_s: float = 5.0, cause: str = "database_error") -> None:
+        super().__init__(message, retry_after_s)
+        self.cause = cause
 
 
 class UnknownKey(LedgerError):
@@ -194,6 +222,10 @@ class Ledger(abc.ABC):
     # True when lease_grow / lease_commit exist (proxy/ledger/lease.py); else Leases always
     # takes the exact per-request path.
     supports_leases: bool = False
+
+    # The cause of a fault no retry fixes (LedgerFault.cause), while it lasts; None when
+    # healthy. Leases are not spent meanwhile and /readyz names it.
+    fault: str | None = None
 
     # Bumped (after the commit) by every change to a key made through THIS object (revoke,
     # set_limits). An in-process cache of lookup_key results remembers the value it saw

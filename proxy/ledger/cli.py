@@ -16,6 +16,8 @@
     responses-proxy keys usage [--key KEY_ID] [--model M] [--since T] [--until T] [--limit N]
                                [--group-by key,model,worker,day|hour] [--format table|json|csv]
     responses-proxy keys audit [--key KEY_ID] [--limit N]
+    responses-proxy keys spool [replay]        (postgres: settlements waiting in the local spool; replay
+                                                applies them now; exit 1 while some still wait)
 
 Times (WHEN, T) are Unix seconds or ISO 8601 (UTC unless a zone is given).
 
@@ -182,6 +184,10 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
 
     revoke = sub.add_parser("revoke", parents=[json_flag], help="revoke a key")
     revoke.add_argument("key_id")
+
+    spool = sub.add_parser("spool", parents=[json_flag],
+                           help="settlements waiting in the local spool (postgres); `spool replay` applies them")
+    spool.add_argument("action", nargs="?", choices=("show", "replay"), default="show")
 
     usage = sub.add_parser("usage", parents=[json_flag], help="recent usage records")
     usage.add_argument("--key", dest="key", default=None, metavar="KEY_ID")
@@ -384,7 +390,49 @@ async def _command(service: KeyService, args: argparse.Namespace, out: Any) -> N
                   file=out)
 
 
+def _spool_lines(spool: Any, as_json: bool, out: Any) -> int:
+    """Print the waiting records (never a secret: a record holds key ids and figures)."""
+    records = spool.records()
+    for record in records:
+        usage = record.get("usage") or {}
+        line = {"kind": record["kind"], "request_id": record["request_id"], "key_id": usage.get("key_id"),
+                "cost_micros": usage.get("cost_micros"), "lease_id": record.get("lease_id")}
+        print(json.dumps(line) if as_json else
+              f"{line['kind']:<12} {line['request_id']:<40} {line['key_id'] or '-':<20} "
+              f"{'-' if line['cost_micros'] is None else _money(line['cost_micros'])}", file=out)
+    return len(records)
+
+
+async def _spool(args: argparse.Namespace, config: Any, out: Any) -> int:
+    """`keys spool [show|replay]`: what the postgres ledger could not write yet, from the files
+    alone (show: no database needed), or replayed now (replay)."""
+    section = _locate(args, config)
+    ledger = open_ledger(section, base_dir=_base_dir(args, config))
+    spool = getattr(ledger, "spool", None)
+    if spool is None:
+        print(f"the {section.get('backend', 'sqlite')} ledger writes locally: it has no spool", file=out)
+        return 0
+    applied = 0
+    if args.action == "replay":
+        try:
+            await ledger.start()  # replays a waiting spool itself, before anything else
+            try:
+                applied = ledger.stats["replayed"] + await ledger.replay_spool()
+            finally:
+                await ledger.close()
+        except LedgerError as exc:  # still broken: say why, and what still waits
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+    waiting = _spool_lines(spool, args.json, out)
+    rejected = spool.rejected()
+    print(f"spool {spool.path}: {applied} applied now, {waiting} waiting"
+          + (f", {len(rejected)} set aside in {spool.rejected_path} (never applicable: see the log)"
+             if rejected else ""), file=sys.stderr, flush=True)
+    return 1 if args.action == "replay" and waiting else 0
+
+
 async def _run(args: argparse.Namespace, config: Any, out: Any) -> int:
+    if args.keys_command == "spool":
+        return await _spool(args, config, out)
     ledger = open_ledger(_locate(args, config), base_dir=_base_dir(args, config))
     await ledger.start()
     try:

@@ -171,7 +171,9 @@ class Leases:
         k.count += 1
         k.last_used = now
         k.typical = high
-        if self.enabled and not self._closed:
+        # A ledger with a fault (a dropped table, a rejected password) could not record what a
+        # lease would serve: every request takes the exact path, which answers it 503.
+        if self.enabled and not self._closed and self.ledger.fault is None:
             if k.row and k.free >= high:  # the common case: no await at all
                 k.free -= high
                 k.held += high

@@ -52,7 +52,8 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from proxy.ledger.base import (USAGE_RECORD_COLUMNS, DuplicateRequest, Hold, InsufficientBalance, Ledger, LedgerError,
-                               LedgerUnavailable, UnknownKey, UsageRecord)
+                               LedgerFault, LedgerUnavailable, UnknownKey, UsageRecord)
+from proxy.ledger.pg_errors import EXPLAIN, FAULT, RETRY, Failure, classify, describe
 from proxy.ledger.pg_console import PgConsoleOps
 from proxy.ledger.pg_keys import KEY_COLUMNS, PgKeyOps
 from proxy.ledger.pg_listen import KeyListener
@@ -60,16 +61,18 @@ from proxy.ledger.pg_schema import migrate
 from proxy.ledger.commit_rules import checked_rows, note_debits, usage_row
 from proxy.ledger.pg_usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
 from proxy.ledger.schema import _check_usage_values, _int, _key_record, hash_secret
-from proxy.ledger.spool import Spool, release_record, settle_record, usage_of
+from proxy.ledger.spool import APPLIED, KEPT, REJECTED, Spool, release_record, settle_record, usage_of
 from proxy.ledger.sqlite import _DUMMY_HASH
 
 log = logging.getLogger("proxy.ledger")
 
-# What "the database cannot be reached now" looks like (TimeoutError is an OSError).
-_UNAVAILABLE = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
-                asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.InsufficientResourcesError)
-_RETRY = (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError)
+_FAULT_LOG_EVERY_S = 60.0  # a fault that stays is logged again this often, not per request
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
+# Every table the request path writes, and the columns it names most: the fault probe.
+_PROBE = ("SELECT (SELECT count(*) FROM (SELECT key_id, balance_micros FROM keys LIMIT 1) k),"
+          " (SELECT count(*) FROM (SELECT request_id, amount_micros, expires_at FROM holds LIMIT 1) h),"
+          " (SELECT count(*) FROM (SELECT request_id, debited_micros FROM usage LIMIT 1) u),"
+          " (SELECT count(*) FROM (SELECT key_id, micros FROM topups LIMIT 1) t)")
 
 
 def redact(dsn: str) -> str:
@@ -108,6 +111,12 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         self._connecting: asyncio.Task | None = None  # start() found the database down: retries
         self._owner: asyncio.Task | None = None  # the task connecting (it alone uses the database)
         self._closed = False
+        # A fault no retry fixes (pg_errors.FAULT): its cause while it lasts; new holds are
+        # refused meanwhile (503 ledger_fault) and leases are not spent (proxy/ledger/lease.py).
+        # Set by the failing call, cleared only by a probe that passes (_probe).
+        self.fault: str | None = None
+        self._fault_logged = (None, 0.0)
+        self._kept_logged: set[str] = set()  # spool records that wait, logged once each
 
     def __repr__(self) -> str:
         return f"PostgresLedger({redact(self.dsn)!r})"
@@ -124,6 +133,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
             raise LedgerError("ledger is closed")
         try:
             await self._connect()
+        except LedgerFault:
+            raise  # a wrong password, a missing database: the operator must fix it (exit 2)
         except LedgerUnavailable as exc:
             # A replica (re)started while the database is down still comes up: it answers
             # 503 (and /readyz says not ready) until the database is back, then replays its
@@ -151,21 +162,27 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
             if self.spool.pending():  # settlements of a previous run first, before serving
                 await self.replay_spool()
             await self.expire_holds()
-        except _UNAVAILABLE as exc:
+        except BaseException as exc:
             await self._close_pool()
-            raise LedgerUnavailable(f"cannot reach the ledger database {redact(self.dsn)}: {exc}",
-                                    self.retry_after_s) from None
-        except BaseException:
-            await self._close_pool()
-            raise
+            failure = classify(exc)
+            if failure is None:
+                raise
+            what = f"{describe(failure, exc)} [{redact(self.dsn)}]"
+            if failure.kind == FAULT:
+                raise LedgerFault(what, self.retry_after_s, failure.cause) from None
+            raise LedgerUnavailable(what, self.retry_after_s) from None
         finally:
             self._owner = None
+        self.fault = None
 
     async def _connect_forever(self) -> None:
         while not self._closed:
             await asyncio.sleep(min(self.retry_after_s, 1.0))
             try:
                 await self._connect()
+            except LedgerFault as exc:
+                self._note_fault(exc.cause, str(exc))
+                continue
             except LedgerUnavailable:
                 continue
             except Exception:
@@ -222,26 +239,79 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
                         return await fn(conn)
                     async with conn.transaction():
                         return await fn(conn)
-            except _RETRY:
-                if attempt == 3:
-                    raise
-                self.stats["retries"] += 1
-                await asyncio.sleep(0.005 * (attempt + 1))
-            except _UNAVAILABLE as exc:
+            except Exception as exc:
+                failure = classify(exc)
+                if failure is None:
+                    raise  # ours: UnknownKey, a ValueError
+                if failure.kind == RETRY and attempt < 3:
+                    self.stats["retries"] += 1
+                    await asyncio.sleep(0.005 * (attempt + 1))
+                    continue
                 if self._closed:
                     raise LedgerError("ledger is closed") from None
-                self.stats["unavailable"] += 1
-                raise LedgerUnavailable(f"the ledger database is unreachable ({type(exc).__name__})",
-                                        self.retry_after_s) from None
+                raise self._failed(failure, exc) from None
+        raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _spool(self, records: list[dict[str, Any]]) -> None:
+    # ------------------------------------------------------------------ faults (pg_errors.py)
+
+    def _failed(self, failure: Failure, exc: BaseException) -> LedgerUnavailable:
+        """The error a driver failure becomes (every caller answers it 503, never 500)."""
+        self.stats["unavailable"] += 1
+        if failure.kind == FAULT:
+            self._note_fault(failure.cause, describe(failure, exc))
+            return LedgerFault(EXPLAIN.get(failure.cause, failure.cause), self.retry_after_s, failure.cause)
+        return LedgerUnavailable(f"the ledger database is unreachable ({type(exc).__name__})", self.retry_after_s)
+
+    def _note_fault(self, cause: str, line: str) -> None:
+        self.fault = cause
+        now = time.monotonic()
+        last_cause, last_at = self._fault_logged
+        if last_cause != cause or now - last_at >= _FAULT_LOG_EVERY_S:
+            self._fault_logged = (cause, now)
+            log.error("ledger database fault (%s): %s. New requests get 503 ledger_fault and settlements are "
+                      "spooled to %s until it is fixed", cause, line, self.spool.path)
+
+    def _refuse_if_faulty(self) -> None:
+        """New money reservations wait for the repair: what they would hold cannot be settled."""
+        if self.fault is not None:
+            self.stats["unavailable"] += 1
+            raise LedgerFault(EXPLAIN.get(self.fault, self.fault), self.retry_after_s, self.fault)
+
+    async def _probe(self) -> None:
+        """While a fault lasts: a fresh connection (credentials, database) reading every
+        ledger table (the schema); the fault is cleared only when this passes."""
+        conn = await asyncpg.connect(self.dsn, timeout=self.connect_timeout_s, server_settings=self._settings,
+                                     command_timeout=self.statement_timeout_ms / 1000 + 1.0)
+        try:
+            await conn.fetchrow(_PROBE)
+        finally:
+            await conn.close()
+
+    async def check_fault(self) -> str | None:
+        """Probe when faulty; the cause that remains (None: healthy). Never raises."""
+        if self.fault is None:
+            return None
+        try:
+            await self._probe()
+        except Exception as exc:
+            failure = classify(exc)
+            if failure is not None and failure.kind == FAULT:
+                self._note_fault(failure.cause, describe(failure, exc))
+            return self.fault
+        log.warning("ledger database fault (%s) is fixed: serving again", self.fault)
+        self.fault, self._fault_logged = None, (None, 0.0)
+        return None
+
+    async def _spool(self, records: list[dict[str, Any]], why: BaseException | None = None) -> None:
         # On disk (fsync'd) before the settle returns; in a thread, so the fsync stalls only
         # this request, not the event loop.
         await asyncio.to_thread(self.spool.append_many, records)
         self.stats["spooled"] += len(records)
+        reason = ("the ledger database is unreachable" if why is None or type(why) is LedgerUnavailable
+                  else f"{type(why).__name__}: {str(why)[:200]}")
         for record in records:
-            log.warning("ledger database unreachable: %s of %s spooled to %s", record["kind"],
-                        record["request_id"], self.spool.path)
+            log.warning("ledger: %s of %s spooled to %s (%s)", record["kind"], record["request_id"],
+                        self.spool.path, reason)
 
     # ------------------------------------------------------------------ the request path
 
@@ -299,6 +369,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         ttl = float(ttl_s)
         if not ttl > 0:
             raise ValueError("ttl_s must be positive")
+        self._refuse_if_faulty()
 
         async def op(conn: asyncpg.Connection) -> Hold | LedgerError:
             balance = await conn.fetchval(_LOCK_KEY, key_id)  # first: every money move of the key waits here
@@ -364,8 +435,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         _check_usage_values(usage)
         try:
             debited = await self._settle_db(request_id, usage)
-        except LedgerUnavailable:
-            await self._spool([settle_record(request_id, usage)])
+        except Exception as exc:  # whatever the reason, a settlement is never dropped
+            await self._spool([settle_record(request_id, usage)], exc)
             return True  # recorded (in the spool): replayed exactly once by request id
         if debited is None:
             return False
@@ -378,8 +449,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
 
         try:
             return await self._db(op, transaction=False)
-        except LedgerUnavailable:
-            await self._spool([release_record(request_id)])
+        except Exception as exc:
+            await self._spool([release_record(request_id)], exc)
             return True
 
     async def expire_holds(self, now: float | None = None) -> int:
@@ -419,6 +490,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         high = _int(max_micros, "max_micros")
         share = max(1, int(share))
         ttl = float(ttl_s)
+        self._refuse_if_faulty()
 
         async def op(conn: asyncpg.Connection) -> tuple[int, bool]:
             balance = await conn.fetchval(_LOCK_KEY, key_id)
@@ -459,7 +531,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         rows = checked_rows(usages)
         try:
             return await self._lease_commit_db(usages, leases, rows)
-        except LedgerUnavailable:
+        except Exception as exc:
             results: list[int | BaseException | None] = []
             spooled: list[dict[str, Any]] = []
             for (lease_id, usage), row in zip(usages, rows):
@@ -468,7 +540,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
                     continue
                 spooled.append(settle_record(usage.request_id, usage, lease_id=lease_id))
                 results.append(usage.cost_micros)
-            await self._spool(spooled)
+            await self._spool(spooled, exc)
             return results, set()
 
     async def _lease_commit_db(
@@ -490,27 +562,44 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
 
     # ------------------------------------------------------------------ the spool
 
-    async def _replay_one(self, record: dict[str, Any]) -> None:
+    async def _replay_one(self, record: dict[str, Any]) -> str:
+        """One spool record applied (idempotent by request id). LedgerUnavailable (a fault
+        included) propagates: the replay stops, the record and the rest wait."""
         kind = record["kind"]
+        if kind == "release":
+            await self._db(lambda conn: conn.execute("DELETE FROM holds WHERE request_id = $1",
+                                                     record["request_id"]), transaction=False)
+            return APPLIED
         try:
-            if kind == "release":
-                await self._db(lambda conn: conn.execute("DELETE FROM holds WHERE request_id = $1",
-                                                         record["request_id"]), transaction=False)
-                return
             usage = usage_of(record)
+            _check_usage_values(usage)
+            pair = [(record.get("lease_id") or "", usage)]
+            rows = checked_rows(pair)
+            if isinstance(rows[0], ValueError):
+                raise rows[0]
+        except (ValueError, TypeError, KeyError) as exc:
+            log.error("ledger spool: %s of %s is not a valid settlement (%s): set aside", kind,
+                      record.get("request_id"), exc)
+            return REJECTED
+        try:
             if kind == "lease_usage":
-                pair = [(record["lease_id"], usage)]
-                results, _ = await self._lease_commit_db(pair, [], checked_rows(pair))
+                results, _ = await self._lease_commit_db(pair, [], rows)
                 if isinstance(results[0], BaseException):
                     raise results[0]
             else:
                 await self._settle_db(record["request_id"], usage)
-        except (UnknownKey, ValueError, TypeError, KeyError) as exc:
-            log.error("ledger spool: %s of %s cannot be applied, dropped: %s", kind, record.get("request_id"), exc)
+        except UnknownKey as exc:  # the key row is gone (a table restored from an old backup?)
+            if record["request_id"] not in self._kept_logged:
+                self._kept_logged.add(record["request_id"])
+                log.error("ledger spool: %s of %s waits: %s", kind, record["request_id"], exc)
+            return KEPT
+        return APPLIED
 
     async def replay_spool(self) -> int:
         """Replay the spool now; how many records were applied (LedgerUnavailable stops it:
-        the rest waits, nothing is lost)."""
+        the rest waits, nothing is lost). While a fault lasts, only once a probe passes."""
+        if await self.check_fault() is not None:
+            raise LedgerFault(EXPLAIN.get(self.fault or "", "fault"), self.retry_after_s, self.fault or "")
         done = await self.spool.replay(self._replay_one)
         self.stats["replayed"] += done
         if done:
@@ -520,6 +609,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
     async def _replay_forever(self) -> None:
         while True:
             await asyncio.sleep(self.replay_interval_s)
+            if self.fault is not None and not self.spool.pending():
+                await self.check_fault()  # the repair is noticed with nothing to replay too
             if not self.spool.pending():
                 continue
             try:

@@ -13,12 +13,17 @@ the file half.
 Replay never loses a line written meanwhile: it first renames the spool to
 `<path>.replay-<pid>-<n>` (atomic; the next append makes a fresh spool file), replays that
 file, and deletes it only once every line of it was applied. A replay cut short (the
-database went away again, the process died) leaves the renamed file in place; the next
-replay takes it again, first. `apply` must therefore be idempotent: backends replay by
-request id (UNIQUE: a row already recorded is skipped, never debited twice).
+database went away again, a fault, the process died) leaves the renamed file in place,
+rewritten (atomically) to the lines not applied yet; the next replay takes it again, first.
+`apply` must therefore be idempotent: backends replay by request id (UNIQUE: a row already
+recorded is skipped, never debited twice).
 
-A torn last line (a crash in the middle of a write: it was never acknowledged) is skipped
-with a warning; so is any line that is not a JSON object.
+`apply(record)` answers APPLIED, KEPT (it cannot be applied now, say its key is missing
+after a dropped table: it stays and is tried again at every replay, the others go on) or
+REJECTED (it can never be: not a valid settlement); an exception stops the replay and this
+record and the rest stay. Nothing is ever discarded: a rejected record, like a line that
+is not a JSON spool record, is moved to `<path>.rejected` for the operator (`keys spool`).
+A torn last line (a crash in the middle of a write: it was never acknowledged) goes there too.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from proxy.ledger.base import UsageRecord
 log = logging.getLogger("proxy.ledger")
 
 KINDS = ("settle", "lease_usage", "release")
+APPLIED, KEPT, REJECTED = "applied", "kept", "rejected"  # what apply() says of a record
 _USAGE_FIELDS = tuple(f.name for f in fields(UsageRecord))
 _serial = itertools.count(1)
 
@@ -65,28 +71,33 @@ def usage_of(record: dict[str, Any]) -> UsageRecord:
     return UsageRecord(**{name: data[name] for name in _USAGE_FIELDS if name in data})
 
 
+def encode_any(record: Any) -> bytes:
+    """A line for the rejected file: the record as it was, whatever it holds."""
+    return json.dumps(record, separators=(",", ":"), sort_keys=True, default=str).encode()
+
+
 def encode(record: dict[str, Any]) -> bytes:
     if record.get("kind") not in KINDS or not record.get("request_id"):
         raise ValueError(f"not a spool record: {record!r}")
     return json.dumps(record, separators=(",", ":"), sort_keys=True).encode() + b"\n"
 
 
-def decode(data: bytes) -> tuple[list[dict[str, Any]], int]:
-    """(the records of a spool file's bytes, how many lines were skipped as unreadable)."""
+def decode(data: bytes) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """(the records of a spool file's bytes, the lines that are not spool records)."""
     records: list[dict[str, Any]] = []
-    bad = 0
+    bad: list[bytes] = []
     for line in data.split(b"\n"):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except ValueError:
-            bad += 1
+            bad.append(line)
             continue
         if isinstance(record, dict) and record.get("kind") in KINDS and record.get("request_id"):
             records.append(record)
         else:
-            bad += 1
+            bad.append(line)
     return records, bad
 
 
@@ -96,6 +107,7 @@ def decode(data: bytes) -> tuple[list[dict[str, Any]], int]:
 class Spool:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.rejected_path = self.path.with_name(self.path.name + ".rejected")
         self._replaying = asyncio.Lock()  # binds to no loop until first used (Python >= 3.10)
         self.stats = {"appended": 0, "replayed": 0, "skipped": 0}
 
@@ -111,20 +123,47 @@ class Spool:
         Blocking: async callers run it in a thread (an fsync must not stall the event loop)."""
         if not records:
             return
-        line = b"".join(encode(record) for record in records)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        new = not self.path.exists()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._append_bytes(self.path, b"".join(encode(record) for record in records))
+        self.stats["appended"] += len(records)
+
+    def _append_bytes(self, path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            written = os.write(fd, line)  # O_APPEND: one write, never interleaved with another's
-            if written != len(line):
-                raise OSError(f"short write to the ledger spool {self.path}")
+            written = os.write(fd, data)  # O_APPEND: one write, never interleaved with another's
+            if written != len(data):
+                raise OSError(f"short write to the ledger spool {path}")
             os.fsync(fd)
         finally:
             os.close(fd)
         if new:
             self._sync_dir()  # the file's name is durable too
-        self.stats["appended"] += len(records)
+
+    def _set_aside(self, lines: list[bytes]) -> None:
+        """Lines that can never be applied, kept for the operator (never deleted)."""
+        if lines:
+            self._append_bytes(self.rejected_path, b"".join(line.rstrip(b"\n") + b"\n" for line in lines))
+            self.stats["skipped"] += len(lines)
+            log.error("ledger spool: %d line(s) that cannot be applied moved to %s (see `keys spool`)",
+                      len(lines), self.rejected_path)
+
+    def _rewrite(self, path: Path, kept: list[dict[str, Any]]) -> None:
+        """The replayed file becomes its lines not applied yet (atomically), or goes."""
+        if not kept:
+            path.unlink(missing_ok=True)
+        else:
+            tmp = path.with_name(path.name + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                data = b"".join(encode(record) for record in kept)
+                if os.write(fd, data) != len(data):
+                    raise OSError(f"short write to {tmp}")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        self._sync_dir()
 
     def _sync_dir(self) -> None:
         try:
@@ -160,6 +199,13 @@ class Spool:
                 out.extend(decode(path.read_bytes())[0])
         return out
 
+    def rejected(self) -> list[bytes]:
+        """The lines set aside as never applicable (kept for the operator)."""
+        try:
+            return [line for line in self.rejected_path.read_bytes().split(b"\n") if line.strip()]
+        except FileNotFoundError:
+            return []
+
     def _rotate(self) -> None:
         """Move the spool aside (atomic rename): appends from now on start a new file."""
         if self.path.exists() and self.path.stat().st_size > 0:
@@ -167,9 +213,10 @@ class Spool:
             os.rename(self.path, target)
             self._sync_dir()
 
-    async def replay(self, apply: Callable[[dict[str, Any]], Awaitable[Any]]) -> int:
-        """Apply every waiting record in order; returns how many. An exception from apply
-        stops the replay (the rest waits for the next one) and propagates."""
+    async def replay(self, apply: Callable[[dict[str, Any]], Awaitable[str]]) -> int:
+        """Apply every waiting record in order; returns how many were applied. An exception
+        from apply stops the replay (that record and the rest wait for the next one) and
+        propagates."""
         async with self._replaying:
             self._rotate()
             done = 0
@@ -179,16 +226,27 @@ class Spool:
                 except FileNotFoundError:  # another process sharing this spool replayed it
                     continue
                 records, bad = decode(data)
-                if bad:
-                    log.warning("ledger spool %s: %d unreadable line(s) skipped", path, bad)
-                    self.stats["skipped"] += bad
-                for record in records:
-                    await apply(record)
-                    done += 1
-                    self.stats["replayed"] += 1
-                path.unlink(missing_ok=True)
-                self._sync_dir()
+                kept: list[dict[str, Any]] = []
+                rejected = list(bad)
+                index = 0
+                try:
+                    for index, record in enumerate(records):
+                        verdict = await apply(record)
+                        if verdict == KEPT:
+                            kept.append(record)
+                        elif verdict == REJECTED:
+                            rejected.append(encode_any(record))
+                        else:
+                            done += 1
+                            self.stats["replayed"] += 1
+                    index = len(records)
+                finally:
+                    kept.extend(records[index:])
+                    self._set_aside(rejected)
+                    if rejected or not kept or len(kept) != len(records):
+                        self._rewrite(path, kept)
             return done
 
 
-__all__ = ["Spool", "settle_record", "release_record", "usage_of", "encode", "decode", "KINDS"]
+__all__ = ["Spool", "settle_record", "release_record", "usage_of", "encode", "decode", "KINDS", "APPLIED", "KEPT",
+           "REJECTED"]

@@ -255,43 +255,46 @@ LEDGER_TTL_S = 1.0
 
 
 class Readiness:
-    """Whether this process should get traffic: (ready, reason), reason one word."""
+    """Whether this process should get traffic: (ready, reason, cause): reason one word,
+    cause the ledger's (proxy/ledger/base.py FAULT_EXPLAINED's keys) when reason is "ledger"."""
 
     def __init__(self, pool: WorkerPool, ledger_key: Any) -> None:
         self.pool = pool
         self.ledger_key = ledger_key
-        self._ledger_ok = False
+        self._ledger_cause: str | None = "unreachable"  # None: the ledger answers
         self._checked_at = float("-inf")
         self._check: asyncio.Task | None = None
 
-    async def _check_ledger(self, ledger: Any) -> bool:
+    async def _check_ledger(self, ledger: Any) -> str | None:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(LEDGER_TIMEOUT_S):
                 await ledger.get_key("")  # an indexed read through the ledger's own path
-            ok = True
+            cause = ledger.fault  # answers, but has a fault a table read does not show
         except Exception as exc:  # a timeout, a closed or broken database: not ready
-            log.warning("readiness: the ledger did not answer", error=f"{type(exc).__name__}: {exc}")
-            ok = False
+            cause = getattr(exc, "cause", None) or "unreachable"
+            if cause != self._ledger_cause:
+                log.warning("readiness: the ledger did not answer", cause=cause, error=f"{type(exc).__name__}: {exc}")
         finally:
             self._check = None
-        self._ledger_ok, self._checked_at = ok, loop.time()
-        return ok
+        self._ledger_cause, self._checked_at = cause, loop.time()
+        return cause
 
-    async def _ledger_answers(self, app: web.Application) -> bool:
+    async def _ledger_problem(self, app: web.Application) -> str | None:
         ledger = app.get(self.ledger_key)
         if ledger is None:  # ledger.backend: none
-            return True
+            return None
         if asyncio.get_running_loop().time() - self._checked_at < LEDGER_TTL_S:
-            return self._ledger_ok
+            return self._ledger_cause
         if self._check is None:
             self._check = asyncio.create_task(self._check_ledger(ledger))
         # shield: a probe that gives up does not cancel the check the others wait for
         return await asyncio.shield(self._check)
 
-    async def verdict(self, app: web.Application) -> tuple[bool, str]:
+    async def verdict(self, app: web.Application) -> tuple[bool, str, str | None]:
         if not any(w.available for w in self.pool.workers):
-            return False, "no_worker"
-        if not await self._ledger_answers(app):
-            return False, "ledger"
-        return True, "ready"
+            return False, "no_worker", None
+        cause = await self._ledger_problem(app)
+        if cause is not None:
+            return False, "ledger", cause
+        return True, "ready", None
