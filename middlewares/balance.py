@@ -132,6 +132,9 @@ async def wait_for_settlements(app: web.Application, timeout: float = 30) -> Non
     settlements = app.get(state.SETTLEMENTS)
     if settlements is not None:
         await settlements.wait(timeout)
+    ledger = app.get(state.LEDGER)
+    if ledger is not None:
+        await ledger.settled(timeout)  # written durably; in the database too (a server-side ledger)
 
 
 def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = 1) -> int:

@@ -59,16 +59,18 @@ async def test_spool_replay_keeps_lines_written_during_the_replay(tmp_path):
         spool.append(release_record(f"old-{i}"))
     seen: list[str] = []
 
-    async def apply(record):
-        seen.append(record["request_id"])
-        if record["request_id"] == "old-1":  # a settlement spooled while the replay runs
-            spool.append(release_record("new-0"))
+    async def apply(records):
+        for record in records:
+            seen.append(record["request_id"])
+            if record["request_id"] == "old-1":  # a settlement spooled while the replay runs
+                spool.append(release_record("new-0"))
+        return ["applied"] * len(records)
 
-    assert await spool.replay(apply) == 3
+    assert await spool.replay(apply, batch=1) == 3
     assert seen == ["old-0", "old-1", "old-2"]
     assert [r["request_id"] for r in spool.records()] == ["new-0"]  # not lost, not replayed yet
 
-    async def fail(record):
+    async def fail(records):
         raise LedgerUnavailable()
 
     spool.append(release_record("new-1"))

@@ -294,6 +294,18 @@ class Ledger(abc.ABC):
         (and no debit) if already settled. `linger`: the backend may wait a few ms for other
         settles to share the commit (False: someone is waiting for this one)."""
 
+    async def settle_behind(self, request_id: str, usage: UsageRecord) -> None:
+        """Settle a request whose client waits for the end of its answer: the settlement is
+        durable when this returns, and applied (as settle, exactly once) then or a moment
+        later. A ledger on a database server writes it to a local file first and applies it
+        after (proxy/ledger/pg_spool.py), so the answer does not wait on a round trip; a
+        local ledger's commit is that file: it settles now."""
+        await self.settle(request_id, usage, linger=False)
+
+    async def settled(self, timeout: float = 2.0) -> None:
+        """Wait (at most `timeout`, never raising) until every settle_behind of this object is
+        applied; a local ledger applies them at once."""
+
     @abc.abstractmethod
     async def release(self, request_id: str, *, linger: bool = True) -> bool:
         """Drop a hold without charge. True if there was one. `linger` as for settle()."""

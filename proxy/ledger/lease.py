@@ -240,8 +240,8 @@ class Leases:
         try:
             if usage is None:
                 await self.ledger.release(hold.request_id, linger=not waited)
-            elif waited:
-                await self.ledger.settle(hold.request_id, usage, linger=False)
+            elif waited:  # the client's last bytes wait for this: durable, not necessarily applied yet
+                await self.ledger.settle_behind(hold.request_id, usage)
             else:
                 await self.ledger.settle(hold.request_id, usage)
         except Exception:

@@ -84,6 +84,50 @@ async def insert_usage_batch(conn: Any, rows: list[tuple | ValueError], lease_id
     return results, taken
 
 
+_HELD = "SELECT request_id, amount_micros FROM holds WHERE request_id = ANY($1::text[])"
+_KNOWN = "SELECT request_id FROM usage WHERE request_id = ANY($1::text[])"
+
+
+async def settle_batch(conn: Any, rows: list[tuple]) -> list[int | BaseException | None]:
+    """Per-request settlements (each against its own hold), in order, each exactly once: the
+    debit clamped at its hold (when the hold is still there) and at what is left of the
+    balance; the holds deleted. Per row: the debit, None if recorded already, or UnknownKey.
+    What PostgresLedger.settle does for one row, for a batch: the same locks first (the
+    keys, in key_id order), then one read of the holds and the rows recorded, one insert."""
+    results: list[int | BaseException | None] = [None] * len(rows)
+    balances = await _lock_balances(conn, rows)
+    ids = [row[0] for row in rows]
+    held = {r[0]: r[1] for r in await conn.fetch(_HELD, ids)}
+    known = {r[0] for r in await conn.fetch(_KNOWN, ids)}
+    fresh: list[tuple] = []
+    where: list[int] = []
+    for i, row in enumerate(rows):
+        request_id, key_id = row[0], row[1]
+        if key_id not in balances:
+            results[i] = UnknownKey(key_id)
+            continue
+        if request_id in known:
+            continue
+        known.add(request_id)
+        debit = max(0, min(row[_COST], balances[key_id], held.get(request_id, row[_COST])))
+        balances[key_id] -= debit
+        fresh.append(row[:_DEBITED] + (debit,) + row[_DEBITED + 1:])
+        where.append(i)
+    debits: dict[str, int] = defaultdict(int)
+    if fresh:
+        inserted = {r[0] for r in await conn.fetch(_INSERT_MANY, *[list(col) for col in zip(*fresh)])}
+        for i, row in zip(where, fresh):
+            if row[0] in inserted:  # always, under the key locks every insert takes
+                results[i] = row[_DEBITED]
+                debits[row[1]] += row[_DEBITED]
+    for key_id in sorted(debits):
+        if debits[key_id]:
+            await conn.execute(_DEBIT_KEY, debits[key_id], key_id)
+    await conn.execute("DELETE FROM holds WHERE request_id = ANY($1::text[])",
+                       [row[0] for row in rows if row[1] in balances])
+    return results
+
+
 async def lease_changes(conn: Any, taken: dict[str, int], leases: list[tuple[str, int, float | None, bool]],
                         now: float) -> set[str]:
     """Take the debits off their lease rows and apply each (lease id, give back, ttl, drop);

@@ -53,26 +53,22 @@ import asyncpg
 
 from proxy.ledger.base import (USAGE_RECORD_COLUMNS, DuplicateRequest, Hold, InsufficientBalance, Ledger, LedgerError,
                                LedgerFault, LedgerUnavailable, UnknownKey, UsageRecord)
-from proxy.ledger.pg_errors import EXPLAIN, FAULT, RETRY, Failure, classify, describe
+from proxy.ledger.pg_errors import FAULT, RETRY, classify, describe
 from proxy.ledger.pg_console import PgConsoleOps
+from proxy.ledger.pg_faults import PgFaults
+from proxy.ledger.pg_spool import PgSpoolOps
 from proxy.ledger.pg_keys import KEY_COLUMNS, PgKeyOps
 from proxy.ledger.pg_listen import KeyListener
 from proxy.ledger.pg_schema import migrate
 from proxy.ledger.commit_rules import checked_rows, note_debits, usage_row
 from proxy.ledger.pg_usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
 from proxy.ledger.schema import _check_usage_values, _int, _key_record, hash_secret
-from proxy.ledger.spool import APPLIED, KEPT, REJECTED, Spool, release_record, settle_record, usage_of
+from proxy.ledger.spool import Spool, release_record, settle_record
 from proxy.ledger.sqlite import _DUMMY_HASH
 
 log = logging.getLogger("proxy.ledger")
 
-_FAULT_LOG_EVERY_S = 60.0  # a fault that stays is logged again this often, not per request
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
-# Every table the request path writes, and the columns it names most: the fault probe.
-_PROBE = ("SELECT (SELECT count(*) FROM (SELECT key_id, balance_micros FROM keys LIMIT 1) k),"
-          " (SELECT count(*) FROM (SELECT request_id, amount_micros, expires_at FROM holds LIMIT 1) h),"
-          " (SELECT count(*) FROM (SELECT request_id, debited_micros FROM usage LIMIT 1) u),"
-          " (SELECT count(*) FROM (SELECT key_id, micros FROM topups LIMIT 1) t)")
 
 
 def redact(dsn: str) -> str:
@@ -84,7 +80,7 @@ def redact(dsn: str) -> str:
         return "?"
 
 
-class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
+class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
     supports_leases = True
 
     def __init__(self, dsn: str, *, pool_min: int = 1, pool_max: int = 10, statement_timeout_ms: int = 5000,
@@ -142,7 +138,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
             log.warning("%s; answering 503 until it is back", exc)
             self._connecting = asyncio.create_task(self._connect_forever(), name="ledger-connect")
             return
-        self._replayer = asyncio.create_task(self._replay_forever(), name="ledger-spool-replay")
+        self._replayer = asyncio.create_task(self._drain_forever(), name="ledger-spool-drain")
 
     async def _connect(self) -> None:
         """Pool, migrations, listener, the spool replayed, stale holds dropped. Until it has
@@ -189,7 +185,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
                 log.exception("ledger start-up failed; trying again")
                 continue
             log.info("ledger database %s reachable: serving", redact(self.dsn))
-            self._replayer = asyncio.create_task(self._replay_forever(), name="ledger-spool-replay")
+            self._replayer = asyncio.create_task(self._drain_forever(), name="ledger-spool-drain")
             return
 
     async def _close_pool(self) -> None:
@@ -252,67 +248,6 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
                 raise self._failed(failure, exc) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    # ------------------------------------------------------------------ faults (pg_errors.py)
-
-    def _failed(self, failure: Failure, exc: BaseException) -> LedgerUnavailable:
-        """The error a driver failure becomes (every caller answers it 503, never 500)."""
-        self.stats["unavailable"] += 1
-        if failure.kind == FAULT:
-            self._note_fault(failure.cause, describe(failure, exc))
-            return LedgerFault(EXPLAIN.get(failure.cause, failure.cause), self.retry_after_s, failure.cause)
-        return LedgerUnavailable(f"the ledger database is unreachable ({type(exc).__name__})", self.retry_after_s)
-
-    def _note_fault(self, cause: str, line: str) -> None:
-        self.fault = cause
-        now = time.monotonic()
-        last_cause, last_at = self._fault_logged
-        if last_cause != cause or now - last_at >= _FAULT_LOG_EVERY_S:
-            self._fault_logged = (cause, now)
-            log.error("ledger database fault (%s): %s. New requests get 503 ledger_fault and settlements are "
-                      "spooled to %s until it is fixed", cause, line, self.spool.path)
-
-    def _refuse_if_faulty(self) -> None:
-        """New money reservations wait for the repair: what they would hold cannot be settled."""
-        if self.fault is not None:
-            self.stats["unavailable"] += 1
-            raise LedgerFault(EXPLAIN.get(self.fault, self.fault), self.retry_after_s, self.fault)
-
-    async def _probe(self) -> None:
-        """While a fault lasts: a fresh connection (credentials, database) reading every
-        ledger table (the schema); the fault is cleared only when this passes."""
-        conn = await asyncpg.connect(self.dsn, timeout=self.connect_timeout_s, server_settings=self._settings,
-                                     command_timeout=self.statement_timeout_ms / 1000 + 1.0)
-        try:
-            await conn.fetchrow(_PROBE)
-        finally:
-            await conn.close()
-
-    async def check_fault(self) -> str | None:
-        """Probe when faulty; the cause that remains (None: healthy). Never raises."""
-        if self.fault is None:
-            return None
-        try:
-            await self._probe()
-        except Exception as exc:
-            failure = classify(exc)
-            if failure is not None and failure.kind == FAULT:
-                self._note_fault(failure.cause, describe(failure, exc))
-            return self.fault
-        log.warning("ledger database fault (%s) is fixed: serving again", self.fault)
-        self.fault, self._fault_logged = None, (None, 0.0)
-        return None
-
-    async def _spool(self, records: list[dict[str, Any]], why: BaseException | None = None) -> None:
-        # On disk (fsync'd) before the settle returns; in a thread, so the fsync stalls only
-        # this request, not the event loop.
-        await asyncio.to_thread(self.spool.append_many, records)
-        self.stats["spooled"] += len(records)
-        reason = ("the ledger database is unreachable" if why is None or type(why) is LedgerUnavailable
-                  else f"{type(why).__name__}: {str(why)[:200]}")
-        for record in records:
-            log.warning("ledger: %s of %s spooled to %s (%s)", record["kind"], record["request_id"],
-                        self.spool.path, reason)
-
     # ------------------------------------------------------------------ the request path
 
     async def lookup_key(self, secret: str) -> Any:
@@ -335,6 +270,8 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         return None if record.revoked or record.expired() else record
 
     async def available(self, key_id: str) -> int:
+        await self.settled()  # a client asking after its answer sees it settled
+
         async def op(conn: asyncpg.Connection) -> int:
             row = await conn.fetchrow(
                 "SELECT balance_micros, (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds"
@@ -465,12 +402,14 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         return await self._db(op, transaction=False)
 
     async def usage(self, request_id: str) -> UsageRecord | None:
+        await self.settled()
         row = await self._db(lambda conn: conn.fetchrow(
             f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE request_id = $1", request_id), transaction=False)
         return UsageRecord(*tuple(row)) if row else None
 
     async def list_usage(self, key_id: str | None = None, limit: int = 50) -> list[UsageRecord]:
         limit = max(0, int(limit))
+        await self.settled()
 
         async def op(conn: asyncpg.Connection) -> list:
             if key_id is None:
@@ -560,66 +499,6 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
         note_debits(usages, results)
         return results, lapsed
 
-    # ------------------------------------------------------------------ the spool
-
-    async def _replay_one(self, record: dict[str, Any]) -> str:
-        """One spool record applied (idempotent by request id). LedgerUnavailable (a fault
-        included) propagates: the replay stops, the record and the rest wait."""
-        kind = record["kind"]
-        if kind == "release":
-            await self._db(lambda conn: conn.execute("DELETE FROM holds WHERE request_id = $1",
-                                                     record["request_id"]), transaction=False)
-            return APPLIED
-        try:
-            usage = usage_of(record)
-            _check_usage_values(usage)
-            pair = [(record.get("lease_id") or "", usage)]
-            rows = checked_rows(pair)
-            if isinstance(rows[0], ValueError):
-                raise rows[0]
-        except (ValueError, TypeError, KeyError) as exc:
-            log.error("ledger spool: %s of %s is not a valid settlement (%s): set aside", kind,
-                      record.get("request_id"), exc)
-            return REJECTED
-        try:
-            if kind == "lease_usage":
-                results, _ = await self._lease_commit_db(pair, [], rows)
-                if isinstance(results[0], BaseException):
-                    raise results[0]
-            else:
-                await self._settle_db(record["request_id"], usage)
-        except UnknownKey as exc:  # the key row is gone (a table restored from an old backup?)
-            if record["request_id"] not in self._kept_logged:
-                self._kept_logged.add(record["request_id"])
-                log.error("ledger spool: %s of %s waits: %s", kind, record["request_id"], exc)
-            return KEPT
-        return APPLIED
-
-    async def replay_spool(self) -> int:
-        """Replay the spool now; how many records were applied (LedgerUnavailable stops it:
-        the rest waits, nothing is lost). While a fault lasts, only once a probe passes."""
-        if await self.check_fault() is not None:
-            raise LedgerFault(EXPLAIN.get(self.fault or "", "fault"), self.retry_after_s, self.fault or "")
-        done = await self.spool.replay(self._replay_one)
-        self.stats["replayed"] += done
-        if done:
-            log.info("ledger spool: %d settlement(s) replayed", done)
-        return done
-
-    async def _replay_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.replay_interval_s)
-            if self.fault is not None and not self.spool.pending():
-                await self.check_fault()  # the repair is noticed with nothing to replay too
-            if not self.spool.pending():
-                continue
-            try:
-                await self.replay_spool()
-            except LedgerUnavailable:
-                continue
-            except Exception:
-                log.exception("ledger spool replay failed")
-
     # ------------------------------------------------------------------ tests and tools
 
     async def holds(self, key_id: str | None = None) -> list[Hold]:
@@ -634,6 +513,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, Ledger):
 
     async def audit(self) -> list[tuple[str, int, int]]:
         """Per key: (key_id, balance, sum(topups) - sum(debited)); the two must be equal."""
+        await self.settled()
 
         async def op(conn: asyncpg.Connection) -> list[tuple[str, int, int]]:
             found = await conn.fetch(

@@ -29,13 +29,15 @@ A torn last line (a crash in the middle of a write: it was never acknowledged) g
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import itertools
 import json
 import logging
 import os
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 from proxy.ledger.base import UsageRecord
 
@@ -108,11 +110,28 @@ class Spool:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.rejected_path = self.path.with_name(self.path.name + ".rejected")
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
         self._replaying = asyncio.Lock()  # binds to no loop until first used (Python >= 3.10)
-        self.stats = {"appended": 0, "replayed": 0, "skipped": 0}
+        self._waiting: list[tuple[list[dict[str, Any]], asyncio.Future]] = []  # group commit
+        self._writer: asyncio.Task | None = None
+        self.stats = {"appended": 0, "replayed": 0, "skipped": 0, "fsyncs": 0}
 
     def __repr__(self) -> str:
         return f"Spool({str(self.path)!r})"
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        """Appends share the lock; moving the spool aside takes it alone. Else an append that
+        opened the file before the rename could land after the replay read it, and be lost
+        with the replayed file. A lock file of its own (flock per open: other threads and
+        other processes sharing the spool, as --workers do, wait alike)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def append(self, record: dict[str, Any]) -> None:
         """Append one record; returns once it is on disk (write, flush, fsync)."""
@@ -120,11 +139,42 @@ class Spool:
 
     def append_many(self, records: list[dict[str, Any]]) -> None:
         """Append records in one write and one fsync; returns once they are on disk.
-        Blocking: async callers run it in a thread (an fsync must not stall the event loop)."""
+        Blocking: async callers use `write` (an fsync must not stall the event loop)."""
         if not records:
             return
-        self._append_bytes(self.path, b"".join(encode(record) for record in records))
+        data = b"".join(encode(record) for record in records)
+        with self._locked(exclusive=False):
+            self._append_bytes(self.path, data)
         self.stats["appended"] += len(records)
+
+    async def write(self, records: list[dict[str, Any]]) -> None:
+        """append_many from the event loop, group-committed: the records of every caller
+        that arrives while a write is on its way go out in the next one, under one fsync.
+        Returns once these records are on disk; raises what the write raised (OSError)."""
+        for record in records:
+            encode(record)  # a bad record fails its own caller, not the group
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append((records, done))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write_waiting())
+        await asyncio.shield(done)  # a caller that goes away does not take the write with it
+
+    async def _write_waiting(self) -> None:
+        while self._waiting:
+            group, self._waiting = self._waiting, []
+            try:
+                await asyncio.to_thread(self.append_many, [r for records, _ in group for r in records])
+                self.stats["fsyncs"] += 1
+            except BaseException as exc:  # each caller gets the error; none is left waiting
+                for _, done in group:
+                    if not done.done():
+                        done.set_exception(exc if isinstance(exc, Exception) else OSError(str(exc)))
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for _, done in group:
+                if not done.done():
+                    done.set_result(None)
 
     def _append_bytes(self, path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -208,21 +258,24 @@ class Spool:
 
     def _rotate(self) -> None:
         """Move the spool aside (atomic rename): appends from now on start a new file."""
-        if self.path.exists() and self.path.stat().st_size > 0:
-            target = self.path.with_name(f"{self.path.name}.replay-{os.getpid()}-{next(_serial)}")
-            os.rename(self.path, target)
-            self._sync_dir()
+        with self._locked(exclusive=True):
+            if self.path.exists() and self.path.stat().st_size > 0:
+                target = self.path.with_name(f"{self.path.name}.replay-{os.getpid()}-{next(_serial)}")
+                os.rename(self.path, target)
+                self._sync_dir()
 
-    async def replay(self, apply: Callable[[dict[str, Any]], Awaitable[str]]) -> int:
-        """Apply every waiting record in order; returns how many were applied. An exception
-        from apply stops the replay (that record and the rest wait for the next one) and
-        propagates."""
+    async def replay(self, apply: Callable[[list[dict[str, Any]]], Awaitable[list[str]]],
+                     batch: int = 256) -> int:
+        """Apply every waiting record in order, `batch` at a time: apply(records) answers a
+        verdict per record (APPLIED, KEPT, REJECTED; anything else counts as applied).
+        Returns how many were applied. An exception from apply stops the replay (that batch
+        and the rest wait for the next one) and propagates."""
         async with self._replaying:
-            self._rotate()
+            await asyncio.to_thread(self._rotate)
             done = 0
             for path in self._leftovers():
                 try:
-                    data = path.read_bytes()
+                    data = await asyncio.to_thread(path.read_bytes)
                 except FileNotFoundError:  # another process sharing this spool replayed it
                     continue
                 records, bad = decode(data)
@@ -230,22 +283,26 @@ class Spool:
                 rejected = list(bad)
                 index = 0
                 try:
-                    for index, record in enumerate(records):
-                        verdict = await apply(record)
-                        if verdict == KEPT:
-                            kept.append(record)
-                        elif verdict == REJECTED:
-                            rejected.append(encode_any(record))
-                        else:
-                            done += 1
-                            self.stats["replayed"] += 1
+                    for index in range(0, len(records), max(1, batch)):
+                        part = records[index:index + max(1, batch)]
+                        for record, verdict in zip(part, await apply(part)):
+                            if verdict == KEPT:
+                                kept.append(record)
+                            elif verdict == REJECTED:
+                                rejected.append(encode_any(record))
+                            else:
+                                done += 1
+                                self.stats["replayed"] += 1
                     index = len(records)
                 finally:
                     kept.extend(records[index:])
-                    self._set_aside(rejected)
                     if rejected or not kept or len(kept) != len(records):
-                        self._rewrite(path, kept)
+                        await asyncio.to_thread(self._settle_file, path, kept, rejected)
             return done
+
+    def _settle_file(self, path: Path, kept: list[dict[str, Any]], rejected: list[bytes]) -> None:
+        self._set_aside(rejected)
+        self._rewrite(path, kept)
 
 
 __all__ = ["Spool", "settle_record", "release_record", "usage_of", "encode", "decode", "KINDS", "APPLIED", "KEPT",
