@@ -82,11 +82,14 @@ async def test_after_a_freeze_redis_holds_only_the_live_requests_slots(redis_db,
     the ZSETs hold the one live request's slot, and nothing once it ended."""
     counter = _counter(redis_db.url)
     async with counter.running():
-        live, ended = await counter.admit(ASK), await counter.admit(ASK)
+        # together: two pooled connections, so both ADMITs below are sent on open connections
+        # (a new one would wait on its handshake and send nothing)
+        live, ended = await asyncio.gather(counter.admit(ASK), counter.admit(ASK))
         assert isinstance(live, RedisTicket) and isinstance(ended, RedisTicket)
         with frozen(redis_db):
-            cancelled = asyncio.ensure_future(counter.admit(ASK))
-            timed_out = asyncio.ensure_future(counter.admit(ASK))
+            unlimited = ASK._replace(global_limit=None, key_limit=None)  # each late ADMIT would take its slot
+            cancelled = asyncio.ensure_future(counter.admit(unlimited))
+            timed_out = asyncio.ensure_future(counter.admit(unlimited))
             await asyncio.sleep(0.05)  # both ADMITs are in Redis's socket buffers now
             cancelled.cancel()
             fallback = await timed_out  # socket_timeout_ms: admitted on this process's own counts
