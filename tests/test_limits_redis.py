@@ -252,6 +252,35 @@ async def test_a_frozen_redis_is_a_bounded_wait_not_a_hang(stack, http, redis_db
     await until(lambda: _status_is(http, closed, key, 200), timeout=5)
 
 
+async def test_a_frozen_redis_leaves_no_phantom_slots_once_it_resumes(stack, http, redis_db):
+    """Requests admitted on the process's own counts while Redis is frozen (their ADMITs still
+    run when it resumes) and streams that end meanwhile (their releases cannot be sent): within
+    2 s of SIGCONT the global ZSET holds no slot (nothing is in flight) and the whole global
+    limit admits again, though slot_ttl_s is 30 (the phantoms would have held it that long)."""
+    sim, ledger, launch = stack
+    proxy = await launch("p", slot_ttl_s=30)
+    key, _ = await ledger.create_key("k", balance_micros=100_000_000)
+    streams = [await open_stream(http, proxy, key, slow(seconds=1, words=10)) for _ in range(2)]
+    os.kill(redis_db.proc.pid, signal.SIGSTOP)
+    try:
+        results = await asyncio.gather(*(post(http, proxy, key) for _ in range(3)))
+        assert [status for status, _, _ in results] == [200] * 3  # on_error: open
+        for stream in streams:  # they end while Redis is frozen
+            await stream.read()
+            stream.release()
+    finally:
+        os.kill(redis_db.proc.pid, signal.SIGCONT)
+
+    async def no_slot() -> bool:
+        return redis_db.command("ZCARD", "responses-proxy:limits:conc:global") == b":0\r\n"
+
+    await until(no_slot, timeout=2)
+    sim.reset_peak()
+    results = await asyncio.gather(*(post(http, proxy, key, slow()) for _ in range(5)))
+    assert codes(results) == [(200, None)] * 4 + [(429, "concurrency_limit")]
+    assert sim.peak_in_flight == 4
+
+
 async def test_two_workers_with_redis_do_not_divide_the_global_limit(stack, http):
     sim, ledger, launch = stack
     both = await launch("both", workers=2, limits={"global_concurrency": 3})

@@ -4,11 +4,14 @@ the same fields, in the same order, as structlog's JSONRenderer would write."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 
+import aiohttp
 import structlog
 
 from proxy.runtime import logs
+from tests.conftest import only
 
 
 def test_json_access_line_has_the_structlog_fields(capsys):
@@ -22,8 +25,7 @@ def test_json_access_line_has_the_structlog_fields(capsys):
                     output_tokens=2, ttfb_ms=None)
         lines = capsys.readouterr().err.splitlines()
     finally:
-        structlog.reset_defaults()
-        logs._access_writer = logs._access_flush = None
+        logs.reset()
     assert len(lines) == 1
     line = json.loads(lines[0])
     assert list(line) == ["request_id", "method", "path", "model", "status", "latency_ms", "upstream", "outcome",
@@ -38,8 +40,7 @@ def test_structlog_writes_the_access_line_for_console_output_or_a_level_above_in
             logs.configure(fmt, level)
             assert logs._access_writer is None, (fmt, level)
     finally:
-        structlog.reset_defaults()
-        logs._access_writer = logs._access_flush = None
+        logs.reset()
 
 
 def test_timestamp_is_structlogs_iso_utc_format():
@@ -59,8 +60,7 @@ def test_configure_registers_no_exit_hook_of_its_own(monkeypatch, capsys):
         logs.access(request_id="req_1", status=200)  # no running loop: written at once
         logs._flush_access()
     finally:
-        structlog.reset_defaults()
-        logs._access_writer = logs._access_flush = None
+        logs.reset()
     assert len(capsys.readouterr().err.splitlines()) == 1
 
 
@@ -89,7 +89,71 @@ def test_a_line_and_its_newline_are_one_write(monkeypatch):
         logs.access(request_id="req_1", status=200)  # no running loop: written at once
         logs._flush_access()
     finally:
-        structlog.reset_defaults()
-        logs._access_writer = logs._access_flush = None
+        logs.reset()
     assert len(err.writes) == 1 and err.writes[0].endswith("}\n") and err.writes[0].count("\n") == 1
     assert json.loads(err.writes[0])["request_id"] == "req_1"
+
+
+def _ledger_settlement_fails() -> None:
+    raise LookupError("no such hold")
+
+
+async def test_json_lines_carry_the_exception(make_proxy, monkeypatch):
+    """An exception raised in a real app's middleware (tests/fault_mw.py raise_after), logged by
+    log.exception (a non-stream answer: 500) and by log.error(exc_info=exc) (a stream whose
+    answer had started), and a stdlib logger's .exception (as proxy/ledger logs): each is one
+    JSON line with exc_type, exc_message and exc_traceback, the traceback naming the raiser."""
+    err = _Recorder()
+    monkeypatch.setattr(logs.sys, "stderr", err)
+    try:
+        logs.configure("json", "info")
+        structlog.configure(cache_logger_on_first_use=False)  # `log` must not keep this stderr after the test
+        proxy = await make_proxy(only("stateless", before_handler=[{"tests.fault_mw:create": {"mode": "raise_after"}}]))
+        async with aiohttp.ClientSession() as http:
+            for stream in (False, True):
+                body = {"model": "tiny-org/tiny-model", "input": "hello", "max_output_tokens": 8, "stream": stream}
+                async with http.post(proxy.url + "/v1/responses", json=body) as r:
+                    await r.read()
+        try:
+            _ledger_settlement_fails()
+        except LookupError:
+            logging.getLogger("proxy.ledger").exception("settlement failed (request %s)", "req_1")
+        logs._flush_access()
+    finally:
+        logs.reset()
+    lines = [json.loads(line) for write in err.writes for line in write.splitlines() if line.startswith("{")]
+    by_event = {line["event"]: line for line in lines}
+    cases = (("unhandled error", "RuntimeError", "failed after the handler returned", "fault"),
+             ("error after the answer started", "RuntimeError", "failed after the handler returned", "fault"),
+             ("settlement failed (request req_1)", "LookupError", "no such hold", "_ledger_settlement_fails"))
+    for event, kind, message, raiser in cases:
+        assert event in by_event, (event, [w[:200] for w in err.writes])
+        line = by_event[event]
+        assert "exc_info" not in line, line
+        assert (line["exc_type"], line["exc_message"]) == (kind, message), line
+        trace = line["exc_traceback"]
+        assert trace.startswith("Traceback (most recent call last):") and f", in {raiser}\n" in trace, trace
+        assert trace.rstrip().endswith(f"{kind}: {message}"), trace
+        assert line["level"] == "error", line
+    assert by_event["settlement failed (request req_1)"]["logger"] == "proxy.ledger"
+    assert by_event["unhandled error"]["request_id"].startswith("req_")
+
+
+def test_the_console_format_keeps_its_readable_traceback(monkeypatch):
+    err = _Recorder()
+    monkeypatch.setattr(logs.sys, "stderr", err)
+    try:
+        logs.configure("console", "info")
+        structlog.configure(cache_logger_on_first_use=False)
+        try:
+            _ledger_settlement_fails()
+        except LookupError:
+            logs.log.exception("unhandled error", request_id="req_1")
+            logging.getLogger("proxy.ledger").exception("settlement failed")
+    finally:
+        logs.reset()
+    text = "".join(err.writes)
+    for event in ("unhandled error", "settlement failed"):
+        assert event in text, text
+    assert text.count("Traceback (most recent call last)") == 2 and "_ledger_settlement_fails" in text, text
+    assert "exc_type" not in text, text

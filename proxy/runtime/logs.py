@@ -10,6 +10,13 @@ info or below it skips structlog's processor chain: the same fields in the same 
 (the caller's, then event, level, timestamp) serialised once by orjson and written through
 structlog's own WriteLogger (same file, same lock, flushed). Otherwise (console output, a
 level above info, or structlog never configured, as in the tests) it is `access_log.info`.
+
+An exception (`log.exception(...)`, `exc_info=True`, `exc_info=exc`) is three fields of a JSON
+line: `exc_type`, `exc_message` and `exc_traceback` (the formatted traceback, chained causes
+included, as one string); the console format prints its readable traceback. The standard
+library's loggers (`logging.getLogger("proxy.ledger")`, aiohttp's, asyncio's) are written by a
+handler on the root logger through the same renderer, so their lines are JSON lines with the
+same fields (and `logger`: the logger's name) too.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import json
 import logging
 import sys
 import time
+import traceback
 from typing import Any, Callable
 
 import orjson
@@ -54,6 +62,62 @@ def _timestamp() -> str:
     return f"{_second[1]}.{micros:06d}Z" if micros else _second[1] + "Z"
 
 
+def _exception_fields(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """exc_info (True: the exception being handled; an exception; a sys.exc_info() tuple) as
+    exc_type, exc_message and exc_traceback, for the JSON renderer (it would write
+    `"exc_info": true`)."""
+    exc_info = event.pop("exc_info", None)
+    if not exc_info:
+        return event
+    if isinstance(exc_info, BaseException):
+        exc_info = (type(exc_info), exc_info, exc_info.__traceback__)
+    elif not isinstance(exc_info, tuple):
+        exc_info = sys.exc_info()
+    kind, exc, tb = exc_info
+    if kind is None or exc is None:  # exc_info=True outside an except block: nothing to write
+        return event
+    module = kind.__module__
+    event["exc_type"] = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+    event["exc_message"] = str(exc)
+    event["exc_traceback"] = "".join(traceback.format_exception(kind, exc, tb))
+    return event
+
+
+_stdlib_handler: logging.Handler | None = None  # configure()'s handler on the root logger
+
+
+def _route_stdlib(renderer: Any, threshold: int, json_lines: bool) -> None:
+    """The standard library's log records through `renderer` (replacing the handler an
+    earlier configure() installed); the `proxy` loggers (proxy.ledger) at `threshold`."""
+    global _stdlib_handler
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, structlog.processors.add_log_level,
+                           structlog.processors.TimeStamper(fmt="iso", utc=True)],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    *([_exception_fields] if json_lines else []), renderer])
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    handler.setLevel(threshold)
+    root = logging.getLogger()
+    if _stdlib_handler is not None:
+        root.removeHandler(_stdlib_handler)
+    root.addHandler(handler)
+    _stdlib_handler = handler
+    logging.getLogger("proxy").setLevel(threshold)
+
+
+def reset() -> None:
+    """Back to unconfigured (tests): structlog's defaults, no access writer, no handler of
+    ours on the root logger."""
+    global _access_writer, _access_flush, _stdlib_handler
+    structlog.reset_defaults()
+    _access_writer = _access_flush = None
+    if _stdlib_handler is not None:
+        logging.getLogger().removeHandler(_stdlib_handler)
+        _stdlib_handler = None
+        logging.getLogger("proxy").setLevel(logging.NOTSET)
+
+
 _access_writer: Callable[[dict[str, Any]], None] | None = None
 _access_flush: Callable[[], None] | None = None  # writes the lines _access_writer still holds
 
@@ -70,13 +134,15 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
     global _access_writer, _access_flush
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
-    renderer = (structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if fmt == "console"
-                else structlog.processors.JSONRenderer(serializer=_dumps))
+    json_lines = fmt != "console"
+    renderer = (structlog.processors.JSONRenderer(serializer=_dumps) if json_lines
+                else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
     threshold = getattr(logging, level.upper(), logging.INFO)
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *([_exception_fields] if json_lines else []),  # the console renderer prints the traceback
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
@@ -85,6 +151,7 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    _route_stdlib(renderer, threshold, json_lines)
     _flush_access()  # what the previous configuration still holds goes out under it
     _access_writer = _access_flush = None
     if fmt != "console" and threshold <= logging.INFO:
