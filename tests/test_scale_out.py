@@ -123,9 +123,11 @@ class Cluster:
         """Every key: balance == initial - sum of debits >= 0; no usage row billed twice;
         no debit above the cost it records."""
         for name, (key_id, _, initial) in self.keys.items():
-            balance = (await self.query("SELECT balance_micros FROM keys WHERE key_id = $1", key_id))[0][0]
-            debited = (await self.query("SELECT COALESCE(SUM(debited_micros), 0) FROM usage WHERE key_id = $1",
-                                        key_id))[0][0]
+            # One statement, one snapshot: settlements are applied by the replicas' drainers a
+            # moment after each answer, so two reads could fall on either side of one.
+            balance, debited = (await self.query(
+                "SELECT balance_micros, (SELECT COALESCE(SUM(debited_micros), 0) FROM usage WHERE key_id = $1)"
+                " FROM keys WHERE key_id = $1", key_id))[0]
             assert balance >= 0, (name, balance)
             assert initial - balance == debited, (name, initial, balance, debited)
         dupes = await self.query("SELECT request_id FROM usage GROUP BY request_id HAVING COUNT(*) > 1")
