@@ -326,7 +326,7 @@ reasoning_seal (a compaction item), opened when the window comes back in a later
         "statement_timeout_ms": Opt(POS_INT, 5000, "postgres: statement_timeout of every connection"),
         "connect_timeout_s": Opt(SECONDS, 5, "postgres: connecting (and waiting for a pooled connection)"),
         "spool_path": Opt(Str(nonempty=True), "data/ledger-spool.jsonl",
-                          "postgres: settlements made while the database is unreachable, replayed later"),
+                          "postgres: each settlement is written here first (fsync'd) and applied a moment later"),
         "unavailable_retry_after_s": Opt(POS_INT, 5, "postgres: Retry-After of the 503 while it is unreachable"),
         "synchronous": Opt(Str(nonempty=True), "FULL", "settles, top-ups, revokes: fsync'd at every (group) commit"),
         "hold_synchronous": Opt(Str(nonempty=True), "NORMAL", "holds: no fsync (proxy/ledger/sqlite.py says why)"),
