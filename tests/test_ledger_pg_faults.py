@@ -300,3 +300,42 @@ async def test_through_the_proxy_a_fault_is_503_ledger_fault_and_readyz_names_it
     assert await wait_for(lambda: not proxy.ledger.spool.pending(), 10.0)
     assert (await proxy.ledger.usage(served_id)) is not None
     assert all(balance == expected for _, balance, expected in await proxy.ledger.audit())
+
+
+async def test_over_the_websocket_the_handshake_and_a_turn_get_503_and_an_error_event_not_500(
+        make_proxy, pg_dsn, tmp_path, pg_server):
+    """The socket's two doors: its handshake (auth: a key lookup) while the database is down is
+    a 503 in the envelope, and a turn on an open socket during a fault is an error event with
+    the same code; the socket stays open and serves the next turn after the repair."""
+    from tests.test_websocket import turn
+
+    proxy = await make_proxy({"ledger": pg_section(pg_dsn, tmp_path), "balance": {"lease_max_micros": 0},
+                              "auth": {"key_cache_ttl_s": 60}})
+    proxy.ledger.replay_interval_s = 0.2
+    secret, _ = await proxy.ledger.create_key("ws", 50_000_000)
+    other, _ = await proxy.ledger.create_key("ws-uncached", 50_000_000)
+    body = {"model": MODEL, "input": "Hi.", "max_output_tokens": 8}
+    db = _database(pg_dsn)
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(proxy.url + "/v1/responses", headers={"Authorization": f"Bearer {secret}"}) as ws:
+            assert (await turn(ws, body))[-1]["type"] in ("response.completed", "response.incomplete")
+            await psql(pg_server, "ALTER TABLE usage RENAME TO usage_gone", db)
+            try:
+                events = await turn(ws, body)
+                assert events[-1]["type"] == "error", events
+                assert events[-1]["error"]["code"] == "ledger_fault"
+            finally:
+                await psql(pg_server, "ALTER TABLE usage_gone RENAME TO usage", db)
+            deadline = time.monotonic() + 10
+            while (await s.get(proxy.url + "/readyz")).status != 200:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+            assert (await turn(ws, body))[-1]["type"] in ("response.completed", "response.incomplete")
+        await asyncio.to_thread(pg_server.stop)
+        try:
+            with pytest.raises(aiohttp.WSServerHandshakeError) as info:
+                async with s.ws_connect(proxy.url + "/v1/responses", headers={"Authorization": f"Bearer {other}"}):
+                    pass
+            assert info.value.status == 503
+        finally:
+            await asyncio.to_thread(pg_server.start)
