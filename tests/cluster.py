@@ -121,9 +121,15 @@ class Replica:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def plain_tracebacks(self) -> list[str]:
-        """Lines of the log that are not JSON and carry a traceback (a JSON log line may hold
-        one in a field; printed text outside the logger must not)."""
-        return [line for line in self.log().splitlines() if "Traceback" in line and not is_json_object(line)]
+        """Tracebacks printed as plain text in the log, outside the JSON lines (a JSON line may
+        hold one in a field): for each, the line before it and its exception's line."""
+        lines = self.log().splitlines()
+        found = []
+        for at, line in enumerate(lines):
+            if "Traceback" in line and not is_json_object(line):
+                end = next((lines[j] for j in range(at + 1, len(lines)) if lines[j][:1] not in (" ", "")), "?")
+                found.append(f"{lines[at - 1][:200] if at else ''} | {end[:300]}")
+        return found
 
     async def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
