@@ -9,7 +9,7 @@ VENV_OK := $(shell $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3,
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: run test test-vllm bench soak clean venv-rebuild
+.PHONY: run test test-faults test-vllm bench soak clean venv-rebuild
 
 $(STAMP): pyproject.toml $(if $(VENV_OK),,venv-rebuild)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
@@ -27,6 +27,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Faults injected into real PostgreSQL and Redis under load, then the audit (~5 minutes).
+test-faults: $(STAMP)
+	$(BIN)/python -m pytest -q -m faults tests/test_backend_faults.py
 
 test-vllm: $(STAMP)
 	bash scripts/vllm_tier/run.sh
