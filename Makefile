@@ -41,6 +41,7 @@ bench: $(STAMP)
 	  (apt-get install -y -q wrk >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null)); } || true
 	$(BIN)/python -m bench
 	$(BIN)/python -m bench.ledger_backends --out bench/results.md
+	$(BIN)/python -m bench.backends_p99 --out bench/results.md
 
 soak: $(STAMP)
 	$(BIN)/python -m soak --minutes $${SOAK_MINUTES:-3}
