@@ -7,11 +7,13 @@ Per backend pair: the proxy (`python -m proxy serve`, 1 worker, the full default
 JSON logs to a file) in front of the built-in simulator (`python -m proxy.simulator.server`, 20
 tokens per answer, no delay between them unless --delay), and N concurrent clients (this
 process, aiohttp, keep-alive), half their requests JSON, half SSE streams, each client paced (its next request
-1/rate after the last one was sent, at once when that one took longer), so both backend pairs
-get the same offered load and the percentiles compare latency, not throughput:
-  * N - hot clients each spend a key of their own at --own-rate requests/s (2.5: below
-    balance.lease_min_rate, 4, so no lease: every request takes the exact path, one ledger
-    hold and one settle, each a PostgreSQL transaction on that backend);
+1/rate after the last one was sent, or half that after it ended when it took longer), so both
+backend pairs get about the same offered load and the percentiles compare latency, not
+throughput:
+  * N - hot clients each spend a key of their own at --own-rate requests/s (1: a key takes a
+    lease after balance.lease_min_rate, 4, requests in its last two 1-second windows, so
+    these never do: every request takes the exact path, one ledger hold and one settle, each
+    a PostgreSQL transaction on that backend; at 2.5/s they would all lease);
   * --hot clients share one hot key at --hot-rate requests/s each (that key runs on leases).
 Measured after a warm-up: per request the total time (sent -> last byte) and the time to first
 byte (sent -> first body bytes); printed per pair: requests, errors, p50 / p90 / p99 / max of
@@ -172,7 +174,9 @@ async def client(i: int, group: str, url: str, secret: str, period_s: float, mea
                     samples.ttfb[group].append(ttfb)
                 else:
                     samples.errors += 1
-            await asyncio.sleep(max(0.0, sent + period_s - time.monotonic()))  # late: the next at once
+            # On time: the next one period after this one was sent; late: half a period after it
+            # ended (no burst to catch up, which would put an own key over lease_min_rate).
+            await asyncio.sleep(max(sent + period_s, time.monotonic() + period_s / 2) - time.monotonic())
 
 
 async def run_load(url: str, secrets_by_name: dict[str, str], args: argparse.Namespace) -> Samples:
@@ -272,7 +276,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--hot", type=int, default=5, help="clients sharing the hot key (the others: a key each)")
-    parser.add_argument("--own-rate", type=float, default=2.5, help="requests/s of each own-key client (< 4)")
+    parser.add_argument("--own-rate", type=float, default=1.0,
+                        help="requests/s of each own-key client (under 2: no lease, the exact path)")
     parser.add_argument("--hot-rate", type=float, default=20, help="requests/s of each hot-key client")
     parser.add_argument("--delay", type=float, default=0.0, help="the simulator's delay per token, seconds")
     parser.add_argument("--seconds", type=float, default=20)
