@@ -238,7 +238,8 @@ def measure(args: argparse.Namespace) -> list[str]:
                 ("sqlite + memory", {"backend": "sqlite", "path": str(tmp / "ledger.db")}, {"backend": "memory"}),
                 (f"postgres (fsync {fsync}) + redis",
                  {"backend": "postgres", "dsn": backing.pg_database("p99"), "spool_path": str(tmp / "spool.jsonl")},
-                 {"backend": "redis", "redis": {"url": backing.redis.url, "key_prefix": f"p99-{secrets.token_hex(3)}:"}}),
+                 {"backend": "redis",
+                  "redis": {"url": backing.redis.url, "key_prefix": f"p99-{secrets.token_hex(3)}:"}}),
             ]
             for label, ledger, limits in setups:
                 tag = re.sub(r"\W+", "-", label)

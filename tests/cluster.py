@@ -257,7 +257,8 @@ async def send(http: aiohttp.ClientSession, replica: Replica, secret: str, strea
         return r.status, CIMultiDict(r.headers), await r.read()
 
 
-async def hang_up(http: aiohttp.ClientSession, replica: Replica, secret: str, script: dict) -> tuple[int, CIMultiDict, bytes]:
+async def hang_up(http: aiohttp.ClientSession, replica: Replica, secret: str,
+                  script: dict) -> tuple[int, CIMultiDict, bytes]:
     """A stream the client drops after its first bytes (billed for what was generated)."""
     body = {"model": MODEL, "stream": True, "max_output_tokens": 40, "input": "hello SIM:" + json.dumps(script)}
     async with http.post(replica.url + "/v1/responses", data=orjson.dumps(body),

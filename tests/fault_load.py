@@ -189,8 +189,8 @@ class Load:
     async def _connect(self, replica: Replica, secret: str, outcome: Outcome) -> aiohttp.ClientWebSocketResponse | None:
         assert self.http is not None
         try:
-            return await self.http.ws_connect(replica.url + "/v1/responses", headers={"Authorization": f"Bearer {secret}"},
-                                              heartbeat=None)
+            return await self.http.ws_connect(replica.url + "/v1/responses",
+                                              headers={"Authorization": f"Bearer {secret}"})
         except aiohttp.WSServerHandshakeError as exc:  # refused before the upgrade: an HTTP answer
             outcome.status = exc.status
             outcome.retry_after = (exc.headers or {}).get("Retry-After")
