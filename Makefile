@@ -9,7 +9,7 @@ VENV_OK := $(shell $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3,
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: run test test-vllm bench soak clean venv-rebuild
+.PHONY: run test test-faults test-vllm bench soak clean venv-rebuild
 
 $(STAMP): pyproject.toml $(if $(VENV_OK),,venv-rebuild)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
@@ -28,6 +28,10 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Faults injected into real PostgreSQL and Redis under load, then the audit (~5 minutes).
+test-faults: $(STAMP)
+	$(BIN)/python -m pytest -q -m faults tests/test_backend_faults.py
+
 test-vllm: $(STAMP)
 	bash scripts/vllm_tier/run.sh
 
@@ -37,6 +41,7 @@ bench: $(STAMP)
 	  (apt-get install -y -q wrk >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null)); } || true
 	$(BIN)/python -m bench
 	$(BIN)/python -m bench.ledger_backends --out bench/results.md
+	$(BIN)/python -m bench.backends_p99 --out bench/results.md
 
 soak: $(STAMP)
 	$(BIN)/python -m soak --minutes $${SOAK_MINUTES:-3}
