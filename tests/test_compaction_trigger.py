@@ -169,3 +169,45 @@ async def test_a_reasoning_only_answer_to_a_trigger_is_asked_for_once_more(sim, 
     rows = await proxy.ledger.list_usage()
     assert len(rows) == 2 and final["usage"]["output_tokens"] == sum(r.output_tokens for r in rows)
     assert {"role": "user", "content": SUMMARY_HEADER + SUMMARY} in await _replayed(sim, proxy, final["output"][0])
+
+
+@pytest.mark.parametrize("switch, kwargs", [("enable_thinking", {"enable_thinking": False}),
+                                            ("thinking", {"thinking": False}), ("none", None)])
+async def test_the_summary_is_asked_with_the_workers_own_thinking_switch(make_proxy, switch, kwargs):
+    """Thinking off where the worker's template can be told (its `thinking_switch`: Qwen3's
+    enable_thinking, DeepSeek V3.1's thinking, or none); reasoning_effort "none" always."""
+    from proxy.simulator.server import Simulator
+
+    async with Simulator() as sim:
+        proxy = await make_proxy(SEAL, workers=[{"name": "w", "url": sim.url, "dialect": "vllm", "models": [MODEL],
+                                                 "thinking_switch": switch}])
+        sim.script({"text": SUMMARY})
+        response = await proxy.openai().responses.create(model=MODEL, input=[*WINDOW, TRIGGER])
+        assert [i.type for i in response.output] == ["compaction"]
+        asked = sim.requests[-1]
+    assert asked.get("chat_template_kwargs") == kwargs and asked["reasoning_effort"] == "none"
+
+
+def test_the_translation_makes_a_triggered_request_the_summarys():
+    from proxy.http.errors import APIError
+    from proxy.protocol.compaction import SummaryAsk
+    from proxy.protocol.translate import TranslateOptions, translate_request
+
+    body = {"model": MODEL, "input": [*WINDOW, TRIGGER], "tools": TOOLS, "stream": True, "temperature": 0.5,
+            "reasoning": {"effort": "high"}, "text": {"format": {"type": "json_object"}}, "parallel_tool_calls": True}
+    t = translate_request(body, TranslateOptions(compaction=SummaryAsk("Sum it up.", 300)))
+    chat = t.chat
+    assert t.compaction == SummaryAsk("Sum it up.", 300) and t.stream is False and t.max_output_tokens == 300
+    assert chat["messages"][-1] == {"role": "user", "content": "Sum it up."} and chat["messages"][0]["role"] == "system"
+    assert chat["max_tokens"] == 300 and chat["stream"] is False and "stream_options" not in chat
+    assert chat["reasoning_effort"] == "none" and chat["chat_template_kwargs"] == {"enable_thinking": False}
+    assert chat["tool_choice"] == "none" and "parallel_tool_calls" not in chat and "response_format" not in chat
+    assert chat["temperature"] == 0.5 and t.echo["reasoning"]["effort"] == "high"  # the echo is the client's
+    assert t.with_cap(100).compaction == t.compaction  # the balance's copy stays a compaction
+    # The client's own cap wins (and is checked as the client's); no seal key: no compaction.
+    assert translate_request({**body, "max_output_tokens": 64},
+                             TranslateOptions(compaction=SummaryAsk())).chat["max_tokens"] == 64
+    with pytest.raises(APIError) as info:
+        translate_request(body)
+    assert info.value.status == 501 and info.value.code == "compaction_unavailable"
+    assert translate_request({**body, "input": WINDOW}).compaction is None
