@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from proxy.protocol.compaction import without_trigger
+
 # HTTP/SSE transport fields the spec forbids in a WebSocket `response.create`. A value that
 # asks for what the socket does anyway (stream: true, background: false) is let through:
 # Codex sends `stream: true`.
@@ -120,9 +122,10 @@ class Continuation:
         return body, previous
 
     def completed(self, body: dict[str, Any], response: dict[str, Any]) -> None:
-        """A turn ended completed or incomplete: its response becomes the one to continue."""
+        """A turn ended completed or incomplete: its response becomes the one to continue (a
+        compaction_trigger has done its work: the context goes on with its compaction item)."""
         self.last_id = response.get("id")
-        self.context = as_items(body.get("input")) + list(response.get("output") or [])
+        self.context = without_trigger(as_items(body.get("input"))) + list(response.get("output") or [])
 
     def failed(self, previous: str | None) -> None:
         """A turn failed (4xx, 5xx, response.failed): the response it continued is evicted."""

@@ -19,6 +19,9 @@ class TranslateOptions:
     unseal: Callable[[str], str | None] | None = None  # encrypted_content -> text, None = cannot open
     served: Callable[[str], bool] | None = None  # is this model name served? None: every name is
     sampling_defaults: dict[str, dict[str, float]] | None = None  # served model -> its server's defaults
+    # How a compaction_trigger's summary is asked for (proxy.protocol.compaction.SummaryAsk);
+    # None: the proxy has no seal key, and a compaction_trigger is refused (501).
+    compaction: Any = None
 
 
 # --------------------------------------------------------------------------- small validators
