@@ -356,6 +356,42 @@ def test_function_call_validation():
             param="input[0].output[0].type")
 
 
+@pytest.mark.parametrize("itype, words", [("function_call_output", "function call output"),
+                                          ("custom_tool_call_output", "custom tool call output")])
+def test_a_tool_output_answering_no_call_is_refused_as_openai_does(itype, words):
+    err = refused(body([msg("user", "u"), {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                        {"type": itype, "call_id": "c1", "output": "ok"},
+                        {"type": itype, "call_id": "call_elsewhere", "output": "lost"}]), param="input")
+    assert err.message == f"No tool call found for {words} with call_id call_elsewhere."
+    assert err.code == "invalid_request"
+    # An output before its call answers nothing yet.
+    refused(body([{"type": itype, "call_id": "c1", "output": "ok"},
+                  {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]), param="input")
+
+
+def test_tool_outputs_whose_calls_are_elsewhere_in_the_input_are_answered():
+    """A call far back, a hosted call answered by a function_call_output (Codex's
+    local_shell_call), or a summary that may stand for the call (a compaction item, this
+    proxy's or another provider's): accepted."""
+    far = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}, msg("user", "u"),
+           msg("assistant", "a"), {"type": "function_call_output", "call_id": "c1", "output": "late"}]
+    assert tr(body(far)).chat["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "late"}
+    shell = [msg("user", "u"), {"type": "local_shell_call", "call_id": "sh1", "status": "completed",
+                                "action": {"type": "exec", "command": ["ls"]}},
+             {"type": "function_call_output", "call_id": "sh1", "output": "README.md"}]
+    assert tr(body(shell)).chat["messages"][-1]["tool_call_id"] == "sh1"
+    for summary in ({"type": "compaction", "encrypted_content": "gAAAA-another-providers"},
+                    {"type": "compaction_summary", "encrypted_content": "x"}):
+        after = [msg("user", "u"), summary, {"type": "function_call_output", "call_id": "c_gone", "output": "r"}]
+        assert tr(body(after)).chat["messages"][-1]["tool_call_id"] == "c_gone"
+    from proxy.protocol.compaction import SEAL_FORMAT, compaction_item
+
+    ours = compaction_item("we listed the files", lambda text: SEAL_FORMAT + text)
+    after = [ours, {"type": "function_call_output", "call_id": "c_gone", "output": "r"}]
+    t = tr(body(after), unseal=lambda sealed: sealed[len(SEAL_FORMAT):])
+    assert t.chat["messages"][-1]["tool_call_id"] == "c_gone"
+
+
 def test_custom_tool_call_and_output():
     t = tr(body([
         msg("user", "patch it"),

@@ -76,7 +76,9 @@ def envelope(phases: Phases):
             if exc.status < 400:
                 raise
             message = {404: "Unknown endpoint.", 405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
-            return APIError(exc.status, f"{message} ({request.method} {request.path})", code=None).to_response()
+            refusal = APIError(exc.status, f"{message} ({request.method} {request.path})")
+            error_code = refusal.code
+            return refusal.to_response()
         except (asyncio.CancelledError, ConnectionResetError):
             out = ctx.outcome
             # 499: the client went away before its answer was whole (after it, the answer stands).
@@ -100,6 +102,15 @@ def envelope(phases: Phases):
     return envelope_and_access_log
 
 
+def transport_of(request: web.Request) -> str:
+    """What carried the request: "websocket" for a socket's handshake and each of its turns,
+    "http" for the rest (a compaction's summary turn included: its request came over HTTP)."""
+    turn = request.get(TURN)
+    if turn is not None:
+        return turn.transport
+    return "websocket" if request.headers.get("Upgrade", "").lower() == "websocket" else "http"
+
+
 def _log_access(request: web.Request, ctx: RequestContext, status: int, error_code: str | None,
                 elapsed_s: float) -> None:
     ctx.settling = None
@@ -115,13 +126,15 @@ def _log_access(request: web.Request, ctx: RequestContext, status: int, error_co
     key_id = ctx.key.key_id if ctx.key is not None else None
     if error_code is None and out is not None:
         error_code = out.error
+    carrier = transport_of(request)
     if out is None:
         access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
-               key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms)
+               transport=carrier, key_id=key_id, model=model, status=status, error_code=error_code,
+               latency_ms=latency_ms)
     else:
         access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
-               key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms,
-               upstream=out.upstream, outcome=out.status, input_tokens=out.input_tokens,
+               transport=carrier, key_id=key_id, model=model, status=status, error_code=error_code,
+               latency_ms=latency_ms, upstream=out.upstream, outcome=out.status, input_tokens=out.input_tokens,
                cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, cost_micros=out.cost_micros,
                ttfb_ms=round(out.ttfb_ms, 2) if out.ttfb_ms is not None else None)
 
