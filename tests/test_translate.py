@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from proxy.http.errors import APIError
 from proxy.protocol.translate import (
     HOSTED_ITEM_TYPES,
+    KNOWN_FIELDS,
     HOSTED_TOOL_TYPES,
     REFUSED_TOOL_TYPES,
     NO_SEAL_INCLUDE,
@@ -539,6 +540,35 @@ def test_accepted_not_forwarded():
     assert e["max_tool_calls"] == 5
     assert (e["service_tier"], e["truncation"], e["background"]) == ("default", "disabled", False)
     assert tr(body("u", conversation="conv_2")).conversation == "conv_2"
+
+
+# The request body's fields in the two docs this API follows (000: the Engy reference; 004: the
+# ZDR doc): none of them is ever named as unknown.
+DOC_FIELDS = ("model", "input", "instructions", "max_output_tokens", "stream", "temperature", "top_p", "tools",
+              "tool_choice", "parallel_tool_calls", "provider", "store", "previous_response_id", "reasoning",
+              "text", "prompt_cache_key", "user", "safety_identifier", "metadata", "conversation", "include")
+
+
+def test_unknown_fields_and_store_true_are_accepted_and_named_in_a_notice():
+    t = tr(body("u", colour="blue", store=True, **{"x-extra": 1}))
+    assert "unknown field(s) ignored: colour, x-extra" in t.notices
+    assert "store: true accepted, nothing is stored (this endpoint is stateless)" in t.notices
+    assert t.echo["store"] is True  # accepted as sent
+    many = tr(body("u", **{f"f{i:02d}": i for i in range(13)})).notices
+    assert many == ("unknown field(s) ignored: f00, f01, f02, f03, f04, f05, f06, f07, f08, f09 and 3 more",)
+    assert tr(body("u", store=False)).notices == ()
+
+
+def test_a_known_field_is_never_named():
+    from openai.types.responses.response_create_params import ResponseCreateParamsBase
+    from openresponses_types import types as spec_types
+
+    sdk = set(ResponseCreateParamsBase.__annotations__)
+    spec = set(spec_types.CreateResponseBody.model_fields)
+    assert set(DOC_FIELDS) | sdk | spec <= KNOWN_FIELDS
+    t = tr(body("u", store=False, provider={"sort": "latency"}, client_metadata={"a": "b"}, truncation="auto",
+                service_tier="auto", prompt_cache_retention="24h", context_management=[], stream_options=None))
+    assert t.notices == ()
 
 
 def test_echo_defaults():

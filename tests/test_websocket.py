@@ -507,3 +507,21 @@ async def test_a_refused_turns_error_equals_the_http_error(sim, make_proxy, http
         continued = error_of(await turn(ws, {"model": MODEL, "previous_response_id": first["id"], "input": items}))
     assert alone["error"] == over_http
     assert continued["error"] == over_http
+
+
+async def test_unknown_fields_and_store_true_are_named_on_both_transports(sim, make_proxy, http):
+    """Accepted (200, the turn runs), never silently: HTTP's x-token-notice, the socket's
+    headers on response.created, the same words."""
+    proxy = await make_proxy({})
+    request = {"model": MODEL, "input": "hello", "colour": "blue", "store": True}
+    async with http.post(proxy.url + "/v1/responses", json=request, headers=auth(proxy.api_key)) as resp:
+        assert resp.status == 200
+        notice = resp.headers["x-token-notice"]
+        assert (await resp.json())["status"] == "completed"
+    assert "unknown field(s) ignored: colour" in notice and "nothing is stored" in notice
+    async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key)) as ws:
+        events = await turn(ws, request)
+        plain = await turn(ws, {"model": MODEL, "input": "hello", "store": False, "generate": True})
+    check_sequence(events)
+    assert events[0]["headers"] == {"x-token-notice": notice}
+    assert all("headers" not in e for e in plain)  # known fields, store false: nothing to say

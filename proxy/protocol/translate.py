@@ -19,11 +19,14 @@ from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, check_stat
 from proxy.protocol.prompt import prompt_bytes
 from proxy.protocol.translate_input import HOSTED_ITEM_TYPES, NO_SEAL_KEY, UNSEAL_FAILED, messages_of
 from proxy.protocol.translate_options import (
+    KNOWN_FIELDS,
     NO_SEAL_INCLUDE,
+    STORE_NOTICE,
     REASONING_EFFORTS,
     TranslateOptions,
     chat_body,
     echo_fields,
+    field_notices,
     is_int,
     reasoning_of,
     scalars,
@@ -42,6 +45,8 @@ __all__ = [
     "HOSTED_ITEM_TYPES",
     "REASONING_EFFORTS",
     "NO_SEAL_INCLUDE",
+    "KNOWN_FIELDS",
+    "STORE_NOTICE",
     "NO_SEAL_KEY",
     "UNSEAL_FAILED",
 ]
@@ -137,6 +142,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
 
     check_stateless(body, items=False)  # _translate_input refuses an item_reference where it stands
     notices: list[str] = []
+    field_notices(body, notices)
     sc = scalars(body, options, notices)
     effort, summary = reasoning_of(body.get("reasoning"))
     response_format, text_echo = text_format(body.get("text"))
