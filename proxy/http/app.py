@@ -30,6 +30,7 @@ from proxy.http.parse_errors import HeadLimits
 from proxy.http.turn import refuse_other_answers
 from proxy.http.websocket import SocketAdmission, WebSocketSettings
 from proxy.runtime import metrics
+from proxy.runtime.refusals import Refusals, is_refusal
 from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
 from proxy.upstream.affinity import AffinitySettings
 from proxy.state import (AFFINITY, CONTEXT, IMAGE_POLICY, PHASES, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS,
@@ -127,6 +128,11 @@ def _log_access(request: web.Request, ctx: RequestContext, status: int, error_co
     if error_code is None and out is not None:
         error_code = out.error
     carrier = transport_of(request)
+    if is_refusal(status):
+        refusals = request.config_dict.get(state.REFUSALS)
+        if refusals is not None:
+            refusals.record(request.path, request_id=ctx.request_id, method=request.method, transport=carrier,
+                            status=status, error_code=error_code, key_id=key_id, model=model, client=request.remote)
     if out is None:
         access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
                transport=carrier, key_id=key_id, model=model, status=status, error_code=error_code,
@@ -315,6 +321,12 @@ def build_app(config: Config) -> web.Application:
     app[state.COMPACT_SETTINGS] = CompactSettings.from_section(config.section("compact"), config.section("stateless"))
     app[READINESS] = Readiness(app[POOL], LEDGER)
     add_routes(app)  # every API route, its handler and its unit of work: proxy.http.routes
+    refusals = app[state.REFUSALS] = Refusals(metrics.multiprocess_dir())
+
+    async def close_refusals(_app: web.Application) -> None:
+        refusals.close()
+
+    app.on_cleanup.append(close_refusals)
     from proxy.admin import install as install_admin
 
     install_admin(app, config.section("admin"))
