@@ -10,6 +10,7 @@ import time
 
 import aiohttp
 import orjson
+import pytest
 
 from proxy.runtime import refusals as refusals_module
 from proxy.runtime.refusals import Refusals, is_refusal
@@ -101,3 +102,56 @@ async def test_the_overview_lists_refusals_and_failed_answers(make_proxy):
     assert (spent["error_code"], spent["key_id"], spent["path"], spent["transport"], spent["cost_micros"]) == (
         "insufficient_quota", record.key_id, "/v1/responses", "http", None)
     assert all(not r["path"].startswith("/admin") for r in rows)
+
+
+@pytest.mark.slow
+async def test_every_process_of_serve_workers_2_lists_every_refusal(tmp_path):
+    """`serve --workers 2`: refusals answered by either process are listed by the console in
+    whichever process answers it (each overview on a connection of its own)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import free_port
+    from tests.test_metrics_multiprocess import _fresh, _listening_children
+
+    repo = Path(__file__).resolve().parent.parent
+    port = free_port()
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "config.yaml").write_text(f'admin:\n  keys:\n    - {{name: ops, key: "{ADMIN_KEY}"}}\n'
+                                          f'  session_secret: "{"s" * 32}"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("RESPONSES_PROXY_CONFIG", "PROMETHEUS_MULTIPROC_DIR")}
+    env.update(PYTHONPATH=str(repo), TMPDIR=str(tmp_path / "tmp"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "2"], cwd=str(tmp_path), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for line in proc.stdout:
+            if "listening on" in line:
+                break
+        for _ in range(1200):
+            if _listening_children(proc.pid, port) == 2:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the two serving processes did not both listen")
+        statuses = [(await _fresh("GET", url + "/v1/nothing"))[0] for _ in range(12)]
+        statuses += [(await _fresh("GET", url + "/v1/models", headers={"Authorization": "Bearer sk-rp-no"}))[0]
+                     for _ in range(6)]
+        assert statuses == [404] * 12 + [401] * 6
+        for _ in range(6):
+            status, raw = await _fresh("GET", url + "/admin/api/overview", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+            assert status == 200
+            data = orjson.loads(raw)
+            assert data["error_counts"] == {"401": 6, "404": 12}, data["error_counts"]
+            assert data["errors_scope"] == "every process of this server" and len(data["errors"]) == 18
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
