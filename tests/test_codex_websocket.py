@@ -103,6 +103,8 @@ async def test_codex_runs_a_tool_loop_over_the_websocket(sim, make_proxy, tmp_pa
     created = [orjson.loads(m) for m in relay.ws_connections[0]["received"]
                if m.startswith('{"type":"response.created"')]
     assert all("web_search" in c["headers"]["x-token-notice"] for c in created) and len(created) == 4
+    # Every field Codex sends is one the proxy knows: none is named as unknown.
+    assert not any("unknown field" in c["headers"]["x-token-notice"] for c in created)
 
 
 def _http_bytes(record: dict) -> int:

@@ -9,7 +9,7 @@ import pytest
 
 from proxy.http.errors import APIError
 from proxy.protocol.compaction import kept_user_messages, take_trigger
-from proxy.protocol.continuation import Continuation, TurnRefused, parse_client_event, with_previous
+from proxy.protocol.continuation import Continuation, TurnRefused, client_param, parse_client_event, with_previous
 
 
 def test_a_continuation_is_the_remembered_context_then_the_new_items():
@@ -57,6 +57,21 @@ def test_with_previous_sets_only_the_responses_own_field():
     patched = orjson.loads(with_previous(data, "resp_9"))
     assert patched["response"] == {"previous_response_id": "resp_9", "instructions": text}
     assert with_previous(data, None) is data
+
+
+@pytest.mark.parametrize("param, remembered, told", [
+    ("input[5].content[0].text", 3, "input[2].content[0].text"),
+    ("input[3]", 3, "input[0]"),
+    ("input[12].role", 3, "input[9].role"),
+    ("input[2].encrypted_content", 3, "previous_response_id"),  # in the remembered items
+    ("input", 3, "input"),
+    ("tools[0].name", 3, "tools[0].name"),
+    ("input[7].x", 0, "input[7].x"),
+    ("input[x]", 3, "input[x]"),
+    (None, 3, None),
+])
+def test_an_errors_param_names_the_clients_own_items(param, remembered, told):
+    assert client_param(param, remembered) == told
 
 
 def _msg(role: str, text: str) -> dict:

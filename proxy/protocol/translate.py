@@ -20,11 +20,14 @@ from proxy.protocol.compaction import SummaryAsk, summary_chat, take_trigger
 from proxy.protocol.prompt import prompt_bytes
 from proxy.protocol.translate_input import HOSTED_ITEM_TYPES, NO_SEAL_KEY, UNSEAL_FAILED, messages_of
 from proxy.protocol.translate_options import (
+    KNOWN_FIELDS,
     NO_SEAL_INCLUDE,
+    STORE_NOTICE,
     REASONING_EFFORTS,
     TranslateOptions,
     chat_body,
     echo_fields,
+    field_notices,
     is_int,
     reasoning_of,
     scalars,
@@ -43,6 +46,8 @@ __all__ = [
     "HOSTED_ITEM_TYPES",
     "REASONING_EFFORTS",
     "NO_SEAL_INCLUDE",
+    "KNOWN_FIELDS",
+    "STORE_NOTICE",
     "NO_SEAL_KEY",
     "UNSEAL_FAILED",
 ]
@@ -146,6 +151,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         raise APIError(501, "Compaction needs a sealing key: the operator has not configured reasoning_seal.keys.",
                        code="compaction_unavailable")
     notices: list[str] = []
+    field_notices(body, notices)
     sc = scalars(body, options, notices)
     effort, summary = reasoning_of(body.get("reasoning"))
     response_format, text_echo = text_format(body.get("text"))
