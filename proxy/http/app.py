@@ -80,10 +80,15 @@ def envelope(phases: Phases):
             refusal = APIError(exc.status, f"{message} ({request.method} {request.path})")
             error_code = refusal.code
             return refusal.to_response()
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError) as gone:
             out = ctx.outcome
             # 499: the client went away before its answer was whole (after it, the answer stands).
             status = 200 if out is not None and out.status in ("completed", "incomplete", "failed") else 499
+            if isinstance(gone, ConnectionResetError) and turn is None:
+                # A write to a client that hung up. Raised on, aiohttp would log it as a 500
+                # "Error handling request" with a traceback; an answer handed back is one it
+                # finishes quietly (its write to the closed connection is ignored).
+                return ctx.started if ctx.started is not None else web.Response(status=499)
             raise
         except Exception:
             log.exception("unhandled error", request_id=ctx.request_id)
