@@ -42,6 +42,7 @@ from proxy.config.types import (
     Section,
     Str,
     Type,
+    Url,
     _plain,
     unknown_key,
 )
@@ -61,7 +62,7 @@ TIMEOUTS = Section({
 
 WORKER = Section({
     "name": F(Str(nonempty=True), REQUIRED, "unique; shown in logs and metrics"),
-    "url": F(Str(nonempty=True), REQUIRED, "http://host:port of a vLLM / SGLang server, or embedded (the simulator)"),
+    "url": F(Url(also=("embedded",)), REQUIRED, "http(s)://host:port of a vLLM / SGLang server, or embedded (the simulator)"),
     "dialect": F(Str(choices=("vllm", "sglang", "detect")), "vllm",
                  "detect: from /v1/models owned_by at start-up"),
     "models": F(Nullable(ListOf(Str(nonempty=True))), None, "null: discovered from its /v1/models"),
