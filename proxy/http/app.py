@@ -76,6 +76,10 @@ def envelope(phases: Phases):
             if exc.status < 400:
                 raise
             message = {404: "Unknown endpoint.", 405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
+            if exc.status == 404:
+                from proxy.admin import console_off_hint
+
+                message += console_off_hint(request)
             return APIError(exc.status, f"{message} ({request.method} {request.path})", code=None).to_response()
         except (asyncio.CancelledError, ConnectionResetError):
             out = ctx.outcome
