@@ -16,7 +16,8 @@ import sys
 import time
 from collections import deque
 
-_COLLECTING = re.compile(r"^Collecting ([A-Za-z0-9._-]+)")
+# "Collecting aiohttp>=3.12" (from an index), "Processing /wheels/yarl-1.25.1-...whl" (a local wheel).
+_COLLECTING = re.compile(r"^(?:Collecting ([A-Za-z0-9._-]+)|Processing (?:\S*/)?([A-Za-z0-9_.]+?)-\d\S*\.whl\b)")
 _INSTALLING = re.compile(r"^Installing collected packages: (.*)")
 
 
@@ -35,7 +36,7 @@ def main(args: list[str]) -> int:
         found = _COLLECTING.match(line)
         if found:
             collected += 1
-            print(f"    [{collected}] {found.group(1)}", flush=True)
+            print(f"    [{collected}] {found.group(1) or found.group(2)}", flush=True)
             continue
         found = _INSTALLING.match(line)
         if found:
