@@ -9,7 +9,7 @@ VENV_OK := $(shell $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3,
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: run test test-deps test-vllm bench soak clean venv-rebuild
+.PHONY: run test test-deps compliance test-vllm bench soak clean venv-rebuild
 
 # Progress lines while it installs (scripts/pip_progress.py: one line per package), nothing silent.
 $(STAMP): pyproject.toml $(if $(VENV_OK),,venv-rebuild)
@@ -34,6 +34,12 @@ test-deps:
 
 test: test-deps $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The Open Responses compliance suite against `make run`'s setup: OPENRESPONSES_DIR=<a checkout of
+# openresponses/openresponses> make compliance (Bun and zod from npm, into .cache/compliance).
+compliance: test-deps $(STAMP)
+	@test -n "$(OPENRESPONSES_DIR)" || { echo "make compliance needs OPENRESPONSES_DIR=<a checkout of openresponses/openresponses>" >&2; exit 1; }
+	OPENRESPONSES_DIR="$(OPENRESPONSES_DIR)" $(BIN)/python -m pytest -q -rs tests/test_compliance.py
 
 test-vllm: $(STAMP)
 	bash scripts/vllm_tier/run.sh
