@@ -23,8 +23,8 @@ _INSTALLING = re.compile(r"^Installing collected packages: (.*)")
 
 def main(args: list[str]) -> int:
     started = time.monotonic()
-    print("==> installing responses-proxy and its dependencies into .venv (the first time: about 170 MB to "
-          "download, 1-3 minutes; later runs skip this)", flush=True)
+    print("==> installing responses-proxy and its dependencies into .venv (the first time: 78 packages, about 100 MB to "
+          "download, about a minute; later runs skip this)", flush=True)
     proc = subprocess.Popen([sys.executable, "-m", "pip", "install", "--progress-bar", "off",
                              "--disable-pip-version-check", *args],
                             stdout=subprocess.PIPE, text=True, bufsize=1)

@@ -22,7 +22,7 @@ if [ "$(id -u)" != 0 ]; then
   echo "make test needs ${need[*]}; run: sudo apt-get install -y ${need[*]}" >&2
   exit 1
 fi
-echo "==> installing ${need[*]} from Debian's packages (the first time: about 135 MB to download)"
+echo "==> installing ${need[*]} from Debian's packages (the first time: about 133 MB to download)"
 export DEBIAN_FRONTEND=noninteractive
 apt-get install -y -q "${need[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }
 echo "==> installed ${need[*]}"

@@ -62,7 +62,7 @@ def test_make_run_installs_with_progress_lines(tmp_path):
                            "--ignore-installed", "pytest"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("==> installing responses-proxy and its dependencies into .venv (the first time: about")
+    assert lines[0].startswith("==> installing responses-proxy and its dependencies into .venv (the first time: ")
     assert "    [1] pytest" in lines
     assert re.fullmatch(r"==> installed in \d+ s", lines[-1]), lines
 
