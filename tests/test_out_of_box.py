@@ -130,12 +130,12 @@ def _login(url: str, admin_key: str) -> str:
 
 def test_make_run_serves_compaction_and_the_console_and_keeps_its_secrets(tmp_path):
     served = Served(tmp_path)
-    demo = served.line("demo key: ")
-    admin_line = served.line("admin key: ")
-    assert demo and admin_line, served.lines
-    admin_key, _, shown = admin_line.partition(" ")
-    assert shown == f"(dashboard: {served.url}/admin/)"
     try:
+        demo = served.line("demo key: ")
+        admin_line = served.line("admin key: ")
+        assert demo and admin_line, served.lines
+        admin_key, _, shown = admin_line.partition(" ")
+        assert shown == f"(dashboard: {served.url}/admin/)"
         window = _compact(served.url, demo)  # was 501 compaction_unavailable
         assert _continue(served.url, demo, window)[0] == 200
         status, _, page = call(served.url + "/admin/")  # was a bare 404
