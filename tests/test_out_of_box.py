@@ -48,13 +48,18 @@ class Served:
             cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=self._err, text=True)
         self.lines: list[str] = []
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if "listening on" in line:
-                break
-        else:
-            raise AssertionError(f"serve exited: {self.stderr()[-2000:]}")
-        self._wait_ready()
+        try:
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+                if "listening on" in line:
+                    break
+            else:
+                raise AssertionError(f"serve exited: {self.stderr()[-2000:]}")
+            self._wait_ready()
+        except BaseException:
+            self.proc.kill()  # never leave a server behind
+            self.proc.wait()
+            raise
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + 60
