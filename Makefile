@@ -9,7 +9,7 @@ VENV_OK := $(shell $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3,
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: run test test-deps compliance test-vllm bench soak clean venv-rebuild
+.PHONY: run test test-deps test-faults compliance test-vllm bench soak clean venv-rebuild
 
 # Progress lines while it installs (scripts/pip_progress.py: one line per package), nothing silent.
 $(STAMP): pyproject.toml $(if $(VENV_OK),,venv-rebuild)
@@ -35,6 +35,10 @@ test-deps:
 test: test-deps $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Faults injected into real PostgreSQL and Redis under load, then the audit (~5 minutes).
+test-faults: test-deps $(STAMP)
+	$(BIN)/python -m pytest -q -m faults tests/test_backend_faults.py
+
 # The Open Responses compliance suite against `make run`'s setup: OPENRESPONSES_DIR=<a checkout of
 # openresponses/openresponses> make compliance (Bun and zod from npm, into .cache/compliance).
 compliance: test-deps $(STAMP)
@@ -50,6 +54,7 @@ bench: $(STAMP)
 	  (apt-get install -y -q wrk >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null)); } || true
 	$(BIN)/python -m bench
 	$(BIN)/python -m bench.ledger_backends --out bench/results.md
+	$(BIN)/python -m bench.backends_p99 --out bench/results.md
 
 soak: $(STAMP)
 	$(BIN)/python -m soak --minutes $${SOAK_MINUTES:-3}

@@ -74,6 +74,7 @@ PHASES = web.AppKey("phases", "Phases")  # middlewares.Phases: auth .. handler, 
 ADMIN = web.AppKey("admin_console", "AdminConsole")  # proxy.admin: admin keys, session signer (on the admin sub-app)
 HEAD_LIMITS = web.AppKey("head_limits", "HeadLimits")  # proxy.http.parse_errors: bounds on a request's head
 KEY_METRICS = web.AppKey("key_metrics", "KeyMetrics")  # proxy.runtime.key_metrics: per-key spend and balance
+REFUSALS = web.AppKey("refusals", "Refusals")  # proxy.runtime.refusals: the Errors view's records
 # The embedded upstream's state (proxy.simulator.server): on the simulator's own app, not the proxy's.
 SIM_STATE = web.AppKey("simulator_state", "SimState")
 

@@ -9,6 +9,8 @@ modes:
   own_stream       the middleware prepares an event stream of its own, writes part of an
                    event, then a RuntimeError (no rewriter knows this stream)
   hook_raises      an on_response_prepare hook fails for event streams (before their headers)
+  reset_after      the handler's answer is whole, then what a write to a client that hung up
+                   raises (aiohttp's ClientConnectionResetError)
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
 
 from proxy.http.errors import APIError
 
-MODES = ("raise_after", "api_error_after", "own_stream", "hook_raises")
+MODES = ("raise_after", "api_error_after", "own_stream", "hook_raises", "reset_after")
 
 
 def create(section: dict[str, Any], app: web.Application):
@@ -46,6 +49,8 @@ def create(section: dict[str, Any], app: web.Application):
             await response.write(b'event: response.created\ndata: {"type": "response.cre')
             raise RuntimeError("failed in the middle of its own stream")
         await handler(request)
+        if mode == "reset_after":
+            raise ClientConnectionResetError("Cannot write to closing transport")
         if mode == "api_error_after":
             raise APIError(403, "refused too late", code="too_late")
         raise RuntimeError("failed after the handler returned")

@@ -6,6 +6,7 @@
     server.dsn                   # postgresql://postgres@127.0.0.1:PORT/postgres
     server.create_database("t1") # -> its dsn
     server.stop(); server.start()   # same port, same data dir (the scale-out tests' outage)
+    PgServer(settings={"max_connections": "12"})   # server settings over the defaults below
     server.close()               # stop and delete the data dir
 
 Binaries: $PG_BIN, else the newest /usr/lib/postgresql/*/bin (Debian's `postgresql` package,
@@ -78,8 +79,9 @@ def _run_as() -> tuple[int, int] | None:
 
 
 class PgServer:
-    def __init__(self, *, base_dir: str | None = None) -> None:
+    def __init__(self, *, base_dir: str | None = None, settings: dict[str, str] | None = None) -> None:
         self.bin = find_bin_dir()
+        self.settings = dict(settings or {})  # `-c name=value` after the defaults (the last one wins)
         self.user = _run_as()
         self.root = Path(tempfile.mkdtemp(prefix="rp-pg-", dir=base_dir))
         self.data = self.root / "data"
@@ -123,7 +125,8 @@ class PgServer:
                 [str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port),
                  "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
                  "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-                 "-c", "max_connections=200", "-c", "shared_buffers=32MB"],
+                 "-c", "max_connections=200", "-c", "shared_buffers=32MB",
+                 *(arg for name, value in self.settings.items() for arg in ("-c", f"{name}={value}"))],
                 stdout=log, stderr=subprocess.STDOUT, cwd=str(self.root), start_new_session=True,
                 **self._popen_kwargs())
         finally:

@@ -284,3 +284,21 @@ class SpecCheckingTransport(httpx2.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def validate_sdk_compaction(data: dict[str, Any]) -> "CompactedResponse":
+    """A /v1/responses/compact answer by the openai SDK's own types, as its CompactedResponse
+    says it is ("a list of all user messages, followed by a single compaction item"): the
+    answer and its compaction item by CompactedResponse.model_validate, each user message
+    before it by ResponseInputMessageItem (the SDK's type of a user message item with an id and
+    a status). CompactedResponse.output is typed ResponseOutputItem, whose only message is the
+    assistant's: no user message, OpenAI's own included, validates there. A window with nothing
+    to summarize comes back without a compaction item."""
+    from openai.types.responses import CompactedResponse, ResponseInputMessageItem
+
+    output = data["output"]
+    compactions = [i for i, item in enumerate(output) if item.get("type") == "compaction"]
+    assert compactions in ([], [len(output) - 1]), [item.get("type") for item in output]
+    for message in output[:-1] if compactions else output:
+        assert ResponseInputMessageItem.model_validate(message).role == "user", message
+    return CompactedResponse.model_validate({**data, "output": output[-1:] if compactions else []})

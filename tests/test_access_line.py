@@ -7,6 +7,7 @@ between tests."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import orjson
@@ -14,6 +15,7 @@ import pytest
 
 import proxy.http.app
 
+TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
 
 
@@ -106,3 +108,33 @@ async def test_a_stream_cut_mid_way_logs_the_code_of_its_response_failed(make_pr
     line = line_of(lines, request_id)
     assert (line["outcome"], line["error_code"], line["key_id"]) == ("failed", "upstream_disconnected", record.key_id)
     assert line["cost_micros"] == (await p.ledger.usage(request_id)).cost_micros
+
+
+async def test_every_line_names_the_transport_that_carried_the_request(make_proxy, http, lines):
+    """http for an HTTP request (refused, unknown route or answered); websocket for a socket's
+    handshake and for each of its turns, answered or refused."""
+    p = await make_proxy({"prices": PRICES})
+    secret, _ = await p.ledger.create_key("payer", balance_micros=1_000_000)
+    model = await model_of(http, p, secret)
+    status, answered = await post(http, p, secret, {"model": model, "input": "hi", "max_output_tokens": 5})
+    assert status == 200
+    async with http.get(p.url + "/v1/nothing") as r:
+        unknown = r.headers["x-request-id"]
+    _, refused = await post(http, p, "sk-rp-" + "x" * 40, {"model": model, "input": "hi"})
+    before = len(lines)
+    async with http.ws_connect(p.url + "/v1/responses", headers={"Authorization": f"Bearer {secret}"}) as ws:
+        for message in ({"type": "response.create", "model": model, "input": "hi", "max_output_tokens": 5},
+                        {"type": "response.create", "model": model, "input": [{"type": "message", "role": "robot"}]}):
+            await ws.send_str(orjson.dumps(message).decode())
+            while orjson.loads((await ws.receive(timeout=30)).data)["type"] not in TERMINAL:
+                pass
+    for _ in range(200):  # the handshake's line is written when the server has closed the socket
+        if any(f["status"] == 101 for f in lines[before:]):
+            break
+        await asyncio.sleep(0.01)
+    for request_id in (answered, unknown, refused):
+        assert line_of(lines, request_id)["transport"] == "http"
+    over_socket = lines[before:]
+    assert sorted(f["status"] for f in over_socket) == [101, 200, 400]  # the handshake, then the two turns
+    assert {f["transport"] for f in over_socket} == {"websocket"}
+    assert all("transport" in f for f in lines)

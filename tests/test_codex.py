@@ -18,6 +18,7 @@ import orjson
 import pytest
 import zstandard
 
+from proxy.protocol.compaction import SUMMARY_HEADER
 from tests.clients.capture import CAPTURED, ENTRY as CAPTURE
 from tests.clients.codex import CodexUnavailable, EgressTrap, ensure_codex, run_codex, write_codex_home
 from tests.sdk_check import parse_sse
@@ -57,13 +58,16 @@ def _key() -> str:
 
 @pytest.fixture
 def start(sim, make_proxy, tmp_path, codex_cmd):
-    """start(model, overrides) -> (proxy, workdir, run); run(prompt, api_key=None) runs codex exec."""
+    """start(model, overrides, extra=, provider_extra=) -> (proxy, workdir, run); run(prompt, api_key=None)
+    runs codex exec (`extra`, `provider_extra`: more lines of its config.toml, tests/clients/codex.py)."""
 
-    async def go(model: str = "tiny-org/tiny-model", overrides: dict | None = None):
+    async def go(model: str = "tiny-org/tiny-model", overrides: dict | None = None, *, extra: str = "",
+                 provider_extra: str = ""):
         workers = [{"name": "sim", "url": sim.url, "dialect": "vllm", "models": list(MODELS),
                     "timeouts": {"connect": 2, "first_byte": 20, "idle": 20, "total": 60}}]
         proxy = await make_proxy({**PIPELINE, **(overrides or {})}, workers=workers)
-        home = write_codex_home(tmp_path, base_url=proxy.base_url, model=model)
+        home = write_codex_home(tmp_path, base_url=proxy.base_url, model=model, extra=extra,
+                                provider_extra=provider_extra)
         workdir = tmp_path / "work"
         workdir.mkdir(exist_ok=True)
 
@@ -273,3 +277,52 @@ async def test_codex_retries_a_failed_stream_and_recovers(sim, start):
     assert [m["text"] for m in result.items("agent_message")] == ["Recovered."], result.explain()
     assert len(sim.requests) == 2 and len(captured(proxy)) == 2
     assert any("Reconnecting" in (e.get("message") or "") for e in result.events), result.explain()
+
+
+# Codex's remote compaction v2 (codex-rs compact_remote_v2): a provider that says it supports
+# it, and a context budget small enough that the first tool round passes it, so Codex compacts
+# in the middle of the turn: the history with a compaction_trigger item, then the turn goes on
+# from the user messages and the one compaction item it got back.
+REMOTE_COMPACTION_V2 = 'capabilities = { remote_compaction = "v2" }'
+COMPACT_EARLY = "model_auto_compact_token_limit = 2000"
+PRICES = {"prices": {"default": {"input": 1_000_000, "cached_input": 1_000_000, "output": 1_000_000}}}
+SUMMARY = "The user asked for c.txt; it is written with printf; what is left is to say so."
+
+
+def check_compacting_session(sim, bodies: list[dict], workdir, result) -> None:
+    """A Codex turn that compacted remotely (v2) half way and then finished: what it sent, what
+    the model was asked, what it made of the answer. `bodies`: the turn's Responses bodies."""
+    assert result.returncode == 0, result.explain()
+    assert (workdir / "c.txt").read_text() == "compacted", result.explain()
+    assert [m["text"] for m in result.items("agent_message")] == ["Done after compaction."], result.explain()
+    assert not [e for e in result.events if e.get("type") in ("turn.failed", "error")], result.explain()
+    # Three model requests: the tool call, the summary (the history then a compaction_trigger),
+    # and the rest of the turn from the compacted history.
+    assert len(bodies) == 3 and len(sim.requests) == 3, [b.get("input", [])[-1:] for b in bodies]
+    trigger = bodies[1]["input"][-1]
+    assert trigger == {"type": "compaction_trigger"}, trigger
+    compact = sim.requests[1]
+    assert compact["messages"][-1]["content"].startswith("Summarize")
+    assert compact["chat_template_kwargs"] == {"enable_thinking": False} and compact["stream"] is False
+    assert any(m["role"] == "tool" for m in compact["messages"])
+    # Codex installed the user messages and the one compaction item it got back, sealed here.
+    after = bodies[2]["input"]
+    items = [i for i in after if i.get("type") == "compaction"]
+    assert len(items) == 1 and items[0]["encrypted_content"].startswith("rp2."), after
+    assert not [i for i in after if i.get("type") in ("function_call", "function_call_output")], after
+    assert {"role": "user", "content": SUMMARY_HEADER + SUMMARY} in sim.requests[2]["messages"]
+
+
+async def test_codex_compacts_remotely_over_http(sim, start):
+    """Codex with remote compaction v2 on: a compacting session over HTTP completes."""
+    proxy, workdir, run = await start(overrides={"reasoning_seal": {"keys": {"k1": _key()}}, **PRICES},
+                                      extra=COMPACT_EARLY, provider_extra=REMOTE_COMPACTION_V2)
+    sim.script({"tool_calls": [{"name": "exec_command", "arguments": {"cmd": "printf compacted > c.txt"}}]},
+               {"text": SUMMARY}, {"text": "Done after compaction."})
+    result = await run("Write c.txt containing compacted.")
+    bodies = [r["body"] for r in captured(proxy)]
+    check_compacting_session(sim, bodies, workdir, result)
+    assert [r["status"] for r in captured(proxy)] == [200, 200, 200]
+    # Each of the three was billed, the compaction as any request.
+    rows = await proxy.ledger.list_usage()
+    assert len(rows) == 3 and all(r.status == "completed" and r.cost_micros > 0 for r in rows)

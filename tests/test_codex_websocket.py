@@ -11,7 +11,8 @@ import pytest
 
 from tests.clients.codex import EgressTrap, run_codex, write_codex_home
 from tests.clients.relay import Relay
-from tests.test_codex import MODELS, codex_cmd, sim  # noqa: F401 - fixtures
+from tests.test_codex import (COMPACT_EARLY, MODELS, PRICES, REMOTE_COMPACTION_V2, SUMMARY, check_compacting_session,
+                              codex_cmd, sim)  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -23,9 +24,11 @@ def _workers(sim) -> list[dict]:
              "timeouts": {"connect": 2, "first_byte": 20, "idle": 20, "total": 60}}]
 
 
-async def _codex(codex_cmd, tmp_path, relay: Relay, api_key: str, prompt: str, *, websockets: bool):
+async def _codex(codex_cmd, tmp_path, relay: Relay, api_key: str, prompt: str, *, websockets: bool,
+                 extra: str = "", provider_extra: str = ""):
     home = write_codex_home(tmp_path / ("ws" if websockets else "http"), base_url=relay.base_url,
-                            model="tiny-org/tiny-model", provider_extra=WEBSOCKETS if websockets else "")
+                            model="tiny-org/tiny-model", extra=extra,
+                            provider_extra="\n".join(filter(None, (WEBSOCKETS if websockets else "", provider_extra))))
     workdir = tmp_path / "work"
     workdir.mkdir(exist_ok=True)
     async with EgressTrap() as trap:
@@ -100,6 +103,8 @@ async def test_codex_runs_a_tool_loop_over_the_websocket(sim, make_proxy, tmp_pa
     created = [orjson.loads(m) for m in relay.ws_connections[0]["received"]
                if m.startswith('{"type":"response.created"')]
     assert all("web_search" in c["headers"]["x-token-notice"] for c in created) and len(created) == 4
+    # Every field Codex sends is one the proxy knows: none is named as unknown.
+    assert not any("unknown field" in c["headers"]["x-token-notice"] for c in created)
 
 
 def _http_bytes(record: dict) -> int:
@@ -170,3 +175,32 @@ async def test_codex_reconnects_at_the_connection_limit(sim, make_proxy, tmp_pat
     first_on_the_new_socket = orjson.loads(relay.ws_connections[1]["sent"][0])
     assert first_on_the_new_socket.get("previous_response_id") is None
     assert first_on_the_new_socket["input"][0]["role"] == "developer"  # the whole conversation again
+
+
+async def test_codex_compacts_remotely_over_the_websocket(sim, make_proxy, tmp_path, codex_cmd):
+    """Codex with remote compaction v2 on, over the socket: the compaction is a turn of the
+    socket (the previous response continued with the new tool output and the trigger), and the turn
+    goes on from the compacted history."""
+    import base64
+    import os
+
+    seal = {"reasoning_seal": {"keys": {"k1": base64.urlsafe_b64encode(os.urandom(32)).decode()}}}
+    proxy = await make_proxy({**seal, **PRICES}, workers=_workers(sim))
+    sim.script({"tool_calls": [{"name": "exec_command", "arguments": {"cmd": "printf compacted > c.txt"}}]},
+               {"text": SUMMARY}, {"text": "Done after compaction."})
+    async with Relay(proxy.url) as relay:
+        result, workdir = await _codex(codex_cmd, tmp_path, relay, proxy.api_key, "Write c.txt containing compacted.",
+                                       websockets=True, extra=COMPACT_EARLY, provider_extra=REMOTE_COMPACTION_V2)
+    assert [r["path"] for r in relay.http_requests if r["path"].endswith("/responses")] == [], relay.http_requests
+    turns = [(sent, done) for sent, done in _turns(relay) if sent.get("generate") is not False]
+    check_compacting_session(sim, [sent for sent, _ in turns], workdir, result)
+    # Codex continued its last response with only what was new, the tool output and the trigger:
+    # the proxy expanded the context from the connection's memory.
+    (_, first), (compaction, compacted), _ = turns
+    assert [i.get("type") for i in compaction["input"]] == ["function_call_output", "compaction_trigger"]
+    assert compaction["previous_response_id"] == first["id"]
+    assert [i["type"] for i in compacted["output"]] == ["compaction"] and compacted["usage"]["output_tokens"] > 0
+    received = [orjson.loads(m)["type"] for c in relay.ws_connections for m in c["received"]]
+    assert "error" not in received, received
+    rows = await proxy.ledger.list_usage()
+    assert len(rows) == 3 and all(r.status == "completed" and r.cost_micros > 0 for r in rows)

@@ -2,7 +2,7 @@
 bin/compliance-test.ts) against the proxy started exactly as `make run` starts it: the
 embedded defaults (no config file), `python -m proxy serve --demo-key` on a free port, its
 data/ in a temporary folder. Every test passes but the EXPECTED_FAILURES below (each named
-with its reason); the one that needs a scripted tool call (tool-calling) runs in a second
+with its reason; none today); the one that needs a scripted tool call (tool-calling) runs in a second
 pass, after the embedded simulator is scripted to call the tool.
 
 The suite is not published to a registry, so it is read from a checkout:
@@ -36,14 +36,10 @@ MODEL = "tiny-org/tiny-model"
 SCRIPTED = {
     "tool-calling": [{"tool_calls": [{"name": "get_weather", "arguments": {"location": "San Francisco, CA"}}]}],
 }
-# Failures that belong to other parts of issue 27 (being fixed elsewhere): kept out of the
-# assertion by name. Strict: one that passes must leave this list.
-EXPECTED_FAILURES = {
-    "websocket-failed-continuation-evicts-cache": (
-        "an orphan function_call_output (a call_id no function_call in the input has) is answered 200; "
-        "OpenAI answers 400 'No tool call found for function call output with call_id ...', and so must "
-        "the socket turn that the eviction case sends (issue 27, the orphan-output part)"),
-}
+# Failures that belong to other work, kept out of the assertion by name, each with its reason
+# (strict: one that passes must leave this list). Empty since main has the orphan
+# function_call_output 400 (websocket-failed-continuation-evicts-cache failed before it).
+EXPECTED_FAILURES: dict[str, str] = {}
 
 pytestmark = [
     pytest.mark.slow,

@@ -1,13 +1,15 @@
 """The sans-I/O cores of the WebSocket transport and of compaction: a connection's memory
-(proxy.protocol.continuation) and the cut of a window (proxy.protocol.compaction)."""
+(proxy.protocol.continuation), the messages a compacted window keeps and the place of a
+compaction_trigger (proxy.protocol.compaction)."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from proxy.protocol.compaction import split_window
-from proxy.protocol.continuation import Continuation, TurnRefused, parse_client_event, with_previous
+from proxy.http.errors import APIError
+from proxy.protocol.compaction import kept_user_messages, take_trigger
+from proxy.protocol.continuation import Continuation, TurnRefused, client_param, parse_client_event, with_previous
 
 
 def test_a_continuation_is_the_remembered_context_then_the_new_items():
@@ -57,16 +59,52 @@ def test_with_previous_sets_only_the_responses_own_field():
     assert with_previous(data, None) is data
 
 
+@pytest.mark.parametrize("param, remembered, told", [
+    ("input[5].content[0].text", 3, "input[2].content[0].text"),
+    ("input[3]", 3, "input[0]"),
+    ("input[12].role", 3, "input[9].role"),
+    ("input[2].encrypted_content", 3, "previous_response_id"),  # in the remembered items
+    ("input", 3, "input"),
+    ("tools[0].name", 3, "tools[0].name"),
+    ("input[7].x", 0, "input[7].x"),
+    ("input[x]", 3, "input[x]"),
+    (None, 3, None),
+])
+def test_an_errors_param_names_the_clients_own_items(param, remembered, told):
+    assert client_param(param, remembered) == told
+
+
 def _msg(role: str, text: str) -> dict:
     return {"role": role, "content": text}
 
 
-def test_the_cut_keeps_the_last_user_turn_and_never_splits_a_call_from_its_output():
+def test_a_compacted_window_keeps_the_latest_user_messages_as_item_resources():
     call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
     out = {"type": "function_call_output", "call_id": "c", "output": "x"}
     window = [_msg("user", "a"), _msg("assistant", "b"), _msg("user", "c"), call, out, _msg("assistant", "d")]
-    assert split_window(window, 8) == (window[:2], window[2:])
-    older, recent = split_window(window, 2)  # the last two items would start on the tool output
-    assert recent == [call, out, _msg("assistant", "d")] and older == window[:3]
-    assert split_window([_msg("user", "only")], 8) == ([], [_msg("user", "only")])
-    assert split_window([_msg("user", "a"), _msg("user", "b")], 8) == ([_msg("user", "a")], [_msg("user", "b")])
+    kept, whole = kept_user_messages(window, 8)
+    assert not whole and [k["content"] for k in kept] == [[{"type": "input_text", "text": t}] for t in "ac"]
+    assert all(k["type"] == "message" and k["role"] == "user" and k["status"] == "completed"
+               and k["id"].startswith("msg_") for k in kept)
+    kept, _ = kept_user_messages(window, 1)
+    assert [k["content"][0]["text"] for k in kept] == ["c"]
+    parts = [{"type": "input_text", "text": "p"}, {"type": "input_image", "image_url": "https://x/y.png"}]
+    kept, whole = kept_user_messages([{"type": "message", "id": "msg_7", "role": "user", "content": parts}], 8)
+    assert whole and kept == [{"type": "message", "id": "msg_7", "status": "completed", "role": "user",
+                               "content": parts}]
+    assert kept_user_messages([], 8) == ([], True)
+    assert kept_user_messages([_msg("user", "a"), _msg("user", "b")], 1)[1] is False
+
+
+def test_a_compaction_trigger_is_taken_off_the_end_and_refused_anywhere_else():
+    trigger = {"type": "compaction_trigger"}
+    items = [_msg("user", "a"), _msg("assistant", "b")]
+    assert take_trigger([*items, trigger]) == (items, True)
+    assert take_trigger(items) == (items, False) and take_trigger("hi") == ("hi", False)
+    with pytest.raises(APIError) as info:
+        take_trigger([items[0], trigger, items[1]])
+    assert info.value.status == 400 and info.value.param == "input[1].type"
+    memory = Continuation()  # a continuation of the compaction goes on from its item, not the trigger
+    memory.completed({"input": [*items, trigger]}, {"id": "resp_1", "output": [{"type": "compaction", "id": "cmp_1",
+                                                                                "encrypted_content": "rp2.x"}]})
+    assert [i.get("type") for i in memory.context] == [None, None, "compaction"]

@@ -51,8 +51,34 @@ async def _traffic(proxy) -> dict:
     return {"alpha": alpha, "beta": beta}
 
 
+async def _refusals(proxy, alpha_secret: str) -> dict[int, int]:
+    """Requests the service refuses: unknown routes (404), a key with no balance (402), a
+    key at its rate (429), unknown keys (401). -> how many of each."""
+    import aiohttp
+
+    broke_secret, _ = await proxy.ledger.create_key("broke", 0)
+    slow_secret, _ = await proxy.ledger.create_key("slow", 50_000_000, rate_per_min=1)
+    body = {"model": "tiny-org/tiny-model", "input": "hi", "max_output_tokens": 4}
+    plan = [("GET", "/v1/nothing", alpha_secret, None, 404)] * 3 + [("POST", "/v1/responses", broke_secret, body, 402)] * 4
+    plan += [("POST", "/v1/responses", slow_secret, body, None)] * 3  # the first passes, then 429s
+    plan += [("POST", "/v1/responses", "sk-rp-" + "n" * 40, body, 401)] * 2
+    counts: dict[int, int] = {}
+    async with aiohttp.ClientSession() as http:
+        for method, path, secret, payload, expected in plan:
+            async with http.request(method, proxy.url + path, json=payload,
+                                    headers={"Authorization": f"Bearer {secret}"}) as r:
+                await r.read()
+                assert expected is None or r.status == expected, (path, r.status)
+                if r.status >= 400:
+                    counts[r.status] = counts.get(r.status, 0) + 1
+    assert counts[429] == 2
+    return counts
+
+
 def _money(micros: int) -> str:
-    return f"{micros / 1e6:.6f}"
+    from proxy.ledger.service import usd
+
+    return usd(micros)
 
 
 async def _cells(page, table: str) -> list[list[str]]:
@@ -86,6 +112,7 @@ async def _history(ledger, keys: dict) -> None:
 async def test_dashboard_views_match_the_ledger(make_proxy):
     proxy = await make_proxy({"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY}]}, "auth": {"demo_key": True}})
     keys = await _traffic(proxy)
+    refused = await _refusals(proxy, proxy.api_key)
     docs_shot = os.environ.get("DASHBOARD_SCREENSHOT_DOCS") == "1"
     if docs_shot:
         await _history(proxy.ledger, keys)
@@ -94,7 +121,7 @@ async def test_dashboard_views_match_the_ledger(make_proxy):
     by_key = {t.group["key"]: t for t in await ledger.usage_totals(("key",))}
     by_worker = {t.group["worker"]: t for t in await ledger.usage_totals(("worker",))}
     errors = await ledger.usage_rows(statuses=("failed", "error"))
-    assert (total.requests == 7 or docs_shot) and len(errors) == 1 and by_worker["sim"].cached_tokens > 0
+    assert (total.requests == 8 or docs_shot) and len(errors) == 1 and by_worker["sim"].cached_tokens > 0
     ARTEFACTS.mkdir(exist_ok=True)
 
     async with playwright_api.async_playwright() as pw:
@@ -121,6 +148,7 @@ async def test_dashboard_views_match_the_ledger(make_proxy):
 
             assert await page.text_content("#total-requests") == str(total.requests)
             assert await page.text_content("#total-cost") == _money(total.cost_micros)
+            assert (await page.text_content("#total-cost")).startswith("$")
             assert await page.text_content("#total-input") == str(total.input_tokens)
             assert await page.text_content("#total-cached") == str(total.cached_tokens)
             assert await page.text_content("#total-output") == str(total.output_tokens)
@@ -129,7 +157,7 @@ async def test_dashboard_views_match_the_ledger(make_proxy):
                 await page.screenshot(path=str(DOCS / "dashboard.png"), full_page=True)
             # the charts were drawn by Chart.js, one dataset per key
             datasets = await page.evaluate("Chart.getChart('chart-spend-key').data.datasets.length")
-            assert datasets == 2
+            assert datasets == 3  # alpha, beta, and the rate-limited key's one answered request
 
             await page.click("nav button[data-view=tokens]")
             await page.wait_for_selector("#view-tokens:not([hidden])")
@@ -145,7 +173,8 @@ async def test_dashboard_views_match_the_ledger(make_proxy):
             sim = by_worker["sim"]
             assert worker[0] == "sim" and worker[1] == "healthy"
             assert worker[5:8] == [str(sim.requests), str(sim.input_tokens), str(sim.cached_tokens)]
-            assert worker[8] == f"{sim.cached_tokens / sim.input_tokens * 100:.1f}%"
+            # one decimal of the share the API rounds to four places: within rounding of the ledger's
+            assert worker[8].endswith("%") and abs(float(worker[8][:-1]) - sim.cached_tokens / sim.input_tokens * 100) <= 0.06
 
             await page.click("nav button[data-view=keys]")
             await page.wait_for_selector("#view-keys:not([hidden])")
@@ -155,14 +184,27 @@ async def test_dashboard_views_match_the_ledger(make_proxy):
             assert [r[0] for r in rows] == [t.group["key"] for t in expected]
             for row, t in zip(rows, expected):
                 assert row[2] == str(t.requests) and row[6] == _money(t.cost_micros)
-            assert {r[1] for r in rows} == {"alpha", "beta"}
+            assert {r[1] for r in rows} == {"alpha", "beta", "slow"}
+            assert all(r[6].startswith("$") for r in rows)
 
             await page.click("nav button[data-view=errors]")
             await page.wait_for_selector("#view-errors:not([hidden])")
             await page.screenshot(path=str(ARTEFACTS / "dashboard-errors.png"), full_page=True)
-            (error_row,) = await _cells(page, "errors-table")
-            assert error_row[1] == errors[0][1].request_id and error_row[2] == keys["beta"].key_id
-            assert error_row[5] == "failed"
+            # The refusals, from the access records, beside the failed answer, from the ledger.
+            summary = await page.text_content("#errors-summary")
+            for status, n in refused.items():
+                assert f"{status} \u00d7{n}" in summary, summary
+            assert await page.is_hidden("#errors-empty")
+            rows = await _cells(page, "errors-table")
+            assert len(rows) == sum(refused.values()) + 1
+            assert sorted(r[2] for r in rows) == sorted([str(s) for s, n in refused.items() for _ in range(n)] + ["failed"])
+            (failed_row,) = [r for r in rows if r[2] == "failed"]
+            assert failed_row[1] == errors[0][1].request_id and failed_row[4] == keys["beta"].key_id
+            assert failed_row[9] == _money(errors[0][1].cost_micros) and failed_row[9].startswith("$")
+            codes = {r[2]: r[3] for r in rows}
+            assert (codes["401"], codes["402"], codes["404"], codes["429"]) == (
+                "invalid_api_key", "insufficient_quota", "not_found", "rate_limit_exceeded")
+            assert all(r[7] == "http" for r in rows if r[2] != "failed")
 
             html = await page.content()
             assert ADMIN_KEY not in html
@@ -174,5 +216,34 @@ async def test_dashboard_views_match_the_ledger(make_proxy):
             await page.wait_for_selector("#login-form", state="visible")
             status = await page.evaluate("fetch('/admin/api/overview').then(r => r.status)")
             assert status == 401
+        finally:
+            await browser.close()
+
+
+async def test_the_errors_view_says_no_errors_when_there_are_none(make_proxy):
+    """Only answered requests (and the console's own refusals: a logged-out page, a wrong admin
+    key, which are not the service's errors): the Errors view says so in words."""
+    proxy = await make_proxy({"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY}]}, "auth": {"demo_key": True}})
+    client = proxy.openai()
+    await client.responses.create(model="tiny-org/tiny-model", input="hello", max_output_tokens=8)
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                           args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = await browser.new_page(viewport={"width": 1400, "height": 900})
+            await page.goto(proxy.url + "/admin")
+            await page.wait_for_selector("#login-form", state="visible")
+            await page.fill("#admin-key", "adm-wrong-0123456789abcdef")
+            await page.click("#login-button")
+            await playwright_api.expect(page.locator("#login-error")).not_to_be_empty()
+            await page.fill("#admin-key", ADMIN_KEY)
+            await page.click("#login-button")
+            await page.wait_for_selector("body[data-loaded]")
+            await page.click("nav button[data-view=errors]")
+            await page.wait_for_selector("#view-errors:not([hidden])")
+            await page.screenshot(path=str(ARTEFACTS / "dashboard-no-errors.png"), full_page=True)
+            assert "no errors" in (await page.text_content("#errors-empty")).lower()
+            assert await page.is_visible("#errors-empty") and await page.is_hidden("#errors-table")
+            assert await page.text_content("#errors-summary") == ""
         finally:
             await browser.close()

@@ -777,6 +777,37 @@ async def test_cli_end_to_end(tmp_path):
     assert secret[8:] not in every_output
 
 
+async def test_cli_reads_and_takes_dollars(tmp_path):
+    """Every amount the CLI prints for a person is in dollars ($, exact), its JSON keeps micros;
+    `topup --usd` takes dollars as `create --balance-usd` does."""
+    db = tmp_path / "usd.db"
+    created = run_cli(db, "create", "team", "--balance-usd", "1.50", "--daily-budget", "2000000")
+    assert created.returncode == 0, created.stderr
+    assert "balance: $1.50 (1500000 micros)" in created.stdout
+    key_id = re.search(r"key_id:\s+(key_[0-9a-f]+)", created.stdout).group(1)
+    topped = run_cli(db, "topup", key_id, "--usd", "2.25")
+    assert topped.returncode == 0, topped.stderr
+    assert f"{key_id}: +$2.25, balance $3.75 (3750000 micros)" in topped.stdout
+    corrected = run_cli(db, "topup", key_id, "--usd", "-0.000001", "--json")
+    assert json.loads(corrected.stdout) == {"key_id": key_id, "balance_micros": 3_749_999}
+    assert "+$0.000001, balance $3.75 (3750000 micros)" in run_cli(db, "topup", key_id, "1").stdout  # micros
+    for bad in (["--usd", "0.0000001"], ["--usd", "lots"], ["5", "--usd", "1"], []):
+        refused = run_cli(db, "topup", key_id, *bad)
+        assert refused.returncode != 0 and refused.stdout == "", bad
+    listed = run_cli(db, "list")
+    assert "BALANCE_USD" in listed.stdout and "$3.75 " in listed.stdout and "$2.00/-" in listed.stdout
+    shown = run_cli(db, "show", key_id)
+    assert "balance: $3.75 (3750000 micros)" in shown.stdout
+    led = open_ledger({"path": str(db)})
+    async with led:
+        await led.settle("usd-req", usage_for("usd-req", key_id, 1234))
+    usage = run_cli(db, "usage").stdout
+    assert "COST_USD" in usage and "$0.001234" in usage
+    totals = run_cli(db, "usage", "--group-by", "key").stdout
+    assert "COST_USD" in totals and "$0.001234" in totals
+    assert json.loads(run_cli(db, "usage", "--json").stdout)[0]["cost_micros"] == 1234
+
+
 def test_cli_resolves_a_relative_path_like_the_app(tmp_path):
     conf_dir = tmp_path / "etc"
     conf_dir.mkdir()

@@ -3,6 +3,7 @@ the same fields, in the same order, as structlog's JSONRenderer would write."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -157,3 +158,30 @@ def test_the_console_format_keeps_its_readable_traceback(monkeypatch):
         assert event in text, text
     assert text.count("Traceback (most recent call last)") == 2 and "_ledger_settlement_fails" in text, text
     assert "exc_type" not in text, text
+
+
+async def test_a_write_to_a_client_that_hung_up_logs_no_error(make_proxy, monkeypatch):
+    """A client that drops its connection while its answer is written is the client's doing,
+    not the proxy's: no error line (aiohttp logs an exception raised out of the handler as a
+    500 "Error handling request" with its traceback), only the access line. The write's
+    ConnectionResetError is played by tests/fault_mw.py (reset_after): in a real hang-up it is
+    a race between the write and aiohttp cancelling the handler."""
+    err = _Recorder()
+    monkeypatch.setattr(logs.sys, "stderr", err)
+    try:
+        logs.configure("json", "info")
+        structlog.configure(cache_logger_on_first_use=False)
+        proxy = await make_proxy(only("stateless", before_handler=[{"tests.fault_mw:create": {"mode": "reset_after"}}]))
+        async with aiohttp.ClientSession() as http:
+            for stream in (False, True):
+                body = {"model": "tiny-org/tiny-model", "input": "hello", "max_output_tokens": 8, "stream": stream}
+                async with http.post(proxy.url + "/v1/responses", json=body) as r:
+                    await r.read()
+        await asyncio.sleep(0.2)
+        logs._flush_access()
+    finally:
+        logs.reset()
+    lines = [json.loads(line) for write in err.writes for line in write.splitlines() if line.startswith("{")]
+    errors = [line for line in lines if line.get("level") in ("error", "critical") or "exc_traceback" in line]
+    assert errors == [], errors[:3]
+    assert len([line for line in lines if line.get("event") == "request"]) == 2

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from proxy.http.errors import APIError
 from proxy.protocol.translate import (
     HOSTED_ITEM_TYPES,
+    KNOWN_FIELDS,
     HOSTED_TOOL_TYPES,
     REFUSED_TOOL_TYPES,
     NO_SEAL_INCLUDE,
@@ -356,6 +357,42 @@ def test_function_call_validation():
             param="input[0].output[0].type")
 
 
+@pytest.mark.parametrize("itype, words", [("function_call_output", "function call output"),
+                                          ("custom_tool_call_output", "custom tool call output")])
+def test_a_tool_output_answering_no_call_is_refused_as_openai_does(itype, words):
+    err = refused(body([msg("user", "u"), {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                        {"type": itype, "call_id": "c1", "output": "ok"},
+                        {"type": itype, "call_id": "call_elsewhere", "output": "lost"}]), param="input")
+    assert err.message == f"No tool call found for {words} with call_id call_elsewhere."
+    assert err.code == "invalid_request"
+    # An output before its call answers nothing yet.
+    refused(body([{"type": itype, "call_id": "c1", "output": "ok"},
+                  {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]), param="input")
+
+
+def test_tool_outputs_whose_calls_are_elsewhere_in_the_input_are_answered():
+    """A call far back, a hosted call answered by a function_call_output (Codex's
+    local_shell_call), or a summary that may stand for the call (a compaction item, this
+    proxy's or another provider's): accepted."""
+    far = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}, msg("user", "u"),
+           msg("assistant", "a"), {"type": "function_call_output", "call_id": "c1", "output": "late"}]
+    assert tr(body(far)).chat["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "late"}
+    shell = [msg("user", "u"), {"type": "local_shell_call", "call_id": "sh1", "status": "completed",
+                                "action": {"type": "exec", "command": ["ls"]}},
+             {"type": "function_call_output", "call_id": "sh1", "output": "README.md"}]
+    assert tr(body(shell)).chat["messages"][-1]["tool_call_id"] == "sh1"
+    for summary in ({"type": "compaction", "encrypted_content": "gAAAA-another-providers"},
+                    {"type": "compaction_summary", "encrypted_content": "x"}):
+        after = [msg("user", "u"), summary, {"type": "function_call_output", "call_id": "c_gone", "output": "r"}]
+        assert tr(body(after)).chat["messages"][-1]["tool_call_id"] == "c_gone"
+    from proxy.protocol.compaction import SEAL_FORMAT, compaction_item
+
+    ours = compaction_item("we listed the files", lambda text: SEAL_FORMAT + text)
+    after = [ours, {"type": "function_call_output", "call_id": "c_gone", "output": "r"}]
+    t = tr(body(after), unseal=lambda sealed: sealed[len(SEAL_FORMAT):])
+    assert t.chat["messages"][-1]["tool_call_id"] == "c_gone"
+
+
 def test_custom_tool_call_and_output():
     t = tr(body([
         msg("user", "patch it"),
@@ -503,6 +540,35 @@ def test_accepted_not_forwarded():
     assert e["max_tool_calls"] == 5
     assert (e["service_tier"], e["truncation"], e["background"]) == ("default", "disabled", False)
     assert tr(body("u", conversation="conv_2")).conversation == "conv_2"
+
+
+# The request body's fields in the two docs this API follows (000: the Engy reference; 004: the
+# ZDR doc): none of them is ever named as unknown.
+DOC_FIELDS = ("model", "input", "instructions", "max_output_tokens", "stream", "temperature", "top_p", "tools",
+              "tool_choice", "parallel_tool_calls", "provider", "store", "previous_response_id", "reasoning",
+              "text", "prompt_cache_key", "user", "safety_identifier", "metadata", "conversation", "include")
+
+
+def test_unknown_fields_and_store_true_are_accepted_and_named_in_a_notice():
+    t = tr(body("u", colour="blue", store=True, **{"x-extra": 1}))
+    assert "unknown field(s) ignored: colour, x-extra" in t.notices
+    assert "store: true accepted, nothing is stored (this endpoint is stateless)" in t.notices
+    assert t.echo["store"] is True  # accepted as sent
+    many = tr(body("u", **{f"f{i:02d}": i for i in range(13)})).notices
+    assert many == ("unknown field(s) ignored: f00, f01, f02, f03, f04, f05, f06, f07, f08, f09 and 3 more",)
+    assert tr(body("u", store=False)).notices == ()
+
+
+def test_a_known_field_is_never_named():
+    from openai.types.responses.response_create_params import ResponseCreateParamsBase
+    from openresponses_types import types as spec_types
+
+    sdk = set(ResponseCreateParamsBase.__annotations__)
+    spec = set(spec_types.CreateResponseBody.model_fields)
+    assert set(DOC_FIELDS) | sdk | spec <= KNOWN_FIELDS
+    t = tr(body("u", store=False, provider={"sort": "latency"}, client_metadata={"a": "b"}, truncation="auto",
+                service_tier="auto", prompt_cache_retention="24h", context_management=[], stream_options=None))
+    assert t.notices == ()
 
 
 def test_echo_defaults():

@@ -158,6 +158,30 @@ async def test_a_unit_refuses_each_probe_exactly_when_it_declares_the_phase(make
         assert all(s in (200, 101) for s in statuses), f"{unit.name} does not declare {phase} but answered {statuses}"
 
 
+class TriggerProbe(Probe):
+    """The same probes, each request's input ending with a compaction_trigger item."""
+
+    def body(self, phase: str) -> dict[str, Any]:
+        body = super().body(phase)
+        items = body["input"] if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
+        body["input"] = [*items, {"type": "compaction_trigger"}]
+        return body
+
+
+@pytest.mark.parametrize("phase", ORDER)
+@pytest.mark.parametrize("unit", [units.RESPONSES, units.WS_TURN], ids=lambda u: u.name)
+async def test_a_compaction_trigger_runs_every_phase_of_its_unit(make_proxy, http, unit, phase):
+    """A compaction_trigger is an input item, not a path of its own: the request that carries it
+    (HTTP or a socket's turn) refuses each probe exactly as its unit declares, balance included."""
+    proxy = await make_proxy(CONFIG)
+    statuses = await DRIVERS[unit.name](proxy, http, phase, TriggerProbe(proxy, unit))
+    assert unit.phases == units.EVERY
+    assert statuses[-1] == REFUSALS[phase], f"{unit.name} with a compaction_trigger answered {statuses} to {phase}"
+    assert all(s in (200, 101) for s in statuses[:-1]), statuses
+    if phase == LIMITS:  # the one answered: a billed compaction
+        assert [r.status for r in await proxy.ledger.list_usage()] == ["completed"]
+
+
 async def test_the_compaction_summary_turn_is_billed_but_takes_no_second_slot(make_proxy, http, sim):
     """COMPACT_SUMMARY: a spent balance stops it (402), a key allowed one request at a time
     still gets its compaction (the summary does not ask for a second slot)."""

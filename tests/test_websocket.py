@@ -436,3 +436,94 @@ async def test_a_refused_turns_notices_reach_the_socket(sim, make_proxy, http):
         broke = error_of(await turn(ws, WEB_SEARCH_TURN))
     assert broke["status"] == 402 and broke["headers"] == {"x-token-notice": notice}
     assert sim.requests == []
+
+
+ORPHAN = {"type": "function_call_output", "call_id": "call_openresponses_missing",
+          "output": "No matching tool call exists in the previous response."}
+
+
+async def test_a_failed_continuation_evicts_the_response_as_the_spec_suite_expects(sim, make_proxy, http):
+    """The Open Responses suite's websocket-failed-continuation-evicts-cache, turn by turn: a
+    continuation whose only item is a tool output answering no call fails (OpenAI's 400), the
+    socket stays open, the response it continued is gone (previous_response_not_found), and a
+    new turn on the same socket runs."""
+    proxy = await make_proxy({})
+    async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key)) as ws:
+        seed = await turn(ws, {"model": MODEL, "store": False, "input": "Remember the code word: ember. Reply with OK."})
+        first = check_sequence(seed)
+        assert first["status"] == "completed"
+        failed = error_of(await turn(ws, {"model": MODEL, "store": False, "previous_response_id": first["id"],
+                                          "input": [ORPHAN]}))
+        assert failed["status"] == 400
+        assert failed["error"]["message"] == ("No tool call found for function call output with call_id "
+                                              "call_openresponses_missing.")
+        assert failed["error"]["param"] == "input"
+        retry = error_of(await turn(ws, {"model": MODEL, "store": False, "previous_response_id": first["id"],
+                                         "input": "Try to continue after the failed turn. Reply with exactly: stale"}))
+        assert retry["status"] == 400 and retry["error"]["code"] == "previous_response_not_found"
+        again = check_sequence(await turn(ws, {"model": MODEL, "store": False, "input": "Start over."}))
+        assert again["status"] == "completed"
+    # Over HTTP the same item is the same refusal.
+    async with http.post(proxy.url + "/v1/responses", headers=auth(proxy.api_key),
+                         json={"model": MODEL, "input": [{"role": "user", "content": "hi"}, ORPHAN]}) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"] == {k: v for k, v in failed["error"].items()}
+
+
+async def test_a_continuation_answers_the_calls_it_remembers(sim, make_proxy, http):
+    """The tool output of a continuation answers a call of the remembered response: the input
+    the check reads is the whole conversation the socket expands, not the message alone."""
+    proxy = await make_proxy({})
+    sim.script({"tool_calls": [{"name": "lookup", "arguments": {"q": "x"}}]}, {"text": "done"})
+    tools = [{"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}]
+    async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key)) as ws:
+        first = check_sequence(await turn(ws, {"model": MODEL, "input": "look it up", "tools": tools}))
+        call = first["output"][-1]
+        done = check_sequence(await turn(ws, {"model": MODEL, "previous_response_id": first["id"], "tools": tools,
+                                              "input": [{"type": "function_call_output", "call_id": call["call_id"],
+                                                         "output": "found"}]}))
+    assert done["status"] == "completed"
+
+
+@pytest.mark.parametrize("bad_item, param", [
+    ({"type": "message", "role": "robot", "content": "hi"}, "input[1].role"),
+    ({"type": "message", "role": "user", "content": [{"type": "input_text", "text": 5}]}, "input[1].content[0].text"),
+    (ORPHAN, "input"),
+])
+async def test_a_refused_turns_error_equals_the_http_error(sim, make_proxy, http, bad_item, param):
+    """The same items refused over HTTP and in a socket's continuation: the same error object
+    (code, type, message), its param naming the item as the client sent it, never its place in
+    the history the socket expanded."""
+    proxy = await make_proxy({})
+    items = [{"type": "message", "role": "user", "content": "first"}, bad_item]
+    async with http.post(proxy.url + "/v1/responses", headers=auth(proxy.api_key),
+                         json={"model": MODEL, "input": items}) as resp:
+        assert resp.status == 400
+        over_http = (await resp.json())["error"]
+    assert over_http["param"] == param
+    async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key)) as ws:
+        alone = error_of(await turn(ws, {"model": MODEL, "input": items}))
+        first = check_sequence(await turn(ws, {"model": MODEL, "input": "before"}))
+        continued = error_of(await turn(ws, {"model": MODEL, "previous_response_id": first["id"], "input": items}))
+    assert continued["error"]["param"] == param  # not its index in the expanded history
+    assert isinstance(over_http["code"], str)  # the socket's error event needs one: HTTP has the same
+    assert alone["error"] == over_http
+    assert continued["error"] == over_http
+
+
+async def test_unknown_fields_and_store_true_are_named_on_both_transports(sim, make_proxy, http):
+    """Accepted (200, the turn runs), never silently: HTTP's x-token-notice, the socket's
+    headers on response.created, the same words."""
+    proxy = await make_proxy({})
+    request = {"model": MODEL, "input": "hello", "colour": "blue", "store": True}
+    async with http.post(proxy.url + "/v1/responses", json=request, headers=auth(proxy.api_key)) as resp:
+        assert resp.status == 200
+        notice = resp.headers["x-token-notice"]
+        assert (await resp.json())["status"] == "completed"
+    assert "unknown field(s) ignored: colour" in notice and "nothing is stored" in notice
+    async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key)) as ws:
+        events = await turn(ws, request)
+        plain = await turn(ws, {"model": MODEL, "input": "hello", "store": False, "generate": True})
+    check_sequence(events)
+    assert events[0]["headers"] == {"x-token-notice": notice}
+    assert all("headers" not in e for e in plain)  # known fields, store false: nothing to say

@@ -604,6 +604,14 @@ async def test_context_check_leaves_vllm_uncapped_requests_alone():
     assert t.chat["max_tokens"] == 32768
 
 
+async def test_context_check_never_sends_vllm_a_cap_above_its_window():
+    # vLLM lowers a cap to the room left, but refuses one above max_model_len: the proxy's own
+    # cap (a summary's 2048 on a 1024-token model) goes as the window, vLLM lowers it further.
+    t, w = _t({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2048}, window=1024)
+    decision, sent = await check_context_window(_NoSession(), w, t, None)
+    assert decision == "clamped" and sent.chat["max_tokens"] == 1024 and t.chat["max_tokens"] == 2048
+
+
 async def test_context_check_lowers_the_proxys_own_cap_for_sglang():
     # SGLang refuses prompt + max_tokens over the window (vLLM lowers it): the proxy's cap is lowered
     # from the size bound, still without an upstream call.

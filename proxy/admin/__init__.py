@@ -45,6 +45,9 @@ def install(app: web.Application, section: dict[str, Any]) -> web.Application | 
 
     auth = AdminAuth(section)
     auth.prefix = prefix
+    refusals = app.get(state.REFUSALS)
+    if refusals is not None:  # the console's own requests are not the service's errors
+        refusals.ignore_prefix = prefix
     admin = web.Application(middlewares=[guard(auth, prefix)])
     admin[state.ADMIN] = auth
     routes.add_routes(admin)

@@ -9,7 +9,13 @@ otherwise), straight from the ledger and the worker pool:
   * workers: health, in flight, capacity, time to first byte (EWMA), and the cached-token
     share of the input each one served in the window;
   * top_keys: the ten keys with the most spend in the window; recent_errors: the last
-    twenty usage rows that ended failed or in error.
+    twenty usage rows that ended failed or in error;
+  * errors: what the Errors view lists, newest first (at most ERROR_ROWS): the refusals of
+    the window (every request answered 4xx but 499, or 5xx, from the access records:
+    proxy.runtime.refusals, which says where they are kept) merged with those usage rows (a
+    request in both is one row: its status and code from the refusal, worker and cost from
+    the ledger); error_counts: the refusals of the window by status; errors_scope: whose
+    refusals they are ("this process", or every process of a `serve --workers N`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,37 @@ _CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'
         "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 _RANGES = {"24h": (86400, "hour"), "7d": (7 * 86400, "day"), "30d": (30 * 86400, "day")}
 _ERROR_STATUSES = ("failed", "error")
+ERROR_ROWS = 100
+
+
+def _error_rows(refusals: list[dict], failed: list[dict]) -> list[dict]:
+    """The Errors view's rows: refusals (access records) and failed answers (usage rows),
+    newest first, one row per request."""
+    rows: dict[str, dict] = {}
+    for r in refusals:
+        rows[r.get("request_id") or f"refusal-{len(rows)}"] = {
+            "time": r["time"], "created": iso(r["time"]), "request_id": r.get("request_id"), "status": r.get("status"),
+            "error_code": r.get("error_code"), "key_id": r.get("key_id"), "model": r.get("model"),
+            "path": r.get("path"), "transport": r.get("transport"), "worker": None, "cost_micros": None}
+    for u in failed:
+        row = rows.get(u["request_id"])
+        ledger = {"worker": u.get("worker"), "cost_micros": u.get("cost_micros"), "key_id": u.get("key_id"),
+                  "model": u.get("model")}
+        if row is not None:
+            row.update({k: v for k, v in ledger.items() if v is not None})
+            continue
+        rows[u["request_id"]] = {"time": u["created_at"], "created": u["created"], "request_id": u["request_id"],
+                                 "status": u["status"], "error_code": None, "path": "/v1/responses",
+                                 "transport": None, **ledger}
+    return sorted(rows.values(), key=lambda r: r["time"], reverse=True)[:ERROR_ROWS]
+
+
+def _counts(refusals: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in refusals:
+        key = str(r.get("status"))
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _static_files() -> dict[str, Path]:
@@ -130,11 +167,14 @@ async def overview(request: web.Request) -> web.Response:
     by_worker = await guarded(ledger.usage_totals(("worker",), **window))
     total = await guarded(ledger.usage_totals((), **window))
     errors = await guarded(ledger.usage_rows(since=since, statuses=_ERROR_STATUSES, limit=20))
+    refusal_log = request.config_dict.get(state.REFUSALS)
+    refused = await refusal_log.recent(since) if refusal_log is not None else []
     names = {k.key_id: k.name for k in await guarded(ledger.list_keys())}
     top = sorted((totals_dict(t) for t in by_key), key=lambda r: (-r["cost_micros"], r["key"]))[:10]
     for row in top:
         row["name"] = names.get(row["key"], "")
     step = 3600 if bucket == "hour" else 86400
+    failed = [{"seq": seq, **usage_dict(r)} for seq, r in errors]
     return json_response({
         "range": chosen, "bucket": bucket, "since": iso(since), "until": iso(until),
         "buckets": [iso(t) for t in range(int(since // step * step), int(until) + 1, step)],
@@ -144,7 +184,10 @@ async def overview(request: web.Request) -> web.Response:
         "key_names": names,
         "workers": _workers(request, {str(t.group["worker"]): totals_dict(t) for t in by_worker}),
         "top_keys": top,
-        "recent_errors": [{"seq": seq, **usage_dict(r)} for seq, r in errors],
+        "recent_errors": failed,
+        "errors": _error_rows(refused, failed),
+        "error_counts": _counts(refused),
+        "errors_scope": refusal_log.scope if refusal_log is not None else None,
     })
 
 

@@ -128,7 +128,9 @@ def _paths() -> dict[str, Any]:
         "/api/overview": {"get": {
             "operationId": "overview", "summary": "The dashboard's figures for a window",
             "parameters": [_query("range", {"type": "string", "enum": ["24h", "7d", "30d"]}, "default 24h")],
-            "responses": {**_ok("Totals, series, workers, top keys, recent errors"), **_errors(400, 401, 403, 503)}}},
+            "responses": {**_ok("Totals, series, workers, top keys, recent errors; errors: refusals (from the "
+                                "access records) and failed answers, error_counts, errors_scope"),
+                          **_errors(400, 401, 403, 503)}}},
         "/api/session": {"get": {
             "operationId": "session", "summary": "Who is logged in, and the CSRF token of the session",
             "responses": {**_ok("The session"), **_errors(401, 403)}}},

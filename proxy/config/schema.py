@@ -255,14 +255,15 @@ name (or written {"package.module:factory": {...}} in the list); README, "Your o
 Continuation (previous_response_id) over a socket keeps the last response's context in the
 connection's memory only; every turn runs through the same pipeline as POST /v1/responses."""),
     "compact": F(Section({
-        "keep_recent_items": F(POS_INT, 8, "at most this many of the latest items stay as they are (from the last user message on)"),
+        "keep_recent_items": F(POS_INT, 8, "the latest user messages kept as they are, at most this many, before the summary of the whole window"),
         "max_summary_tokens": F(POS_INT, 2048, "output cap of the summary the model writes"),
         "instructions": F(Str(nonempty=True), "Summarize the conversation above for a model that will continue it: "
                           "the goal, decisions, facts learned, files and commands involved, what is done and what "
                           "is left. Be complete and concise; write only the summary.", "the summary's instructions"),
     }), None, note="""\
-POST /v1/responses/compact: older items replaced by a summary the model writes, sealed with
-reasoning_seal (a compaction item), opened when the window comes back in a later request."""),
+POST /v1/responses/compact and a compaction_trigger input item: a summary of the window the model
+writes (thinking off, its cap fitted to the model's window), sealed with reasoning_seal (a
+compaction item), opened when the window comes back in a later request."""),
     "stateless": F(Section({
         "enabled": F(Bool(), True, ENABLED_DOC),
         "previous_response_id": F(Str(choices=("refuse", "ignore")), "refuse", "refuse (004 doc) | ignore (000 doc)"),

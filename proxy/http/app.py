@@ -30,6 +30,7 @@ from proxy.http.parse_errors import HeadLimits
 from proxy.http.turn import refuse_other_answers
 from proxy.http.websocket import SocketAdmission, WebSocketSettings
 from proxy.runtime import metrics
+from proxy.runtime.refusals import Refusals, is_refusal
 from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
 from proxy.upstream.affinity import AffinitySettings
 from proxy.state import (AFFINITY, CONTEXT, IMAGE_POLICY, PHASES, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS,
@@ -80,11 +81,18 @@ def envelope(phases: Phases):
                 from proxy.admin import console_off_hint
 
                 message += console_off_hint(request)
-            return APIError(exc.status, f"{message} ({request.method} {request.path})", code=None).to_response()
-        except (asyncio.CancelledError, ConnectionResetError):
+            refusal = APIError(exc.status, f"{message} ({request.method} {request.path})")
+            error_code = refusal.code
+            return refusal.to_response()
+        except (asyncio.CancelledError, ConnectionResetError) as gone:
             out = ctx.outcome
             # 499: the client went away before its answer was whole (after it, the answer stands).
             status = 200 if out is not None and out.status in ("completed", "incomplete", "failed") else 499
+            if isinstance(gone, ConnectionResetError) and turn is None:
+                # A write to a client that hung up. Raised on, aiohttp would log it as a 500
+                # "Error handling request" with a traceback; an answer handed back is one it
+                # finishes quietly (its write to the closed connection is ignored).
+                return ctx.started if ctx.started is not None else web.Response(status=499)
             raise
         except Exception:
             log.exception("unhandled error", request_id=ctx.request_id)
@@ -104,6 +112,15 @@ def envelope(phases: Phases):
     return envelope_and_access_log
 
 
+def transport_of(request: web.Request) -> str:
+    """What carried the request: "websocket" for a socket's handshake and each of its turns,
+    "http" for the rest (a compaction's summary turn included: its request came over HTTP)."""
+    turn = request.get(TURN)
+    if turn is not None:
+        return turn.transport
+    return "websocket" if request.headers.get("Upgrade", "").lower() == "websocket" else "http"
+
+
 def _log_access(request: web.Request, ctx: RequestContext, status: int, error_code: str | None,
                 elapsed_s: float) -> None:
     ctx.settling = None
@@ -119,13 +136,20 @@ def _log_access(request: web.Request, ctx: RequestContext, status: int, error_co
     key_id = ctx.key.key_id if ctx.key is not None else None
     if error_code is None and out is not None:
         error_code = out.error
+    carrier = transport_of(request)
+    if is_refusal(status):
+        refusals = request.config_dict.get(state.REFUSALS)
+        if refusals is not None:
+            refusals.record(request.path, request_id=ctx.request_id, method=request.method, transport=carrier,
+                            status=status, error_code=error_code, key_id=key_id, model=model, client=request.remote)
     if out is None:
         access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
-               key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms)
+               transport=carrier, key_id=key_id, model=model, status=status, error_code=error_code,
+               latency_ms=latency_ms)
     else:
         access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
-               key_id=key_id, model=model, status=status, error_code=error_code, latency_ms=latency_ms,
-               upstream=out.upstream, outcome=out.status, input_tokens=out.input_tokens,
+               transport=carrier, key_id=key_id, model=model, status=status, error_code=error_code,
+               latency_ms=latency_ms, upstream=out.upstream, outcome=out.status, input_tokens=out.input_tokens,
                cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, cost_micros=out.cost_micros,
                ttfb_ms=round(out.ttfb_ms, 2) if out.ttfb_ms is not None else None)
 
@@ -306,6 +330,12 @@ def build_app(config: Config) -> web.Application:
     app[state.COMPACT_SETTINGS] = CompactSettings.from_section(config.section("compact"), config.section("stateless"))
     app[READINESS] = Readiness(app[POOL], LEDGER)
     add_routes(app)  # every API route, its handler and its unit of work: proxy.http.routes
+    refusals = app[state.REFUSALS] = Refusals(metrics.multiprocess_dir())
+
+    async def close_refusals(_app: web.Application) -> None:
+        refusals.close()
+
+    app.on_cleanup.append(close_refusals)
     from proxy.admin import install as install_admin
 
     install_admin(app, config.section("admin"))

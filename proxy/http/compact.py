@@ -1,12 +1,19 @@
 """POST /v1/responses/compact (Open Responses 2026-04-24): a Responses request's input window
 in, the compacted window out (`object: "response.compaction"`), nothing stored.
 
+The compacted window is the openai SDK's `CompactedResponse`: the latest user messages of the
+window as they were (at most `keep_recent_items`, as item resources), then one `compaction` item,
+the summary of the whole window sealed to the caller's key (proxy.protocol.compaction). A window
+of user messages that are all kept has nothing to summarize: it comes back as it is, free.
+
 The request is the unit COMPACT (proxy.http.units): authenticated, limited, its body bounded and
 counted, the key's models checked, whether or not the window is long enough to summarize. The
-summary is one Responses turn run through `proxy.http.turn.run_turn`, the whole HTTP path with
-this request's headers, as the unit COMPACT_SUMMARY: authenticated again, held and billed as any
-request (its concurrency slot and rate token are the compact request's), and its usage is the
-one reported. The cut and the sealed item are proxy.protocol.compaction's.
+summary is the window with a `compaction_trigger` item, run through `proxy.http.turn.run_turn`,
+the whole HTTP path with this request's headers, as the unit COMPACT_SUMMARY: authenticated
+again, translated (the summary's request: thinking off, its cap fitted to the model's window),
+held and billed as any request (its concurrency slot and rate token are the compact request's),
+and answered by proxy.http.compaction_trigger with the sealed compaction item; its usage is the
+one reported.
 """
 
 from __future__ import annotations
@@ -19,26 +26,27 @@ import orjson
 from aiohttp import web
 
 from proxy import state
+from proxy.http.compaction_trigger import carry_notices
 from proxy.http.errors import APIError, bad_request
 from proxy.http.request import read_json
 from proxy.http.turn import run_turn
 from proxy.http.units import COMPACT_SUMMARY, UNBILLED_BODY
 from proxy.policy.rules import apply_stateless, previous_response_mode
-from proxy.protocol.compaction import as_output_item, compaction_item, split_window, summary_request, summary_text
+from proxy.protocol.compaction import (DEFAULT_INSTRUCTIONS, DEFAULT_MAX_SUMMARY_TOKENS, TRIGGER, SummaryAsk,
+                                       compaction_of, kept_user_messages)
 from proxy.protocol.continuation import TERMINAL_EVENTS
 from proxy.protocol.ids import random_bits
-from proxy.protocol.seal import binding
 from proxy.upstream.models import resolve_model
 
-_ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
-               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
+_ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+               "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
 
 
 @dataclass(frozen=True)
 class CompactSettings:
     keep_recent_items: int = 8
-    max_summary_tokens: int = 2048
-    instructions: str = "Summarize the conversation above for a model that will continue it."
+    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
+    instructions: str = DEFAULT_INSTRUCTIONS
     previous_response_id: str = "refuse"  # the operator's stateless policy (proxy.policy.rules)
 
     @classmethod
@@ -47,6 +55,11 @@ class CompactSettings:
                    max_summary_tokens=int(section.get("max_summary_tokens", cls.max_summary_tokens)),
                    instructions=str(section.get("instructions") or cls.instructions),
                    previous_response_id=previous_response_mode(stateless or {}))
+
+    @property
+    def ask(self) -> SummaryAsk:
+        """How the translation asks for a summary (a compaction_trigger's request)."""
+        return SummaryAsk(self.instructions, self.max_summary_tokens)
 
 
 def _window(body: dict[str, Any], settings: CompactSettings) -> list[Any]:
@@ -66,8 +79,18 @@ def _window(body: dict[str, Any], settings: CompactSettings) -> list[Any]:
     return value
 
 
-async def _summarize(request: web.Request, body: dict[str, Any], older: list[Any],
-                     settings: CompactSettings) -> dict[str, Any] | web.Response:
+def _summary_turn(body: dict[str, Any], window: list[Any]) -> dict[str, Any]:
+    """The summary turn's request: the window with a compaction_trigger (its answer is the
+    sealed compaction item), the client's system prompt and cache key."""
+    turn: dict[str, Any] = {"model": body["model"], "input": [*window, {"type": TRIGGER}], "store": False,
+                            "stream": True}
+    for name in ("instructions", "prompt_cache_key"):
+        if body.get(name) is not None:
+            turn[name] = body[name]
+    return turn
+
+
+async def _summarize(request: web.Request, body: dict[str, Any], window: list[Any]) -> dict[str, Any] | web.Response:
     """-> the summary turn's final Response object, or the refusal to pass on as it is."""
     terminal: dict[str, Any] = {}
 
@@ -75,16 +98,13 @@ async def _summarize(request: web.Request, body: dict[str, Any], older: list[Any
         if name in TERMINAL_EVENTS:
             terminal.update(orjson.loads(data))
 
-    turn = summary_request(body, older, settings.instructions, settings.max_summary_tokens)
-    answer = await run_turn(request, orjson.dumps({**turn, "stream": True}), emit, unit=COMPACT_SUMMARY)
-    notice = request.app.get(state.NOTICES_HEADER)
-    if notice is not None and notice in answer.headers:  # the summary turn's notices, on this answer
-        state.context(request).notices.append(answer.headers[notice])
+    answer = await run_turn(request, orjson.dumps(_summary_turn(body, window)), emit, unit=COMPACT_SUMMARY)
+    carry_notices(request, answer)
     if not answer.streamed:
         headers = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after", "x-should-retry")}
         return web.Response(status=answer.status, body=answer.body, content_type="application/json", headers=headers)
     response = terminal.get("response")
-    if not isinstance(response, dict) or response.get("status") not in ("completed", "incomplete"):
+    if not isinstance(response, dict) or response.get("status") != "completed" or compaction_of(response) is None:
         error = (response or {}).get("error") or {}
         raise APIError(502, f"The summary could not be written: {error.get('message') or 'the model failed'}",
                        code=error.get("code") or "upstream_error")
@@ -99,34 +119,33 @@ def _check_model(request: web.Request, model: str) -> None:
                        code="model_not_found", param="model")
 
 
+def _as_it_is(request: web.Request, kept: list[Any]) -> web.Response:
+    """A window with nothing to summarize, answered free of charge, so bounded as free work is:
+    a small compressed body must not buy an answer of server.max_body_bytes."""
+    answer = orjson.dumps({"id": f"resp_{random_bits(128):032x}", "object": "response.compaction",
+                           "created_at": int(time.time()), "output": kept, "usage": _ZERO_USAGE})
+    limit = int(request.app[state.CONFIG].section("server")[UNBILLED_BODY])
+    if len(answer) > limit:
+        raise APIError(413, f"A window with nothing to summarize is answered free of charge up to {limit} bytes; "
+                            "this one is larger.", code="request_too_large")
+    return web.Response(body=answer, content_type="application/json")
+
+
 async def compact_handler(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     settings = request.app.get(state.COMPACT_SETTINGS) or CompactSettings()
     items = _window(body, settings)
     _check_model(request, body["model"])
-    sealer = request.app.get(state.SEALER)
-    if sealer is None:
+    if request.app.get(state.SEALER) is None:
         raise APIError(501, "Compaction needs a sealing key: the operator has not configured reasoning_seal.keys.",
                        code="compaction_unavailable")
-    older, recent = split_window(items, settings.keep_recent_items)
-    kept = [as_output_item(item) for item in recent]
-    if not older:  # nothing to summarize: the window is already as short as it gets
-        answer = orjson.dumps({"id": f"resp_{random_bits(128):032x}", "object": "response.compaction",
-                               "created_at": int(time.time()), "output": kept, "usage": _ZERO_USAGE})
-        # Free of charge, so bounded as free work is: a small compressed body must not buy an
-        # answer of server.max_body_bytes.
-        limit = int(request.app[state.CONFIG].section("server")[UNBILLED_BODY])
-        if len(answer) > limit:
-            raise APIError(413, f"A window with nothing to summarize is answered free of charge up to {limit} bytes; "
-                                "this one is larger.", code="request_too_large")
-        return web.Response(body=answer, content_type="application/json")
-    response = await _summarize(request, body, older, settings)
+    kept, whole = kept_user_messages(items, settings.keep_recent_items)
+    if whole:  # nothing but the messages kept: the window is already as short as it gets
+        return _as_it_is(request, kept)
+    response = await _summarize(request, body, items)
     if isinstance(response, web.Response):
         return response
-    summary = summary_text(response)
-    if not summary:
-        raise APIError(502, "The model wrote an empty summary.", code="upstream_error")
-    seal = sealer.bound(binding(state.context(request).key))[0]
+    # The user messages, then one compaction item (the openai SDK's CompactedResponse).
     answer = {"id": response.get("id"), "object": "response.compaction", "created_at": response.get("created_at"),
-              "output": [compaction_item(summary, seal), *kept], "usage": response.get("usage") or _ZERO_USAGE}
+              "output": [*kept, compaction_of(response)], "usage": response.get("usage") or _ZERO_USAGE}
     return web.Response(body=orjson.dumps(answer), content_type="application/json")

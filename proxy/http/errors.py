@@ -39,6 +39,18 @@ def error_type_for(status: int) -> str:
     return _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
+# The code of a refusal raised without one of its own. Every error carries a string code, on
+# HTTP as over the WebSocket (whose error event requires one): the same refusal reads the same
+# on both transports.
+_CODES = {400: "invalid_request", 401: "invalid_api_key", 402: "insufficient_quota", 403: "forbidden",
+          404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 409: "conflict",
+          413: "request_too_large", 415: "unsupported_media_type", 429: "rate_limit_exceeded"}
+
+
+def default_code(status: int) -> str:
+    return _CODES.get(status, "server_error" if status >= 500 else "invalid_request")
+
+
 ERROR_CODE = web.ResponseKey("error_code", object)  # the envelope's code, for the access line
 
 
@@ -59,7 +71,8 @@ def ledger_unavailable(exc: Any) -> "APIError":
 
 
 class APIError(Exception):
-    """An answer in the OpenAI error envelope. `headers` lets 429 carry Retry-After."""
+    """An answer in the OpenAI error envelope. `headers` lets 429 carry Retry-After; a refusal
+    without a `code` of its own gets its status's (`default_code`)."""
 
     def __init__(
         self,
@@ -74,7 +87,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.code = code
+        self.code = code if code is not None else default_code(status)
         self.param = param
         self.type = type or error_type_for(status)
         self.headers = headers or {}

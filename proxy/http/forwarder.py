@@ -33,7 +33,7 @@ from proxy.protocol.translate import Translation
 from proxy.upstream.client import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected,
                             UpstreamResponse)
 from proxy.upstream.workers import Worker
-from proxy.state import CONTEXT, RESPONSE_SETTINGS, SEALER, RequestContext
+from proxy.state import RESPONSE_SETTINGS, SEALER, RequestContext
 
 SESSION, UPSTREAMS, POOL = state.SESSION, state.UPSTREAMS, state.POOL
 
@@ -166,11 +166,6 @@ async def _settle_now(ctx: RequestContext) -> None:
     release = ctx.release  # the limits' slot (a shared backend), given back as early
     if release is not None:
         await release()
-
-
-async def responses_handler(request: web.Request) -> web.StreamResponse:
-    """POST /v1/responses, after the phases: the context holds the one Translation."""
-    return await forward(request, request[CONTEXT])
 
 
 async def forward(request: web.Request, ctx: RequestContext) -> web.StreamResponse:

@@ -52,7 +52,9 @@ _CONTENT_PART = {
 
 _INPUT_ITEM = {
     "type": "object",
-    "description": "A message, function_call, function_call_output, reasoning or hosted-tool item.",
+    "description": "A message, function_call, function_call_output, reasoning, compaction or hosted-tool item; "
+                   "as the last item, a compaction_trigger: the answer is then one compaction item, the "
+                   "window's summary sealed to the key (501 without a sealing key).",
     "properties": {
         "type": {"type": "string"},
         "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
@@ -181,7 +183,8 @@ _COMPACTION = {
         "object": {"const": "response.compaction"},
         "created_at": {"type": "integer"},
         "output": {"type": "array", "items": {"type": "object", "required": ["type"]},
-                   "description": "A compaction item (the summary, sealed) then the recent items as they were."},
+                   "description": "The latest user messages as they were (at most compact.keep_recent_items), "
+                                  "then one compaction item (the window's summary, sealed)."},
         "usage": _USAGE,
     },
 }
@@ -275,7 +278,7 @@ def openapi_document() -> dict[str, Any]:
                                 "text/event-stream": {"schema": {"type": "string"}},
                             },
                         },
-                        **_errors(400, 401, 402, 403, 404, 408, 413, 415, 429, 502, 503, 504),
+                        **_errors(400, 401, 402, 403, 404, 408, 413, 415, 429, 501, 502, 503, 504),
                     },
                 }
             },
@@ -293,7 +296,7 @@ def openapi_document() -> dict[str, Any]:
                                 "properties": {"object": {"const": "response.input_tokens"},
                                                "input_tokens": {"type": "integer", "minimum": 0}}}}},
                         },
-                        **_errors(400, 401, 403, 404, 408, 413, 415, 429, 502, 503, 504),
+                        **_errors(400, 401, 403, 404, 408, 413, 415, 429, 501, 502, 503, 504),
                     },
                 }
             },

@@ -19,6 +19,7 @@ from proxy import state
 from proxy.http.errors import APIError, bad_request
 from proxy.http.units import BODY, MODELS, SIZES, TRANSLATE
 from proxy.policy.netguard import check_images, policy_for
+from proxy.protocol.compaction import SummaryAsk
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, translate_request
 from proxy.state import SAMPLING_DEFAULTS, SEALER, RequestContext
@@ -274,9 +275,11 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
                 body = check(ctx, body)
             ctx.body = body
             sealer = app.get(SEALER)
+            compact = app.get(state.COMPACT_SETTINGS)
             options = TranslateOptions(unseal=sealer.bound(binding(ctx.key))[1] if sealer is not None else None,
                                        served=pool.serves if pool is not None else None,
-                                       sampling_defaults=app.get(SAMPLING_DEFAULTS))
+                                       sampling_defaults=app.get(SAMPLING_DEFAULTS),
+                                       compaction=None if sealer is None else compact.ask if compact else SummaryAsk())
             result = translate_request(body, options)
             # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
             await check_images(policy_for(app), result.chat)

@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 
 from proxy.http.compact import compact_handler
 from proxy.http.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
-from proxy.http.forwarder import responses_handler
 from proxy.http.key_view import key_handler
 from proxy.http.openapi import openapi_handler
+from proxy.http.responses import responses_handler
 from proxy.http.units import COMPACT, INPUT_TOKENS, KEYED, PUBLIC, RESPONSES, WS_HANDSHAKE, Unit
 from proxy.http.websocket import websocket_handler
 

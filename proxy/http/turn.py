@@ -136,6 +136,7 @@ class Turn:
     answer: TurnStream | None = None
     on_prepare: OnPrepare | None = None
     refusal: web.StreamResponse | None = None  # the JSON answer run_turn reads (never written)
+    transport: str = "http"  # what carried the turn's message (the access line's `transport`)
 
     def stream(self, headers: dict[str, str]) -> TurnStream:
         self.answer = TurnStream(self.emit, headers, self.on_prepare)
@@ -159,13 +160,16 @@ def _headers(origin: web.Request, body: bytes) -> CIMultiDict[str]:
 
 
 async def run_turn(origin: web.Request, body: bytes, emit: Emit, on_prepare: OnPrepare | None = None, *,
-                   unit: Unit, decode: Decode | None = None, handlers: dict[Unit, Any] | None = None) -> TurnAnswer:
+                   unit: Unit, decode: Decode | None = None, handlers: dict[Unit, Any] | None = None,
+                   transport: str = "http") -> TurnAnswer:
     """Run `body` (JSON: a Responses request body, or a message `decode` turns into one) as
     `POST /v1/responses` with `origin`'s headers through the app, as the unit of work `unit`
     (its phases: proxy.http.units); the events go to `emit` while it runs. `on_prepare` is told
-    the event stream's headers (notices among them) before its first event is emitted."""
+    the event stream's headers (notices among them) before its first event is emitted;
+    `transport` names what carried the message ("websocket"; "http" for a turn of an HTTP request)."""
     request = origin.clone(method="POST", rel_url=TURN_PATH, headers=_headers(origin, body))
-    turn = request[state.TURN] = Turn(body, emit, unit, decode, handlers or {}, on_prepare=on_prepare)
+    turn = request[state.TURN] = Turn(body, emit, unit, decode, handlers or {}, on_prepare=on_prepare,
+                                      transport=transport)
     app = request.app
     handler = (await app.router.resolve(request)).handler
     for middleware in reversed(app.middlewares):  # new-style middlewares: (request, handler)

@@ -62,10 +62,11 @@ RESPONSES = Unit("POST /v1/responses", EVERY)
 INPUT_TOKENS = Unit("POST /v1/responses/input_tokens", UNBILLED, body_limit=UNBILLED_BODY,
                     why="a count is free of charge; limited, and bounded by the unbilled body size")
 COMPACT = Unit("POST /v1/responses/compact", frozenset({AUTH, LIMITS, BODY, SIZES, MODELS}),
-               why="the window is cut by the handler; the summary is its own turn (COMPACT_SUMMARY), "
-                   "held and billed; a window too short to summarize costs nothing")
+               why="the handler keeps the latest user messages; the summary is its own turn (COMPACT_SUMMARY), "
+                   "held and billed; a window with nothing to summarize costs nothing")
 COMPACT_SUMMARY = Unit("compaction summary turn", EVERY - {LIMITS},
-                       why="its compaction request took the concurrency slot and the rate token already")
+                       why="the request that runs it (a compaction, or a compaction_trigger's request asking "
+                           "for its summary once more) took the concurrency slot and the rate token already")
 WS_WARMUP = Unit("WebSocket response.create generate=false", UNBILLED, body_limit=UNBILLED_BODY,
                  why="a warm-up calls no model: free of charge, limited, bounded by the unbilled body size")
 WS_TURN = Unit("WebSocket response.create", EVERY, variants=(WS_WARMUP,))

@@ -54,6 +54,7 @@ from proxy.protocol.continuation import (
     Continuation,
     TurnRefused,
     check_client_event,
+    client_param,
     error_event,
     with_previous,
 )
@@ -134,7 +135,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     settings = request.app.get(state.WEBSOCKET_SETTINGS) or WebSocketSettings()
     if not settings.enabled or not _is_upgrade(request):
         raise APIError(405, f"Method not allowed on this endpoint ({request.method} {request.path}); "
-                            "POST a request, or open a WebSocket.", code=None)
+                            "POST a request, or open a WebSocket.")
     admission = request.app[state.SOCKETS]
     key = state.context(request).key
     key_id = key.key_id if key is not None else None
@@ -338,7 +339,9 @@ class _Connection:
                 body, previous = self.memory.expand(check_client_event(event))
             except TurnRefused as exc:  # nothing ran: an unknown id had nothing to evict
                 raise _refused(exc) from None
-            decoded.update(body=body, previous=previous)
+            # The remembered items come first in a continuation's input: an error's param is
+            # told relative to the client's own items (continuation.client_param).
+            decoded.update(body=body, previous=previous, remembered=len(self.memory.context) if previous else 0)
             if body.pop("generate", True) is False:
                 return body, WS_WARMUP
             body["stream"] = True
@@ -359,14 +362,14 @@ class _Connection:
 
         try:
             answer = await run_turn(self.request, message, emit, prepared, unit=WS_TURN, decode=decode,
-                                    handlers={WS_WARMUP: warmup_handler})
+                                    handlers={WS_WARMUP: warmup_handler}, transport="websocket")
         except BaseException:
             self.memory.failed(decoded.get("previous"))
             raise
         if decoded:
             self._remember(answer, terminal, decoded["body"], decoded["previous"])
         if not answer.streamed:
-            await self._send_json(_error_of(answer, names))
+            await self._send_json(_error_of(answer, names, decoded.get("remembered", 0)))
 
     def _carried_headers(self) -> tuple[str, ...]:
         """The answer headers a turn carries on its events: the notices header, when the
@@ -399,15 +402,19 @@ def _with_headers(data: bytes, headers: dict[str, str]) -> bytes:
     return data[:-1] + b',"headers":' + orjson.dumps(headers) + b"}"
 
 
-def _error_of(answer: TurnAnswer, names: tuple[str, ...] = ()) -> dict[str, Any]:
-    """An HTTP refusal (the OpenAI error envelope) as the spec's WebSocket error event, with
-    the answer's carried headers (its notices) as it had them."""
+def _error_of(answer: TurnAnswer, names: tuple[str, ...] = (), remembered: int = 0) -> dict[str, Any]:
+    """An HTTP refusal (the OpenAI error envelope) as the spec's WebSocket error event: the same
+    error object (its code, type and message), its param about the client's own items (a
+    continuation's input starts with the `remembered` ones), and the answer's carried headers
+    (its notices) as it had them."""
     try:
         error = orjson.loads(answer.body).get("error")
     except (orjson.JSONDecodeError, AttributeError):
         error = None
     if not isinstance(error, dict):
         error = {"type": "server_error", "message": "The request failed.", "code": None, "param": None}
+    elif remembered and error.get("param") is not None:
+        error = {**error, "param": client_param(error["param"], remembered)}
     retry_after = answer.headers.get("Retry-After")
     if retry_after is not None:
         error = {**error, "retry_after": retry_after}

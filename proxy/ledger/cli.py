@@ -7,7 +7,7 @@
                                      [--daily-budget MICROS] [--monthly-budget MICROS] [--expires WHEN]
     responses-proxy keys list
     responses-proxy keys show KEY_ID
-    responses-proxy keys topup KEY_ID MICROS
+    responses-proxy keys topup KEY_ID (MICROS | --usd AMOUNT)   (negative corrects)
     responses-proxy keys limits KEY_ID [--models a,b|*] [--concurrency N|none] [--rate N|none]
                                        [--tpm N|none] [--daily-budget N|none] [--monthly-budget N|none]
                                        [--expires WHEN|none]
@@ -56,22 +56,34 @@ from proxy.ledger.service import (
     to_csv,
     totals_dict,
     usage_dict,
+    usd,
 )
 from proxy.ledger.usage import MAX_AMOUNT
 
 MICROS = 1_000_000
 
 
-def _usd(text: str) -> int:
+def _usd_amount(text: str, signed: bool) -> int:
+    """An amount in dollars ("1.50", "$1.50", "-0.25" when `signed`) -> micro-dollars, exactly."""
     try:
-        value = Decimal(text) * MICROS
+        value = Decimal(text.strip().replace("$", "", 1).replace(",", "").replace("_", "")) * MICROS
     except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"not an amount: {text!r}") from None
-    if not value.is_finite() or value != value.to_integral_value() or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative whole number of micro-units")
-    if value > MAX_AMOUNT:
-        raise argparse.ArgumentTypeError(f"{text!r} is out of range: at most {MAX_AMOUNT} micro-units")
+        raise argparse.ArgumentTypeError(f"not an amount of dollars: {text!r}") from None
+    if not value.is_finite() or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"{text!r} is finer than a micro-dollar (at most 6 decimals)")
+    if value < 0 and not signed:
+        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    if abs(value) > MAX_AMOUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: at most {usd(MAX_AMOUNT)}")
     return int(value)
+
+
+def _usd(text: str) -> int:
+    return _usd_amount(text, signed=False)
+
+
+def _usd_signed(text: str) -> int:
+    return _usd_amount(text, signed=True)
 
 
 def _micros(text: str) -> int:
@@ -160,7 +172,9 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
 
     topup = sub.add_parser("topup", parents=[json_flag], help="add to a balance (negative corrects)")
     topup.add_argument("key_id")
-    topup.add_argument("micros", type=_micros)
+    topup_amount = topup.add_mutually_exclusive_group(required=True)
+    topup_amount.add_argument("micros", type=_micros, nargs="?", metavar="MICROS", help="micro-dollars")
+    topup_amount.add_argument("--usd", type=_usd_signed, metavar="AMOUNT", help="dollars, e.g. 5 or 1.50 or -0.25")
 
     limits = sub.add_parser("limits", parents=[json_flag], help="change a key's limits")
     limits.add_argument("key_id")
@@ -200,10 +214,14 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     return keys
 
 
-def _money(micros: int) -> str:
-    sign = "-" if micros < 0 else ""
-    whole, frac = divmod(abs(micros), MICROS)
-    return f"{sign}{whole}.{frac:06d}"
+_money = usd  # every amount a person reads is in dollars (proxy.ledger.service.usd); JSON keeps micros
+
+
+def _show_line(name: str, value: Any) -> str:
+    """A `keys show` line: an amount in dollars, its micros beside it."""
+    if name.endswith("_micros") and isinstance(value, int) and not isinstance(value, bool):
+        return f"{name.removesuffix('_micros')}: {_money(value)} ({value} micros)"
+    return f"{name}: {value}"
 
 
 def _key_dict(record: KeyRecord) -> dict[str, Any]:
@@ -215,17 +233,17 @@ def _key_line(record: KeyRecord) -> str:
     conc = "-" if record.concurrency is None else str(record.concurrency)
     rate = "-" if record.rate_per_min is None else str(record.rate_per_min)
     tpm = "-" if record.tokens_per_min is None else str(record.tokens_per_min)
-    budgets = "/".join("-" if b is None else str(b) for b in (record.daily_budget_micros, record.monthly_budget_micros))
+    budgets = "/".join(_money(b) for b in (record.daily_budget_micros, record.monthly_budget_micros))
     expires = (iso(record.expires_at) or "-")[:10]
     return (
         f"{record.key_id:<20} {record.name[:24]:<24} {record.prefix + '...':<16} "
-        f"{record.balance_micros:>16} {_money(record.balance_micros):>14} {models[:30]:<30} "
+        f"{record.balance_micros:>16} {_money(record.balance_micros):>16} {models[:30]:<30} "
         f"{conc:>5} {rate:>6} {tpm:>8} {budgets:>21} {expires:>10} {'yes' if record.revoked else 'no':>7}"
     )
 
 
 _KEY_HEADER = (
-    f"{'KEY_ID':<20} {'NAME':<24} {'PREFIX':<16} {'BALANCE_MICROS':>16} {'BALANCE':>14} {'MODELS':<30} "
+    f"{'KEY_ID':<20} {'NAME':<24} {'PREFIX':<16} {'BALANCE_MICROS':>16} {'BALANCE_USD':>16} {'MODELS':<30} "
     f"{'CONC':>5} {'RATE':>6} {'TPM':>8} {'BUDGET_DAY/MONTH':>21} {'EXPIRES':>10} {'REVOKED':>7}"
 )
 
@@ -309,7 +327,7 @@ def _print_secret(secret: str, record: KeyRecord, as_json: bool, out: Any) -> No
         return
     print(f"key_id:  {record.key_id}", file=out)
     print(f"secret:  {secret}", file=out)
-    print(f"balance: {record.balance_micros} micros ({_money(record.balance_micros)})", file=out)
+    print(f"balance: {_money(record.balance_micros)} ({record.balance_micros} micros)", file=out)
     print("The secret is shown once and is not stored; keep it now.", file=out)
 
 
@@ -329,16 +347,25 @@ async def _usage(ledger: Any, args: argparse.Namespace, out: Any) -> None:
     elif fmt == "csv":
         print(to_csv(rows, columns), file=out, end="")
     elif query.group_by:
-        print("  ".join(f"{c.upper():>14}" for c in columns), file=out)
+        print("  ".join(f"{_column(c):>14}" for c in columns), file=out)
         for row in rows:
-            print("  ".join(f"{str(row[c])[:24]:>14}" for c in columns), file=out)
+            print("  ".join(f"{_cell(c, row[c])[:24]:>14}" for c in columns), file=out)
     else:
         print(f"{'CREATED':<20} {'REQUEST_ID':<36} {'KEY_ID':<20} {'MODEL':<24} {'IN':>8} {'CACHED':>8} "
-              f"{'OUT':>8} {'COST':>12} {'DEBITED':>12} STATUS", file=out)
+              f"{'OUT':>8} {'COST_USD':>12} {'DEBITED_USD':>12} STATUS", file=out)
         for r in rows:
             print(f"{r['created']:<20} {r['request_id'][:36]:<36} {r['key_id']:<20} {r['model'][:24]:<24} "
-                  f"{r['input_tokens']:>8} {r['cached_tokens']:>8} {r['output_tokens']:>8} {r['cost_micros']:>12} "
-                  f"{r['debited_micros'] if r['debited_micros'] is not None else '-':>12} {r['status']}", file=out)
+                  f"{r['input_tokens']:>8} {r['cached_tokens']:>8} {r['output_tokens']:>8} {_money(r['cost_micros']):>12} "
+                  f"{_money(r['debited_micros']):>12} {r['status']}", file=out)
+
+
+def _column(name: str) -> str:
+    """A table's heading: an amount is shown in dollars (its JSON and CSV keep micros)."""
+    return name.removesuffix("_micros").upper() + "_USD" if name.endswith("_micros") else name.upper()
+
+
+def _cell(name: str, value: Any) -> str:
+    return _money(value) if name.endswith("_micros") else str(value)
 
 
 async def _command(service: KeyService, args: argparse.Namespace, out: Any) -> None:
@@ -360,13 +387,15 @@ async def _command(service: KeyService, args: argparse.Namespace, out: Any) -> N
     elif cmd == "show":
         record = await service.get(args.key_id)
         data = {**_key_dict(record), **await service.summary(record)}
-        print(json.dumps(data) if as_json else "\n".join(f"{k}: {v}" for k, v in data.items()), file=out)
+        print(json.dumps(data) if as_json else "\n".join(_show_line(k, v) for k, v in data.items()), file=out)
     elif cmd == "topup":
-        balance = await service.top_up(args.key_id, args.micros)
+        amount = args.usd if args.usd is not None else args.micros
+        balance = await service.top_up(args.key_id, amount)
         if as_json:
             print(json.dumps({"key_id": args.key_id, "balance_micros": balance}), file=out)
         else:
-            print(f"{args.key_id}: balance {balance} micros ({_money(balance)})", file=out)
+            print(f"{args.key_id}: {'+' if amount >= 0 else ''}{_money(amount)}, balance {_money(balance)} "
+                  f"({balance} micros)", file=out)
     elif cmd == "limits":
         changes = _limits_of(args, UNSET)
         record = await service.update(args.key_id, changes) if changes else await service.get(args.key_id)

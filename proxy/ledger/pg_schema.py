@@ -27,6 +27,9 @@ sums are per served model, whatever aliases clients send; rows without one (made
 by a replica of an older release during a rolling upgrade) are summed under their `model`,
 as they already were, so the sums made before stay right and nothing is re-summed. Adding a
 nullable column without a default is a change of the catalog only (no table rewrite).
+Migration 5 adds ledger_hold(), PostgresLedger.hold_up_to's transaction as one function, so
+a hold is one round trip to the database instead of five (BEGIN, lock, read, insert, COMMIT)
+on the request's path to its first byte: the same statements in the same order.
 """
 
 from __future__ import annotations
@@ -150,6 +153,44 @@ BEGIN
     RETURN NULL;
 END $$;
 COMMENT ON COLUMN usage_hourly.model IS 'the served model: COALESCE(usage.served_model, usage.model)';
+"""),
+    (5, "ledger_hold: a hold in one round trip", """
+CREATE FUNCTION ledger_hold(p_request_id TEXT, p_key_id TEXT, p_low BIGINT, p_high BIGINT, p_now DOUBLE PRECISION,
+                            p_ttl DOUBLE PRECISION, p_lease_id TEXT, p_lease_return BIGINT,
+                            OUT outcome TEXT, OUT amount BIGINT)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_balance BIGINT;
+    v_held BIGINT;
+    v_settled BOOLEAN;
+BEGIN
+    -- First: every money move of the key waits here. Each statement below takes a fresh
+    -- snapshot (READ COMMITTED, a VOLATILE function), so it sees every hold committed
+    -- before this lock was granted.
+    SELECT balance_micros INTO v_balance FROM keys WHERE key_id = p_key_id FOR UPDATE;
+    IF p_lease_id IS NOT NULL THEN  -- a lease's free part goes back first, kept even when refused
+        UPDATE holds SET amount_micros = GREATEST(0, amount_micros - p_lease_return) WHERE request_id = p_lease_id;
+    END IF;
+    IF v_balance IS NULL THEN
+        outcome := 'unknown_key'; RETURN;
+    END IF;
+    SELECT COALESCE(SUM(h.amount_micros), 0)::BIGINT INTO v_held FROM holds h
+        WHERE h.key_id = p_key_id AND h.expires_at > p_now;
+    SELECT EXISTS (SELECT 1 FROM usage u WHERE u.request_id = p_request_id) INTO v_settled;
+    IF v_settled THEN
+        outcome := 'duplicate'; RETURN;
+    END IF;
+    IF v_balance - v_held < p_low THEN
+        outcome := 'insufficient'; amount := GREATEST(v_balance - v_held, 0); RETURN;
+    END IF;
+    amount := LEAST(v_balance - v_held, p_high);
+    INSERT INTO holds (request_id, key_id, amount_micros, expires_at) VALUES (p_request_id, p_key_id, amount, p_now + p_ttl)
+        ON CONFLICT (request_id) DO NOTHING;
+    IF NOT FOUND THEN
+        outcome := 'duplicate'; amount := NULL; RETURN;
+    END IF;
+    outcome := 'held';
+END $$;
 """),
 )
 

@@ -69,6 +69,7 @@ from proxy.ledger.sqlite import _DUMMY_HASH
 log = logging.getLogger("proxy.ledger")
 
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
+_HOLD = "SELECT outcome, amount FROM ledger_hold($1, $2, $3, $4, $5, $6, $7, $8)"
 
 
 def redact(dsn: str) -> str:
@@ -308,35 +309,23 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
             raise ValueError("ttl_s must be positive")
         self._refuse_if_faulty()
 
-        async def op(conn: asyncpg.Connection) -> Hold | LedgerError:
-            balance = await conn.fetchval(_LOCK_KEY, key_id)  # first: every money move of the key waits here
-            if lease_return is not None:
-                await conn.execute("UPDATE holds SET amount_micros = GREATEST(0, amount_micros - $1)"
-                                   " WHERE request_id = $2", int(lease_return[1]), lease_return[0])
-            if balance is None:
-                return UnknownKey(key_id)
-            now = time.time()
-            held, settled = await conn.fetchrow(
-                "SELECT (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds WHERE key_id = $1"
-                " AND expires_at > $2), EXISTS (SELECT 1 FROM usage WHERE request_id = $3)", key_id, now, request_id)
-            if settled:
-                return DuplicateRequest(request_id)
-            available = balance - held
-            if available < low:
-                return InsufficientBalance(max(available, 0), low)
-            amount = min(available, high)
-            status = await conn.execute(
-                "INSERT INTO holds (request_id, key_id, amount_micros, expires_at) VALUES ($1, $2, $3, $4)"
-                " ON CONFLICT (request_id) DO NOTHING", request_id, key_id, amount, now + ttl)
-            if status.endswith(" 0"):
-                return DuplicateRequest(request_id)
-            return Hold(request_id, key_id, amount, now + ttl)
+        lease_id, give_back = lease_return if lease_return is not None else (None, 0)
+        now = time.time()
 
-        # Refusals are returned, not raised, so the transaction (a lease give-back) commits.
-        result = await self._db(op)
-        if isinstance(result, LedgerError):
-            raise result
-        return result
+        async def op(conn: asyncpg.Connection) -> tuple[str, int | None]:
+            # One statement (migration 5): its own transaction, one round trip; a refusal
+            # commits the lease give-back too, as it should.
+            return tuple(await conn.fetchrow(_HOLD, request_id, key_id, low, high, now, ttl, lease_id,
+                                             int(give_back)))
+
+        outcome, amount = await self._db(op, transaction=False)
+        if outcome == "held":
+            return Hold(request_id, key_id, amount, now + ttl)
+        if outcome == "insufficient":
+            raise InsufficientBalance(amount, low)
+        if outcome == "unknown_key":
+            raise UnknownKey(key_id)
+        raise DuplicateRequest(request_id)
 
     async def _settle_db(self, request_id: str, usage: UsageRecord) -> int | None:
         row = usage_row(usage, request_id)

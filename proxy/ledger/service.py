@@ -76,6 +76,18 @@ def period_starts(now: float | None = None) -> tuple[float, float]:
     return float(day), float(month)
 
 
+def usd(micros: int | None) -> str:
+    """An amount of micro-dollars (the ledger's and the API's unit) as a person reads it, exactly:
+    cents always, then the further digits it has (2810 -> "$0.00281", 1_500_000 -> "$1.50",
+    1_234_567_890 -> "$1,234.56789"). The dashboard's money() writes the same."""
+    if micros is None:
+        return "-"
+    whole, frac = divmod(abs(micros), 1_000_000)
+    digits = f"{frac:06d}"
+    digits = digits[:2] + digits[2:].rstrip("0")
+    return f"{'-' if micros < 0 else ''}${whole:,}.{digits}"
+
+
 def key_dict(record: KeyRecord) -> dict[str, Any]:
     """A key as JSON (never the secret: the record does not have it), times also in ISO 8601."""
     data = asdict(record)

@@ -1,31 +1,52 @@
-"""Compaction of an input window (POST /v1/responses/compact), sans-I/O.
+"""Compaction of an input window, sans-I/O: the summary the model writes, sealed to the key.
 
-A window is cut in two: the recent items (from the last user message on, at most
-`keep_recent_items`, never starting on a tool output without its call) stay as they are; the
-older ones are summarized by the model, and the summary travels as a `compaction` item whose
+Two ways in, one way the summary is written:
+
+* a `compaction_trigger` input item, the last of an ordinary Responses request (Codex's
+  remote compaction v2): the translation (proxy.protocol.translate) makes the request the
+  summary's (`take_trigger`, `summary_chat`): the window, then the summary instructions as the
+  last user message, the model's thinking switched off, and the output cap the proxy's own
+  (`SummaryAsk.max_tokens`, fitted to the model's window by the context check, never refused
+  as a client's cap would be); proxy.http.compaction_trigger answers it with one `compaction`
+  output item.
+* POST /v1/responses/compact (proxy.http.compact): the window with a trigger is that same
+  request, run as the compact request's summary turn; its answer is the latest user messages
+  as they are (`kept_user_messages`, at most `keep_recent_items`), then the compaction item:
+  the openai SDK's `CompactedResponse` ("all user messages, followed by a single compaction
+  item").
+
+The summary covers the whole window. It travels as a `compaction` item whose
 `encrypted_content` is the proxy's seal (proxy.protocol.seal, bound to the caller's API key)
-of the summary text. When the window comes back in a later request, the translation opens the
-item (`compaction_message`) into a user message carrying the summary; an item in this proxy's
-seal format that it cannot open is a 400, never a silently shorter context (another provider's
+of the summary text. When the item comes back in a later request, the translation opens it
+(`compaction_message`) into a user message carrying the summary; an item in this proxy's seal
+format that it cannot open is a 400, never a silently shorter context (another provider's
 compaction item is replayed as a placeholder, as any hosted item).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.http.errors import bad_request
 from proxy.protocol.ids import random_bits
 
 # Sealed text of a compaction starts with this, so a reasoning ciphertext cannot pose as one.
 _TAG = "compaction\x00"
-SUMMARY_HEADER = "Summary of the earlier part of this conversation (compacted):\n\n"
+SUMMARY_HEADER = "Summary of the conversation so far (compacted):\n\n"
 # proxy.protocol.seal's token prefix (seal.PREFIX + "."; importing it would close an import
 # cycle through proxy.state; tests/test_compact.py checks they agree).
 SEAL_FORMAT = "rp2."
-_TOOL_OUTPUTS = ("function_call_output", "custom_tool_call_output")
-_USER_ROLES = ("user",)
+TRIGGER = "compaction_trigger"
+DEFAULT_INSTRUCTIONS = "Summarize the conversation above for a model that will continue it."
+DEFAULT_MAX_SUMMARY_TOKENS = 2048
+
+
+class SummaryAsk(NamedTuple):
+    """How a summary is asked for (config.yaml `compact`): its instructions and output cap."""
+
+    instructions: str = DEFAULT_INSTRUCTIONS
+    max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
 
 
 def _kind(item: Any) -> str | None:
@@ -37,35 +58,28 @@ def _kind(item: Any) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def split_window(items: list[Any], keep_recent: int) -> tuple[list[Any], list[Any]]:
-    """-> (older, recent). Recent: from the last user message on, at most `keep_recent` items
-    (and at least one, so there is something older to summarize whenever the window has two)."""
-    if len(items) < 2:
-        return [], list(items)
-    last_user = max((i for i, it in enumerate(items)
-                     if _kind(it) == "message" and it.get("role") in _USER_ROLES), default=len(items) - 1)
-    cut = max(last_user, len(items) - keep_recent, 1)
-    cut = min(cut, len(items) - 1)
-    # A tool output needs its call before it: move the cut back over outputs and their calls.
-    while cut > 0 and _kind(items[cut]) in _TOOL_OUTPUTS:
-        cut -= 1
-    while cut > 0 and _kind(items[cut - 1]) in ("function_call", "custom_tool_call", "reasoning"):
-        cut -= 1
-    return items[:cut], items[cut:]
+def take_trigger(value: Any) -> tuple[Any, bool]:
+    """(the input without its compaction_trigger, whether it had one). The trigger must be the
+    last item (the openai SDK: "Must be the final input item"); anywhere else it is a 400."""
+    if not isinstance(value, list) or not value:
+        return value, False
+    found = [i for i, item in enumerate(value) if _kind(item) == TRIGGER]
+    if not found:
+        return value, False
+    if found[0] != len(value) - 1:
+        raise bad_request("A compaction_trigger item must be the last input item.",
+                          param=f"input[{found[0]}].type", code="invalid_compaction_trigger")
+    return value[:-1], True
 
 
-def summary_request(body: dict[str, Any], older: list[Any], instructions: str, max_tokens: int) -> dict[str, Any]:
-    """The Responses request whose answer is the summary of `older`."""
-    request: dict[str, Any] = {
-        "model": body["model"],
-        "input": [*older, {"type": "message", "role": "user", "content": instructions}],
-        "store": False,
-        "max_output_tokens": max_tokens,
-    }
-    for name in ("instructions", "prompt_cache_key"):
-        if body.get(name) is not None:
-            request[name] = body[name]
-    return request
+def without_trigger(items: list[Any]) -> list[Any]:
+    """A window as a later request continues it: a compaction_trigger has done its work."""
+    return [item for item in items if _kind(item) != TRIGGER]
+
+
+def summary_chat(messages: list[dict], ask: SummaryAsk) -> list[dict]:
+    """The summary request's messages: the window's, then the instructions as the user's."""
+    return [*messages, {"role": "user", "content": ask.instructions}]
 
 
 def summary_text(response: dict[str, Any]) -> str:
@@ -81,6 +95,14 @@ def summary_text(response: dict[str, Any]) -> str:
 
 def compaction_item(summary: str, seal: Callable[[str], str]) -> dict[str, Any]:
     return {"type": "compaction", "id": f"cmp_{random_bits(128):032x}", "encrypted_content": seal(_TAG + summary)}
+
+
+def compaction_of(response: dict[str, Any]) -> dict[str, Any] | None:
+    """The compaction item of a Response object (a compaction_trigger's answer), if any."""
+    for item in response.get("output") or []:
+        if isinstance(item, dict) and item.get("type") == "compaction":
+            return item
+    return None
 
 
 def is_sealed_here(item: dict[str, Any]) -> bool:
@@ -107,31 +129,21 @@ def compaction_message(item: dict[str, Any], param: str, unseal: Callable[[str],
     return {"role": "user", "content": SUMMARY_HEADER + opened[len(_TAG):]}
 
 
-def _hex_id(prefix: str) -> str:
-    return f"{prefix}_{random_bits(96):024x}"
-
-
-def _parts(content: Any, role: str) -> Any:
+def _user_item(item: dict[str, Any]) -> dict[str, Any]:
+    """A user message input item as an item resource (id, status, content parts), the shape the
+    spec's compacted window and the openai SDK's input message items have."""
+    content = item.get("content")
     if isinstance(content, str):
-        kind = "output_text" if role == "assistant" else "input_text"
-        part: dict[str, Any] = {"type": kind, "text": content}
-        if kind == "output_text":
-            part["annotations"] = []
-        return [part]
-    return content
+        content = [{"type": "input_text", "text": content}]
+    ident, status = item.get("id"), item.get("status")
+    return {"type": "message", "id": ident if isinstance(ident, str) and ident else f"msg_{random_bits(96):024x}",
+            "status": status if status in ("in_progress", "completed", "incomplete") else "completed",
+            "role": "user", "content": content}
 
 
-def as_output_item(item: Any) -> Any:
-    """A kept input item in the shape of an item resource (ids, status, content parts), as
-    the spec's compacted window lists them; anything unfamiliar is kept as sent."""
-    kind = _kind(item)
-    if kind == "message":
-        role = item.get("role", "user")
-        return {"type": "message", "id": item.get("id") or _hex_id("msg"), "status": item.get("status") or "completed",
-                "role": role, "content": _parts(item.get("content"), role)}
-    if kind in ("function_call", "function_call_output"):
-        prefix = "fc" if kind == "function_call" else "fco"
-        return {**item, "id": item.get("id") or _hex_id(prefix), "status": item.get("status") or "completed"}
-    if kind == "reasoning":
-        return {**item, "id": item.get("id") or _hex_id("rs"), "summary": item.get("summary") or []}
-    return item
+def kept_user_messages(items: list[Any], keep: int) -> tuple[list[dict[str, Any]], bool]:
+    """(the latest user messages of a window, at most `keep`, as item resources in their order;
+    whether they are the whole window: then there is nothing to summarize)."""
+    users = [i for i, item in enumerate(items) if _kind(item) == "message" and item.get("role") == "user"]
+    chosen = users[-keep:] if keep > 0 else []
+    return [_user_item(items[i]) for i in chosen], len(chosen) == len(items)

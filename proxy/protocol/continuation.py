@@ -16,6 +16,9 @@ from typing import Any
 
 import orjson
 
+from proxy.http.errors import default_code
+from proxy.protocol.compaction import without_trigger
+
 # HTTP/SSE transport fields the spec forbids in a WebSocket `response.create`. A value that
 # asks for what the socket does anyway (stream: true, background: false) is let through:
 # Codex sends `stream: true`.
@@ -45,7 +48,7 @@ def error_event(status: int, error: dict[str, Any]) -> dict[str, Any]:
     """The spec's WebSocket error envelope around an OpenAI `error` object."""
     error = dict(error)
     if not isinstance(error.get("code"), str):  # the WebSocket envelope requires a string code
-        error["code"] = _code_for(status)
+        error["code"] = default_code(status)
     if not isinstance(error.get("message"), str):
         error["message"] = "The request failed."
     if not isinstance(error.get("type"), str):  # the openai SDK's ResponseWsError requires it
@@ -53,10 +56,21 @@ def error_event(status: int, error: dict[str, Any]) -> dict[str, Any]:
     return {"type": "error", "status": status, "error": error}
 
 
-def _code_for(status: int) -> str:
-    return {400: "invalid_request", 401: "invalid_api_key", 402: "insufficient_quota", 403: "forbidden",
-            404: "not_found", 408: "request_timeout", 413: "request_too_large",
-            429: "rate_limit_exceeded"}.get(status, "server_error" if status >= 500 else "invalid_request")
+def client_param(param: Any, remembered: int) -> Any:
+    """An error's `param` about a continued turn's input (the `remembered` items of the last
+    response, then the client's own) as the client's message names it: `input[k]` is the
+    client's `input[k - remembered]`; a path into the remembered items is `previous_response_id`,
+    the field that brought them in. Any other param is the client's already."""
+    if not remembered or not isinstance(param, str) or not param.startswith("input["):
+        return param
+    end = param.find("]")
+    index = param[6:end]
+    if end < 0 or not index.isdigit():
+        return param
+    k = int(index)
+    if k < remembered:
+        return "previous_response_id"
+    return f"input[{k - remembered}]{param[end + 1:]}"
 
 
 def parse_client_event(data: str | bytes) -> dict[str, Any]:
@@ -120,9 +134,10 @@ class Continuation:
         return body, previous
 
     def completed(self, body: dict[str, Any], response: dict[str, Any]) -> None:
-        """A turn ended completed or incomplete: its response becomes the one to continue."""
+        """A turn ended completed or incomplete: its response becomes the one to continue (a
+        compaction_trigger has done its work: the context goes on with its compaction item)."""
         self.last_id = response.get("id")
-        self.context = as_items(body.get("input")) + list(response.get("output") or [])
+        self.context = without_trigger(as_items(body.get("input"))) + list(response.get("output") or [])
 
     def failed(self, previous: str | None) -> None:
         """A turn failed (4xx, 5xx, response.failed): the response it continued is evicted."""

@@ -14,16 +14,20 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from proxy.http.errors import bad_request
+from proxy.http.errors import APIError, bad_request
 from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, check_stateless
+from proxy.protocol.compaction import SummaryAsk, summary_chat, take_trigger
 from proxy.protocol.prompt import prompt_bytes
 from proxy.protocol.translate_input import HOSTED_ITEM_TYPES, NO_SEAL_KEY, UNSEAL_FAILED, messages_of
 from proxy.protocol.translate_options import (
+    KNOWN_FIELDS,
     NO_SEAL_INCLUDE,
+    STORE_NOTICE,
     REASONING_EFFORTS,
     TranslateOptions,
     chat_body,
     echo_fields,
+    field_notices,
     is_int,
     reasoning_of,
     scalars,
@@ -42,6 +46,8 @@ __all__ = [
     "HOSTED_ITEM_TYPES",
     "REASONING_EFFORTS",
     "NO_SEAL_INCLUDE",
+    "KNOWN_FIELDS",
+    "STORE_NOTICE",
     "NO_SEAL_KEY",
     "UNSEAL_FAILED",
 ]
@@ -74,6 +80,9 @@ class Translation(NamedTuple):
     # context check both read it. It stands while chat holds those same two objects: the copies
     # share them (chat is never edited in place), a _replace() with other messages does not.
     prompt: tuple[Any, Any, tuple[int, bool]] | None = None
+    # A compaction_trigger's request (proxy.protocol.compaction): how its summary is asked for;
+    # chat is then the summary's (non-stream), answered by proxy.http.compaction_trigger.
+    compaction: SummaryAsk | None = None
 
     def with_cap(self, cap: int, *, lowered: bool = True) -> "Translation":
         """This request with its output held to `cap` tokens (reserved_output). lowered: the cap
@@ -96,7 +105,7 @@ class Translation(NamedTuple):
         # Every field by position (_replace() builds keyword arguments and walks the fields).
         return Translation(chat, self.model, self.upstream_model, self.stream, self.tools, echo, self.notices,
                            self.include_encrypted_reasoning, self.prompt_cache_key, self.conversation,
-                           max_output_tokens, self.allowed_tools, reserved_output, self.prompt)
+                           max_output_tokens, self.allowed_tools, reserved_output, self.prompt, self.compaction)
 
     def prompt_size(self) -> tuple[int, bool]:
         """(UTF-8 bytes of the prompt's text, whether it carries media): proxy.protocol.prompt."""
@@ -136,16 +145,32 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         raise bad_request("Missing required parameter: 'input'.", param="input")
 
     check_stateless(body, items=False)  # _translate_input refuses an item_reference where it stands
+    items, trigger = take_trigger(body["input"])
+    ask = options.compaction if trigger else None
+    if trigger and ask is None:
+        raise APIError(501, "Compaction needs a sealing key: the operator has not configured reasoning_seal.keys.",
+                       code="compaction_unavailable")
     notices: list[str] = []
+    field_notices(body, notices)
     sc = scalars(body, options, notices)
     effort, summary = reasoning_of(body.get("reasoning"))
     response_format, text_echo = text_format(body.get("text"))
     acc, raw_choice, chat_choice, allowed_tools, chat_tools = tools_of(body, notices)
-    messages, config_effort = messages_of(body["input"], sc.instructions, options, notices)
+    messages, config_effort = messages_of(items, sc.instructions, options, notices)
     if effort is None and config_effort is not None:
         effort = config_effort
 
-    chat = chat_body(sc, upstream_model, messages, effort, response_format, chat_tools, chat_choice)
+    sent = sc
+    if ask is not None:  # the request is the summary's (proxy.protocol.compaction)
+        messages = summary_chat(messages, ask)
+        # The proxy's own cap unless the client set one; upstream as JSON, read whole by the handler.
+        sent = sc._replace(stream=False, max_out=sc.max_out or ask.max_tokens, parallel=None, top_logprobs=None)
+        # Thinking off (proxy.protocol.dialects puts the switch where the worker's template reads
+        # it); the tools stay in the prompt (its cached prefix), never called.
+        chat = chat_body(sent, upstream_model, messages, "none", None, chat_tools, "none" if chat_tools else None)
+        allowed_tools = None
+    else:
+        chat = chat_body(sc, upstream_model, messages, effort, response_format, chat_tools, chat_choice)
     sampling = DEFAULT_SAMPLING
     if options.sampling_defaults and upstream_model in options.sampling_defaults:
         sampling = {**DEFAULT_SAMPLING, **options.sampling_defaults[upstream_model]}
@@ -154,15 +179,16 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         chat=chat,
         model=model,
         upstream_model=upstream_model,
-        stream=sc.stream,
+        stream=sent.stream,
         tools=acc.origins,
         echo=echo,
         notices=tuple(notices),
         include_encrypted_reasoning=sc.include_encrypted,
         prompt_cache_key=sc.prompt_cache_key,
         conversation=sc.conversation,
-        max_output_tokens=sc.max_out,
+        max_output_tokens=sent.max_out,
         allowed_tools=allowed_tools,
         prompt=(chat.get("messages"), chat.get("tools"), prompt_bytes(chat)),
+        compaction=ask,
     )
 

@@ -42,6 +42,10 @@ HOSTED_ITEM_TYPES: frozenset[str] = frozenset(
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
 _UNSUPPORTED_PARTS = frozenset({"input_file", "input_audio", "file"})
 _IMAGE_DETAILS = frozenset({"auto", "low", "high"})
+# Items that may stand for earlier calls without showing them (a compaction's summary): a tool
+# output after one may answer a call the client no longer sends.
+_SUMMARY_ITEM_TYPES = frozenset({"compaction", "compaction_summary"})
+_OUTPUT_NAMES = {"function_call_output": "function call output", "custom_tool_call_output": "custom tool call output"}
 UNSEAL_FAILED = ("reasoning item dropped: encrypted_content could not be opened (sealed elsewhere, "
                   "for another API key, with a retired key, or altered)")
 NO_SEAL_KEY = "encrypted_content ignored: no reasoning seal key is configured on this proxy"
@@ -276,6 +280,11 @@ def _call_item(item: dict, param: str, itype: str) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
+def _orphan_output(itype: str, call_id: str) -> Exception:
+    """OpenAI's refusal of a tool output that answers no call in the input (its words, its param)."""
+    return bad_request(f"No tool call found for {_OUTPUT_NAMES[itype]} with call_id {call_id[:128]}.", param="input")
+
+
 def _translate_input(
     inp: Any, options: TranslateOptions, notices: list[str]
 ) -> tuple[list[str], list[dict], str | None]:
@@ -288,6 +297,11 @@ def _translate_input(
     messages: list[dict] = []
     turn = _Turn()
     config_effort: str | None = None
+    # The call ids of the calls so far (a function or custom call, or a hosted call whose result
+    # comes back as a function_call_output, as Codex does for local_shell_call); a summary item
+    # before an output may stand for its call (`summarized`).
+    calls: set[str] = set()
+    summarized = False
     for i, item in enumerate(inp):
         param = f"input[{i}]"
         if not isinstance(item, dict):
@@ -302,18 +316,27 @@ def _translate_input(
             if text:
                 turn.reasoning.append(text)
         elif itype in ("function_call", "custom_tool_call"):
-            turn.calls.append(_call_item(item, param, itype))
+            call = _call_item(item, param, itype)
+            calls.add(call["id"])
+            turn.calls.append(call)
         elif itype in ("function_call_output", "custom_tool_call_output"):
             turn.flush_into(messages)
             call_id = _req_str(item, "call_id", param)
             if "output" not in item:
                 raise bad_request("Missing required parameter: 'output'.", param=f"{param}.output")
             out = _tool_output(item["output"], f"{param}.output")
+            if call_id not in calls and not summarized:
+                raise _orphan_output(itype, call_id)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
         elif itype == "compaction" and is_sealed_here(item):  # made by /v1/responses/compact
             turn.flush_into(messages)
             messages.append(compaction_message(item, param, options.unseal))
+            summarized = True
         elif isinstance(itype, str) and itype in HOSTED_ITEM_TYPES:
+            summarized = summarized or itype in _SUMMARY_ITEM_TYPES
+            hosted_call = item.get("call_id")
+            if isinstance(hosted_call, str) and not itype.endswith("_output"):
+                calls.add(hosted_call)
             turn.texts.append(
                 f"[{itype} replayed from a previous conversation: hosted tool results are not replayed]"
             )

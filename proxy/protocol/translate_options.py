@@ -12,6 +12,23 @@ from proxy.http.errors import bad_request
 REASONING_EFFORTS: frozenset[str] = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
 
 NO_SEAL_INCLUDE = "reasoning.encrypted_content not returned: no reasoning seal key is configured on this proxy"
+STORE_NOTICE = "store: true accepted, nothing is stored (this endpoint is stateless)"
+_UNKNOWN_SHOWN = 10  # names in the unknown-fields notice; the rest are counted
+
+# Every field of a Responses request body that some client may send and this proxy knows: the
+# 000 and 004 docs' fields, the openai SDK's ResponseCreateParams (3.x) and the Open Responses
+# spec's CreateResponseBody, /v1/responses/input_tokens' `personality`, Codex's
+# `client_metadata`, and the WebSocket's `generate`. Known is not the same as honoured: the
+# ones this proxy does not act on are documented as accepted and ignored (README, "Open
+# Responses"). Any other field is accepted too, and named in a notice (`field_notices`).
+KNOWN_FIELDS: frozenset[str] = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "stream", "stream_options", "temperature", "top_p",
+    "presence_penalty", "frequency_penalty", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "max_tool_calls", "provider", "reasoning", "text", "include", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options", "user", "safety_identifier", "metadata", "conversation", "store",
+    "previous_response_id", "background", "background_options", "prompt", "truncation", "service_tier",
+    "context_management", "moderation", "image", "access_programs", "personality", "client_metadata", "generate",
+})
 
 
 @dataclass
@@ -19,6 +36,9 @@ class TranslateOptions:
     unseal: Callable[[str], str | None] | None = None  # encrypted_content -> text, None = cannot open
     served: Callable[[str], bool] | None = None  # is this model name served? None: every name is
     sampling_defaults: dict[str, dict[str, float]] | None = None  # served model -> its server's defaults
+    # How a compaction_trigger's summary is asked for (proxy.protocol.compaction.SummaryAsk);
+    # None: the proxy has no seal key, and a compaction_trigger is refused (501).
+    compaction: Any = None
 
 
 # --------------------------------------------------------------------------- small validators
@@ -67,6 +87,19 @@ def show(v: Any) -> str:
 def add_notice(notices: list[str], text: str) -> None:
     if text not in notices:
         notices.append(text)
+
+
+def field_notices(body: dict, notices: list[str]) -> None:
+    """Say what is accepted without effect that a client could believe had one: fields this
+    proxy does not know (named, never refused: the spec lets a request carry extensions), and
+    `store: true` (nothing is stored)."""
+    unknown = [name for name in body if name not in KNOWN_FIELDS]
+    if unknown:
+        shown = ", ".join(show(name) for name in unknown[:_UNKNOWN_SHOWN])
+        more = len(unknown) - _UNKNOWN_SHOWN
+        add_notice(notices, f"unknown field(s) ignored: {shown}" + (f" and {more} more" if more > 0 else ""))
+    if body.get("store") is True:
+        add_notice(notices, STORE_NOTICE)
 
 
 # --------------------------------------------------------------------------- tools

@@ -449,10 +449,12 @@ async def check_context_window(session: aiohttp.ClientSession, worker: "Worker",
     n = len(t.chat.get("messages") or [])
     upper = text + _PER_MESSAGE * n + _BASE + (_TOOLS_PREAMBLE if t.chat.get("tools") else 0)
     if not asked:
-        # The client set no max_output_tokens: the cap is ours (the balance's or the default).
-        # vLLM lowers it to the room left by itself; SGLang refuses, so lower it here, from
-        # the bound, with no upstream call.
-        if worker.dialect != "sglang" or upper + max_tokens <= window:
+        # The client set no max_output_tokens: the cap is ours (the balance's, a summary's, the
+        # default). vLLM lowers it to the room left by itself, but refuses one above the whole
+        # window; SGLang refuses, so lower it here, from the bound, with no upstream call.
+        if worker.dialect != "sglang":
+            return ("fits", t) if max_tokens <= window else ("clamped", t.with_max_tokens(window))
+        if upper + max_tokens <= window:
             return "fits", t
         if window - upper >= 1:
             return "clamped", t.with_max_tokens(window - upper)

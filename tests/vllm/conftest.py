@@ -180,12 +180,13 @@ def proxy_pair_no_affinity(tier, vllm_a, vllm_b):
 
 @pytest.fixture(scope="session")
 def proxy_sealed(tier, vllm_a):
-    """vllm-a behind a proxy with a seal key: /v1/responses/compact seals its summaries with it."""
+    """vllm-a behind a proxy with a seal key: /v1/responses/compact and a compaction_trigger seal
+    their summaries with it. The `compact` section is the shipped one (max_summary_tokens 2048,
+    the tiny model's whole window: the cap is fitted to the room the prompt leaves)."""
     import base64
 
     key = base64.urlsafe_b64encode(os.urandom(32)).decode()
-    info = _start_proxy(tier, "proxy-sealed", {"vllm-a": vllm_a}, extra={"reasoning_seal": {"keys": {"k1": key}},
-                                                                  "compact": {"max_summary_tokens": 256}})
+    info = _start_proxy(tier, "proxy-sealed", {"vllm-a": vllm_a}, extra={"reasoning_seal": {"keys": {"k1": key}}})
     yield info
     servers.stop(info.proc)
 

@@ -10,7 +10,14 @@
   const palette = ["#2f6fde", "#e8590c", "#2b8a3e", "#c2255c", "#7048e8", "#0c8599", "#e67700", "#5c940d",
                    "#a61e4d", "#364fc7"];
 
-  function money(micros) { return (micros / 1e6).toFixed(6); }
+  // Dollars from micro-dollars (the API's unit), exactly: cents always, then the further
+  // digits the amount has (2810 -> "$0.00281", 1500000 -> "$1.50", 1234567890 -> "$1,234.56789").
+  function money(micros) {
+    if (micros === null || micros === undefined) return "-";
+    const sign = micros < 0 ? "-" : "", abs = Math.abs(Math.round(micros));
+    const whole = Math.floor(abs / 1e6), frac = String(abs % 1e6).padStart(6, "0").replace(/0{1,4}$/, "");
+    return sign + "$" + whole.toLocaleString("en-US") + "." + frac.padEnd(2, "0");
+  }
   function int(n) { return String(n); }
 
   async function api(path, options) {
@@ -115,7 +122,11 @@
     $("window").textContent = "From " + d.since + " to " + d.until + " (UTC), by " + d.bucket + ".";
     const b = d.bucket, names = d.key_names;
     const spend = (r) => r.cost_micros / 1e6, tokens = (r) => r.input_tokens + r.output_tokens;
-    const money_axis = { scales: { y: { beginAtZero: true, title: { display: true, text: "spend" } } } };
+    const money_axis = {
+      scales: { y: { beginAtZero: true, title: { display: true, text: "spend (USD)" }, ticks: { callback: (v) => "$" + v } } },
+      plugins: { legend: { position: "bottom" },
+                 tooltip: { callbacks: { label: (c) => c.dataset.label + ": " + money(Math.round(c.parsed.y * 1e6)) } } },
+    };
     const stacked = { scales: { y: { stacked: true, beginAtZero: true, title: { display: true, text: "tokens" } } } };
     draw("chart-spend-key", "line", series(d.series.by_key, b, "key", spend, names, d.buckets), money_axis);
     draw("chart-spend-model", "line", series(d.series.by_model, b, "model", spend, null, d.buckets), money_axis);
@@ -138,12 +149,26 @@
       [(k) => k.key, "text"], [(k) => k.name, "text"], [(k) => int(k.requests)], [(k) => int(k.input_tokens)],
       [(k) => int(k.cached_tokens)], [(k) => int(k.output_tokens)], [(k) => money(k.cost_micros)],
     ]);
-    fill("errors-table", d.recent_errors, [
-      [(e) => e.created, "text"], [(e) => e.request_id, "text"], [(e) => e.key_id, "text"],
-      [(e) => e.model, "text"], [(e) => e.worker || "-", "text"], [(e) => e.status, "text"],
+    renderErrors(d);
+    document.body.dataset.loaded = String(Date.now());
+  }
+
+  // Refusals (401, 402, 404, 429, 5xx: the access records) and failed answers (the ledger),
+  // newest first; "no errors" when the window has none.
+  function renderErrors(d) {
+    const rows = d.errors || [], counts = d.error_counts || {};
+    const parts = Object.keys(counts).map((status) => status + " \u00d7" + counts[status]);
+    $("errors-summary").textContent = parts.length
+      ? "Refusals by status: " + parts.join(", ") + " (" + (d.errors_scope || "this process") + ")." : "";
+    $("errors-summary").hidden = parts.length === 0;
+    $("errors-empty").hidden = rows.length > 0;
+    $("errors-table").hidden = rows.length === 0;
+    fill("errors-table", rows, [
+      [(e) => e.created, "text"], [(e) => e.request_id || "-", "text"], [(e) => String(e.status), "text"],
+      [(e) => e.error_code || "-", "text"], [(e) => e.key_id || "-", "text"], [(e) => e.model || "-", "text"],
+      [(e) => e.path || "-", "text"], [(e) => e.transport || "-", "text"], [(e) => e.worker || "-", "text"],
       [(e) => money(e.cost_micros)],
     ]);
-    document.body.dataset.loaded = String(Date.now());
   }
 
   async function load() {
