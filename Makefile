@@ -9,14 +9,16 @@ VENV_OK := $(shell $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3,
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: run test test-faults test-vllm bench soak clean venv-rebuild
+.PHONY: run test test-deps test-faults compliance test-vllm bench soak clean venv-rebuild
 
+# Progress lines while it installs (scripts/pip_progress.py: one line per package), nothing silent.
 $(STAMP): pyproject.toml $(if $(VENV_OK),,venv-rebuild)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
 	  { echo "responses-proxy needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1). Use: make PYTHON=python3.11 ..." >&2; exit 1; }
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,fast]'
+	@test -x $(BIN)/python || { echo "==> creating $(VENV) with $$($(PYTHON) -V 2>&1)"; $(PYTHON) -m venv $(VENV); }
+	@echo "==> upgrading pip in $(VENV)"
+	@$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	@$(BIN)/python scripts/pip_progress.py -e '.[test,fast]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 venv-rebuild:
@@ -25,12 +27,23 @@ venv-rebuild:
 run: $(STAMP)
 	$(BIN)/responses-proxy serve --host $(HOST) --port $(PORT) --demo-key
 
-test: $(STAMP)
+# What the suite starts beside .venv (PostgreSQL, redis-server, Chromium, npm): from Debian's
+# packages as root, else one line naming the command to run (scripts/test_deps.sh). .ci/run runs it too.
+test-deps:
+	@bash scripts/test_deps.sh
+
+test: test-deps $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # Faults injected into real PostgreSQL and Redis under load, then the audit (~5 minutes).
-test-faults: $(STAMP)
+test-faults: test-deps $(STAMP)
 	$(BIN)/python -m pytest -q -m faults tests/test_backend_faults.py
+
+# The Open Responses compliance suite against `make run`'s setup: OPENRESPONSES_DIR=<a checkout of
+# openresponses/openresponses> make compliance (Bun and zod from npm, into .cache/compliance).
+compliance: test-deps $(STAMP)
+	@test -n "$(OPENRESPONSES_DIR)" || { echo "make compliance needs OPENRESPONSES_DIR=<a checkout of openresponses/openresponses>" >&2; exit 1; }
+	OPENRESPONSES_DIR="$(OPENRESPONSES_DIR)" $(BIN)/python -m pytest -q -rs tests/test_compliance.py
 
 test-vllm: $(STAMP)
 	bash scripts/vllm_tier/run.sh

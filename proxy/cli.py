@@ -108,10 +108,35 @@ def _serve(config: Config, args: argparse.Namespace) -> int:
             auth["demo_key"] = True
     _config_dir_on_path(config)
     if workers > 1:
+        _fixed_simulator_port(config, workers)
+    _local_keys(config, workers)
+    if workers > 1:
         from proxy.runtime.supervisor import supervise
 
         return supervise(config, host, port, workers, _serve_one)
     return _serve_one(config, host, port, reuse_port=bool(getattr(args, "reuse_port", False)))
+
+
+def _fixed_simulator_port(config: Config, workers: int) -> None:
+    """Every process of --workers N starts its own embedded simulator: one fixed port cannot hold them."""
+    embedded = any(isinstance(w, dict) and w.get("url") == "embedded" for w in config.get("workers") or ())
+    port = config.section("simulator").get("port", 0)
+    if embedded and port:
+        raise ConfigError(f"simulator.port is {port}, but with {workers} processes (serve --workers, server.workers) "
+                          "each starts its own embedded simulator and only one can listen there: set "
+                          "simulator.port: 0 (any free port) or serve with one process")
+
+
+def _local_keys(config: Config, workers: int) -> None:
+    """The seal key, session secret and demo admin key the operator left unset (proxy/runtime/local_keys.py)."""
+    from proxy.runtime.local_keys import ensure
+
+    made = config.local_keys = ensure(config)
+    for warning in made.warnings:
+        print(f"responses-proxy: warning: {warning}", file=sys.stderr, flush=True)
+    if workers > 1 and (config.get("admin") or {}).get("keys") and not made.session_shared:
+        print(f"responses-proxy: warning: {workers} processes and no admin.session_secret they can share: a "
+              "dashboard login is valid on one process only (set admin.session_secret)", file=sys.stderr, flush=True)
 
 
 def _raise_nofile() -> None:
@@ -153,6 +178,9 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
         nonlocal started
         started = True
         if announce:
+            from proxy.runtime.local_keys import announce_admin_key
+
+            announce_admin_key(config, host, port)
             print(f"responses-proxy listening on http://{host}:{port}", flush=True)
 
     app.on_startup.append(ready)

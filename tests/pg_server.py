@@ -10,7 +10,7 @@
     server.close()               # stop and delete the data dir
 
 Binaries: $PG_BIN, else the newest /usr/lib/postgresql/*/bin (Debian's `postgresql` package,
-which .ci/run installs), else `initdb` on $PATH. PostgreSQL refuses to run as root, so as
+which make test-deps installs), else `initdb` on $PATH. PostgreSQL refuses to run as root, so as
 root the server runs as the `postgres` user the Debian package creates, else `nobody`
 (the data dir is chowned to it; `subprocess`'s user=/group= switch before exec).
 

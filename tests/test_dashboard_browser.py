@@ -1,5 +1,5 @@
 """The dashboard in a real browser: Debian's headless Chromium driven by Playwright (no
-browser download: executable_path=/usr/bin/chromium; .ci/run installs the package).
+browser download: executable_path=/usr/bin/chromium; make test-deps installs the package).
 
 A proxy with admin keys in front of the simulator gets real traffic (two keys, a streamed
 answer that fails midway, repeated prompts the simulator's prefix cache serves); the
@@ -24,7 +24,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 ADMIN_KEY = "adm-browser-0123456789abcdef"
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason="needs Debian's chromium (apt-get install -y chromium; .ci/run does)")
+                                reason="needs Debian's chromium (make test-deps installs it)")
 
 SYSTEM = "You are a careful assistant. " * 40  # long and repeated: the prefix cache serves it
 

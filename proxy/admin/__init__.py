@@ -24,6 +24,16 @@ from proxy import state
 from proxy.admin.auth import AdminAuth, guard
 from proxy.config.load import ConfigError
 
+def console_off_hint(request: web.Request) -> str:
+    """For a 404 under admin.prefix when no console is mounted: why, in one sentence."""
+    section = request.config_dict[state.CONFIG].section("admin")
+    prefix = "/" + str(section.get("prefix", "/admin")).strip("/")
+    if section.get("keys") or not (request.path == prefix or request.path.startswith(prefix + "/")):
+        return ""
+    return (" The operator's console is off: no admin.keys are configured (README \"Operator's console\"; "
+            "make run prints a demo admin key).")
+
+
 def install(app: web.Application, section: dict[str, Any]) -> web.Application | None:
     """Mount the console on `app` when admin keys are configured; the sub-app, or None."""
     if not section.get("keys"):

@@ -67,6 +67,7 @@ class Config:
     def __init__(self, data: dict[str, Any], path: Path | None = None) -> None:
         self.data = data
         self.path = path
+        self.local_keys: Any = None  # what serve made at start (proxy/runtime/local_keys.py)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> "Config":

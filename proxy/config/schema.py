@@ -42,6 +42,7 @@ from proxy.config.types import (
     Section,
     Str,
     Type,
+    Url,
     _plain,
     unknown_key,
 )
@@ -61,7 +62,7 @@ TIMEOUTS = Section({
 
 WORKER = Section({
     "name": F(Str(nonempty=True), REQUIRED, "unique; shown in logs and metrics"),
-    "url": F(Str(nonempty=True), REQUIRED, "http://host:port of a vLLM / SGLang server, or embedded (the simulator)"),
+    "url": F(Url(also=("embedded",)), REQUIRED, "http(s)://host:port of a vLLM / SGLang server, or embedded (the simulator)"),
     "dialect": F(Str(choices=("vllm", "sglang", "detect")), "vllm",
                  "detect: from /v1/models owned_by at start-up"),
     "models": F(Nullable(ListOf(Str(nonempty=True))), None, "null: discovered from its /v1/models"),
@@ -341,7 +342,8 @@ compaction item), opened when the window comes back in a later request."""),
         "prefix": F(Str(nonempty=True), "/admin", "the admin API, its OpenAPI and the dashboard live under it"),
         "session_ttl_s": F(Int(60, 604800), 28800, "a dashboard login lasts this long"),
         "session_secret": Opt(Nullable(Str()), None, "signs dashboard sessions, e.g. ${ADMIN_SESSION_SECRET}; "
-                              "unset: random per process (set it with serve --workers > 1)"),
+                              "unset: made at first start beside a SQLite ledger (admin-session.key), "
+                              "shared by every process; a PostgreSQL ledger: random per process"),
         "cookie_secure": Opt(Bool(), False, "true: the session cookie is sent over HTTPS only (behind TLS)"),
         "login_failures_per_min": F(POS_INT, 10, "failed admin keys (login, Bearer) per client address; "
                                     "past it 429, even for the right key"),
@@ -369,8 +371,11 @@ scheme but http(s); data: URIs are always allowed."""),
     }), None, note="""\
 Sealed reasoning across turns (include: ["reasoning.encrypted_content"]). Keys are base64
 of 32 random bytes: python -c "import os,base64;print(base64.urlsafe_b64encode(os.urandom(32)).decode())"
-Without a key the reasoning text travels in the item instead (and x-token-notice says that
-encrypted_content is ignored). A ciphertext opens only for the API key it was made for."""),
+Without a key here (or in RESPONSES_PROXY_SEAL_KEY), serve makes one at its first start beside
+a SQLite ledger (seal.key, key id "local", mode 0600, reused). With a PostgreSQL ledger it makes
+no key, and then the reasoning text travels in the item instead (x-token-notice says that
+encrypted_content is ignored) and /v1/responses/compact answers 501. A ciphertext opens only
+for the API key it was made for."""),
 })
 
 def defaults() -> dict[str, Any]:

@@ -12,6 +12,7 @@ import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 REQUIRED = object()  # a key every entry must set (workers[i].name)
 OMIT = object()  # no default to show: absent means "off" to the code that reads it
@@ -140,6 +141,32 @@ class Str(Type):
 
     def check(self, value: Any, path: str) -> Any:
         if not isinstance(value, str) or (self.nonempty and not value) or (self.choices and value not in self.choices):
+            raise self.fail(value, path)
+        return str(value)
+
+
+@dataclass(frozen=True)
+class Url(Type):
+    """An http:// or https:// URL with a host (a port, if any, a number), or one of `also`."""
+
+    also: tuple[str, ...] = ()
+    example: str = "http://10.0.0.5:8000"
+
+    def what(self) -> str:
+        alternatives = "".join(f" or {a}" for a in self.also)
+        return f"an http:// or https:// URL with a host (e.g. {self.example}){alternatives}"
+
+    def check(self, value: Any, path: str) -> Any:
+        if isinstance(value, str) and value in self.also:
+            return str(value)
+        if not isinstance(value, str):
+            raise self.fail(value, path)
+        try:
+            parts = urlsplit(value.strip())
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+        except ValueError:
+            raise self.fail(value, path) from None
+        if parts.scheme.lower() not in ("http", "https") or not parts.hostname or value != value.strip():
             raise self.fail(value, path)
         return str(value)
 

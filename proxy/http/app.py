@@ -77,6 +77,10 @@ def envelope(phases: Phases):
             if exc.status < 400:
                 raise
             message = {404: "Unknown endpoint.", 405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
+            if exc.status == 404:
+                from proxy.admin import console_off_hint
+
+                message += console_off_hint(request)
             refusal = APIError(exc.status, f"{message} ({request.method} {request.path})")
             error_code = refusal.code
             return refusal.to_response()

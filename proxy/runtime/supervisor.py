@@ -122,6 +122,9 @@ def supervise(config: Config, host: str, port: int, workers: int,
     if auth is not None and auth.get("demo_key", True) is True:
         asyncio.run(_create_demo_key(config))
         auth["demo_key"] = False  # the children must not create (and revoke) their own
+    from proxy.runtime.local_keys import announce_admin_key
+
+    announce_admin_key(config, host, port)
     _child_config(config, workers)
     metrics_dir, remove_metrics_dir = _metrics_dir()
     try:
