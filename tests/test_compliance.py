@@ -5,9 +5,9 @@ data/ in a temporary folder. Every test passes but the EXPECTED_FAILURES below (
 with its reason; none today); the one that needs a scripted tool call (tool-calling) runs in a second
 pass, after the embedded simulator is scripted to call the tool.
 
-The suite is not published to a registry, so it is read from a checkout:
-OPENRESPONSES_DIR=/path/to/openresponses (`make compliance` runs this file). Without it
-the test skips, saying so. It runs with Bun, installed from npm into .cache/compliance/
+The suite is published to no registry, so its runner, tests and generated types are vendored
+in tests/openresponses/ (UPSTREAM.md: the upstream commit, the licence); OPENRESPONSES_DIR
+names another checkout instead. It runs with Bun, installed from npm into .cache/compliance/
 (with zod, the suite's one runtime dependency); without npm it fails, never skips.
 """
 
@@ -27,7 +27,7 @@ import pytest
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-SUITE = os.environ.get("OPENRESPONSES_DIR")
+SUITE = os.environ.get("OPENRESPONSES_DIR") or str(REPO / "tests" / "openresponses")
 CACHE = Path(os.environ.get("COMPLIANCE_CACHE_DIR", REPO / ".cache" / "compliance"))
 PACKAGES = ("bun@1.4.4", "zod@3.25.76")  # the suite's package.json: zod ^3.25.76; run with bun
 MODEL = "tiny-org/tiny-model"
@@ -41,11 +41,7 @@ SCRIPTED = {
 # function_call_output 400 (websocket-failed-continuation-evicts-cache failed before it).
 EXPECTED_FAILURES: dict[str, str] = {}
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not SUITE, reason="the Open Responses suite is read from a checkout: set OPENRESPONSES_DIR "
-                                         "to a clone of openresponses/openresponses (make compliance)"),
-]
+pytestmark = [pytest.mark.slow]
 
 
 def _bun() -> Path:
