@@ -213,7 +213,8 @@ class Spool:
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-        self._sync_dir()
+        # No directory fsync: an unlink or a replace lost in a crash brings back lines already
+        # applied, and a replay of those changes nothing (idempotent by request id).
 
     def _sync_dir(self) -> None:
         try:
@@ -261,8 +262,9 @@ class Spool:
         with self._locked(exclusive=True):
             if self.path.exists() and self.path.stat().st_size > 0:
                 target = self.path.with_name(f"{self.path.name}.replay-{os.getpid()}-{next(_serial)}")
+                # No directory fsync (on the appends' path, under their lock): lost in a
+                # crash, the rename leaves the lines under the spool's name, replayed as well.
                 os.rename(self.path, target)
-                self._sync_dir()
 
     async def replay(self, apply: Callable[[list[dict[str, Any]]], Awaitable[list[str]]],
                      batch: int = 256) -> int:
