@@ -95,6 +95,29 @@ def test_a_line_and_its_newline_are_one_write(monkeypatch):
     assert json.loads(err.writes[0])["request_id"] == "req_1"
 
 
+async def _json_lines_of_two_requests(make_proxy, monkeypatch, mode: str, then=None) -> list[dict]:
+    """The JSON log lines of a real app with tests/fault_mw.py in `mode`, answering one JSON and
+    one stream request (and of `then()`, called after them)."""
+    err = _Recorder()
+    monkeypatch.setattr(logs.sys, "stderr", err)
+    try:
+        logs.configure("json", "info")
+        structlog.configure(cache_logger_on_first_use=False)  # `log` must not keep this stderr after the test
+        proxy = await make_proxy(only("stateless", before_handler=[{"tests.fault_mw:create": {"mode": mode}}]))
+        async with aiohttp.ClientSession() as http:
+            for stream in (False, True):
+                body = {"model": "tiny-org/tiny-model", "input": "hello", "max_output_tokens": 8, "stream": stream}
+                async with http.post(proxy.url + "/v1/responses", json=body) as r:
+                    await r.read()
+        await asyncio.sleep(0.2)  # the access lines of answers aiohttp finishes after the handler
+        if then is not None:
+            then()
+        logs._flush_access()
+    finally:
+        logs.reset()
+    return [json.loads(line) for write in err.writes for line in write.splitlines() if line.startswith("{")]
+
+
 def _ledger_settlement_fails() -> None:
     raise LookupError("no such hold")
 
@@ -104,25 +127,13 @@ async def test_json_lines_carry_the_exception(make_proxy, monkeypatch):
     log.exception (a non-stream answer: 500) and by log.error(exc_info=exc) (a stream whose
     answer had started), and a stdlib logger's .exception (as proxy/ledger logs): each is one
     JSON line with exc_type, exc_message and exc_traceback, the traceback naming the raiser."""
-    err = _Recorder()
-    monkeypatch.setattr(logs.sys, "stderr", err)
-    try:
-        logs.configure("json", "info")
-        structlog.configure(cache_logger_on_first_use=False)  # `log` must not keep this stderr after the test
-        proxy = await make_proxy(only("stateless", before_handler=[{"tests.fault_mw:create": {"mode": "raise_after"}}]))
-        async with aiohttp.ClientSession() as http:
-            for stream in (False, True):
-                body = {"model": "tiny-org/tiny-model", "input": "hello", "max_output_tokens": 8, "stream": stream}
-                async with http.post(proxy.url + "/v1/responses", json=body) as r:
-                    await r.read()
+    def ledger_logs() -> None:
         try:
             _ledger_settlement_fails()
         except LookupError:
             logging.getLogger("proxy.ledger").exception("settlement failed (request %s)", "req_1")
-        logs._flush_access()
-    finally:
-        logs.reset()
-    lines = [json.loads(line) for write in err.writes for line in write.splitlines() if line.startswith("{")]
+
+    lines = await _json_lines_of_two_requests(make_proxy, monkeypatch, "raise_after", ledger_logs)
     by_event = {line["event"]: line for line in lines}
     cases = (("unhandled error", "RuntimeError", "failed after the handler returned", "fault"),
              ("error after the answer started", "RuntimeError", "failed after the handler returned", "fault"),
@@ -166,22 +177,7 @@ async def test_a_write_to_a_client_that_hung_up_logs_no_error(make_proxy, monkey
     500 "Error handling request" with its traceback), only the access line. The write's
     ConnectionResetError is played by tests/fault_mw.py (reset_after): in a real hang-up it is
     a race between the write and aiohttp cancelling the handler."""
-    err = _Recorder()
-    monkeypatch.setattr(logs.sys, "stderr", err)
-    try:
-        logs.configure("json", "info")
-        structlog.configure(cache_logger_on_first_use=False)
-        proxy = await make_proxy(only("stateless", before_handler=[{"tests.fault_mw:create": {"mode": "reset_after"}}]))
-        async with aiohttp.ClientSession() as http:
-            for stream in (False, True):
-                body = {"model": "tiny-org/tiny-model", "input": "hello", "max_output_tokens": 8, "stream": stream}
-                async with http.post(proxy.url + "/v1/responses", json=body) as r:
-                    await r.read()
-        await asyncio.sleep(0.2)
-        logs._flush_access()
-    finally:
-        logs.reset()
-    lines = [json.loads(line) for write in err.writes for line in write.splitlines() if line.startswith("{")]
+    lines = await _json_lines_of_two_requests(make_proxy, monkeypatch, "reset_after")
     errors = [line for line in lines if line.get("level") in ("error", "critical") or "exc_traceback" in line]
     assert errors == [], errors[:3]
     assert len([line for line in lines if line.get("event") == "request"]) == 2
