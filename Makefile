@@ -48,11 +48,14 @@ compliance: test-deps $(STAMP)
 test-vllm: $(STAMP)
 	bash scripts/vllm_tier/run.sh
 
-# wrk is the JSON load generator; taken from Debian's packages when missing (root only).
+# wrk is the JSON load generator, valgrind counts instructions (bench.instructions); taken from Debian's packages when missing (root only).
 bench: $(STAMP)
 	@command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get install -y -q wrk >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q wrk >/dev/null)); } || true
 	$(BIN)/python -m bench
+	@command -v valgrind >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get install -y -q valgrind >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q valgrind >/dev/null)); } || true
+	$(BIN)/python -m bench.instructions --out bench/results.md
 	$(BIN)/python -m bench.ledger_backends --out bench/results.md
 	$(BIN)/python -m bench.backends_p99 --out bench/results.md
 

@@ -37,3 +37,32 @@ def test_opcodes_set_merges_into_the_sections_it_names(tmp_path: Path):
     assert config["balance"]["enabled"] is False and config["limits"]["enabled"] is False
     assert config["limits"]["global_concurrency"] == 4096  # the rest of its section kept
     assert config["auth"]["demo_key"] is False and config["server"]["port"] == 18080
+
+
+def test_every_instructions_variant_is_a_config_this_tree_accepts(tmp_path: Path):
+    # bench.instructions starts one proxy per row: a key this tree refuses would end the run
+    # minutes in, under valgrind.
+    import json
+
+    from bench.instructions import VARIANTS, variant_config
+
+    for name, extra in VARIANTS.items():
+        path = tmp_path / f"{len(name)}.yaml"
+        path.write_text(json.dumps(variant_config(18080, 18081, tmp_path / "ledger.db", extra, 50)))
+        config = Config.load(path)
+        assert config["balance"]["lease_commit_ms"] == 1000 and config["balance"]["lease_min_rate"] == 1 and config["health"]["interval_s"] == 3600
+        for section, values in extra.items():
+            for key, value in values.items():
+                assert config[section][key] == value, name
+
+
+def test_the_instructions_table_replaces_only_its_section(tmp_path: Path):
+    from bench.instructions import HEADING, write
+
+    out = tmp_path / "results.md"
+    out.write_text("## Design measurements\n\nkept\n\n### Backends p99\n\nrows\n")
+    write(out, [HEADING, "", "first"])
+    write(out, [HEADING, "", "second"])
+    text = out.read_text()
+    assert "first" not in text and text.count(HEADING) == 1 and "second" in text
+    assert text.startswith("## Design measurements\n\nkept\n\n### Backends p99\n\nrows\n")
