@@ -227,7 +227,8 @@ async def _one_ws(ws, model: str) -> None:
             raise RuntimeError(f"websocket: {msg.data[:300]}")
 
 
-async def measure(srv: Counted, cases: list[tuple[str, str, bool]], ws: bool, pause: float) -> dict[str, dict]:
+async def measure(srv: Counted, cases: list[tuple[str, str, bool]], ws: bool, pause: float,
+                  http_cases: bool = True, deflate: bool = True) -> dict[str, dict]:
     """case name -> {"n1", "n2", "ir1", "ir2", "per"}: the per-request Ir of each case."""
     import aiohttp
 
@@ -256,7 +257,7 @@ async def measure(srv: Counted, cases: list[tuple[str, str, bool]], ws: bool, pa
             found[name] = {"n1": n1, "n2": n2, "ir1": ir1, "ir2": ir2, "per": (ir2 - ir1) / (n2 - n1)}
             print(f"  {srv.name:22s} {name:28s} {found[name]['per']:12,.0f} Ir/request", file=sys.stderr, flush=True)
 
-        for name, model, stream in cases:
+        for name, model, stream in cases if http_cases else ():
             body = srv.body(model, stream)
             await run(name, lambda body=body: _one(http, srv, body), model)
         if ws:
@@ -268,9 +269,11 @@ async def measure(srv: Counted, cases: list[tuple[str, str, bool]], ws: bool, pa
                 for name, model, stream in cases:
                     if stream:
                         await run(f"websocket {name}", lambda model=model: _one_ws(sock, model), model)
-            async with http.ws_connect(url, headers=srv.headers, autoping=True, compress=15) as sock:
-                name, model, _ = cases[1]
-                await run(f"websocket+deflate {name}", lambda model=model: _one_ws(sock, model), model)
+            coalesced = [c for c in cases if c[1] == "bench-coalesced"]
+            if coalesced and deflate:
+                async with http.ws_connect(url, headers=srv.headers, autoping=True, compress=15) as sock:
+                    name, model, _ = coalesced[0]
+                    await run(f"websocket+deflate {name}", lambda model=model: _one_ws(sock, model), model)
     return found
 
 
@@ -347,7 +350,11 @@ async def run_all(args: argparse.Namespace, tmp: Path, up_port: int, key: str, m
             srv = start_counted(name, tmp, up_port, key, None if name == PASS else VARIANTS[name], args.slowdown,
                                 mark)
             try:
-                results[name] = await measure(srv, CASES, ws=name == "proxy" and not args.no_ws, pause=args.pause)
+                cases = CASES
+                if args.cases:
+                    cases = [c for c in CASES if c[1].removeprefix("bench-") in args.cases.split(",")]
+                results[name] = await measure(srv, cases, ws=name == "proxy" and not args.no_ws, pause=args.pause,
+                                              http_cases=not args.ws_only, deflate=not args.no_deflate)
             finally:
                 await asyncio.get_running_loop().run_in_executor(None, srv.stop)
 
@@ -367,6 +374,10 @@ def main() -> int:
     ap.add_argument("--pause", type=float, default=None,
                     help="seconds before each dump, for a group's tail (default: lease_commit_ms x slowdown + 0.5 s)")
     ap.add_argument("--no-ws", action="store_true", help="skip the WebSocket turns")
+    ap.add_argument("--cases", help="comma-separated cases to run: json, coalesced, chunked (default: all)")
+    ap.add_argument("--ws-only", action="store_true", help="the proxy's WebSocket turns only (no HTTP cases)")
+    ap.add_argument("--no-deflate", action="store_true", help="skip the permessage-deflate turn")
+    ap.add_argument("--keep", action="store_true", help="keep the servers' callgrind dumps (for callgrind_annotate)")
     ap.add_argument("--out", help="also write the table into this file's section (bench/results.md)")
     args = ap.parse_args()
     if shutil.which("valgrind") is None:
@@ -393,7 +404,10 @@ def main() -> int:
     if args.out:
         write(Path(args.out), lines)
         print(f"\nwritten to {args.out}", file=sys.stderr)
-    shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep:
+        print(f"callgrind dumps kept under {tmp}", file=sys.stderr)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
