@@ -35,6 +35,9 @@ from proxy import state
 from proxy.http.units import RESPONSES, Unit
 
 Emit = Callable[[str, bytes], Awaitable[None]]
+# The events of one write at once, in order, as (event_type, data_json) pairs: a transport that
+# can send them together (one socket write) takes them so; else `emit` is awaited per event.
+EmitBatch = Callable[[list[tuple[str, bytes]]], Awaitable[None]]
 # Told the answer's headers once the app's response hooks set them, before the first event.
 OnPrepare = Callable[[CIMultiDict[str]], None]
 
@@ -60,9 +63,11 @@ class TurnAnswer:
 
 class TurnStream:
     """Where a turn's event stream goes: the forwarder prepares, writes and ends it as it would
-    its web.StreamResponse (the calls it makes are these); SSE bytes in, one `emit` per event out."""
+    its web.StreamResponse (the calls it makes are these); SSE bytes in, one `emit` per event out,
+    or, given `emit_batch`, one `emit_batch` per write with every event it completed."""
 
-    def __init__(self, emit: Emit, headers: dict[str, str] | None = None, on_prepare: OnPrepare | None = None) -> None:
+    def __init__(self, emit: Emit, headers: dict[str, str] | None = None, on_prepare: OnPrepare | None = None,
+                 emit_batch: EmitBatch | None = None) -> None:
         self.status = 200
         self.headers: CIMultiDict[str] = CIMultiDict(headers or {})
         self.prepared = False
@@ -72,6 +77,7 @@ class TurnStream:
         self._emit = emit
         self._on_prepare = on_prepare
         self._pending = bytearray()
+        self._emit_batch = emit_batch
 
     def get(self, key: Any, default: Any = None) -> Any:  # a response is a mapping (ERROR_CODE)
         return self._state.get(key, default)
@@ -92,22 +98,25 @@ class TurnStream:
         cut = self._pending.rfind(b"\n\n")
         if cut < 0:
             return
-        block = bytes(self._pending[:cut])
-        del self._pending[:cut + 2]
+        if cut + 2 == len(self._pending):  # the usual write: whole events only
+            block = bytes(self._pending[:cut])
+            self._pending.clear()
+        else:
+            block = bytes(self._pending[:cut])
+            del self._pending[:cut + 2]
+        if self._emit_batch is None:
+            for event in block.split(b"\n\n"):
+                parsed = _parsed(event)
+                if parsed is not None:
+                    await self._emit(*parsed)
+            return
+        events = []
         for event in block.split(b"\n\n"):
-            await self._event(event)
-
-    async def _event(self, event: bytes) -> None:
-        start = event.find(b"data: ")
-        if start < 0:
-            return
-        data = event[start + 6:]
-        if data == b"[DONE]":
-            return
-        name = b""
-        if event.startswith(b"event: "):
-            name = event[7:event.index(b"\n")]
-        await self._emit(name.decode("ascii", "replace"), data)
+            parsed = _parsed(event)
+            if parsed is not None:
+                events.append(parsed)
+        if events:
+            await self._emit_batch(events)
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self._eof_sent:
@@ -117,6 +126,20 @@ class TurnStream:
         if self._pending.strip():
             await self.write(b"\n\n")
         self._eof_sent = True
+
+
+def _parsed(event: bytes) -> tuple[str, bytes] | None:
+    """One SSE event (its lines, without the blank line) -> (event_type, data); None: no data."""
+    start = event.find(b"data: ")
+    if start < 0:
+        return None
+    data = event[start + 6:]
+    if data == b"[DONE]":
+        return None
+    name = b""
+    if event.startswith(b"event: "):
+        name = event[7:event.index(b"\n")]
+    return name.decode("ascii", "replace"), data
 
 
 # A transport's message (parsed JSON) -> the Responses request body it stands for, and its unit
@@ -137,9 +160,10 @@ class Turn:
     on_prepare: OnPrepare | None = None
     refusal: web.StreamResponse | None = None  # the JSON answer run_turn reads (never written)
     transport: str = "http"  # what carried the turn's message (the access line's `transport`)
+    emit_batch: EmitBatch | None = None  # the events of a write at once (TurnStream)
 
     def stream(self, headers: dict[str, str]) -> TurnStream:
-        self.answer = TurnStream(self.emit, headers, self.on_prepare)
+        self.answer = TurnStream(self.emit, headers, self.on_prepare, self.emit_batch)
         return self.answer
 
 
@@ -161,15 +185,16 @@ def _headers(origin: web.Request, body: bytes) -> CIMultiDict[str]:
 
 async def run_turn(origin: web.Request, body: bytes, emit: Emit, on_prepare: OnPrepare | None = None, *,
                    unit: Unit, decode: Decode | None = None, handlers: dict[Unit, Any] | None = None,
-                   transport: str = "http") -> TurnAnswer:
+                   transport: str = "http", emit_batch: EmitBatch | None = None) -> TurnAnswer:
     """Run `body` (JSON: a Responses request body, or a message `decode` turns into one) as
     `POST /v1/responses` with `origin`'s headers through the app, as the unit of work `unit`
     (its phases: proxy.http.units); the events go to `emit` while it runs. `on_prepare` is told
     the event stream's headers (notices among them) before its first event is emitted;
-    `transport` names what carried the message ("websocket"; "http" for a turn of an HTTP request)."""
+    `transport` names what carried the message ("websocket"; "http" for a turn of an HTTP request);
+    `emit_batch`, when given, takes the events of each write at once instead of `emit`."""
     request = origin.clone(method="POST", rel_url=TURN_PATH, headers=_headers(origin, body))
     turn = request[state.TURN] = Turn(body, emit, unit, decode, handlers or {}, on_prepare=on_prepare,
-                                      transport=transport)
+                                      transport=transport, emit_batch=emit_batch)
     app = request.app
     handler = (await app.router.resolve(request)).handler
     for middleware in reversed(app.middlewares):  # new-style middlewares: (request, handler)

@@ -36,12 +36,13 @@ a missed pong (`ping_interval_s`); a bound above.
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import ClientConnectionResetError, WSCloseCode, WSMsgType, web
 
 from proxy import state
 from proxy.http.errors import APIError
@@ -350,7 +351,7 @@ class _Connection:
         def prepared(headers: Any) -> None:
             carried.update(_carried(headers, names))
 
-        async def emit(name: str, data: bytes) -> None:
+        def message_of(name: str, data: bytes) -> bytes:
             if name in RESPONSE_EVENTS:
                 data = with_previous(data, decoded.get("previous"))
                 if name in TERMINAL_EVENTS:
@@ -358,11 +359,18 @@ class _Connection:
             if carried:
                 data = _with_headers(data, carried)
                 carried.clear()
-            await send(data, WSMsgType.TEXT)
+            return data
+
+        async def emit(name: str, data: bytes) -> None:
+            await send(message_of(name, data), WSMsgType.TEXT)
+
+        async def emit_batch(events: list[tuple[str, bytes]]) -> None:
+            await send_texts(self.ws, [message_of(name, data) for name, data in events])
 
         try:
             answer = await run_turn(self.request, message, emit, prepared, unit=WS_TURN, decode=decode,
-                                    handlers={WS_WARMUP: warmup_handler}, transport="websocket")
+                                    handlers={WS_WARMUP: warmup_handler}, transport="websocket",
+                                    emit_batch=emit_batch if BATCH_FRAMES else None)
         except BaseException:
             self.memory.failed(decoded.get("previous"))
             raise
@@ -384,6 +392,49 @@ class _Connection:
             self.memory.completed(body, response)
         else:
             self.memory.failed(previous)
+
+
+# Whether a turn's events of one upstream read go out together (send_texts); False: one
+# send_frame per event, the general path tests/test_ws_frames.py compares it with.
+BATCH_FRAMES = True
+_HEAD1 = struct.Struct("!BB").pack   # FIN + opcode, then the length (< 126), unmasked
+_HEAD2 = struct.Struct("!BBH").pack  # 126, then a 16-bit length
+_HEAD3 = struct.Struct("!BBQ").pack  # 127, then a 64-bit length
+_FIN_TEXT = 0x80 | WSMsgType.TEXT
+
+
+async def send_texts(ws: web.WebSocketResponse, messages: list[bytes]) -> None:
+    """Send each message as one text frame, in order, all in one transport write: what a
+    `ws.send_frame(message, TEXT)` per message sends, byte for byte, when the frames are
+    neither compressed nor masked (a server's, without permessage-deflate). Otherwise (a
+    negotiated permessage-deflate: one compressor's state across frames) one send_frame each.
+    Flow control as aiohttp's writer: once its output passes its limit, wait for a paused
+    transport to drain."""
+    writer = ws._writer  # aiohttp's WebSocketWriter: its transport, protocol and output count
+    if (len(messages) == 1 or writer is None or writer.compress or writer.use_mask
+            or not hasattr(writer, "_output_size")):
+        for message in messages:
+            await ws.send_frame(message, WSMsgType.TEXT)
+        return
+    if writer._closing:
+        raise ClientConnectionResetError("Cannot write to closing transport")
+    transport = writer.transport
+    if transport.is_closing():
+        raise ClientConnectionResetError("Cannot write to closing transport")
+    parts = []
+    for message in messages:
+        n = len(message)
+        parts.append(_HEAD1(_FIN_TEXT, n) if n < 126 else _HEAD2(_FIN_TEXT, 126, n) if n < 65536
+                     else _HEAD3(_FIN_TEXT, 127, n))
+        parts.append(message)
+    frames = b"".join(parts)
+    transport.write(frames)
+    writer._output_size += len(frames)
+    if writer._output_size > writer._limit:
+        writer._output_size = 0
+        protocol = writer.protocol
+        if protocol._paused:
+            await protocol._drain_helper()
 
 
 def _carried(headers: Any, names: tuple[str, ...]) -> dict[str, str]:
