@@ -35,9 +35,10 @@ from proxy import state
 from proxy.http.units import RESPONSES, Unit
 
 Emit = Callable[[str, bytes], Awaitable[None]]
-# The events of one write at once, in order, as (event_type, data_json) pairs: a transport that
-# can send them together (one socket write) takes them so; else `emit` is awaited per event.
-EmitBatch = Callable[[list[tuple[str, bytes]]], Awaitable[None]]
+# The events of one write at once: its SSE bytes, whole events only (without the blank line
+# after the last); a transport that sends them together (one socket write) reads them itself
+# (as `sse_event` does), else `emit` is awaited per event.
+EmitBatch = Callable[[bytes], Awaitable[None]]
 # Told the answer's headers once the app's response hooks set them, before the first event.
 OnPrepare = Callable[[CIMultiDict[str]], None]
 
@@ -64,7 +65,7 @@ class TurnAnswer:
 class TurnStream:
     """Where a turn's event stream goes: the forwarder prepares, writes and ends it as it would
     its web.StreamResponse (the calls it makes are these); SSE bytes in, one `emit` per event out,
-    or, given `emit_batch`, one `emit_batch` per write with every event it completed."""
+    or, given `emit_batch`, one `emit_batch` per write with the events it completed."""
 
     def __init__(self, emit: Emit, headers: dict[str, str] | None = None, on_prepare: OnPrepare | None = None,
                  emit_batch: EmitBatch | None = None) -> None:
@@ -104,19 +105,13 @@ class TurnStream:
         else:
             block = bytes(self._pending[:cut])
             del self._pending[:cut + 2]
-        if self._emit_batch is None:
-            for event in block.split(b"\n\n"):
-                parsed = _parsed(event)
-                if parsed is not None:
-                    await self._emit(*parsed)
+        if self._emit_batch is not None:
+            await self._emit_batch(block)
             return
-        events = []
         for event in block.split(b"\n\n"):
-            parsed = _parsed(event)
+            parsed = sse_event(event)
             if parsed is not None:
-                events.append(parsed)
-        if events:
-            await self._emit_batch(events)
+                await self._emit(*parsed)
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self._eof_sent:
@@ -128,7 +123,7 @@ class TurnStream:
         self._eof_sent = True
 
 
-def _parsed(event: bytes) -> tuple[str, bytes] | None:
+def sse_event(event: bytes) -> tuple[str, bytes] | None:
     """One SSE event (its lines, without the blank line) -> (event_type, data); None: no data."""
     start = event.find(b"data: ")
     if start < 0:

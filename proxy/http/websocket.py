@@ -364,8 +364,8 @@ class _Connection:
         async def emit(name: str, data: bytes) -> None:
             await send(message_of(name, data), WSMsgType.TEXT)
 
-        async def emit_batch(events: list[tuple[str, bytes]]) -> None:
-            await send_texts(self.ws, [message_of(name, data) for name, data in events])
+        async def emit_batch(block: bytes) -> None:
+            await _send_events(self.ws, block, message_of, carried)
 
         try:
             answer = await run_turn(self.request, message, emit, prepared, unit=WS_TURN, decode=decode,
@@ -394,7 +394,7 @@ class _Connection:
             self.memory.failed(previous)
 
 
-# Whether a turn's events of one upstream read go out together (send_texts); False: one
+# Whether a turn's events of one upstream read go out together (_send_events); False: one
 # send_frame per event, the general path tests/test_ws_frames.py compares it with.
 BATCH_FRAMES = True
 _HEAD1 = struct.Struct("!BB").pack   # FIN + opcode, then the length (< 126), unmasked
@@ -403,31 +403,62 @@ _HEAD3 = struct.Struct("!BBQ").pack  # 127, then a 64-bit length
 _FIN_TEXT = 0x80 | WSMsgType.TEXT
 
 
-async def send_texts(ws: web.WebSocketResponse, messages: list[bytes]) -> None:
-    """Send each message as one text frame, in order, all in one transport write: what a
-    `ws.send_frame(message, TEXT)` per message sends, byte for byte, when the frames are
-    neither compressed nor masked (a server's, without permessage-deflate). Otherwise (a
-    negotiated permessage-deflate: one compressor's state across frames) one send_frame each.
-    Flow control as aiohttp's writer: once its output passes its limit, wait for a paused
-    transport to drain."""
-    writer = ws._writer  # aiohttp's WebSocketWriter: its transport, protocol and output count
-    if (len(messages) == 1 or writer is None or writer.compress or writer.use_mask
-            or not hasattr(writer, "_output_size")):
-        for message in messages:
-            await ws.send_frame(message, WSMsgType.TEXT)
+_RESPONSE_NAMES = frozenset(name.encode() for name in RESPONSE_EVENTS)
+
+
+async def _send_events(ws: web.WebSocketResponse, block: bytes, message_of: Any, carried: dict[str, str]) -> None:
+    """The SSE events of one write (proxy.http.turn.EmitBatch), each as the message the turn's
+    `message_of(event_type, data)` makes of it, one text frame each, in one transport write
+    when the frames are neither compressed nor masked, else one send_frame each; read as turn.sse_event
+    reads an event. `message_of` is only called where it changes something: a response event,
+    or the headers `carried` on the first event."""
+    writer = _plain_writer(ws)
+    parts: list[bytes] = []
+    append = parts.append
+    for event in block.split(b"\n\n"):
+        start = event.find(b"data: ")
+        if start < 0:
+            continue
+        data = event[start + 6:]
+        if data == b"[DONE]":
+            continue
+        if event.startswith(b"event: "):
+            name = event[7:event.index(b"\n")]
+            if carried or name in _RESPONSE_NAMES:
+                data = message_of(name.decode("ascii", "replace"), data)
+        elif carried:
+            data = message_of("", data)
+        if writer is not None:
+            n = len(data)
+            append(_HEAD1(_FIN_TEXT, n) if n < 126 else _HEAD2(_FIN_TEXT, 126, n) if n < 65536
+                   else _HEAD3(_FIN_TEXT, 127, n))
+        append(data)
+    if not parts:
         return
+    if writer is None:
+        for message in parts:
+            await ws.send_frame(message, WSMsgType.TEXT)
+    else:
+        await _write_frames(writer, b"".join(parts))
+
+
+def _plain_writer(ws: web.WebSocketResponse) -> Any:
+    """aiohttp's WebSocketWriter of `ws` when its frames can be built here (neither compressed
+    nor masked: a server's without permessage-deflate), else None."""
+    writer = ws._writer
+    if writer is None or writer.compress or writer.use_mask or not hasattr(writer, "_output_size"):
+        return None
+    return writer
+
+
+async def _write_frames(writer: Any, frames: bytes) -> None:
+    """Whole frames in one transport write, with aiohttp's writer's checks and flow control:
+    once its output passes its limit, wait for a paused transport to drain."""
     if writer._closing:
         raise ClientConnectionResetError("Cannot write to closing transport")
     transport = writer.transport
     if transport.is_closing():
         raise ClientConnectionResetError("Cannot write to closing transport")
-    parts = []
-    for message in messages:
-        n = len(message)
-        parts.append(_HEAD1(_FIN_TEXT, n) if n < 126 else _HEAD2(_FIN_TEXT, 126, n) if n < 65536
-                     else _HEAD3(_FIN_TEXT, 127, n))
-        parts.append(message)
-    frames = b"".join(parts)
     transport.write(frames)
     writer._output_size += len(frames)
     if writer._output_size > writer._limit:
