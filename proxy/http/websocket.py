@@ -180,7 +180,8 @@ class _Connection:
         self.queue: deque[bytes] = deque()
         self.queued_bytes = 0
         self.arrived = asyncio.Event()
-        self.gone = asyncio.Event()  # the peer closed or the socket failed
+        self.gone = asyncio.Event()  # the peer closed or the socket failed: set by _set_gone
+        self.in_flight: asyncio.Task | None = None  # the turn running, which _set_gone cancels
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + settings.max_connection_s
         rate = settings.max_control_frames_per_s
@@ -231,7 +232,7 @@ class _Connection:
                     await self._queue_full()
                     break
         finally:
-            self.gone.set()
+            self._set_gone()
             self.arrived.set()
 
     def _control_frame_allowed(self) -> bool:
@@ -265,7 +266,7 @@ class _Connection:
         await self._close_for(WSCloseCode.POLICY_VIOLATION, "queue full")
 
     async def _close_for(self, code: int, reason: str) -> None:
-        self.gone.set()  # before the close handshake: the turn in flight is cancelled meanwhile
+        self._set_gone()  # before the close handshake: the turn in flight is cancelled meanwhile
         try:
             await self.ws.close(code=code, message=reason.encode())
         except Exception:  # the transport may be gone already
@@ -306,19 +307,26 @@ class _Connection:
         try:
             await self.ws.send_frame(orjson.dumps(payload), WSMsgType.TEXT)
         except ConnectionResetError:  # the peer left: nobody to tell
-            self.gone.set()
+            self._set_gone()
+
+    def _set_gone(self) -> None:
+        """The peer is gone (or is being closed on): the turn in flight is cancelled."""
+        self.gone.set()
+        turn = self.in_flight
+        if turn is not None and not turn.done():
+            turn.cancel()
 
     async def _run(self, message: bytes) -> None:
         """One turn in a task of its own; a peer that closes or goes away meanwhile cancels it."""
-        turn = asyncio.create_task(self._turn(message))
-        gone = asyncio.create_task(self.gone.wait())
+        turn = self.in_flight = asyncio.create_task(self._turn(message))
+        if self.gone.is_set():
+            turn.cancel()
         try:
-            await asyncio.wait((turn, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not turn.done():
-                turn.cancel()
+            # Waits for the turn's end, a cancelled one's too; a cancellation of this task
+            # cancels the turn, waits for it, and goes on.
             results = await asyncio.gather(turn, return_exceptions=True)
+        finally:
+            self.in_flight = None
         error = results[0]
         if isinstance(error, BaseException) and not isinstance(error, (asyncio.CancelledError, ConnectionResetError)):
             log.error("websocket turn failed", request_id=state.context(self.request).request_id,
