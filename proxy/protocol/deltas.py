@@ -124,7 +124,16 @@ class ChunkParser:
         out: list[Delta] = []
         at, n = 0, len(payloads)
         if n == 1:  # one chunk per read: the usual stream
-            self._payload(payloads[0], out)
+            payload = payloads[0]
+            head = self._head
+            if head is not None and payload.startswith(head) and payload.endswith(self._tail):
+                # The learned text chunk's shape: a run of one, as _with_runs reads it.
+                text = payload[len(head):-len(self._tail)]
+                if text and _NOT_PLAIN.search(text) is None:
+                    out.append(OUTPUT_TOKEN)
+                    out.append(Text(text.decode()))
+                    return out
+            self._payload(payload, out)
             return out
         restarts = _RESTARTS
         while at < n:
