@@ -124,6 +124,15 @@ class KeyCache:
         self._entries.clear()
 
 
+def _x_api_key(request: web.Request) -> list[str] | None:
+    """`x-api-key: <key>` (the Anthropic SDKs, Claude Code) as the Authorization header it stands
+    for, when no Authorization header came: one key, checked exactly as a Bearer token."""
+    found = request.headers.getall("x-api-key", None)
+    if not found:
+        return None
+    return [f"Bearer {v}" for v in found]
+
+
 def is_static(record: KeyRecord) -> bool:
     return record.key_id.startswith(STATIC_PREFIX)
 
@@ -260,6 +269,8 @@ def create(section: dict[str, Any], app: web.Application):
         if AUTH not in ctx.unit.phases:
             return await call_next(request, ctx)
         headers = request.headers.getall("Authorization", None)
+        if not headers:
+            headers = _x_api_key(request)  # Anthropic's clients send the key as x-api-key
         if not headers:
             return await _refuse(request, ctx, call_next, _unauthorized(
                 "Missing API key: send it as 'Authorization: Bearer <key>'."))

@@ -375,7 +375,7 @@ class _Billing:
             request_id=request_id, key_id=hold.key_id, model=t.model,
             input_tokens=billed.input_tokens, cached_tokens=billed.cached_tokens, output_tokens=billed.output_tokens,
             reasoning_tokens=billed.reasoning_tokens, cost_micros=billed.cost_micros, status=status,
-            worker=out.upstream, served_model=t.upstream_model,
+            worker=out.upstream, served_model=t.upstream_model, endpoint=ctx.path,
         )
 
     def finish(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
@@ -389,7 +389,7 @@ class _Billing:
             usage = None if out is None or out.upstream is None else UsageRecord(
                 request_id=hold.request_id, key_id=hold.key_id, model=t.model, input_tokens=est, cached_tokens=0,
                 output_tokens=0, reasoning_tokens=0, cost_micros=min(hold.amount_micros, cost_micros(price, est, 0, 0)),
-                status="error", worker=out.upstream, served_model=t.upstream_model)
+                status="error", worker=out.upstream, served_model=t.upstream_model, endpoint=ctx.path)
             if usage is not None:
                 out.cost_micros = usage.cost_micros
         return leases.finish(hold, usage, waited=not cancelled)

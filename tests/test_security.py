@@ -20,7 +20,10 @@ PUBLIC_ROUTES = {("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens
                  ("GET", "/healthz"), ("GET", "/openapi.json"), ("GET", "/metrics"), ("HEAD", "/v1/models"),
                  ("HEAD", "/healthz"), ("HEAD", "/openapi.json"), ("HEAD", "/metrics"),
                  ("GET", "/livez"), ("HEAD", "/livez"), ("GET", "/readyz"), ("HEAD", "/readyz"),
-                 ("GET", "/v1/key"), ("HEAD", "/v1/key")}  # /v1/key: the caller's own key, guarded by auth
+                 ("GET", "/v1/key"), ("HEAD", "/v1/key"),  # /v1/key: the caller's own key, guarded by auth
+                 # the model server's other APIs, passed through (proxy.http.passthrough), guarded by auth
+                 ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/embeddings"),
+                 ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")}
 
 
 def image_body(url: str) -> dict:
@@ -199,7 +202,8 @@ async def test_no_unauthenticated_admin_surface(sim, make_proxy):
                 assert r.status in (404, 405), (method, path, r.status)
                 assert set(await r.json()) == {"error"}
         for method, path in (("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens"), ("GET", "/v1/models"),
-                             ("GET", "/v1/key"), ("GET", "/v1/responses"), ("POST", "/v1/responses/compact")):
+                             ("GET", "/v1/key"), ("GET", "/v1/responses"), ("POST", "/v1/responses/compact"),
+                             ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"), ("POST", "/v1/messages")):
             async with http.request(method, proxy.url + path, json={"model": "tiny-org/tiny-model", "input": "x"}) as r:
                 assert r.status == 401
 

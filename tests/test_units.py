@@ -50,6 +50,9 @@ class Probe:
         return secret, record.key_id
 
     def body(self, phase: str) -> dict[str, Any]:
+        family = self.unit.family
+        if family:
+            return _passthrough_body(family, phase, CONFIG["server"][self.unit.body_limit])
         body: dict[str, Any] = {"model": MODEL, "input": "Say hi."}
         if phase == SIZES:
             body["input"] = [{"type": "message", "role": "user", "content": "hi"}] * 9
@@ -59,6 +62,27 @@ class Probe:
             limit = CONFIG["server"][self.unit.body_limit]
             body["instructions"] = "x" * (limit + 1)
         return body
+
+
+def _passthrough_body(family: str, phase: str, limit: int) -> dict[str, Any]:
+    """The same probes in the shape of each pass-through family (proxy.http.units.PASSTHROUGH)."""
+    many = CONFIG["server"]["max_input_items"] + 1
+    if family in ("chat", "messages", "messages_count"):
+        body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}]}
+        if family == "messages":
+            body["max_tokens"] = 16
+        items = "messages"
+    elif family == "completions":
+        body, items = {"model": MODEL, "prompt": "Say hi.", "max_tokens": 16}, "prompt"
+    else:
+        body, items = {"model": MODEL, "input": "Say hi."}, "input"
+    if phase == SIZES:
+        body[items] = [{"role": "user", "content": "hi"}] * many if items == "messages" else ["hi"] * many
+    elif phase == TRANSLATE:
+        body["stream"] = "yes"  # refused by the pass-through's checks (proxy.protocol.passthrough)
+    elif phase == BODY:
+        body["user"] = "x" * (limit + 1)
+    return body
 
 
 # ----------------------------------------------------------------------------- drivers
@@ -128,6 +152,8 @@ DRIVERS = {
     units.WS_TURN.name: lambda p, h, ph, pr: _socket(p, h, ph, pr, warmup=False),
     units.WS_WARMUP.name: lambda p, h, ph, pr: _socket(p, h, ph, pr, warmup=True),
     units.WS_HANDSHAKE.name: _handshake,
+    **{u.name: (lambda path: lambda p, h, ph, pr: _http(p, h, "POST", path, ph, pr))(u.name.split(" ", 1)[1])
+       for u in units.PASSTHROUGH},
 }
 # Units no request reaches alone: the compaction's summary turn runs inside a compaction (its
 # own test below); PUBLIC is what a path without a unit runs (tested below).

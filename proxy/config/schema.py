@@ -234,6 +234,14 @@ stateless checks, tool policy, translate) -> balance -> handler. Each built-in p
 switched by its section's `enabled`; the order is not configurable. Your own middlewares go at
 these named points: "package.module:factory", configured by a top-level section of the same
 name (or written {"package.module:factory": {...}} in the list); README, "Your own middleware"."""),
+    "endpoints": F(Section({
+        "chat_completions": F(Bool(), True, "POST /v1/chat/completions, the body passed through"),
+        "completions": F(Bool(), True, "POST /v1/completions, the body passed through"),
+        "embeddings": F(Bool(), True, "POST /v1/embeddings, the body passed through"),
+        "messages": F(Bool(), True, "POST /v1/messages (+ /count_tokens): Anthropic's API, passed through"),
+    }), None, note="""\
+The model server's other APIs, each through the same keys, limits and ledger as /v1/responses
+(README, "Other endpoints"). false: that path answers 404 endpoint_disabled."""),
     "websocket": F(Section({
         "enabled": F(Bool(), True, "GET /v1/responses with an upgrade: the Responses WebSocket transport"),
         "max_connection_minutes": F(POS_NUM, 60, "then websocket_connection_limit_reached and the socket closes"),

@@ -17,7 +17,9 @@ from proxy.config.load import Config, ConfigError
 from proxy.http.errors import ERROR_CODE, APIError, ledger_unavailable
 from proxy.ledger.base import LedgerUnavailable
 from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event
+from proxy.http.anthropic_errors import dress
 from proxy.http.routes import add_routes, unit_for
+from proxy.protocol.passthrough import ANTHROPIC
 from proxy.upstream.client import UpstreamPool
 from proxy.upstream.health import HealthSettings, Readiness, health_context
 from proxy.protocol.ids import random_bits
@@ -62,6 +64,8 @@ def envelope(phases: Phases):
         error_code: str | None = None
         try:
             response = await _within_started(phases.run, request, ctx)
+            if ctx.unit.family in ANTHROPIC:
+                response = dress(response)  # Anthropic's error envelope on its routes
             status = response.status
             error_code = response.get(ERROR_CODE)
             return response
@@ -71,7 +75,9 @@ def envelope(phases: Phases):
             exc = caught if isinstance(caught, APIError) else ledger_unavailable(caught)
             status, error_code = exc.status, exc.code
             streamed = await refusal_as_event(request, ctx, exc)  # Codex reads a spent balance only as an event
-            return streamed if streamed is not None else exc.to_response()
+            if streamed is not None:
+                return streamed
+            return dress(exc.to_response()) if ctx.unit.family in ANTHROPIC else exc.to_response()
         except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and methods
             status = exc.status
             if exc.status < 400:

@@ -19,6 +19,7 @@ from proxy import state
 from proxy.http.errors import APIError, bad_request
 from proxy.http.units import BODY, MODELS, SIZES, TRANSLATE
 from proxy.policy.netguard import check_images, policy_for
+from proxy.http.passthrough import passthrough_translate
 from proxy.protocol.compaction import SummaryAsk
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, translate_request
@@ -221,10 +222,11 @@ def _check_model(ctx: RequestContext, body: dict[str, Any], pool: Any) -> None:
                        code="model_not_allowed", param="model")
 
 
-def _check_sizes(body: dict[str, Any], limits: dict[str, Any]) -> None:
+def _check_sizes(body: dict[str, Any], limits: dict[str, Any], items: str = "input") -> None:
     # Before translating: a hostile body should cost a len(), not a translation.
-    if isinstance(body.get("input"), list) and len(body["input"]) > int(limits["max_input_items"]):
-        raise bad_request(f"input has more than {limits['max_input_items']} items.", param="input", code="too_many_items")
+    if isinstance(body.get(items), list) and len(body[items]) > int(limits["max_input_items"]):
+        raise bad_request(f"{items} has more than {limits['max_input_items']} items.", param=items,
+                          code="too_many_items")
     if isinstance(body.get("tools"), list) and len(body["tools"]) > int(limits["max_tools"]):
         raise bad_request(f"More than {limits['max_tools']} tools.", param="tools", code="too_many_tools")
 
@@ -266,11 +268,14 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
         body = ctx.body = _decoded_turn(request, ctx, limits, body)
         phases = ctx.unit.phases
         if SIZES in phases:
-            _check_sizes(body, limits)
+            _check_sizes(body, limits, ctx.unit.items)
         pool = app.get(state.POOL)
         if MODELS in phases:
             _check_model(ctx, body, pool)
-        if TRANSLATE in phases:
+        if TRANSLATE in phases and ctx.unit.family:
+            # Another API of the model server: its body goes upstream as sent (proxy.http.passthrough).
+            ctx.translation = await passthrough_translate(app, ctx, body)
+        elif TRANSLATE in phases:
             for check in checks:
                 body = check(ctx, body)
             ctx.body = body

@@ -16,8 +16,10 @@ from proxy.http.compact import compact_handler
 from proxy.http.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
 from proxy.http.key_view import key_handler
 from proxy.http.openapi import openapi_handler
+from proxy.http.passthrough import passthrough_handler
 from proxy.http.responses import responses_handler
-from proxy.http.units import COMPACT, INPUT_TOKENS, KEYED, PUBLIC, RESPONSES, WS_HANDSHAKE, Unit
+from proxy.http.units import (CHAT, COMPACT, COMPLETIONS, EMBEDDINGS, INPUT_TOKENS, KEYED, MESSAGES, MESSAGES_COUNT,
+                              PUBLIC, RESPONSES, WS_HANDSHAKE, Unit)
 from proxy.http.websocket import websocket_handler
 
 
@@ -33,6 +35,12 @@ ROUTES = (
     Route("GET", "/v1/responses", websocket_handler, WS_HANDSHAKE),
     Route("POST", "/v1/responses/compact", compact_handler, COMPACT),
     Route("POST", "/v1/responses/input_tokens", input_tokens_handler, INPUT_TOKENS),
+    # The model server's other APIs, passed through (proxy.http.passthrough; config `endpoints`).
+    Route("POST", "/v1/chat/completions", passthrough_handler, CHAT),
+    Route("POST", "/v1/completions", passthrough_handler, COMPLETIONS),
+    Route("POST", "/v1/embeddings", passthrough_handler, EMBEDDINGS),
+    Route("POST", "/v1/messages", passthrough_handler, MESSAGES),
+    Route("POST", "/v1/messages/count_tokens", passthrough_handler, MESSAGES_COUNT),
     Route("GET", "/v1/models", models_handler, KEYED),
     Route("GET", "/v1/key", key_handler, KEYED),
     Route("GET", "/livez", livez_handler, PUBLIC),

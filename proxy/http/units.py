@@ -53,6 +53,11 @@ class Unit(NamedTuple):
     body_limit: str = BILLED_BODY
     variants: tuple["Unit", ...] = ()
     why: str = ""  # the reason for each phase it skips: the table is read by people too
+    # The pass-through families (proxy.http.passthrough): the body goes upstream as sent; the
+    # translate phase builds a Passthrough instead of a Translation, and runs none of the
+    # Responses-only policies (stateless refusals, hosted tools) there. "": a Responses unit.
+    family: str = ""
+    items: str = "input"  # the body's list counted against server.max_input_items (sizes)
 
     def runs(self, phase: str) -> bool:
         return phase in self.phases
@@ -75,7 +80,20 @@ WS_HANDSHAKE = Unit("GET /v1/responses (WebSocket handshake)", frozenset({AUTH})
                         "per key and in all by proxy.http.websocket")
 KEYED = Unit("keyed read", frozenset({AUTH}), why="no body, no upstream call, nothing billed")
 PUBLIC = Unit("public", NONE, why="probes, /metrics, the API description: no key (the admin console has its own)")
-UNITS = (RESPONSES, INPUT_TOKENS, COMPACT, COMPACT_SUMMARY, WS_TURN, WS_WARMUP, WS_HANDSHAKE, KEYED, PUBLIC)
+# The other APIs of the same model servers (proxy.http.passthrough): every phase, but the
+# translate phase is theirs (the key's model resolved, the body checked for what billing needs,
+# the image guard on chat content); the Responses-only policies (stateless refusals, hosted
+# tools) do not apply: these APIs have no previous_response_id, store or hosted tools.
+CHAT = Unit("POST /v1/chat/completions", EVERY, family="chat", items="messages")
+COMPLETIONS = Unit("POST /v1/completions", EVERY, family="completions", items="prompt")
+EMBEDDINGS = Unit("POST /v1/embeddings", EVERY, family="embeddings", items="input")
+MESSAGES = Unit("POST /v1/messages", EVERY, family="messages", items="messages")
+MESSAGES_COUNT = Unit("POST /v1/messages/count_tokens", UNBILLED, body_limit=UNBILLED_BODY, family="messages_count",
+                      items="messages",
+                      why="a count is free of charge; limited, and bounded by the unbilled body size")
+PASSTHROUGH = (CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, MESSAGES_COUNT)
+UNITS = (RESPONSES, INPUT_TOKENS, COMPACT, COMPACT_SUMMARY, WS_TURN, WS_WARMUP, WS_HANDSHAKE, KEYED, PUBLIC,
+         *PASSTHROUGH)
 
 
 def _check(units: tuple[Unit, ...]) -> None:

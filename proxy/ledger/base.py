@@ -100,6 +100,9 @@ class UsageRecord:
     # console groups and filters by it: a bounded set, whatever strings clients send. None: rows
     # from before it was kept; those are grouped under `model` (grouped_model).
     served_model: str | None = None
+    # The API path the request came in on (/v1/responses, /v1/chat/completions, /v1/messages, ...);
+    # None: rows from before it was kept (all of them Responses).
+    endpoint: str | None = None
 
     @property
     def grouped_model(self) -> str:

@@ -5,7 +5,7 @@ lease rows. Pure: values in, rows and changes out; the backends hold the SQL.
 A usage row, in the INSERT order of both backends (schema.py _INSERT_USAGE, pg_usage.py
 USAGE_COLUMNS; rollup.py reads the same positions): request_id, key_id, model, input_tokens,
 cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros, status,
-created_at, worker, served_model.
+created_at, worker, served_model, endpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def usage_row(usage: UsageRecord, request_id: str | None = None) -> tuple:
     return (request_id or usage.request_id, usage.key_id, str(usage.model), usage.input_tokens, usage.cached_tokens,
             usage.output_tokens, usage.reasoning_tokens, cost, cost, usage.status, float(usage.created_at),
             None if usage.worker is None else str(usage.worker),
-            None if usage.served_model is None else str(usage.served_model))
+            None if usage.served_model is None else str(usage.served_model),
+            None if usage.endpoint is None else str(usage.endpoint))
 
 
 def checked_rows(usages: list[tuple[str, UsageRecord]]) -> list[tuple | ValueError]:

@@ -30,6 +30,9 @@ nullable column without a default is a change of the catalog only (no table rewr
 Migration 5 adds ledger_hold(), PostgresLedger.hold_up_to's transaction as one function, so
 a hold is one round trip to the database instead of five (BEGIN, lock, read, insert, COMMIT)
 on the request's path to its first byte: the same statements in the same order.
+Migration 6 adds usage.endpoint, the API path a row was billed for (/v1/responses,
+/v1/chat/completions, /v1/messages, ...; NULL: rows from before it was kept, all Responses).
+Nullable without a default: a change of the catalog only. The hourly sums are not split by it.
 """
 
 from __future__ import annotations
@@ -191,6 +194,9 @@ BEGIN
     END IF;
     outcome := 'held';
 END $$;
+"""),
+    (6, "usage.endpoint: the API path a row was billed for", """
+ALTER TABLE usage ADD COLUMN endpoint TEXT;
 """),
 )
 

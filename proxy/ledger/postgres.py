@@ -344,7 +344,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
             debit = min(cost, balance) if held is None else min(cost, balance, held)
             status = await conn.execute(
                 f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
-                " $13) ON CONFLICT (request_id) DO NOTHING", *row[:8], debit, *row[9:])
+                " $13, $14) ON CONFLICT (request_id) DO NOTHING", *row[:8], debit, *row[9:])
             if status.endswith(" 0"):
                 return None
             if debit:

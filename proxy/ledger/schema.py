@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS usage (
     status           TEXT NOT NULL,
     created_at       REAL NOT NULL,
     worker           TEXT,
-    served_model     TEXT             -- what resolve_model chose; NULL: rows from before it was kept
+    served_model     TEXT,            -- what resolve_model chose; NULL: rows from before it was kept
+    endpoint         TEXT             -- the API path (/v1/chat/completions, ...); NULL: rows from before it was kept
 );
 CREATE INDEX IF NOT EXISTS usage_by_key ON usage(key_id, seq);
 CREATE TRIGGER IF NOT EXISTS usage_no_update BEFORE UPDATE ON usage
@@ -92,6 +93,7 @@ _ADDED_COLUMNS = (
     ("keys", "monthly_budget_micros", "INTEGER"),
     ("usage", "worker", "TEXT"),
     ("usage", "served_model", "TEXT"),
+    ("usage", "endpoint", "TEXT"),
 )
 
 # The time-range reads of the console and of budgets: by time over all keys, by key then
@@ -241,8 +243,8 @@ def _models_json(models: Any) -> str | None:
 _KEY_BALANCE = "SELECT balance_micros FROM keys WHERE key_id = ?"
 _INSERT_USAGE = (
     "INSERT OR IGNORE INTO usage (request_id, key_id, model, input_tokens, cached_tokens,"
-    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at, worker, served_model)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at, worker, served_model,"
+    " endpoint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _COST, _DEBITED = 7, 8  # positions in an _INSERT_USAGE row
 _NEWEST_USAGE = "SELECT request_id FROM usage ORDER BY seq DESC LIMIT ?"

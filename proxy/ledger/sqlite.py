@@ -256,6 +256,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         created_at = float(usage.created_at)
         worker = None if usage.worker is None else str(usage.worker)
         served = usage.served_model
+        endpoint = None if usage.endpoint is None else str(usage.endpoint)
 
         def op(conn: sqlite3.Connection) -> int | None:
             settled, balance, held = conn.execute(
@@ -275,9 +276,9 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
                 # The exactly-once guarantee: UNIQUE(request_id), in this same transaction.
                 conn.execute(
                     "INSERT INTO usage (request_id, key_id, model, input_tokens, cached_tokens, output_tokens,"
-                    " reasoning_tokens, cost_micros, debited_micros, status, created_at, worker, served_model)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served),
+                    " reasoning_tokens, cost_micros, debited_micros, status, created_at, worker, served_model,"
+                    " endpoint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served, endpoint),
                 )
             except sqlite3.IntegrityError:
                 if conn.execute("SELECT 1 FROM usage WHERE request_id = ?", (request_id,)).fetchone():
@@ -286,7 +287,8 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             if debit:
                 conn.execute(_DEBIT_KEY, (debit, key_id))
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
-            roll_up(conn, [((request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served),
+            roll_up(conn, [((request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served,
+                             endpoint),
                             debit)])
             return debit
 

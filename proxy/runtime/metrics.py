@@ -43,10 +43,17 @@ from proxy import state
 from proxy.state import METRICS, RequestContext
 
 PREFIX = "responses_proxy"
+# The endpoints whose requests generate (and count toward the token totals).
+_BILLED = frozenset({"responses", "chat_completions", "completions", "embeddings", "messages"})
 _ENDPOINTS = {
     "/v1/responses": "responses",
     "/v1/responses/input_tokens": "input_tokens",
     "/v1/models": "models",
+    "/v1/chat/completions": "chat_completions",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "messages_count_tokens",
     "/healthz": "healthz",
     "/livez": "livez",
     "/readyz": "readyz",
@@ -435,10 +442,11 @@ class Metrics:
         endpoint = _ENDPOINTS.get(ctx.path, "other")
         model = self.model_label(ctx)
         out = ctx.outcome
-        outcome = out.status if out is not None and endpoint == "responses" else ""
+        billed = endpoint in _BILLED
+        outcome = out.status if out is not None and billed else ""
         self.requests.inc((endpoint, model, str(status), outcome))
         self.latency.observe((endpoint, model), elapsed_s)
-        if out is None or endpoint != "responses":
+        if out is None or not billed:
             return  # input_tokens counts nothing toward usage
         if out.ttfb_ms is not None:
             self.ttfb.observe((model, out.upstream or ""), out.ttfb_ms / 1000)

@@ -336,6 +336,9 @@ def create_app(*, dialect: str = "vllm", models: tuple[str, ...] | list[str] = (
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[SIM_STATE] = SimState(dialect, tuple(models), int(max_model_len), int(seed))
     app.router.add_post("/v1/chat/completions", chat_completions)
+    from proxy.simulator.edge import add_routes as add_edge_routes
+
+    add_edge_routes(app)  # /v1/completions, /v1/embeddings, /v1/messages (+ count_tokens)
     app.router.add_get("/v1/models", models_handler)
     app.router.add_get("/health", health)
     if dialect == "vllm":
