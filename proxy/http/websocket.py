@@ -452,7 +452,9 @@ async def _send_events(ws: web.WebSocketResponse, block: bytes, message_of: Any,
 
 def _plain_writer(ws: web.WebSocketResponse) -> Any:
     """aiohttp's WebSocketWriter of `ws` when its frames can be built here (neither compressed
-    nor masked: a server's without permessage-deflate), else None."""
+    nor masked: a server's without permessage-deflate), else None. aiohttp has no public batch
+    send: the private names read here are listed in tests/test_architecture.py and the bytes
+    they write pinned against send_frame's by tests/test_ws_frames.py."""
     writer = ws._writer
     if writer is None or writer.compress or writer.use_mask or not hasattr(writer, "_output_size"):
         return None
