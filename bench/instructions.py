@@ -73,7 +73,7 @@ HEADING = "### Instructions per request (issue 28)"
 CASES = [("non-stream", "bench-json", False), ("stream coalesced", "bench-coalesced", True),
          ("stream 1 delta/read", "bench-chunked", True)]
 # (warm-up, N1, N2) per case
-COUNTS = {"bench-json": (30, 10, 40), "bench-coalesced": (20, 5, 20), "bench-chunked": (3, 3, 9)}
+COUNTS = {"bench-json": (30, 20, 120), "bench-coalesced": (20, 10, 50), "bench-chunked": (3, 4, 16)}
 # the proxy's rows: name -> config merged into bench.trees' (the full default chain)
 VARIANTS = {
     "proxy": {},
