@@ -59,7 +59,8 @@ from aiohttp import web
 
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError, ledger_unavailable
+from proxy.errors import APIError
+from proxy.http.errors import error_response, ledger_unavailable
 from proxy.http.units import AUTH
 from proxy.state import LEDGER
 from proxy.ledger import KeyRecord, LedgerUnavailable
@@ -153,7 +154,7 @@ async def _refuse(request: web.Request, ctx: RequestContext, call_next, exc: API
     """
     if request.match_info.http_exception is not None:
         return await call_next(request, ctx)  # a method this path does not serve: its 405, not a 401
-    response = exc.to_response()
+    response = error_response(exc)
     if not request.content.is_eof():
         response.force_close()
         request.protocol.close()

@@ -81,7 +81,7 @@ from aiohttp import web
 from middlewares.auth import is_static
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.units import BALANCE
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
 from proxy.ledger.lease import LeaseHold, Leases

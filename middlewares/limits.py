@@ -37,7 +37,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.units import LIMITS
 from proxy.limits.base import GLOBAL, KEY, RATE, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter

@@ -44,7 +44,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.ledger import SECRET_PREFIX
 
 COOKIE = "rp_admin_session"

@@ -14,7 +14,8 @@ from aiohttp import web
 from middlewares import Phases, build_phases
 from proxy import state
 from proxy.config.load import Config, ConfigError
-from proxy.http.errors import ERROR_CODE, APIError, ledger_unavailable
+from proxy.errors import APIError
+from proxy.http.errors import ERROR_CODE, error_response, ledger_unavailable
 from proxy.ledger.base import LedgerUnavailable
 from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event
 from proxy.http.anthropic_errors import dress
@@ -77,7 +78,7 @@ def envelope(phases: Phases):
             streamed = await refusal_as_event(request, ctx, exc)  # Codex reads a spent balance only as an event
             if streamed is not None:
                 return streamed
-            return dress(exc.to_response()) if ctx.unit.family in ANTHROPIC else exc.to_response()
+            return dress(error_response(exc)) if ctx.unit.family in ANTHROPIC else error_response(exc)
         except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and methods
             status = exc.status
             if exc.status < 400:
@@ -89,7 +90,7 @@ def envelope(phases: Phases):
                 message += console_off_hint(request)
             refusal = APIError(exc.status, f"{message} ({request.method} {request.path})")
             error_code = refusal.code
-            return refusal.to_response()
+            return error_response(refusal)
         except (asyncio.CancelledError, ConnectionResetError) as gone:
             out = ctx.outcome
             # 499: the client went away before its answer was whole (after it, the answer stands).
@@ -103,7 +104,7 @@ def envelope(phases: Phases):
         except Exception:
             log.exception("unhandled error", request_id=ctx.request_id)
             error_code = "internal_error"
-            return APIError(500, "The proxy failed to handle this request.", code="internal_error").to_response()
+            return error_response(APIError(500, "The proxy failed to handle this request.", code="internal_error"))
         finally:
             elapsed = time.perf_counter() - started
             settling = ctx.settling
@@ -323,9 +324,11 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_embedded_simulator)
     app.cleanup_ctx.append(health_context(SESSION, POOL))  # discovery + active checks, once urls are final
     app.cleanup_ctx.append(_ledger)
-    from proxy.protocol.seal import install_sealer
+    from proxy.protocol.seal import sealer_from_config
 
-    install_sealer(app, config.section("reasoning_seal"))
+    sealer = sealer_from_config(config.section("reasoning_seal"))
+    if sealer is not None:
+        app[state.SEALER] = sealer
     phases = app[PHASES] = build_phases(config, app)
     app.middlewares.append(envelope(phases))
     # Before _add_request_id: a turn's foreign answer is refused while it is not started yet.

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.http.compaction_trigger import carry_notices
-from proxy.http.errors import APIError, bad_request
+from proxy.errors import APIError, bad_request
 from proxy.http.request import read_json
 from proxy.http.turn import run_turn
 from proxy.http.units import COMPACT_SUMMARY, UNBILLED_BODY

@@ -31,7 +31,7 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.forwarder import _SSE_HEADERS, _settle_now, forward
 from proxy.http.turn import TurnAnswer, run_turn
 from proxy.http.units import COMPACT_SUMMARY

@@ -8,7 +8,7 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.forwarder import POOL, SESSION
 from proxy.state import READINESS
 from proxy.upstream.routing import TokenCountError, choose, count_tokens, parse_provider, request_parameters

@@ -22,7 +22,7 @@ from aiohttp import web
 from proxy import state
 from proxy.upstream.affinity import AffinitySettings, request_key
 from proxy.protocol.dialects import chat_for
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.runtime.logs import log
 from proxy.protocol.rewriter import (ResponseContext, StreamRewriter, client_usage, completion_response, map_usage,
                                      public_message)

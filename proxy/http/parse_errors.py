@@ -45,7 +45,8 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.streams import EMPTY_PAYLOAD
 
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
+from proxy.http.errors import error_response
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +240,7 @@ class EnvelopeRequestHandler(web_protocol.RequestHandler):
         else:
             return super().handle_error(request, status, exc, message)
         self.log_debug("refused a malformed request from %s: %r", request.remote, exc)
-        response = error.to_response()
+        response = error_response(error)
         response.force_close()  # the parser state is unknown after a broken message
         return response
 

@@ -22,11 +22,11 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.forwarder import (MAX_ERROR_BODY, MAX_JSON_BODY, MAX_ATTEMPTS, _SSE_HEADERS, _EventStream,
                                   _ReadWatchdog, _Retryable, _check_stream_start, _let_go, _record_usage,
                                   _settle_now, _upstream_message, map_upstream_error)
-from proxy.policy.netguard import check_images, policy_for
+from proxy.policy.netguard import ImagePolicy, check_images
 from proxy.protocol.chat_usage import SSEScanner, json_usage
 from proxy.protocol.passthrough import ANTHROPIC, Passthrough, build
 from proxy.runtime.logs import log
@@ -38,6 +38,14 @@ from proxy.upstream.workers import Worker
 # config `endpoints` key of each family (messages_count follows messages)
 SWITCHES = {"chat": "chat_completions", "completions": "completions", "embeddings": "embeddings",
             "messages": "messages", "messages_count": "messages"}
+
+
+def policy_for(app: web.Application) -> ImagePolicy:
+    """The app's image-URL policy (built once by build_app; built here from config otherwise)."""
+    policy = app.get(state.IMAGE_POLICY)
+    if policy is None:
+        policy = ImagePolicy(app[state.CONFIG].section("images"))
+    return policy
 
 
 async def passthrough_translate(app: web.Application, ctx: state.RequestContext, body: dict) -> Passthrough:

@@ -16,10 +16,10 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.http.errors import APIError, bad_request
+from proxy.errors import APIError, bad_request
 from proxy.http.units import BODY, MODELS, SIZES, TRANSLATE
-from proxy.policy.netguard import check_images, policy_for
-from proxy.http.passthrough import passthrough_translate
+from proxy.http.passthrough import passthrough_translate, policy_for
+from proxy.policy.netguard import check_images
 from proxy.protocol.compaction import SummaryAsk
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, translate_request

@@ -45,7 +45,7 @@ import orjson
 from aiohttp import ClientConnectionResetError, WSCloseCode, WSMsgType, web
 
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.turn import TurnAnswer, run_turn
 from proxy.http.units import WS_TURN, WS_WARMUP, Unit
 from proxy.http.warmup import warmup_handler

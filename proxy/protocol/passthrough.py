@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from proxy.http.errors import bad_request
+from proxy.errors import bad_request
 from proxy.protocol.prompt import prompt_bytes
 from proxy.protocol.translate_options import is_int
 from proxy.upstream.models import resolve_model

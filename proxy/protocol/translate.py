@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from proxy.http.errors import APIError, bad_request
+from proxy.errors import APIError, bad_request
 from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, check_stateless
 from proxy.protocol.compaction import SummaryAsk, summary_chat, take_trigger
 from proxy.protocol.prompt import prompt_bytes

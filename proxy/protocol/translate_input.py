@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import orjson
 
-from proxy.http.errors import bad_request
+from proxy.errors import bad_request
 from proxy.policy.rules import item_reference_refusal
 from proxy.protocol.compaction import compaction_message, is_sealed_here
 from proxy.protocol.translate_options import REASONING_EFFORTS, TranslateOptions, add_notice, show

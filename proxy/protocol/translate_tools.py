@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.http.errors import bad_request
+from proxy.errors import bad_request
 from proxy.policy.rules import hosted_tools_notice, leave_out
 from proxy.protocol.translate_options import show
 

@@ -19,7 +19,7 @@ import orjson
 from proxy.upstream.affinity import AffinitySettings, pick_on_route
 from proxy.upstream.affinity import pick as pick_by_affinity
 from proxy.protocol.dialects import messages_for
-from proxy.http.errors import APIError, bad_request
+from proxy.errors import APIError, bad_request
 
 if TYPE_CHECKING:
     from proxy.upstream.affinity import AffinityKey
