@@ -30,8 +30,9 @@ phase `(request, ctx, call_next)`; stateless and tools return a body check
 from __future__ import annotations
 
 import importlib
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 

@@ -84,13 +84,13 @@ from proxy.config.load import ConfigError
 from proxy.errors import APIError
 from proxy.http.units import BALANCE
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
-from proxy.ledger.lease import LeaseHold, Leases
-from proxy.ledger.service import budget_room
+from proxy.ledger.lease import Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
+from proxy.ledger.service import budget_room
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.runtime.logs import log
-from proxy.upstream.routing import TokenCountError, count_tokens
 from proxy.state import METRICS, RequestContext
+from proxy.upstream.routing import TokenCountError, count_tokens
 
 # The chat template's own tokens (see estimate_input_tokens): in front of everything, around
 # each message, in front of a tool list. The same margins as the context check's bound
@@ -110,7 +110,7 @@ class Settlements:
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task] = set()
-        self.leases: "weakref.WeakSet[Leases]" = weakref.WeakSet()
+        self.leases: weakref.WeakSet[Leases] = weakref.WeakSet()
 
     def track(self, task: asyncio.Task) -> None:
         self.tasks.add(task)

@@ -128,7 +128,8 @@ def create(section: dict[str, Any], app: web.Application):
         try:
             ticket = await admit(ask)
         except LimitsUnavailable:
-            raise APIError(503, "Limits cannot be checked right now (the shared counter is unreachable); retry shortly.",
+            raise APIError(503, "Limits cannot be checked right now (the shared counter is unreachable); "
+                           "retry shortly.",
                            code="limits_unavailable", headers={"Retry-After": unavailable_header}) from None
         if ticket.__class__ is Refused:
             raise _refusal(ticket, ask, retry_header)

@@ -29,7 +29,7 @@ def resolve_workers(value: object) -> int:
     """server.workers / --workers: a positive integer, or "auto" (or 0) = one process per core."""
     if value is None:
         return 1
-    if isinstance(value, str) and value.strip().lower() == "auto" or value == 0:
+    if (isinstance(value, str) and value.strip().lower() == "auto") or value == 0:
         return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(f"server.workers must be a positive integer or 'auto', not {value!r}")
@@ -217,7 +217,7 @@ def _run(app, sockets: list, loop: asyncio.AbstractEventLoop) -> None:
         try:
             for sock in sockets:
                 await web.SockSite(runner, sock).start()
-            while True:
+            while True:  # noqa: ASYNC110 - serves until the task is cancelled; nothing is polled
                 await asyncio.sleep(3600)
         finally:
             await runner.cleanup()

@@ -62,7 +62,10 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def unauthorized(message: str = "An admin key is required: 'Authorization: Bearer <admin key>' or a dashboard login.") -> APIError:
+_ADMIN_KEY_REQUIRED = "An admin key is required: 'Authorization: Bearer <admin key>' or a dashboard login."
+
+
+def unauthorized(message: str = _ADMIN_KEY_REQUIRED) -> APIError:
     return APIError(401, message, code="invalid_admin_key", headers={"WWW-Authenticate": "Bearer"})
 
 

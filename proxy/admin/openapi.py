@@ -10,8 +10,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.ledger.service import CREATE_FIELDS, LIMIT_FIELDS, TOTAL_FIELDS, USAGE_FIELDS
 from proxy.ledger.base import USAGE_GROUPS
+from proxy.ledger.service import CREATE_FIELDS, LIMIT_FIELDS, TOTAL_FIELDS, USAGE_FIELDS
 
 _ERR = {"$ref": "#/components/schemas/ErrorEnvelope"}
 _MEANINGS = {

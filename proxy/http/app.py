@@ -15,29 +15,38 @@ from middlewares import Phases, build_phases
 from proxy import state
 from proxy.config.load import Config, ConfigError
 from proxy.errors import APIError
-from proxy.http.errors import ERROR_CODE, error_response, ledger_unavailable
-from proxy.ledger.base import LedgerUnavailable
-from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event
 from proxy.http.anthropic_errors import dress
-from proxy.http.routes import add_routes, unit_for
-from proxy.protocol.passthrough import ANTHROPIC
-from proxy.upstream.client import UpstreamPool
-from proxy.upstream.health import HealthSettings, Readiness, health_context
-from proxy.protocol.ids import random_bits
-from proxy.upstream.routing import validate_settings as validate_routing
-from proxy.runtime.logs import access, log
-from proxy.upstream.models import parse_sampling_defaults
-from proxy.policy.netguard import ImagePolicy
 from proxy.http.compact import CompactSettings
+from proxy.http.errors import ERROR_CODE, error_response, ledger_unavailable
+from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event
 from proxy.http.parse_errors import HeadLimits
+from proxy.http.routes import add_routes, unit_for
 from proxy.http.turn import refuse_other_answers
 from proxy.http.websocket import SocketAdmission, WebSocketSettings
+from proxy.ledger.base import LedgerUnavailable
+from proxy.policy.netguard import ImagePolicy
+from proxy.protocol.ids import random_bits
+from proxy.protocol.passthrough import ANTHROPIC
 from proxy.runtime import metrics
+from proxy.runtime.logs import access, log
 from proxy.runtime.refusals import Refusals, is_refusal
-from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
+from proxy.state import (
+    AFFINITY,
+    CONTEXT,
+    IMAGE_POLICY,
+    PHASES,
+    READINESS,
+    RESPONSE_SETTINGS,
+    SAMPLING_DEFAULTS,
+    TURN,
+    RequestContext,
+)
 from proxy.upstream.affinity import AffinitySettings
-from proxy.state import (AFFINITY, CONTEXT, IMAGE_POLICY, PHASES, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS,
-                         TURN, RequestContext)
+from proxy.upstream.client import UpstreamPool
+from proxy.upstream.health import HealthSettings, Readiness, health_context
+from proxy.upstream.models import parse_sampling_defaults
+from proxy.upstream.routing import validate_settings as validate_routing
+from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
 
 LEDGER = state.LEDGER
 
@@ -83,7 +92,8 @@ def envelope(phases: Phases):
             status = exc.status
             if exc.status < 400:
                 raise
-            message = {404: "Unknown endpoint.", 405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
+            message = {404: "Unknown endpoint.",
+                       405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
             if exc.status == 404:
                 from proxy.admin import console_off_hint
 
@@ -316,7 +326,8 @@ def build_app(config: Config) -> web.Application:
     HealthSettings.from_section(health)  # a bad section stops start-up here, not in the checker
     validate_routing(config.section("routing"))
     app[AFFINITY] = AffinitySettings.from_section(config.section("routing").get("affinity"))
-    app[POOL] = WorkerPool(parse_workers(config.get("workers")), outlier=OutlierPolicy.from_section(health.get("outlier")))
+    app[POOL] = WorkerPool(parse_workers(config.get("workers")),
+                           outlier=OutlierPolicy.from_section(health.get("outlier")))
     app[RESPONSE_SETTINGS] = ResponseSettings.from_section(config.section("responses"))
     app[SAMPLING_DEFAULTS] = parse_sampling_defaults(config.section("responses").get("sampling_defaults"))
     # Resources first: middleware factories may add their own contexts that need these.

@@ -87,7 +87,8 @@ async def _once_more(request: web.Request, ctx: RequestContext) -> tuple[str, di
     body = ctx.body or {}
     items, _ = take_trigger(body.get("input"))
     ask = ctx.translation.compaction
-    again: dict[str, Any] = {"model": body.get("model"), "input": [*items, {"role": "user", "content": ask.instructions}],
+    again: dict[str, Any] = {"model": body.get("model"),
+                             "input": [*items, {"role": "user", "content": ask.instructions}],
                              "store": False, "stream": True}
     for name in ("instructions", "prompt_cache_key"):
         if body.get(name) is not None:

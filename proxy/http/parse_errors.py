@@ -95,7 +95,7 @@ class HeadBound:
     __slots__ = ("_parser", "_protocol", "_limits", "_loop", "_state", "_bytes", "_seen", "_body", "_timer",
                  "_timed_out")
 
-    def __init__(self, parser: Any, protocol: "EnvelopeRequestHandler", limits: HeadLimits) -> None:
+    def __init__(self, parser: Any, protocol: EnvelopeRequestHandler, limits: HeadLimits) -> None:
         self._parser = parser
         self._protocol = protocol
         self._limits = limits
@@ -148,7 +148,7 @@ class HeadBound:
                     self._seen = True
                     self.start_timer()
                 self._bytes += len(data)
-        messages, upgraded, tail = result = self._parser.feed_data(data)
+        messages, upgraded, _tail = result = self._parser.feed_data(data)
         if upgraded:
             self._state = _OFF  # a WebSocket (or refused upgrade: set_upgraded) from here on
             self._body = None

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError, bad_request
-from proxy.http.units import BODY, MODELS, SIZES, TRANSLATE
 from proxy.http.passthrough import passthrough_translate, policy_for
+from proxy.http.units import BODY, MODELS, SIZES, TRANSLATE
 from proxy.policy.netguard import check_images
 from proxy.protocol.compaction import SummaryAsk
 from proxy.protocol.seal import binding

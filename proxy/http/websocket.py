@@ -80,7 +80,7 @@ class WebSocketSettings:
     permessage_deflate: bool = True
 
     @classmethod
-    def from_config(cls, section: dict[str, Any], server: dict[str, Any]) -> "WebSocketSettings":
+    def from_config(cls, section: dict[str, Any], server: dict[str, Any]) -> WebSocketSettings:
         ping = section.get("ping_interval_s", 30)
         max_body = int(server.get("max_body_bytes", cls.max_message_bytes))
         return cls(enabled=bool(section.get("enabled", True)),

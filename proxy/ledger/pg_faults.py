@@ -18,8 +18,7 @@ import time
 
 import asyncpg
 
-from proxy.ledger.base import FAULT_EXPLAINED as EXPLAIN
-from proxy.ledger.base import LedgerFault, LedgerUnavailable
+from proxy.ledger.base import FAULT_EXPLAINED as EXPLAIN, LedgerFault, LedgerUnavailable
 from proxy.ledger.pg_errors import FAULT, Failure, classify, describe
 
 log = logging.getLogger("proxy.ledger")

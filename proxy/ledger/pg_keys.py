@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from proxy.ledger.base import UNSET, KeyRecord, LedgerError, UnknownKey
-from proxy.ledger.pg_listen import CHANNEL
 from proxy.ledger.key_rules import limit_changes, new_key, topped_up
+from proxy.ledger.pg_listen import CHANNEL
 from proxy.ledger.schema import KEY_COLUMNS, _int, _key_record, hash_secret, new_secret
 
 _NOTIFY = f"SELECT pg_notify('{CHANNEL}', $1)"

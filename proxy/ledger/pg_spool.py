@@ -36,8 +36,7 @@ import logging
 import time
 from typing import Any
 
-from proxy.ledger.base import FAULT_EXPLAINED as EXPLAIN
-from proxy.ledger.base import LedgerFault, LedgerUnavailable, UnknownKey, UsageRecord
+from proxy.ledger.base import FAULT_EXPLAINED as EXPLAIN, LedgerFault, LedgerUnavailable, UnknownKey, UsageRecord
 from proxy.ledger.commit_rules import usage_row
 from proxy.ledger.pg_usage import insert_usage_batch, lease_changes, settle_batch
 from proxy.ledger.schema import _check_usage_values
@@ -166,7 +165,7 @@ class PgSpoolOps:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.replay_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             if self.fault is not None and not self.spool.pending():

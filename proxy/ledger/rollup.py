@@ -19,7 +19,7 @@ Pure: no SQL dialect, no I/O. proxy/ledger/sqlite_console.py and pg_console.py h
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from proxy.ledger.base import USAGE_GROUPS, UsageTotals
 
@@ -65,8 +65,8 @@ def split_hours(since: float | None, until: float | None) -> tuple[list[tuple], 
     """[since, until) as (the ragged ends, each a (lo, hi) range of rows; the whole UTC hours
     between them as (first hour, end) for the hourly sums, None when there is none). A None
     bound is open: all the sums on that side."""
-    lo = None if since is None else -(-int(math.ceil(since)) // HOUR) * HOUR
-    hi = None if until is None else int(math.floor(until)) // HOUR * HOUR
+    lo = None if since is None else -(-math.ceil(since) // HOUR) * HOUR
+    hi = None if until is None else math.floor(until) // HOUR * HOUR
     if lo is not None and hi is not None and lo >= hi:
         return [(since, until)], None
     raw = []
@@ -89,8 +89,8 @@ def merge_totals(group_by: tuple[str, ...], parts: Iterable[Iterable[Sequence]])
     n = len(group_by)
     sums: dict[tuple, list[int]] = {}
     for rows in parts:
-        for row in rows:
-            row = tuple(row)
+        for raw in rows:
+            row = tuple(raw)
             found = sums.get(row[:n])
             if found is None:
                 sums[row[:n]] = [int(v) for v in row[n:]]

@@ -109,7 +109,8 @@ CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
 # worker, added to in the transaction that inserts
 # the usage rows (roll_up below, called by settle and lease_commit: one upsert per group of a
 # batch, not per row): reports over days or months read these sums instead of every row
-# (proxy/ledger/sqlite_console.py; the rules: proxy/ledger/rollup.py). Derived data: filled from the usage rows when missing.
+# (proxy/ledger/sqlite_console.py; the rules: proxy/ledger/rollup.py). Derived data: filled from
+# the usage rows when missing.
 _ROLLUP_SUMS = "input_tokens, cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros"
 ROLLUP = """
 CREATE TABLE IF NOT EXISTS usage_hourly (

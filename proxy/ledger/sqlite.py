@@ -30,14 +30,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import secrets
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
 
 from proxy.ledger.base import (
-    UNSET,
     USAGE_RECORD_COLUMNS,
     DuplicateRequest,
     Hold,
@@ -48,28 +46,24 @@ from proxy.ledger.base import (
     UnknownKey,
     UsageRecord,
 )
+from proxy.ledger.commit_rules import checked_rows, lease_row_changes, note_debits
 from proxy.ledger.schema import (
-    KEY_COLUMNS as _KEY_COLUMNS,
-    _check_usage_values,
     _DEBIT_KEY,
-    _int,
-    _key_record,
-    _models_json,
-    _opt_limit,
-    _record_usage,
     _REDUCE_AND_RENEW_LEASE,
     _REDUCE_LEASE,
+    KEY_COLUMNS as _KEY_COLUMNS,
+    _check_usage_values,
+    _int,
+    _key_record,
+    _record_usage,
     _usage_record,
+    apply_schema,
     hash_secret,
     roll_up,
-    new_secret,
-    apply_schema,
 )
-from proxy.ledger.commit_rules import checked_rows, lease_row_changes, note_debits
-from proxy.ledger.usage import MAX_AMOUNT
-from proxy.ledger.writer import Durability, GroupWriter
 from proxy.ledger.sqlite_console import ConsoleOps
 from proxy.ledger.sqlite_keys import KeyOps
+from proxy.ledger.writer import Durability, GroupWriter
 
 READ, HOLD, SYNC, LINGER = Durability.READ, Durability.HOLD, Durability.SYNC, Durability.LINGER
 

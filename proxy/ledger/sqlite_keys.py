@@ -139,7 +139,8 @@ class KeyOps:
                 raise UnknownKey(key_id)
             if row[0]:
                 raise LedgerError(f"key {key_id!r} is revoked: create a new key instead")
-            conn.execute("UPDATE keys SET secret_sha256 = ?, prefix = ? WHERE key_id = ?", (digest, secret[:12], key_id))
+            conn.execute("UPDATE keys SET secret_sha256 = ?, prefix = ? WHERE key_id = ?",
+                         (digest, secret[:12], key_id))
             return self._get_key(conn, key_id)
 
         try:

@@ -39,8 +39,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+from collections.abc import AsyncIterator, Callable
 from itertools import count
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -251,7 +252,7 @@ class RedisCounter:
                 await asyncio.sleep(PROBE_S)
 
     @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator["RedisCounter"]:
+    async def running(self) -> AsyncIterator[RedisCounter]:
         """The heartbeat runs inside; the doubtful slots are forgotten (one try) and the
         client closed after."""
         beat = asyncio.get_running_loop().create_task(self._heartbeat())

@@ -24,15 +24,33 @@ and nothing past the cap is shown or billed. Nothing else enforces it.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import orjson
 
-from proxy.protocol.deltas import (End, Finish, Invalid, OutputToken, Reasoning, Text, TextRun, ToolCallFragment,
-                                   UpstreamError, Usage)
+from proxy.protocol.deltas import (
+    End,
+    Finish,
+    Invalid,
+    OutputToken,
+    Reasoning,
+    Text,
+    TextRun,
+    ToolCallFragment,
+    UpstreamError,
+    Usage,
+)
 from proxy.protocol.encoder import ARGUMENTS_DELTA, REASONING_DELTA, TEXT_DELTA
-from proxy.protocol.response import (ERROR_CODES, ResponseContext, base_response, client_usage, counted_usage,
-                                     map_usage, public_message)
+from proxy.protocol.response import (
+    ERROR_CODES,
+    ResponseContext,
+    base_response,
+    client_usage,
+    counted_usage,
+    map_usage,
+    public_message,
+)
 
 __all__ = ["Assembler"]
 

@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from itertools import repeat
 from operator import and_, itemgetter
-from typing import Any, Union
+from typing import Any
 
 import orjson
 
@@ -99,7 +99,7 @@ class End:
 OUTPUT_TOKEN = OutputToken()
 END = End()
 
-Delta = Union[Text, Reasoning, ToolCallFragment, Finish, Usage, UpstreamError, Invalid, TextRun, OutputToken, End]
+Delta = Text | Reasoning | ToolCallFragment | Finish | Usage | UpstreamError | Invalid | TextRun | OutputToken | End
 
 _DONE = b"[DONE]"
 _RUN_MIN = 4  # payloads in a read before runs of text chunks are looked for

@@ -35,8 +35,9 @@ def messages_for(messages: list, dialect: str) -> list:
     out = []
     for m in messages:
         if isinstance(m, dict) and NEUTRAL_REASONING in m:
-            m = {(field if k == NEUTRAL_REASONING else k): v for k, v in m.items()}
-        out.append(m)
+            out.append({(field if k == NEUTRAL_REASONING else k): v for k, v in m.items()})
+        else:
+            out.append(m)
     return out
 
 

@@ -4,8 +4,9 @@ translation shares. Pure: no I/O."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from proxy.errors import bad_request
 

@@ -119,7 +119,7 @@ def _register(acc: _Tools, upstream: str, origin: ToolOrigin, chat_tool: dict, p
 _LEAF_TOOLS = ("function", "custom")
 
 
-def _leaf_tool(acc: "_Tools", tool: dict, param: str, namespace: str | None) -> dict:
+def _leaf_tool(acc: _Tools, tool: dict, param: str, namespace: str | None) -> dict:
     """Register one function or custom tool (top level or inside a namespace); -> its echo."""
     kind = tool.get("type")
     build = _function_tool if kind == "function" else _custom_tool

@@ -29,12 +29,13 @@ import logging
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 import structlog
 
-_UTC = datetime.timezone.utc
+_UTC = datetime.UTC
 _ORJSON_OPTS = orjson.OPT_NON_STR_KEYS
 
 

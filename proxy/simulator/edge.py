@@ -123,7 +123,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens = body.get("max_tokens", 16)
     pieces, finish, n = _pieces(script, body, text, max_tokens)
     cid, created, model = "cmpl-" + secrets.token_hex(8), int(time.time()), body.get("model") or st.models[0]
-    usage = _override(script, {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n})
+    usage = _override(script, {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n,
+                               "completion_tokens": n})
     if not body.get("stream"):
         return web.json_response({"id": cid, "object": "text_completion", "created": created, "model": model,
                                   "choices": [{"index": 0, "text": "".join(pieces), "logprobs": None,

@@ -75,7 +75,7 @@ class _Connection(asyncio.Protocol):
                  "buffered", "paused", "waiter", "error", "closed", "got_bytes", "idle_since", "keep_alive",
                  "framed", "linger", "on_body", "idle", "interim", "content_type", "content_encoding")
 
-    def __init__(self, pool: "UpstreamPool", key: tuple) -> None:
+    def __init__(self, pool: UpstreamPool, key: tuple) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None

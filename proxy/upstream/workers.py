@@ -25,8 +25,9 @@ import math
 import re
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
@@ -53,11 +54,12 @@ class RoutingEpoch:
 class _RoutingField:
     """A Worker field the pools' cached routes depend on (health, ejection, dialect, models).
 
-    Setting it to a different value moves the epoch of every pool holding the worker, whoever sets it (proxy.upstream.health, the pool's
-    outlier ejection, start-up discovery, a test), so a route can never outlive the state it
-    was built from. Reads cost a Python call; the per-request path reads the cached route
-    instead. The value lives in the instance under "_<name>". What routing reads live on
-    every request (in_flight, capacity, labels, ewma_ttfb) needs no tracking.
+    Setting it to a different value moves the epoch of every pool holding the worker, whoever
+    sets it (proxy.upstream.health, the pool's outlier ejection, start-up discovery, a test), so
+    a route can never outlive the state it was built from. Reads cost a Python call; the
+    per-request path reads the cached route instead. The value lives in the instance under
+    "_<name>". What routing reads live on every request (in_flight, capacity, labels,
+    ewma_ttfb) needs no tracking.
     """
 
     def __init__(self, default: Any) -> None:
@@ -100,7 +102,7 @@ class OutlierPolicy:
     max_ejection_percent: float = 50.0
 
     @classmethod
-    def from_section(cls, section: dict[str, Any] | None) -> "OutlierPolicy":
+    def from_section(cls, section: dict[str, Any] | None) -> OutlierPolicy:
         section = section or {}
         unknown = set(section) - {"consecutive_failures", "base_ejection_s", "max_ejection_s", "max_ejection_percent"}
         if unknown:
@@ -112,7 +114,8 @@ class OutlierPolicy:
                          max_ejection_percent=float(section.get("max_ejection_percent", 50.0)))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"health.outlier: {exc}") from exc
-        if policy.consecutive_failures < 1 or policy.base_ejection_s < 0 or policy.max_ejection_s < policy.base_ejection_s:
+        if (policy.consecutive_failures < 1 or policy.base_ejection_s < 0
+                or policy.max_ejection_s < policy.base_ejection_s):
             raise ConfigError("health.outlier: consecutive_failures >= 1 and 0 <= base_ejection_s <= max_ejection_s")
         if not 0 <= policy.max_ejection_percent <= 100:
             raise ConfigError("health.outlier.max_ejection_percent must be from 0 to 100")
