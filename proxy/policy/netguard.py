@@ -123,7 +123,7 @@ def _host_of(url: str) -> tuple[str, int]:
 async def _resolve(host: str, port: int) -> list[str]:
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return [info[4][0] for info in infos]
+    return [info[4][0] for info in infos]  # type: ignore[misc]  # an inet family's address is a str
 
 
 async def check_images(policy: ImagePolicy, chat: dict[str, Any]) -> None:

@@ -52,6 +52,7 @@ def chat_for(chat: dict[str, Any], dialect: str, thinking_switch: str = NEUTRAL_
     out = dict(chat)
     out["messages"] = adapted
     if switch_moves:
+        assert isinstance(kwargs, dict)  # switch_moves says so
         kwargs = {k: v for k, v in kwargs.items() if k != NEUTRAL_SWITCH}
         if thinking_switch != "none":
             kwargs[thinking_switch] = chat["chat_template_kwargs"][NEUTRAL_SWITCH]

@@ -198,9 +198,10 @@ def build(family: str, body: dict, served: Any) -> Passthrough:
         if not isinstance(messages, list) or not messages:
             raise bad_request("'messages' must be a non-empty list.", param="messages")
         _one_choice(body)
-        cap_fields = ("max_completion_tokens", "max_tokens") if "max_completion_tokens" in body else ("max_tokens",)
+        cap_fields: tuple[str, ...] = (
+            ("max_completion_tokens", "max_tokens") if "max_completion_tokens" in body else ("max_tokens",))
         cap = _cap(body, ("max_tokens", "max_completion_tokens"))
-        view = {"messages": messages, "tools": body.get("tools")}
+        view: dict[str, Any] = {"messages": messages, "tools": body.get("tools")}
     elif family == "completions":
         if body.get("echo"):
             raise bad_request("'echo' is not supported through this proxy.", param="echo")

@@ -197,7 +197,7 @@ def scalars(body: dict, options: TranslateOptions, notices: list[str]) -> Scalar
     include = body.get("include")
     if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
         raise bad_request("Invalid type for 'include': expected an array of strings.", param="include")
-    include_encrypted = bool(include) and "reasoning.encrypted_content" in include
+    include_encrypted = include is not None and "reasoning.encrypted_content" in include
     if include_encrypted and options.unseal is None:  # no seal key: nothing to seal with
         notices.append(NO_SEAL_INCLUDE)
     return Scalars(instructions, stream, temperature, top_p, presence_penalty, frequency_penalty, max_out,

@@ -121,7 +121,7 @@ _LEAF_TOOLS = ("function", "custom")
 
 def _leaf_tool(acc: _Tools, tool: dict, param: str, namespace: str | None) -> dict:
     """Register one function or custom tool (top level or inside a namespace); -> its echo."""
-    kind = tool.get("type")
+    kind = tool["type"]  # one of _LEAF_TOOLS: the caller checked
     build = _function_tool if kind == "function" else _custom_tool
     up, chat_tool, echo = build(tool, param, namespace)
     _register(acc, up, ToolOrigin(kind, tool["name"], namespace), chat_tool, param)
