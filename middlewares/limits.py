@@ -156,7 +156,7 @@ def _in_process(counter: MemoryCounter, global_limit: int | None, key_default: i
             return await call_next(request, ctx)
         ask = _ask(ctx, global_limit, key_default)
         ticket = admit(ask)
-        if ticket.__class__ is Refused:
+        if isinstance(ticket, Refused):
             raise _refusal(ticket, ask, retry_header)
         try:
             return await call_next(request, ctx)

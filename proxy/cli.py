@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     try:
         from proxy.ledger.cli import add_key_commands
     except ImportError:  # pragma: no cover - the ledger package is part of the product
-        add_key_commands = None
+        add_key_commands = None  # type: ignore[assignment]  # checked below
     if add_key_commands is not None:
         add_key_commands(sub)
     conf = sub.add_parser("config", help="the configuration: its commented reference, or a check of a file")
@@ -164,7 +164,7 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
     try:
         import uvloop
     except ImportError:
-        uvloop = None
+        uvloop = None  # type: ignore[assignment]  # optional (the `fast` extra): checked before use
     app = build_app(config)
     try:
         sockets = bind_sockets(host, port, reuse_port=reuse_port)

@@ -231,7 +231,9 @@ class AdminAuth:
         return _b64(self._mac(b"csrf\0" + session.sid.encode()))
 
     def csrf_ok(self, session: Session, presented: str | None) -> bool:
-        return bool(presented) and hmac.compare_digest(presented.encode(), self.csrf_token(session).encode())
+        if not presented:
+            return False
+        return hmac.compare_digest(presented.encode(), self.csrf_token(session).encode())
 
     def set_cookie(self, response: web.StreamResponse, token: str, prefix: str) -> None:
         response.set_cookie(COOKIE, token, max_age=self.ttl, path=prefix, httponly=True,

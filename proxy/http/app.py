@@ -184,7 +184,7 @@ async def _within_started(run, request: web.Request, ctx: RequestContext) -> web
             if writer is not None and writer.output_size == 0:
                 # A prepare() that failed in a hook left its framing (chunked) on the writer:
                 # the error envelope that follows brings its own Content-Length.
-                writer.chunked = False
+                writer.chunked = False  # type: ignore[attr-defined]  # aiohttp's StreamWriter has it
                 writer.length = None
             raise
         return await _after_start(request, ctx, started, exc)

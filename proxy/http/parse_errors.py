@@ -197,7 +197,7 @@ class EnvelopeRequestHandler(web_protocol.RequestHandler):
     def bound_heads(self, limits: HeadLimits) -> None:
         # BaseProtocol's parser, wrapped: every byte it is fed passes HeadBound.feed_data
         # (no public hook sees a head before the parser emits it; module docstring).
-        self._parser = HeadBound(self._parser, self, limits)
+        self._parser = HeadBound(self._parser, self, limits)  # type: ignore[assignment]  # the parser, wrapped
 
     def _head_bound(self) -> HeadBound | None:
         parser = self._parser
@@ -257,7 +257,7 @@ class _EnvelopeServer(web.Server):
         handler = super().__call__()
         handler.__class__ = EnvelopeRequestHandler
         if self.head_limits is not None:
-            handler.bound_heads(self.head_limits)
+            handler.bound_heads(self.head_limits)  # type: ignore[attr-defined]  # its class, swapped above
         return handler
 
 
@@ -269,7 +269,7 @@ class ProxyRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _EnvelopeServer  # only its protocol factory differs
-        server.head_limits = self.app.get(state.HEAD_LIMITS)
+        server.head_limits = self.app.get(state.HEAD_LIMITS)  # type: ignore[attr-defined]  # as above
         return server
 
 

@@ -209,7 +209,7 @@ async def _stream(request: web.Request, ctx: state.RequestContext, upstream: Any
                   first: bytes, out: state.Outcome, deadline: float) -> web.StreamResponse:
     scanner = SSEScanner(t.family, t.usage_added)
     response = _EventStream(status=200, headers=_SSE_HEADERS)
-    dog = _ReadWatchdog(worker.timeouts.idle, deadline, scanner)
+    dog = _ReadWatchdog(worker.timeouts.idle, deadline, scanner)  # type: ignore[arg-type]  # it reads .done alone
     cap = t.output_cap
     failure: tuple[str, str] | None = None
     recorded = False

@@ -29,7 +29,7 @@ from proxy.state import SAMPLING_DEFAULTS, SEALER, RequestContext
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs
     import zstandard
 except ImportError:  # pragma: no cover
-    zstandard = None
+    zstandard = None  # type: ignore[assignment]  # checked before each use
 
 
 def _limits(request: web.Request) -> dict[str, Any]:
@@ -275,7 +275,7 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
             _check_model(ctx, body, pool)
         if TRANSLATE in phases and ctx.unit.family:
             # Another API of the model server: its body goes upstream as sent (proxy.http.passthrough).
-            ctx.translation = await passthrough_translate(app, ctx, body)
+            ctx.translation = await passthrough_translate(app, ctx, body)  # type: ignore[assignment]  # stands in for one
         elif TRANSLATE in phases:
             for check in checks:
                 body = check(ctx, body)

@@ -132,7 +132,7 @@ class RedisCounter:
             base = f"{self.prefix}key:{ask.key_id}:"
             tokens_key = base + "tpm"
             keys += [base + "conc", base + "rate", tokens_key]
-        args = [slot, self.ttl_ms, ask.global_limit or 0, ask.key_limit or 0,
+        args: list[str | int] = [slot, self.ttl_ms, ask.global_limit or 0, ask.key_limit or 0,
                 ask.rate_per_min or 0, ask.tokens_per_min or 0]
         try:
             code, wait_ms = await self.admit_script(keys=keys, args=args)
@@ -193,7 +193,7 @@ class RedisCounter:
         tpm = ticket.tokens_per_min or 0
         if tpm and ticket.tokens_key is not None and len(keys) > 1:
             keys.append(ticket.tokens_key)
-        args = [ticket.slot, tpm, -1 if used_tokens is None else used_tokens]
+        args: list[str | int] = [ticket.slot, tpm, -1 if used_tokens is None else used_tokens]
         try:
             await self.release_script(keys=keys, args=args)
         except ERRORS as exc:

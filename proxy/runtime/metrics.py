@@ -147,8 +147,8 @@ class _Shared:
             file = self.files.get(prefix)
             if file is None:
                 file = self.files[prefix] = MmapedDict(os.path.join(self.path, f"{prefix}_{self.pid}.db"))
-            found = self.slots[(sample, labelvalues, mode)] = (file, mmap_key(metric, sample, labelnames,
-                                                                              labelvalues, help))
+            found = self.slots[(sample, labelvalues, mode)] = (file, mmap_key(
+                metric, sample, labelnames, labelvalues, help))  # type: ignore[arg-type]  # it zips them: tuples do
         return found
 
     def write(self, slot: tuple[Any, str], value: float) -> None:

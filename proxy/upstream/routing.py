@@ -252,7 +252,8 @@ def tiers(prefs: ProviderPrefs | None, workers: list[Worker]) -> list[list[Worke
     """Workers in the order `provider.order` names them; the rest last (when fallbacks are allowed)."""
     if prefs is None or not prefs.order:
         return [workers]
-    out, placed = [], set()
+    out: list[list[Worker]] = []
+    placed: set[int] = set()
     for entry in prefs.order:
         tier = [w for w in workers if id(w) not in placed and matches(w, entry)]
         placed.update(map(id, tier))

@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import aiohttp
 from multidict import CIMultiDict
@@ -51,7 +51,10 @@ class RoutingEpoch:
         self.value = 0
 
 
-class _RoutingField:
+_T = TypeVar("_T")
+
+
+class _RoutingField(Generic[_T]):
     """A Worker field the pools' cached routes depend on (health, ejection, dialect, models).
 
     Setting it to a different value moves the epoch of every pool holding the worker, whoever
@@ -62,18 +65,18 @@ class _RoutingField:
     ewma_ttfb) needs no tracking.
     """
 
-    def __init__(self, default: Any) -> None:
+    def __init__(self, default: _T) -> None:
         self.default = default
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.slot = "_" + name
 
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+    def __get__(self, obj: Any, objtype: type | None = None) -> _T:
         if obj is None:
             return self.default  # what dataclass takes as the field's default
         return obj.__dict__[self.slot]
 
-    def __set__(self, obj: Any, value: Any) -> None:
+    def __set__(self, obj: Any, value: _T) -> None:
         values = obj.__dict__
         if values.get(self.slot, _UNSET) != value:
             for epoch in values.get("_routing_epochs", ()):  # none before the worker joins a pool
@@ -129,8 +132,8 @@ class OutlierPolicy:
 class Worker:
     name: str
     url: str
-    dialect: str = _RoutingField("vllm")  # "detect" until start-up has asked the server
-    models: tuple[str, ...] = _RoutingField(())
+    dialect: _RoutingField[str] = _RoutingField("vllm")  # "detect" until start-up has asked the server
+    models: _RoutingField[tuple[str, ...]] = _RoutingField(())
     api_key: str | None = None
     labels: dict[str, Any] = field(default_factory=dict)
     capacity: int = 256
@@ -140,7 +143,7 @@ class Worker:
     models_known: bool = True  # False while `models` was omitted and /v1/models has not answered yet
     in_flight: int = 0
     # Active health (proxy.upstream.health): the checker's verdict.
-    healthy: bool = _RoutingField(True)
+    healthy: _RoutingField[bool] = _RoutingField(True)
     # Down until proven up: with active checks a worker starts unhealthy and its first
     # passing check (whatever healthy_threshold says) lets it in.
     awaiting_first_check: bool = False
@@ -149,7 +152,7 @@ class Worker:
     last_check_error: str | None = None
     # Passive health: outlier ejection.
     consecutive_failures: int = 0
-    ejected: bool = _RoutingField(False)
+    ejected: _RoutingField[bool] = _RoutingField(False)
     ejected_until: float = 0.0
     ejection_multiplier: int = 0
     ejections_total: int = 0
@@ -188,7 +191,7 @@ class Worker:
     # _RoutingField slots as plain attributes, without the descriptor call.
 
     def serves(self, model: str) -> bool:
-        return model in self._models
+        return model in self._models  # type: ignore[attr-defined]  # the slot _RoutingField.__set__ fills
 
     @property
     def load(self) -> float:
@@ -197,7 +200,7 @@ class Worker:
     @property
     def available(self) -> bool:
         """Healthy by the active checks and not ejected by the passive ones."""
-        return self._healthy and not self._ejected and self._dialect != "detect"
+        return self._healthy and not self._ejected and self._dialect != "detect"  # type: ignore[attr-defined]  # as serves
 
 
 def _str_list(value: Any, where: str) -> tuple[str, ...]:
@@ -276,7 +279,7 @@ class Route:
         if not self.available and any(w.ejected for w in serving):
             # Panic routing: every worker of the model that passes its checks is ejected.
             # Ejection is a guess from failed requests, a passing check a fact: they take the traffic.
-            self.available = [w for w in serving if w._healthy and w._dialect != "detect"]
+            self.available = [w for w in serving if w._healthy and w._dialect != "detect"]  # type: ignore[attr-defined]
         self.available_ids = frozenset(map(id, self.available))
         self.rings: dict[int, tuple[Any, Any]] = {}  # vnodes -> (ring of available, ring of serving)
 
