@@ -133,7 +133,7 @@ def _models(text: str) -> list[str] | None:
     return models
 
 
-def _when(text: str) -> float:
+def _when(text: str) -> float | None:
     try:
         return parse_time(text, "time")
     except ValueError as exc:
@@ -449,7 +449,7 @@ async def _spool(args: argparse.Namespace, config: Any, out: Any) -> int:
         try:
             await ledger.start()  # replays a waiting spool itself, before anything else
             try:
-                applied = ledger.stats["replayed"] + await ledger.replay_spool()
+                applied = ledger.stats["replayed"] + await ledger.replay_spool()  # type: ignore[attr-defined]  # spooled
             finally:
                 await ledger.close()
         except LedgerError as exc:  # still broken: say why, and what still waits

@@ -191,8 +191,8 @@ class Leases:
         k.free -= give_back
         self.stats["exact_holds"] += 1
         if give_back:
-            op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s,
-                                        lease_return=(k.lease_id, give_back))
+            op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s,  # type: ignore[call-arg]
+                                        lease_return=(k.lease_id, give_back))  # a ledger with supports_leases
         else:
             op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s)
         # A client that goes away (aiohttp cancels its handler) while the hold is in flight
@@ -278,7 +278,7 @@ class Leases:
         try:
             self.stats["grows"] += 1
             # At least one request like the latest, or nothing (then stay on the exact path).
-            granted, existed = await self.ledger.lease_grow(
+            granted, existed = await self.ledger.lease_grow(  # type: ignore[attr-defined]  # supports_leases
                 k.lease_id, k.key_id, min(k.typical, want), want, self.ttl_s
             )
             if k.row and not existed:
@@ -315,7 +315,8 @@ class Leases:
         leases = [(lease_id, give_back, None if drop else self.ttl_s, drop)
                   for _, lease_id, give_back, drop in adjust]
         try:
-            results, lapsed = await self.ledger.lease_commit([(lid, u) for _, lid, u in batch], leases)
+            results, lapsed = await self.ledger.lease_commit(  # type: ignore[attr-defined]  # supports_leases
+                [(lid, u) for _, lid, u in batch], leases)
         except Exception:
             log.exception("committing %d usage records failed; they stay unbilled", len(batch))
             results, lapsed = [None] * len(batch), set()

@@ -34,6 +34,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from proxy.ledger.base import (
     USAGE_RECORD_COLUMNS,
@@ -194,12 +195,12 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
     def _hold_op(
         self, request_id: str, key_id: str, low: int, high: int, ttl: float,
         lease_return: tuple[str, int] | None = None,
-    ) -> Callable[[sqlite3.Connection], Hold]:
+    ) -> Callable[[sqlite3.Connection], Hold | LedgerError]:
         """Hold min(available, high) if available >= low: check and insert in one
         transaction under the write lock (BEGIN IMMEDIATE), so nothing can interleave.
         With a lease_return the refusals are returned, not raised, so the give-back commits."""
 
-        def op(conn: sqlite3.Connection) -> Hold:
+        def op(conn: sqlite3.Connection) -> Hold | LedgerError:
             if lease_return is not None:
                 conn.execute(
                     "UPDATE holds SET amount_micros = MAX(0, amount_micros - ?) WHERE request_id = ?",
@@ -364,7 +365,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         the lease ids whose row had expired or vanished)."""
         # Validated here, on the event loop, into ready-made usage rows (debited = cost),
         # so that the writer thread only looks up the balances and inserts.
-        rows = checked_rows(usages)
+        rows: list[Any] = checked_rows(usages)  # as _record_usage takes them
         lease_ids = [lease_id for lease_id, _ in usages]
 
         def op(conn: sqlite3.Connection) -> tuple[list, set[str]]:

@@ -63,7 +63,7 @@ import sqlite3
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,7 +108,7 @@ class _Op:
 _STOP = object()
 
 
-def _resolve_all(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+def _resolve_all(items: Sequence[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
     for future, result, exc in items:
         if future.done():  # cancelled by the caller meanwhile
             continue
