@@ -112,6 +112,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body, err = await _body(request)
     if err is not None:
         return err
+    assert body is not None  # _body gives one or the other
     st = request.app[SIM_STATE]
     prompt = body.get("prompt")
     text = prompt if isinstance(prompt, str) else json.dumps(prompt)
@@ -152,6 +153,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     body, err = await _body(request)
     if err is not None:
         return err
+    assert body is not None  # _body gives one or the other
     st = request.app[SIM_STATE]
     raw = body.get("input")
     inputs = [raw] if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)) else raw
@@ -176,7 +178,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
 # --------------------------------------------------------------------------- /v1/messages
 
 def _anthropic_prompt(body: dict) -> tuple[str, list]:
-    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    messages = body["messages"] if isinstance(body.get("messages"), list) else []
     system = body.get("system")
     parts = [system if isinstance(system, str) else json.dumps(system)] if system else []
     for m in messages:
@@ -195,6 +197,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body, err = await _body(request)
     if err is not None:
         return err
+    assert body is not None  # _body gives one or the other
     st = request.app[SIM_STATE]
     if not isinstance(body.get("max_tokens"), int):
         return _anthropic_error(400, "max_tokens: Field required")
@@ -249,6 +252,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     body, err = await _body(request)
     if err is not None:
         return err
+    assert body is not None  # _body gives one or the other
     text, _ = _anthropic_prompt(body)
     n = len(tokenize(text)) + 4 * len(body.get("messages") or [])
     return web.json_response({"input_tokens": n, "context_management": {"original_input_tokens": n}})
