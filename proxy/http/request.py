@@ -275,7 +275,7 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
             _check_model(ctx, body, pool)
         if TRANSLATE in phases and ctx.unit.family:
             # Another API of the model server: its body goes upstream as sent (proxy.http.passthrough).
-            ctx.translation = await passthrough_translate(app, ctx, body)  # type: ignore[assignment]  # stands in for one
+            ctx.translation = await passthrough_translate(app, ctx, body)  # type: ignore[assignment]  # a Passthrough stands in
         elif TRANSLATE in phases:
             for check in checks:
                 body = check(ctx, body)

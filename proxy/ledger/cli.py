@@ -449,7 +449,7 @@ async def _spool(args: argparse.Namespace, config: Any, out: Any) -> int:
         try:
             await ledger.start()  # replays a waiting spool itself, before anything else
             try:
-                applied = ledger.stats["replayed"] + await ledger.replay_spool()  # type: ignore[attr-defined]  # spooled
+                applied = ledger.stats["replayed"] + await ledger.replay_spool()  # type: ignore[attr-defined]  # it has a spool
             finally:
                 await ledger.close()
         except LedgerError as exc:  # still broken: say why, and what still waits

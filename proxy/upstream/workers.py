@@ -279,7 +279,7 @@ class Route:
         if not self.available and any(w.ejected for w in serving):
             # Panic routing: every worker of the model that passes its checks is ejected.
             # Ejection is a guess from failed requests, a passing check a fact: they take the traffic.
-            self.available = [w for w in serving if w._healthy and w._dialect != "detect"]  # type: ignore[attr-defined]
+            self.available = [w for w in serving if w._healthy and w._dialect != "detect"]  # type: ignore[attr-defined]  # as serves
         self.available_ids = frozenset(map(id, self.available))
         self.rings: dict[int, tuple[Any, Any]] = {}  # vnodes -> (ring of available, ring of serving)
 
