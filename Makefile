@@ -9,7 +9,7 @@ VENV_OK := $(shell $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3,
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: run test test-deps test-faults compliance test-vllm bench soak clean venv-rebuild
+.PHONY: run test lint test-deps test-faults compliance test-vllm bench soak clean venv-rebuild
 
 # Progress lines while it installs (scripts/pip_progress.py: one line per package), nothing silent.
 $(STAMP): pyproject.toml $(if $(VENV_OK),,venv-rebuild)
@@ -32,8 +32,14 @@ run: $(STAMP)
 test-deps:
 	@bash scripts/test_deps.sh
 
-test: test-deps $(STAMP)
+test: test-deps $(STAMP) lint
 	$(BIN)/python -m pytest -q
+
+# ruff (style, imports, likely bugs) and mypy (types), as pyproject.toml configures them, over
+# proxy/ and middlewares/. `make test` runs it before the suite: an error of either fails it.
+lint: $(STAMP)
+	$(BIN)/ruff check proxy middlewares
+	$(BIN)/mypy
 
 # Faults injected into real PostgreSQL and Redis under load, then the audit (~5 minutes).
 test-faults: test-deps $(STAMP)
@@ -64,4 +70,4 @@ soak: $(STAMP)
 
 # Never deletes data/: the ledger (every key and balance) lives there.
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

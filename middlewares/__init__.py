@@ -30,8 +30,9 @@ phase `(request, ctx, call_next)`; stateless and tools return a body check
 from __future__ import annotations
 
 import importlib
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Awaitable, Callable
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -42,7 +43,14 @@ from proxy.state import RequestContext
 
 Factory = Callable[[dict[str, Any], web.Application], Any]
 Next = Callable[[web.Request, RequestContext], Awaitable[web.StreamResponse]]
-Phase = Callable[[web.Request, RequestContext, Next], Awaitable[web.StreamResponse]]
+
+
+class Phase(Protocol):
+    """A phase: called with the rest of the chain as `call_next`, by name (Phases chains them)."""
+
+    def __call__(self, request: web.Request, ctx: RequestContext, call_next: Next) -> Awaitable[web.StreamResponse]:
+        ...
+
 
 __all__ = ["Phases", "build_phases", "POINTS", "POLICIES"]
 

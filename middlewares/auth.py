@@ -59,12 +59,12 @@ from aiohttp import web
 
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError, ledger_unavailable
+from proxy.errors import APIError
+from proxy.http.errors import error_response, ledger_unavailable
 from proxy.http.units import AUTH
-from proxy.state import LEDGER
 from proxy.ledger import KeyRecord, LedgerUnavailable
 from proxy.runtime.logs import log
-from proxy.state import KEY_CACHE, RequestContext
+from proxy.state import KEY_CACHE, LEDGER, RequestContext
 
 STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
@@ -153,7 +153,7 @@ async def _refuse(request: web.Request, ctx: RequestContext, call_next, exc: API
     """
     if request.match_info.http_exception is not None:
         return await call_next(request, ctx)  # a method this path does not serve: its 405, not a 401
-    response = exc.to_response()
+    response = error_response(exc)
     if not request.content.is_eof():
         response.force_close()
         request.protocol.close()
@@ -297,7 +297,7 @@ def create(section: dict[str, Any], app: web.Application):
                         return await _refuse(request, ctx, call_next, ledger_unavailable(exc))
                     if record is not None and not record.revoked:
                         cache.put(digest, record, generation)
-        if record is None or record.revoked or record.expires_at is not None and record.expired():
+        if record is None or record.revoked or (record.expires_at is not None and record.expired()):
             return await _refuse(request, ctx, call_next, _unauthorized(
                 "Incorrect API key provided, or the key was revoked."))
         ctx.key = record

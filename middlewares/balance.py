@@ -81,16 +81,16 @@ from aiohttp import web
 from middlewares.auth import is_static
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.units import BALANCE
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
-from proxy.ledger.lease import LeaseHold, Leases
-from proxy.ledger.service import budget_room
+from proxy.ledger.lease import Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
+from proxy.ledger.service import budget_room
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.runtime.logs import log
-from proxy.upstream.routing import TokenCountError, count_tokens
 from proxy.state import METRICS, RequestContext
+from proxy.upstream.routing import TokenCountError, count_tokens
 
 # The chat template's own tokens (see estimate_input_tokens): in front of everything, around
 # each message, in front of a tool list. The same margins as the context check's bound
@@ -110,7 +110,7 @@ class Settlements:
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task] = set()
-        self.leases: "weakref.WeakSet[Leases]" = weakref.WeakSet()
+        self.leases: weakref.WeakSet[Leases] = weakref.WeakSet()
 
     def track(self, task: asyncio.Task) -> None:
         self.tasks.add(task)
@@ -218,7 +218,8 @@ def _billable(out: Any, cancelled: bool) -> bool:
 def _needs_count(ctx: RequestContext, cancelled: bool) -> bool:
     """A bill without a usage report: the worker's tokenizer says what it processed."""
     out = ctx.outcome
-    return _billable(out, cancelled) and not out.usage_reported and not out.extra.get("no_token_count")
+    return (out is not None and _billable(out, cancelled) and not out.usage_reported
+            and not out.extra.get("no_token_count"))
 
 
 def _fit_cap(ctx: RequestContext, price: Price, found: Hold, est: int, wanted: int) -> Hold:
@@ -228,6 +229,7 @@ def _fit_cap(ctx: RequestContext, price: Price, found: Hold, est: int, wanted: i
     lowered = cap < wanted  # >= 1: at least `least` was held
     if lowered:
         ctx.notices.append(f"max_output_tokens lowered to {cap} to fit the balance")
+    assert ctx.translation is not None  # translated before the hold
     ctx.translation = ctx.translation.with_cap(cap, lowered=lowered)
     return found
 
@@ -278,6 +280,7 @@ class _Billing:
             fits = max_output_tokens_for(price, room, est, 0)  # >= 1: room covers `least`
             if fits < wanted:
                 wanted = fits
+                assert ctx.translation is not None  # translated before the hold
                 ctx.translation = ctx.translation.with_cap(fits)  # sent upstream and echoed
                 ctx.notices.append(f"max_output_tokens lowered to {fits} to fit the key's budget")
         most = min(cost_micros(price, est, 0, wanted), MAX_AMOUNT)
@@ -355,8 +358,9 @@ class _Billing:
         """The usage to settle, or None to release the hold. Never raises."""
         request_id = hold.request_id
         out = ctx.outcome
-        if not _billable(out, cancelled):
+        if out is None or not _billable(out, cancelled):
             return None
+        assert ctx.translation is not None  # translated before the hold
         cap = ctx.translation.reserved_output
         media = t.prompt_size()[1]
         billed = clean_usage(out.reported_usage if out.usage_reported else None,
@@ -390,7 +394,7 @@ class _Billing:
                 request_id=hold.request_id, key_id=hold.key_id, model=t.model, input_tokens=est, cached_tokens=0,
                 output_tokens=0, reasoning_tokens=0, cost_micros=min(hold.amount_micros, cost_micros(price, est, 0, 0)),
                 status="error", worker=out.upstream, served_model=t.upstream_model, endpoint=ctx.path)
-            if usage is not None:
+            if usage is not None and out is not None:
                 out.cost_micros = usage.cost_micros
         return leases.finish(hold, usage, waited=not cancelled)
 
@@ -417,6 +421,7 @@ class _Billing:
         """Hold, run the rest (the handler), settle (or release)."""
         key_id = record.key_id
         t = ctx.translation
+        assert t is not None  # the translate phase runs before the balance
         price = self.price_of(t.model)
         est = estimate_input_tokens(t.chat, self.bytes_per_token)
         leases = self.leases_for(ledger)

@@ -37,7 +37,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.units import LIMITS
 from proxy.limits.base import GLOBAL, KEY, RATE, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter
@@ -128,7 +128,8 @@ def create(section: dict[str, Any], app: web.Application):
         try:
             ticket = await admit(ask)
         except LimitsUnavailable:
-            raise APIError(503, "Limits cannot be checked right now (the shared counter is unreachable); retry shortly.",
+            raise APIError(503, "Limits cannot be checked right now (the shared counter is unreachable); "
+                           "retry shortly.",
                            code="limits_unavailable", headers={"Retry-After": unavailable_header}) from None
         if ticket.__class__ is Refused:
             raise _refusal(ticket, ask, retry_header)
@@ -155,7 +156,7 @@ def _in_process(counter: MemoryCounter, global_limit: int | None, key_default: i
             return await call_next(request, ctx)
         ask = _ask(ctx, global_limit, key_default)
         ticket = admit(ask)
-        if ticket.__class__ is Refused:
+        if isinstance(ticket, Refused):
             raise _refusal(ticket, ask, retry_header)
         try:
             return await call_next(request, ctx)

@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.config.load import ConfigError
-from proxy.http.errors import bad_request
+from proxy.errors import bad_request
 from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, hosted_tools_notice, leave_out
 from proxy.state import RequestContext
 

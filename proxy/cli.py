@@ -29,7 +29,7 @@ def resolve_workers(value: object) -> int:
     """server.workers / --workers: a positive integer, or "auto" (or 0) = one process per core."""
     if value is None:
         return 1
-    if isinstance(value, str) and value.strip().lower() == "auto" or value == 0:
+    if (isinstance(value, str) and value.strip().lower() == "auto") or value == 0:
         return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(f"server.workers must be a positive integer or 'auto', not {value!r}")
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     try:
         from proxy.ledger.cli import add_key_commands
     except ImportError:  # pragma: no cover - the ledger package is part of the product
-        add_key_commands = None
+        add_key_commands = None  # type: ignore[assignment]  # checked below
     if add_key_commands is not None:
         add_key_commands(sub)
     conf = sub.add_parser("config", help="the configuration: its commented reference, or a check of a file")
@@ -164,7 +164,7 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
     try:
         import uvloop
     except ImportError:
-        uvloop = None
+        uvloop = None  # type: ignore[assignment]  # optional (the `fast` extra): checked before use
     app = build_app(config)
     try:
         sockets = bind_sockets(host, port, reuse_port=reuse_port)
@@ -217,7 +217,7 @@ def _run(app, sockets: list, loop: asyncio.AbstractEventLoop) -> None:
         try:
             for sock in sockets:
                 await web.SockSite(runner, sock).start()
-            while True:
+            while True:  # noqa: ASYNC110 - serves until the task is cancelled; nothing is polled
                 await asyncio.sleep(3600)
         finally:
             await runner.cleanup()

@@ -8,18 +8,18 @@ written by the phase that owns it; nothing is passed by string name.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-if TYPE_CHECKING:  # imported for annotations only, to keep this module import-light
-    from proxy.config.load import Config
+if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this module import-light
+    from proxy.http.units import Unit
+    from proxy.ledger.base import Hold, KeyRecord
+    from proxy.protocol.rewriter import StreamRewriter
     from proxy.protocol.translate import Translation
-# RequestContext's other field types are named, not imported (annotations are never evaluated
-# here): KeyRecord and Hold (proxy.ledger), Unit (proxy.http.units), StreamRewriter
-# (proxy.protocol.rewriter). This module stands below everything that keeps state on an app or
-# a request.
+# This module stands below everything that keeps state on an app or a request.
 
 
 @dataclass
@@ -49,43 +49,53 @@ class Outcome:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _app_key(name: str, type_name: str) -> web.AppKey[Any]:
+    # The value's type by name (aiohttp shows it in the key's repr): importing it would make this
+    # module depend on every module that keeps state here. For a type checker the value is Any.
+    return web.AppKey(name, type_name)  # type: ignore[arg-type]  # a name, not a type: see above
+
+
+def _request_key(name: str, type_name: str) -> web.RequestKey[Any]:
+    return web.RequestKey(name, type_name)  # type: ignore[arg-type]  # a name, not a type: see _app_key
+
+
 # App-wide state. The resources live here, not beside the code that makes them, so that a
 # middleware or an endpoint can read them without importing the app or the forwarder.
-CONFIG = web.AppKey("config", "Config")
-LEDGER = web.AppKey("ledger", object)  # proxy.ledger.Ledger, or absent (ledger.backend: none)
-POOL = web.AppKey("worker_pool", "WorkerPool")
-SESSION = web.AppKey("client_session", "aiohttp.ClientSession")  # every upstream call but the chat POST
-UPSTREAMS = web.AppKey("upstreams", "UpstreamPool")  # the chat POST (proxy.upstream.client: why)
-METRICS = web.AppKey("metrics", "Metrics")  # proxy.runtime.metrics
-CHECKER = web.AppKey("health_checker", "HealthChecker")  # proxy.upstream.health's active checks
-READINESS = web.AppKey("readiness", "Readiness")  # proxy.upstream.health, answers /readyz
-RESPONSE_SETTINGS = web.AppKey("response_settings", "ResponseSettings")  # proxy.http.forwarder
+CONFIG = _app_key("config", "Config")
+LEDGER = _app_key("ledger", "Ledger")  # proxy.ledger.Ledger, or absent (ledger.backend: none)
+POOL = _app_key("worker_pool", "WorkerPool")
+SESSION = _app_key("client_session", "aiohttp.ClientSession")  # every upstream call but the chat POST
+UPSTREAMS = _app_key("upstreams", "UpstreamPool")  # the chat POST (proxy.upstream.client: why)
+METRICS = _app_key("metrics", "Metrics")  # proxy.runtime.metrics
+CHECKER = _app_key("health_checker", "HealthChecker")  # proxy.upstream.health's active checks
+READINESS = _app_key("readiness", "Readiness")  # proxy.upstream.health, answers /readyz
+RESPONSE_SETTINGS = _app_key("response_settings", "ResponseSettings")  # proxy.http.forwarder
 SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.upstream.models.parse_sampling_defaults
-IMAGE_POLICY = web.AppKey("image_policy", "ImagePolicy")  # proxy.policy.netguard
-SEALER = web.AppKey("sealer", "Sealer")  # the app's proxy.protocol.seal.Sealer, when seal keys are configured
-WEBSOCKET_SETTINGS = web.AppKey("websocket_settings", "WebSocketSettings")  # proxy.http.websocket
-SOCKETS = web.AppKey("socket_admission", "SocketAdmission")  # proxy.http.websocket: open sockets per key
-COMPACT_SETTINGS = web.AppKey("compact_settings", "CompactSettings")  # proxy.http.compact
-KEY_CACHE = web.AppKey("key_cache", "KeyCache")  # middlewares.auth
+IMAGE_POLICY = _app_key("image_policy", "ImagePolicy")  # proxy.policy.netguard
+SEALER = _app_key("sealer", "Sealer")  # the app's proxy.protocol.seal.Sealer, when seal keys are configured
+WEBSOCKET_SETTINGS = _app_key("websocket_settings", "WebSocketSettings")  # proxy.http.websocket
+SOCKETS = _app_key("socket_admission", "SocketAdmission")  # proxy.http.websocket: open sockets per key
+COMPACT_SETTINGS = _app_key("compact_settings", "CompactSettings")  # proxy.http.compact
+KEY_CACHE = _app_key("key_cache", "KeyCache")  # middlewares.auth
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
-AFFINITY = web.AppKey("affinity_settings", "AffinitySettings")  # routing.affinity, parsed (proxy.upstream.affinity)
-SETTLEMENTS = web.AppKey("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
-PHASES = web.AppKey("phases", "Phases")  # middlewares.Phases: auth .. handler, for one request or one turn
-ADMIN = web.AppKey("admin_console", "AdminConsole")  # proxy.admin: admin keys, session signer (on the admin sub-app)
-HEAD_LIMITS = web.AppKey("head_limits", "HeadLimits")  # proxy.http.parse_errors: bounds on a request's head
-KEY_METRICS = web.AppKey("key_metrics", "KeyMetrics")  # proxy.runtime.key_metrics: per-key spend and balance
-REFUSALS = web.AppKey("refusals", "Refusals")  # proxy.runtime.refusals: the Errors view's records
+AFFINITY = _app_key("affinity_settings", "AffinitySettings")  # routing.affinity, parsed (proxy.upstream.affinity)
+SETTLEMENTS = _app_key("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
+PHASES = _app_key("phases", "Phases")  # middlewares.Phases: auth .. handler, for one request or one turn
+ADMIN = _app_key("admin_console", "AdminConsole")  # proxy.admin: admin keys, session signer (on the admin sub-app)
+HEAD_LIMITS = _app_key("head_limits", "HeadLimits")  # proxy.http.parse_errors: bounds on a request's head
+KEY_METRICS = _app_key("key_metrics", "KeyMetrics")  # proxy.runtime.key_metrics: per-key spend and balance
+REFUSALS = _app_key("refusals", "Refusals")  # proxy.runtime.refusals: the Errors view's records
 # The embedded upstream's state (proxy.simulator.server): on the simulator's own app, not the proxy's.
-SIM_STATE = web.AppKey("simulator_state", "SimState")
+SIM_STATE = _app_key("simulator_state", "SimState")
 
 # Per-request state: one context, created by the envelope (proxy.http.app) and passed explicitly
 # to every phase and the handler; it is also on the request under CONTEXT, for aiohttp-shaped
 # code (a custom middleware, an on_response_prepare hook, a route handler).
-CONTEXT = web.RequestKey("context", "RequestContext")
+CONTEXT = _request_key("context", "RequestContext")
 ADMIN_ACTOR = web.RequestKey("admin_actor", str)  # proxy.admin: "admin:<name>" of an admin request
-ADMIN_SESSION = web.RequestKey("admin_session", "Session")  # proxy.admin.auth: the dashboard session, if any
+ADMIN_SESSION = _request_key("admin_session", "Session")  # proxy.admin.auth: the dashboard session, if any
 # proxy.http.turn: a transport's turn (its body in memory, where its event stream goes)
-TURN = web.RequestKey("turn", "Turn")
+TURN = _request_key("turn", "Turn")
 
 
 @dataclass(eq=False, slots=True)

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.request import read_json
 
 

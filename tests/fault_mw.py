@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
 
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 
 MODES = ("raise_after", "api_error_after", "own_stream", "hook_raises", "reset_after")
 

@@ -145,3 +145,45 @@ def test_aiohttp_private_names_are_only_the_documented_exceptions():
             if attr and attr in private and attr not in own and attr not in AIOHTTP_PRIVATE_ALLOWED:
                 used.append(f"{name}:{node.lineno} {attr}")
     assert used == []
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it (in a function, under TYPE_CHECKING)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def _loaded_with(start: str, modules: dict[str, Path]) -> dict[str, str]:
+    """Every name importing `start` loads, by way of the product modules it imports (each
+    package's __init__ included), mapped to the product module that imports it."""
+    via: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        me = todo.pop()
+        for name in _imported_names(modules[me]):
+            parts = name.split(".")
+            for n in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+                if n not in via and n != start:
+                    via[n] = me
+                    if n in modules:
+                        todo.append(n)
+    return via
+
+
+def test_protocol_and_policy_import_no_http_layer():
+    """The translation and the policy rules sit below the HTTP server: no module of
+    proxy/protocol/ or proxy/policy/ imports aiohttp or proxy.http, directly or through
+    another product module (proxy.state, whose keys are aiohttp's, included)."""
+    modules = _modules()
+    found = []
+    for start in sorted(m for m in modules if m.startswith(("proxy.protocol", "proxy.policy"))):
+        via = _loaded_with(start, modules)
+        found += [f"{start}: {n} (imported by {via[n]})" for n in sorted(via)
+                  if n == "aiohttp" or n.startswith("aiohttp.") or n == "proxy.http" or n.startswith("proxy.http.")]
+    assert found == []

@@ -189,7 +189,7 @@ async def test_the_summary_is_asked_with_the_workers_own_thinking_switch(make_pr
 
 
 def test_the_translation_makes_a_triggered_request_the_summarys():
-    from proxy.http.errors import APIError
+    from proxy.errors import APIError
     from proxy.protocol.compaction import SummaryAsk
     from proxy.protocol.translate import TranslateOptions, translate_request
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.protocol.compaction import kept_user_messages, take_trigger
 from proxy.protocol.continuation import Continuation, TurnRefused, client_param, parse_client_event, with_previous
 

@@ -17,7 +17,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.protocol.translate import TranslateOptions, Translation, translate_request
 from tests.live import LiveStack
 from tests.sdk_check import parse_sse

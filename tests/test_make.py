@@ -1,7 +1,8 @@
 """The two commands of a fresh machine (issue 27): `make run` installs with progress lines and
 no warnings of our own making (the package metadata builds clean); `make test` sets up what
 the suite needs (`make test-deps`, which .ci/run runs too) or stops at once naming the one
-command to run; the README's Quickstart names the prerequisites."""
+command to run, and runs `make lint` before the suite; the README's Quickstart names the
+prerequisites."""
 
 from __future__ import annotations
 
@@ -106,11 +107,49 @@ def test_make_test_as_root_installs_what_is_missing(tmp_path):
 
 
 def test_make_test_and_ci_share_the_step():
-    assert re.match(r"test: test-deps \$\(STAMP\)\n", _recipe("test"))
+    assert re.match(r"test: test-deps \$\(STAMP\) lint\n", _recipe("test"))
     assert "bash scripts/test_deps.sh" in _recipe("test-deps")
     ci = (REPO / ".ci" / "run").read_text()
     assert "make test-deps\n" in ci and "apt-get" not in ci
     assert ci.index("make test-deps") < ci.index("make test\n")
+
+
+def _lint_copy(tmp_path: Path) -> tuple[Path, list[str]]:
+    """The project as `make lint` sees it, in a copy (test_deps.sh a no-op), and the make command
+    that runs it there with this interpreter's venv (its ruff and mypy) as the installed one."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("Makefile", "pyproject.toml", "setup.cfg", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for package in ("proxy", "middlewares", "scripts"):
+        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "scripts" / "test_deps.sh").write_text("exit 0\n")
+    stamp = tmp_path / "installed"  # newer than the copy's pyproject.toml: nothing to install
+    stamp.touch()
+    return src, ["make", "-C", str(src), f"BIN={Path(sys.executable).parent}", f"STAMP={stamp}"]
+
+
+@pytest.mark.slow
+def test_a_lint_or_type_error_fails_make_test(tmp_path):
+    """`make test` runs `make lint` (ruff, then mypy) before the suite: the product's code is
+    clean, and one ruff error or one mypy error stops `make test` before pytest starts."""
+    src, make = _lint_copy(tmp_path)
+    env = {**os.environ, "MYPY_CACHE_DIR": str(tmp_path / "mypy-cache")}
+    order = subprocess.run([*make, "-n", "test"], capture_output=True, text=True, timeout=60, env=env).stdout
+    steps = ("/ruff check proxy middlewares", "/mypy", "/python -m pytest")
+    ruff, mypy, suite = (order.find(step) for step in steps)
+    assert -1 < ruff < mypy < suite, order
+    clean = subprocess.run([*make, "lint"], capture_output=True, text=True, timeout=600, env=env)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    module = src / "proxy" / "errors.py"
+    original = module.read_text()
+    for added, said in (("# " + "x" * 130 + "\n", "E501"),  # ruff alone refuses it
+                        ('\n\ndef _answer() -> int:\n    return "42"\n', "[return-value]")):  # mypy alone
+        module.write_text(original + added)
+        proc = subprocess.run([*make, "test"], capture_output=True, text=True, timeout=600, env=env)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and said in out, out[-3000:]
+        assert "-m pytest" not in out, out[-3000:]
 
 
 def test_the_quickstart_names_the_prerequisites():

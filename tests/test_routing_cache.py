@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from proxy.upstream.affinity import AffinityKey, AffinitySettings, key_point, request_key
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.protocol.prompt import prompt_bytes
 from proxy.upstream.routing import choose, parse_provider, select
 from proxy.upstream.workers import OutlierPolicy, Worker, WorkerPool

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.protocol.translate import (
     HOSTED_ITEM_TYPES,
     KNOWN_FIELDS,

@@ -24,6 +24,7 @@ from proxy import state
 from proxy.admin.auth import AdminAuth, guard
 from proxy.config.load import ConfigError
 
+
 def console_off_hint(request: web.Request) -> str:
     """For a 404 under admin.prefix when no console is mounted: why, in one sentence."""
     section = request.config_dict[state.CONFIG].section("admin")

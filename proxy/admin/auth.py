@@ -44,7 +44,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.config.load import ConfigError
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.ledger import SECRET_PREFIX
 
 COOKIE = "rp_admin_session"
@@ -62,7 +62,10 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def unauthorized(message: str = "An admin key is required: 'Authorization: Bearer <admin key>' or a dashboard login.") -> APIError:
+_ADMIN_KEY_REQUIRED = "An admin key is required: 'Authorization: Bearer <admin key>' or a dashboard login."
+
+
+def unauthorized(message: str = _ADMIN_KEY_REQUIRED) -> APIError:
     return APIError(401, message, code="invalid_admin_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -228,7 +231,9 @@ class AdminAuth:
         return _b64(self._mac(b"csrf\0" + session.sid.encode()))
 
     def csrf_ok(self, session: Session, presented: str | None) -> bool:
-        return bool(presented) and hmac.compare_digest(presented.encode(), self.csrf_token(session).encode())
+        if not presented:
+            return False
+        return hmac.compare_digest(presented.encode(), self.csrf_token(session).encode())
 
     def set_cookie(self, response: web.StreamResponse, token: str, prefix: str) -> None:
         response.set_cookie(COOKIE, token, max_age=self.ttl, path=prefix, httponly=True,

@@ -28,7 +28,7 @@ from aiohttp import web
 from proxy import state
 from proxy.admin.auth import is_client_key
 from proxy.admin.routes import body_of, guarded, json_response, ledger_of
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.ledger.service import iso, totals_dict, usage_dict
 
 STATIC = Path(__file__).resolve().parent / "static"

@@ -10,8 +10,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.ledger.service import CREATE_FIELDS, LIMIT_FIELDS, TOTAL_FIELDS, USAGE_FIELDS
 from proxy.ledger.base import USAGE_GROUPS
+from proxy.ledger.service import CREATE_FIELDS, LIMIT_FIELDS, TOTAL_FIELDS, USAGE_FIELDS
 
 _ERR = {"$ref": "#/components/schemas/ErrorEnvelope"}
 _MEANINGS = {
@@ -67,7 +67,7 @@ _LIMITS: dict[str, Any] = {
     "expires_at": {"type": ["number", "string", "null"], "description": "Unix seconds or ISO 8601; null: never"},
 }
 assert set(_LIMITS) == set(LIMIT_FIELDS)
-_CREATE = {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+_CREATE: dict[str, Any] = {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
     "name": {"type": "string", "minLength": 1, "maxLength": 200},
     "balance_micros": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}, **_LIMITS}}
 assert set(_CREATE["properties"]) == set(CREATE_FIELDS)

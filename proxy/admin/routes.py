@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.ledger import LedgerError, UnknownKey
 from proxy.ledger.service import (
     TOTAL_FIELDS,

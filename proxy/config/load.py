@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from proxy.config import schema
+from proxy.config.types import EnvStr
 
 # The embedded configuration: every default of the schema (proxy/config/schema.py).
 DEFAULTS: dict[str, Any] = schema.defaults()
@@ -43,7 +44,7 @@ def _merge(base: Any, override: Any) -> Any:
 def _expand_env(value: Any, path: str = "") -> Any:
     """`${NAME}` as a whole string value reads the environment (secrets stay out of the file).
 
-    An unset NAME is an error naming it; the value is kept as schema.EnvStr so a port or
+    An unset NAME is an error naming it; the value is kept as an EnvStr so a port or
     a flag written as `${PORT}` is converted by the schema check.
     """
     if isinstance(value, dict):
@@ -57,7 +58,7 @@ def _expand_env(value: Any, path: str = "") -> Any:
             found = os.environ.get(name)
             if found is None:
                 raise schema.SchemaError(f"${{{name}}} is not set ({path})")
-            text = schema.EnvStr(found)
+            text = EnvStr(found)
             text.var = name
             return text
     return value
@@ -70,7 +71,7 @@ class Config:
         self.local_keys: Any = None  # what serve made at start (proxy/runtime/local_keys.py)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> "Config":
+    def load(cls, path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
         data: dict[str, Any] = copy.deepcopy(DEFAULTS)
         file_path = Path(path) if path else None
         where = f"{file_path}: " if file_path is not None else ""
@@ -95,7 +96,7 @@ class Config:
         return cls(data, file_path)
 
     @classmethod
-    def from_dict(cls, overrides: dict[str, Any]) -> "Config":
+    def from_dict(cls, overrides: dict[str, Any]) -> Config:
         return cls.load(None, overrides)
 
     def section(self, name: str) -> dict[str, Any]:

@@ -24,13 +24,12 @@ from typing import Any
 import yaml
 
 from proxy.config.types import (
-    F,
     OMIT,
     REQUIRED,
     AnyValue,
     Bool,
     Either,
-    EnvStr,
+    F,
     Int,
     Key,
     ListOf,

@@ -244,8 +244,9 @@ class MapOf(Type):
 
 
 def _plural(t: Type) -> str:
-    if getattr(t, "plural", None):
-        return t.plural
+    plural = getattr(t, "plural", None)
+    if plural:
+        return plural
     if isinstance(t, Section):
         return "mappings"
     if isinstance(t, Str):

@@ -15,29 +15,39 @@ from aiohttp import web
 from middlewares import Phases, build_phases
 from proxy import state
 from proxy.config.load import Config, ConfigError
-from proxy.http.errors import ERROR_CODE, APIError, ledger_unavailable
-from proxy.ledger.base import LedgerUnavailable
-from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event
+from proxy.errors import APIError
 from proxy.http.anthropic_errors import dress
-from proxy.http.routes import add_routes, unit_for
-from proxy.protocol.passthrough import ANTHROPIC
-from proxy.upstream.client import UpstreamPool
-from proxy.upstream.health import HealthSettings, Readiness, health_context
-from proxy.protocol.ids import random_bits
-from proxy.upstream.routing import validate_settings as validate_routing
-from proxy.runtime.logs import access, log
-from proxy.upstream.models import parse_sampling_defaults
-from proxy.policy.netguard import ImagePolicy
 from proxy.http.compact import CompactSettings
+from proxy.http.errors import ERROR_CODE, error_response, ledger_unavailable
+from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event
 from proxy.http.parse_errors import HeadLimits
+from proxy.http.routes import add_routes, unit_for
 from proxy.http.turn import refuse_other_answers
 from proxy.http.websocket import SocketAdmission, WebSocketSettings
+from proxy.ledger.base import LedgerUnavailable
+from proxy.policy.netguard import ImagePolicy
+from proxy.protocol.ids import random_bits
+from proxy.protocol.passthrough import ANTHROPIC
 from proxy.runtime import metrics
+from proxy.runtime.logs import access, log
 from proxy.runtime.refusals import Refusals, is_refusal
-from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
+from proxy.state import (
+    AFFINITY,
+    CONTEXT,
+    IMAGE_POLICY,
+    PHASES,
+    READINESS,
+    RESPONSE_SETTINGS,
+    SAMPLING_DEFAULTS,
+    TURN,
+    RequestContext,
+)
 from proxy.upstream.affinity import AffinitySettings
-from proxy.state import (AFFINITY, CONTEXT, IMAGE_POLICY, PHASES, READINESS, RESPONSE_SETTINGS, SAMPLING_DEFAULTS,
-                         TURN, RequestContext)
+from proxy.upstream.client import UpstreamPool
+from proxy.upstream.health import HealthSettings, Readiness, health_context
+from proxy.upstream.models import parse_sampling_defaults
+from proxy.upstream.routing import validate_settings as validate_routing
+from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
 
 LEDGER = state.LEDGER
 
@@ -78,19 +88,20 @@ def envelope(phases: Phases):
             streamed = await refusal_as_event(request, ctx, exc)  # Codex reads a spent balance only as an event
             if streamed is not None:
                 return streamed
-            return dress(exc.to_response()) if ctx.unit.family in ANTHROPIC else exc.to_response()
+            return dress(error_response(exc)) if ctx.unit.family in ANTHROPIC else error_response(exc)
         except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and methods
             status = exc.status
             if exc.status < 400:
                 raise
-            message = {404: "Unknown endpoint.", 405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
+            message = {404: "Unknown endpoint.",
+                       405: "Method not allowed on this endpoint."}.get(exc.status, exc.reason)
             if exc.status == 404:
                 from proxy.admin import console_off_hint
 
                 message += console_off_hint(request)
             refusal = APIError(exc.status, f"{message} ({request.method} {request.path})")
             error_code = refusal.code
-            return refusal.to_response()
+            return error_response(refusal)
         except (asyncio.CancelledError, ConnectionResetError) as gone:
             out = ctx.outcome
             # 499: the client went away before its answer was whole (after it, the answer stands).
@@ -104,7 +115,7 @@ def envelope(phases: Phases):
         except Exception:
             log.exception("unhandled error", request_id=ctx.request_id)
             error_code = "internal_error"
-            return APIError(500, "The proxy failed to handle this request.", code="internal_error").to_response()
+            return error_response(APIError(500, "The proxy failed to handle this request.", code="internal_error"))
         finally:
             elapsed = time.perf_counter() - started
             settling = ctx.settling
@@ -174,7 +185,7 @@ async def _within_started(run, request: web.Request, ctx: RequestContext) -> web
             if writer is not None and writer.output_size == 0:
                 # A prepare() that failed in a hook left its framing (chunked) on the writer:
                 # the error envelope that follows brings its own Content-Length.
-                writer.chunked = False
+                writer.chunked = False  # type: ignore[attr-defined]  # aiohttp's StreamWriter has it
                 writer.length = None
             raise
         return await _after_start(request, ctx, started, exc)
@@ -316,7 +327,8 @@ def build_app(config: Config) -> web.Application:
     HealthSettings.from_section(health)  # a bad section stops start-up here, not in the checker
     validate_routing(config.section("routing"))
     app[AFFINITY] = AffinitySettings.from_section(config.section("routing").get("affinity"))
-    app[POOL] = WorkerPool(parse_workers(config.get("workers")), outlier=OutlierPolicy.from_section(health.get("outlier")))
+    app[POOL] = WorkerPool(parse_workers(config.get("workers")),
+                           outlier=OutlierPolicy.from_section(health.get("outlier")))
     app[RESPONSE_SETTINGS] = ResponseSettings.from_section(config.section("responses"))
     app[SAMPLING_DEFAULTS] = parse_sampling_defaults(config.section("responses").get("sampling_defaults"))
     # Resources first: middleware factories may add their own contexts that need these.
@@ -324,9 +336,11 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_embedded_simulator)
     app.cleanup_ctx.append(health_context(SESSION, POOL))  # discovery + active checks, once urls are final
     app.cleanup_ctx.append(_ledger)
-    from proxy.protocol.seal import install_sealer
+    from proxy.protocol.seal import sealer_from_config
 
-    install_sealer(app, config.section("reasoning_seal"))
+    sealer = sealer_from_config(config.section("reasoning_seal"))
+    if sealer is not None:
+        app[state.SEALER] = sealer
     phases = app[PHASES] = build_phases(config, app)
     app.middlewares.append(envelope(phases))
     # Before _add_request_id: a turn's foreign answer is refused while it is not started yet.

@@ -26,14 +26,20 @@ import orjson
 from aiohttp import web
 
 from proxy import state
+from proxy.errors import APIError, bad_request
 from proxy.http.compaction_trigger import carry_notices
-from proxy.http.errors import APIError, bad_request
 from proxy.http.request import read_json
 from proxy.http.turn import run_turn
 from proxy.http.units import COMPACT_SUMMARY, UNBILLED_BODY
 from proxy.policy.rules import apply_stateless, previous_response_mode
-from proxy.protocol.compaction import (DEFAULT_INSTRUCTIONS, DEFAULT_MAX_SUMMARY_TOKENS, TRIGGER, SummaryAsk,
-                                       compaction_of, kept_user_messages)
+from proxy.protocol.compaction import (
+    DEFAULT_INSTRUCTIONS,
+    DEFAULT_MAX_SUMMARY_TOKENS,
+    TRIGGER,
+    SummaryAsk,
+    compaction_of,
+    kept_user_messages,
+)
 from proxy.protocol.continuation import TERMINAL_EVENTS
 from proxy.protocol.ids import random_bits
 from proxy.upstream.models import resolve_model
@@ -50,7 +56,7 @@ class CompactSettings:
     previous_response_id: str = "refuse"  # the operator's stateless policy (proxy.policy.rules)
 
     @classmethod
-    def from_section(cls, section: dict[str, Any], stateless: dict[str, Any] | None = None) -> "CompactSettings":
+    def from_section(cls, section: dict[str, Any], stateless: dict[str, Any] | None = None) -> CompactSettings:
         return cls(keep_recent_items=int(section.get("keep_recent_items", cls.keep_recent_items)),
                    max_summary_tokens=int(section.get("max_summary_tokens", cls.max_summary_tokens)),
                    instructions=str(section.get("instructions") or cls.instructions),
@@ -75,7 +81,8 @@ def _window(body: dict[str, Any], settings: CompactSettings) -> list[Any]:
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-        raise bad_request("Invalid 'input': expected a string or an array of items.", param="input", code="invalid_type")
+        raise bad_request("Invalid 'input': expected a string or an array of items.", param="input",
+                          code="invalid_type")
     return value
 
 

@@ -31,7 +31,7 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.event_stream import open_event_stream
 from proxy.http.forwarder import _settle_now, forward
 from proxy.http.turn import TurnAnswer, run_turn
@@ -45,7 +45,7 @@ from proxy.state import RequestContext
 async def answer_trigger(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
     """After the phases: the translated compaction_trigger request, answered."""
     first = await forward(request, ctx)  # the translation asked for JSON: a web.Response, not yet sent
-    response = orjson.loads(first.body)
+    response = orjson.loads(first.body)  # type: ignore[attr-defined]  # that web.Response's bytes
     summary = summary_text(response)
     usage = response.get("usage")
     if not summary:
@@ -85,8 +85,11 @@ async def _once_more(request: web.Request, ctx: RequestContext) -> tuple[str, di
     thinking switch, no output cap; run as the unit COMPACT_SUMMARY. -> (its text, its usage)."""
     body = ctx.body or {}
     items, _ = take_trigger(body.get("input"))
-    ask = ctx.translation.compaction
-    again: dict[str, Any] = {"model": body.get("model"), "input": [*items, {"role": "user", "content": ask.instructions}],
+    t = ctx.translation
+    assert t is not None and t.compaction is not None  # a compaction_trigger request: translated with its ask
+    ask = t.compaction
+    again: dict[str, Any] = {"model": body.get("model"),
+                             "input": [*items, {"role": "user", "content": ask.instructions}],
                              "store": False, "stream": True}
     for name in ("instructions", "prompt_cache_key"):
         if body.get(name) is not None:
@@ -125,7 +128,7 @@ def refusal(answer: TurnAnswer) -> APIError:
         error = None
     error = error if isinstance(error, dict) else {}
     headers = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after", "x-should-retry")}
-    message = error.get("message") if isinstance(error.get("message"), str) else "The summary could not be written."
+    message = error["message"] if isinstance(error.get("message"), str) else "The summary could not be written."
     return APIError(answer.status, message, code=error.get("code"), param=error.get("param"),
                     type=error.get("type"), headers=headers)
 

@@ -8,10 +8,11 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.forwarder import POOL, SESSION
 from proxy.state import READINESS
 from proxy.upstream.routing import TokenCountError, choose, count_tokens, parse_provider, request_parameters
+from proxy.upstream.workers import Worker
 
 _STARTED = int(time.time())
 
@@ -42,7 +43,7 @@ async def input_tokens_handler(request: web.Request) -> web.Response:
     body = ctx.body or {}
     prefs = parse_provider(body.get("provider"))
     pool = request.app[POOL]
-    tried = []
+    tried: list[Worker] = []
     last: TokenCountError | None = None
     for _ in range(int(request.app[state.CONFIG].section("routing").get("max_attempts", 3))):
         try:

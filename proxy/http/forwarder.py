@@ -11,8 +11,8 @@ problem becomes a response.failed event with retry hints.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -20,25 +20,38 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.upstream.affinity import AffinitySettings, request_key
+from proxy.errors import APIError
+from proxy.http.event_stream import (
+    SSE_HEADERS as _SSE_HEADERS,
+    EventStreamResponse as _EventStream,  # noqa: F401 (proxy.http.passthrough)
+    open_event_stream,
+)
 from proxy.protocol.dialects import chat_for
-from proxy.http.errors import APIError
-from proxy.runtime.logs import log
-from proxy.http.event_stream import SSE_HEADERS as _SSE_HEADERS
-from proxy.http.event_stream import EventStreamResponse as _EventStream  # noqa: F401 (proxy.http.passthrough)
-from proxy.http.event_stream import open_event_stream
-from proxy.protocol.rewriter import (ResponseContext, StreamRewriter, client_usage, completion_response, map_usage,
-                                     public_message)
-from proxy.upstream.routing import (TokenCountError, check_context_window, choose, count_tokens, parse_provider,
-                           request_parameters, tokenize)
+from proxy.protocol.response import ResponseContext, client_usage, map_usage, public_message
+from proxy.protocol.rewriter import StreamRewriter, completion_response
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import Translation
-from proxy.upstream.client import (BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected,
-                            UpstreamResponse)
+from proxy.runtime.logs import log
+from proxy.state import POOL, RESPONSE_SETTINGS, SEALER, SESSION, UPSTREAMS, RequestContext
+from proxy.upstream.affinity import AffinitySettings, request_key
+from proxy.upstream.client import (
+    BadResponse,
+    ConnectFailed,
+    ConnectTimeout,
+    DeadlinePassed,
+    Disconnected,
+    UpstreamResponse,
+)
+from proxy.upstream.routing import (
+    TokenCountError,
+    check_context_window,
+    choose,
+    count_tokens,
+    parse_provider,
+    request_parameters,
+    tokenize,
+)
 from proxy.upstream.workers import Worker
-from proxy.state import RESPONSE_SETTINGS, SEALER, RequestContext
-
-SESSION, UPSTREAMS, POOL = state.SESSION, state.UPSTREAMS, state.POOL
 
 MAX_ATTEMPTS = 3
 STREAM_END_GRACE_S = 1.0  # after [DONE], how long the last chunk of a stream may take to keep its connection
@@ -66,7 +79,7 @@ def _upstream_message(body: bytes) -> tuple[str | None, Any]:
     except orjson.JSONDecodeError:
         return None, None
     if isinstance(data, dict):
-        err = data.get("error") if isinstance(data.get("error"), dict) else data
+        err = data["error"] if isinstance(data.get("error"), dict) else data
         message = err.get("message") if isinstance(err, dict) else None
         if isinstance(message, str):
             # Upstream messages are useful to the client ("maximum context length is ..."),
@@ -104,7 +117,7 @@ class ResponseSettings:
     reasoning_in_clear: bool = True
 
     @classmethod
-    def from_section(cls, section: dict) -> "ResponseSettings":
+    def from_section(cls, section: dict) -> ResponseSettings:
         return cls(bool(section.get("ai_markers", True)), str(section.get("ai_notice", "[AI-generated content]")),
                    bool(section.get("reasoning_items", True)), bool(section.get("reasoning_in_clear", True)))
 
@@ -118,10 +131,8 @@ def _response_context(app: web.Application, ctx: RequestContext, t: Translation)
         created_at=int(time.time()),
         echo=t.echo,
         tools=t.tools,
-        ai_markers=settings.ai_markers,
-        ai_notice=settings.ai_notice,
-        reasoning_items=settings.reasoning_items,
-        reasoning_in_clear=settings.reasoning_in_clear,
+        ai_markers=settings.ai_markers, ai_notice=settings.ai_notice,
+        reasoning_items=settings.reasoning_items, reasoning_in_clear=settings.reasoning_in_clear,
         seal=sealer.bound(binding(ctx.key))[0] if sealer is not None and t.include_encrypted_reasoning else None,
         output_cap=t.output_cap,
         allowed_tools=t.allowed_tools,
@@ -168,6 +179,7 @@ async def _settle_now(ctx: RequestContext) -> None:
 
 async def forward(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
     t = ctx.translation
+    assert t is not None  # the translate phase ran: this handler's unit has it
     body = ctx.body or {}
     prefs = parse_provider(body.get("provider"))
     params = request_parameters(t.chat)
@@ -261,8 +273,8 @@ async def _forward(request: web.Request, request_ctx: RequestContext, worker: Wo
                            code="upstream_timeout") from None
         except (ConnectFailed, Disconnected, BadResponse) as exc:
             pool.record_failure(worker, type(exc).__name__)
-            raise _Retryable(worker, type(exc).__name__,
-                             APIError(502, "The model server could not be reached.", code="upstream_unreachable")) from None
+            unreachable = APIError(502, "The model server could not be reached.", code="upstream_unreachable")
+            raise _Retryable(worker, type(exc).__name__, unreachable) from None
         out.ttfb_ms = (time.perf_counter() - started) * 1000
         if not t.stream:
             pool.record_success(worker, out.ttfb_ms / 1000)

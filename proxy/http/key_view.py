@@ -10,7 +10,7 @@ from aiohttp import web
 
 from middlewares.auth import is_static
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.ledger.service import iso, key_summary
 
 _UNIT = 1_000_000

@@ -222,7 +222,8 @@ _COMPACT = {
     },
 }
 
-_JSON_REQUEST = {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}}
+_JSON_REQUEST = {"required": True,
+                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}}
 
 
 _KEY_PATH: dict[str, Any] = {

@@ -45,7 +45,8 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.streams import EMPTY_PAYLOAD
 
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
+from proxy.http.errors import error_response
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ class HeadBound:
     __slots__ = ("_parser", "_protocol", "_limits", "_loop", "_state", "_bytes", "_seen", "_body", "_timer",
                  "_timed_out")
 
-    def __init__(self, parser: Any, protocol: "EnvelopeRequestHandler", limits: HeadLimits) -> None:
+    def __init__(self, parser: Any, protocol: EnvelopeRequestHandler, limits: HeadLimits) -> None:
         self._parser = parser
         self._protocol = protocol
         self._limits = limits
@@ -147,7 +148,7 @@ class HeadBound:
                     self._seen = True
                     self.start_timer()
                 self._bytes += len(data)
-        messages, upgraded, tail = result = self._parser.feed_data(data)
+        messages, upgraded, _tail = result = self._parser.feed_data(data)
         if upgraded:
             self._state = _OFF  # a WebSocket (or refused upgrade: set_upgraded) from here on
             self._body = None
@@ -196,7 +197,7 @@ class EnvelopeRequestHandler(web_protocol.RequestHandler):
     def bound_heads(self, limits: HeadLimits) -> None:
         # BaseProtocol's parser, wrapped: every byte it is fed passes HeadBound.feed_data
         # (no public hook sees a head before the parser emits it; module docstring).
-        self._parser = HeadBound(self._parser, self, limits)
+        self._parser = HeadBound(self._parser, self, limits)  # type: ignore[assignment]  # the parser, wrapped
 
     def _head_bound(self) -> HeadBound | None:
         parser = self._parser
@@ -239,7 +240,7 @@ class EnvelopeRequestHandler(web_protocol.RequestHandler):
         else:
             return super().handle_error(request, status, exc, message)
         self.log_debug("refused a malformed request from %s: %r", request.remote, exc)
-        response = error.to_response()
+        response = error_response(error)
         response.force_close()  # the parser state is unknown after a broken message
         return response
 
@@ -256,7 +257,7 @@ class _EnvelopeServer(web.Server):
         handler = super().__call__()
         handler.__class__ = EnvelopeRequestHandler
         if self.head_limits is not None:
-            handler.bound_heads(self.head_limits)
+            handler.bound_heads(self.head_limits)  # type: ignore[attr-defined]  # its class, swapped above
         return handler
 
 
@@ -268,7 +269,7 @@ class ProxyRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _EnvelopeServer  # only its protocol factory differs
-        server.head_limits = self.app.get(state.HEAD_LIMITS)
+        server.head_limits = self.app.get(state.HEAD_LIMITS)  # type: ignore[attr-defined]  # as above
         return server
 
 

@@ -22,11 +22,23 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.http.errors import APIError
-from proxy.http.forwarder import (MAX_ERROR_BODY, MAX_JSON_BODY, MAX_ATTEMPTS, _SSE_HEADERS, _EventStream,
-                                  _ReadWatchdog, _Retryable, _check_stream_start, _let_go, _record_usage,
-                                  _settle_now, _upstream_message, map_upstream_error)
-from proxy.policy.netguard import check_images, policy_for
+from proxy.errors import APIError
+from proxy.http.forwarder import (
+    _SSE_HEADERS,
+    MAX_ATTEMPTS,
+    MAX_ERROR_BODY,
+    MAX_JSON_BODY,
+    _check_stream_start,
+    _EventStream,
+    _let_go,
+    _ReadWatchdog,
+    _record_usage,
+    _Retryable,
+    _settle_now,
+    _upstream_message,
+    map_upstream_error,
+)
+from proxy.policy.netguard import ImagePolicy, check_images
 from proxy.protocol.chat_usage import SSEScanner, json_usage
 from proxy.protocol.passthrough import ANTHROPIC, Passthrough, build
 from proxy.runtime.logs import log
@@ -38,6 +50,14 @@ from proxy.upstream.workers import Worker
 # config `endpoints` key of each family (messages_count follows messages)
 SWITCHES = {"chat": "chat_completions", "completions": "completions", "embeddings": "embeddings",
             "messages": "messages", "messages_count": "messages"}
+
+
+def policy_for(app: web.Application) -> ImagePolicy:
+    """The app's image-URL policy (built once by build_app; built here from config otherwise)."""
+    policy = app.get(state.IMAGE_POLICY)
+    if policy is None:
+        policy = ImagePolicy(app[state.CONFIG].section("images"))
+    return policy
 
 
 async def passthrough_translate(app: web.Application, ctx: state.RequestContext, body: dict) -> Passthrough:
@@ -156,8 +176,8 @@ async def _forward(request: web.Request, ctx: state.RequestContext, worker: Work
                            code="upstream_timeout") from None
         except (ConnectFailed, Disconnected, BadResponse) as exc:
             pool.record_failure(worker, type(exc).__name__)
-            raise _Retryable(worker, type(exc).__name__,
-                             APIError(502, "The model server could not be reached.", code="upstream_unreachable")) from None
+            unreachable = APIError(502, "The model server could not be reached.", code="upstream_unreachable")
+            raise _Retryable(worker, type(exc).__name__, unreachable) from None
         out.ttfb_ms = (time.perf_counter() - started) * 1000
         if not t.stream:
             pool.record_success(worker, out.ttfb_ms / 1000)
@@ -176,7 +196,7 @@ def _json_answer(worker: Worker, t: Passthrough, body: bytes, out: state.Outcome
     except orjson.JSONDecodeError:
         raise _Retryable(worker, "garbage body", APIError(502, "The model server sent an unreadable answer.",
                                                           code="upstream_error")) from None
-    if not isinstance(answer, dict) or "error" in answer and answer.get("type") != "message":
+    if not isinstance(answer, dict) or ("error" in answer and answer.get("type") != "message"):
         message, _ = _upstream_message(body)
         raise APIError(502, message or "The model server failed.", code="upstream_error")
     out.status = "completed"
@@ -189,7 +209,7 @@ async def _stream(request: web.Request, ctx: state.RequestContext, upstream: Any
                   first: bytes, out: state.Outcome, deadline: float) -> web.StreamResponse:
     scanner = SSEScanner(t.family, t.usage_added)
     response = _EventStream(status=200, headers=_SSE_HEADERS)
-    dog = _ReadWatchdog(worker.timeouts.idle, deadline, scanner)
+    dog = _ReadWatchdog(worker.timeouts.idle, deadline, scanner)  # type: ignore[arg-type]  # it reads .done alone
     cap = t.output_cap
     failure: tuple[str, str] | None = None
     recorded = False

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.http.errors import APIError, bad_request
+from proxy.errors import APIError, bad_request
+from proxy.http.passthrough import passthrough_translate, policy_for
 from proxy.http.units import BODY, MODELS, SIZES, TRANSLATE
-from proxy.policy.netguard import check_images, policy_for
-from proxy.http.passthrough import passthrough_translate
+from proxy.policy.netguard import check_images
 from proxy.protocol.compaction import SummaryAsk
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, translate_request
@@ -28,7 +29,7 @@ from proxy.state import SAMPLING_DEFAULTS, SEALER, RequestContext
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs
     import zstandard
 except ImportError:  # pragma: no cover
-    zstandard = None
+    zstandard = None  # type: ignore[assignment]  # checked before each use
 
 
 def _limits(request: web.Request) -> dict[str, Any]:
@@ -274,7 +275,7 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
             _check_model(ctx, body, pool)
         if TRANSLATE in phases and ctx.unit.family:
             # Another API of the model server: its body goes upstream as sent (proxy.http.passthrough).
-            ctx.translation = await passthrough_translate(app, ctx, body)
+            ctx.translation = await passthrough_translate(app, ctx, body)  # type: ignore[assignment]  # a Passthrough stands in
         elif TRANSLATE in phases:
             for check in checks:
                 body = check(ctx, body)

@@ -18,8 +18,20 @@ from proxy.http.key_view import key_handler
 from proxy.http.openapi import openapi_handler
 from proxy.http.passthrough import passthrough_handler
 from proxy.http.responses import responses_handler
-from proxy.http.units import (CHAT, COMPACT, COMPLETIONS, EMBEDDINGS, INPUT_TOKENS, KEYED, MESSAGES, MESSAGES_COUNT,
-                              PUBLIC, RESPONSES, WS_HANDSHAKE, Unit)
+from proxy.http.units import (
+    CHAT,
+    COMPACT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    INPUT_TOKENS,
+    KEYED,
+    MESSAGES,
+    MESSAGES_COUNT,
+    PUBLIC,
+    RESPONSES,
+    WS_HANDSHAKE,
+    Unit,
+)
 from proxy.http.websocket import websocket_handler
 
 

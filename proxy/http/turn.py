@@ -91,7 +91,7 @@ class TurnStream:
         if not self.prepared:
             self.prepared = True
             # The app's response hooks see it as any answer: x-request-id, notices, ctx.started.
-            await request.app.on_response_prepare.send(request, self)
+            await request.app.on_response_prepare.send(request, self)  # type: ignore[arg-type]  # duck-typed
             if self._on_prepare is not None:  # the transport's say in them (a socket's first event)
                 self._on_prepare(self.headers)
 

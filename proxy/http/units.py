@@ -51,7 +51,7 @@ class Unit(NamedTuple):
     name: str
     phases: frozenset[str]
     body_limit: str = BILLED_BODY
-    variants: tuple["Unit", ...] = ()
+    variants: tuple[Unit, ...] = ()
     why: str = ""  # the reason for each phase it skips: the table is read by people too
     # The pass-through families (proxy.http.passthrough): the body goes upstream as sent; the
     # translate phase builds a Passthrough instead of a Translation, and runs none of the

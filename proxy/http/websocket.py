@@ -38,15 +38,15 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections import deque
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import orjson
 from aiohttp import ClientConnectionResetError, WSCloseCode, WSMsgType, web
 
 from proxy import state
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.turn import TurnAnswer, run_turn
 from proxy.http.units import WS_TURN, WS_WARMUP, Unit
 from proxy.http.warmup import warmup_handler
@@ -81,7 +81,7 @@ class WebSocketSettings:
     permessage_deflate: bool = True
 
     @classmethod
-    def from_config(cls, section: dict[str, Any], server: dict[str, Any]) -> "WebSocketSettings":
+    def from_config(cls, section: dict[str, Any], server: dict[str, Any]) -> WebSocketSettings:
         ping = section.get("ping_interval_s", 30)
         max_body = int(server.get("max_body_bytes", cls.max_message_bytes))
         return cls(enabled=bool(section.get("enabled", True)),
@@ -423,7 +423,7 @@ def _frame_heads(lengths: list[int]) -> list[bytes]:
     i = -1
     try:
         while True:
-            i = heads.index(None, i + 1)  # type: ignore[arg-type]
+            i = heads.index(None, i + 1)
             heads[i] = _frame_head(lengths[i])
     except ValueError:  # no long one left
         return heads  # type: ignore[return-value]

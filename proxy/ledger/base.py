@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 from proxy.upstream.models import resolve_model, strip_vendor
-
 
 SECRET_PREFIX = "sk-rp-"
 USAGE_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled", "error"})
@@ -21,9 +21,9 @@ USAGE_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled", "e
 class _Unset:
     """Sentinel for `set_limits`: "leave this limit as it is" (None means "clear it")."""
 
-    _instance: "_Unset | None" = None
+    _instance: _Unset | None = None
 
-    def __new__(cls) -> "_Unset":
+    def __new__(cls) -> _Unset:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance
@@ -246,7 +246,7 @@ class Ledger(abc.ABC):
     async def close(self) -> None:
         """Finish every queued operation, then close storage. Idempotent."""
 
-    async def __aenter__(self) -> "Ledger":
+    async def __aenter__(self) -> Ledger:
         await self.start()
         return self
 
@@ -305,7 +305,7 @@ class Ledger(abc.ABC):
         local ledger's commit is that file: it settles now."""
         await self.settle(request_id, usage, linger=False)
 
-    async def settled(self, timeout: float = 2.0) -> None:
+    async def settled(self, timeout: float = 2.0) -> None:  # noqa: B027 - a hook: a local ledger has nothing to wait for
         """Wait (at most `timeout`, never raising) until every settle_behind of this object is
         applied; a local ledger applies them at once."""
 

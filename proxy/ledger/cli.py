@@ -25,8 +25,9 @@ Also `python -m proxy.ledger.cli [--config FILE] [--db PATH] keys ...`.
 The secret is printed once, by `create`; nothing else ever prints it (only its prefix).
 
 Which ledger: the one the server would open (ledger.backend sqlite or postgres: with
-postgres, `ledger.dsn` names the database, and stderr says `ledger: postgres host:port/db`), found as `serve` finds its config (--config,
-else $RESPONSES_PROXY_CONFIG, else ./config.yaml, else the embedded defaults), its
+postgres, `ledger.dsn` names the database, and stderr says `ledger: postgres host:port/db`),
+found as `serve` finds its config (--config, else $RESPONSES_PROXY_CONFIG, else ./config.yaml,
+else the embedded defaults), its
 `ledger.path` taken relative to that file; `--db PATH` names the file itself. Every command
 prints `ledger: /absolute/path` on stderr first. A ledger file that does not exist is never
 made by accident: every command but `create` refuses (exit 1); `create` makes a new one
@@ -40,9 +41,10 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from proxy.ledger import UNSET, KeyRecord, LedgerError, open_ledger, resolve_path
 from proxy.ledger.service import (
@@ -131,7 +133,7 @@ def _models(text: str) -> list[str] | None:
     return models
 
 
-def _when(text: str) -> float:
+def _when(text: str) -> float | None:
     try:
         return parse_time(text, "time")
     except ValueError as exc:
@@ -355,7 +357,8 @@ async def _usage(ledger: Any, args: argparse.Namespace, out: Any) -> None:
               f"{'OUT':>8} {'COST_USD':>12} {'DEBITED_USD':>12} STATUS", file=out)
         for r in rows:
             print(f"{r['created']:<20} {r['request_id'][:36]:<36} {r['key_id']:<20} {r['model'][:24]:<24} "
-                  f"{r['input_tokens']:>8} {r['cached_tokens']:>8} {r['output_tokens']:>8} {_money(r['cost_micros']):>12} "
+                  f"{r['input_tokens']:>8} {r['cached_tokens']:>8} {r['output_tokens']:>8} "
+                  f"{_money(r['cost_micros']):>12} "
                   f"{_money(r['debited_micros']):>12} {r['status']}", file=out)
 
 
@@ -446,7 +449,7 @@ async def _spool(args: argparse.Namespace, config: Any, out: Any) -> int:
         try:
             await ledger.start()  # replays a waiting spool itself, before anything else
             try:
-                applied = ledger.stats["replayed"] + await ledger.replay_spool()
+                applied = ledger.stats["replayed"] + await ledger.replay_spool()  # type: ignore[attr-defined]  # it has a spool
             finally:
                 await ledger.close()
         except LedgerError as exc:  # still broken: say why, and what still waits

@@ -39,7 +39,8 @@ the process lives. After a SIGKILL the row stays until it expires, then counts f
 
 The crash window: a SIGKILL loses the usage rows still queued (settled in the last
 `linger_s` + one commit, ~20 ms): those requests go unbilled, like a settle lingering in the
-writer (5 ms there: a lease batches many requests per commit, a per-request settle does not). Nothing is billed twice and nothing is overdrawn.
+writer (5 ms there: a lease batches many requests per commit, a per-request settle does not).
+Nothing is billed twice and nothing is overdrawn.
 
 If the event loop stalls longer than ttl_s, the row can expire under requests in flight;
 the next commit or grow notices ("lapsed") and starts a new row with what is available,
@@ -190,8 +191,8 @@ class Leases:
         k.free -= give_back
         self.stats["exact_holds"] += 1
         if give_back:
-            op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s,
-                                        lease_return=(k.lease_id, give_back))
+            op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s,  # type: ignore[call-arg]
+                                        lease_return=(k.lease_id, give_back))  # a ledger with supports_leases
         else:
             op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s)
         # A client that goes away (aiohttp cancels its handler) while the hold is in flight
@@ -277,7 +278,7 @@ class Leases:
         try:
             self.stats["grows"] += 1
             # At least one request like the latest, or nothing (then stay on the exact path).
-            granted, existed = await self.ledger.lease_grow(
+            granted, existed = await self.ledger.lease_grow(  # type: ignore[attr-defined]  # supports_leases
                 k.lease_id, k.key_id, min(k.typical, want), want, self.ttl_s
             )
             if k.row and not existed:
@@ -314,7 +315,8 @@ class Leases:
         leases = [(lease_id, give_back, None if drop else self.ttl_s, drop)
                   for _, lease_id, give_back, drop in adjust]
         try:
-            results, lapsed = await self.ledger.lease_commit([(lid, u) for _, lid, u in batch], leases)
+            results, lapsed = await self.ledger.lease_commit(  # type: ignore[attr-defined]  # supports_leases
+                [(lid, u) for _, lid, u in batch], leases)
         except Exception:
             log.exception("committing %d usage records failed; they stay unbilled", len(batch))
             results, lapsed = [None] * len(batch), set()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from proxy.ledger.base import USAGE_GROUPS, USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
@@ -88,6 +89,9 @@ def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], sums: str, t
 
 class PgConsoleOps:
     """The console's ledger operations over the pool; mixed into PostgresLedger."""
+
+    # PostgresLedger's, which mixes this in (declared for the type checker: no value here)
+    _db: Callable[..., Awaitable[Any]]
 
     async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
         text = json.dumps(details, sort_keys=True, default=str)

@@ -18,9 +18,9 @@ import time
 
 import asyncpg
 
-from proxy.ledger.base import FAULT_EXPLAINED as EXPLAIN
-from proxy.ledger.base import LedgerFault, LedgerUnavailable
+from proxy.ledger.base import FAULT_EXPLAINED as EXPLAIN, LedgerFault, LedgerUnavailable
 from proxy.ledger.pg_errors import FAULT, Failure, classify, describe
+from proxy.ledger.spool import Spool
 
 log = logging.getLogger("proxy.ledger")
 
@@ -35,6 +35,14 @@ _PROBE = ("SELECT (SELECT count(*) FROM (SELECT key_id, balance_micros FROM keys
 class PgFaults:
     fault: str | None = None
     _fault_logged: tuple[str | None, float] = (None, 0.0)
+    # PostgresLedger's, which mixes this in (declared for the type checker: no value here)
+    stats: dict[str, int]
+    retry_after_s: float
+    spool: Spool
+    dsn: str
+    connect_timeout_s: float
+    statement_timeout_ms: int
+    _settings: dict[str, str]
 
     def _failed(self, failure: Failure, exc: BaseException) -> LedgerUnavailable:
         """The error a driver failure becomes (every caller answers it 503, never 500)."""

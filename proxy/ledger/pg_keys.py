@@ -11,11 +11,12 @@ on error: a cache flush is always safe). A top-up does not: no cached field depe
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 from proxy.ledger.base import UNSET, KeyRecord, LedgerError, UnknownKey
-from proxy.ledger.pg_listen import CHANNEL
 from proxy.ledger.key_rules import limit_changes, new_key, topped_up
+from proxy.ledger.pg_listen import CHANNEL
 from proxy.ledger.schema import KEY_COLUMNS, _int, _key_record, hash_secret, new_secret
 
 _NOTIFY = f"SELECT pg_notify('{CHANNEL}', $1)"
@@ -30,6 +31,8 @@ class PgKeyOps:
     """Key management over the pool; mixed into PostgresLedger."""
 
     key_generation: int
+    # PostgresLedger's, which mixes this in (declared for the type checker: no value here)
+    _db: Callable[..., Awaitable[Any]]
 
     async def create_key(
         self,
@@ -61,7 +64,7 @@ class PgKeyOps:
             if balance:
                 await conn.execute("INSERT INTO topups (key_id, micros, created_at) VALUES ($1, $2, $3)",
                                    key_id, balance, now)
-            return await _get_key(conn, key_id)
+            return cast(KeyRecord, await _get_key(conn, key_id))  # written just above
 
         return key.secret, await self._db(op)
 
@@ -150,7 +153,7 @@ class PgKeyOps:
             await conn.execute("UPDATE keys SET secret_sha256 = $1, prefix = $2 WHERE key_id = $3",
                                digest, secret[:12], key_id)
             await conn.execute(_NOTIFY, key_id)
-            return await _get_key(conn, key_id)
+            return cast(KeyRecord, await _get_key(conn, key_id))  # written just above
 
         try:
             return secret, await self._db(op)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import asyncpg
 
@@ -46,7 +46,7 @@ class KeyListener:
             self._task = asyncio.create_task(self._run(), name="ledger-key-listener")
         try:
             await asyncio.wait_for(self.connected.wait(), wait_s if wait_s is not None else self.connect_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("ledger key listener not connected yet; key changes fall back to the cache TTL meanwhile")
 
     async def close(self) -> None:
@@ -69,7 +69,7 @@ class KeyListener:
             try:
                 conn = await asyncpg.connect(self.dsn, timeout=self.connect_timeout_s,
                                              server_settings=self.server_settings)
-            except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 self.on_change()  # unknown what changed meanwhile
                 log.debug("ledger key listener cannot connect: %s", exc)
                 await asyncio.sleep(backoff)
@@ -78,7 +78,7 @@ class KeyListener:
             backoff = 0.1
             try:
                 await self._listen(conn)
-            except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 log.debug("ledger key listener lost its connection: %s", exc)
             finally:
                 self.connected.clear()
@@ -97,5 +97,5 @@ class KeyListener:
         while not lost.is_set() and not self._closed:
             try:
                 await asyncio.wait_for(lost.wait(), self.ping_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await conn.fetchval("SELECT 1", timeout=self.ping_s)

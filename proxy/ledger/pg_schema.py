@@ -194,7 +194,7 @@ BEGIN
     END IF;
     outcome := 'held';
 END $$;
-"""),
+"""),  # noqa: E501 - a migration's text is what the databases ran: never reflowed
     (6, "usage.endpoint: the API path a row was billed for", """
 ALTER TABLE usage ADD COLUMN endpoint TEXT;
 """),

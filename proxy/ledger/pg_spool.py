@@ -34,14 +34,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
-from proxy.ledger.base import FAULT_EXPLAINED as EXPLAIN
-from proxy.ledger.base import LedgerFault, LedgerUnavailable, UnknownKey, UsageRecord
+from proxy.ledger.base import FAULT_EXPLAINED as EXPLAIN, LedgerFault, LedgerUnavailable, UnknownKey, UsageRecord
 from proxy.ledger.commit_rules import usage_row
 from proxy.ledger.pg_usage import insert_usage_batch, lease_changes, settle_batch
 from proxy.ledger.schema import _check_usage_values
-from proxy.ledger.spool import APPLIED, KEPT, REJECTED, settle_record, usage_of
+from proxy.ledger.spool import APPLIED, KEPT, REJECTED, Spool, settle_record, usage_of
 
 log = logging.getLogger("proxy.ledger")
 
@@ -52,6 +52,17 @@ class PgSpoolOps:
     _wake: asyncio.Event | None = None
     _written = 0  # records settle_behind wrote
     _drained = 0  # _written as it was when the last complete drain began
+    # PostgresLedger's, which mixes this in (declared for the type checker: no value here)
+    spool: Spool
+    stats: dict[str, int]
+    fault: str | None
+    retry_after_s: float
+    replay_interval_s: float
+    _closed: bool
+    _kept_logged: set[str]
+    _db: Callable[..., Awaitable[Any]]
+    if TYPE_CHECKING:  # PgFaults', mixed in beside this
+        async def check_fault(self) -> str | None: ...
 
     async def settle_behind(self, request_id: str, usage: UsageRecord) -> None:
         """Record a settlement durably (the local spool, fsync'd) and return: the drainer
@@ -166,7 +177,7 @@ class PgSpoolOps:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.replay_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             if self.fault is not None and not self.spool.pending():

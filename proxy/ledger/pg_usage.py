@@ -37,11 +37,12 @@ async def _lock_balances(conn: Any, rows: list) -> dict[str, int]:
     return {r[0]: r[1] for r in locked}
 
 
-async def insert_usage_batch(conn: Any, rows: list[tuple | ValueError], lease_ids: list[str]
+async def insert_usage_batch(conn: Any, rows: list[Any], lease_ids: list[str]
                              ) -> tuple[list[int | BaseException | None], dict[str, int]]:
     """Insert the rows (or their validation errors) in order, each exactly once, debiting
     its cost clamped at what is left of its key's balance. Returns (per row: the debit,
-    None if recorded already, or the error; per lease id, the debits of its new rows)."""
+    None if recorded already, or the error; per lease id, the debits of its new rows).
+    `rows` as proxy.ledger.schema._record_usage takes them."""
     results: list[int | BaseException | None] = [None] * len(rows)
     balances = await _lock_balances(conn, rows)
     wanted: dict[str, int] = defaultdict(int)

@@ -45,22 +45,33 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
 
-from proxy.ledger.base import (USAGE_RECORD_COLUMNS, DuplicateRequest, Hold, InsufficientBalance, Ledger, LedgerError,
-                               LedgerFault, LedgerUnavailable, UnknownKey, UsageRecord)
-from proxy.ledger.pg_errors import FAULT, RETRY, classify, describe
+from proxy.ledger.base import (
+    USAGE_RECORD_COLUMNS,
+    DuplicateRequest,
+    Hold,
+    InsufficientBalance,
+    Ledger,
+    LedgerError,
+    LedgerFault,
+    LedgerUnavailable,
+    UnknownKey,
+    UsageRecord,
+)
+from proxy.ledger.commit_rules import checked_rows, note_debits, usage_row
 from proxy.ledger.pg_console import PgConsoleOps
+from proxy.ledger.pg_errors import FAULT, RETRY, classify, describe
 from proxy.ledger.pg_faults import PgFaults
-from proxy.ledger.pg_spool import PgSpoolOps
 from proxy.ledger.pg_keys import KEY_COLUMNS, PgKeyOps
 from proxy.ledger.pg_listen import KeyListener
 from proxy.ledger.pg_schema import migrate
-from proxy.ledger.commit_rules import checked_rows, note_debits, usage_row
+from proxy.ledger.pg_spool import PgSpoolOps
 from proxy.ledger.pg_usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
 from proxy.ledger.schema import _check_usage_values, _int, _key_record, hash_secret
 from proxy.ledger.spool import Spool, release_record, settle_record
@@ -194,7 +205,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         if pool is not None:
             try:
                 await asyncio.wait_for(pool.close(), 10)
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 pool.terminate()
 
     async def close(self) -> None:

@@ -13,8 +13,9 @@ Costs round UP to a whole micro-unit, so a request is never billed below its pri
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from proxy.upstream.models import resolve_model, strip_vendor
 

@@ -19,7 +19,7 @@ Pure: no SQL dialect, no I/O. proxy/ledger/sqlite_console.py and pg_console.py h
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from proxy.ledger.base import USAGE_GROUPS, UsageTotals
 
@@ -61,24 +61,28 @@ def check_group_by(group_by: tuple[str, ...]) -> None:
         raise ValueError(f"group_by must be distinct names of {', '.join(USAGE_GROUPS)}, not {list(group_by)}")
 
 
-def split_hours(since: float | None, until: float | None) -> tuple[list[tuple], tuple | None]:
+Rows = tuple[float | None, float | None]  # [lo, hi) of the usage rows' created_at; None: open
+Hours = tuple[int | None, int | None]  # [first hour, end) of the hourly sums; None: open
+
+
+def split_hours(since: float | None, until: float | None) -> tuple[list[Rows], Hours | None]:
     """[since, until) as (the ragged ends, each a (lo, hi) range of rows; the whole UTC hours
     between them as (first hour, end) for the hourly sums, None when there is none). A None
     bound is open: all the sums on that side."""
-    lo = None if since is None else -(-int(math.ceil(since)) // HOUR) * HOUR
-    hi = None if until is None else int(math.floor(until)) // HOUR * HOUR
+    lo = None if since is None else -(-math.ceil(since) // HOUR) * HOUR
+    hi = None if until is None else math.floor(until) // HOUR * HOUR
     if lo is not None and hi is not None and lo >= hi:
         return [(since, until)], None
-    raw = []
-    if since is not None and lo > since:
+    raw: list[Rows] = []
+    if since is not None and lo is not None and lo > since:  # lo is None only when since is
         raw.append((since, float(lo)))
-    if until is not None and hi < until:
+    if until is not None and hi is not None and hi < until:
         raw.append((float(hi), until))
     return raw, (lo, hi)
 
 
 def split_totals(since: float | None, until: float | None,
-                 statuses: tuple[str, ...] | None) -> tuple[list[tuple], tuple | None]:
+                 statuses: tuple[str, ...] | None) -> tuple[list[Rows], Hours | None]:
     """split_hours, except that a status filter reads every row of the range (no sums)."""
     return ([(since, until)], None) if statuses else split_hours(since, until)
 
@@ -89,8 +93,8 @@ def merge_totals(group_by: tuple[str, ...], parts: Iterable[Iterable[Sequence]])
     n = len(group_by)
     sums: dict[tuple, list[int]] = {}
     for rows in parts:
-        for row in rows:
-            row = tuple(row)
+        for raw in rows:
+            row = tuple(raw)
             found = sums.get(row[:n])
             if found is None:
                 sums[row[:n]] = [int(v) for v in row[n:]]

@@ -109,7 +109,8 @@ CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
 # worker, added to in the transaction that inserts
 # the usage rows (roll_up below, called by settle and lease_commit: one upsert per group of a
 # batch, not per row): reports over days or months read these sums instead of every row
-# (proxy/ledger/sqlite_console.py; the rules: proxy/ledger/rollup.py). Derived data: filled from the usage rows when missing.
+# (proxy/ledger/sqlite_console.py; the rules: proxy/ledger/rollup.py). Derived data: filled from
+# the usage rows when missing.
 _ROLLUP_SUMS = "input_tokens, cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros"
 ROLLUP = """
 CREATE TABLE IF NOT EXISTS usage_hourly (
@@ -284,12 +285,13 @@ def _check_usage_values(usage: UsageRecord) -> None:
 
 
 def _record_usage(
-    conn: sqlite3.Connection, rows: list[tuple | ValueError], lease_ids: list[str]
+    conn: sqlite3.Connection, rows: list[Any], lease_ids: list[str]
 ) -> tuple[list[int | BaseException | None], dict[str, int], dict[str, int]]:
     """Insert the usage rows (or their validation errors) in order, each exactly once
     (UNIQUE request_id), debiting its cost clamped at what is left of its key's balance.
     Returns (per row: the debit, None if already recorded, or the error; the debits per
-    key; per lease id of an inserted row, its debits)."""
+    key; per lease id of an inserted row, its debits). `rows` are checked_rows': a tuple
+    or a ValueError, told apart by `type(row) is tuple`, which mypy cannot narrow on."""
     results: list[int | BaseException | None] = [None] * len(rows)
     balances: dict[str, int | None] = {}
     wanted: dict[str, int] = defaultdict(int)  # the costs per known key
@@ -309,7 +311,7 @@ def _record_usage(
         todo.append(i)
     debits: dict[str, int] = defaultdict(int)
     taken: dict[str, int] = defaultdict(int)
-    if all(cost <= balances[key_id] for key_id, cost in wanted.items()):
+    if all(cost <= balances[key_id] for key_id, cost in wanted.items()):  # type: ignore[operator]  # known keys
         # No clamping, whichever rows turn out to be recorded already: every debit is
         # its cost, which the rows already say. One executemany for all of them.
         for i in _insert_unclamped(conn, rows, todo):

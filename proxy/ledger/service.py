@@ -20,11 +20,12 @@ import calendar
 import csv
 import io
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
-from datetime import datetime, timezone
-from typing import Any, Iterable
+from datetime import UTC, datetime
+from typing import Any
 
-from proxy.ledger.base import USAGE_GROUPS, UNSET, KeyRecord, Ledger, UnknownKey, UsageRecord, UsageTotals
+from proxy.ledger.base import UNSET, USAGE_GROUPS, KeyRecord, Ledger, UnknownKey, UsageRecord, UsageTotals
 from proxy.ledger.usage import MAX_AMOUNT
 
 # The fields a key's limits are set with (create and update take them all).
@@ -54,7 +55,7 @@ def parse_time(value: Any, what: str) -> float | None:
                 raise ValueError(f"{what} must be Unix seconds or ISO 8601 (e.g. 2026-12-01T10:00:00Z), "
                                  f"not {text[:40]!r}") from None
             if parsed.tzinfo is None:
-                parsed = parsed.replace(tzinfo=timezone.utc)
+                parsed = parsed.replace(tzinfo=UTC)
             seconds = parsed.timestamp()
     if not 0 <= seconds < 1e11:
         raise ValueError(f"{what} is out of range")
@@ -64,7 +65,7 @@ def parse_time(value: Any, what: str) -> float | None:
 def iso(seconds: float | None) -> str | None:
     if seconds is None:
         return None
-    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def period_starts(now: float | None = None) -> tuple[float, float]:

@@ -35,9 +35,10 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any
 
 from proxy.ledger.base import UsageRecord
 

@@ -30,14 +30,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import secrets
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from proxy.ledger.base import (
-    UNSET,
     USAGE_RECORD_COLUMNS,
     DuplicateRequest,
     Hold,
@@ -48,28 +47,24 @@ from proxy.ledger.base import (
     UnknownKey,
     UsageRecord,
 )
+from proxy.ledger.commit_rules import checked_rows, lease_row_changes, note_debits
 from proxy.ledger.schema import (
-    KEY_COLUMNS as _KEY_COLUMNS,
-    _check_usage_values,
     _DEBIT_KEY,
-    _int,
-    _key_record,
-    _models_json,
-    _opt_limit,
-    _record_usage,
     _REDUCE_AND_RENEW_LEASE,
     _REDUCE_LEASE,
+    KEY_COLUMNS as _KEY_COLUMNS,
+    _check_usage_values,
+    _int,
+    _key_record,
+    _record_usage,
     _usage_record,
+    apply_schema,
     hash_secret,
     roll_up,
-    new_secret,
-    apply_schema,
 )
-from proxy.ledger.commit_rules import checked_rows, lease_row_changes, note_debits
-from proxy.ledger.usage import MAX_AMOUNT
-from proxy.ledger.writer import Durability, GroupWriter
 from proxy.ledger.sqlite_console import ConsoleOps
 from proxy.ledger.sqlite_keys import KeyOps
+from proxy.ledger.writer import Durability, GroupWriter
 
 READ, HOLD, SYNC, LINGER = Durability.READ, Durability.HOLD, Durability.SYNC, Durability.LINGER
 
@@ -200,12 +195,12 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
     def _hold_op(
         self, request_id: str, key_id: str, low: int, high: int, ttl: float,
         lease_return: tuple[str, int] | None = None,
-    ) -> Callable[[sqlite3.Connection], Hold]:
+    ) -> Callable[[sqlite3.Connection], Hold | LedgerError]:
         """Hold min(available, high) if available >= low: check and insert in one
         transaction under the write lock (BEGIN IMMEDIATE), so nothing can interleave.
         With a lease_return the refusals are returned, not raised, so the give-back commits."""
 
-        def op(conn: sqlite3.Connection) -> Hold:
+        def op(conn: sqlite3.Connection) -> Hold | LedgerError:
             if lease_return is not None:
                 conn.execute(
                     "UPDATE holds SET amount_micros = MAX(0, amount_micros - ?) WHERE request_id = ?",
@@ -370,7 +365,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         the lease ids whose row had expired or vanished)."""
         # Validated here, on the event loop, into ready-made usage rows (debited = cost),
         # so that the writer thread only looks up the balances and inserts.
-        rows = checked_rows(usages)
+        rows: list[Any] = checked_rows(usages)  # as _record_usage takes them
         lease_ids = [lease_id for lease_id, _ in usages]
 
         def op(conn: sqlite3.Connection) -> tuple[list, set[str]]:

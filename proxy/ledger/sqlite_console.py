@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 from proxy.ledger.base import USAGE_GROUPS, USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
 from proxy.ledger.rollup import check_group_by, merge_totals, split_totals
@@ -78,6 +79,9 @@ def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], table: str, 
 class ConsoleOps:
     """The console's ledger operations over the writer; mixed into SQLiteLedger."""
 
+    # SQLiteLedger's, which mixes this in (declared for the type checker: no value here)
+    _run: Callable[..., Awaitable[Any]]
+
     async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
         text = json.dumps(details, sort_keys=True, default=str)
 
@@ -87,7 +91,7 @@ class ConsoleOps:
                 "INSERT INTO audit (created_at, actor, action, key_id, details) VALUES (?, ?, ?, ?, ?)",
                 (now, str(actor), str(action), key_id, text),
             )
-            return AuditEntry(cur.lastrowid, now, str(actor), str(action), key_id, json.loads(text))
+            return AuditEntry(cast(int, cur.lastrowid), now, str(actor), str(action), key_id, json.loads(text))
 
         return await self._run(op)
 

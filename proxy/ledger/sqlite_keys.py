@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 from proxy.ledger.base import UNSET, KeyRecord, LedgerError, UnknownKey
 from proxy.ledger.key_rules import limit_changes, new_key, topped_up
@@ -24,6 +25,9 @@ class KeyOps:
     """Key management over the writer; mixed into SQLiteLedger."""
 
     key_generation: int
+    # SQLiteLedger's, which mixes this in (declared for the type checker: no value here)
+    _run: Callable[..., Awaitable[Any]]
+    _get_key: Callable[[sqlite3.Connection, str], KeyRecord | None]
 
     async def create_key(
         self,
@@ -56,7 +60,7 @@ class KeyOps:
                 conn.execute(
                     "INSERT INTO topups (key_id, micros, created_at) VALUES (?, ?, ?)", (key_id, balance, now)
                 )
-            return self._get_key(conn, key_id)
+            return cast(KeyRecord, self._get_key(conn, key_id))  # written just above
 
         return key.secret, await self._run(op)
 
@@ -139,8 +143,9 @@ class KeyOps:
                 raise UnknownKey(key_id)
             if row[0]:
                 raise LedgerError(f"key {key_id!r} is revoked: create a new key instead")
-            conn.execute("UPDATE keys SET secret_sha256 = ?, prefix = ? WHERE key_id = ?", (digest, secret[:12], key_id))
-            return self._get_key(conn, key_id)
+            conn.execute("UPDATE keys SET secret_sha256 = ?, prefix = ? WHERE key_id = ?",
+                         (digest, secret[:12], key_id))
+            return cast(KeyRecord, self._get_key(conn, key_id))  # written just above
 
         try:
             return secret, await self._run(op)

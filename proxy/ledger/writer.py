@@ -63,9 +63,10 @@ import sqlite3
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from proxy.ledger.base import LedgerError
 
@@ -107,7 +108,7 @@ class _Op:
 _STOP = object()
 
 
-def _resolve_all(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+def _resolve_all(items: Sequence[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
     for future, result, exc in items:
         if future.done():  # cancelled by the caller meanwhile
             continue
@@ -123,7 +124,7 @@ class GroupWriter:
     def __init__(
         self,
         path: str,
-        schema: "str | Callable[[sqlite3.Connection], None]",
+        schema: str | Callable[[sqlite3.Connection], None],
         *,
         synchronous: str = "FULL",
         hold_synchronous: str = "NORMAL",

@@ -39,8 +39,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+from collections.abc import AsyncIterator, Callable
 from itertools import count
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -131,7 +132,7 @@ class RedisCounter:
             base = f"{self.prefix}key:{ask.key_id}:"
             tokens_key = base + "tpm"
             keys += [base + "conc", base + "rate", tokens_key]
-        args = [slot, self.ttl_ms, ask.global_limit or 0, ask.key_limit or 0,
+        args: list[str | int] = [slot, self.ttl_ms, ask.global_limit or 0, ask.key_limit or 0,
                 ask.rate_per_min or 0, ask.tokens_per_min or 0]
         try:
             code, wait_ms = await self.admit_script(keys=keys, args=args)
@@ -192,7 +193,7 @@ class RedisCounter:
         tpm = ticket.tokens_per_min or 0
         if tpm and ticket.tokens_key is not None and len(keys) > 1:
             keys.append(ticket.tokens_key)
-        args = [ticket.slot, tpm, -1 if used_tokens is None else used_tokens]
+        args: list[str | int] = [ticket.slot, tpm, -1 if used_tokens is None else used_tokens]
         try:
             await self.release_script(keys=keys, args=args)
         except ERRORS as exc:
@@ -251,7 +252,7 @@ class RedisCounter:
                 await asyncio.sleep(PROBE_S)
 
     @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator["RedisCounter"]:
+    async def running(self) -> AsyncIterator[RedisCounter]:
         """The heartbeat runs inside; the doubtful slots are forgotten (one try) and the
         client closed after."""
         beat = asyncio.get_running_loop().create_task(self._heartbeat())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from itertools import repeat
 from typing import Any
 
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 
 __all__ = [
     "HOSTED_TOOL_TYPES",

@@ -24,15 +24,33 @@ and nothing past the cap is shown or billed. Nothing else enforces it.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import orjson
 
-from proxy.protocol.deltas import (End, Finish, Invalid, OutputToken, Reasoning, Text, TextRun, ToolCallFragment,
-                                   UpstreamError, Usage)
+from proxy.protocol.deltas import (
+    End,
+    Finish,
+    Invalid,
+    OutputToken,
+    Reasoning,
+    Text,
+    TextRun,
+    ToolCallFragment,
+    UpstreamError,
+    Usage,
+)
 from proxy.protocol.encoder import ARGUMENTS_DELTA, REASONING_DELTA, TEXT_DELTA
-from proxy.protocol.response import (ERROR_CODES, ResponseContext, base_response, client_usage, counted_usage,
-                                     map_usage, public_message)
+from proxy.protocol.response import (
+    ERROR_CODES,
+    ResponseContext,
+    base_response,
+    client_usage,
+    counted_usage,
+    map_usage,
+    public_message,
+)
 
 __all__ = ["Assembler"]
 
@@ -439,7 +457,8 @@ class Assembler:
 
 # Event class -> its handler (plain functions: bound methods kept on the instance would make
 # every assembler a reference cycle, alive until the cyclic GC).
-_ON = {Text: Assembler._text, OutputToken: Assembler._token, Reasoning: Assembler._reasoning_delta,
-       ToolCallFragment: Assembler._tool_fragment, TextRun: Assembler._text_run, Usage: Assembler._usage,
-       Finish: Assembler._finish, End: Assembler._end, Invalid: Assembler._invalid,
-       UpstreamError: Assembler._upstream_error}
+_ON: dict[type, Callable[[Assembler, Any], None]] = {
+    Text: Assembler._text, OutputToken: Assembler._token, Reasoning: Assembler._reasoning_delta,
+    ToolCallFragment: Assembler._tool_fragment, TextRun: Assembler._text_run, Usage: Assembler._usage,
+    Finish: Assembler._finish, End: Assembler._end, Invalid: Assembler._invalid,
+    UpstreamError: Assembler._upstream_error}

@@ -32,7 +32,8 @@ def anthropic_usage(u: Any) -> dict:
     """Anthropic usage -> Responses usage (input includes the cache reads and writes)."""
     if not isinstance(u, dict):
         return map_usage({})
-    inp, read, made = u.get("input_tokens"), u.get("cache_read_input_tokens") or 0, u.get("cache_creation_input_tokens") or 0
+    inp: Any = u.get("input_tokens")  # unchecked until the line below
+    read, made = u.get("cache_read_input_tokens") or 0, u.get("cache_creation_input_tokens") or 0
     if all(type(v) is int and v >= 0 for v in (inp, read, made)):
         total = inp + read + made
     else:

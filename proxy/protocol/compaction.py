@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from proxy.http.errors import bad_request
+from proxy.errors import bad_request
 from proxy.protocol.ids import random_bits
 
 # Sealed text of a compaction starts with this, so a reasoning ciphertext cannot pose as one.

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from proxy.http.errors import default_code
+from proxy.errors import default_code
 from proxy.protocol.compaction import without_trigger
 
 # HTTP/SSE transport fields the spec forbids in a WebSocket `response.create`. A value that

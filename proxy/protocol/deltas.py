@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from itertools import repeat
 from operator import and_, itemgetter
-from typing import Any, Union
+from typing import Any
 
 import orjson
 
@@ -99,7 +99,7 @@ class End:
 OUTPUT_TOKEN = OutputToken()
 END = End()
 
-Delta = Union[Text, Reasoning, ToolCallFragment, Finish, Usage, UpstreamError, Invalid, TextRun, OutputToken, End]
+Delta = Text | Reasoning | ToolCallFragment | Finish | Usage | UpstreamError | Invalid | TextRun | OutputToken | End
 
 _DONE = b"[DONE]"
 _RUN_MIN = 4  # payloads in a read before runs of text chunks are looked for
@@ -188,7 +188,8 @@ class ChunkParser:
         or to a payload that taught another shape (SGLang's first text chunk also carries the
         role, later ones do not): -> where it stopped."""
         head, tail = self._head, self._tail
-        hl, tl = len(head), len(tail)  # type: ignore[arg-type]
+        assert head is not None  # runs start only once a text chunk's shape is learned
+        hl, tl = len(head), len(tail)
         flags = list(map(and_, map(bytes.startswith, payloads, repeat(head)),
                          map(bytes.endswith, payloads, repeat(tail))))
         flags.append(False)  # the end: every run stops there
@@ -276,7 +277,7 @@ def delta_events(delta: Any, out: list[Delta]) -> None:
         for tc in tcs:
             if tc.__class__ is dict:
                 fragment = _fragment(tc)
-                if fragment.__class__ is str:
+                if isinstance(fragment, str):
                     out.append(Invalid(f"upstream sent an invalid tool call ({fragment})"))
                     return
                 calls.append(fragment)

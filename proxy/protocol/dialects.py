@@ -35,8 +35,9 @@ def messages_for(messages: list, dialect: str) -> list:
     out = []
     for m in messages:
         if isinstance(m, dict) and NEUTRAL_REASONING in m:
-            m = {(field if k == NEUTRAL_REASONING else k): v for k, v in m.items()}
-        out.append(m)
+            out.append({(field if k == NEUTRAL_REASONING else k): v for k, v in m.items()})
+        else:
+            out.append(m)
     return out
 
 
@@ -51,6 +52,7 @@ def chat_for(chat: dict[str, Any], dialect: str, thinking_switch: str = NEUTRAL_
     out = dict(chat)
     out["messages"] = adapted
     if switch_moves:
+        assert isinstance(kwargs, dict)  # switch_moves says so
         kwargs = {k: v for k, v in kwargs.items() if k != NEUTRAL_SWITCH}
         if thinking_switch != "none":
             kwargs[thinking_switch] = chat["chat_template_kwargs"][NEUTRAL_SWITCH]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import repeat
+from typing import ClassVar
 
 import orjson
 
@@ -48,9 +49,9 @@ class SSEEncoder:
     __slots__ = ("seq", "_out", "_templates")
     # What an event starts with (by type, shared by every stream), the fields of each delta
     # event around its text, what ends an event, and what ends the stream.
-    _HEADS: dict[str, bytes] = {}
+    _HEADS: ClassVar[dict[str, bytes]] = {}
     _HEAD = staticmethod(_head)
-    _DELTA_FIELDS = _DELTA_FIELDS
+    _DELTA_FIELDS: ClassVar[dict[str, tuple[bytes, bytes]]] = _DELTA_FIELDS
     _END = b"\n\n"
     _DONE = b"data: [DONE]\n\n"
 
@@ -119,9 +120,10 @@ class JSONLinesEncoder(SSEEncoder):
     changed in place)."""
 
     __slots__ = ("_on_event",)
-    _HEADS: dict[str, bytes] = {}
+    _HEADS: ClassVar[dict[str, bytes]] = {}
     _HEAD = staticmethod(lambda event_type: b'{"type":%s,"sequence_number":' % orjson.dumps(event_type))
-    _DELTA_FIELDS = {name: (mid, tail[:-2] + b"\n") for name, (mid, tail) in _DELTA_FIELDS.items()}
+    _DELTA_FIELDS: ClassVar[dict[str, tuple[bytes, bytes]]] = {
+        name: (mid, tail[:-2] + b"\n") for name, (mid, tail) in _DELTA_FIELDS.items()}
     _END = b"\n"
     _DONE = b""
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from proxy.http.errors import bad_request
+from proxy.errors import bad_request
 from proxy.protocol.prompt import prompt_bytes
 from proxy.protocol.translate_options import is_int
 from proxy.upstream.models import resolve_model
@@ -59,8 +59,8 @@ class Passthrough(NamedTuple):
     # The fields of a Translation no pass-through family has (read by shared code with getattr or not at all).
     prompt_cache_key: str | None = None
     conversation: str | None = None
-    echo: dict = {}
-    tools: dict = {}
+    echo: dict = {}  # noqa: RUF012 - never written: the empty value shared code reads
+    tools: dict = {}  # noqa: RUF012 - never written, as echo
     include_encrypted_reasoning: bool = False
     allowed_tools: frozenset[str] | None = None
     compaction: Any = None
@@ -69,7 +69,7 @@ class Passthrough(NamedTuple):
     def path(self) -> str:
         return UPSTREAM_PATHS[self.family]
 
-    def _with(self, body: dict, chat: dict, max_output_tokens: int | None, reserved: int | None) -> "Passthrough":
+    def _with(self, body: dict, chat: dict, max_output_tokens: int | None, reserved: int | None) -> Passthrough:
         return self._replace(body=body, chat=chat, max_output_tokens=max_output_tokens, reserved_output=reserved)
 
     def _capped_body(self, cap: int) -> dict:
@@ -79,7 +79,7 @@ class Passthrough(NamedTuple):
                 body[name] = cap
         return body
 
-    def with_cap(self, cap: int, *, lowered: bool = True) -> "Passthrough":
+    def with_cap(self, cap: int, *, lowered: bool = True) -> Passthrough:
         """As Translation.with_cap: `cap` is the most output billed; lowered: also sent upstream."""
         if not is_int(cap) or cap < 1:
             raise ValueError(f"output cap must be a positive integer, got {cap!r}")
@@ -87,7 +87,7 @@ class Passthrough(NamedTuple):
             return self._with(self.body, self.chat, self.max_output_tokens, cap)
         return self._with(self._capped_body(cap), {**self.chat, "max_tokens": cap}, cap, cap)
 
-    def with_max_tokens(self, max_tokens: int) -> "Passthrough":
+    def with_max_tokens(self, max_tokens: int) -> Passthrough:
         """The context check's clamp: sent upstream; the reserved cap stays."""
         if not self.cap_fields:
             return self
@@ -198,9 +198,10 @@ def build(family: str, body: dict, served: Any) -> Passthrough:
         if not isinstance(messages, list) or not messages:
             raise bad_request("'messages' must be a non-empty list.", param="messages")
         _one_choice(body)
-        cap_fields = ("max_completion_tokens", "max_tokens") if "max_completion_tokens" in body else ("max_tokens",)
+        cap_fields: tuple[str, ...] = (
+            ("max_completion_tokens", "max_tokens") if "max_completion_tokens" in body else ("max_tokens",))
         cap = _cap(body, ("max_tokens", "max_completion_tokens"))
-        view = {"messages": messages, "tools": body.get("tools")}
+        view: dict[str, Any] = {"messages": messages, "tools": body.get("tools")}
     elif family == "completions":
         if body.get("echo"):
             raise bad_request("'echo' is not supported through this proxy.", param="echo")

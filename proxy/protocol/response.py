@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from proxy.protocol.ids import random_bytes
 
@@ -36,7 +37,7 @@ class ResponseContext:
     model: str  # as sent
     created_at: int
     echo: dict = field(default_factory=dict)  # from Translation.echo
-    tools: dict[str, "ToolOrigin"] = field(default_factory=dict)  # upstream name -> origin
+    tools: dict[str, ToolOrigin] = field(default_factory=dict)  # upstream name -> origin
     ai_markers: bool = True
     ai_notice: str = "[AI-generated content]"
     reasoning_items: bool = True

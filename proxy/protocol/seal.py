@@ -21,10 +21,7 @@ import struct
 import time
 from typing import Any
 
-from aiohttp import web
-
 from proxy.config.load import ConfigError
-from proxy.state import SEALER
 
 PREFIX = "rp2"  # rp1 tokens carried no binding: they no longer open
 ANONYMOUS = "anonymous"  # the binding of requests no auth middleware identified
@@ -124,9 +121,3 @@ def sealer_from_config(section: dict[str, Any]) -> Sealer | None:
         raise ConfigError(f"reasoning_seal.ttl_s must be a positive number of seconds, not {ttl!r}")
     active = section.get("active") or next(iter(keys))
     return Sealer(keys, str(active), float(ttl))
-
-
-def install_sealer(app: web.Application, section: dict[str, Any]) -> None:
-    sealer = sealer_from_config(section)
-    if sealer is not None:
-        app[SEALER] = sealer

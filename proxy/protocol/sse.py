@@ -88,7 +88,7 @@ class SSEDecoder:
             lines.pop()
         elif tail == b"\r":
             self._skip_lf = True
-        out: list[bytes] = []
+        out = []
         for line in lines:
             self._line(line.rstrip(b"\r\n"), out)
         if len(self._buf) + self._data_len > self.max_line:

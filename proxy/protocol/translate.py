@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from proxy.http.errors import APIError, bad_request
+from proxy.errors import APIError, bad_request
 from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, check_stateless
 from proxy.protocol.compaction import SummaryAsk, summary_chat, take_trigger
 from proxy.protocol.prompt import prompt_bytes
@@ -22,8 +22,8 @@ from proxy.protocol.translate_input import HOSTED_ITEM_TYPES, NO_SEAL_KEY, UNSEA
 from proxy.protocol.translate_options import (
     KNOWN_FIELDS,
     NO_SEAL_INCLUDE,
-    STORE_NOTICE,
     REASONING_EFFORTS,
+    STORE_NOTICE,
     TranslateOptions,
     chat_body,
     echo_fields,
@@ -84,7 +84,7 @@ class Translation(NamedTuple):
     # chat is then the summary's (non-stream), answered by proxy.http.compaction_trigger.
     compaction: SummaryAsk | None = None
 
-    def with_cap(self, cap: int, *, lowered: bool = True) -> "Translation":
+    def with_cap(self, cap: int, *, lowered: bool = True) -> Translation:
         """This request with its output held to `cap` tokens (reserved_output). lowered: the cap
         is also sent upstream as max_tokens and echoed as max_output_tokens (the balance lowered
         the client's cap to what it covers); else it is only the bound the hold was sized for."""
@@ -94,14 +94,14 @@ class Translation(NamedTuple):
             return self._copy(self.chat, self.echo, self.max_output_tokens, cap)
         return self._copy({**self.chat, "max_tokens": cap}, {**self.echo, "max_output_tokens": cap}, cap, cap)
 
-    def with_max_tokens(self, max_tokens: int) -> "Translation":
+    def with_max_tokens(self, max_tokens: int) -> Translation:
         """This request with `max_tokens` sent upstream (the context check lowers it to the room
         the model's window leaves); the echo and the reserved cap stay as they are."""
         return self._copy({**self.chat, "max_tokens": max_tokens}, self.echo, self.max_output_tokens,
                           self.reserved_output)
 
     def _copy(self, chat: dict, echo: dict, max_output_tokens: int | None,
-              reserved_output: int | None) -> "Translation":
+              reserved_output: int | None) -> Translation:
         # Every field by position (_replace() builds keyword arguments and walks the fields).
         return Translation(chat, self.model, self.upstream_model, self.stream, self.tools, echo, self.notices,
                            self.include_encrypted_reasoning, self.prompt_cache_key, self.conversation,

@@ -4,11 +4,12 @@ with TranslateOptions.unseal."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import orjson
 
-from proxy.http.errors import bad_request
+from proxy.errors import bad_request
 from proxy.policy.rules import item_reference_refusal
 from proxy.protocol.compaction import compaction_message, is_sealed_here
 from proxy.protocol.translate_options import REASONING_EFFORTS, TranslateOptions, add_notice, show
@@ -73,7 +74,7 @@ def _image_part(part: dict, param: str) -> dict:
             )
         raise bad_request("Missing required parameter: 'image_url'.", param=f"{param}.image_url")
     if not isinstance(url, str) or not (
-        url.startswith("https://") or url.startswith("http://") or url.startswith("data:")
+        url.startswith(("https://", "http://", "data:"))
     ):
         raise bad_request("Invalid 'image_url': expected an http(s) URL or a data URI.", param=f"{param}.image_url")
     img: dict[str, Any] = {"url": url}
@@ -184,7 +185,8 @@ def _reasoning_text(item: dict, param: str, options: TranslateOptions, notices: 
     plain = "\n\n".join(content_texts or summary_texts) or None
     sealed = item.get("encrypted_content")
     if sealed is not None and not isinstance(sealed, str):
-        raise bad_request("Invalid type for 'encrypted_content': expected a string.", param=f"{param}.encrypted_content")
+        raise bad_request("Invalid type for 'encrypted_content': expected a string.",
+                          param=f"{param}.encrypted_content")
     if sealed and options.unseal is not None:
         failed = UNSEAL_FAILED
         try:
@@ -230,7 +232,7 @@ class _Turn:
         self.calls = []
 
 
-def _message_item(item: dict, param: str, systems: list[str], messages: list[dict], turn: "_Turn") -> None:
+def _message_item(item: dict, param: str, systems: list[str], messages: list[dict], turn: _Turn) -> None:
     """A message input item: system/developer text joins `systems`, a user message starts a
     turn, assistant text joins the current turn."""
     role = item.get("role")

@@ -4,10 +4,11 @@ translation shares. Pure: no I/O."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
-from proxy.http.errors import bad_request
+from proxy.errors import bad_request
 
 REASONING_EFFORTS: frozenset[str] = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
 
@@ -196,7 +197,7 @@ def scalars(body: dict, options: TranslateOptions, notices: list[str]) -> Scalar
     include = body.get("include")
     if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
         raise bad_request("Invalid type for 'include': expected an array of strings.", param="include")
-    include_encrypted = bool(include) and "reasoning.encrypted_content" in include
+    include_encrypted = include is not None and "reasoning.encrypted_content" in include
     if include_encrypted and options.unseal is None:  # no seal key: nothing to seal with
         notices.append(NO_SEAL_INCLUDE)
     return Scalars(instructions, stream, temperature, top_p, presence_penalty, frequency_penalty, max_out,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.http.errors import bad_request
+from proxy.errors import bad_request
 from proxy.policy.rules import hosted_tools_notice, leave_out
 from proxy.protocol.translate_options import show
 
@@ -119,9 +119,9 @@ def _register(acc: _Tools, upstream: str, origin: ToolOrigin, chat_tool: dict, p
 _LEAF_TOOLS = ("function", "custom")
 
 
-def _leaf_tool(acc: "_Tools", tool: dict, param: str, namespace: str | None) -> dict:
+def _leaf_tool(acc: _Tools, tool: dict, param: str, namespace: str | None) -> dict:
     """Register one function or custom tool (top level or inside a namespace); -> its echo."""
-    kind = tool.get("type")
+    kind = tool["type"]  # one of _LEAF_TOOLS: the caller checked
     build = _function_tool if kind == "function" else _custom_tool
     up, chat_tool, echo = build(tool, param, namespace)
     _register(acc, up, ToolOrigin(kind, tool["name"], namespace), chat_tool, param)

@@ -17,7 +17,7 @@ with serve --workers N every process reports the same shared figures.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client.core import GaugeMetricFamily
 
@@ -70,5 +70,5 @@ class KeyMetrics:
         for name, doc, column in families:
             family = GaugeMetricFamily(name, doc, labels=("key_id", "name"))
             for row in self._rows:
-                family.add_metric((row[0], row[1]), row[column])
+                family.add_metric((row[0], row[1]), cast(int, row[column]))  # one of the three sums
             yield family

@@ -29,12 +29,13 @@ import logging
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 import orjson
 import structlog
 
-_UTC = datetime.timezone.utc
+_UTC = datetime.UTC
 _ORJSON_OPTS = orjson.OPT_NON_STR_KEYS
 
 
@@ -46,7 +47,7 @@ def _dumps(obj: Any, default: Callable[[Any], Any] | None = None, **_: Any) -> s
         return json.dumps(obj, default=default)
 
 
-_second = [-1, ""]  # the last whole second formatted: [epoch second, "YYYY-MM-DDTHH:MM:SS"]
+_second: list[Any] = [-1, ""]  # the last whole second formatted: [epoch second, "YYYY-MM-DDTHH:MM:SS"]
 
 
 def _timestamp() -> str:
@@ -62,7 +63,7 @@ def _timestamp() -> str:
     return f"{_second[1]}.{micros:06d}Z" if micros else _second[1] + "Z"
 
 
-def _exception_fields(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+def _exception_fields(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """exc_info (True: the exception being handled; an exception; a sys.exc_info() tuple) as
     exc_type, exc_message and exc_traceback, for the JSON renderer (it would write
     `"exc_info": true`)."""

@@ -26,21 +26,21 @@ import contextlib
 import os
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from functools import partial
 from itertools import accumulate
-from typing import Any, Callable
+from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client import metrics as prometheus_metrics
+from prometheus_client import CollectorRegistry, generate_latest, metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
-from proxy.upstream import affinity
-from proxy.upstream.workers import WorkerPool
 from proxy import state
 from proxy.state import METRICS, RequestContext
+from proxy.upstream import affinity
+from proxy.upstream.workers import WorkerPool
 
 PREFIX = "responses_proxy"
 # The endpoints whose requests generate (and count toward the token totals).
@@ -147,8 +147,8 @@ class _Shared:
             file = self.files.get(prefix)
             if file is None:
                 file = self.files[prefix] = MmapedDict(os.path.join(self.path, f"{prefix}_{self.pid}.db"))
-            found = self.slots[(sample, labelvalues, mode)] = (file, mmap_key(metric, sample, labelnames,
-                                                                              labelvalues, help))
+            found = self.slots[(sample, labelvalues, mode)] = (file, mmap_key(
+                metric, sample, labelnames, labelvalues, help))  # type: ignore[arg-type]  # it zips them: tuples do
         return found
 
     def write(self, slot: tuple[Any, str], value: float) -> None:
@@ -313,7 +313,7 @@ class _MergedCollector:
     """Multiprocess mode: every process's files merged, the cached-token ratio computed from
     the merged counters, this process's holds gauge; in a stable order."""
 
-    def __init__(self, metrics: "Metrics", path: str) -> None:
+    def __init__(self, metrics: Metrics, path: str) -> None:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         self.metrics = metrics
@@ -344,7 +344,7 @@ class _MergedCollector:
 class _RequestCollector:
     """Exposes the request metrics kept in plain Python by Metrics, when scraped."""
 
-    def __init__(self, metrics: "Metrics") -> None:
+    def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
     def describe(self):  # no describe-time collect

@@ -38,7 +38,8 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from proxy.config.load import Config
 
@@ -162,7 +163,7 @@ def _run_children(config: Config, host: str, port: int, workers: int, serve_one:
             code = 1
             try:
                 code = serve_one(config, host, port, reuse_port=True, announce=False)
-            except BaseException as exc:  # noqa: BLE001 - report and leave with a code, never return into the parent's code
+            except BaseException as exc:  # report and leave with a code, never return into the parent's code
                 if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     print(f"responses-proxy worker {index}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             finally:

@@ -254,6 +254,7 @@ class Chat:
             elif d.kind == "content":
                 delta = {"content": d.text}
             elif d.kind == "call":
+                assert d.call is not None  # a "call" delta carries its call
                 delta = {"content": None, "tool_calls": [{"id": d.call.id, "type": "function", "index": d.index,
                                                           "function": {"name": d.call.name}}]}
             else:
@@ -311,6 +312,7 @@ class Chat:
             if d.kind == "args":
                 continue
             if d.kind == "call":
+                assert d.call is not None
                 call = calls[d.call.id]
                 used += sum(x.tokens for x in g.deltas if x.kind == "args" and x.index == d.index)
                 tc = [{"id": call.id, "index": d.index, "type": "function",

@@ -112,6 +112,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body, err = await _body(request)
     if err is not None:
         return err
+    assert body is not None  # _body gives one or the other
     st = request.app[SIM_STATE]
     prompt = body.get("prompt")
     text = prompt if isinstance(prompt, str) else json.dumps(prompt)
@@ -123,7 +124,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens = body.get("max_tokens", 16)
     pieces, finish, n = _pieces(script, body, text, max_tokens)
     cid, created, model = "cmpl-" + secrets.token_hex(8), int(time.time()), body.get("model") or st.models[0]
-    usage = _override(script, {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n})
+    usage = _override(script, {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n,
+                               "completion_tokens": n})
     if not body.get("stream"):
         return web.json_response({"id": cid, "object": "text_completion", "created": created, "model": model,
                                   "choices": [{"index": 0, "text": "".join(pieces), "logprobs": None,
@@ -151,6 +153,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     body, err = await _body(request)
     if err is not None:
         return err
+    assert body is not None  # _body gives one or the other
     st = request.app[SIM_STATE]
     raw = body.get("input")
     inputs = [raw] if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)) else raw
@@ -175,7 +178,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
 # --------------------------------------------------------------------------- /v1/messages
 
 def _anthropic_prompt(body: dict) -> tuple[str, list]:
-    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    messages = body["messages"] if isinstance(body.get("messages"), list) else []
     system = body.get("system")
     parts = [system if isinstance(system, str) else json.dumps(system)] if system else []
     for m in messages:
@@ -194,6 +197,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body, err = await _body(request)
     if err is not None:
         return err
+    assert body is not None  # _body gives one or the other
     st = request.app[SIM_STATE]
     if not isinstance(body.get("max_tokens"), int):
         return _anthropic_error(400, "max_tokens: Field required")
@@ -248,6 +252,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     body, err = await _body(request)
     if err is not None:
         return err
+    assert body is not None  # _body gives one or the other
     text, _ = _anthropic_prompt(body)
     n = len(tokenize(text)) + 4 * len(body.get("messages") or [])
     return web.json_response({"input_tokens": n, "context_management": {"original_input_tokens": n}})

@@ -195,8 +195,8 @@ def example_value(schema: Any, depth: int = 0) -> Any:
         return None
     if t == "array":
         return []
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    props = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
+    required = schema["required"] if isinstance(schema.get("required"), list) else []
     return {k: example_value(props.get(k), depth + 1) for k in required if isinstance(k, str)}
 
 
@@ -204,7 +204,7 @@ def _function_tools(tools: Any) -> list[dict]:
     out = []
     for t in tools if isinstance(tools, list) else []:
         if isinstance(t, dict):
-            fn = t.get("function") if isinstance(t.get("function"), dict) else t
+            fn = t["function"] if isinstance(t.get("function"), dict) else t
             if isinstance(fn.get("name"), str):
                 out.append(fn)
     return out
@@ -333,10 +333,11 @@ def generate(plan: Plan, max_tokens: int | None, chunk_chars: int | None = None)
     total = sum(d.tokens for d in wanted)
     deltas, used = [], 0
     cut = max_tokens is not None and total >= max_tokens
+    limit = max_tokens or 0  # read only when cut
     for d in wanted:
-        if cut and used + d.tokens > max_tokens:
+        if cut and used + d.tokens > limit:
             break
-        if cut and d.tokens == 0 and used >= max_tokens:
+        if cut and d.tokens == 0 and used >= limit:
             break
         deltas.append(d)
         used += d.tokens

@@ -401,7 +401,7 @@ class Simulator:
             await self._runner.cleanup()
             self._runner = None
 
-    async def __aenter__(self) -> "Simulator":
+    async def __aenter__(self) -> Simulator:
         await self.start()
         return self
 

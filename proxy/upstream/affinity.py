@@ -29,8 +29,9 @@ import math
 import zlib
 from bisect import bisect_left
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
@@ -49,7 +50,7 @@ class AffinitySettings:
     hash_messages: bool = True  # no prompt_cache_key / conversation: key on system + first user message
 
     @classmethod
-    def from_section(cls, section: Any) -> "AffinitySettings":
+    def from_section(cls, section: Any) -> AffinitySettings:
         """config.yaml `routing.affinity`, validated (a bad value stops start-up)."""
         from proxy.config.load import ConfigError
 
@@ -139,14 +140,14 @@ class Ring:
 
     __slots__ = ("workers", "points", "owners")
 
-    def __init__(self, workers: list["Worker"], vnodes: int) -> None:
+    def __init__(self, workers: list[Worker], vnodes: int) -> None:
         self.workers = workers  # held: the ids in the cache signature stay valid
         pairs = sorted((_h64(f"{w.name}\x00{i}".encode()), idx) for idx, w in enumerate(workers)
                        for i in range(vnodes))
         self.points = [p for p, _ in pairs]
         self.owners = [idx for _, idx in pairs]
 
-    def walk(self, point: int) -> Iterator["Worker"]:
+    def walk(self, point: int) -> Iterator[Worker]:
         """Distinct workers in ring order, starting at the key's point."""
         points, owners, workers = self.points, self.owners, self.workers
         n = len(points)
@@ -162,7 +163,7 @@ class Ring:
                 if len(seen) == len(workers):
                     return
 
-    def owner(self, point: int) -> "Worker | None":
+    def owner(self, point: int) -> Worker | None:
         if not self.points:
             return None
         i = bisect_left(self.points, point) % len(self.points)
@@ -177,7 +178,7 @@ class AffinityState:
         self.ring_builds = 0
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (result, reason) -> count
 
-    def ring(self, workers: list["Worker"], vnodes: int) -> Ring:
+    def ring(self, workers: list[Worker], vnodes: int) -> Ring:
         signature = (vnodes, *map(id, workers))
         ring = self.rings.get(signature)
         if ring is None:
@@ -191,14 +192,14 @@ class AffinityState:
         return ring
 
 
-def state(pool: "WorkerPool") -> AffinityState:
+def state(pool: WorkerPool) -> AffinityState:
     st = pool.affinity_state
     if st is None:
         st = pool.affinity_state = AffinityState()
     return st
 
 
-def _bounds(workers: list["Worker"], epsilon: float) -> dict[int, int]:
+def _bounds(workers: list[Worker], epsilon: float) -> dict[int, int]:
     """ceil((1 + epsilon) * average load), this request included, per worker (capacity-weighted)."""
     total = sum(w.in_flight for w in workers) + 1
     capacity = sum(max(w.capacity, 1) for w in workers)
@@ -208,8 +209,8 @@ def _bounds(workers: list["Worker"], epsilon: float) -> dict[int, int]:
 _NOTHING: frozenset[int] = frozenset()
 
 
-def pick(pool: "WorkerPool", key: AffinityKey, serving: list["Worker"], eligible: list["Worker"],
-         excluded: set[int] | frozenset[int], need_capacity: bool) -> "Worker | None":
+def pick(pool: WorkerPool, key: AffinityKey, serving: list[Worker], eligible: list[Worker],
+         excluded: set[int] | frozenset[int], need_capacity: bool) -> Worker | None:
     """The first worker on the ring of `eligible` from the key's point that is not excluded,
     has room and is under the load bound; counts a hit when it is the key's primary owner
     (the owner on the ring of every worker serving the model). None: no worker can take it."""
@@ -218,7 +219,7 @@ def pick(pool: "WorkerPool", key: AffinityKey, serving: list["Worker"], eligible
                  need_capacity)
 
 
-def pick_on_route(pool: "WorkerPool", key: AffinityKey, route: "Route", need_capacity: bool) -> "Worker | None":
+def pick_on_route(pool: WorkerPool, key: AffinityKey, route: Route, need_capacity: bool) -> Worker | None:
     """pick() for a request with no provider object and nothing excluded: the eligible set is
     the route's available workers, and both rings are kept on the route."""
     st = state(pool)
@@ -229,8 +230,8 @@ def pick_on_route(pool: "WorkerPool", key: AffinityKey, route: "Route", need_cap
     return _walk(st, key, rings[0], rings[1], route.available, _NOTHING, need_capacity)
 
 
-def _walk(st: AffinityState, key: AffinityKey, ring: Ring, primary_ring: Ring, eligible: list["Worker"],
-          excluded: set[int] | frozenset[int], need_capacity: bool) -> "Worker | None":
+def _walk(st: AffinityState, key: AffinityKey, ring: Ring, primary_ring: Ring, eligible: list[Worker],
+          excluded: set[int] | frozenset[int], need_capacity: bool) -> Worker | None:
     """Ring.walk() from the key's point, inline (no generator), bounded as _bounds() says."""
     # _bounds() of the usable (not excluded) workers, computed only for the workers the walk
     # reaches (the same arithmetic, in the same order, without building the dict).

@@ -75,10 +75,12 @@ class _Connection(asyncio.Protocol):
                  "buffered", "paused", "waiter", "error", "closed", "got_bytes", "idle_since", "keep_alive",
                  "framed", "linger", "on_body", "idle", "interim", "content_type", "content_encoding")
 
-    def __init__(self, pool: "UpstreamPool", key: tuple) -> None:
+    def __init__(self, pool: UpstreamPool, key: tuple) -> None:
         self.pool = pool
         self.key = key
-        self.transport: asyncio.Transport | None = None
+        # None until connection_made: every read and write happens after it (the pool's
+        # close paths check for None), so it is typed as it is then, no assert per chunk.
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.closed = False
         self.idle_since = 0.0
         self.idle = False  # in the pool: any byte now is unsolicited

@@ -39,8 +39,8 @@ from aiohttp import web
 from proxy import state
 from proxy.config.load import ConfigError
 from proxy.runtime.logs import log
-from proxy.upstream.workers import Worker, WorkerPool
 from proxy.state import CHECKER
+from proxy.upstream.workers import Worker, WorkerPool
 
 _WINDOW_KEYS = ("max_model_len", "context_window", "context_length", "max_context_length")
 
@@ -56,7 +56,7 @@ class HealthSettings:
     sglang_path: str = "/v1/models"
 
     @classmethod
-    def from_section(cls, section: dict[str, Any]) -> "HealthSettings":
+    def from_section(cls, section: dict[str, Any]) -> HealthSettings:
         known = {"enabled", "interval_s", "timeout_s", "unhealthy_threshold", "healthy_threshold",
                  "vllm_path", "sglang_path", "outlier"}
         unknown = set(section) - known

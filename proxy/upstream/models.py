@@ -9,7 +9,8 @@ The client's string is what the Response echoes as `model`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Container
+from collections.abc import Callable, Container
+from typing import Any
 
 __all__ = ["DEFAULT_SAMPLING", "parse_sampling_defaults", "resolve_model", "strip_vendor"]
 

@@ -10,16 +10,16 @@ are the only upstream calls, made only when a request could overflow its window.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 
-from proxy.upstream.affinity import AffinitySettings, pick_on_route
-from proxy.upstream.affinity import pick as pick_by_affinity
+from proxy.errors import APIError, bad_request
 from proxy.protocol.dialects import messages_for
-from proxy.http.errors import APIError, bad_request
+from proxy.upstream.affinity import AffinitySettings, pick as pick_by_affinity, pick_on_route
 
 if TYPE_CHECKING:
     from proxy.upstream.affinity import AffinityKey
@@ -151,7 +151,7 @@ def _norm(value: Any) -> str:
     return str(value).strip().lower()
 
 
-def _label_values(worker: "Worker", key: str) -> set[str]:
+def _label_values(worker: Worker, key: str) -> set[str]:
     value = worker.labels.get(key)
     if value is None:
         return set()
@@ -162,7 +162,7 @@ def _label_values(worker: "Worker", key: str) -> set[str]:
     return {_norm(value)}
 
 
-def matches(worker: "Worker", entry: str) -> bool:
+def matches(worker: Worker, entry: str) -> bool:
     """An order/only/ignore entry: the worker's name, `key=value` on a label, or any label's value."""
     wanted = entry.strip().lower()
     if wanted == worker.name.lower():
@@ -173,11 +173,11 @@ def matches(worker: "Worker", entry: str) -> bool:
     return any(wanted in _label_values(worker, key) for key in worker.labels)
 
 
-def _truthy(worker: "Worker", key: str) -> bool:
+def _truthy(worker: Worker, key: str) -> bool:
     return _label_values(worker, key) & {"true", "1", "yes"} != set()
 
 
-def _price(worker: "Worker", key: str) -> float | None:
+def _price(worker: Worker, key: str) -> float | None:
     value = worker.labels.get(key)
     if value is None:
         return None
@@ -187,7 +187,7 @@ def _price(worker: "Worker", key: str) -> float | None:
         return math.inf  # a price label that is not a number never passes a max_price
 
 
-def _within_price(worker: "Worker", limits: dict[str, float]) -> bool:
+def _within_price(worker: Worker, limits: dict[str, float]) -> bool:
     for part, limit in limits.items():
         price = _price(worker, f"price_{part}")
         if price is not None and price > limit:
@@ -195,7 +195,7 @@ def _within_price(worker: "Worker", limits: dict[str, float]) -> bool:
     return True
 
 
-def _supports(worker: "Worker", params: frozenset[str]) -> bool:
+def _supports(worker: Worker, params: frozenset[str]) -> bool:
     supported = _label_values(worker, "supports")
     for param in params:
         if param == "json_object":
@@ -206,7 +206,7 @@ def _supports(worker: "Worker", params: frozenset[str]) -> bool:
     return True
 
 
-def _labels_match(worker: "Worker", labels: dict[str, Any]) -> bool:
+def _labels_match(worker: Worker, labels: dict[str, Any]) -> bool:
     for key, value in labels.items():
         wanted = {_norm(v) for v in value} if isinstance(value, list) else {_norm(value)}
         if not wanted & _label_values(worker, key):
@@ -214,7 +214,7 @@ def _labels_match(worker: "Worker", labels: dict[str, Any]) -> bool:
     return True
 
 
-def requirements(prefs: ProviderPrefs, params: frozenset[str]) -> list[tuple[str, Callable[["Worker"], bool]]]:
+def requirements(prefs: ProviderPrefs, params: frozenset[str]) -> list[tuple[str, Callable[[Worker], bool]]]:
     """(how the failure is named, predicate) for each requirement the request sets, in order."""
     out: list[tuple[str, Callable[[Worker], bool]]] = []
     if prefs.only is not None:
@@ -248,11 +248,12 @@ def requirements(prefs: ProviderPrefs, params: frozenset[str]) -> list[tuple[str
     return out
 
 
-def tiers(prefs: ProviderPrefs | None, workers: list["Worker"]) -> list[list["Worker"]]:
+def tiers(prefs: ProviderPrefs | None, workers: list[Worker]) -> list[list[Worker]]:
     """Workers in the order `provider.order` names them; the rest last (when fallbacks are allowed)."""
     if prefs is None or not prefs.order:
         return [workers]
-    out, placed = [], set()
+    out: list[list[Worker]] = []
+    placed: set[int] = set()
     for entry in prefs.order:
         tier = [w for w in workers if id(w) not in placed and matches(w, entry)]
         placed.update(map(id, tier))
@@ -265,12 +266,12 @@ def tiers(prefs: ProviderPrefs | None, workers: list["Worker"]) -> list[list["Wo
     return out
 
 
-def _sort_key(sort: str) -> Callable[["Worker"], Any]:
+def _sort_key(sort: str) -> Callable[[Worker], Any]:
     if sort == "latency":
         # No sample yet counts as fastest, so a new or re-admitted worker gets measured.
         return lambda w: (w.ewma_ttfb or 0.0, w.load)
     if sort == "price":
-        def price(w: "Worker") -> tuple[float, float]:
+        def price(w: Worker) -> tuple[float, float]:
             parts = [_price(w, "price_prompt"), _price(w, "price_completion")]
             known = [p for p in parts if p is not None]
             return (sum(known) if known else math.inf, w.load)
@@ -278,7 +279,7 @@ def _sort_key(sort: str) -> Callable[["Worker"], Any]:
     return lambda w: w.load
 
 
-def _best(workers: list["Worker"], sort: str, rotation: int) -> "Worker":
+def _best(workers: list[Worker], sort: str, rotation: int) -> Worker:
     if len(workers) == 1:
         return workers[0]
     start = rotation % len(workers)
@@ -286,18 +287,18 @@ def _best(workers: list["Worker"], sort: str, rotation: int) -> "Worker":
     return min(rotated, key=_sort_key(sort))
 
 
-def choose(pool: "WorkerPool", model: str, exclude: Iterable["Worker"] = (), prefs: ProviderPrefs | None = None,
+def choose(pool: WorkerPool, model: str, exclude: Iterable[Worker] = (), prefs: ProviderPrefs | None = None,
            params: frozenset[str] = frozenset(), need_capacity: bool = True,
-           affinity: "AffinityKey | None" = None) -> "Worker":
+           affinity: AffinityKey | None = None) -> Worker:
     """The worker for one attempt of a request, after re-admitting workers whose ejection is over."""
     pool.readmit_due()
     return select(pool, model, prefs, exclude=exclude, params=params, need_capacity=need_capacity,
                   affinity=affinity)
 
 
-def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclude: Iterable["Worker"] = (),
+def select(pool: WorkerPool, model: str, prefs: ProviderPrefs | None, *, exclude: Iterable[Worker] = (),
            params: frozenset[str] = frozenset(), need_capacity: bool = True,
-           affinity: "AffinityKey | None" = None) -> "Worker":
+           affinity: AffinityKey | None = None) -> Worker:
     """The worker for one attempt. With an affinity key (proxy.upstream.affinity) and the default `load`
     sort, the choice within the first tier with room is the key's worker on the bounded-load
     ring of that tier's eligible workers; otherwise the best by `sort`."""
@@ -344,8 +345,8 @@ def select(pool: "WorkerPool", model: str, prefs: ProviderPrefs | None, *, exclu
     raise _at_capacity(model)
 
 
-def _select_plain(pool: "WorkerPool", route: "Route", model: str, need_capacity: bool,
-                  affinity: "AffinityKey | None") -> "Worker":
+def _select_plain(pool: WorkerPool, route: Route, model: str, need_capacity: bool,
+                  affinity: AffinityKey | None) -> Worker:
     """select() for the common request: no provider object, nothing excluded and some worker
     available. One tier, the route's available workers, so the choice (and the rotation and
     affinity counters) is the general path's without rebuilding its lists."""
@@ -376,7 +377,7 @@ class TokenCountError(Exception):
         self.connection = connection
 
 
-async def count_tokens(session: aiohttp.ClientSession, worker: "Worker", model: str, messages: list,
+async def count_tokens(session: aiohttp.ClientSession, worker: Worker, model: str, messages: list,
                        tools: list | None = None) -> int:
     """The worker's own count (vLLM POST /tokenize, SGLang POST /v1/tokenize), chat template included."""
     body: dict[str, Any] = {"model": model, "messages": messages_for(messages, worker.dialect)}
@@ -385,7 +386,7 @@ async def count_tokens(session: aiohttp.ClientSession, worker: "Worker", model: 
     return await tokenize(session, worker, body)
 
 
-async def tokenize(session: aiohttp.ClientSession, worker: "Worker", body: dict[str, Any]) -> int:
+async def tokenize(session: aiohttp.ClientSession, worker: Worker, body: dict[str, Any]) -> int:
     """The `count` of the worker's tokenizer endpoint for `body` (messages or a prompt), or
     TokenCountError saying why it could not be had."""
     path = worker.tokenize_path
@@ -430,7 +431,7 @@ def _too_long(window: int, prompt: int, wanted: int | None, *, estimated: bool) 
     return APIError(400, message, code="context_length_exceeded", param="max_output_tokens")
 
 
-async def check_context_window(session: aiohttp.ClientSession, worker: "Worker", t: Any, client_max: Any,
+async def check_context_window(session: aiohttp.ClientSession, worker: Worker, t: Any, client_max: Any,
                                *, bytes_per_token_floor: float = 16.0) -> tuple[str, Any]:
     """Refuse (400 context_length_exceeded) a request whose prompt + max_output_tokens cannot fit.
 

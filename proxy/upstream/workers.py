@@ -25,8 +25,9 @@ import math
 import re
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Generic, TypeVar
 
 import aiohttp
 from multidict import CIMultiDict
@@ -50,28 +51,32 @@ class RoutingEpoch:
         self.value = 0
 
 
-class _RoutingField:
+_T = TypeVar("_T")
+
+
+class _RoutingField(Generic[_T]):
     """A Worker field the pools' cached routes depend on (health, ejection, dialect, models).
 
-    Setting it to a different value moves the epoch of every pool holding the worker, whoever sets it (proxy.upstream.health, the pool's
-    outlier ejection, start-up discovery, a test), so a route can never outlive the state it
-    was built from. Reads cost a Python call; the per-request path reads the cached route
-    instead. The value lives in the instance under "_<name>". What routing reads live on
-    every request (in_flight, capacity, labels, ewma_ttfb) needs no tracking.
+    Setting it to a different value moves the epoch of every pool holding the worker, whoever
+    sets it (proxy.upstream.health, the pool's outlier ejection, start-up discovery, a test), so
+    a route can never outlive the state it was built from. Reads cost a Python call; the
+    per-request path reads the cached route instead. The value lives in the instance under
+    "_<name>". What routing reads live on every request (in_flight, capacity, labels,
+    ewma_ttfb) needs no tracking.
     """
 
-    def __init__(self, default: Any) -> None:
+    def __init__(self, default: _T) -> None:
         self.default = default
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.slot = "_" + name
 
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+    def __get__(self, obj: Any, objtype: type | None = None) -> _T:
         if obj is None:
             return self.default  # what dataclass takes as the field's default
         return obj.__dict__[self.slot]
 
-    def __set__(self, obj: Any, value: Any) -> None:
+    def __set__(self, obj: Any, value: _T) -> None:
         values = obj.__dict__
         if values.get(self.slot, _UNSET) != value:
             for epoch in values.get("_routing_epochs", ()):  # none before the worker joins a pool
@@ -100,7 +105,7 @@ class OutlierPolicy:
     max_ejection_percent: float = 50.0
 
     @classmethod
-    def from_section(cls, section: dict[str, Any] | None) -> "OutlierPolicy":
+    def from_section(cls, section: dict[str, Any] | None) -> OutlierPolicy:
         section = section or {}
         unknown = set(section) - {"consecutive_failures", "base_ejection_s", "max_ejection_s", "max_ejection_percent"}
         if unknown:
@@ -112,7 +117,8 @@ class OutlierPolicy:
                          max_ejection_percent=float(section.get("max_ejection_percent", 50.0)))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"health.outlier: {exc}") from exc
-        if policy.consecutive_failures < 1 or policy.base_ejection_s < 0 or policy.max_ejection_s < policy.base_ejection_s:
+        if (policy.consecutive_failures < 1 or policy.base_ejection_s < 0
+                or policy.max_ejection_s < policy.base_ejection_s):
             raise ConfigError("health.outlier: consecutive_failures >= 1 and 0 <= base_ejection_s <= max_ejection_s")
         if not 0 <= policy.max_ejection_percent <= 100:
             raise ConfigError("health.outlier.max_ejection_percent must be from 0 to 100")
@@ -126,8 +132,8 @@ class OutlierPolicy:
 class Worker:
     name: str
     url: str
-    dialect: str = _RoutingField("vllm")  # "detect" until start-up has asked the server
-    models: tuple[str, ...] = _RoutingField(())
+    dialect: _RoutingField[str] = _RoutingField("vllm")  # "detect" until start-up has asked the server
+    models: _RoutingField[tuple[str, ...]] = _RoutingField(())
     api_key: str | None = None
     labels: dict[str, Any] = field(default_factory=dict)
     capacity: int = 256
@@ -137,7 +143,7 @@ class Worker:
     models_known: bool = True  # False while `models` was omitted and /v1/models has not answered yet
     in_flight: int = 0
     # Active health (proxy.upstream.health): the checker's verdict.
-    healthy: bool = _RoutingField(True)
+    healthy: _RoutingField[bool] = _RoutingField(True)
     # Down until proven up: with active checks a worker starts unhealthy and its first
     # passing check (whatever healthy_threshold says) lets it in.
     awaiting_first_check: bool = False
@@ -146,7 +152,7 @@ class Worker:
     last_check_error: str | None = None
     # Passive health: outlier ejection.
     consecutive_failures: int = 0
-    ejected: bool = _RoutingField(False)
+    ejected: _RoutingField[bool] = _RoutingField(False)
     ejected_until: float = 0.0
     ejection_multiplier: int = 0
     ejections_total: int = 0
@@ -185,7 +191,7 @@ class Worker:
     # _RoutingField slots as plain attributes, without the descriptor call.
 
     def serves(self, model: str) -> bool:
-        return model in self._models
+        return model in self._models  # type: ignore[attr-defined]  # the slot _RoutingField.__set__ fills
 
     @property
     def load(self) -> float:
@@ -194,7 +200,7 @@ class Worker:
     @property
     def available(self) -> bool:
         """Healthy by the active checks and not ejected by the passive ones."""
-        return self._healthy and not self._ejected and self._dialect != "detect"
+        return self._healthy and not self._ejected and self._dialect != "detect"  # type: ignore[attr-defined]  # as serves
 
 
 def _str_list(value: Any, where: str) -> tuple[str, ...]:
@@ -273,7 +279,7 @@ class Route:
         if not self.available and any(w.ejected for w in serving):
             # Panic routing: every worker of the model that passes its checks is ejected.
             # Ejection is a guess from failed requests, a passing check a fact: they take the traffic.
-            self.available = [w for w in serving if w._healthy and w._dialect != "detect"]
+            self.available = [w for w in serving if w._healthy and w._dialect != "detect"]  # type: ignore[attr-defined]  # as serves
         self.available_ids = frozenset(map(id, self.available))
         self.rings: dict[int, tuple[Any, Any]] = {}  # vnodes -> (ring of available, ring of serving)
 

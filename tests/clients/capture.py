@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.http.errors import APIError
+from proxy.errors import APIError
 from proxy.http.request import read_json
 
 CAPTURED = web.AppKey("captured_requests", list)
