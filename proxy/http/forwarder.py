@@ -26,6 +26,7 @@ from proxy.http.event_stream import (
     EventStreamResponse as _EventStream,  # noqa: F401 (proxy.http.passthrough)
     open_event_stream,
 )
+from proxy.http.units import RESPONSES
 from proxy.protocol.dialects import chat_for
 from proxy.protocol.response import ResponseContext, client_usage, map_usage, public_message
 from proxy.protocol.rewriter import StreamRewriter, completion_response
@@ -574,7 +575,7 @@ def _event_stream_only(request: web.Request, ctx: RequestContext) -> bool:
 async def refusal_as_event(request: web.Request, ctx: RequestContext, exc: APIError) -> web.StreamResponse | None:
     """The refusal as response.created + response.failed (HTTP 200) for an event-stream-only
     client, when Accept leaves no other way to tell it; None: answer with the JSON envelope."""
-    if exc.code not in _STREAMED_REFUSALS or ctx.path != "/v1/responses" or not _event_stream_only(request, ctx):
+    if exc.code not in _STREAMED_REFUSALS or ctx.unit is not RESPONSES or not _event_stream_only(request, ctx):
         return None
     t = ctx.translation
     if t is None:
