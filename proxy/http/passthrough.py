@@ -23,14 +23,14 @@ from aiohttp import web
 
 from proxy import state
 from proxy.http.errors import APIError
-from proxy.http.forwarder import (MAX_ERROR_BODY, MAX_JSON_BODY, MAX_ATTEMPTS, _SSE_HEADERS, _EventStream,
+from proxy.http.forwarder import (MAX_ERROR_BODY, MAX_JSON_BODY, _SSE_HEADERS, _EventStream,
                                   _ReadWatchdog, _Retryable, _check_stream_start, _let_go, _record_usage,
                                   _settle_now, _upstream_message, map_upstream_error)
 from proxy.policy.netguard import check_images, policy_for
 from proxy.protocol.chat_usage import SSEScanner, json_usage
 from proxy.protocol.passthrough import ANTHROPIC, Passthrough, build
 from proxy.runtime.logs import log
-from proxy.upstream.affinity import AffinitySettings, request_key
+from proxy.upstream.affinity import request_key
 from proxy.upstream.client import BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected
 from proxy.upstream.routing import check_context_window, choose
 from proxy.upstream.workers import Worker
@@ -43,7 +43,7 @@ SWITCHES = {"chat": "chat_completions", "completions": "completions", "embedding
 async def passthrough_translate(app: web.Application, ctx: state.RequestContext, body: dict) -> Passthrough:
     family = ctx.unit.family
     switch = SWITCHES[family]
-    if not app[state.CONFIG].section("endpoints").get(switch, True):
+    if not getattr(app[state.CONFIG].endpoints, switch):
         raise APIError(404, f"{ctx.path} is turned off on this proxy (endpoints.{switch}).", code="endpoint_disabled")
     pool = app.get(state.POOL)
     t = build(family, body, pool.serves if pool is not None else None)
@@ -76,11 +76,10 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
     t: Passthrough = ctx.translation
     app = request.app
     pool = app[state.POOL]
-    routing_cfg = app[state.CONFIG].section("routing")
-    settings = app.get(state.AFFINITY) or AffinitySettings.from_section(routing_cfg.get("affinity"))
-    affinity = request_key(t, settings)
+    routing = app[state.CONFIG].routing
+    affinity = request_key(t, routing.affinity)
     out = ctx.started_outcome()
-    attempts = int(routing_cfg.get("max_attempts", MAX_ATTEMPTS))
+    attempts = routing.max_attempts
     tried: list[Worker] = []
     last: _Retryable | None = None
     sent = t
@@ -96,10 +95,9 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
             log.info("failover", worker=last.worker.name, to=worker.name, reason=str(last), request_id=ctx.request_id)
         worker.in_flight += 1
         try:
-            if not tried and routing_cfg.get("context_check", True) and "max_tokens" in t.chat:
-                floor = float(routing_cfg.get("bytes_per_token_floor", 16))
+            if not tried and routing.context_check and "max_tokens" in t.chat:
                 _, sent = await check_context_window(app[state.SESSION], worker, t, t.max_output_tokens,
-                                                     bytes_per_token_floor=floor)
+                                                     bytes_per_token_floor=routing.bytes_per_token_floor)
             return await _forward(request, ctx, worker, sent, out)
         except _Retryable as exc:
             tried.append(worker)

@@ -45,6 +45,8 @@ def _micro(value: Any, what: str) -> int:
 def _price(entry: Any, model: str) -> Price:
     if isinstance(entry, Price):
         return entry
+    if hasattr(entry, "__dataclass_fields__"):  # an entry of config.prices (typed; cached_input None: input)
+        entry = {"input": entry.input, "cached_input": entry.cached_input, "output": entry.output}
     if not isinstance(entry, Mapping) or "input" not in entry or "output" not in entry:
         raise ValueError(f"prices[{model!r}] needs input and output")
     input_ = _micro(entry["input"], f"{model}.input")
