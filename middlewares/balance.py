@@ -80,6 +80,7 @@ from aiohttp import web
 
 from middlewares.auth import is_static
 from proxy import state
+from proxy.config import settings as config_settings
 from proxy.http.errors import APIError
 from proxy.http.units import BALANCE
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
@@ -94,6 +95,7 @@ from proxy.state import METRICS, RequestContext
 # The chat template's own tokens (see estimate_input_tokens): in front of everything, around
 # each message, in front of a tool list. The same margins as the context check's bound
 # (proxy.upstream.routing).
+_DEFAULTS = config_settings.of("balance")  # a caller without a configuration (a test, a tool) gets these
 TEMPLATE_OVERHEAD = 256
 PER_MESSAGE_OVERHEAD = 16
 TOOLS_OVERHEAD = 512
@@ -134,7 +136,7 @@ async def wait_for_settlements(app: web.Application, timeout: float = 30) -> Non
         await ledger.settled(timeout)  # written durably; in the database too (a server-side ledger)
 
 
-def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = 1) -> int:
+def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = _DEFAULTS.bytes_per_token) -> int:
     """An upper bound of the prompt tokens of a chat-completions body (text prompts).
 
     A byte-level BPE token (and a byte-fallback one) covers at least one byte, so the text

@@ -16,11 +16,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from proxy.config.schema import SCHEMA
 from proxy.upstream.models import resolve_model, strip_vendor
 
 PER = 1_000_000  # prices are per million tokens
 UNLIMITED = sys.maxsize  # max_output_tokens_for() when output is free
-_BUILTIN_DEFAULT = {"input": 500_000, "cached_input": 100_000, "output": 1_500_000}
+_BUILTIN_DEFAULT = SCHEMA.keys["prices"].default["default"]  # config.yaml's prices.default, when a table has none
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from proxy.config import settings as config_settings
 from proxy.ledger.base import (
     UNSET,
     USAGE_RECORD_COLUMNS,
@@ -78,6 +79,7 @@ log = logging.getLogger("proxy.ledger")
 
 # Compared against when the hash is unknown, so both paths do the same work.
 _DUMMY_HASH = hashlib.sha256(b"responses-proxy: no such key").digest()
+_DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger opened without one
 
 
 
@@ -87,11 +89,11 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         self,
         path: str | Path,
         *,
-        synchronous: str = "FULL",
-        hold_synchronous: str = "NORMAL",
-        busy_timeout_ms: int = 5000,
-        max_batch: int = 1024,
-        settle_linger_s: float = 0.005,
+        synchronous: str = _DEFAULTS.synchronous,
+        hold_synchronous: str = _DEFAULTS.hold_synchronous,
+        busy_timeout_ms: int = _DEFAULTS.busy_timeout_ms,
+        max_batch: int = _DEFAULTS.max_batch,
+        settle_linger_s: float = _DEFAULTS.settle_linger_ms / 1000,
     ) -> None:
         self.path = str(path)
         self._writer = GroupWriter(
