@@ -82,7 +82,9 @@ def _named_keys(entries: Iterable[dict[str, Any]], where: str, what: str, min_ke
 
 
 def _admin(admin: dict[str, Any]) -> None:
-    _named_keys(admin.get("keys") or (), "admin.keys", "admin key", min_key=16)
+    if not admin["keys"]:  # no console: nothing else of the section is used
+        return
+    _named_keys(admin["keys"], "admin.keys", "admin key", min_key=16)
     secret = admin.get("session_secret")
     if secret is not None and len(secret) < 16:
         raise SchemaError("admin.session_secret must be at least 16 characters (is its variable set?)")
@@ -155,13 +157,18 @@ def _prices(prices: dict[str, Any]) -> None:
 
 
 def check(data: dict[str, Any]) -> None:
-    """Every rule over the schema-checked configuration (SchemaError naming the key)."""
+    """Every rule over the schema-checked configuration (SchemaError naming the key). A policy
+    switched off (`enabled: false`) has its own rules skipped: its section is not used."""
     _workers(data["workers"])
     _outlier(data["health"]["outlier"])
-    _named_keys(data["auth"]["static_keys"], "auth.static_keys", "static key")
     _admin(data["admin"])
     seal = data["reasoning_seal"]
     seal_keys(seal["keys"], seal["active"])
-    _tools(data["tools"])
-    _notices(data["notices"])
-    _prices(data["prices"])
+    if data["auth"]["enabled"]:
+        _named_keys(data["auth"]["static_keys"], "auth.static_keys", "static key")
+    if data["tools"]["enabled"]:
+        _tools(data["tools"])
+    if data["notices"]["enabled"]:
+        _notices(data["notices"])
+    if data["balance"]["enabled"]:
+        _prices(data["prices"])
