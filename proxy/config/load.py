@@ -16,7 +16,7 @@ import copy
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -75,6 +75,9 @@ class Config:
         self._typed(settings.build(data))
         self.local_keys: Any = None  # what serve made at start (proxy/runtime/local_keys.py)
 
+    if TYPE_CHECKING:  # the sections are set per instance (_typed): a type checker sees them as Any
+        def __getattr__(self, name: str) -> Any: ...
+
     def _typed(self, root: Any) -> None:
         # Each section an instance attribute: a request reads config.routing as a plain attribute.
         self.settings = root
@@ -84,11 +87,8 @@ class Config:
     def update(self, name: str, **values: Any) -> None:
         """Set keys of section `name`, checked as at the load (ConfigError naming the key)."""
         data = {**self.data, name: {**self.data[name], **values}}
-        try:
-            data[name] = schema.SCHEMA.keys[name].type.check(data[name], name)
-            rules.check(data)
-        except schema.SchemaError as exc:
-            raise ConfigError(str(exc)) from None
+        data[name] = schema.SCHEMA.keys[name].type.check(data[name], name)  # SchemaError is a ConfigError
+        rules.check(data)
         self.data = data
         self._typed(settings.build(data))
 
