@@ -92,10 +92,10 @@ from proxy.runtime.logs import log
 from proxy.upstream.routing import TokenCountError, count_tokens
 from proxy.state import METRICS, RequestContext
 
+_DEFAULTS = config_settings.of("balance")  # a caller without a configuration (a test, a tool) gets these
 # The chat template's own tokens (see estimate_input_tokens): in front of everything, around
 # each message, in front of a tool list. The same margins as the context check's bound
 # (proxy.upstream.routing).
-_DEFAULTS = config_settings.of("balance")  # a caller without a configuration (a test, a tool) gets these
 TEMPLATE_OVERHEAD = 256
 PER_MESSAGE_OVERHEAD = 16
 TOOLS_OVERHEAD = 512
