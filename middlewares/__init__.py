@@ -19,10 +19,13 @@ balance before the tool policy or read a body before the key is checked. An oper
 middlewares go at named points, `middlewares: {after_auth: [...], ...}`; each point promises
 what is known there (POINTS). A custom entry is "package.module:factory", configured by the
 top-level section of that name or written {"package.module:factory": {...}}; the factory is
-called as factory(section, app) and returns an aiohttp middleware (or raises: a bad entry stops
-start-up with one line, never at the first request).
+called as factory(section, app) with that section as written (a plain mapping: its keys are the
+factory's to check) and returns an aiohttp middleware (or raises: a bad entry stops start-up
+with one line, never at the first request; proxy/config/custom.py).
 
-Built-ins are made by their module's `create(section, app)`: auth, limits and balance return a
+Built-ins are made by their module's `create(section, app)`, `section` being the policy's typed
+settings (config.auth, config.limits, ...; checked at load, so the factories check nothing):
+auth, limits and balance return a
 phase `(request, ctx, call_next)`; stateless and tools return a body check
 `(ctx, body) -> body` that prepare applies; notices installs a response hook and returns None.
 """
@@ -36,12 +39,12 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from proxy.config.load import Config, ConfigError
+from proxy.config import custom
+from proxy.config.load import Config
 from proxy.config.schema import POINTS, POLICIES
 from proxy.http.request import prepare_phase
 from proxy.state import RequestContext
 
-Factory = Callable[[dict[str, Any], web.Application], Any]
 Next = Callable[[web.Request, RequestContext], Awaitable[web.StreamResponse]]
 
 
@@ -55,49 +58,13 @@ class Phase(Protocol):
 __all__ = ["Phases", "build_phases", "POINTS", "POLICIES"]
 
 
-def _import(entry: str) -> Factory:
-    module_name, _, attr = entry.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # an operator's module may fail in any way; report it in one line
-        raise ConfigError(f"middlewares: cannot import {module_name!r} for {entry!r}: "
-                          f"{type(exc).__name__}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"middlewares: {module_name!r} has no callable {attr!r} for {entry!r}")
-    return factory
-
-
-def _made(name: str, factory: Factory, section: dict[str, Any], app: web.Application) -> Any:
-    try:
-        return factory(section, app)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"{name!r} rejected its config section: {type(exc).__name__}: {exc}") from exc
-
-
 def _policy(config: Config, app: web.Application, name: str) -> Any:
-    """The built-in policy `name` made from its section, or None when it is switched off."""
-    section = dict(config.section(name))
-    if section.pop("enabled", True) is False:
+    """The built-in policy `name` made from its typed section, or None when it is switched off."""
+    section = getattr(config, name)
+    if not section.enabled:
         return None
     module = importlib.import_module(f"middlewares.{name}")
-    return _made(name, module.create, section, app)
-
-
-def _custom_entries(config: Config, point: str) -> list[tuple[str, dict[str, Any]]]:
-    entries = []
-    for item in (config.get("middlewares") or {}).get(point) or []:
-        if isinstance(item, str):
-            name, section = item, config.get(item) or {}
-        else:
-            ((name, section),) = item.items()
-            section = section or {}
-        if not isinstance(section, dict):
-            raise ConfigError(f"middlewares.{point}: the config section of {name!r} must be a mapping")
-        entries.append((name, section))
-    return entries
+    return custom.made(name, module.create, section, app)
 
 
 def _as_phase(middleware: Any) -> Phase:
@@ -109,13 +76,7 @@ def _as_phase(middleware: Any) -> Phase:
 
 
 def _customs(config: Config, app: web.Application, point: str) -> list[Phase]:
-    phases = []
-    for name, section in _custom_entries(config, point):
-        middleware = _made(name, _import(name), section, app)
-        if not callable(middleware):
-            raise ConfigError(f"middlewares.{point}: the factory of {name!r} did not return a middleware")
-        phases.append(_as_phase(middleware))
-    return phases
+    return [_as_phase(custom.middleware(point, name, section, app)) for name, section in custom.entries(config, point)]
 
 
 async def _endpoint(request: web.Request, ctx: RequestContext) -> web.StreamResponse:

@@ -58,7 +58,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy import state
-from proxy.config.load import ConfigError
+from proxy.config.rules import key_digest
 from proxy.errors import APIError
 from proxy.http.errors import error_response, ledger_unavailable
 from proxy.http.units import AUTH
@@ -69,7 +69,6 @@ from proxy.state import KEY_CACHE, LEDGER, RequestContext
 STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
 
-_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
 
 
@@ -160,63 +159,21 @@ async def _refuse(request: web.Request, ctx: RequestContext, call_next, exc: API
     return response
 
 
-def _opt_limit(entry: dict, field: str, where: str) -> int | None:
-    value = entry.get(field)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}.{field} must be a positive integer")
-    return value
-
-
-def _static_keys(raw: Any) -> list[tuple[bytes, KeyRecord]]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise ConfigError("auth.static_keys must be a list of {name, sha256} or {name, key} entries")
+def _static_keys(entries: Any) -> list[tuple[bytes, KeyRecord]]:
+    """auth.static_keys (checked at load, proxy.config.rules): (digest, record) of each."""
     out: list[tuple[bytes, KeyRecord]] = []
-    names: set[str] = set()
-    for i, entry in enumerate(raw):
-        where = f"auth.static_keys[{i}]"
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where} must be a mapping with a name and a sha256 or a key")
-        unknown = set(entry) - {"name", "sha256", "key", "allowed_models", "concurrency", "rate_per_min"}
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-        name = entry.get("name")
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{where} needs a non-empty name")
-        if name in names:
-            raise ConfigError(f"{where}: duplicate static key name {name!r}")
-        names.add(name)
-        has_hash, has_key = "sha256" in entry, "key" in entry
-        if has_hash == has_key:
-            raise ConfigError(f"{where} ({name}) needs exactly one of sha256 or key")
-        if has_hash:
-            digest = entry["sha256"]
-            if not isinstance(digest, str) or not _HEX64.match(digest):
-                raise ConfigError(f"{where} ({name}): sha256 must be 64 hex digits")
-            hashed = bytes.fromhex(digest)
-        else:
-            secret = entry["key"]
-            if not isinstance(secret, str) or not secret:
-                # "${ENV}" of an unset variable expands to None; never print the value itself.
-                raise ConfigError(f"{where} ({name}): key is empty (is its environment variable set?)")
-            hashed = hashlib.sha256(secret.encode()).digest()
-        models = entry.get("allowed_models")
-        if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)):
-            raise ConfigError(f"{where} ({name}): allowed_models must be a list of model names")
+    for i, entry in enumerate(entries):
+        given = {"name": entry.name, **({"sha256": entry.sha256} if entry.sha256 is not None else {"key": entry.key})}
         record = KeyRecord(
-            key_id=STATIC_PREFIX + name, name=name, prefix="static", balance_micros=0,
-            allowed_models=tuple(models) if models is not None else None,
-            concurrency=_opt_limit(entry, "concurrency", where), rate_per_min=_opt_limit(entry, "rate_per_min", where),
-            revoked=False, created_at=0.0,
+            key_id=STATIC_PREFIX + entry.name, name=entry.name, prefix="static", balance_micros=0,
+            allowed_models=tuple(entry.allowed_models) if entry.allowed_models is not None else None,
+            concurrency=entry.concurrency, rate_per_min=entry.rate_per_min, revoked=False, created_at=0.0,
         )
-        out.append((hashed, record))
+        out.append((key_digest(given, f"auth.static_keys[{i}]"), record))
     return out
 
 
-def _demo_key_ctx(section_balance: dict[str, Any]):
+def _demo_key_ctx(balance_micros: int):
     async def demo_key(app: web.Application) -> AsyncIterator[None]:
         ledger = app.get(LEDGER)
         if ledger is None:
@@ -226,8 +183,7 @@ def _demo_key_ctx(section_balance: dict[str, Any]):
         for record in await ledger.list_keys():
             if record.name == DEMO_NAME and not record.revoked:
                 await ledger.revoke(record.key_id)
-        secret, _record = await ledger.create_key(
-            DEMO_NAME, balance_micros=int(section_balance.get("demo_balance_micros", 0) or 0))
+        secret, _record = await ledger.create_key(DEMO_NAME, balance_micros=balance_micros)
         app[state.DEMO_KEY] = secret
         # The one place a secret is ever printed: stdout, once, for the operator.
         print(f"demo key: {secret}", file=sys.stdout, flush=True)
@@ -236,27 +192,15 @@ def _demo_key_ctx(section_balance: dict[str, Any]):
     return demo_key
 
 
-def create(section: dict[str, Any], app: web.Application):
-    demo = section.get("demo_key", True)
-    if not isinstance(demo, bool):
-        raise ConfigError(f"auth.demo_key must be true or false, not {demo!r}")
-    statics = _static_keys(section.get("static_keys"))
-    cache_ttl = section.get("key_cache_ttl_s", 5)
-    if isinstance(cache_ttl, bool) or not isinstance(cache_ttl, (int, float)) or not 0 <= cache_ttl <= 3600:
-        raise ConfigError(f"auth.key_cache_ttl_s must be a number of seconds from 0 to 3600, not {cache_ttl!r}")
-    cache_size = section.get("key_cache_size", 10000)
-    if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
-        raise ConfigError(f"auth.key_cache_size must be a non-negative integer, not {cache_size!r}")
-    cache = KeyCache(float(cache_ttl), cache_size)
+def create(section: Any, app: web.Application):
+    """config.yaml `auth` (config.auth)."""
+    statics = _static_keys(section.static_keys)
+    cache = KeyCache(section.key_cache_ttl_s, section.key_cache_size)
     app[KEY_CACHE] = cache
-    if demo:
-        balance = app[state.CONFIG].section("balance")
-        micros = balance.get("demo_balance_micros", 0)
-        if isinstance(micros, bool) or not isinstance(micros, int) or micros < 0:
-            raise ConfigError("balance.demo_balance_micros must be a non-negative integer")
+    if section.demo_key:
         # build_app appends the ledger's cleanup context before building the chain, so this
         # one runs after it (cleanup contexts start in order) and finds app[LEDGER] set.
-        app.cleanup_ctx.append(_demo_key_ctx(balance))
+        app.cleanup_ctx.append(_demo_key_ctx(app[state.CONFIG].balance.demo_balance_micros))
 
     def match_static(digest: bytes) -> KeyRecord | None:
         found = None

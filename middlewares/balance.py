@@ -80,7 +80,7 @@ from aiohttp import web
 
 from middlewares.auth import is_static
 from proxy import state
-from proxy.config.load import ConfigError
+from proxy.config import settings as config_settings
 from proxy.errors import APIError
 from proxy.http.units import BALANCE
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
@@ -92,6 +92,7 @@ from proxy.runtime.logs import log
 from proxy.state import METRICS, RequestContext
 from proxy.upstream.routing import TokenCountError, count_tokens
 
+_DEFAULTS = config_settings.of("balance")  # a caller without a configuration (a test, a tool) gets these
 # The chat template's own tokens (see estimate_input_tokens): in front of everything, around
 # each message, in front of a tool list. The same margins as the context check's bound
 # (proxy.upstream.routing).
@@ -99,8 +100,6 @@ TEMPLATE_OVERHEAD = 256
 PER_MESSAGE_OVERHEAD = 16
 TOOLS_OVERHEAD = 512
 _ANSWERED = ("completed", "incomplete", "failed", "cancelled")
-_LEASE_SETTINGS = {"lease_max_micros", "lease_seconds", "lease_min_rate", "lease_idle_s", "lease_ttl_s",
-                   "lease_commit_ms"}
 
 
 class Settlements:
@@ -137,7 +136,7 @@ async def wait_for_settlements(app: web.Application, timeout: float = 30) -> Non
         await ledger.settled(timeout)  # written durably; in the database too (a server-side ledger)
 
 
-def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = 1) -> int:
+def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = _DEFAULTS.bytes_per_token) -> int:
     """An upper bound of the prompt tokens of a chat-completions body (text prompts).
 
     A byte-level BPE token (and a byte-fallback one) covers at least one byte, so the text
@@ -168,43 +167,20 @@ def _insufficient(message: str) -> APIError:
     return APIError(402, message, code="insufficient_quota", type="insufficient_quota")
 
 
-def _positive(section: dict, name: str, default: Any, kind=(int,)) -> Any:
-    value = section.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-        raise ConfigError(f"balance.{name} must be a positive number, not {value!r}")
-    return value
-
-
-def _settings(section: dict[str, Any]) -> tuple[float, int, float, dict[str, Any]]:
-    """-> (hold_ttl_s, default output cap, bytes_per_token, Leases settings); ConfigError when wrong."""
-    unknown = set(section) - {"hold_ttl_s", "demo_balance_micros", "default_max_output_tokens",
-                              "bytes_per_token"} - _LEASE_SETTINGS
-    if unknown:
-        raise ConfigError(f"balance: unknown setting(s) {', '.join(sorted(unknown))}")
-    hold_ttl = float(_positive(section, "hold_ttl_s", 900, (int, float)))
-    default_cap = _positive(section, "default_max_output_tokens", 32768)
-    bytes_per_token = _positive(section, "bytes_per_token", 1, (int, float))
-    if bytes_per_token > 1:
-        raise ConfigError(f"balance.bytes_per_token must be at most 1, not {bytes_per_token!r}: a token of a "
-                          "byte-level tokenizer can be a single byte, and the reservation must be an upper bound")
-    demo = section.get("demo_balance_micros", 0)
-    if isinstance(demo, bool) or not isinstance(demo, int) or demo < 0:
-        raise ConfigError("balance.demo_balance_micros must be a non-negative integer")
-    lease_max = section.get("lease_max_micros", 10_000_000)
-    if isinstance(lease_max, bool) or not isinstance(lease_max, int) or lease_max < 0:
-        raise ConfigError("balance.lease_max_micros must be a non-negative integer (0: no leases)")
+def _settings(section: Any) -> tuple[float, int, float, dict[str, Any]]:
+    """config.balance -> (hold_ttl_s, default output cap, bytes_per_token, Leases settings)."""
     lease_settings = {
-        "max_micros": lease_max,
-        "seconds": float(_positive(section, "lease_seconds", 2, (int, float))),
-        "min_rate": int(_positive(section, "lease_min_rate", 4)),
-        "idle_s": float(_positive(section, "lease_idle_s", 2, (int, float))),
-        "ttl_s": float(_positive(section, "lease_ttl_s", 30, (int, float))),
+        "max_micros": section.lease_max_micros,
+        "seconds": section.lease_seconds,
+        "min_rate": section.lease_min_rate,
+        "idle_s": section.lease_idle_s,
+        "ttl_s": section.lease_ttl_s,
         # Each commit is an fsync'd transaction plus a round trip to the writer thread: batching
         # the usage rows this far apart, rather than per request, spares a busy key's CPU per
         # request, for a SIGKILL window of the rows settled in the last lease_commit_ms.
-        "linger_s": float(_positive(section, "lease_commit_ms", 20, (int, float))) / 1000,
+        "linger_s": section.lease_commit_ms / 1000,
     }
-    return hold_ttl, default_cap, bytes_per_token, lease_settings
+    return section.hold_ttl_s, section.default_max_output_tokens, section.bytes_per_token, lease_settings
 
 
 def _billable(out: Any, cancelled: bool) -> bool:
@@ -473,12 +449,10 @@ class _Billing:
         await self.settlements.wait()
 
 
-def create(section: dict[str, Any], app: web.Application):
+def create(section: Any, app: web.Application):
+    """config.yaml `balance` (config.balance); the prices from `prices` (checked at load)."""
     hold_ttl, default_cap, bytes_per_token, lease_settings = _settings(section)
-    try:
-        price_of = PriceTable(app[state.CONFIG].section("prices"))
-    except ValueError as exc:
-        raise ConfigError(f"prices: {exc}") from None
+    price_of = PriceTable(app[state.CONFIG].prices)
     billing = _Billing(app, price_of, hold_ttl, default_cap, bytes_per_token, lease_settings)
 
     async def balance(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:

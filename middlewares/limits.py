@@ -36,43 +36,19 @@ from typing import Any
 from aiohttp import web
 
 from proxy import state
-from proxy.config.load import ConfigError
 from proxy.errors import APIError
 from proxy.http.units import LIMITS
 from proxy.limits.base import GLOBAL, KEY, RATE, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter
 from proxy.state import RequestContext
 
-_SETTINGS = {"global_concurrency", "default_key_concurrency", "retry_after_s", "backend", "redis"}
-_REDIS_SETTINGS = {"url", "key_prefix", "slot_ttl_s", "socket_timeout_ms", "on_error", "retry_after_s"}
 
-
-def _opt_positive(section: dict, name: str, default: Any) -> int | None:
-    value = section.get(name, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"limits.{name} must be a positive integer or null, not {value!r}")
-    return value
-
-
-def _seconds_header(section: dict, path: str, default: float) -> str:
-    value = section.get("retry_after_s", default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(f"{path}.retry_after_s must be a non-negative number, not {value!r}")
-    return str(max(0, math.ceil(value)))
+def _seconds_header(retry_after_s: float) -> str:
+    return str(max(0, math.ceil(retry_after_s)))
 
 
 def _redis_counter(section: Any, app: web.Application):
     from proxy.limits.redis_backend import RedisCounter
-
-    if not isinstance(section, dict):
-        raise ConfigError("limits.redis must be a mapping")
-    unknown = set(section) - _REDIS_SETTINGS
-    if unknown:
-        raise ConfigError(f"limits.redis: unknown setting(s) {', '.join(sorted(unknown))}")
-    if section.get("on_error", "open") not in ("open", "closed"):
-        raise ConfigError(f"limits.redis.on_error must be open or closed, not {section.get('on_error')!r}")
 
     def report(event: str) -> None:
         metrics = app.get(state.METRICS)
@@ -104,21 +80,15 @@ def _refusal(refused: Refused, ask: Ask, retry_header: str) -> APIError:
                     code="tokens_per_min_exceeded", headers=wait)
 
 
-def create(section: dict[str, Any], app: web.Application):
-    global_limit = _opt_positive(section, "global_concurrency", 1024)
-    key_default = _opt_positive(section, "default_key_concurrency", 64)
-    retry_header = _seconds_header(section, "limits", 1)
-    unknown = set(section) - _SETTINGS
-    if unknown:
-        raise ConfigError(f"limits: unknown setting(s) {', '.join(sorted(unknown))}")
-    backend = section.get("backend", "memory")
-    if backend == "memory":
+def create(section: Any, app: web.Application):
+    """config.yaml `limits` (config.limits)."""
+    global_limit = section.global_concurrency
+    key_default = section.default_key_concurrency
+    retry_header = _seconds_header(section.retry_after_s)
+    if section.backend == "memory":
         return _in_process(MemoryCounter(), global_limit, key_default, retry_header)
-    if backend != "redis":
-        raise ConfigError(f"limits.backend must be memory or redis, not {backend!r}")
-    redis_section = section.get("redis") or {}
-    counter = _redis_counter(redis_section, app)
-    unavailable_header = _seconds_header(redis_section, "limits.redis", 1)
+    counter = _redis_counter(section.redis, app)
+    unavailable_header = _seconds_header(section.redis.retry_after_s)
     admit, release = counter.admit, counter.release
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:

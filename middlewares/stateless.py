@@ -10,16 +10,13 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.config.load import ConfigError
-from proxy.policy.rules import STATELESS_MODES, apply_stateless, previous_response_mode
+from proxy.policy.rules import apply_stateless, previous_response_mode
 from proxy.state import RequestContext
 
 
-def create(section: dict[str, Any], app: web.Application):
-    """The body check the prepare phase applies (before the tool policy and the translation)."""
-    given = section.get("previous_response_id", "refuse")
-    if given not in STATELESS_MODES:
-        raise ConfigError(f"stateless.previous_response_id must be 'refuse' or 'ignore', not {given!r}")
+def create(section: Any, app: web.Application):
+    """The body check the prepare phase applies (before the tool policy and the translation);
+    `section` is config.stateless."""
     mode = previous_response_mode(section)
 
     def stateless(ctx: RequestContext, body: dict[str, Any]) -> dict[str, Any]:

@@ -23,24 +23,15 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.config.load import ConfigError
 from proxy.errors import bad_request
-from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, hosted_tools_notice, leave_out
+from proxy.policy.rules import (
+    CORE_TOOL_TYPES as _CORE,
+    HOSTED_TOOL_TYPES,
+    REFUSED_TOOL_TYPES,
+    hosted_tools_notice,
+    leave_out,
+)
 from proxy.state import RequestContext
-
-_CORE = frozenset({"function", "custom", "namespace"})
-
-
-def _type_list(section: dict, name: str, default: frozenset[str]) -> frozenset[str]:
-    value = section.get(name)
-    if value is None:
-        return frozenset(default)
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(f"tools.{name} must be a list of tool type names (or null for the built-in list)")
-    core = _CORE.intersection(value)
-    if core:
-        raise ConfigError(f"tools.{name} cannot name {', '.join(sorted(core))}: those tools are translated")
-    return frozenset(value)
 
 
 def _show(value: Any) -> str:
@@ -55,15 +46,10 @@ def _names(entry: Any) -> str | None:
     return None
 
 
-def create(section: dict[str, Any], app: web.Application):
-    unknown = set(section) - {"drop", "refuse"}
-    if unknown:
-        raise ConfigError(f"tools: unknown setting(s) {', '.join(sorted(unknown))}")
-    drop = _type_list(section, "drop", HOSTED_TOOL_TYPES)
-    refuse = _type_list(section, "refuse", REFUSED_TOOL_TYPES)
-    both = drop & refuse
-    if both:
-        raise ConfigError(f"tools: {', '.join(sorted(both))} is both dropped and refused")
+def create(section: Any, app: web.Application):
+    """config.yaml `tools` (config.tools; checked at load, proxy.config.rules): null is the built-in list."""
+    drop = HOSTED_TOOL_TYPES if section.drop is None else frozenset(section.drop)
+    refuse = REFUSED_TOOL_TYPES if section.refuse is None else frozenset(section.refuse)
 
     def edit(body: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         """-> (a copy of body without the dropped tools, the dropped types in first-seen order)."""
@@ -94,7 +80,7 @@ def create(section: dict[str, Any], app: web.Application):
                 if len(remaining) != len(allowed):
                     for t in allowed:
                         name = _names(t)
-                        if name in drop and name not in left_out:
+                        if name is not None and name in drop and name not in left_out:
                             left_out.append(name)
                     if remaining:
                         body["tool_choice"] = {**choice, "tools": remaining}

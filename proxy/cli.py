@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import sys
 
 from proxy.config.load import Config, ConfigError, default_config
+from proxy.config.serving import listen
 from proxy.runtime.listen import bind_sockets, listen_error
+from proxy.runtime.local_keys import LocalKeyError
 
 
 def _workers_arg(text: str) -> int | str:
@@ -23,23 +24,6 @@ def _workers_arg(text: str) -> int | str:
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return value
-
-
-def resolve_workers(value: object) -> int:
-    """server.workers / --workers: a positive integer, or "auto" (or 0) = one process per core."""
-    if value is None:
-        return 1
-    if (isinstance(value, str) and value.strip().lower() == "auto") or value == 0:
-        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"server.workers must be a positive integer or 'auto', not {value!r}")
-    try:
-        n = int(value)
-    except ValueError:
-        raise ConfigError(f"server.workers must be a positive integer or 'auto', not {value!r}") from None
-    if n < 1:
-        raise ConfigError(f"server.workers must be a positive integer or 'auto', not {value!r}")
-    return n
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,16 +56,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _port(value: object, source: str) -> int:
-    try:
-        port = int(str(value).strip())
-    except ValueError:
-        port = -1
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"{source} must be a port number from 1 to 65535, not {value!r}")
-    return port
-
-
 def _config_dir_on_path(config: Config) -> None:
     """An operator's middleware next to config.yaml (mycompany/audit.py) imports as mycompany.audit."""
     if config.path is not None:
@@ -91,40 +65,16 @@ def _config_dir_on_path(config: Config) -> None:
 
 
 def _serve(config: Config, args: argparse.Namespace) -> int:
-    server = config.section("server")
-    host = args.host or os.environ.get("RESPONSES_PROXY_HOST") or server["host"]
-    if args.port is not None:
-        port = _port(args.port, "--port")
-    elif os.environ.get("RESPONSES_PROXY_PORT"):
-        port = _port(os.environ["RESPONSES_PROXY_PORT"], "RESPONSES_PROXY_PORT")
-    else:
-        port = _port(server["port"], "server.port")
-    workers = resolve_workers(args.workers if getattr(args, "workers", None) is not None else server.get("workers", 1))
-    if getattr(args, "demo_key", False):
-        from proxy.runtime.supervisor import auth_section
-
-        auth = auth_section(config)
-        if auth is not None:
-            auth["demo_key"] = True
+    host, port, workers = listen(config, args.host, args.port, getattr(args, "workers", None))
+    if getattr(args, "demo_key", False) and config.auth.enabled:
+        config.update("auth", demo_key=True)
     _config_dir_on_path(config)
-    if workers > 1:
-        _fixed_simulator_port(config, workers)
     _local_keys(config, workers)
     if workers > 1:
         from proxy.runtime.supervisor import supervise
 
         return supervise(config, host, port, workers, _serve_one)
     return _serve_one(config, host, port, reuse_port=bool(getattr(args, "reuse_port", False)))
-
-
-def _fixed_simulator_port(config: Config, workers: int) -> None:
-    """Every process of --workers N starts its own embedded simulator: one fixed port cannot hold them."""
-    embedded = any(isinstance(w, dict) and w.get("url") == "embedded" for w in config.get("workers") or ())
-    port = config.section("simulator").get("port", 0)
-    if embedded and port:
-        raise ConfigError(f"simulator.port is {port}, but with {workers} processes (serve --workers, server.workers) "
-                          "each starts its own embedded simulator and only one can listen there: set "
-                          "simulator.port: 0 (any free port) or serve with one process")
 
 
 def _local_keys(config: Config, workers: int) -> None:
@@ -134,7 +84,7 @@ def _local_keys(config: Config, workers: int) -> None:
     made = config.local_keys = ensure(config)
     for warning in made.warnings:
         print(f"responses-proxy: warning: {warning}", file=sys.stderr, flush=True)
-    if workers > 1 and (config.get("admin") or {}).get("keys") and not made.session_shared:
+    if workers > 1 and config.admin.keys and not made.session_shared:
         print(f"responses-proxy: warning: {workers} processes and no admin.session_secret they can share: a "
               "dashboard login is valid on one process only (set admin.session_secret)", file=sys.stderr, flush=True)
 
@@ -158,8 +108,7 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
     from proxy.http.app import build_app
     from proxy.runtime.logs import configure
 
-    server = config.section("server")
-    configure(server.get("log_format", "auto"), server.get("log_level", "info"))
+    configure(config.server.log_format, config.server.log_level)
     _raise_nofile()
     try:
         import uvloop
@@ -272,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         from proxy.ledger.cli import run_key_command
 
         return run_key_command(args, config)
-    except ConfigError as exc:
+    except (ConfigError, LocalKeyError) as exc:
         print(f"responses-proxy: configuration error: {exc}", file=sys.stderr)
         return 2
 

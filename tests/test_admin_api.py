@@ -16,6 +16,7 @@ import yarl
 import pytest
 
 from proxy.admin.auth import COOKIE, AdminAuth
+from proxy.config import settings as config_settings
 
 ADMIN_KEY = "adm-test-0123456789abcdef"
 OTHER_ADMIN = "adm-other-0123456789abcdef"
@@ -240,10 +241,11 @@ async def test_session_cookie_signed_expiring_and_csrf_on_writes(admin_proxy):
         r = await s.get(p.url + "/admin/api/keys", headers={"Cookie": f"{COOKIE}={cookie}"})
         assert r.status == 401
     # a forged or tampered cookie, an expired one, one signed with another secret
-    auth = AdminAuth({"keys": [{"name": "ops", "key": ADMIN_KEY}], "session_secret": "s" * 32})
+    auth = AdminAuth(config_settings.of("admin", {"keys": [{"name": "ops", "key": ADMIN_KEY}], "session_secret": "s" * 32}))
     good, _ = auth.issue("ops")
     expired, _ = auth.issue("ops", now=time.time() - 10 * 86400)
-    other, _ = AdminAuth({"keys": [{"name": "ops", "key": ADMIN_KEY}], "session_secret": "t" * 32}).issue("ops")
+    other, _ = AdminAuth(config_settings.of("admin", {"keys": [{"name": "ops", "key": ADMIN_KEY}],
+                                                      "session_secret": "t" * 32})).issue("ops")
     body, _, mac = good.partition(".")
     tampered = body[:-2] + ("AA" if body[-2:] != "AA" else "BB") + "." + mac
     async with aiohttp.ClientSession() as s:

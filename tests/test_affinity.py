@@ -18,6 +18,7 @@ import pytest
 from proxy import state
 from proxy.upstream import affinity
 from proxy.upstream.affinity import AffinityKey, Ring, key_point
+from proxy.config import settings as config_settings
 from proxy.config.load import Config, ConfigError
 from proxy.http.forwarder import POOL
 from proxy.ledger.pricing import Price, cost_micros
@@ -98,12 +99,12 @@ async def test_same_key_same_worker(three):
 
 
 async def test_each_app_parses_its_own_affinity_settings(three):
-    """routing.affinity is parsed once per app, onto the app (state.AFFINITY); nothing parsed
-    is kept process-wide, so two apps in one process route by their own settings."""
+    """routing.affinity is read once per app, onto its config (config.routing.affinity); nothing
+    parsed is kept process-wide, so two apps in one process route by their own settings."""
     sims, start = three
     on = await start({"routing": {"affinity": {"vnodes": 40}}})
     off = await start({"routing": {"affinity": {"enabled": False}}})
-    assert on.app[state.AFFINITY].vnodes == 40 and not off.app[state.AFFINITY].enabled
+    assert on.app[state.CONFIG].routing.affinity.vnodes == 40 and not off.app[state.CONFIG].routing.affinity.enabled
     assert not [name for name, value in vars(affinity).items() if isinstance(value, dict) and name.isupper()]
     for proxy in (on, off, on):
         for i in range(3):
@@ -201,7 +202,9 @@ def _owners(pool: WorkerPool, keys: list[AffinityKey]) -> list[str]:
     return [select(pool, "m", None, affinity=k).name for k in keys]
 
 
-KEYS = [AffinityKey("prompt_cache_key", key_point(b"k\x00" + f"key-{i}".encode())) for i in range(1000)]
+_AFFINITY = config_settings.of("routing.affinity")
+KEYS = [AffinityKey("prompt_cache_key", key_point(b"k\x00" + f"key-{i}".encode()), _AFFINITY.epsilon, _AFFINITY.vnodes)
+        for i in range(1000)]
 
 
 def test_ejecting_a_worker_moves_only_its_keys():

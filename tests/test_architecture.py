@@ -7,6 +7,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("proxy", "middlewares")
 
@@ -187,3 +189,55 @@ def test_protocol_and_policy_import_no_http_layer():
         found += [f"{start}: {n} (imported by {via[n]})" for n in sorted(via)
                   if n == "aiohttp" or n.startswith("aiohttp.") or n == "proxy.http" or n.startswith("proxy.http.")]
     assert found == []
+def _raised_names(tree: ast.AST) -> list[tuple[str, int]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+            found.append((name, node.lineno))
+    return found
+
+
+def test_config_is_checked_in_proxy_config_alone():
+    """config.yaml is checked once, at load, by proxy/config/ (the schema, its rules, serve's
+    options): no other module raises a configuration error, so none re-checks a section."""
+    elsewhere = [f"{name}:{line}" for name, path in _modules().items() if not name.startswith("proxy.config")
+                 for raised, line in _raised_names(ast.parse(path.read_text(encoding="utf-8")))
+                 if raised in ("ConfigError", "SchemaError")]
+    assert elsewhere == []
+
+
+def test_no_module_reads_a_raw_config_section():
+    """Modules read their typed settings (config.balance); the raw data is only for an
+    operator's own middleware sections (proxy/config/custom.py) and the loader."""
+    readers = []
+    for name, path in _modules().items():
+        if name.startswith("proxy.config"):
+            continue
+        text = path.read_text(encoding="utf-8")
+        for needle in (".section(", "config.data", ".data[\"", "CONFIG].get(", "CONFIG][\""):
+            if needle in text:
+                readers.append(f"{name}: {needle}")
+    assert readers == []
+
+
+def test_every_typed_section_is_frozen():
+    import dataclasses
+
+    from proxy.config import settings
+    from proxy.config.load import Config
+
+    classes = settings.classes()
+    assert {"", "balance", "routing.affinity", "workers[]", "workers[].timeouts", "prices[]"} <= set(classes)
+    config = Config.from_dict({})
+    for path, cls in classes.items():
+        params = cls.__dataclass_params__
+        assert params.frozen and hasattr(cls, "__slots__"), path
+    for field in dataclasses.fields(config.settings):
+        section = getattr(config, field.name)
+        if dataclasses.is_dataclass(section):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(section, dataclasses.fields(section)[0].name, None)
+    assert config.balance.lease_commit_ms == 20  # an Opt key's default is in force, from the schema alone
+    assert config.websocket.max_message_bytes == config.server.max_body_bytes  # a default taken from another key

@@ -206,7 +206,7 @@ def test_the_translation_makes_a_triggered_request_the_summarys():
     assert t.with_cap(100).compaction == t.compaction  # the balance's copy stays a compaction
     # The client's own cap wins (and is checked as the client's); no seal key: no compaction.
     assert translate_request({**body, "max_output_tokens": 64},
-                             TranslateOptions(compaction=SummaryAsk())).chat["max_tokens"] == 64
+                             TranslateOptions(compaction=SummaryAsk("Sum it up.", 2048))).chat["max_tokens"] == 64
     with pytest.raises(APIError) as info:
         translate_request(body)
     assert info.value.status == 501 and info.value.code == "compaction_unavailable"

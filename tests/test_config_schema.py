@@ -85,6 +85,22 @@ MISTAKES = [
     ("reasoning_seal: {ttl_s: 0}\n", "reasoning_seal.ttl_s must be a number > 0, not 0"),
     ("middlewares: {after_prepare: x:y}\n", "middlewares.after_prepare must be a list of"),
     ("pipeline: [auth]\n", "pipeline is no longer a setting"),
+    # the rules across keys (proxy/config/rules.py)
+    ("workers: [{name: a, url: embedded}, {name: a, url: embedded}]\n", "workers[1]: duplicate worker name 'a'"),
+    ("workers: [{name: a, url: embedded, api_key: \"k\\r\\n\"}]\n",
+     "workers[0].api_key contains the character '\\r': only printable ASCII"),
+    ("health: {outlier: {base_ejection_s: 10, max_ejection_s: 5}}\n", "0 <= base_ejection_s <= max_ejection_s"),
+    ("auth: {static_keys: [{name: a, key: k, sha256: x}]}\n", "auth.static_keys[0] (a) needs exactly one of sha256 or key"),
+    ("auth: {static_keys: [{name: a, sha256: xyz}]}\n", "auth.static_keys[0] (a): sha256 must be 64 hex digits"),
+    ("auth: {static_keys: [{name: a, key: k}, {name: a, key: j}]}\n", "auth.static_keys[1]: duplicate static key name 'a'"),
+    ("admin: {keys: [{name: a, key: short}]}\n", "admin.keys[0] (a): key must be at least 16 printable characters"),
+    ("admin: {keys: [{name: a, key: xxxxxxxxxxxxxxxxxxxx}], prefix: /v1/x}\n",
+     "admin.prefix must be a path of its own (e.g. /admin), not '/v1/x'"),
+    ("reasoning_seal: {keys: {k1: abc}}\n", "reasoning_seal.keys.k1 must be 32 bytes"),
+    ("tools: {drop: [function]}\n", "tools.drop cannot name function: those tools are translated"),
+    ("tools: {refuse: [web_search]}\n", "tools: web_search is both dropped and refused"),
+    ("notices: {header: 'bad header'}\n", "notices.header must be a valid HTTP header name, not 'bad header'"),
+    ("prices: {m: {input: 1.5, output: 2}}\n", "prices: price m.input must be an integer number of micro-units"),
     # the environment
     ("workers: [{name: a, url: embedded, api_key: '${RP_TEST_UNSET_A}'}]\n",
      "${RP_TEST_UNSET_A} is not set (workers[0].api_key)"),
@@ -100,6 +116,11 @@ def test_each_mistake_names_its_key(tmp_path, monkeypatch, text, expected):
     message = _error(tmp_path, text)
     assert message.startswith(f"{tmp_path / 'config.yaml'}: "), message
     assert expected in message, message
+
+
+def test_a_policy_switched_off_skips_its_rules(tmp_path):
+    _load(tmp_path, "auth: {enabled: false, static_keys: [{name: a}]}\ntools: {enabled: false, drop: [function]}\n"
+                    "admin: {prefix: /}\nbalance: {enabled: false}\nprices: {m: {input: 1.5, output: 2}}\n")
 
 
 def test_environment_values_take_the_keys_type(tmp_path, monkeypatch):

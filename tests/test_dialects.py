@@ -10,10 +10,9 @@ import copy
 import aiohttp
 import pytest
 
-from proxy.config.load import ConfigError
+from proxy.config.load import Config, ConfigError
 from proxy.protocol.dialects import chat_for, messages_for
 from proxy.simulator.server import Simulator
-from proxy.upstream.workers import parse_workers
 from tests.conftest import only
 
 MODEL = "tiny-org/tiny-model"
@@ -54,7 +53,7 @@ def test_thinking_switch_is_named_per_worker(switch, want):
 
 def test_bad_thinking_switch_stops_start_up():
     with pytest.raises(ConfigError, match=r"workers\[0\]\.thinking_switch"):
-        parse_workers([{"name": "a", "url": "http://127.0.0.1:1", "thinking_switch": "think"}])
+        Config.from_dict({"workers": [{"name": "a", "url": "http://127.0.0.1:1", "thinking_switch": "think"}]})
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "sglang"])

@@ -284,10 +284,10 @@ async def test_a_models_own_sampling_defaults_are_echoed(sim, make_proxy):
     [], {"m": 1}, {"m": {"temperature": 3}}, {"m": {"top_p": "1"}}, {"m": {"seed": 1}}, {"m": {"temperature": True}},
 ])
 def test_sampling_defaults_are_checked_at_start_up(section):
-    from proxy.config.load import ConfigError
-    from proxy.upstream.models import parse_sampling_defaults
+    from proxy.config.load import Config, ConfigError
+    from proxy.upstream.models import sampling_defaults
 
-    with pytest.raises(ConfigError):
-        parse_sampling_defaults(section)
-    assert parse_sampling_defaults({"m": {"temperature": 0, "frequency_penalty": -2}}) == {
-        "m": {"temperature": 0.0, "frequency_penalty": -2.0}}
+    with pytest.raises(ConfigError, match="responses.sampling_defaults"):
+        Config.from_dict({"responses": {"sampling_defaults": section}})
+    given = Config.from_dict({"responses": {"sampling_defaults": {"m": {"temperature": 0, "frequency_penalty": -2}}}})
+    assert sampling_defaults(given.responses.sampling_defaults) == {"m": {"temperature": 0.0, "frequency_penalty": -2.0}}

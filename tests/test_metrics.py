@@ -21,6 +21,7 @@ from proxy.runtime import metrics as proxy_metrics
 from proxy import state
 from proxy.http.forwarder import POOL
 from proxy.state import METRICS
+from proxy.config.load import Config
 from proxy.upstream.workers import WorkerPool, parse_workers
 from tests.test_workers import NO_AUTH, ask, call, dead_url, settings, start_sim, wait_for, worker  # noqa: F401
 
@@ -202,9 +203,9 @@ SEQUENCE = [
 def _observed_app(module) -> tuple[web.Application, Any]:
     """An app with `module`'s Metrics over two workers, after SEQUENCE went through module.observe()."""
     app = web.Application()
-    app[module.METRICS] = found = module.Metrics(WorkerPool(parse_workers([
+    app[module.METRICS] = found = module.Metrics(WorkerPool(parse_workers(Config.from_dict({"workers": [
         {"name": "a", "url": "http://a", "models": ["tiny-model", "big"]},
-        {"name": "b", "url": "http://b", "models": ["tiny-model"], "capacity": 8}])))
+        {"name": "b", "url": "http://b", "models": ["tiny-model"], "capacity": 8}]}).workers)))
     for path, model, status, seconds, outcome in SEQUENCE:
         request = make_mocked_request("POST", path, app=app)
         ctx = state.RequestContext("req_test", "POST", path,
@@ -245,8 +246,8 @@ def test_the_worker_ratio_follows_the_totals():
 
 def test_a_negative_token_count_is_refused_as_before():
     app = web.Application()
-    app[proxy_metrics.METRICS] = found = proxy_metrics.Metrics(WorkerPool(parse_workers([
-        {"name": "a", "url": "http://a", "models": ["tiny-model"]}])))
+    app[proxy_metrics.METRICS] = found = proxy_metrics.Metrics(WorkerPool(parse_workers(Config.from_dict({"workers": [
+        {"name": "a", "url": "http://a", "models": ["tiny-model"]}]}).workers)))
     request = make_mocked_request("POST", "/v1/responses", app=app)
     ctx = state.RequestContext("req_test", "POST", "/v1/responses", translation=SimpleNamespace(upstream_model="tiny-model"),
                                outcome=state.Outcome(status="completed", input_tokens=-1))

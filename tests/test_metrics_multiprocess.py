@@ -151,14 +151,15 @@ def test_the_merged_view_of_one_process_has_the_figures_of_the_plain_one(tmp_pat
 
     from proxy import state
     from proxy.runtime import metrics as proxy_metrics
+    from proxy.config.load import Config
     from proxy.upstream.workers import WorkerPool, parse_workers
     from tests.test_metrics import SEQUENCE
 
     def observed(shared_dir):
         app = web.Application()
-        app[proxy_metrics.METRICS] = found = proxy_metrics.Metrics(WorkerPool(parse_workers([
+        app[proxy_metrics.METRICS] = found = proxy_metrics.Metrics(WorkerPool(parse_workers(Config.from_dict({"workers": [
             {"name": "a", "url": "http://a", "models": ["tiny-model", "big"]},
-            {"name": "b", "url": "http://b", "models": ["tiny-model"], "capacity": 8}])), shared_dir)
+            {"name": "b", "url": "http://b", "models": ["tiny-model"], "capacity": 8}]}).workers)), shared_dir)
         for path, model, status, seconds, outcome in SEQUENCE:
             request = make_mocked_request("POST", path, app=app)
             ctx = state.RequestContext("req_test", "POST", path,

@@ -387,10 +387,10 @@ async def test_tools_alone_drops_without_header(make_proxy, http, sim):
 
 
 def test_sanitize_unit():
-    assert sanitize("a\r\nX-Evil: 1") == "aX-Evil: 1"
-    assert sanitize("caf\u00e9 \x00\x7f\t") == "caf? ???"
+    assert sanitize("a\r\nX-Evil: 1", 2048) == "aX-Evil: 1"
+    assert sanitize("caf\u00e9 \x00\x7f\t", 2048) == "caf? ???"
     assert len(sanitize("x" * 5000, 2048)) == 2048
-    assert header_value(["one", "two", "one", ""]) == "one; two"
+    assert header_value(["one", "two", "one", ""], 2048) == "one; two"
 
 
 async def test_notice_header_sanitised_end_to_end(make_proxy, http, sim):
@@ -730,12 +730,10 @@ async def test_lease_commits_every_lease_commit_ms(make_proxy, http, section, li
 
 @pytest.mark.parametrize("bad", [0, -5, "20", True])
 def test_lease_commit_ms_must_be_a_positive_number(bad):
-    from aiohttp import web
-
-    from proxy.config.load import ConfigError
+    from proxy.config.load import Config, ConfigError
 
     with pytest.raises(ConfigError, match="lease_commit_ms"):
-        balance_mw.create({"lease_commit_ms": bad}, web.Application())
+        Config.from_dict({"balance": {"lease_commit_ms": bad}})
 
 
 async def _usage_count(ledger, key_id, n):

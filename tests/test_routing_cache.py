@@ -12,18 +12,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from proxy.upstream.affinity import AffinityKey, AffinitySettings, key_point, request_key
+from proxy.config import settings as config_settings
 from proxy.errors import APIError
+from proxy.upstream.affinity import AffinityKey, key_point, request_key
 from proxy.protocol.prompt import prompt_bytes
 from proxy.upstream.routing import choose, parse_provider, select
-from proxy.upstream.workers import OutlierPolicy, Worker, WorkerPool
+from proxy.upstream.workers import Worker, WorkerPool
 
 
 def _pool(n: int, **kw) -> WorkerPool:
     return WorkerPool([Worker(name=f"w{i}", url=f"http://w{i}", models=("m",)) for i in range(n)], **kw)
 
 
-KEYS = [AffinityKey("prompt_cache_key", key_point(f"key-{i}".encode(), b"k\x00")) for i in range(200)]
+AFFINITY = config_settings.of("routing.affinity")
+KEYS = [AffinityKey("prompt_cache_key", key_point(f"key-{i}".encode(), b"k\x00"), AFFINITY.epsilon, AFFINITY.vnodes)
+        for i in range(200)]
 
 
 def _chosen(pool: WorkerPool, **kw) -> set[str]:
@@ -67,7 +70,8 @@ def test_a_worker_in_two_pools_moves_both_epochs():
 
 
 def test_ejection_and_readmission_through_choose():
-    pool = _pool(2, outlier=OutlierPolicy(consecutive_failures=1, base_ejection_s=3600, max_ejection_s=3600))
+    pool = _pool(2, outlier=config_settings.of(
+        "health.outlier", {"consecutive_failures": 1, "base_ejection_s": 3600, "max_ejection_s": 3600}))
     assert pool.record_failure(pool.workers[0], "status 500")
     assert {choose(pool, "m", affinity=k).name for k in KEYS} == {"w1"}
     pool.workers[0].ejected_until = 0.0  # the ejection time is over: the next choice re-admits it
@@ -125,7 +129,8 @@ def test_key_point_is_stable_across_processes():
 
 
 def test_request_key_sources():
-    section = AffinitySettings.from_section({"enabled": True, "epsilon": 0.25, "vnodes": 160, "hash_messages": True})
+    section = config_settings.of("routing.affinity", {"enabled": True, "epsilon": 0.25, "vnodes": 160,
+                                                      "hash_messages": True})
     chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
     t = SimpleNamespace(prompt_cache_key="thread-1", conversation=None, chat=chat)
     assert request_key(t, section) == AffinityKey("prompt_cache_key", key_point(b"k\x00thread-1"), 0.25, 160)

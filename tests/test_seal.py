@@ -10,7 +10,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.config.load import ConfigError
+from proxy.config import settings as config_settings
+from proxy.config.load import Config, ConfigError
 from proxy.protocol.seal import PREFIX, Sealer, sealer_from_config
 from tests.sdk_check import check_sequence, parse_sse, validate_response
 from tests.conftest import only
@@ -89,28 +90,34 @@ def test_non_strings_open_to_none(value):
     assert Sealer({"k1": raw(key())}, "k1").unseal(value) is None
 
 
+def _sealer(section: dict):
+    return sealer_from_config(config_settings.of("reasoning_seal", section))
+
+
 def test_config(monkeypatch):
     monkeypatch.delenv("RESPONSES_PROXY_SEAL_KEY", raising=False)
-    assert sealer_from_config({}) is None
-    assert sealer_from_config({"keys": {}, "active": None}) is None
+    assert _sealer({}) is None
+    assert _sealer({"keys": {}, "active": None}) is None
     k1, k2 = key(), key()
-    sealer = sealer_from_config({"keys": {"k1": k1, "k2": k2}, "active": "k2"})
+    sealer = _sealer({"keys": {"k1": k1, "k2": k2}, "active": "k2"})
     assert sealer.active == "k2"
-    assert sealer_from_config({"keys": {"k1": k1}}).active == "k1"  # the first key by default
-    with pytest.raises(ConfigError):
-        sealer_from_config({"keys": {"k1": k1}, "active": "k9"})
-    with pytest.raises(ConfigError):
-        sealer_from_config({"keys": {"k1": base64.urlsafe_b64encode(b"short").decode()}})
-    with pytest.raises(ConfigError):
-        sealer_from_config({"keys": {"k1": "not base64 at all ***"}})
-    with pytest.raises(ConfigError):
-        sealer_from_config({"keys": {"a.b": k1}})
+    assert _sealer({"keys": {"k1": k1}}).active == "k1"  # the first key by default
+    with pytest.raises(ConfigError, match="'k9' is not among the configured keys"):
+        _sealer({"keys": {"k1": k1}, "active": "k9"})
+    with pytest.raises(ConfigError, match="must be 32 bytes"):
+        _sealer({"keys": {"k1": base64.urlsafe_b64encode(b"short").decode()}})
+    with pytest.raises(ConfigError, match="is not base64"):
+        _sealer({"keys": {"k1": "not base64 at all ***"}})
+    with pytest.raises(ConfigError, match="may not contain '.'"):
+        _sealer({"keys": {"a.b": k1}})
+    with pytest.raises(ConfigError, match=r"reasoning_seal\.keys\.k1 must be 32 bytes"):  # refused at load too
+        Config.from_dict({"reasoning_seal": {"keys": {"k1": base64.urlsafe_b64encode(b"short").decode()}}})
 
 
 def test_env_key(monkeypatch):
     k = key()
     monkeypatch.setenv("RESPONSES_PROXY_SEAL_KEY", k)
-    sealer = sealer_from_config({})
+    sealer = _sealer({})
     assert sealer is not None and sealer.active == "env"
     assert Sealer({"env": raw(k)}, "env").unseal(sealer.seal(THOUGHT)) == THOUGHT
 

@@ -17,8 +17,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.config.load import ConfigError
-from proxy.protocol.seal import ANONYMOUS, PREFIX, Sealer, SealExpired, sealer_from_config
+from proxy.config.load import Config, ConfigError
+from proxy.protocol.seal import ANONYMOUS, PREFIX, Sealer, SealExpired
 from tests.test_seal import THOUGHT, WEATHER, first_turn_body, follow_up
 from tests.conftest import only
 
@@ -113,8 +113,8 @@ def test_sealer_binding_and_expiry():
 
 @pytest.mark.parametrize("ttl", [0, -5, "week", True])
 def test_bad_ttl_stops_start_up(ttl):
-    with pytest.raises(ConfigError):
-        sealer_from_config({"keys": {"k1": SEAL_KEY}, "ttl_s": ttl})
+    with pytest.raises(ConfigError, match="reasoning_seal.ttl_s must be a number > 0"):
+        Config.from_dict({"reasoning_seal": {"keys": {"k1": SEAL_KEY}, "ttl_s": ttl}})
 
 
 async def test_without_a_seal_key_encrypted_content_is_named_in_the_notice(sim, make_proxy, monkeypatch):

@@ -13,6 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from proxy.config import settings as config_settings
 from proxy.policy.netguard import ImagePolicy, check_images, verdict_for_address
 
 PUBLIC_ROUTES = {("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens"), ("GET", "/v1/models"),
@@ -52,7 +53,7 @@ REFUSED = [
 @pytest.mark.parametrize("url", REFUSED)
 async def test_private_and_odd_image_urls_are_refused(url):
     with pytest.raises(Exception) as info:
-        await check_images(ImagePolicy({}), {"messages": [{"role": "user", "content": [
+        await check_images(ImagePolicy(config_settings.of("images", {})), {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": url}}]}]})
     assert getattr(info.value, "status", None) == 400 and info.value.code == "image_url_refused"
 
@@ -61,13 +62,13 @@ async def test_public_and_data_urls_pass_and_policy_switches():
     public = {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://8.8.8.8/cat.png"}},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}
-    await check_images(ImagePolicy({}), public)
+    await check_images(ImagePolicy(config_settings.of("images", {})), public)
     private = {"messages": [{"role": "user", "content": [{"type": "image_url",
                                                            "image_url": {"url": "http://10.1.2.3/x.png"}}]}]}
-    await check_images(ImagePolicy({"allow_private": True}), private)
-    await check_images(ImagePolicy({"allow_hosts": ["10.1.2.3"]}), private)
+    await check_images(ImagePolicy(config_settings.of("images", {"allow_private": True})), private)
+    await check_images(ImagePolicy(config_settings.of("images", {"allow_hosts": ["10.1.2.3"]})), private)
     with pytest.raises(Exception):
-        await check_images(ImagePolicy({"allow_hosts": ["images.example.com"]}), public)
+        await check_images(ImagePolicy(config_settings.of("images", {"allow_hosts": ["images.example.com"]})), public)
     assert verdict_for_address("8.8.8.8") is None and verdict_for_address("127.0.0.1")
 
 
@@ -90,7 +91,7 @@ async def test_dns_resolution_does_not_block_the_loop(monkeypatch):
 
     task = asyncio.create_task(ticker())
     with pytest.raises(Exception) as info:
-        await check_images(ImagePolicy({"resolve_timeout_s": 0.3}), {"messages": [{"role": "user", "content": [
+        await check_images(ImagePolicy(config_settings.of("images", {"resolve_timeout_s": 0.3})), {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://slow.example/x.png"}}]}]})
     task.cancel()
     assert info.value.status == 400 and ticks >= 10

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from proxy.http.forwarder import POOL
+from proxy.config import settings as config_settings
 from proxy.upstream.routing import check_context_window, parse_provider
 from proxy.protocol.translate import translate_request
 from proxy.simulator.server import Simulator
@@ -578,6 +579,9 @@ class _NoSession:
         raise AssertionError("unexpected upstream call")
 
 
+FLOOR = config_settings.of("routing").bytes_per_token_floor
+
+
 def _t(chat: dict, window: int = 32768):
     body = {"model": "m", "input": "x"}
     t = translate_request(body)._replace(chat={"model": "m", **chat})
@@ -587,20 +591,20 @@ def _t(chat: dict, window: int = 32768):
 
 async def test_context_check_costs_nothing_when_it_clearly_fits():
     t, w = _t({"messages": [{"role": "user", "content": "hi " * 1000}], "max_tokens": 1000})
-    assert await check_context_window(_NoSession(), w, t, 1000) == ("fits", t)
+    assert await check_context_window(_NoSession(), w, t, 1000, bytes_per_token_floor=FLOOR) == ("fits", t)
 
 
 async def test_context_check_refuses_clearly_over_without_a_call():
     t, w = _t({"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 100}, window=32768)
     with pytest.raises(Exception) as info:
-        await check_context_window(_NoSession(), w, t, 100)
+        await check_context_window(_NoSession(), w, t, 100, bytes_per_token_floor=FLOOR)
     assert info.value.status == 400 and "estimated" in info.value.message and "32768" in info.value.message
 
 
 async def test_context_check_leaves_vllm_uncapped_requests_alone():
     # No max_output_tokens from the client: the cap is the proxy's; vLLM lowers it itself.
     t, w = _t({"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 32768})
-    assert await check_context_window(_NoSession(), w, t, None) == ("fits", t)
+    assert await check_context_window(_NoSession(), w, t, None, bytes_per_token_floor=FLOOR) == ("fits", t)
     assert t.chat["max_tokens"] == 32768
 
 
@@ -608,7 +612,7 @@ async def test_context_check_never_sends_vllm_a_cap_above_its_window():
     # vLLM lowers a cap to the room left, but refuses one above max_model_len: the proxy's own
     # cap (a summary's 2048 on a 1024-token model) goes as the window, vLLM lowers it further.
     t, w = _t({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2048}, window=1024)
-    decision, sent = await check_context_window(_NoSession(), w, t, None)
+    decision, sent = await check_context_window(_NoSession(), w, t, None, bytes_per_token_floor=FLOOR)
     assert decision == "clamped" and sent.chat["max_tokens"] == 1024 and t.chat["max_tokens"] == 2048
 
 
@@ -617,7 +621,7 @@ async def test_context_check_lowers_the_proxys_own_cap_for_sglang():
     # from the size bound, still without an upstream call.
     t, w = _t({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 32768})
     w.dialect = "sglang"
-    decision, sent = await check_context_window(_NoSession(), w, t, None)
+    decision, sent = await check_context_window(_NoSession(), w, t, None, bytes_per_token_floor=FLOOR)
     assert decision == "clamped" and 32768 - 400 < sent.chat["max_tokens"] < 32768
     assert t.chat["max_tokens"] == 32768  # a new Translation: the one the phases made is unchanged
 

@@ -22,26 +22,24 @@ from aiohttp import web
 
 from proxy import state
 from proxy.admin.auth import AdminAuth, guard
-from proxy.config.load import ConfigError
+from proxy.config.rules import admin_prefix
 
 
 def console_off_hint(request: web.Request) -> str:
     """For a 404 under admin.prefix when no console is mounted: why, in one sentence."""
-    section = request.config_dict[state.CONFIG].section("admin")
-    prefix = "/" + str(section.get("prefix", "/admin")).strip("/")
-    if section.get("keys") or not (request.path == prefix or request.path.startswith(prefix + "/")):
+    section = request.config_dict[state.CONFIG].admin
+    prefix = admin_prefix(section)
+    if section.keys or not (request.path == prefix or request.path.startswith(prefix + "/")):
         return ""
     return (" The operator's console is off: no admin.keys are configured (README \"Operator's console\"; "
             "make run prints a demo admin key).")
 
 
-def install(app: web.Application, section: dict[str, Any]) -> web.Application | None:
-    """Mount the console on `app` when admin keys are configured; the sub-app, or None."""
-    if not section.get("keys"):
+def install(app: web.Application, section: Any) -> web.Application | None:
+    """Mount the console on `app` when admin keys are configured (config.admin); the sub-app, or None."""
+    if not section.keys:
         return None
-    prefix = "/" + str(section.get("prefix", "/admin")).strip("/")
-    if prefix == "/" or prefix.startswith("/v1"):
-        raise ConfigError(f"admin.prefix must be a path of its own (e.g. /admin), not {prefix!r}")
+    prefix = admin_prefix(section)
     from proxy.admin import dashboard, openapi, routes
 
     auth = AdminAuth(section)

@@ -43,13 +43,12 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from proxy import state
-from proxy.config.load import ConfigError
+from proxy.config.rules import key_digest
 from proxy.errors import APIError
 from proxy.ledger import SECRET_PREFIX
 
 COOKIE = "rp_admin_session"
 CSRF_HEADER = "X-CSRF-Token"
-_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -149,17 +148,16 @@ class Session:
 class AdminAuth:
     """The admin keys and the session signer of one app."""
 
-    def __init__(self, section: dict[str, Any]) -> None:
-        self.keys = _admin_keys(section.get("keys") or [])
+    def __init__(self, section: Any) -> None:
+        """config.yaml `admin` (config.admin; its keys and secret checked at load, proxy.config.rules)."""
+        self.keys = [(entry.name, key_digest(_given(entry), f"admin.keys[{i}]", 16))
+                     for i, entry in enumerate(section.keys)]
         self.prefix = "/admin"  # set by proxy.admin.install
         self.logged_out: dict[str, float] = {}  # session id -> its expiry: refused until then
-        self.ttl = int(section.get("session_ttl_s", 28800))
-        self.secure = bool(section.get("cookie_secure", False))
-        self.throttle = LoginThrottle(float(section.get("login_failures_per_min", 10)),
-                                      int(section.get("login_failure_burst", 10)))
-        secret = section.get("session_secret")
-        if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
-            raise ConfigError("admin.session_secret must be at least 16 characters (is its variable set?)")
+        self.ttl = section.session_ttl_s
+        self.secure = section.cookie_secure
+        self.throttle = LoginThrottle(float(section.login_failures_per_min), section.login_failure_burst)
+        secret = section.session_secret
         self._signing = hashlib.sha256(b"responses-proxy admin session\0" + (
             secret.encode() if secret else secrets.token_bytes(32))).digest()
 
@@ -243,28 +241,8 @@ class AdminAuth:
         response.del_cookie(COOKIE, path=prefix)
 
 
-def _admin_keys(raw: list[Any]) -> list[tuple[str, bytes]]:
-    out: list[tuple[str, bytes]] = []
-    for i, entry in enumerate(raw):
-        where = f"admin.keys[{i}]"
-        name = entry.get("name")
-        if any(name == seen for seen, _ in out):
-            raise ConfigError(f"{where}: duplicate admin key name {name!r}")
-        if ("sha256" in entry) == ("key" in entry):
-            raise ConfigError(f"{where} ({name}) needs exactly one of sha256 or key")
-        if "sha256" in entry:
-            digest = entry["sha256"]
-            if not isinstance(digest, str) or not _HEX64.match(digest):
-                raise ConfigError(f"{where} ({name}): sha256 must be 64 hex digits")
-            out.append((name, bytes.fromhex(digest)))
-            continue
-        secret = entry["key"]
-        if not isinstance(secret, str) or len(secret) < 16 or not _TOKEN.match(secret):
-            # "${ENV}" of an unset variable expands to None; never print the value itself.
-            raise ConfigError(f"{where} ({name}): key must be at least 16 printable characters "
-                              "(is its environment variable set?)")
-        out.append((name, hashlib.sha256(secret.encode()).digest()))
-    return out
+def _given(entry: Any) -> dict[str, Any]:
+    return {"name": entry.name, **({"sha256": entry.sha256} if entry.sha256 is not None else {"key": entry.key})}
 
 
 def _same_origin(request: web.Request) -> bool:

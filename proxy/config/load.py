@@ -1,10 +1,13 @@
 """Configuration: config.yaml deep-merged over the embedded defaults, then checked.
 
 The defaults alone run a working proxy (the built-in simulator as the upstream, the
-SQLite ledger, and, with no file at all, a demo key). Each subsystem reads its own
-section; a middleware's factory gets `config.section(name)`. The merged result is
-checked against proxy/config/schema.py before anything starts: an unknown key, a wrong
-type or an unset `${NAME}` is a ConfigError naming the key's path.
+SQLite ledger, and, with no file at all, a demo key). The merged result is checked against
+proxy/config/schema.py and the rules across keys (proxy/config/rules.py) before anything
+starts: an unknown key, a wrong type, a broken rule or an unset `${NAME}` is a ConfigError
+naming the key's path. Then it is read once into the typed settings
+(proxy/config/settings.py): each subsystem gets its section as a frozen object
+(`config.balance`, `config.routing.affinity`); an operator's own middleware gets its
+free-form section as written (`config.get(name)`).
 """
 
 from __future__ import annotations
@@ -13,21 +16,17 @@ import copy
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from proxy.config import schema
-from proxy.config.types import EnvStr
+from proxy.config import rules, schema, settings
+from proxy.config.types import ConfigError, EnvStr
 
 # The embedded configuration: every default of the schema (proxy/config/schema.py).
 DEFAULTS: dict[str, Any] = schema.defaults()
 
 _ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
-
-
-class ConfigError(Exception):
-    """A configuration that cannot run; start-up prints it as one line and exits."""
 
 
 def _merge(base: Any, override: Any) -> Any:
@@ -65,10 +64,33 @@ def _expand_env(value: Any, path: str = "") -> Any:
 
 
 class Config:
+    """The checked configuration: `data` as merged (plain values), `settings` typed from it.
+
+    A section's settings are attributes (`config.balance`); `update` is the one way a value
+    changes after the load (what serve makes at start: local keys, the demo key switch)."""
+
     def __init__(self, data: dict[str, Any], path: Path | None = None) -> None:
         self.data = data
         self.path = path
+        self._typed(settings.build(data))
         self.local_keys: Any = None  # what serve made at start (proxy/runtime/local_keys.py)
+
+    if TYPE_CHECKING:  # the sections are set per instance (_typed): a type checker sees them as Any
+        def __getattr__(self, name: str) -> Any: ...
+
+    def _typed(self, root: Any) -> None:
+        # Each section an instance attribute: a request reads config.routing as a plain attribute.
+        self.settings = root
+        for name in root.__dataclass_fields__:
+            setattr(self, name, getattr(root, name))
+
+    def update(self, name: str, **values: Any) -> None:
+        """Set keys of section `name`, checked as at the load (ConfigError naming the key)."""
+        data = {**self.data, name: {**self.data[name], **values}}
+        data[name] = schema.SCHEMA.keys[name].type.check(data[name], name)  # SchemaError is a ConfigError
+        rules.check(data)
+        self.data = data
+        self._typed(settings.build(data))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
@@ -91,6 +113,7 @@ class Config:
             if overrides:
                 data = _merge(data, _expand_env(overrides))
             data = schema.validate(data)
+            rules.check(data)
         except schema.SchemaError as exc:
             raise ConfigError(f"{where}{exc}") from None
         return cls(data, file_path)
@@ -98,14 +121,6 @@ class Config:
     @classmethod
     def from_dict(cls, overrides: dict[str, Any]) -> Config:
         return cls.load(None, overrides)
-
-    def section(self, name: str) -> dict[str, Any]:
-        value = self.data.get(name)
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"config section {name!r} must be a mapping")
-        return value
 
     def __getitem__(self, name: str) -> Any:
         return self.data[name]

@@ -8,12 +8,13 @@ Three things come from it, so they cannot disagree:
     (`responses-proxy config reference`; tests/test_config_schema.py keeps them equal).
 
 `F(type, default, doc)` is a key with an embedded default. `Opt(type, default, doc)` is a
-key whose default lives in the code that reads it: known and checked, shown commented out
-in the reference, left out of DEFAULTS (so the reading module's default stays the one in
-force). Adding a key is one line in its section below.
+key shown commented out in the reference and left out of DEFAULTS; its default is in force
+all the same. Adding a key is one line in its section below: the typed settings the modules
+read (proxy/config/settings.py) are made from it, and the rules that span keys are in
+proxy/config/rules.py.
 
 Sections of custom middlewares ("package.module:factory", named under `middlewares`) are
-free-form: their factory checks them.
+free-form: their factory gets them as written and checks them.
 """
 
 from __future__ import annotations
@@ -250,7 +251,8 @@ The model server's other APIs, each through the same keys, limits and ledger as 
                                           "websocket_queue_full and the socket closes"),
         "max_queued_bytes": F(POS_INT, 8 * 1024 * 1024, "bytes of those messages (as inflated); past it, the same"),
         "max_message_bytes": Opt(POS_INT, 8 * 1024 * 1024, "one message, bounded while permessage-deflate inflates it "
-                                                           "(default: server.max_body_bytes)"),
+                                                           "(default: server.max_body_bytes)",
+                                 default_from="server.max_body_bytes"),
         "max_sockets_per_key": F(Nullable(POS_INT), 16, "open sockets of one key in this process; past it the "
                                                         "handshake gets 429 too_many_connections"),
         "max_sockets": F(Nullable(POS_INT), 1024, "open sockets in all in this process; past it, the same"),

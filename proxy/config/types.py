@@ -1,8 +1,8 @@
 """The type system of config.yaml's schema (proxy/config/schema.py holds the schema itself).
 
 A `Type` checks one value and names what it expects; `Section` is a mapping of `Key`s
-(made by `F`, a key with an embedded default, or `Opt`, one whose default lives in the
-code that reads it) and is itself a `Type`, so sections nest and lists of sections
+(made by `F`, a key with an embedded default, or `Opt`, one left out of the embedded
+configuration and shown commented out in the reference) and is itself a `Type`, so sections nest and lists of sections
 (`ListOf(Section(...))`) describe the workers and keys.
 """
 
@@ -18,7 +18,11 @@ REQUIRED = object()  # a key every entry must set (workers[i].name)
 OMIT = object()  # no default to show: absent means "off" to the code that reads it
 
 
-class SchemaError(Exception):
+class ConfigError(Exception):
+    """A configuration that cannot run; start-up prints it as one line and exits."""
+
+
+class SchemaError(ConfigError):
     """One configuration mistake; the message names the key's path."""
 
 
@@ -261,16 +265,17 @@ class Key:
     type: Type
     default: Any
     doc: str
-    embedded: bool = True  # False: the default lives in the reading module (Opt)
+    embedded: bool = True  # False: left out of the embedded configuration, shown commented out (Opt)
     note: str = ""  # comment lines shown above the key in the reference
+    default_from: str = ""  # left out: the value of this other key ("server.max_body_bytes")
 
 
 def F(type_: Type, default: Any, doc: str = "", note: str = "") -> Key:
     return Key(type_, default, doc, True, note)
 
 
-def Opt(type_: Type, default: Any, doc: str = "", note: str = "") -> Key:
-    return Key(type_, default, doc, False, note)
+def Opt(type_: Type, default: Any, doc: str = "", note: str = "", default_from: str = "") -> Key:
+    return Key(type_, default, doc, False, note, default_from)
 
 
 @dataclass(frozen=True)

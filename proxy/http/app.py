@@ -19,11 +19,11 @@ from proxy.errors import APIError
 from proxy.http.anthropic_errors import dress
 from proxy.http.compact import CompactSettings
 from proxy.http.errors import ERROR_CODE, error_response, ledger_unavailable
-from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, ResponseSettings, refusal_as_event
+from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, refusal_as_event
 from proxy.http.parse_errors import HeadLimits
 from proxy.http.routes import add_routes, unit_for
 from proxy.http.turn import refuse_other_answers
-from proxy.http.websocket import SocketAdmission, WebSocketSettings
+from proxy.http.websocket import SocketAdmission
 from proxy.ledger.base import LedgerUnavailable
 from proxy.policy.netguard import ImagePolicy
 from proxy.protocol.ids import random_bits
@@ -32,7 +32,6 @@ from proxy.runtime import metrics
 from proxy.runtime.logs import access, log
 from proxy.runtime.refusals import Refusals, is_refusal
 from proxy.state import (
-    AFFINITY,
     CONTEXT,
     IMAGE_POLICY,
     PHASES,
@@ -42,12 +41,10 @@ from proxy.state import (
     TURN,
     RequestContext,
 )
-from proxy.upstream.affinity import AffinitySettings
 from proxy.upstream.client import UpstreamPool
-from proxy.upstream.health import HealthSettings, Readiness, health_context
-from proxy.upstream.models import parse_sampling_defaults
-from proxy.upstream.routing import validate_settings as validate_routing
-from proxy.upstream.workers import OutlierPolicy, WorkerPool, parse_workers
+from proxy.upstream.health import Readiness, health_context
+from proxy.upstream.models import sampling_defaults
+from proxy.upstream.workers import WorkerPool, parse_workers
 
 LEDGER = state.LEDGER
 
@@ -252,16 +249,15 @@ async def _embedded_simulator(app: web.Application) -> AsyncIterator[None]:
         return
     from proxy.simulator.server import Simulator
 
-    sim_cfg = app[state.CONFIG].section("simulator")
-    models = sorted({m for w in embedded for m in w.models} or {sim_cfg.get("model", "tiny-org/tiny-model")})
-    simulator = Simulator(dialect=sim_cfg.get("dialect", "vllm"), models=tuple(models),
-                          max_model_len=int(sim_cfg.get("max_model_len", 32768)),
-                          host=sim_cfg.get("host", "127.0.0.1"), port=int(sim_cfg.get("port", 0)))
+    sim_cfg = app[state.CONFIG].simulator
+    models = sorted({m for w in embedded for m in w.models} or {sim_cfg.model})
+    simulator = Simulator(dialect=sim_cfg.dialect, models=tuple(models), max_model_len=sim_cfg.max_model_len,
+                          host=sim_cfg.host, port=sim_cfg.port)
     await simulator.start()
     for worker in embedded:
         worker.url = simulator.url
         worker.models = tuple(worker.models or models)
-        worker.max_model_len = {m: int(sim_cfg.get("max_model_len", 32768)) for m in worker.models}
+        worker.max_model_len = dict.fromkeys(worker.models, sim_cfg.max_model_len)
     log.info("embedded simulator", url=simulator.url, models=models)
     try:
         yield
@@ -270,8 +266,8 @@ async def _embedded_simulator(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _ledger(app: web.Application) -> AsyncIterator[None]:
-    section = app[state.CONFIG].section("ledger")
-    if section.get("backend", "sqlite") == "none":
+    section = app[state.CONFIG].ledger
+    if section.backend == "none":
         yield
         return
     from proxy.ledger import LedgerUnavailable, open_ledger
@@ -284,7 +280,7 @@ async def _ledger(app: web.Application) -> AsyncIterator[None]:
         await ledger.expire_holds()
     except LedgerUnavailable:  # a database that is down at start: 503s until it is back
         pass
-    interval = float(section.get("expire_interval_s", 30))
+    interval = section.expire_interval_s
 
     async def expire_forever() -> None:
         while True:
@@ -306,13 +302,13 @@ async def _ledger(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(config: Config) -> web.Application:
     """Build the whole app; raises ConfigError for anything that cannot run."""
-    server = config.section("server")
+    server = config.server
     # handler_args reach every runner (cli, tests): the header limits (aiohttp refuses an
     # oversize request line or header line with a 400 before any middleware runs).
-    app = web.Application(client_max_size=int(server["max_body_bytes"]) + 1, handler_args={
-        "max_line_size": int(server.get("max_line_size", 8190)),
-        "max_field_size": int(server.get("max_field_size", 8190)),
-        "max_headers": int(server.get("max_headers", 128)),
+    app = web.Application(client_max_size=server.max_body_bytes + 1, handler_args={
+        "max_line_size": server.max_line_size,
+        "max_field_size": server.max_field_size,
+        "max_headers": server.max_headers,
         # Request bodies are decoded by proxy/http/request.py alone (gzip, deflate, zstd, bounded by
         # max_body_bytes): aiohttp's own decoding would run first, so a gzip body was decoded
         # twice (400) and a zstd body refused outright without backports.zstd.
@@ -320,17 +316,11 @@ def build_app(config: Config) -> web.Application:
     })
     app[state.CONFIG] = config
     # The bounds on a whole head (bytes, time): applied by ProxyRunner's connections (parse_errors).
-    app[state.HEAD_LIMITS] = HeadLimits(int(server["max_header_bytes"]),
-                                        float(server["header_read_timeout_s"]))
-    app[IMAGE_POLICY] = ImagePolicy(config.section("images"))
-    health = config.section("health")
-    HealthSettings.from_section(health)  # a bad section stops start-up here, not in the checker
-    validate_routing(config.section("routing"))
-    app[AFFINITY] = AffinitySettings.from_section(config.section("routing").get("affinity"))
-    app[POOL] = WorkerPool(parse_workers(config.get("workers")),
-                           outlier=OutlierPolicy.from_section(health.get("outlier")))
-    app[RESPONSE_SETTINGS] = ResponseSettings.from_section(config.section("responses"))
-    app[SAMPLING_DEFAULTS] = parse_sampling_defaults(config.section("responses").get("sampling_defaults"))
+    app[state.HEAD_LIMITS] = HeadLimits(server.max_header_bytes, server.header_read_timeout_s)
+    app[IMAGE_POLICY] = ImagePolicy(config.images)
+    app[POOL] = WorkerPool(parse_workers(config.workers), outlier=config.health.outlier)
+    app[RESPONSE_SETTINGS] = config.responses
+    app[SAMPLING_DEFAULTS] = sampling_defaults(config.responses.sampling_defaults)
     # Resources first: middleware factories may add their own contexts that need these.
     app.cleanup_ctx.append(_client_session(app))
     app.cleanup_ctx.append(_embedded_simulator)
@@ -338,7 +328,7 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_ledger)
     from proxy.protocol.seal import sealer_from_config
 
-    sealer = sealer_from_config(config.section("reasoning_seal"))
+    sealer = sealer_from_config(config.reasoning_seal)
     if sealer is not None:
         app[state.SEALER] = sealer
     phases = app[PHASES] = build_phases(config, app)
@@ -346,9 +336,8 @@ def build_app(config: Config) -> web.Application:
     # Before _add_request_id: a turn's foreign answer is refused while it is not started yet.
     app.on_response_prepare.append(refuse_other_answers)
     app.on_response_prepare.append(_add_request_id)
-    app[state.WEBSOCKET_SETTINGS] = WebSocketSettings.from_config(config.section("websocket"), server)
-    app[state.SOCKETS] = SocketAdmission(app[state.WEBSOCKET_SETTINGS])
-    app[state.COMPACT_SETTINGS] = CompactSettings.from_section(config.section("compact"), config.section("stateless"))
+    app[state.SOCKETS] = SocketAdmission(config.websocket)
+    app[state.COMPACT_SETTINGS] = CompactSettings.of(config)
     app[READINESS] = Readiness(app[POOL], LEDGER)
     add_routes(app)  # every API route, its handler and its unit of work: proxy.http.routes
     refusals = app[state.REFUSALS] = Refusals(metrics.multiprocess_dir())
@@ -359,8 +348,8 @@ def build_app(config: Config) -> web.Application:
     app.on_cleanup.append(close_refusals)
     from proxy.admin import install as install_admin
 
-    install_admin(app, config.section("admin"))
-    metrics.install(app, app[POOL], config.section("metrics"))
+    install_admin(app, config.admin)
+    metrics.install(app, app[POOL], config.metrics)
     app.on_startup.append(_freeze_heap)
     return app
 

@@ -33,8 +33,6 @@ from proxy.http.turn import run_turn
 from proxy.http.units import COMPACT_SUMMARY, UNBILLED_BODY
 from proxy.policy.rules import apply_stateless, previous_response_mode
 from proxy.protocol.compaction import (
-    DEFAULT_INSTRUCTIONS,
-    DEFAULT_MAX_SUMMARY_TOKENS,
     TRIGGER,
     SummaryAsk,
     compaction_of,
@@ -50,17 +48,17 @@ _ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0, "
 
 @dataclass(frozen=True)
 class CompactSettings:
-    keep_recent_items: int = 8
-    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
-    instructions: str = DEFAULT_INSTRUCTIONS
-    previous_response_id: str = "refuse"  # the operator's stateless policy (proxy.policy.rules)
+    keep_recent_items: int
+    max_summary_tokens: int
+    instructions: str
+    previous_response_id: str  # the operator's stateless policy (proxy.policy.rules)
 
     @classmethod
-    def from_section(cls, section: dict[str, Any], stateless: dict[str, Any] | None = None) -> CompactSettings:
-        return cls(keep_recent_items=int(section.get("keep_recent_items", cls.keep_recent_items)),
-                   max_summary_tokens=int(section.get("max_summary_tokens", cls.max_summary_tokens)),
-                   instructions=str(section.get("instructions") or cls.instructions),
-                   previous_response_id=previous_response_mode(stateless or {}))
+    def of(cls, config: Any) -> CompactSettings:
+        """config.yaml `compact`, with what `stateless` says of previous_response_id."""
+        compact = config.compact
+        return cls(keep_recent_items=compact.keep_recent_items, max_summary_tokens=compact.max_summary_tokens,
+                   instructions=compact.instructions, previous_response_id=previous_response_mode(config.stateless))
 
     @property
     def ask(self) -> SummaryAsk:
@@ -133,7 +131,7 @@ def _as_it_is(request: web.Request, kept: list[Any]) -> web.Response:
     a small compressed body must not buy an answer of server.max_body_bytes."""
     answer = orjson.dumps({"id": f"resp_{random_bits(128):032x}", "object": "response.compaction",
                            "created_at": int(time.time()), "output": kept, "usage": _ZERO_USAGE})
-    limit = int(request.app[state.CONFIG].section("server")[UNBILLED_BODY])
+    limit = getattr(request.app[state.CONFIG].server, UNBILLED_BODY)
     if len(answer) > limit:
         raise APIError(413, f"A window with nothing to summarize is answered free of charge up to {limit} bytes; "
                             "this one is larger.", code="request_too_large")
@@ -142,7 +140,7 @@ def _as_it_is(request: web.Request, kept: list[Any]) -> web.Response:
 
 async def compact_handler(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    settings = request.app.get(state.COMPACT_SETTINGS) or CompactSettings()
+    settings = request.app[state.COMPACT_SETTINGS]
     items = _window(body, settings)
     _check_model(request, body["model"])
     if request.app.get(state.SEALER) is None:

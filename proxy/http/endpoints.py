@@ -45,7 +45,7 @@ async def input_tokens_handler(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     tried: list[Worker] = []
     last: TokenCountError | None = None
-    for _ in range(int(request.app[state.CONFIG].section("routing").get("max_attempts", 3))):
+    for _ in range(request.app[state.CONFIG].routing.max_attempts):
         try:
             worker = choose(pool, t.upstream_model, exclude=tried, prefs=prefs,
                             params=request_parameters(t.chat), need_capacity=False)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -34,7 +33,7 @@ from proxy.protocol.seal import binding
 from proxy.protocol.translate import Translation
 from proxy.runtime.logs import log
 from proxy.state import POOL, RESPONSE_SETTINGS, SEALER, SESSION, UPSTREAMS, RequestContext
-from proxy.upstream.affinity import AffinitySettings, request_key
+from proxy.upstream.affinity import request_key
 from proxy.upstream.client import (
     BadResponse,
     ConnectFailed,
@@ -54,7 +53,6 @@ from proxy.upstream.routing import (
 )
 from proxy.upstream.workers import Worker
 
-MAX_ATTEMPTS = 3
 STREAM_END_GRACE_S = 1.0  # after [DONE], how long the last chunk of a stream may take to keep its connection
 
 
@@ -108,23 +106,8 @@ def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _
     return _Retryable(worker, f"status {status}", final)
 
 
-@dataclass(frozen=True)
-class ResponseSettings:
-    """config.yaml `responses`, read once when the app is built (not on every request)."""
-
-    ai_markers: bool = True
-    ai_notice: str = "[AI-generated content]"
-    reasoning_items: bool = True
-    reasoning_in_clear: bool = True
-
-    @classmethod
-    def from_section(cls, section: dict) -> ResponseSettings:
-        return cls(bool(section.get("ai_markers", True)), str(section.get("ai_notice", "[AI-generated content]")),
-                   bool(section.get("reasoning_items", True)), bool(section.get("reasoning_in_clear", True)))
-
-
 def _response_context(app: web.Application, ctx: RequestContext, t: Translation) -> ResponseContext:
-    settings = app[RESPONSE_SETTINGS]
+    settings = app[RESPONSE_SETTINGS]  # config.responses
     sealer = app.get(SEALER)
     return ResponseContext(
         response_id="resp_" + ctx.request_id.removeprefix("req_"),
@@ -186,14 +169,11 @@ async def forward(request: web.Request, ctx: RequestContext) -> web.StreamRespon
     params = request_parameters(t.chat)
     app = request.app
     pool = app[POOL]
-    routing_cfg = app[state.CONFIG].section("routing")
-    settings = app.get(state.AFFINITY)
-    if settings is None:  # an app not made by proxy.http.app.build_app
-        settings = AffinitySettings.from_section(routing_cfg.get("affinity"))
-    affinity = request_key(t, settings)  # prompt-cache affinity (proxy.upstream.affinity)
+    routing = app[state.CONFIG].routing
+    affinity = request_key(t, routing.affinity)  # prompt-cache affinity (proxy.upstream.affinity)
     out = ctx.started_outcome()
     rctx = _response_context(app, ctx, t)
-    attempts = 1 if prefs is not None and prefs.single_attempt else int(routing_cfg.get("max_attempts", MAX_ATTEMPTS))
+    attempts = 1 if prefs is not None and prefs.single_attempt else routing.max_attempts
     tried: list[Worker] = []
     last: _Retryable | None = None
     sent = t  # what goes upstream: the context check may lower its max_tokens (a new Translation)
@@ -210,10 +190,9 @@ async def forward(request: web.Request, ctx: RequestContext) -> web.StreamRespon
                      request_id=ctx.request_id)
         worker.in_flight += 1  # taken before any await: capacity is never over-committed
         try:
-            if not tried and routing_cfg.get("context_check", True):
-                floor = float(routing_cfg.get("bytes_per_token_floor", 16))
+            if not tried and routing.context_check:
                 _, sent = await check_context_window(app[SESSION], worker, t, body.get("max_output_tokens"),
-                                                     bytes_per_token_floor=floor)
+                                                     bytes_per_token_floor=routing.bytes_per_token_floor)
             return await _forward(request, ctx, worker, sent, rctx, out)
         except _Retryable as exc:
             tried.append(worker)

@@ -25,7 +25,6 @@ from proxy import state
 from proxy.errors import APIError
 from proxy.http.forwarder import (
     _SSE_HEADERS,
-    MAX_ATTEMPTS,
     MAX_ERROR_BODY,
     MAX_JSON_BODY,
     _check_stream_start,
@@ -42,7 +41,7 @@ from proxy.policy.netguard import ImagePolicy, check_images
 from proxy.protocol.chat_usage import SSEScanner, json_usage
 from proxy.protocol.passthrough import ANTHROPIC, Passthrough, build
 from proxy.runtime.logs import log
-from proxy.upstream.affinity import AffinitySettings, request_key
+from proxy.upstream.affinity import request_key
 from proxy.upstream.client import BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected
 from proxy.upstream.routing import check_context_window, choose
 from proxy.upstream.workers import Worker
@@ -56,14 +55,14 @@ def policy_for(app: web.Application) -> ImagePolicy:
     """The app's image-URL policy (built once by build_app; built here from config otherwise)."""
     policy = app.get(state.IMAGE_POLICY)
     if policy is None:
-        policy = ImagePolicy(app[state.CONFIG].section("images"))
+        policy = ImagePolicy(app[state.CONFIG].images)
     return policy
 
 
 async def passthrough_translate(app: web.Application, ctx: state.RequestContext, body: dict) -> Passthrough:
     family = ctx.unit.family
     switch = SWITCHES[family]
-    if not app[state.CONFIG].section("endpoints").get(switch, True):
+    if not getattr(app[state.CONFIG].endpoints, switch):
         raise APIError(404, f"{ctx.path} is turned off on this proxy (endpoints.{switch}).", code="endpoint_disabled")
     pool = app.get(state.POOL)
     t = build(family, body, pool.serves if pool is not None else None)
@@ -96,11 +95,10 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
     t: Passthrough = ctx.translation
     app = request.app
     pool = app[state.POOL]
-    routing_cfg = app[state.CONFIG].section("routing")
-    settings = app.get(state.AFFINITY) or AffinitySettings.from_section(routing_cfg.get("affinity"))
-    affinity = request_key(t, settings)
+    routing = app[state.CONFIG].routing
+    affinity = request_key(t, routing.affinity)
     out = ctx.started_outcome()
-    attempts = int(routing_cfg.get("max_attempts", MAX_ATTEMPTS))
+    attempts = routing.max_attempts
     tried: list[Worker] = []
     last: _Retryable | None = None
     sent = t
@@ -116,10 +114,9 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
             log.info("failover", worker=last.worker.name, to=worker.name, reason=str(last), request_id=ctx.request_id)
         worker.in_flight += 1
         try:
-            if not tried and routing_cfg.get("context_check", True) and "max_tokens" in t.chat:
-                floor = float(routing_cfg.get("bytes_per_token_floor", 16))
+            if not tried and routing.context_check and "max_tokens" in t.chat:
                 _, sent = await check_context_window(app[state.SESSION], worker, t, t.max_output_tokens,
-                                                     bytes_per_token_floor=floor)
+                                                     bytes_per_token_floor=routing.bytes_per_token_floor)
             return await _forward(request, ctx, worker, sent, out)
         except _Retryable as exc:
             tried.append(worker)

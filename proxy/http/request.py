@@ -21,7 +21,6 @@ from proxy.errors import APIError, bad_request
 from proxy.http.passthrough import passthrough_translate, policy_for
 from proxy.http.units import BODY, MODELS, SIZES, TRANSLATE
 from proxy.policy.netguard import check_images
-from proxy.protocol.compaction import SummaryAsk
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, translate_request
 from proxy.state import SAMPLING_DEFAULTS, SEALER, RequestContext
@@ -32,8 +31,8 @@ except ImportError:  # pragma: no cover
     zstandard = None  # type: ignore[assignment]  # checked before each use
 
 
-def _limits(request: web.Request) -> dict[str, Any]:
-    return request.app[state.CONFIG].section("server")
+def _limits(request: web.Request) -> Any:
+    return request.app[state.CONFIG].server  # config.yaml `server`: the bounds on a request
 
 
 def _too_large(limit: int) -> APIError:
@@ -152,11 +151,11 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     body = ctx.body
     if body is None:
         limits = _limits(request)
-        body = ctx.body = await _read_body(request, limits, int(limits[ctx.unit.body_limit]))
+        body = ctx.body = await _read_body(request, limits, getattr(limits, ctx.unit.body_limit))
     return body
 
 
-async def _read_raw(request: web.Request, limits: dict[str, Any], limit: int) -> bytes:
+async def _read_raw(request: web.Request, limits: Any, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise _unread(request, _too_large(limit))
     content = request.content
@@ -165,7 +164,7 @@ async def _read_raw(request: web.Request, limits: dict[str, Any], limit: int) ->
         # it without a timer or an await; the same bytes the loop below would read.
         return content.read_nowait(limit + 1)
     try:
-        async with asyncio.timeout(float(limits["body_read_timeout"])):
+        async with asyncio.timeout(limits.body_read_timeout):
             # read(n) returns what has arrived so far, not n bytes: loop to the end of the body.
             buf = bytearray()
             while len(buf) <= limit:
@@ -181,7 +180,7 @@ async def _read_raw(request: web.Request, limits: dict[str, Any], limit: int) ->
         raise _unread(request, _too_large(limit)) from None
 
 
-async def _read_body(request: web.Request, limits: dict[str, Any], limit: int) -> dict[str, Any]:
+async def _read_body(request: web.Request, limits: Any, limit: int) -> dict[str, Any]:
     turn = request.get(state.TURN)
     if turn is not None:  # a transport's turn: its body is in memory, not on the connection
         raw = turn.body
@@ -202,11 +201,11 @@ async def _read_body(request: web.Request, limits: dict[str, Any], limit: int) -
         raise bad_request(f"The request body is not valid JSON: {exc.msg}.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    depth = int(limits["max_json_depth"])
+    depth = limits.max_json_depth
     # Every nesting level opens with its own { or [, so a body with no more of them than the
     # limit cannot nest deeper than it: the walk is only for the rest.
     if raw.count(b"{") + raw.count(b"[") > depth and not _depth_ok(body, depth):
-        raise bad_request(f"The request body nests deeper than {limits['max_json_depth']} levels.", code="too_deep")
+        raise bad_request(f"The request body nests deeper than {limits.max_json_depth} levels.", code="too_deep")
     return body
 
 
@@ -223,16 +222,16 @@ def _check_model(ctx: RequestContext, body: dict[str, Any], pool: Any) -> None:
                        code="model_not_allowed", param="model")
 
 
-def _check_sizes(body: dict[str, Any], limits: dict[str, Any], items: str = "input") -> None:
+def _check_sizes(body: dict[str, Any], limits: Any, items: str = "input") -> None:
     # Before translating: a hostile body should cost a len(), not a translation.
-    if isinstance(body.get(items), list) and len(body[items]) > int(limits["max_input_items"]):
-        raise bad_request(f"{items} has more than {limits['max_input_items']} items.", param=items,
+    if isinstance(body.get(items), list) and len(body[items]) > limits.max_input_items:
+        raise bad_request(f"{items} has more than {limits.max_input_items} items.", param=items,
                           code="too_many_items")
-    if isinstance(body.get("tools"), list) and len(body["tools"]) > int(limits["max_tools"]):
-        raise bad_request(f"More than {limits['max_tools']} tools.", param="tools", code="too_many_tools")
+    if isinstance(body.get("tools"), list) and len(body["tools"]) > limits.max_tools:
+        raise bad_request(f"More than {limits.max_tools} tools.", param="tools", code="too_many_tools")
 
 
-def _decoded_turn(request: web.Request, ctx: RequestContext, limits: dict[str, Any], body: dict[str, Any]) -> dict:
+def _decoded_turn(request: web.Request, ctx: RequestContext, limits: Any, body: dict[str, Any]) -> dict:
     """A transport's message -> the request body it stands for (proxy.http.turn.Turn.decode), and
     the unit it asks for: one of the turn's declared variants (a warm-up), with that variant's
     handler and body bound."""
@@ -245,7 +244,7 @@ def _decoded_turn(request: web.Request, ctx: RequestContext, limits: dict[str, A
             raise RuntimeError(f"{unit.name} is not a variant of {ctx.unit.name}")
         ctx.unit = unit
         ctx.endpoint = turn.handlers.get(unit, ctx.endpoint)
-        limit = int(limits[unit.body_limit])
+        limit = getattr(limits, unit.body_limit)
         if len(turn.body) > limit:
             raise _too_large(limit)
     return body
@@ -265,7 +264,7 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
         limits = _limits(request)
         body = ctx.body
         if body is None:  # read once: a custom middleware may have read it (read_json) already
-            body = await _read_body(request, limits, int(limits[ctx.unit.body_limit]))
+            body = await _read_body(request, limits, getattr(limits, ctx.unit.body_limit))
         body = ctx.body = _decoded_turn(request, ctx, limits, body)
         phases = ctx.unit.phases
         if SIZES in phases:
@@ -281,11 +280,11 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
                 body = check(ctx, body)
             ctx.body = body
             sealer = app.get(SEALER)
-            compact = app.get(state.COMPACT_SETTINGS)
+            compact = app[state.COMPACT_SETTINGS]
             options = TranslateOptions(unseal=sealer.bound(binding(ctx.key))[1] if sealer is not None else None,
                                        served=pool.serves if pool is not None else None,
                                        sampling_defaults=app.get(SAMPLING_DEFAULTS),
-                                       compaction=None if sealer is None else compact.ask if compact else SummaryAsk())
+                                       compaction=None if sealer is None else compact.ask)
             result = translate_request(body, options)
             # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
             await check_images(policy_for(app), result.chat)

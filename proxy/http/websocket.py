@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections import deque
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -66,43 +65,11 @@ _CLOSED = object()  # the queue's end: the peer closed, or the socket failed
 _CONTROL = (WSMsgType.PING, WSMsgType.PONG)
 
 
-@dataclass(frozen=True)
-class WebSocketSettings:
-    enabled: bool = True
-    max_connection_s: float = 3600.0
-    idle_timeout_s: float = 600.0
-    ping_interval_s: float | None = 30.0
-    max_queued_turns: int = 4
-    max_message_bytes: int = 8 * 1024 * 1024
-    max_queued_bytes: int = 8 * 1024 * 1024
-    max_sockets: int | None = 1024
-    max_sockets_per_key: int | None = 16
-    max_control_frames_per_s: float = 10.0
-    permessage_deflate: bool = True
-
-    @classmethod
-    def from_config(cls, section: dict[str, Any], server: dict[str, Any]) -> WebSocketSettings:
-        ping = section.get("ping_interval_s", 30)
-        max_body = int(server.get("max_body_bytes", cls.max_message_bytes))
-        return cls(enabled=bool(section.get("enabled", True)),
-                   max_connection_s=float(section.get("max_connection_minutes", 60)) * 60,
-                   idle_timeout_s=float(section.get("idle_timeout_s", 600)),
-                   ping_interval_s=float(ping) if ping is not None else None,
-                   max_queued_turns=int(section.get("max_queued_turns", 4)),
-                   max_message_bytes=int(section.get("max_message_bytes") or max_body),
-                   max_queued_bytes=int(section.get("max_queued_bytes", cls.max_queued_bytes)),
-                   max_sockets=section.get("max_sockets", cls.max_sockets),
-                   max_sockets_per_key=section.get("max_sockets_per_key", cls.max_sockets_per_key),
-                   max_control_frames_per_s=float(section.get("max_control_frames_per_s",
-                                                              cls.max_control_frames_per_s)),
-                   permessage_deflate=bool(section.get("permessage_deflate", True)))
-
-
 class SocketAdmission:
     """Open sockets, per key and in all, in this process: a socket is admitted at its handshake
     (after auth, before the upgrade) or refused with 429, and counted until it ends."""
 
-    def __init__(self, settings: WebSocketSettings) -> None:
+    def __init__(self, settings: Any) -> None:  # config.websocket
         self.settings = settings
         self.total = 0
         self.per_key: dict[str | None, int] = {}
@@ -134,7 +101,7 @@ def _is_upgrade(request: web.Request) -> bool:
 
 
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
-    settings = request.app.get(state.WEBSOCKET_SETTINGS) or WebSocketSettings()
+    settings = request.app[state.CONFIG].websocket
     if not settings.enabled or not _is_upgrade(request):
         raise APIError(405, f"Method not allowed on this endpoint ({request.method} {request.path}); "
                             "POST a request, or open a WebSocket.")
@@ -173,7 +140,7 @@ class _Connection:
     that a close or a vanished peer cancels. A message is neither parsed nor decompressed
     further here: each turn's phases (auth, limits, then the body) decide what it costs."""
 
-    def __init__(self, request: web.Request, ws: web.WebSocketResponse, settings: WebSocketSettings) -> None:
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, settings: Any) -> None:
         self.request = request
         self.ws = ws
         self.settings = settings
@@ -184,7 +151,7 @@ class _Connection:
         self.gone = asyncio.Event()  # the peer closed or the socket failed: set by _set_gone
         self.in_flight: asyncio.Task | None = None  # the turn running, which _set_gone cancels
         self.loop = asyncio.get_running_loop()
-        self.deadline = self.loop.time() + settings.max_connection_s
+        self.deadline = self.loop.time() + settings.max_connection_minutes * 60
         rate = settings.max_control_frames_per_s
         self.control_budget = (rate, max(rate, 1.0) * 2)  # refill per second, burst
         self.control_tokens = self.control_budget[1]
@@ -296,7 +263,7 @@ class _Connection:
         return data
 
     async def _limit_reached(self) -> None:
-        minutes = self.settings.max_connection_s / 60
+        minutes = self.settings.max_connection_minutes
         await self._send_json(error_event(400, {
             "type": "invalid_request_error", "code": "websocket_connection_limit_reached", "param": None,
             "message": f"WebSocket connections are limited to {minutes:g} minutes; open a new connection."}))

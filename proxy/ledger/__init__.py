@@ -29,9 +29,13 @@ Secrets never appear in logs, exception messages or reprs; they are stored as sh
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from proxy.config import settings as config_settings
+from proxy.config.types import ConfigError
 from proxy.ledger.base import (  # the interface, re-exported: callers import it from the package
     SECRET_PREFIX,
     UNSET,
@@ -82,42 +86,42 @@ def resolve_path(path: str, base_dir: str | Path | None = None) -> str:
     return str(p)
 
 
-def open_ledger(config_section: dict[str, Any] | None, base_dir: str | Path | None = None) -> Ledger:
-    """The backend named by the "ledger" config section (not started: `await ledger.start()`).
+def open_ledger(section: Any, base_dir: str | Path | None = None) -> Ledger:
+    """The backend config.yaml `ledger` names (config.ledger), not started: `await ledger.start()`.
 
-    sqlite: {"backend": "sqlite", "path": "data/ledger.db", "synchronous": "FULL",
-             "hold_synchronous": "NORMAL", "busy_timeout_ms": 5000, "max_batch": 1024,
-             "settle_linger_ms": 5}
-    postgres: {"backend": "postgres", "dsn": "postgresql://user@host/db", "pool_min": 1, "pool_max": 10,
-               "statement_timeout_ms": 5000, "connect_timeout_s": 5,
-               "spool_path": "data/ledger-spool.jsonl", "unavailable_retry_after_s": 5}
+    A mapping of its keys (a tool's or a test's {"path": ...}) is read as that section, the
+    rest at the schema's defaults.
     """
-    section = dict(config_section or {})
-    backend = str(section.get("backend", "sqlite")).lower()
+    if section is None or isinstance(section, Mapping):
+        try:
+            section = config_settings.of("ledger", {k: os.fspath(v) if isinstance(v, os.PathLike) else v
+                                                    for k, v in (section or {}).items()})
+        except ConfigError as exc:
+            raise LedgerError(str(exc)) from None
+    backend = section.backend
     if backend == "sqlite":
         from proxy.ledger.sqlite import SQLiteLedger
 
         return SQLiteLedger(
-            resolve_path(str(section.get("path") or "data/ledger.db"), base_dir),
-            synchronous=str(section.get("synchronous", "FULL")),
-            hold_synchronous=str(section.get("hold_synchronous", "NORMAL")),
-            busy_timeout_ms=int(section.get("busy_timeout_ms", 5000)),
-            max_batch=int(section.get("max_batch", 1024)),
-            settle_linger_s=float(section.get("settle_linger_ms", 5)) / 1000,
+            resolve_path(section.path, base_dir),
+            synchronous=section.synchronous,
+            hold_synchronous=section.hold_synchronous,
+            busy_timeout_ms=section.busy_timeout_ms,
+            max_batch=section.max_batch,
+            settle_linger_s=section.settle_linger_ms / 1000,
         )
     if backend == "postgres":
         from proxy.ledger.postgres import PostgresLedger
 
-        dsn = section.get("dsn")
-        if not dsn:
+        if not section.dsn:
             raise LedgerError("ledger.backend is postgres but ledger.dsn is empty (is its environment variable set?)")
         return PostgresLedger(
-            str(dsn),
-            pool_min=int(section.get("pool_min", 1)),
-            pool_max=int(section.get("pool_max", 10)),
-            statement_timeout_ms=int(section.get("statement_timeout_ms", 5000)),
-            connect_timeout_s=float(section.get("connect_timeout_s", 5)),
-            spool_path=resolve_path(str(section.get("spool_path") or "data/ledger-spool.jsonl"), base_dir),
-            unavailable_retry_after_s=float(section.get("unavailable_retry_after_s", 5)),
+            section.dsn,
+            pool_min=section.pool_min,
+            pool_max=section.pool_max,
+            statement_timeout_ms=section.statement_timeout_ms,
+            connect_timeout_s=section.connect_timeout_s,
+            spool_path=resolve_path(section.spool_path, base_dir),
+            unavailable_retry_after_s=float(section.unavailable_retry_after_s),
         )
     raise LedgerError(f"unknown ledger backend {backend!r} (known: sqlite, postgres)")

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from proxy.config import settings as config_settings
 from proxy.ledger import UNSET, KeyRecord, LedgerError, open_ledger, resolve_path
 from proxy.ledger.service import (
     TOTAL_FIELDS,
@@ -250,13 +252,12 @@ _KEY_HEADER = (
 )
 
 
-def _ledger_section(args: argparse.Namespace, config: Any) -> dict[str, Any]:
-    section: dict[str, Any] = {}
-    if config is not None:
-        section = dict(config.section("ledger") if hasattr(config, "section") else config.get("ledger", {}))
+def _ledger_section(args: argparse.Namespace, config: Any) -> Any:
+    """config.ledger (a Config's, or the defaults'), --db making it that SQLite file."""
+    section = config.ledger if config is not None else config_settings.of("ledger")
     db = getattr(args, "db", None)
     if db:
-        section = {**section, "backend": "sqlite", "path": db}
+        section = dataclasses.replace(section, backend="sqlite", path=str(db))
     return section
 
 
@@ -280,19 +281,19 @@ _HOW = ("run it in the directory of the server's config.yaml, or pass --config F
         "(or set RESPONSES_PROXY_CONFIG), or --db PATH")
 
 
-def _locate(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+def _locate(args: argparse.Namespace, config: Any) -> Any:
     """The ledger section to open, its path made absolute; raises LedgerError when the
     command would make a ledger nobody asked for."""
     section = _ledger_section(args, config)
-    backend = str(section.get("backend", "sqlite")).lower()
+    backend = section.backend
     if backend == "none":
         raise LedgerError(f"ledger.backend is none in {_where(args, config)}: there are no keys to manage")
     if backend == "postgres":  # a database server: nothing is made by accident (the schema is migrated)
         from proxy.ledger.postgres import redact
 
-        print(f"ledger: postgres {redact(str(section.get('dsn') or ''))}", file=sys.stderr, flush=True)
+        print(f"ledger: postgres {redact(section.dsn or '')}", file=sys.stderr, flush=True)
         return section  # its spool_path: relative to the config's folder, as for the server (open_ledger)
-    path = resolve_path(str(section.get("path") or "data/ledger.db"), _base_dir(args, config) or Path.cwd())
+    path = resolve_path(section.path, _base_dir(args, config) or Path.cwd())
     if path != ":memory:":
         path = str(Path(path).resolve())
     print(f"ledger: {path}", file=sys.stderr, flush=True)
@@ -303,7 +304,7 @@ def _locate(args: argparse.Namespace, config: Any) -> dict[str, Any]:
             raise LedgerError(f"no ledger at {path} and no directory {Path(path).parent} to make one in "
                               f"(config: {_where(args, config)}); {_HOW}, or create that directory first")
         print(f"ledger: {path} does not exist yet: creating it", file=sys.stderr, flush=True)
-    return {**section, "path": path}
+    return dataclasses.replace(section, path=path)
 
 
 def _actor() -> str:
@@ -442,7 +443,7 @@ async def _spool(args: argparse.Namespace, config: Any, out: Any) -> int:
     ledger = open_ledger(section, base_dir=_base_dir(args, config))
     spool = getattr(ledger, "spool", None)
     if spool is None:
-        print(f"the {section.get('backend', 'sqlite')} ledger writes locally: it has no spool", file=out)
+        print(f"the {section.backend} ledger writes locally: it has no spool", file=out)
         return 0
     applied = 0
     if args.action == "replay":

@@ -57,7 +57,11 @@ import secrets
 import time
 from typing import Any
 
+from proxy.config import settings as config_settings
 from proxy.ledger import Hold, Ledger, UsageRecord
+
+# Defaults of config.yaml `balance` and `ledger` (a Leases made without a configuration: tests, benches).
+_BALANCE, _LEDGER = config_settings.of("balance"), config_settings.of("ledger")
 
 log = logging.getLogger("proxy.ledger")
 
@@ -124,11 +128,11 @@ class Leases:
         ledger: Ledger,
         *,
         hold_ttl_s: float,
-        max_micros: int = 10_000_000,
-        seconds: float = 2.0,
-        min_rate: int = 4,
-        idle_s: float = 2.0,
-        ttl_s: float = 30.0,
+        max_micros: int = _BALANCE.lease_max_micros,
+        seconds: float = _BALANCE.lease_seconds,
+        min_rate: int = _BALANCE.lease_min_rate,
+        idle_s: float = _BALANCE.lease_idle_s,
+        ttl_s: float = _BALANCE.lease_ttl_s,
         linger_s: float | None = None,
         tasks: set[asyncio.Task] | None = None,
     ) -> None:
@@ -141,7 +145,7 @@ class Leases:
         self.idle_s = float(idle_s)
         self.ttl_s = min(float(ttl_s), self.hold_ttl_s)  # never outlive a request hold
         if linger_s is None:
-            linger_s = getattr(ledger, "settle_linger_s", 0.005)
+            linger_s = getattr(ledger, "settle_linger_s", _LEDGER.settle_linger_ms / 1000)
         self.linger_s = max(0.0, float(linger_s))
         self._keys: dict[str, _Key] = {}
         self._leased: dict[str, _Key] = {}  # request id -> key, for holds taken from a lease

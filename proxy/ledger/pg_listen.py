@@ -27,7 +27,7 @@ CHANNEL = "rp_ledger_keys"
 
 
 class KeyListener:
-    def __init__(self, dsn: str, on_change: Callable[[], None], *, connect_timeout_s: float = 5.0,
+    def __init__(self, dsn: str, on_change: Callable[[], None], *, connect_timeout_s: float,
                  ping_s: float = 2.0, server_settings: dict[str, str] | None = None) -> None:
         self.dsn = dsn
         self.on_change = on_change

@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
+from proxy.config import settings as config_settings
 from proxy.ledger.base import (
     USAGE_RECORD_COLUMNS,
     DuplicateRequest,
@@ -78,6 +79,7 @@ from proxy.ledger.spool import Spool, release_record, settle_record
 from proxy.ledger.sqlite import _DUMMY_HASH
 
 log = logging.getLogger("proxy.ledger")
+_DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger opened without one
 
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
 _HOLD = "SELECT outcome, amount FROM ledger_hold($1, $2, $3, $4, $5, $6, $7, $8)"
@@ -95,9 +97,10 @@ def redact(dsn: str) -> str:
 class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
     supports_leases = True
 
-    def __init__(self, dsn: str, *, pool_min: int = 1, pool_max: int = 10, statement_timeout_ms: int = 5000,
-                 connect_timeout_s: float = 5.0, spool_path: str | Path = "data/ledger-spool.jsonl",
-                 unavailable_retry_after_s: float = 5.0, replay_interval_s: float = 1.0,
+    def __init__(self, dsn: str, *, pool_min: int = _DEFAULTS.pool_min, pool_max: int = _DEFAULTS.pool_max,
+                 statement_timeout_ms: int = _DEFAULTS.statement_timeout_ms,
+                 connect_timeout_s: float = _DEFAULTS.connect_timeout_s, spool_path: str | Path = _DEFAULTS.spool_path,
+                 unavailable_retry_after_s: float = _DEFAULTS.unavailable_retry_after_s, replay_interval_s: float = 1.0,
                  listen_ping_s: float = 2.0) -> None:
         if not dsn:
             raise LedgerError("ledger.dsn is required for the postgres backend")

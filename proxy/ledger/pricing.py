@@ -17,11 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.config.schema import SCHEMA
 from proxy.upstream.models import resolve_model, strip_vendor
 
 PER = 1_000_000  # prices are per million tokens
 UNLIMITED = sys.maxsize  # max_output_tokens_for() when output is free
-_BUILTIN_DEFAULT = {"input": 500_000, "cached_input": 100_000, "output": 1_500_000}
+_BUILTIN_DEFAULT = SCHEMA.keys["prices"].default["default"]  # config.yaml's prices.default, when a table has none
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ def _micro(value: Any, what: str) -> int:
 def _price(entry: Any, model: str) -> Price:
     if isinstance(entry, Price):
         return entry
+    if hasattr(entry, "__dataclass_fields__"):  # an entry of config.prices (typed; cached_input None: input)
+        entry = {"input": entry.input, "cached_input": entry.cached_input, "output": entry.output}
     if not isinstance(entry, Mapping) or "input" not in entry or "output" not in entry:
         raise ValueError(f"prices[{model!r}] needs input and output")
     input_ = _micro(entry["input"], f"{model}.input")

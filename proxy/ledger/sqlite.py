@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from proxy.config import settings as config_settings
 from proxy.ledger.base import (
     USAGE_RECORD_COLUMNS,
     DuplicateRequest,
@@ -73,6 +74,7 @@ log = logging.getLogger("proxy.ledger")
 
 # Compared against when the hash is unknown, so both paths do the same work.
 _DUMMY_HASH = hashlib.sha256(b"responses-proxy: no such key").digest()
+_DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger opened without one
 
 
 
@@ -82,11 +84,11 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         self,
         path: str | Path,
         *,
-        synchronous: str = "FULL",
-        hold_synchronous: str = "NORMAL",
-        busy_timeout_ms: int = 5000,
-        max_batch: int = 1024,
-        settle_linger_s: float = 0.005,
+        synchronous: str = _DEFAULTS.synchronous,
+        hold_synchronous: str = _DEFAULTS.hold_synchronous,
+        busy_timeout_ms: int = _DEFAULTS.busy_timeout_ms,
+        max_batch: int = _DEFAULTS.max_batch,
+        settle_linger_s: float = _DEFAULTS.settle_linger_ms / 1000,
     ) -> None:
         self.path = str(path)
         self._writer = GroupWriter(

@@ -126,11 +126,11 @@ class GroupWriter:
         path: str,
         schema: str | Callable[[sqlite3.Connection], None],
         *,
-        synchronous: str = "FULL",
-        hold_synchronous: str = "NORMAL",
-        busy_timeout_ms: int = 5000,
-        max_batch: int = 1024,
-        settle_linger_s: float = 0.005,
+        synchronous: str,
+        hold_synchronous: str,
+        busy_timeout_ms: int,
+        max_batch: int,
+        settle_linger_s: float,
     ) -> None:
         self.path = path
         self.schema = schema

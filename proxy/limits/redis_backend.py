@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from itertools import count
 from typing import Any
 
@@ -48,6 +48,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from proxy.config import settings as config_settings
 from proxy.limits.base import GLOBAL, KEY, RATE, TOKENS, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter
 from proxy.limits.scripts import ADMIT, FORGET, RELEASE, RENEW
@@ -97,14 +98,18 @@ def _grouped(slots: dict[str, list[str]], head: list[str], ttl_ms: int) -> list[
 
 
 class RedisCounter:
-    def __init__(self, section: dict[str, Any], report: Callable[[str], None] | None = None) -> None:
-        timeout = section.get("socket_timeout_ms", 250) / 1000.0
+    def __init__(self, section: Any, report: Callable[[str], None] | None = None) -> None:
+        """config.yaml `limits.redis` (config.limits.redis); a mapping of its keys (a tool's, a
+        test's) is read as that section, the rest at the schema's defaults."""
+        if isinstance(section, Mapping):
+            section = config_settings.of("limits.redis", dict(section))
+        timeout = section.socket_timeout_ms / 1000.0
         self.client = aioredis.Redis.from_url(
-            str(section.get("url", "redis://127.0.0.1:6379/0")), socket_timeout=timeout,
+            section.url, socket_timeout=timeout,
             socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self.prefix = str(section.get("key_prefix", "responses-proxy:limits:"))
-        self.ttl_ms = max(1, int(float(section.get("slot_ttl_s", 30)) * 1000))
-        self.closed = section.get("on_error", "open") == "closed"
+        self.prefix = section.key_prefix
+        self.ttl_ms = max(1, int(section.slot_ttl_s * 1000))
+        self.closed = section.on_error == "closed"
         self.report = report or (lambda _event: None)
         self.admit_script = self.client.register_script(ADMIT)
         self.release_script = self.client.register_script(RELEASE)

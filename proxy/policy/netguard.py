@@ -38,16 +38,11 @@ _CODE = "image_url_refused"
 
 
 class ImagePolicy:
-    def __init__(self, section: dict[str, Any] | None) -> None:
-        section = section or {}
-        hosts = section.get("allow_hosts") or []
-        if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
-            from proxy.config.load import ConfigError
-
-            raise ConfigError("images.allow_hosts must be a list of host names")
-        self.allow_hosts = [h.lower().rstrip(".") for h in hosts]
-        self.allow_private = bool(section.get("allow_private", False))
-        self.resolve_timeout = float(section.get("resolve_timeout_s", 2.0))
+    def __init__(self, section: Any) -> None:
+        """config.yaml `images` (config.images)."""
+        self.allow_hosts = [h.lower().rstrip(".") for h in section.allow_hosts]
+        self.allow_private = section.allow_private
+        self.resolve_timeout = section.resolve_timeout_s
 
     def listed(self, host: str) -> bool:
         for entry in self.allow_hosts:

@@ -13,6 +13,7 @@ from typing import Any
 from proxy.errors import APIError
 
 __all__ = [
+    "CORE_TOOL_TYPES",
     "HOSTED_TOOL_TYPES",
     "REFUSED_TOOL_TYPES",
     "STATELESS_MODES",
@@ -105,16 +106,17 @@ def without_previous_response(body: dict[str, Any]) -> dict[str, Any]:
 
 
 STATELESS_MODES = ("refuse", "ignore")
+CORE_TOOL_TYPES = frozenset({"function", "custom", "namespace"})  # translated, never dropped or refused
 
 
-def previous_response_mode(section: dict[str, Any]) -> str:
-    """What the operator's `stateless` section means for previous_response_id: "ignore" only
-    when the policy is enabled and says so; otherwise "refuse" (a deployment with the policy
-    off still has the translation refuse it, with its defaults). Every endpoint that takes a
-    Responses body (the prepare phase's policy, /v1/responses/compact) asks this."""
-    if section.get("enabled", True) is False:
+def previous_response_mode(section: Any) -> str:
+    """What the operator's `stateless` section (config.stateless) means for previous_response_id:
+    "ignore" only when the policy is enabled and says so; otherwise "refuse" (a deployment with
+    the policy off still has the translation refuse it). Every endpoint that takes a Responses
+    body (the prepare phase's policy, /v1/responses/compact) asks this."""
+    if not section.enabled:
         return "refuse"
-    return "ignore" if section.get("previous_response_id", "refuse") == "ignore" else "refuse"
+    return "ignore" if section.previous_response_id == "ignore" else "refuse"
 
 
 def apply_stateless(body: dict[str, Any], mode: str) -> dict[str, Any]:

@@ -38,15 +38,13 @@ SUMMARY_HEADER = "Summary of the conversation so far (compacted):\n\n"
 # cycle through proxy.state; tests/test_compact.py checks they agree).
 SEAL_FORMAT = "rp2."
 TRIGGER = "compaction_trigger"
-DEFAULT_INSTRUCTIONS = "Summarize the conversation above for a model that will continue it."
-DEFAULT_MAX_SUMMARY_TOKENS = 2048
 
 
 class SummaryAsk(NamedTuple):
     """How a summary is asked for (config.yaml `compact`): its instructions and output cap."""
 
-    instructions: str = DEFAULT_INSTRUCTIONS
-    max_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
+    instructions: str
+    max_tokens: int
 
 
 def _kind(item: Any) -> str | None:

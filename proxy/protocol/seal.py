@@ -21,11 +21,12 @@ import struct
 import time
 from typing import Any
 
-from proxy.config.load import ConfigError
+from proxy.config import settings as config_settings
+from proxy.config.rules import seal_keys
 
 PREFIX = "rp2"  # rp1 tokens carried no binding: they no longer open
 ANONYMOUS = "anonymous"  # the binding of requests no auth middleware identified
-DEFAULT_TTL_S = 7 * 24 * 3600
+DEFAULT_TTL_S = config_settings.of("reasoning_seal").ttl_s  # a Sealer made without a configuration
 _ISSUED = struct.Struct(">Q")  # the payload's first 8 bytes: Unix seconds at sealing
 
 
@@ -62,7 +63,7 @@ class Sealer:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         if active not in keys:
-            raise ConfigError(f"reasoning_seal.active {active!r} is not among the configured keys")
+            raise ValueError(f"the active key id {active!r} is not among the keys")
         self._aead = {kid: AESGCM(key) for kid, key in keys.items()}
         self.active = active
         self.ttl_s = ttl_s
@@ -96,28 +97,11 @@ class Sealer:
         return (lambda text: self.seal(text, bound_to)), (lambda token: self.unseal(token, bound_to))
 
 
-def sealer_from_config(section: dict[str, Any]) -> Sealer | None:
-    keys_cfg = dict(section.get("keys") or {})
-    env_key = os.environ.get("RESPONSES_PROXY_SEAL_KEY")
-    if env_key and "env" not in keys_cfg:
-        keys_cfg["env"] = env_key
-    keys: dict[str, bytes] = {}
-    for kid, value in keys_cfg.items():
-        if not value:
-            continue
-        if "." in str(kid):
-            raise ConfigError(f"reasoning_seal key id {kid!r} may not contain '.'")
-        try:
-            raw = _b64d(str(value))
-        except (binascii.Error, ValueError) as exc:
-            raise ConfigError(f"reasoning_seal.keys.{kid} is not base64") from exc
-        if len(raw) != 32:
-            raise ConfigError(f"reasoning_seal.keys.{kid} must be 32 bytes (base64 of 32 random bytes)")
-        keys[str(kid)] = raw
+def sealer_from_config(section: Any) -> Sealer | None:
+    """config.yaml `reasoning_seal` (config.reasoning_seal) and $RESPONSES_PROXY_SEAL_KEY: the
+    sealer, or None without a key. The keys are checked at load (proxy.config.rules)."""
+    keys, active = seal_keys(section.keys, section.active)
     if not keys:
         return None
-    ttl = section.get("ttl_s", DEFAULT_TTL_S)
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
-        raise ConfigError(f"reasoning_seal.ttl_s must be a positive number of seconds, not {ttl!r}")
-    active = section.get("active") or next(iter(keys))
-    return Sealer(keys, str(active), float(ttl))
+    assert active is not None  # seal_keys names the active key whenever there is one
+    return Sealer(keys, active, section.ttl_s)

@@ -29,7 +29,7 @@ PREFIX = "responses_proxy"
 class KeyMetrics:
     """A prometheus_client collector of the chosen keys' figures, refreshed by `refresh`."""
 
-    def __init__(self, key_ids: list[str], top_n: int, refresh_s: float = 15) -> None:
+    def __init__(self, key_ids: list[str], top_n: int, refresh_s: float) -> None:
         self.key_ids = list(dict.fromkeys(key_ids))
         self.top_n = int(top_n)
         self.refresh_s = float(refresh_s)

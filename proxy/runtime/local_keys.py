@@ -31,13 +31,18 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxy.config.load import Config, ConfigError
+from proxy.config.load import Config
+from proxy.config.rules import SEAL_ENV, admin_prefix
 
 SEAL_FILE = "seal.key"
 SESSION_FILE = "admin-session.key"
 SEAL_KEY_ID = "local"
 DEMO_ADMIN_NAME = "demo"
 DEMO_ADMIN_PREFIX = "rp-admin-"  # never sk-rp- (the client keys' prefix, refused by the admin API)
+
+
+class LocalKeyError(Exception):
+    """A file this module keeps is unusable (not one it would make): start-up stops, naming it."""
 
 
 @dataclass
@@ -53,10 +58,10 @@ class LocalKeys:
 
 def state_folder(config: Config) -> Path | None:
     """The folder of the SQLite ledger (data/ by default), None for PostgreSQL or :memory:."""
-    ledger = config.section("ledger")
-    if ledger.get("backend", "sqlite") == "postgres":
+    ledger = config.ledger
+    if ledger.backend == "postgres":
         return None
-    path = str(ledger.get("path") or "data/ledger.db")
+    path = ledger.path
     if path == ":memory:":
         return None
     p = Path(path).expanduser()
@@ -101,8 +106,7 @@ def _new_seal_key() -> str:
 
 
 def _seal_configured(config: Config) -> bool:
-    keys = config.section("reasoning_seal").get("keys") or {}
-    return any(value for value in keys.values()) or bool(os.environ.get("RESPONSES_PROXY_SEAL_KEY"))
+    return any(value for value in config.reasoning_seal.keys.values()) or bool(os.environ.get(SEAL_ENV))
 
 
 def _ensure_seal(config: Config, folder: Path, out: LocalKeys) -> None:
@@ -113,11 +117,9 @@ def _ensure_seal(config: Config, folder: Path, out: LocalKeys) -> None:
     except (binascii.Error, ValueError):
         raw = b""
     if len(raw) != 32:
-        raise ConfigError(f"{path} is not a sealing key (base64 of 32 bytes): remove it to make a new one "
-                          "(what it sealed will no longer open)")
-    section = config.data.setdefault("reasoning_seal", {})
-    section["keys"] = {SEAL_KEY_ID: key}
-    section["active"] = SEAL_KEY_ID
+        raise LocalKeyError(f"{path} is not a sealing key (base64 of 32 bytes): remove it to make a new one "
+                            "(what it sealed will no longer open)")
+    config.update("reasoning_seal", keys={SEAL_KEY_ID: key}, active=SEAL_KEY_ID)
     if made:
         out.made.append(str(path))
 
@@ -126,32 +128,26 @@ def _ensure_session(config: Config, folder: Path, out: LocalKeys) -> None:
     path = folder / SESSION_FILE
     secret, made = read_or_make(path, lambda: secrets.token_urlsafe(32))
     if len(secret) < 16:
-        raise ConfigError(f"{path} holds too short a session secret: remove it to make a new one")
-    config.data["admin"]["session_secret"] = secret
+        raise LocalKeyError(f"{path} holds too short a session secret: remove it to make a new one")
+    config.update("admin", session_secret=secret)
     out.session_shared = True
     if made:
         out.made.append(str(path))
 
 
 def demo_admin_wanted(config: Config) -> bool:
-    auth = config.get("auth")
-    admin = config.get("admin") or {}
-    return (isinstance(auth, dict) and auth.get("enabled", True) is not False and auth.get("demo_key") is True
-            and not admin.get("keys"))
+    return config.auth.enabled and config.auth.demo_key and not config.admin.keys
 
 
 def ensure(config: Config) -> LocalKeys:
     """Fill in, in `config`, what the operator left unset (see the module's docstring)."""
     out = LocalKeys(folder=state_folder(config))
-    if config.get("admin") is None:
-        config.data["admin"] = {}
-    admin = config.data["admin"]
     if demo_admin_wanted(config):
         out.demo_admin_key = DEMO_ADMIN_PREFIX + secrets.token_urlsafe(24)
         digest = hashlib.sha256(out.demo_admin_key.encode()).hexdigest()
-        admin["keys"] = [{"name": DEMO_ADMIN_NAME, "sha256": digest}]
-    want_session = bool(admin.get("keys")) and not admin.get("session_secret")
-    if admin.get("session_secret"):
+        config.update("admin", keys=[{"name": DEMO_ADMIN_NAME, "sha256": digest}])
+    want_session = bool(config.admin.keys) and not config.admin.session_secret
+    if config.admin.session_secret:
         out.session_shared = True
     if out.folder is None:
         return out
@@ -166,7 +162,7 @@ def ensure(config: Config) -> LocalKeys:
 
 
 def dashboard_url(host: str, port: int, config: Config) -> str:
-    prefix = "/" + str((config.get("admin") or {}).get("prefix", "/admin")).strip("/")
+    prefix = admin_prefix(config.admin)
     shown = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
     if ":" in shown:
         shown = f"[{shown}]"

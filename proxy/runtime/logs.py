@@ -131,7 +131,7 @@ def _flush_access() -> None:
 atexit.register(_flush_access)  # once, not per configure(): it flushes whichever writer is current
 
 
-def configure(fmt: str = "auto", level: str = "info") -> None:
+def configure(fmt: str, level: str) -> None:  # server.log_format, server.log_level
     global _access_writer, _access_flush
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"

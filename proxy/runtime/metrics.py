@@ -511,16 +511,16 @@ async def metrics_handler(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def install(app: web.Application, pool: WorkerPool, section: dict[str, Any]) -> None:
-    if section.get("enabled", True) is False:
+def install(app: web.Application, pool: WorkerPool, section: Any) -> None:
+    """config.yaml `metrics` (config.metrics)."""
+    if not section.enabled:
         return
     app[METRICS] = found = Metrics(pool, multiprocess_dir())
-    app.router.add_get(str(section.get("path", "/metrics")), metrics_handler)
-    if section.get("key_ids") or section.get("top_keys"):
+    app.router.add_get(section.path, metrics_handler)
+    if section.key_ids or section.top_keys:
         from proxy.runtime.key_metrics import KeyMetrics
 
-        app[state.KEY_METRICS] = keys = KeyMetrics(section.get("key_ids") or [], section.get("top_keys") or 0,
-                                                   section.get("key_refresh_s", 15))
+        app[state.KEY_METRICS] = keys = KeyMetrics(list(section.key_ids), section.top_keys, section.key_refresh_s)
         found.registry.register(keys)
     if found.shared is not None:
         app.cleanup_ctx.append(_pool_publisher(found))

@@ -46,22 +46,12 @@ from proxy.config.load import Config
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def auth_section(config: Config) -> dict[str, Any] | None:
-    """The auth policy's section when it runs (`auth.enabled`), else None."""
-    if config.get("auth") is None:
-        config.data["auth"] = {}
-    section = config.data["auth"]
-    if not isinstance(section, dict) or section.get("enabled", True) is False:
-        return None
-    return section
-
-
 async def _create_demo_key(config: Config) -> None:
     """What middlewares/auth.py does at start, done once for all the children."""
     from proxy.ledger import open_ledger
 
-    section = config.section("ledger")
-    if section.get("backend", "sqlite") == "none":
+    section = config.ledger
+    if section.backend == "none":
         return
     base = config.path.parent if config.path else None
     ledger = open_ledger(section, base_dir=base)
@@ -70,8 +60,7 @@ async def _create_demo_key(config: Config) -> None:
         for record in await ledger.list_keys():
             if record.name == "demo" and not record.revoked:
                 await ledger.revoke(record.key_id)
-        balance = int(config.section("balance").get("demo_balance_micros", 0) or 0)
-        secret, _ = await ledger.create_key("demo", balance_micros=balance)
+        secret, _ = await ledger.create_key("demo", balance_micros=config.balance.demo_balance_micros)
         print(f"demo key: {secret}", file=sys.stdout, flush=True)
     finally:
         await ledger.close()
@@ -79,12 +68,11 @@ async def _create_demo_key(config: Config) -> None:
 
 def _child_config(config: Config, workers: int) -> None:
     """Per-process shares of the in-memory limits (documented above); Redis limits are global."""
-    limits = config.get("limits")
-    if isinstance(limits, dict) and limits.get("backend", "memory") != "redis":
-        for name in ("global_concurrency", "default_key_concurrency"):
-            value = limits.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                limits[name] = max(1, math.ceil(value / workers))
+    limits = config.limits
+    if limits.backend != "redis":
+        shares = {name: max(1, math.ceil(value / workers)) for name in ("global_concurrency", "default_key_concurrency")
+                  if (value := getattr(limits, name)) is not None}
+        config.update("limits", **shares)
 
 
 def _metrics_dir() -> tuple[str, bool]:
@@ -119,10 +107,9 @@ def supervise(config: Config, host: str, port: int, workers: int,
     except OSError as exc:
         print(f"responses-proxy: {listen_error(host, port, exc)}", file=sys.stderr, flush=True)
         return 2
-    auth = auth_section(config)
-    if auth is not None and auth.get("demo_key", True) is True:
+    if config.auth.enabled and config.auth.demo_key:
         asyncio.run(_create_demo_key(config))
-        auth["demo_key"] = False  # the children must not create (and revoke) their own
+        config.update("auth", demo_key=False)  # the children must not create (and revoke) their own
     from proxy.runtime.local_keys import announce_admin_key
 
     announce_admin_key(config, host, port)

@@ -34,6 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.config import settings as config_settings
 from proxy.simulator.chat import (
     SSE_CONTENT_TYPE,
     Chat,
@@ -60,6 +61,8 @@ from proxy.simulator.script import (
     tokenize,
 )
 from proxy.state import SIM_STATE
+
+_DEFAULTS = config_settings.of("simulator")  # config.yaml `simulator`'s, for a simulator made without one
 
 # --------------------------------------------------------------------------- handlers
 
@@ -329,8 +332,8 @@ async def sim_state(request: web.Request) -> web.Response:
                               "cancelled": st.cancelled, "queued": len(st.queue), "requests": len(st.requests)})
 
 
-def create_app(*, dialect: str = "vllm", models: tuple[str, ...] | list[str] = ("tiny-org/tiny-model",),
-               max_model_len: int = 32768, seed: int = 0) -> web.Application:
+def create_app(*, dialect: str = _DEFAULTS.dialect, models: tuple[str, ...] | list[str] = (_DEFAULTS.model,),
+               max_model_len: int = _DEFAULTS.max_model_len, seed: int = 0) -> web.Application:
     if dialect not in ("vllm", "sglang"):
         raise ValueError(f"unknown dialect {dialect!r} (vllm | sglang)")
     app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -358,8 +361,9 @@ def create_app(*, dialect: str = "vllm", models: tuple[str, ...] | list[str] = (
 class Simulator:
     """The simulator on 127.0.0.1 with an ephemeral port, as an async context manager."""
 
-    def __init__(self, *, dialect: str = "vllm", models: tuple[str, ...] | list[str] = ("tiny-org/tiny-model",),
-                 max_model_len: int = 32768, host: str = "127.0.0.1", port: int = 0, seed: int = 0):
+    def __init__(self, *, dialect: str = _DEFAULTS.dialect, models: tuple[str, ...] | list[str] = (_DEFAULTS.model,),
+                 max_model_len: int = _DEFAULTS.max_model_len, host: str = _DEFAULTS.host, port: int = _DEFAULTS.port,
+                 seed: int = 0):
         self.app = create_app(dialect=dialect, models=models, max_model_len=max_model_len, seed=seed)
         self.state = self.app[SIM_STATE]
         self.host, self.port = host, port
@@ -411,14 +415,14 @@ class Simulator:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m proxy.simulator.server", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default=_DEFAULTS.host)
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm")
-    p.add_argument("--model", action="append", help="served model name (repeatable; default tiny-org/tiny-model)")
-    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--dialect", choices=("vllm", "sglang"), default=_DEFAULTS.dialect)
+    p.add_argument("--model", action="append", help=f"served model name (repeatable; default {_DEFAULTS.model})")
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    app = create_app(dialect=args.dialect, models=tuple(args.model or ["tiny-org/tiny-model"]),
+    app = create_app(dialect=args.dialect, models=tuple(args.model or [_DEFAULTS.model]),
                      max_model_len=args.max_model_len, seed=args.seed)
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
                 print=lambda _: print(f"simulator ({args.dialect}) on http://{args.host}:{args.port}", flush=True))

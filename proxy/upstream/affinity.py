@@ -30,7 +30,6 @@ import zlib
 from bisect import bisect_left
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
@@ -38,40 +37,7 @@ import orjson
 if TYPE_CHECKING:
     from proxy.upstream.workers import Route, Worker, WorkerPool
 
-SETTINGS = ("enabled", "epsilon", "vnodes", "hash_messages")
 RING_CACHE_SIZE = 128  # rings kept per pool (one per eligible-set signature seen recently)
-
-
-@dataclass(frozen=True)
-class AffinitySettings:
-    enabled: bool = True
-    epsilon: float = 0.25  # a worker takes at most ceil((1 + epsilon) * average load)
-    vnodes: int = 160  # points per worker on the ring
-    hash_messages: bool = True  # no prompt_cache_key / conversation: key on system + first user message
-
-    @classmethod
-    def from_section(cls, section: Any) -> AffinitySettings:
-        """config.yaml `routing.affinity`, validated (a bad value stops start-up)."""
-        from proxy.config.load import ConfigError
-
-        if section is None:
-            return cls()
-        if not isinstance(section, dict):
-            raise ConfigError("routing.affinity must be a mapping")
-        unknown = set(section) - set(SETTINGS)
-        if unknown:
-            raise ConfigError(f"routing.affinity: unknown setting(s) {', '.join(sorted(unknown))}")
-        for name in ("enabled", "hash_messages"):
-            if not isinstance(section.get(name, True), bool):
-                raise ConfigError(f"routing.affinity.{name} must be true or false")
-        epsilon = section.get("epsilon", 0.25)
-        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 < epsilon <= 100:
-            raise ConfigError("routing.affinity.epsilon must be a number above 0 (e.g. 0.25)")
-        vnodes = section.get("vnodes", 160)
-        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or not 1 <= vnodes <= 4096:
-            raise ConfigError("routing.affinity.vnodes must be an integer from 1 to 4096")
-        return cls(enabled=section.get("enabled", True), epsilon=float(epsilon), vnodes=vnodes,
-                   hash_messages=section.get("hash_messages", True))
 
 
 def _h64(data: bytes) -> int:
@@ -93,8 +59,8 @@ class AffinityKey(NamedTuple):
 
     source: str  # prompt_cache_key | conversation | messages
     point: int
-    epsilon: float = 0.25
-    vnodes: int = 160
+    epsilon: float  # routing.affinity.epsilon
+    vnodes: int  # routing.affinity.vnodes
 
 
 def _leading(messages: list) -> tuple[Any, Any]:
@@ -108,9 +74,9 @@ def _leading(messages: list) -> tuple[Any, Any]:
     return system, user
 
 
-def request_key(t: Any, settings: AffinitySettings) -> AffinityKey | None:
+def request_key(t: Any, settings: Any) -> AffinityKey | None:
     """The request's affinity key (None: affinity off, or nothing to key on). `settings` are
-    the app's, parsed once when it is built (state.AFFINITY)."""
+    the app's routing.affinity (config.routing.affinity)."""
     if not settings.enabled:
         return None
     if getattr(t, "prompt_cache_key", None):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -37,48 +36,11 @@ import orjson
 from aiohttp import web
 
 from proxy import state
-from proxy.config.load import ConfigError
 from proxy.runtime.logs import log
 from proxy.state import CHECKER
 from proxy.upstream.workers import Worker, WorkerPool
 
 _WINDOW_KEYS = ("max_model_len", "context_window", "context_length", "max_context_length")
-
-
-@dataclass(frozen=True)
-class HealthSettings:
-    enabled: bool = True
-    interval_s: float = 5.0
-    timeout_s: float = 2.0
-    unhealthy_threshold: int = 2
-    healthy_threshold: int = 1
-    vllm_path: str = "/health"
-    sglang_path: str = "/v1/models"
-
-    @classmethod
-    def from_section(cls, section: dict[str, Any]) -> HealthSettings:
-        known = {"enabled", "interval_s", "timeout_s", "unhealthy_threshold", "healthy_threshold",
-                 "vllm_path", "sglang_path", "outlier"}
-        unknown = set(section) - known
-        if unknown:
-            raise ConfigError(f"health: unknown setting(s) {', '.join(sorted(unknown))}")
-        try:
-            settings = cls(
-                enabled=bool(section.get("enabled", True)),
-                interval_s=float(section.get("interval_s", 5.0)),
-                timeout_s=float(section.get("timeout_s", 2.0)),
-                unhealthy_threshold=int(section.get("unhealthy_threshold", 2)),
-                healthy_threshold=int(section.get("healthy_threshold", 1)),
-                vllm_path=str(section.get("vllm_path", "/health")),
-                sglang_path=str(section.get("sglang_path", "/v1/models")),
-            )
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"health: {exc}") from exc
-        if settings.interval_s <= 0 or settings.timeout_s <= 0:
-            raise ConfigError("health.interval_s and health.timeout_s must be positive")
-        if settings.unhealthy_threshold < 1 or settings.healthy_threshold < 1:
-            raise ConfigError("health.unhealthy_threshold and health.healthy_threshold must be at least 1")
-        return settings
 
 
 class CheckFailed(Exception):
@@ -140,7 +102,7 @@ async def discover(session: aiohttp.ClientSession, worker: Worker, timeout_s: fl
 
 
 class HealthChecker:
-    def __init__(self, pool: WorkerPool, session: aiohttp.ClientSession, settings: HealthSettings) -> None:
+    def __init__(self, pool: WorkerPool, session: aiohttp.ClientSession, settings: Any) -> None:  # config.health
         self.pool = pool
         self.session = session
         self.settings = settings
@@ -225,7 +187,7 @@ def health_context(session_key: Any, pool_key: Any):
     """The cleanup context: discovery at start-up, then the checker task until shutdown."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        settings = HealthSettings.from_section(app[state.CONFIG].section("health"))
+        settings = app[state.CONFIG].health
         pool: WorkerPool = app[pool_key]
         checker = HealthChecker(pool, app[session_key], settings)
         app[CHECKER] = checker

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 from typing import Any
 
-__all__ = ["DEFAULT_SAMPLING", "parse_sampling_defaults", "resolve_model", "strip_vendor"]
+__all__ = ["DEFAULT_SAMPLING", "sampling_defaults", "resolve_model", "strip_vendor"]
 
 
 def strip_vendor(name: str) -> str | None:
@@ -41,30 +41,12 @@ def resolve_model(name: str, served: Container[str] | Callable[[str], bool]) -> 
 DEFAULT_SAMPLING: dict[str, float | int] = {
     "temperature": 1.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_logprobs": 0,
 }
-_SAMPLING_RANGES = {"temperature": (0, 2), "top_p": (0, 1), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
 
 
-def parse_sampling_defaults(section: Any) -> dict[str, dict[str, float]]:
+def sampling_defaults(section: Any) -> dict[str, dict[str, float]]:
     """config.yaml `responses.sampling_defaults`: served model name -> the sampling values its
     server applies when a request leaves them out (vLLM reads them from the model's
-    generation_config.json). They are only echoed in the Response, never sent upstream."""
-    from proxy.config.load import ConfigError
-
-    if section is None:
-        return {}
-    if not isinstance(section, dict):
-        raise ConfigError("responses.sampling_defaults must be a mapping of model name -> values")
-    parsed: dict[str, dict[str, float]] = {}
-    for model, values in section.items():
-        where = f"responses.sampling_defaults[{model!r}]"
-        if not isinstance(values, dict):
-            raise ConfigError(f"{where} must be a mapping")
-        unknown = set(values) - _SAMPLING_RANGES.keys()
-        if unknown:
-            raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(_SAMPLING_RANGES)})")
-        for key, value in values.items():
-            lo, hi = _SAMPLING_RANGES[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-                raise ConfigError(f"{where}.{key} must be a number between {lo} and {hi}")
-        parsed[str(model)] = {k: float(v) for k, v in values.items()}
-    return parsed
+    generation_config.json), only those the operator wrote. They are only echoed in the
+    Response, never sent upstream."""
+    return {str(model): {k: getattr(values, k) for k in values.__dataclass_fields__ if getattr(values, k) is not None}
+            for model, values in (section or {}).items()}

@@ -19,7 +19,7 @@ import orjson
 
 from proxy.errors import APIError, bad_request
 from proxy.protocol.dialects import messages_for
-from proxy.upstream.affinity import AffinitySettings, pick as pick_by_affinity, pick_on_route
+from proxy.upstream.affinity import pick as pick_by_affinity, pick_on_route
 
 if TYPE_CHECKING:
     from proxy.upstream.affinity import AffinityKey
@@ -432,7 +432,7 @@ def _too_long(window: int, prompt: int, wanted: int | None, *, estimated: bool) 
 
 
 async def check_context_window(session: aiohttp.ClientSession, worker: Worker, t: Any, client_max: Any,
-                               *, bytes_per_token_floor: float = 16.0) -> tuple[str, Any]:
+                               *, bytes_per_token_floor: float) -> tuple[str, Any]:
     """Refuse (400 context_length_exceeded) a request whose prompt + max_output_tokens cannot fit.
 
     Returns what was decided ("no_window", "fits", "counted", "clamped", ...) for tests and logs,
@@ -477,20 +477,3 @@ async def check_context_window(session: aiohttp.ClientSession, worker: Worker, t
         return "clamped", t.with_max_tokens(window - count)
     return "counted", t
 
-
-def validate_settings(section: dict[str, Any]) -> None:
-    """config.yaml `routing`: checked at build time, so a typo stops start-up, not a request."""
-    from proxy.config.load import ConfigError
-
-    unknown = set(section) - {"max_attempts", "context_check", "bytes_per_token_floor", "affinity"}
-    if unknown:
-        raise ConfigError(f"routing: unknown setting(s) {', '.join(sorted(unknown))}")
-    attempts = section.get("max_attempts", 3)
-    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-        raise ConfigError("routing.max_attempts must be a positive integer")
-    if not isinstance(section.get("context_check", True), bool):
-        raise ConfigError("routing.context_check must be true or false")
-    floor = section.get("bytes_per_token_floor", 16)
-    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor < 0:
-        raise ConfigError("routing.bytes_per_token_floor must be a non-negative number (0: never estimate)")
-    AffinitySettings.from_section(section.get("affinity"))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -32,10 +31,7 @@ from typing import Any, Generic, TypeVar
 import aiohttp
 from multidict import CIMultiDict
 
-from proxy.config.load import ConfigError
-from proxy.protocol.dialects import NEUTRAL_SWITCH, THINKING_SWITCHES
-
-DIALECTS = ("vllm", "sglang", "detect")
+from proxy.config import settings as config_settings
 
 _UNSET = object()
 
@@ -84,61 +80,26 @@ class _RoutingField(Generic[_T]):
         values[self.slot] = value
 
 
-@dataclass(frozen=True)
-class Timeouts:
-    connect: float = 5.0  # TCP connect; past it the next eligible worker is tried (504 if none is left)
-    first_byte: float = 120.0  # request sent -> first upstream chunk; past it the client gets 504
-    idle: float = 120.0  # between two upstream chunks; past it, response.failed
-    total: float = 1800.0  # the whole upstream exchange; before the first byte 504, after it response.failed
+# A worker entry's defaults, from the schema (a test's or a tool's Worker(...) takes them too).
+_ENTRY = config_settings.of("workers[]", {"name": "-", "url": "embedded"})
 
 
-@dataclass(frozen=True)
-class OutlierPolicy:
-    """Passive ejection, after Envoy's outlier detection (consecutive gateway failures)."""
-
-    consecutive_failures: int = 5
-    base_ejection_s: float = 30.0
-    max_ejection_s: float = 300.0
-    # The largest share of a model's workers passive ejection may take out. Below 100 the
-    # last available worker of a model is never ejected either, so a 1-worker pool is never
-    # ejected (Envoy ejects at least one host whatever the percent: that is the outage).
-    max_ejection_percent: float = 50.0
-
-    @classmethod
-    def from_section(cls, section: dict[str, Any] | None) -> OutlierPolicy:
-        section = section or {}
-        unknown = set(section) - {"consecutive_failures", "base_ejection_s", "max_ejection_s", "max_ejection_percent"}
-        if unknown:
-            raise ConfigError(f"health.outlier: unknown setting(s) {', '.join(sorted(unknown))}")
-        try:
-            policy = cls(consecutive_failures=int(section.get("consecutive_failures", 5)),
-                         base_ejection_s=float(section.get("base_ejection_s", 30.0)),
-                         max_ejection_s=float(section.get("max_ejection_s", 300.0)),
-                         max_ejection_percent=float(section.get("max_ejection_percent", 50.0)))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"health.outlier: {exc}") from exc
-        if (policy.consecutive_failures < 1 or policy.base_ejection_s < 0
-                or policy.max_ejection_s < policy.base_ejection_s):
-            raise ConfigError("health.outlier: consecutive_failures >= 1 and 0 <= base_ejection_s <= max_ejection_s")
-        if not 0 <= policy.max_ejection_percent <= 100:
-            raise ConfigError("health.outlier.max_ejection_percent must be from 0 to 100")
-        return policy
-
-    def ejection_time(self, multiplier: int) -> float:
-        return min(self.base_ejection_s * (2 ** max(multiplier - 1, 0)), self.max_ejection_s)
+def ejection_time(outlier: Any, multiplier: int) -> float:
+    """health.outlier: the ejection of the multiplier-th repeat, doubled each time up to the cap."""
+    return min(outlier.base_ejection_s * (2 ** max(multiplier - 1, 0)), outlier.max_ejection_s)
 
 
 @dataclass(eq=False)
 class Worker:
     name: str
     url: str
-    dialect: _RoutingField[str] = _RoutingField("vllm")  # "detect" until start-up has asked the server
+    dialect: _RoutingField[str] = _RoutingField(_ENTRY.dialect)  # "detect" until start-up has asked the server
     models: _RoutingField[tuple[str, ...]] = _RoutingField(())
     api_key: str | None = None
     labels: dict[str, Any] = field(default_factory=dict)
-    capacity: int = 256
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    thinking_switch: str = NEUTRAL_SWITCH  # the chat-template kwarg its model reads (proxy.protocol.dialects)
+    capacity: int = _ENTRY.capacity
+    timeouts: Any = _ENTRY.timeouts  # workers[].timeouts: connect, first_byte, idle, total (frozen)
+    thinking_switch: str = _ENTRY.thinking_switch  # the chat-template kwarg its model reads (proxy.protocol.dialects)
     max_model_len: dict[str, int] = field(default_factory=dict)
     models_known: bool = True  # False while `models` was omitted and /v1/models has not answered yet
     in_flight: int = 0
@@ -203,67 +164,13 @@ class Worker:
         return self._healthy and not self._ejected and self._dialect != "detect"  # type: ignore[attr-defined]  # as serves
 
 
-def _str_list(value: Any, where: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(f"{where} must be a list of non-empty strings")
-    return tuple(value)
-
-
-_NOT_PRINTABLE = re.compile(r"[^\x20-\x7e]")  # a header value: visible ASCII and spaces only
-
-
-def _header_safe(value: Any, where: str) -> None:
-    """A config value that goes into a request line or header: a CR or LF in it would end the
-    line and start a header (or a request) of its own, so it stops start-up instead."""
-    if value is None:
-        return
-    found = _NOT_PRINTABLE.search(str(value))
-    if found:
-        hint = (" (a key read from a file keeps its trailing newline)"
-                if found.group() in "\r\n" and where.endswith("api_key") else "")
-        raise ConfigError(f"{where} contains the character {found.group()!r}: only printable ASCII "
-                          f"can go into an HTTP header or request line{hint}")
-
-
-def parse_workers(raw: Any) -> list[Worker]:
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError("workers must be a non-empty list")
-    workers, names = [], set()
-    for i, entry in enumerate(raw):
-        if not isinstance(entry, dict) or not entry.get("url") or not entry.get("name"):
-            raise ConfigError(f"workers[{i}] needs a name and a url")
-        if entry["name"] in names:
-            raise ConfigError(f"workers[{i}]: duplicate worker name {entry['name']!r}")
-        names.add(entry["name"])
-        dialect = entry.get("dialect", "vllm")
-        if dialect not in DIALECTS:
-            raise ConfigError(f"workers[{i}].dialect must be one of {DIALECTS}")
-        try:
-            timeouts = Timeouts(**{k: float(v) for k, v in (entry.get("timeouts") or {}).items()})
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"workers[{i}].timeouts: {exc}") from exc
-        if min(timeouts.connect, timeouts.first_byte, timeouts.idle, timeouts.total) <= 0:
-            raise ConfigError(f"workers[{i}].timeouts must all be positive")
-        labels = entry.get("labels") or {}
-        if not isinstance(labels, dict):
-            raise ConfigError(f"workers[{i}].labels must be a mapping")
-        capacity = entry.get("capacity", 256)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ConfigError(f"workers[{i}].capacity must be a positive integer")
-        models = _str_list(entry.get("models"), f"workers[{i}].models")
-        switch = entry.get("thinking_switch", NEUTRAL_SWITCH)
-        if switch not in THINKING_SWITCHES:
-            raise ConfigError(f"workers[{i}].thinking_switch must be one of {THINKING_SWITCHES}")
-        _header_safe(entry.get("api_key"), f"workers[{i}].api_key")  # sent as Authorization: Bearer
-        _header_safe(entry.get("url"), f"workers[{i}].url")  # the request line and Host header
-        workers.append(Worker(
-            name=str(entry["name"]), url=str(entry["url"]), dialect=dialect,
-            models=models, api_key=entry.get("api_key"), labels=dict(labels), capacity=capacity,
-            timeouts=timeouts, thinking_switch=switch, models_known=bool(models) or entry.get("url") == "embedded",
-        ))
-    return workers
+def parse_workers(entries: Iterable[Any]) -> list[Worker]:
+    """The workers of config.yaml's `workers` (typed settings, checked at load)."""
+    return [Worker(name=entry.name, url=entry.url, dialect=entry.dialect, models=tuple(entry.models or ()),
+                   api_key=entry.api_key, labels=dict(entry.labels), capacity=entry.capacity,
+                   timeouts=entry.timeouts, thinking_switch=entry.thinking_switch,
+                   models_known=bool(entry.models) or entry.url == "embedded")
+            for entry in entries]
 
 
 class Route:
@@ -289,10 +196,9 @@ class WorkerPool:
     in-flight counts and health, and per-model routes cached until a worker's routing
     fields change."""
 
-    def __init__(self, workers: Iterable[Worker], *, outlier: OutlierPolicy | None = None,
-                 ewma_alpha: float = 0.3) -> None:
+    def __init__(self, workers: Iterable[Worker], *, outlier: Any = None, ewma_alpha: float = 0.3) -> None:
         self.workers = list(workers)
-        self.outlier = outlier or OutlierPolicy()
+        self.outlier = outlier or config_settings.of("health.outlier")  # health.outlier's settings
         self.ewma_alpha = ewma_alpha
         self.active_checks = False  # proxy.upstream.health turns this on when its loop runs
         # Set by proxy.upstream.health: when its next round starts (monotonic), how far apart rounds
@@ -394,7 +300,7 @@ class WorkerPool:
         now = time.monotonic()
         worker.ejection_multiplier += 1
         worker.ejected = True
-        worker.ejected_until = now + self.outlier.ejection_time(worker.ejection_multiplier)
+        worker.ejected_until = now + ejection_time(self.outlier, worker.ejection_multiplier)
         worker.last_ejected_at = now
         worker.ejections_total += 1
         from proxy.runtime.logs import log
