@@ -12,6 +12,7 @@
       lease_idle_s: 2                  # an unused lease is given back after this
       lease_ttl_s: 30                  # lease row expiry after its last renewal (<= hold_ttl_s)
       lease_commit_ms: 20              # a lease's usage rows are committed in batches this far apart
+      lease_commit_rows: 64            # ...or as soon as this many wait
 
 Only POST /v1/responses is billed (input_tokens bills nothing), and only for a ledger
 key: without the auth middleware, or for a static key (no account), this passes through.
@@ -179,6 +180,9 @@ def _settings(section: Any) -> tuple[float, int, float, dict[str, Any]]:
         # the usage rows this far apart, rather than per request, spares a busy key's CPU per
         # request, for a SIGKILL window of the rows settled in the last lease_commit_ms.
         "linger_s": section.lease_commit_ms / 1000,
+        # ...and no more rows than this wait for one: the rows a crash can lose stay bounded
+        # in number too, and a commit is a function of the requests, not of the clock.
+        "commit_rows": section.lease_commit_rows,
     }
     return section.hold_ttl_s, section.default_max_output_tokens, section.bytes_per_token, lease_settings
 

@@ -886,6 +886,24 @@ async def test_lease_burst_balance_decrease_equals_costs(ledger):
     await leases.close()
 
 
+async def test_leased_rows_commit_by_count_as_well_as_by_time(ledger):
+    """balance.lease_commit_rows: with a commit interval far longer than the test, a commit
+    still comes as soon as that many leased rows wait, and exactly one per that many (the
+    count of commits follows the requests, not the clock: what bench.instructions relies on)."""
+    _, key = await ledger.create_key("rows", 100_000_000)
+    leases = Leases(ledger, hold_ttl_s=60, min_rate=1, linger_s=3600, commit_rows=10)
+    await _lease_traffic(leases, key.key_id, 400, 1, "r", cost=lambda i: 100)
+    leased = leases.stats["lease_holds"]
+    assert leased > 300, leases.stats
+    await asyncio.sleep(0.05)  # the commits started by the count run
+    assert leases.stats["commits"] == leased // 10
+    assert len(leases._queue) == leased % 10  # the rest waits for the next ten (or the hour)
+    assert len(await ledger.list_usage(key.key_id, limit=10_000)) == 400 - leased % 10
+    await leases.flush()
+    assert len(await ledger.list_usage(key.key_id, limit=10_000)) == 400
+    await leases.close()
+
+
 @pytest.mark.parametrize("backend", LEDGER_BACKENDS)
 async def test_leases_on_two_connections_never_overdraw(tmp_path, backend, request):
     """Two ledgers (two connections, two writer threads, two event loops: what two worker

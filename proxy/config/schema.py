@@ -321,6 +321,7 @@ compaction item), opened when the window comes back in a later request."""),
         "lease_idle_s": Opt(POS_NUM, 2, "an unused lease is given back after this"),
         "lease_ttl_s": Opt(POS_NUM, 30, "a lease row expires this long after its last renewal"),
         "lease_commit_ms": Opt(POS_NUM, 20, "leased usage rows are committed this far apart"),
+        "lease_commit_rows": Opt(Int(1, 10_000), 64, "or as soon as this many wait, whichever comes first"),
     }), None),
     "notices": F(Section({
         "enabled": F(Bool(), True, ENABLED_DOC),

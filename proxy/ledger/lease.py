@@ -11,7 +11,8 @@ from which request holds are taken in memory, with no await:
                       the end of its balance is served exactly as without leases: partial
                       holds, 402s, no overdraft)
     finish(hold, usage)   a lease hold: in memory, and the usage row is queued; the queue is
-                      committed every `linger_s` (balance.lease_commit_ms, 20 ms) in ONE
+                      committed every `linger_s` (balance.lease_commit_ms, 20 ms), or as soon
+                      as `commit_rows` wait (balance.lease_commit_rows, 64), in ONE
                       ledger transaction that inserts the rows (exactly once: UNIQUE
                       request_id), debits the balance and takes the same amount off the
                       lease row. A per-request hold: settle / release
@@ -38,7 +39,7 @@ the process lives. After a SIGKILL the row stays until it expires, then counts f
 (the ledger ignores expired holds) and the sweeper deletes it: nothing is charged for it.
 
 The crash window: a SIGKILL loses the usage rows still queued (settled in the last
-`linger_s` + one commit, ~20 ms): those requests go unbilled, like a settle lingering in the
+`linger_s` + one commit, ~20 ms, and never more than `commit_rows`): those requests go unbilled, like a settle lingering in the
 writer (5 ms there: a lease batches many requests per commit, a per-request settle does not).
 Nothing is billed twice and nothing is overdrawn.
 
@@ -134,6 +135,7 @@ class Leases:
         idle_s: float = _BALANCE.lease_idle_s,
         ttl_s: float = _BALANCE.lease_ttl_s,
         linger_s: float | None = None,
+        commit_rows: int = _BALANCE.lease_commit_rows,
         tasks: set[asyncio.Task] | None = None,
     ) -> None:
         self.ledger = ledger
@@ -147,6 +149,7 @@ class Leases:
         if linger_s is None:
             linger_s = getattr(ledger, "settle_linger_s", _LEDGER.settle_linger_ms / 1000)
         self.linger_s = max(0.0, float(linger_s))
+        self.commit_rows = max(1, int(commit_rows))
         self._keys: dict[str, _Key] = {}
         self._leased: dict[str, _Key] = {}  # request id -> key, for holds taken from a lease
         self._queue: list[tuple[_Key, str, UsageRecord]] = []
@@ -236,7 +239,11 @@ class Leases:
             k.queued += usage.cost_micros
             k.free += hold.amount_micros - usage.cost_micros
             self._queue.append((k, k.lease_id, usage))
-            if self._timer is None and self.loop is not None:
+            if len(self._queue) >= self.commit_rows:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._flush()
+            elif self._timer is None and self.loop is not None:
                 self._timer = self.loop.call_later(self.linger_s, self._flush)
             return None
         return self._spawn(self._settle_exact(hold, usage, waited))
