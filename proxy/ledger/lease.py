@@ -40,7 +40,8 @@ the process lives. After a SIGKILL the row stays until it expires, then counts f
 
 The crash window: a SIGKILL loses the usage rows still queued (settled in the last
 `linger_s` + one commit, ~20 ms, and never more than `commit_rows`): those requests go
-unbilled, like a settle lingering in the writer (5 ms there: a lease batches many requests per commit, a per-request settle does not).
+unbilled, like a settle lingering in the writer (5 ms there: a lease batches many requests
+per commit, a per-request settle does not).
 Nothing is billed twice and nothing is overdrawn.
 
 If the event loop stalls longer than ttl_s, the row can expire under requests in flight;
