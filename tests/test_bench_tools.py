@@ -50,7 +50,9 @@ def test_every_instructions_variant_is_a_config_this_tree_accepts(tmp_path: Path
         path = tmp_path / f"{len(name)}.yaml"
         path.write_text(json.dumps(variant_config(18080, 18081, tmp_path / "ledger.db", extra, 50)))
         config = Config.load(path)
-        assert config["balance"]["lease_commit_ms"] == 1000 and config["balance"]["lease_min_rate"] == 1 and config["health"]["interval_s"] == 3600
+        balance = config["balance"]
+        assert balance["lease_commit_ms"] == 3_600_000 and balance["lease_commit_rows"] == 40  # commits by count
+        assert balance["lease_min_rate"] == 1 and config["health"]["interval_s"] == 3600
         for section, values in extra.items():
             for key, value in values.items():
                 assert config[section][key] == value, name
