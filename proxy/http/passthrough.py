@@ -23,15 +23,15 @@ from aiohttp import web
 
 from proxy import state
 from proxy.http.errors import APIError
-from proxy.http.forwarder import (MAX_ERROR_BODY, MAX_JSON_BODY, MAX_ATTEMPTS, _SSE_HEADERS, _EventStream,
-                                  _ReadWatchdog, _Retryable, _check_stream_start, _let_go, _record_usage,
-                                  _settle_now, _upstream_message, map_upstream_error)
+from proxy.http.forwarder import (MAX_ATTEMPTS, _SSE_HEADERS, _EventStream, _ReadWatchdog, _check_stream_start,
+                                  _let_go, _record_usage, _settle_now)
+from proxy.http.upstream_open import _Retryable, _upstream_message, open_upstream
 from proxy.policy.netguard import check_images, policy_for
 from proxy.protocol.chat_usage import SSEScanner, json_usage
 from proxy.protocol.passthrough import ANTHROPIC, Passthrough, build
 from proxy.runtime.logs import log
 from proxy.upstream.affinity import AffinitySettings, request_key
-from proxy.upstream.client import BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected
+from proxy.upstream.client import BadResponse, Disconnected
 from proxy.upstream.routing import check_context_window, choose
 from proxy.upstream.workers import Worker
 
@@ -118,46 +118,11 @@ async def _forward(request: web.Request, ctx: state.RequestContext, worker: Work
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
     deadline = loop.time() + timeouts.total
-    first_byte = min(timeouts.first_byte, timeouts.total) if t.stream else timeouts.total
     upstream = None
     try:
-        try:
-            first_deadline = loop.time() + first_byte
-            upstream = await request.app[state.UPSTREAMS].post(worker.endpoint(t.path), worker.chat_headers,
-                                                               orjson.dumps(t.body), connect_timeout=timeouts.connect,
-                                                               deadline=first_deadline)
-            if upstream.status != 200:
-                body = await upstream.read_capped(MAX_ERROR_BODY, first_deadline)
-                missing = _not_served(worker, t, upstream.status, body)
-                if missing is not None:
-                    raise missing
-                error = map_upstream_error(worker, upstream.status, body)
-                if upstream.status >= 500:
-                    pool.record_failure(worker, f"status {upstream.status}")
-                raise error
-            if upstream.content_encoding is not None:
-                pool.record_failure(worker, "encoded answer")
-                raise _Retryable(worker, "content_encoding", APIError(
-                    502, "The model server sent an encoded answer although none was asked for.", code="upstream_error"))
-            first = (await upstream.read(first_deadline) if t.stream
-                     else await upstream.read_capped(MAX_JSON_BODY, first_deadline))
-            if len(first) > MAX_JSON_BODY:
-                raise _Retryable(worker, "answer too large", APIError(
-                    502, f"The model server sent an answer larger than {MAX_JSON_BODY} bytes.", code="upstream_error"))
-        except ConnectTimeout:
-            pool.record_failure(worker, "connect timeout")
-            raise _Retryable(worker, "connect_timeout", APIError(
-                504, f"The model server did not accept a connection within {timeouts.connect:g}s.",
-                code="upstream_timeout")) from None
-        except DeadlinePassed:
-            pool.record_failure(worker, "first byte timeout")
-            which = "first_byte" if t.stream and first_byte < timeouts.total else "total"
-            raise APIError(504, f"The model server did not answer within {first_byte:g}s ({which} timeout).",
-                           code="upstream_timeout") from None
-        except (ConnectFailed, Disconnected, BadResponse) as exc:
-            pool.record_failure(worker, type(exc).__name__)
-            raise _Retryable(worker, type(exc).__name__,
-                             APIError(502, "The model server could not be reached.", code="upstream_unreachable")) from None
+        upstream, first = await open_upstream(request.app, worker, worker.endpoint(t.path), orjson.dumps(t.body),
+                                              stream=t.stream,
+                                              refine=lambda status, body: _not_served(worker, t, status, body))
         out.ttfb_ms = (time.perf_counter() - started) * 1000
         if not t.stream:
             pool.record_success(worker, out.ttfb_ms / 1000)
