@@ -5,7 +5,8 @@ The translate phase (proxy.http.request) calls `passthrough_translate`: the endp
 (config `endpoints`), the body is read for what billing needs (proxy.protocol.passthrough) and the
 image guard runs on chat content (and on Anthropic image URLs). The balance then holds the prompt
 bound + the output cap, as for Responses. `passthrough_handler` picks a worker (affinity,
-failover before the first byte, the context check on the first), posts the body to the same
+failover before the first byte, the context check on the first: as vLLM does on these APIs, an
+output cap the prompt leaves no room for is lowered, not refused), posts the body to the same
 path on it, and passes the answer through: a JSON answer as its bytes, an event stream event by
 event as it arrives (proxy.protocol.chat_usage reads the usage on the way), settled before the
 last bytes go out. A worker that answers 404 with no error of its own (FastAPI's "Not Found")
@@ -97,8 +98,11 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
         worker.in_flight += 1
         try:
             if not tried and routing_cfg.get("context_check", True) and "max_tokens" in t.chat:
+                # The cap as vLLM takes it on these APIs: lowered to the room the prompt leaves, not
+                # refused (Claude Code asks 32,000 whatever the model's window); a prompt that
+                # does not fit at all is still refused.
                 floor = float(routing_cfg.get("bytes_per_token_floor", 16))
-                _, sent = await check_context_window(app[state.SESSION], worker, t, t.max_output_tokens,
+                _, sent = await check_context_window(app[state.SESSION], worker, t, None,
                                                      bytes_per_token_floor=floor)
             return await _forward(request, ctx, worker, sent, out)
         except _Retryable as exc:

@@ -216,6 +216,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         blocks.append({"type": "tool_use", "id": "toolu_" + secrets.token_hex(8), "name": call["name"],
                        "input": json.loads(args) if isinstance(args, str) else args})
         stop = "tool_use"
+        n += max(1, len(tokenize(json.dumps(blocks[1]["input"]))))  # the call's tokens are output too
     usage = _override(script, {"input_tokens": prompt_tokens, "output_tokens": n,
                                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0})
     if not body.get("stream"):
