@@ -1,7 +1,7 @@
 """Instructions per request under callgrind: the proxy against the bare pass-through, a count
 the shared machine's noise does not move.
 
-    .venv/bin/python -m bench.instructions                  # every row (~4 min on 2 cores)
+    .venv/bin/python -m bench.instructions                  # every row (~8 min on 2 cores)
     .venv/bin/python -m bench.instructions --only proxy,pass-through
     .venv/bin/python -m bench.instructions --out bench/results.md   # also replaces its section there
 
@@ -42,7 +42,8 @@ of a busy client at native speed but one per request or two here; a lease covers
 --slowdown (50: commits 1 s apart, leases of 100 s, given back after 100 s idle), the rate /
 50 (at least 1/s): the key is leased, as a busy key is, in every case, and a commit carries
 about the rows it carries at native speed. Every row is still committed inside its group (the
-pause before each dump outlasts the commit interval). Nothing else in the chain is changed.
+pause before each dump outlasts the commit interval). The WebSocket pings (`ping_interval_s`, 30 s)
+are on valgrind's clock too. Nothing else in the chain is changed.
 
 Targets (issue 28), proxy over pass-through with the full chain: non-stream <= 1.3x, coalesced
 stream <= 0.95x, one delta per read <= 1.05x, a WebSocket turn <= 1.05x the HTTP stream.
@@ -197,6 +198,8 @@ def variant_config(port: int, up_port: int, db: Path, extra: dict, slowdown: flo
         # The leases' wall-clock settings on valgrind's clock (see the docstring).
         "balance": {"lease_commit_ms": round(20 * slowdown), "lease_seconds": 2 * slowdown,
                     "lease_idle_s": 2 * slowdown, "lease_min_rate": max(1, round(4 / slowdown))},
+        # So are the socket's pings (30 s): a pong the slowed server read late closed a socket mid-run.
+        "websocket": {"ping_interval_s": 30 * slowdown},
     }, extra))
 
 
