@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.opcodes                      # the proxy of this tree, non-stream
     .venv/bin/python -m bench.opcodes --model bench-coalesced
     .venv/bin/python -m bench.opcodes --pass-through       # bench/passthrough.py, the floor
+    .venv/bin/python -m bench.opcodes --model bench-coalesced --websocket   # a socket turn each
     .venv/bin/python -m bench.opcodes --tree ../old-checkout --top 40
     .venv/bin/python -m bench.opcodes --set '{"balance": {"enabled": false}}'   # what one policy costs
 
@@ -82,10 +83,22 @@ def _snapshot(proc: subprocess.Popen, out: Path) -> dict[str, int]:
     return found
 
 
-async def _drive(url: str, body: bytes, headers: dict[str, str], n: int) -> None:
+async def _drive(url: str, body: bytes, headers: dict[str, str], n: int, websocket: bool = False) -> None:
     import aiohttp
 
     async with aiohttp.ClientSession() as http:
+        if websocket:  # one socket, one response.create per turn, read to its terminal event
+            event = json.dumps({"type": "response.create", **json.loads(body)}).encode()
+            async with http.ws_connect(url, headers=headers, autoping=False) as ws:
+                for _ in range(n):
+                    await ws.send_bytes(event)
+                    while True:
+                        kind = json.loads((await ws.receive(timeout=60)).data).get("type")
+                        if kind == "error":
+                            raise SystemExit("the turn failed")
+                        if kind in ("response.completed", "response.incomplete", "response.failed"):
+                            break
+            return
         for _ in range(n):
             async with http.post(url, data=body, headers=headers) as r:
                 data = await r.read()
@@ -120,6 +133,8 @@ def main() -> None:
     ap.add_argument("--tree", default=str(ROOT), help="the checkout whose proxy runs (default: this one)")
     ap.add_argument("--pass-through", action="store_true", help="count bench/passthrough.py instead")
     ap.add_argument("--model", default="bench-json", help="bench-json (non-stream) or bench-coalesced (a stream)")
+    ap.add_argument("--websocket", action="store_true",
+                    help="the proxy only: each request a socket turn (response.create on one socket)")
     ap.add_argument("--requests", type=int, default=300, help="requests counted, after 100 of warm-up")
     ap.add_argument("--top", type=int, default=25, help="functions listed")
     ap.add_argument("--set", default="{}", metavar="JSON",
@@ -154,10 +169,11 @@ def main() -> None:
         wait_port(up_port)
         url, raw = f"http://127.0.0.1:{port}{path}", json.dumps(body).encode()
         _wait_ready(url, raw, headers)
-        asyncio.run(_drive(url, raw, headers, 100))
+        ws = args.websocket and not args.pass_through
+        asyncio.run(_drive(url, raw, headers, 100, ws))
         time.sleep(0.5)
         before = _snapshot(server, out)
-        asyncio.run(_drive(url, raw, headers, args.requests))
+        asyncio.run(_drive(url, raw, headers, args.requests, ws))
         time.sleep(0.5)  # what a request leaves for later (its access line, its usage row's commit)
         after = _snapshot(server, out)
     finally:
@@ -173,6 +189,8 @@ def main() -> None:
     for where, n in per.items():
         by_file[_short(where, tree).rsplit(":", 2)[0]] += n
     name = "bench/passthrough.py" if args.pass_through else f"the proxy of {tree}"
+    if args.websocket and not args.pass_through:
+        name += " over WebSocket"
     print(f"{name}, {args.model}: {sum(per.values()):.0f} bytecodes per request ({args.requests} requests)")
     print("\n| bytecodes/request | module |\n|--:|---|")
     for module, n in by_file.most_common(args.top):

@@ -51,12 +51,16 @@ def test_client_events_that_are_refused(message, code):
     assert event["type"] == "error" and event["status"] == 400 and event["error"]["code"] == code
 
 
-def test_with_previous_sets_only_the_responses_own_field():
+def test_with_previous_sets_only_the_responses_own_field_on_a_copy():
     text = 'say "previous_response_id":null please'
-    data = orjson.dumps({"type": "response.created", "response": {"previous_response_id": None, "instructions": text}})
-    patched = orjson.loads(with_previous(data, "resp_9"))
-    assert patched["response"] == {"previous_response_id": "resp_9", "instructions": text}
-    assert with_previous(data, None) is data
+    response = {"id": "resp_1", "previous_response_id": None, "instructions": text}
+    fields = {"response": response}
+    patched = with_previous(fields, "resp_9")
+    assert patched["response"] == {"id": "resp_1", "previous_response_id": "resp_9", "instructions": text}
+    assert list(patched["response"]) == list(response)  # the field keeps its place
+    assert response["previous_response_id"] is None and fields["response"] is response  # the assembler's, unchanged
+    assert with_previous(fields, None) is fields
+    assert with_previous({"item": {}}, "resp_9") == {"item": {}}
 
 
 @pytest.mark.parametrize("param, remembered, told", [

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import os
 import re
 
@@ -22,7 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types.responses import Response
 
-from proxy.protocol.deltas import OUTPUT_TOKEN, ChunkParser, Text, TextRun
+from proxy.protocol.assembler import Assembler
+from proxy.protocol.deltas import OUTPUT_TOKEN, ChunkParser, Text, TextRun, completion_events
+from proxy.protocol.encoder import Discard
+from proxy.protocol.plain_answer import plain_response
 from proxy.protocol.response import random_hex
 from proxy.protocol.rewriter import StreamRewriter, response_from_completion
 from proxy.protocol.sse import SSEDecoder
@@ -694,3 +698,80 @@ def test_an_id_or_index_of_the_wrong_type_is_ignored(field):
     sdk_check(parse(out))
     (call,) = rw.response["output"]
     assert call["name"] == "f" and call["arguments"] == "{}" and isinstance(call["call_id"], str)
+
+
+# ---------------------------------------------------------------- non-stream: the plain answer built directly
+# proxy.protocol.plain_answer builds the common shape (one text, no reasoning, no calls)
+# without the assembler: the same dict, key order and all, as the assembler's, or None.
+def _general(c, completion) -> tuple[dict, dict | None]:
+    asm = Assembler(c, Discard())
+    asm.feed(completion_events(completion))
+    return asm.response, asm.usage
+
+
+def assert_plain_is_general(c, completion) -> bool:
+    plain = plain_response(det(c), copy.deepcopy(completion))
+    if plain is None:
+        return False
+    general = _general(det(c), copy.deepcopy(completion))
+    assert orjson.dumps(plain[0]) == orjson.dumps(general[0])
+    assert list(plain[0]) == list(general[0])
+    assert plain[1] == general[1]
+    return True
+
+
+_COUNTS = st.one_of(st.integers(-2, 50), st.none(), st.just(2**64), st.just(1.0), st.just(1.5), st.just("3"))
+
+
+@st.composite
+def plainish_completion(draw):
+    """Completions on both sides of each of plain_response's conditions."""
+    msg: dict = {"role": "assistant"}
+    msg["content"] = draw(st.one_of(st.text(max_size=8), st.none(), st.just(""), st.integers(0, 2)))
+    for key in ("reasoning", "reasoning_content"):
+        if draw(st.booleans()):
+            msg[key] = draw(st.one_of(st.none(), st.just(""), st.text(min_size=1, max_size=4)))
+    if draw(st.integers(0, 3)) == 0:
+        msg["tool_calls"] = draw(st.one_of(st.just([]), st.none(), st.just([_tc("f", "{}", "c1")])))
+    choice: dict = {"index": draw(st.sampled_from([0, 0, 0, None, 1])), "message": msg,
+                    "finish_reason": draw(st.sampled_from(["stop", "length", "content_filter", "tool_calls", None,
+                                                           "abort", "eos", 3]))}
+    if draw(st.integers(0, 9)) == 0:
+        choice["message"] = draw(st.sampled_from([None, "x", []]))
+    choices = [choice] + ([dict(choice, index=1)] if draw(st.integers(0, 5)) == 0 else [])
+    comp: dict = {"id": "x", "object": "chat.completion", "choices": choices}
+    usage_kind = draw(st.integers(0, 5))
+    if usage_kind:
+        usage = {"prompt_tokens": draw(_COUNTS), "completion_tokens": draw(_COUNTS)}
+        if usage_kind > 3:
+            usage["prompt_tokens_details"] = draw(st.one_of(st.none(), st.fixed_dictionaries(
+                {"cached_tokens": _COUNTS})))
+            usage["completion_tokens_details"] = draw(st.one_of(st.none(), st.fixed_dictionaries(
+                {"reasoning_tokens": _COUNTS})))
+        comp["usage"] = usage if usage_kind != 5 or draw(st.booleans()) else [1]
+    if draw(st.integers(0, 15)) == 0:
+        comp["object"] = "error"
+    return comp
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plainish_completion(), st.sampled_from(sorted(_CTXS)), st.sampled_from([None, -1, 0, 1, 2, 5, 100]))
+def test_plain_answer_equals_the_assembler(completion, which, cap):
+    assert_plain_is_general(dataclasses.replace(ctx(**_CTXS[which]), output_cap=cap), completion)
+
+
+def test_plain_answer_takes_the_common_shapes():
+    """The fast path is taken where it should be (else the differential test proves nothing)."""
+    taken = [assert_plain_is_general(ctx(**_CTXS[w]), orjson.loads((FIX / f"{n}.body").read_bytes()))
+             for w in sorted(_CTXS) for n in ("chat_nonstream", "chat_length")]
+    assert all(taken)
+    assert not assert_plain_is_general(ctx(), _COMPLETIONS["text"])  # no usage: counted by the general path
+    # One condition off each: the general path's, each still equal to it through response_from_completion.
+    for msg, finish in (({"content": "a", "reasoning_content": "rc"}, "stop"), ({"content": "a", "reasoning": "r"}, "stop"),
+                        ({"content": "a", "tool_calls": [_tc("f", "{}", "c1")]}, "tool_calls"),
+                        ({"content": ""}, "stop"), ({"content": "a"}, "abort"), ({"content": "a"}, "eos")):
+        completion = _comp(msg, finish, _USAGE)
+        assert not assert_plain_is_general(ctx(), completion), msg
+        assert orjson.dumps(response_from_completion(det(ctx()), completion)) == orjson.dumps(
+            _general(det(ctx()), completion)[0])
+    assert not assert_plain_is_general(dataclasses.replace(ctx(), output_cap=0), _comp({"content": "a"}, "stop", _USAGE))

@@ -1,5 +1,5 @@
-"""The batched frames of a WebSocket turn (proxy.http.websocket._send_events: the events of one
-upstream read in one transport write) against the general path (one aiohttp send_frame per
+"""The batched frames of a WebSocket turn (proxy.http.websocket.send_messages: the events of one
+write, JSON lines, in one transport write) against the general path (one aiohttp send_frame per
 event): over real sockets, with and without permessage-deflate, the client receives the same
 frames, byte for byte on the wire, the same messages in the same order."""
 
@@ -15,7 +15,7 @@ import pytest
 from aiohttp import WSMsgType, web
 
 from proxy.http import websocket
-from proxy.http.websocket import _send_events
+from proxy.http.websocket import send_messages
 from tests.conftest import free_port
 
 MODEL = "tiny-org/tiny-model"
@@ -29,12 +29,11 @@ async def _server(batched: bool):
         ws = web.WebSocketResponse(compress=True)
         await ws.prepare(request)
         await ws.receive()  # the client's go
-        if batched:  # as SSE events (turn.TurnStream's writes), one with no event line, one [DONE]
-            unchanged = lambda name, data: data  # noqa: E731
-            await _send_events(ws, b"\n\n".join(b"event: x\ndata: " + m for m in MESSAGES[:3]), unchanged, {})
-            await _send_events(ws, b"data: [DONE]", unchanged, {})
-            await _send_events(ws, b"\n\n".join([b"data: " + MESSAGES[3], b": comment"]
-                                                + [b"event: y\ndata: " + m for m in MESSAGES[4:]]), unchanged, {})
+        if batched:  # as JSON lines (turn.TurnStream's writes): blocks of one, several, none
+            await send_messages(ws, b"".join(m + b"\n" for m in MESSAGES[:3]))
+            await send_messages(ws, b"")
+            await send_messages(ws, MESSAGES[3] + b"\n")
+            await send_messages(ws, b"".join(m + b"\n" for m in MESSAGES[4:]))
         else:
             for message in MESSAGES:
                 await ws.send_frame(message, WSMsgType.TEXT)

@@ -94,11 +94,13 @@ async def _summarize(request: web.Request, body: dict[str, Any], window: list[An
     """-> the summary turn's final Response object, or the refusal to pass on as it is."""
     terminal: dict[str, Any] = {}
 
-    async def emit(name: str, data: bytes) -> None:
+    def on_event(name: str, fields: dict) -> dict:
         if name in TERMINAL_EVENTS:
-            terminal.update(orjson.loads(data))
+            terminal.update(fields)
+        return fields
 
-    answer = await run_turn(request, orjson.dumps(_summary_turn(body, window)), emit, unit=COMPACT_SUMMARY)
+    answer = await run_turn(request, orjson.dumps(_summary_turn(body, window)), unit=COMPACT_SUMMARY,
+                            on_event=on_event)
     carry_notices(request, answer)
     if not answer.streamed:
         headers = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after", "x-should-retry")}

@@ -32,12 +32,12 @@ from aiohttp import web
 
 from proxy import state
 from proxy.http.errors import APIError
-from proxy.http.forwarder import _SSE_HEADERS, _settle_now, forward
+from proxy.http.event_stream import open_event_stream
+from proxy.http.forwarder import _settle_now, forward
 from proxy.http.turn import TurnAnswer, run_turn
 from proxy.http.units import COMPACT_SUMMARY
 from proxy.protocol.compaction import compaction_item, summary_text, take_trigger
 from proxy.protocol.continuation import TERMINAL_EVENTS
-from proxy.protocol.encoder import SSEEncoder
 from proxy.protocol.seal import binding
 from proxy.state import RequestContext
 
@@ -65,7 +65,8 @@ async def _answer(request: web.Request, ctx: RequestContext, final: dict[str, An
     turn = request.get(state.TURN)
     if turn is None and not (ctx.body or {}).get("stream"):
         return web.Response(body=orjson.dumps(final), content_type="application/json")
-    enc = SSEEncoder()
+    stream, enc = open_event_stream(request)
+    await stream.prepare(request)  # before the first event: the transport's say in the headers
     started = {**final, "status": "in_progress", "output": [], "usage": None, "completed_at": None}
     item = final["output"][0]
     enc.event("response.created", {"response": started})
@@ -74,8 +75,6 @@ async def _answer(request: web.Request, ctx: RequestContext, final: dict[str, An
     enc.event("response.output_item.done", {"output_index": 0, "item": item})
     enc.event("response.completed", {"response": final})
     enc.end()
-    stream = web.StreamResponse(status=200, headers=_SSE_HEADERS) if turn is None else turn.stream(dict(_SSE_HEADERS))
-    await stream.prepare(request)
     await _settle_now(ctx)  # billed before the client can read the end of its answer
     await stream.write_eof(enc.take())
     return stream
@@ -94,11 +93,12 @@ async def _once_more(request: web.Request, ctx: RequestContext) -> tuple[str, di
             again[name] = body[name]
     terminal: dict[str, Any] = {}
 
-    async def emit(name: str, data: bytes) -> None:
+    def on_event(name: str, fields: dict) -> dict:
         if name in TERMINAL_EVENTS:
-            terminal.update(orjson.loads(data))
+            terminal.update(fields)
+        return fields
 
-    answer = await run_turn(request, orjson.dumps(again), emit, unit=COMPACT_SUMMARY)
+    answer = await run_turn(request, orjson.dumps(again), unit=COMPACT_SUMMARY, on_event=on_event)
     carry_notices(request, answer)
     if not answer.streamed:
         raise refusal(answer)

@@ -24,6 +24,8 @@ from proxy.upstream.affinity import AffinitySettings, request_key
 from proxy.protocol.dialects import chat_for
 from proxy.http.errors import APIError
 from proxy.runtime.logs import log
+from proxy.http.event_stream import SSE_HEADERS as _SSE_HEADERS
+from proxy.http.event_stream import open_event_stream
 from proxy.protocol.rewriter import ResponseContext, StreamRewriter, client_usage, completion_response, map_usage
 from proxy.upstream.routing import (TokenCountError, check_context_window, choose, count_tokens, parse_provider,
                            request_parameters, tokenize)
@@ -38,11 +40,6 @@ SESSION, UPSTREAMS, POOL = state.SESSION, state.UPSTREAMS, state.POOL
 
 MAX_ATTEMPTS = 3
 STREAM_END_GRACE_S = 1.0  # after [DONE], how long the last chunk of a stream may take to keep its connection
-_SSE_HEADERS = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
 
 
 @dataclass(frozen=True)
@@ -313,18 +310,6 @@ def _early_cut(first: bytes) -> int:
     return end + 2 if 0 < end < len(first) - 2 else 0
 
 
-class _EventStream(web.StreamResponse):
-    # prepare() is always followed at once by the first write (response.created and whatever
-    # the first read held): the headers go out with it, one send instead of two (a syscall
-    # and a loopback round of TCP work per stream), as aiohttp's own web.Response does.
-    # aiohttp has no public switch for this: StreamResponse takes no "send headers with the
-    # first write" argument and web.Response buffers the whole body, so the class attribute
-    # web.Response itself sets is set here. Should aiohttp rename it, the answer stays right
-    # and only the sends double: tests/test_forwarder_writes.py pins the sends
-    # (test_a_whole_coalesced_answer_is_one_send, ...headers_with_the_first_events...).
-    _send_headers_immediately = False
-
-
 class _ReadWatchdog:
     """The idle and total timeouts of each upstream read, as one lazy timer: an asyncio.timeout
     per read costs more than rewriting the chunk. A read only stamps its start (`since`); the
@@ -405,9 +390,8 @@ async def _start_stream(request: web.Request, response: web.StreamResponse, rewr
 async def _stream_answer(request: web.Request, request_ctx: RequestContext, upstream: UpstreamResponse,
                          ctx: ResponseContext, first: bytes, out: state.Outcome, *, worker: Worker,
                          deadline: float) -> web.StreamResponse:
-    rewriter = request_ctx.event_stream = StreamRewriter(ctx)
-    turn = request.get(state.TURN)  # a transport's turn (proxy.http.turn) takes the events itself
-    response = _EventStream(status=200, headers=_SSE_HEADERS) if turn is None else turn.stream(_SSE_HEADERS)
+    response, encoder = open_event_stream(request)  # an SSE response, or a transport's turn
+    rewriter = request_ctx.event_stream = StreamRewriter(ctx, encoder=encoder)
     recorded = False
     dog = _ReadWatchdog(worker.timeouts.idle, deadline, rewriter)
     failure: tuple[str, str, bool] | None = None  # (message, code, the proxy's own error code)

@@ -24,8 +24,9 @@ from aiohttp import web
 
 from proxy import state
 from proxy.http.errors import APIError
-from proxy.http.forwarder import (MAX_ATTEMPTS, _SSE_HEADERS, _EventStream, _ReadWatchdog, _check_stream_start,
-                                  _let_go, _record_usage, _settle_now)
+from proxy.http.event_stream import SSE_HEADERS, EventStreamResponse
+from proxy.http.forwarder import (MAX_ATTEMPTS, _ReadWatchdog, _check_stream_start, _let_go, _record_usage,
+                                  _settle_now)
 from proxy.http.upstream_open import _Retryable, _upstream_message, open_upstream
 from proxy.policy.netguard import check_images, policy_for
 from proxy.protocol.chat_usage import SSEScanner, json_usage
@@ -157,7 +158,7 @@ def _json_answer(worker: Worker, t: Passthrough, body: bytes, out: state.Outcome
 async def _stream(request: web.Request, ctx: state.RequestContext, upstream: Any, worker: Worker, t: Passthrough,
                   first: bytes, out: state.Outcome, deadline: float) -> web.StreamResponse:
     scanner = SSEScanner(t.family, t.usage_added)
-    response = _EventStream(status=200, headers=_SSE_HEADERS)
+    response = EventStreamResponse(status=200, headers=SSE_HEADERS)
     dog = _ReadWatchdog(worker.timeouts.idle, deadline, scanner)
     cap = t.output_cap
     failure: tuple[str, str] | None = None

@@ -1,7 +1,7 @@
 """One Responses turn run in-process through the app's whole HTTP path: the one entry point
 the WebSocket transport and /v1/responses/compact use to create a response.
 
-`run_turn(origin, body, emit)` makes the turn's request with aiohttp's public `Request.clone()`
+`run_turn(origin, body, unit=...)` makes the turn's request with aiohttp's public `Request.clone()`
 (`POST /v1/responses` with `origin`'s headers: the WebSocket handshake, the compact request),
 resolves it with the app's router and runs it through the app's own middlewares (the envelope:
 request id, context, every phase, error envelope, access line, metrics) to the route's handler,
@@ -10,11 +10,13 @@ as the HTTP request with these headers and this body.
 
 What differs is only where the bytes are and where the answer goes, both said by the request's
 `state.TURN` (a `Turn`): the prepare phase takes the turn's body from it instead of reading the
-HTTP body (proxy.http.request), and the forwarder writes its event stream to `Turn.stream()`, a
-`TurnStream`, instead of an HTTP response. The TurnStream cuts the SSE bytes into events and
-awaits each through `emit(event_type, data_json)`, so a slow consumer stalls the handler's
-writes, which stall its upstream reads (the HTTP path's backpressure). Cancelling the caller
-cancels the turn as a client disconnect cancels an HTTP handler.
+HTTP body (proxy.http.request), and the handler writes its event stream to `Turn.stream()`, a
+`TurnStream`, encoded by `Turn.encoder()` (proxy.http.event_stream): one JSON object per event
+and per line, never SSE. Each write's lines are awaited through `send_lines(block)` as they
+are (a socket sends each line as a message), so a slow consumer stalls the handler's writes,
+which stall its upstream reads (the HTTP path's backpressure); `on_event` sees each non-delta
+event as the encoder writes it (the turn's terminal response is read there, not parsed back).
+Cancelling the caller cancels the turn as a client disconnect cancels an HTTP handler.
 
 The clone shares the origin's connection, so any other response prepared for a turn (a custom
 middleware's own stream) would write HTTP onto it: `refuse_other_answers` (an on_response_prepare
@@ -33,12 +35,13 @@ from multidict import CIMultiDict
 
 from proxy import state
 from proxy.http.units import RESPONSES, Unit
+from proxy.protocol.encoder import JSONLinesEncoder
 
-Emit = Callable[[str, bytes], Awaitable[None]]
-# The events of one write at once: its SSE bytes, whole events only (without the blank line
-# after the last); a transport that sends them together (one socket write) reads them itself
-# (as `sse_event` does), else `emit` is awaited per event.
-EmitBatch = Callable[[bytes], Awaitable[None]]
+# The events of one write at once: JSON lines (proxy.protocol.encoder.JSONLinesEncoder), whole
+# events only, each ending with a line break.
+SendLines = Callable[[bytes], Awaitable[None]]
+# A non-delta event as the encoder writes it: (event type, its fields) -> the fields to write.
+OnEvent = Callable[[str, dict], dict]
 # Told the answer's headers once the app's response hooks set them, before the first event.
 OnPrepare = Callable[[CIMultiDict[str]], None]
 
@@ -63,22 +66,20 @@ class TurnAnswer:
 
 
 class TurnStream:
-    """Where a turn's event stream goes: the forwarder prepares, writes and ends it as it would
-    its web.StreamResponse (the calls it makes are these); SSE bytes in, one `emit` per event out,
-    or, given `emit_batch`, one `emit_batch` per write with the events it completed."""
+    """Where a turn's event stream goes: the handler prepares, writes and ends it as it would
+    its web.StreamResponse (the calls it makes are these); the encoder's JSON lines in, one
+    `send_lines` per write out (none without `send_lines`: a turn that reads only `on_event`)."""
 
-    def __init__(self, emit: Emit, headers: dict[str, str] | None = None, on_prepare: OnPrepare | None = None,
-                 emit_batch: EmitBatch | None = None) -> None:
+    def __init__(self, send_lines: SendLines | None, headers: dict[str, str] | None = None,
+                 on_prepare: OnPrepare | None = None) -> None:
         self.status = 200
         self.headers: CIMultiDict[str] = CIMultiDict(headers or {})
         self.prepared = False
         # The flag proxy.http.app._after_start reads on an aiohttp response: whole, it stands.
         self._eof_sent = False
         self._state: dict[Any, Any] = {}
-        self._emit = emit
+        self._send_lines = send_lines
         self._on_prepare = on_prepare
-        self._pending = bytearray()
-        self._emit_batch = emit_batch
 
     def get(self, key: Any, default: Any = None) -> Any:  # a response is a mapping (ERROR_CODE)
         return self._state.get(key, default)
@@ -95,46 +96,15 @@ class TurnStream:
                 self._on_prepare(self.headers)
 
     async def write(self, data: bytes) -> None:
-        self._pending += data
-        cut = self._pending.rfind(b"\n\n")
-        if cut < 0:
-            return
-        if cut + 2 == len(self._pending):  # the usual write: whole events only
-            block = bytes(self._pending[:cut])
-            self._pending.clear()
-        else:
-            block = bytes(self._pending[:cut])
-            del self._pending[:cut + 2]
-        if self._emit_batch is not None:
-            await self._emit_batch(block)
-            return
-        for event in block.split(b"\n\n"):
-            parsed = sse_event(event)
-            if parsed is not None:
-                await self._emit(*parsed)
+        if data and self._send_lines is not None:
+            await self._send_lines(data)
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self._eof_sent:
             return
         if data:
             await self.write(data)
-        if self._pending.strip():
-            await self.write(b"\n\n")
         self._eof_sent = True
-
-
-def sse_event(event: bytes) -> tuple[str, bytes] | None:
-    """One SSE event (its lines, without the blank line) -> (event_type, data); None: no data."""
-    start = event.find(b"data: ")
-    if start < 0:
-        return None
-    data = event[start + 6:]
-    if data == b"[DONE]":
-        return None
-    name = b""
-    if event.startswith(b"event: "):
-        name = event[7:event.index(b"\n")]
-    return name.decode("ascii", "replace"), data
 
 
 # A transport's message (parsed JSON) -> the Responses request body it stands for, and its unit
@@ -147,7 +117,6 @@ class Turn:
     """A request's `state.TURN`: the turn's body, its unit of work, and where its event stream goes."""
 
     body: bytes
-    emit: Emit
     unit: Unit = RESPONSES
     decode: Decode | None = None  # run by the body phase, after auth and limits
     handlers: dict[Unit, Any] = field(default_factory=dict)  # a variant's handler (a warm-up answers itself)
@@ -155,11 +124,15 @@ class Turn:
     on_prepare: OnPrepare | None = None
     refusal: web.StreamResponse | None = None  # the JSON answer run_turn reads (never written)
     transport: str = "http"  # what carried the turn's message (the access line's `transport`)
-    emit_batch: EmitBatch | None = None  # the events of a write at once (TurnStream)
+    send_lines: SendLines | None = None  # the events of each write (TurnStream)
+    on_event: OnEvent | None = None  # each non-delta event, as encoded
 
     def stream(self, headers: dict[str, str]) -> TurnStream:
-        self.answer = TurnStream(self.emit, headers, self.on_prepare, self.emit_batch)
+        self.answer = TurnStream(self.send_lines, headers, self.on_prepare)
         return self.answer
+
+    def encoder(self) -> JSONLinesEncoder:
+        return JSONLinesEncoder(self.on_event)
 
 
 async def refuse_other_answers(request: web.Request, response: web.StreamResponse) -> None:
@@ -178,18 +151,19 @@ def _headers(origin: web.Request, body: bytes) -> CIMultiDict[str]:
     return headers
 
 
-async def run_turn(origin: web.Request, body: bytes, emit: Emit, on_prepare: OnPrepare | None = None, *,
-                   unit: Unit, decode: Decode | None = None, handlers: dict[Unit, Any] | None = None,
-                   transport: str = "http", emit_batch: EmitBatch | None = None) -> TurnAnswer:
+async def run_turn(origin: web.Request, body: bytes, *, unit: Unit, send_lines: SendLines | None = None,
+                   on_event: OnEvent | None = None, on_prepare: OnPrepare | None = None,
+                   decode: Decode | None = None, handlers: dict[Unit, Any] | None = None,
+                   transport: str = "http") -> TurnAnswer:
     """Run `body` (JSON: a Responses request body, or a message `decode` turns into one) as
     `POST /v1/responses` with `origin`'s headers through the app, as the unit of work `unit`
-    (its phases: proxy.http.units); the events go to `emit` while it runs. `on_prepare` is told
-    the event stream's headers (notices among them) before its first event is emitted;
-    `transport` names what carried the message ("websocket"; "http" for a turn of an HTTP request);
-    `emit_batch`, when given, takes the events of each write at once instead of `emit`."""
+    (its phases: proxy.http.units); the events go to `send_lines` (JSON lines, a block per
+    write) and `on_event` (each non-delta event) while it runs. `on_prepare` is told the event
+    stream's headers (notices among them) before its first event is encoded; `transport` names
+    what carried the message ("websocket"; "http" for a turn of an HTTP request)."""
     request = origin.clone(method="POST", rel_url=TURN_PATH, headers=_headers(origin, body))
-    turn = request[state.TURN] = Turn(body, emit, unit, decode, handlers or {}, on_prepare=on_prepare,
-                                      transport=transport, emit_batch=emit_batch)
+    turn = request[state.TURN] = Turn(body, unit, decode, handlers or {}, on_prepare=on_prepare,
+                                      transport=transport, send_lines=send_lines, on_event=on_event)
     app = request.app
     handler = (await app.router.resolve(request)).handler
     for middleware in reversed(app.middlewares):  # new-style middlewares: (request, handler)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from proxy import state
-from proxy.http.forwarder import _SSE_HEADERS, _response_context
+from proxy.http.event_stream import open_event_stream
+from proxy.http.forwarder import _response_context
 from proxy.protocol.rewriter import StreamRewriter
 
 # The end of a chat stream that produced nothing: the rewriter's own path to a completed,
@@ -24,11 +25,11 @@ _NOTHING = (b'data: {"id":"warmup","object":"chat.completion.chunk","choices":[{
 async def warmup_handler(request: web.Request) -> web.StreamResponse:
     """After the phases: the turn's event stream of a response that generated nothing."""
     ctx = request[state.CONTEXT]
-    rewriter = StreamRewriter(_response_context(request.app, ctx, ctx.translation))
+    answer, encoder = open_event_stream(request)
+    await answer.prepare(request)  # before the first event: the transport's say in the headers
+    rewriter = StreamRewriter(_response_context(request.app, ctx, ctx.translation), encoder=encoder)
     stream = rewriter.start() + rewriter.feed(_NOTHING)
     if not rewriter.done:
         stream += rewriter.finish()
-    answer = request[state.TURN].stream(dict(_SSE_HEADERS))
-    await answer.prepare(request)
     await answer.write_eof(stream)
     return answer

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections import deque
+from itertools import chain
 from dataclasses import dataclass
 from typing import Any
 
@@ -338,7 +339,6 @@ class _Connection:
     async def _turn(self, message: bytes) -> None:
         terminal: dict[str, Any] = {}
         carried: dict[str, str] = {}  # the turn's headers, for its first event
-        send = self.ws.send_frame
         names = self._carried_headers()
         decoded: dict[str, Any] = {}  # what the body phase made of the message, once it ran
 
@@ -359,26 +359,23 @@ class _Connection:
         def prepared(headers: Any) -> None:
             carried.update(_carried(headers, names))
 
-        def message_of(name: str, data: bytes) -> bytes:
+        def on_event(name: str, fields: dict) -> dict:
             if name in RESPONSE_EVENTS:
-                data = with_previous(data, decoded.get("previous"))
+                fields = with_previous(fields, decoded.get("previous"))
                 if name in TERMINAL_EVENTS:
-                    terminal.update(orjson.loads(data))
+                    terminal.update(fields)
             if carried:
-                data = _with_headers(data, carried)
+                fields = {**fields, "headers": dict(carried)}
                 carried.clear()
-            return data
+            return fields
 
-        async def emit(name: str, data: bytes) -> None:
-            await send(message_of(name, data), WSMsgType.TEXT)
-
-        async def emit_batch(block: bytes) -> None:
-            await _send_events(self.ws, block, message_of, carried)
+        async def send_lines(block: bytes) -> None:
+            await send_messages(self.ws, block)
 
         try:
-            answer = await run_turn(self.request, message, emit, prepared, unit=WS_TURN, decode=decode,
-                                    handlers={WS_WARMUP: warmup_handler}, transport="websocket",
-                                    emit_batch=emit_batch if BATCH_FRAMES else None)
+            answer = await run_turn(self.request, message, unit=WS_TURN, send_lines=send_lines, on_event=on_event,
+                                    on_prepare=prepared, decode=decode, handlers={WS_WARMUP: warmup_handler},
+                                    transport="websocket")
         except BaseException:
             self.memory.failed(decoded.get("previous"))
             raise
@@ -402,52 +399,52 @@ class _Connection:
             self.memory.failed(previous)
 
 
-# Whether a turn's events of one upstream read go out together (_send_events); False: one
-# send_frame per event, the general path tests/test_ws_frames.py compares it with.
+# Whether a turn's events of one write go out together (send_messages); False: one send_frame
+# per event, the general path tests/test_ws_frames.py compares it with.
 BATCH_FRAMES = True
-_HEAD1 = struct.Struct("!BB").pack   # FIN + opcode, then the length (< 126), unmasked
 _HEAD2 = struct.Struct("!BBH").pack  # 126, then a 16-bit length
 _HEAD3 = struct.Struct("!BBQ").pack  # 127, then a 64-bit length
 _FIN_TEXT = 0x80 | WSMsgType.TEXT
+_SHORT = 4096  # every delta event is shorter (~150 bytes): the table is ~150 kB
 
 
-_RESPONSE_NAMES = frozenset(name.encode() for name in RESPONSE_EVENTS)
+def _frame_head(n: int) -> bytes:
+    """The header of an unmasked final text frame of n bytes."""
+    return bytes((_FIN_TEXT, n)) if n < 126 else _HEAD2(_FIN_TEXT, 126, n) if n < 65536 else _HEAD3(_FIN_TEXT, 127, n)
 
 
-async def _send_events(ws: web.WebSocketResponse, block: bytes, message_of: Any, carried: dict[str, str]) -> None:
-    """The SSE events of one write (proxy.http.turn.EmitBatch), each as the message the turn's
-    `message_of(event_type, data)` makes of it, one text frame each, in one transport write
-    when the frames are neither compressed nor masked, else one send_frame each; read as turn.sse_event
-    reads an event. `message_of` is only called where it changes something: a response event,
-    or the headers `carried` on the first event."""
-    writer = _plain_writer(ws)
-    parts: list[bytes] = []
-    append = parts.append
-    for event in block.split(b"\n\n"):
-        start = event.find(b"data: ")
-        if start < 0:
-            continue
-        data = event[start + 6:]
-        if data == b"[DONE]":
-            continue
-        if event.startswith(b"event: "):
-            name = event[7:event.index(b"\n")]
-            if carried or name in _RESPONSE_NAMES:
-                data = message_of(name.decode("ascii", "replace"), data)
-        elif carried:
-            data = message_of("", data)
-        if writer is not None:
-            n = len(data)
-            append(_HEAD1(_FIN_TEXT, n) if n < 126 else _HEAD2(_FIN_TEXT, 126, n) if n < 65536
-                   else _HEAD3(_FIN_TEXT, 127, n))
-        append(data)
-    if not parts:
+_SHORT_HEAD = {n: _frame_head(n) for n in range(_SHORT)}.get
+
+
+def _frame_heads(lengths: list[int]) -> list[bytes]:
+    """The frame header of each length: the short ones looked up in C, the few long ones
+    (a response event with a long answer in it) built one by one."""
+    heads = list(map(_SHORT_HEAD, lengths))
+    i = -1
+    try:
+        while True:
+            i = heads.index(None, i + 1)  # type: ignore[arg-type]
+            heads[i] = _frame_head(lengths[i])
+    except ValueError:  # no long one left
+        return heads  # type: ignore[return-value]
+
+
+async def send_messages(ws: web.WebSocketResponse, block: bytes) -> None:
+    """The events of one write (JSON lines, proxy.protocol.encoder.JSONLinesEncoder), one text
+    frame each: in one transport write when the frames are neither compressed nor masked (the
+    headers and the join run in C, whatever the number of events), else one send_frame each."""
+    messages = block.split(b"\n")
+    if messages[-1] == b"":
+        messages.pop()
+    if not messages:
         return
+    writer = _plain_writer(ws) if BATCH_FRAMES else None
     if writer is None:
-        for message in parts:
+        for message in messages:
             await ws.send_frame(message, WSMsgType.TEXT)
-    else:
-        await _write_frames(writer, b"".join(parts))
+        return
+    heads = _frame_heads(list(map(len, messages)))
+    await _write_frames(writer, b"".join(chain.from_iterable(zip(heads, messages))))
 
 
 def _plain_writer(ws: web.WebSocketResponse) -> Any:
@@ -486,12 +483,6 @@ def _carried(headers: Any, names: tuple[str, ...]) -> dict[str, str]:
         if value:
             found[name.lower()] = value
     return found
-
-
-def _with_headers(data: bytes, headers: dict[str, str]) -> bytes:
-    """An event's JSON (an object, as the encoder writes it) with a `headers` member added."""
-    data = data.rstrip()
-    return data[:-1] + b',"headers":' + orjson.dumps(headers) + b"}"
 
 
 def _error_of(answer: TurnAnswer, names: tuple[str, ...] = (), remembered: int = 0) -> dict[str, Any]:

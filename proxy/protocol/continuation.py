@@ -29,7 +29,6 @@ RESPONSE_EVENTS = frozenset({
     "response.completed", "response.incomplete", "response.failed",
 })
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
-_NULL_PREVIOUS = b'"previous_response_id":null'
 
 
 class TurnRefused(Exception):
@@ -148,10 +147,11 @@ class Continuation:
         self.last_id, self.context = None, []
 
 
-def with_previous(data: bytes, previous: str | None) -> bytes:
-    """A response event's JSON with `previous_response_id` set to the id the turn continued
-    (the HTTP path always writes null there). In the JSON of a string the field's quotes are
-    escaped, so only the object's own field matches."""
-    if previous is None:
-        return data
-    return data.replace(_NULL_PREVIOUS, b'"previous_response_id":' + orjson.dumps(previous), 1)
+def with_previous(fields: dict[str, Any], previous: str | None) -> dict[str, Any]:
+    """A response event's fields with its response's `previous_response_id` set to the id the
+    turn continued (the HTTP path always leaves it null): copies, the event's own dicts are
+    the assembler's."""
+    response = fields.get("response")
+    if previous is None or not isinstance(response, dict):
+        return fields
+    return {**fields, "response": {**response, "previous_response_id": previous}}

@@ -10,15 +10,20 @@ come with their item instead of a dict and are written from a byte template per 
 constant parts built once), runs of plain text deltas with one join. After the terminal
 event comes the spec's literal `data: [DONE]`.
 
-Another transport (WebSocket frames) is another class with the same four methods."""
+`JSONLinesEncoder` writes the same events as one JSON object per line, nothing else (no
+`event:` line, no `[DONE]`): a message transport (a WebSocket turn) sends each line as a
+message with no parsing (a line break inside JSON is always escaped). It may pass each
+non-delta event through `on_event` first (what a transport adds to them: the turn's
+previous_response_id, its headers on the first event)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import repeat
 
 import orjson
 
-__all__ = ["SSEEncoder", "Discard", "TEXT_DELTA", "REASONING_DELTA", "ARGUMENTS_DELTA"]
+__all__ = ["SSEEncoder", "JSONLinesEncoder", "Discard", "TEXT_DELTA", "REASONING_DELTA", "ARGUMENTS_DELTA"]
 
 TEXT_DELTA = "response.output_text.delta"
 REASONING_DELTA = "response.reasoning_summary_text.delta"
@@ -32,7 +37,6 @@ _DELTA_FIELDS = {
 }
 _SEQ = tuple(b"%d" % i for i in range(8192))  # sequence_number digits, precomputed
 _NSEQ = len(_SEQ)
-_DONE = b"data: [DONE]\n\n"
 
 
 def _head(event_type: str) -> bytes:
@@ -40,11 +44,15 @@ def _head(event_type: str) -> bytes:
     return b'event: %s\ndata: {"type":%s,"sequence_number":' % (event_type.encode(), orjson.dumps(event_type))
 
 
-_HEADS: dict[str, bytes] = {}  # event type -> _head(type), shared by every stream
-
-
 class SSEEncoder:
     __slots__ = ("seq", "_out", "_templates")
+    # What an event starts with (by type, shared by every stream), the fields of each delta
+    # event around its text, what ends an event, and what ends the stream.
+    _HEADS: dict[str, bytes] = {}
+    _HEAD = staticmethod(_head)
+    _DELTA_FIELDS = _DELTA_FIELDS
+    _END = b"\n\n"
+    _DONE = b"data: [DONE]\n\n"
 
     def __init__(self) -> None:
         self.seq = 0  # the next event's sequence_number
@@ -53,13 +61,13 @@ class SSEEncoder:
         self._templates: dict[str, tuple[bytes, bytes, bytes]] = {}
 
     def event(self, event_type: str, fields: dict) -> None:
-        head = _HEADS.get(event_type)
+        head = self._HEADS.get(event_type)
         if head is None:
-            head = _HEADS[event_type] = _head(event_type)
+            head = self._HEADS[event_type] = self._HEAD(event_type)
         seq = self.seq
         self.seq = seq + 1
-        self._out.append(b"%s%s,%s\n\n" % (head, _SEQ[seq] if seq < _NSEQ else b"%d" % seq,
-                                           orjson.dumps(fields)[1:]))
+        self._out.append(b"%s%s,%s%s" % (head, _SEQ[seq] if seq < _NSEQ else b"%d" % seq,
+                                         orjson.dumps(fields)[1:], self._END))
 
     def delta(self, event_type: str, item_id: str, output_index: int, text: str) -> None:
         """One delta event (TEXT_DELTA, REASONING_DELTA or ARGUMENTS_DELTA) of an item."""
@@ -87,7 +95,8 @@ class SSEEncoder:
 
     def end(self) -> None:
         """After the terminal event: the end of the stream."""
-        self._out.append(_DONE)
+        if self._DONE:
+            self._out.append(self._DONE)
 
     def take(self) -> bytes:
         """The bytes written since the last take."""
@@ -98,10 +107,32 @@ class SSEEncoder:
         return b"".join(out)
 
     def _template(self, event_type: str, item_id: str, output_index: int) -> tuple[bytes, bytes, bytes]:
-        mid, tail = _DELTA_FIELDS[event_type]
-        head = _HEADS.get(event_type) or _HEADS.setdefault(event_type, _head(event_type))
+        mid, tail = self._DELTA_FIELDS[event_type]
+        head = self._HEADS.get(event_type) or self._HEADS.setdefault(event_type, self._HEAD(event_type))
         tpl = self._templates[item_id] = (head, mid % (orjson.dumps(item_id), output_index), tail)
         return tpl
+
+
+class JSONLinesEncoder(SSEEncoder):
+    """The same events, one JSON object per line; `on_event(type, fields) -> fields` sees each
+    non-delta event first (and may return other fields: a copy, never the assembler's dict
+    changed in place)."""
+
+    __slots__ = ("_on_event",)
+    _HEADS: dict[str, bytes] = {}
+    _HEAD = staticmethod(lambda event_type: b'{"type":%s,"sequence_number":' % orjson.dumps(event_type))
+    _DELTA_FIELDS = {name: (mid, tail[:-2] + b"\n") for name, (mid, tail) in _DELTA_FIELDS.items()}
+    _END = b"\n"
+    _DONE = b""
+
+    def __init__(self, on_event: Callable[[str, dict], dict] | None = None) -> None:
+        super().__init__()
+        self._on_event = on_event
+
+    def event(self, event_type: str, fields: dict) -> None:
+        if self._on_event is not None:
+            fields = self._on_event(event_type, fields)
+        super().event(event_type, fields)
 
 
 class Discard:

@@ -27,6 +27,7 @@ from typing import Any
 from proxy.protocol.assembler import Assembler
 from proxy.protocol.deltas import ChunkParser, completion_events
 from proxy.protocol.encoder import Discard, SSEEncoder
+from proxy.protocol.plain_answer import plain_response
 from proxy.protocol.response import ResponseContext, client_usage, map_usage, public_message
 from proxy.protocol.sse import MAX_LINE, SSEDecoder
 
@@ -120,6 +121,9 @@ def response_from_completion(ctx: ResponseContext, completion: Any) -> dict:
 def completion_response(ctx: ResponseContext, completion: Any) -> tuple[dict, dict | None]:
     """response_from_completion, and the completion's usage as reported (map_usage; None
     when it sent none), which the billing reads."""
+    plain = plain_response(ctx, completion)
+    if plain is not None:
+        return plain
     asm = Assembler(ctx, Discard())
     asm.feed(completion_events(completion))
     return asm.response, asm.usage
