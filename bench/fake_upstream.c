@@ -1,4 +1,4 @@
-/* A fast fake vLLM chat-completions upstream for the benchmark: one thread, epoll, keep-alive.
+/* A fast fake vLLM upstream for the benchmark: one thread, epoll, keep-alive.
  *
  *   fake_upstream PORT
  *
@@ -8,6 +8,10 @@
  *   bench-coalesced  a 100-delta vLLM-shaped SSE stream in one write
  *   bench-chunked    the same stream, one chunk per write, GAP_US apart (env FAKE_GAP_US, default 200)
  *   bench-hold       the same stream, one chunk every HOLD_MS (env FAKE_HOLD_MS, default 100) - held streams
+ * POST /v1/completions, /v1/embeddings, /v1/messages (the pass-through endpoints), vLLM 0.32's shapes:
+ *   a text_completion (JSON, or a 100-chunk stream + usage chunk + [DONE] in one write, with
+ *   "stream":true), an embeddings list (one 384-float vector + usage), an Anthropic Message (JSON, or
+ *   message_start .. 100 text_delta .. message_delta + message_stop in one write, with "stream":true).
  * GET /v1/models lists those four (vLLM-shaped, max_model_len 32768); any other GET (/health) is a 200.
  * Anything else gets bench-json (or bench-coalesced when the body asks "stream":true).
  * Streams use chunked transfer-encoding, as vLLM (uvicorn) does.
@@ -33,6 +37,7 @@
 #define MAXEV 256
 
 enum { M_JSON, M_COALESCED, M_CHUNKED, M_HOLD };
+enum { P_CHAT, P_COMPLETIONS, P_EMBEDDINGS, P_MESSAGES, NPATHS };
 
 typedef struct conn {
     int fd;
@@ -56,6 +61,8 @@ static char *events[NDELTAS + 4]; static size_t event_len[NDELTAS + 4]; static i
 static char *coalesced; static size_t coalesced_len;
 static const char stream_head[] = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
                                   "transfer-encoding: chunked\r\n\r\n";
+/* the other paths' answers, whole (headers included): [path][0] JSON, [path][1] coalesced stream */
+static char *edge_resp[NPATHS][2]; static size_t edge_len[NPATHS][2];
 static long long gap_us = 200, hold_us = 100000;
 static conn *timers;  /* unsorted list of streaming conns waiting for their next event */
 static int epfd;
@@ -114,6 +121,87 @@ static void build(void) {
     coalesced = malloc(coalesced_len);
     size_t off = strlen(stream_head); memcpy(coalesced, stream_head, off);
     for (int i = 0; i < nevents; i++) { memcpy(coalesced + off, events[i], event_len[i]); off += event_len[i]; }
+}
+
+
+/* A body as an HTTP answer with content-length. */
+static void whole_json(int path, const char *body) {
+    size_t n = strlen(body);
+    char *r = malloc(n + 256);
+    int h = snprintf(r, 256, "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %zu\r\n\r\n", n);
+    memcpy(r + h, body, n);
+    edge_resp[path][0] = r; edge_len[path][0] = h + n;
+}
+
+/* Events (each one chunk of the chunked encoding) after the stream's headers, the last chunk after them. */
+static char *sbuf; static size_t slen, scap;
+static void sput(const char *p, size_t n) {
+    if (slen + n > scap) { scap = (slen + n) * 2; sbuf = realloc(sbuf, scap); }
+    memcpy(sbuf + slen, p, n); slen += n;
+}
+static void schunk(const char *event) {
+    char frame[4096];
+    int fl = snprintf(frame, sizeof frame, "%zx\r\n%s\r\n", strlen(event), event);
+    sput(frame, fl);
+}
+static void send_stream(int path) {
+    sput("0\r\n\r\n", 5);
+    edge_resp[path][1] = sbuf; edge_len[path][1] = slen;
+    sbuf = NULL; slen = scap = 0;
+}
+
+static void build_edge(void) {
+    static const char *words[] = {" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", "."};
+    char ev[2048];
+    /* /v1/completions (completions_legacy's shape) */
+    whole_json(P_COMPLETIONS, "{\"id\":\"cmpl-8e3b6dfa177142ca\",\"object\":\"text_completion\",\"created\":1795980464,"
+        "\"model\":\"bench-json\",\"choices\":[{\"index\":0,\"text\":\"ast small],}With 859de,}\",\"logprobs\":null,"
+        "\"finish_reason\":\"length\",\"stop_reason\":null,\"token_ids\":null,\"prompt_logprobs\":null,\"prompt_token_ids\":null,"
+        "\"routed_experts\":null}],\"service_tier\":null,\"system_fingerprint\":\"vllm-0.32.0-3b2c4fe5\",\"usage\":{"
+        "\"prompt_tokens\":5,\"total_tokens\":15,\"completion_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":0,"
+        "\"created_cache_tokens\":null,\"multimodal_tokens\":null},\"completion_tokens_details\":null},\"kv_transfer_params\":null,"
+        "\"ec_transfer_params\":null,\"metrics\":null}");
+    sput(stream_head, sizeof stream_head - 1);
+    for (int i = 1; i <= NDELTAS; i++) {
+        snprintf(ev, sizeof ev, "data: {\"id\":\"cmpl-8e3b6dfa177142ca\",\"object\":\"text_completion\",\"created\":1795980464,"
+                 "\"model\":\"bench\",\"choices\":[{\"index\":0,\"text\":\"%s\",\"logprobs\":null,\"finish_reason\":%s,"
+                 "\"stop_reason\":null}]}\n\n", words[(i - 1) % 10], i == NDELTAS ? "\"length\"" : "null");
+        schunk(ev);
+    }
+    schunk("data: {\"id\":\"cmpl-8e3b6dfa177142ca\",\"object\":\"text_completion\",\"created\":1795980464,\"model\":\"bench\","
+           "\"choices\":[],\"usage\":{\"prompt_tokens\":28,\"total_tokens\":128,\"completion_tokens\":100}}\n\ndata: [DONE]\n\n");
+    send_stream(P_COMPLETIONS);
+    /* /v1/embeddings: one 384-dimension vector (a small sentence embedder's size) */
+    size_t cap = 16384; char *emb = malloc(cap); size_t n = 0;
+    n += snprintf(emb + n, cap - n, "{\"id\":\"embd-9613b3fea116b5f6\",\"object\":\"list\",\"created\":1796216226,"
+                  "\"model\":\"bench-json\",\"data\":[{\"index\":0,\"object\":\"embedding\",\"embedding\":[");
+    for (int i = 0; i < 384; i++)
+        n += snprintf(emb + n, cap - n, "%s%.17g", i ? "," : "", ((i * 7919) % 2000 - 1000) / 4096.0 + 1e-9 * i);
+    snprintf(emb + n, cap - n, "]}],\"usage\":{\"prompt_tokens\":9,\"total_tokens\":9,\"completion_tokens\":0,"
+             "\"prompt_tokens_details\":null}}");
+    whole_json(P_EMBEDDINGS, emb);
+    free(emb);
+    /* /v1/messages (anthropic_messages[_stream]'s shapes) */
+    whole_json(P_MESSAGES, "{\"id\":\"chatcmpl-9e2df3b98490b5c7\",\"type\":\"message\",\"role\":\"assistant\",\"content\":["
+        "{\"type\":\"text\",\"text\":\"The quick brown fox jumps over a lazy dog.\"}],\"model\":\"bench-json\",\"stop_reason\":\"end_turn\","
+        "\"usage\":{\"input_tokens\":24,\"output_tokens\":10,\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":0}}");
+    sput(stream_head, sizeof stream_head - 1);
+    schunk("event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"chatcmpl-a4e179f194ff9e0a\","
+           "\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"model\":\"bench\",\"stop_reason\":null,"
+           "\"stop_sequence\":null,\"usage\":{\"input_tokens\":24,\"output_tokens\":0}}}\n\n");
+    schunk("event: content_block_start\ndata: {\"type\":\"content_block_start\",\"content_block\":{\"type\":\"text\","
+           "\"text\":\"\"},\"index\":0}\n\n");
+    for (int i = 1; i <= NDELTAS; i++) {
+        snprintf(ev, sizeof ev, "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{"
+                 "\"type\":\"text_delta\",\"text\":\"%s\"},\"index\":0}\n\n", words[(i - 1) % 10]);
+        schunk(ev);
+    }
+    schunk("event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n");
+    schunk("event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\","
+           "\"stop_sequence\":null},\"usage\":{\"input_tokens\":24,\"output_tokens\":100,\"cache_creation_input_tokens\":0,"
+           "\"cache_read_input_tokens\":0}}\n\n");
+    schunk("event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n");
+    send_stream(P_MESSAGES);
 }
 
 static void timer_add(conn *c) {
@@ -178,6 +266,18 @@ static void handle_input(conn *c) {
             c->in_len -= head + clen;
             continue;
         }
+        int path = P_CHAT;
+        if (!strncmp(c->in, "POST /v1/completions ", 21)) path = P_COMPLETIONS;
+        else if (!strncmp(c->in, "POST /v1/embeddings ", 20)) path = P_EMBEDDINGS;
+        else if (!strncmp(c->in, "POST /v1/messages ", 18)) path = P_MESSAGES;
+        if (path != P_CHAT) {
+            int stream = path != P_EMBEDDINGS && (memmem(body, clen, "\"stream\":true", 13) ||
+                                                  memmem(body, clen, "\"stream\": true", 14));
+            append(c, edge_resp[path][stream], edge_len[path][stream]);
+            memmove(c->in, c->in + head + clen, c->in_len - head - clen);
+            c->in_len -= head + clen;
+            continue;
+        }
         int mode = M_JSON;
         if (memmem(body, clen, "bench-chunked", 13)) mode = M_CHUNKED;
         else if (memmem(body, clen, "bench-hold", 10)) mode = M_HOLD;
@@ -209,6 +309,7 @@ int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     struct rlimit rl; getrlimit(RLIMIT_NOFILE, &rl); rl.rlim_cur = rl.rlim_max; setrlimit(RLIMIT_NOFILE, &rl);
     build();
+    build_edge();
     int ls = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0), one = 1;
     setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};

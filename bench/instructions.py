@@ -1,7 +1,7 @@
 """Instructions per request under callgrind: the proxy against the bare pass-through, a count
 the shared machine's noise does not move.
 
-    .venv/bin/python -m bench.instructions                  # every row (~4 min on 2 cores)
+    .venv/bin/python -m bench.instructions                  # every row (~8 min on 2 cores)
     .venv/bin/python -m bench.instructions --only proxy,pass-through
     .venv/bin/python -m bench.instructions --out bench/results.md   # also replaces its section there
 
@@ -44,11 +44,19 @@ of 40 requests (non-stream, coalesced; the paced stream's groups are too short t
 commit is ~0.2% of one of its requests), so each group holds exactly its share of commits
 whatever the clock says. The lease's other wall-clock settings run on valgrind's clock:
 times x --slowdown (50: leases of 100 s, given back after 100 s idle), the rate / 50 (at
-least 1/s): the key is leased, as a busy key is, in every case. Nothing else in the chain is
-changed.
+least 1/s): the key is leased, as a busy key is, in every case. The WebSocket pings
+(`ping_interval_s`, 30 s) are on valgrind's clock too. Nothing else in the chain is changed.
 
 Targets (issue 28), proxy over pass-through with the full chain: non-stream <= 1.3x, coalesced
 stream <= 0.95x, one delta per read <= 1.05x, a WebSocket turn <= 1.05x the HTTP stream.
+
+The pass-through endpoints (issue 30; `--no-edge` skips them, `--edge-only` runs only them): the
+same request to the same path on the bare pass-through and on the full proxy, one case per
+endpoint: /v1/chat/completions non-stream and stream (the client does not ask for the usage:
+the proxy adds stream_options.include_usage and keeps the usage chunk to itself),
+/v1/completions stream, /v1/embeddings, /v1/messages stream (Anthropic's events, x-api-key);
+the streams 100 deltas in one upstream write (bench/fake_upstream.c answers each path in
+vLLM's shapes). Their table is a section of its own in bench/results.md.
 """
 
 from __future__ import annotations
@@ -90,6 +98,29 @@ VARIANTS = {
 PASS = "pass-through"
 TARGETS = [("non-stream", 1.3), ("stream coalesced", 0.95), ("stream 1 delta/read", 1.05)]
 WS_TARGET = 1.05
+
+# The pass-through endpoints (issue 30): name, model, stream, path; on these two servers only.
+EDGE_HEADING = "### Instructions per request: the pass-through endpoints (issue 30)"
+EDGE_CASES = [("chat completions", "bench-json", False, "/v1/chat/completions"),
+              ("chat completions stream", "bench-coalesced", True, "/v1/chat/completions"),
+              ("completions stream", "bench-coalesced", True, "/v1/completions"),
+              ("embeddings", "bench-json", False, "/v1/embeddings"),
+              ("messages stream", "bench-coalesced", True, "/v1/messages")]
+EDGE_SERVERS = (PASS, "proxy")
+# the Responses case of the same upstream answer, for scale (when the same run measured it)
+EDGE_RESPONSES = {"chat completions": "non-stream", "chat completions stream": "stream coalesced"}
+
+
+def edge_body(path: str, model: str, stream: bool) -> bytes:
+    """What an SDK of that API sends (the openai SDK asks no usage on a stream)."""
+    msgs = [{"role": "user", "content": QUESTION}]
+    if path == "/v1/embeddings":
+        body: dict = {"model": model, "input": QUESTION}
+    elif path == "/v1/completions":
+        body = {"model": model, "prompt": QUESTION, "max_tokens": 128, "stream": stream}
+    else:  # chat completions, Anthropic messages
+        body = {"model": model, "messages": msgs, "max_tokens": 128, "stream": stream}
+    return json.dumps(body, separators=(",", ":")).encode()
 
 _WRAPPER = r'''
 import ctypes, os, runpy, signal, sys
@@ -170,6 +201,8 @@ def variant_config(port: int, up_port: int, db: Path, extra: dict, slowdown: flo
         # Commits by count, the leases' other wall-clock settings on valgrind's clock (see the docstring).
         "balance": {"lease_commit_ms": 3_600_000, "lease_commit_rows": COMMIT_ROWS, "lease_seconds": 2 * slowdown,
                     "lease_idle_s": 2 * slowdown, "lease_min_rate": max(1, round(4 / slowdown))},
+        # So are the socket's pings (30 s): a pong the slowed server read late closed a socket mid-run.
+        "websocket": {"ping_interval_s": 30 * slowdown},
     }, extra))
 
 
@@ -200,19 +233,22 @@ def start_counted(name: str, tmp: Path, up_port: int, key: str | None, extra: di
     return Counted(name, proc, port, path, chat, out, d / "ack", headers)
 
 
-async def _one(http, srv: Counted, body: bytes) -> None:
+async def _one(http, srv: Counted, body: bytes, path: str | None = None) -> None:
     import aiohttp
 
     try:
-        await _post(http, srv, body)
+        await _post(http, srv, body, path)
     except aiohttp.ClientConnectionError:  # a pooled connection the server closed meanwhile: once more
         print(f"  {srv.name}: a pooled connection was closed; request sent again", file=sys.stderr, flush=True)
-        await _post(http, srv, body)
+        await _post(http, srv, body, path)
 
 
-async def _post(http, srv: Counted, body: bytes) -> None:
-    async with http.post(f"http://127.0.0.1:{srv.port}{srv.path}", data=body,
-                         headers={"Content-Type": "application/json", **srv.headers}) as r:
+async def _post(http, srv: Counted, body: bytes, path: str | None = None) -> None:
+    headers = srv.headers
+    if path == "/v1/messages" and headers:  # as Anthropic's clients send the key
+        headers = {"x-api-key": headers["Authorization"].removeprefix("Bearer "), "anthropic-version": "2023-06-01"}
+    async with http.post(f"http://127.0.0.1:{srv.port}{path or srv.path}", data=body,
+                         headers={"Content-Type": "application/json", **headers}) as r:
         data = await r.read()
         if r.status != 200 or (b"[DONE]" not in data and b"response.completed" not in data and b'"usage"' not in data):
             raise RuntimeError(f"{srv.name}: HTTP {r.status}: {data[:300]!r}")
@@ -232,7 +268,8 @@ async def _one_ws(ws, model: str) -> None:
 
 
 async def measure(srv: Counted, cases: list[tuple[str, str, bool]], ws: bool, pause: float,
-                  http_cases: bool = True, deflate: bool = True) -> dict[str, dict]:
+                  http_cases: bool = True, deflate: bool = True,
+                  edge_cases: list[tuple[str, str, bool, str]] = ()) -> dict[str, dict]:
     """case name -> {"n1", "n2", "ir1", "ir2", "per"}: the per-request Ir of each case."""
     import aiohttp
 
@@ -264,6 +301,9 @@ async def measure(srv: Counted, cases: list[tuple[str, str, bool]], ws: bool, pa
         for name, model, stream in cases if http_cases else ():
             body = srv.body(model, stream)
             await run(name, lambda body=body: _one(http, srv, body), model)
+        for name, model, stream, path in edge_cases:
+            body = edge_body(path, model, stream)
+            await run(f"edge {name}", lambda body=body, path=path: _one(http, srv, body, path), model)
         if ws:
             url = f"ws://127.0.0.1:{srv.port}/v1/responses"
             # Like for like with the HTTP stream (not compressed): no permessage-deflate; then
@@ -330,20 +370,48 @@ def report(results: dict[str, dict], args: argparse.Namespace, seconds: float) -
     return lines
 
 
+def edge_report(results: dict[str, dict], args: argparse.Namespace, seconds: float) -> list[str]:
+    pt, full = results.get(PASS, {}), results.get("proxy", {})
+    lines = [
+        EDGE_HEADING, "",
+        f"`python -m bench.instructions` ({time.strftime('%Y-%m-%d %H:%M')}, {seconds:.0f} s in all; valgrind "
+        f"{_valgrind_version()}; lease_commit_ms x{args.slowdown:g}; counted as the table above). The same request "
+        "to the same path on the bare aiohttp pass-through and on the proxy with its full default chain (auth, "
+        "limits, the balance's hold and settlement, the usage row, access line, metrics); the streams are 100 "
+        "deltas in one upstream write. `/v1/responses` = the proxy's Responses request answered from the same "
+        "upstream chat answer (translated and rewritten), for scale, when this run measured it.",
+        "",
+        "| endpoint | case | pass-through Ir/req | proxy Ir/req | x pass-through | proxy over pass-through, Ir/req "
+        "| /v1/responses Ir/req |",
+        "|---|---|--:|--:|--:|--:|--:|",
+    ]
+    for name, _, _, path in EDGE_CASES:
+        base, per = pt.get(f"edge {name}", {}).get("per"), full.get(f"edge {name}", {}).get("per")
+        if not base and not per:
+            continue
+        responses = full.get(EDGE_RESPONSES.get(name, ""), {}).get("per")
+        cells = [f"{base:,.0f}" if base else "-", f"{per:,.0f}" if per else "-", _ratio(per, base),
+                 f"{per - base:,.0f}" if base and per else "-", f"{responses:,.0f}" if responses else "-"]
+        lines.append(f"| {path} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _valgrind_version() -> str:
     return subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
 
 
 def write(out: Path, lines: list[str]) -> None:
+    """Replace the section of results.md that starts with lines[0] (its heading), or append it."""
+    heading = lines[0]
     block = "\n".join(lines)
     text = out.read_text() if out.exists() else ""
-    pattern = re.compile(re.escape(HEADING) + r".*?(?=\n### |\n## |\Z)", re.S)
-    text = pattern.sub(lambda _: block.rstrip("\n"), text) if HEADING in text else text.rstrip("\n") + "\n\n" + block
+    pattern = re.compile(re.escape(heading) + r".*?(?=\n### |\n## |\Z)", re.S)
+    text = pattern.sub(lambda _: block.rstrip("\n"), text) if heading in text else text.rstrip("\n") + "\n\n" + block
     out.write_text(text if text.endswith("\n") else text + "\n")
 
 
 async def run_all(args: argparse.Namespace, tmp: Path, up_port: int, key: str, mark: Path) -> dict[str, dict]:
-    names = [PASS, *VARIANTS]
+    names = list(EDGE_SERVERS) if args.edge_only else [PASS, *VARIANTS]
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
     results: dict[str, dict] = {}
@@ -355,10 +423,14 @@ async def run_all(args: argparse.Namespace, tmp: Path, up_port: int, key: str, m
                                 mark)
             try:
                 cases = CASES
+                if args.edge_only:  # the proxy's Responses cases of the same answers, for the edge table's scale
+                    cases = [c for c in CASES if c[0] in EDGE_RESPONSES.values()] if name == "proxy" else []
                 if args.cases:
-                    cases = [c for c in CASES if c[1].removeprefix("bench-") in args.cases.split(",")]
-                results[name] = await measure(srv, cases, ws=name == "proxy" and not args.no_ws, pause=args.pause,
-                                              http_cases=not args.ws_only, deflate=not args.no_deflate)
+                    cases = [c for c in cases if c[1].removeprefix("bench-") in args.cases.split(",")]
+                edge = EDGE_CASES if name in EDGE_SERVERS and not args.no_edge else []
+                results[name] = await measure(srv, cases, ws=name == "proxy" and not (args.no_ws or args.edge_only),
+                                              pause=args.pause, http_cases=not args.ws_only,
+                                              deflate=not args.no_deflate, edge_cases=edge)
             finally:
                 await asyncio.get_running_loop().run_in_executor(None, srv.stop)
 
@@ -381,6 +453,10 @@ def main() -> int:
     ap.add_argument("--cases", help="comma-separated cases to run: json, coalesced, chunked (default: all)")
     ap.add_argument("--ws-only", action="store_true", help="the proxy's WebSocket turns only (no HTTP cases)")
     ap.add_argument("--no-deflate", action="store_true", help="skip the permessage-deflate turn")
+    ap.add_argument("--no-edge", action="store_true", help="skip the pass-through endpoints' cases (issue 30)")
+    ap.add_argument("--edge-only", action="store_true",
+                    help="only the pass-through endpoints' cases, pass-through and proxy (and the proxy's "
+                         "/v1/responses cases of the same answers, for scale; ~3 min)")
     ap.add_argument("--keep", action="store_true", help="keep the servers' callgrind dumps (for callgrind_annotate)")
     ap.add_argument("--out", help="also write the table into this file's section (bench/results.md)")
     args = ap.parse_args()
@@ -403,11 +479,16 @@ def main() -> int:
     finally:
         upstream.terminate()
         upstream.wait()
-    lines = report(results, args, time.monotonic() - started)
-    print("\n".join(lines))
+    seconds = time.monotonic() - started
+    sections = [] if args.edge_only else [report(results, args, seconds)]
+    if not args.no_edge:
+        sections.append(edge_report(results, args, seconds))
+    for lines in sections:
+        print("\n".join(lines) + "\n")
+        if args.out:
+            write(Path(args.out), lines)
     if args.out:
-        write(Path(args.out), lines)
-        print(f"\nwritten to {args.out}", file=sys.stderr)
+        print(f"written to {args.out}", file=sys.stderr)
     if args.keep:
         print(f"callgrind dumps kept under {tmp}", file=sys.stderr)
     else:

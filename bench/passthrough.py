@@ -1,6 +1,9 @@
 """The floor: a bare aiohttp pass-through, bytes forwarded unchanged (no parsing, no rewriting).
 
     python -m bench.passthrough PORT UPSTREAM_URL
+
+POST /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/messages, each to the same
+path upstream.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import aiohttp
 from aiohttp import web
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages")
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -45,7 +49,8 @@ def main() -> None:
     app = web.Application()
     app["upstream"] = upstream
     app.cleanup_ctx.append(session_ctx)
-    app.router.add_post("/v1/chat/completions", forward)
+    for path in PATHS:
+        app.router.add_post(path, forward)
     try:
         import uvloop
         loop = uvloop.new_event_loop()

@@ -4,7 +4,7 @@
 #   chromium      tests/test_dashboard_browser.py (Playwright drives it; no browser download)
 #   postgresql    the postgres ledger backend and the scale-out tests (initdb into a temp dir)
 #   redis-server  the redis limits backend
-#   npm           Codex CLI, the Vercel AI SDK and the Open Responses suite, installed from npm
+#   npm           Codex CLI, Claude Code, the Vercel AI SDK and the Open Responses suite, installed from npm
 #                 into .cache/ at test time (Debian's npm brings node)
 # Without root it installs nothing: it stops at once, naming the one command to run.
 set -euo pipefail

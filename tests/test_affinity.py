@@ -20,7 +20,7 @@ from proxy.upstream import affinity
 from proxy.upstream.affinity import AffinityKey, Ring, key_point
 from proxy.config import settings as config_settings
 from proxy.config.load import Config, ConfigError
-from proxy.http.forwarder import POOL
+from proxy.state import POOL
 from proxy.ledger.pricing import Price, cost_micros
 from proxy.upstream.routing import parse_provider, select
 from proxy.simulator.server import Simulator

@@ -68,3 +68,68 @@ def test_the_instructions_table_replaces_only_its_section(tmp_path: Path):
     text = out.read_text()
     assert "first" not in text and text.count(HEADING) == 1 and "second" in text
     assert text.startswith("## Design measurements\n\nkept\n\n### Backends p99\n\nrows\n")
+
+
+def test_the_edge_table_replaces_only_its_section(tmp_path: Path):
+    from bench.instructions import EDGE_HEADING, HEADING, write
+
+    out = tmp_path / "results.md"
+    out.write_text("## Design measurements\n\nkept\n\n" + HEADING + "\n\nissue 28 rows\n")
+    write(out, [EDGE_HEADING, "", "first"])
+    write(out, [EDGE_HEADING, "", "second"])
+    write(out, [HEADING, "", "issue 28 again"])
+    text = out.read_text()
+    assert text.count(EDGE_HEADING) == 1 and "second" in text and "first" not in text
+    assert "issue 28 again" in text and "issue 28 rows" not in text and text.index(HEADING) < text.index(EDGE_HEADING)
+
+
+async def test_the_edge_cases_answer_through_the_pass_through_and_the_proxy(make_proxy, http):
+    """bench.instructions' pass-through cases against the C fake upstream (compiled as `make
+    bench` does) through bench/passthrough.py and through the proxy: each answers 200 with the
+    upstream's answer (a stream the proxy asked the usage for: less its usage chunk), each is
+    billed on its endpoint's row. A case that broke would end a bench run minutes in, under valgrind."""
+    import asyncio
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    from bench.__main__ import BENCH, build_upstream, free_port, wait_port
+    from bench.instructions import EDGE_CASES, edge_body
+    from middlewares.balance import wait_for_settlements
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no C compiler for bench/fake_upstream.c")
+    exe = build_upstream()
+    up_port, pt_port = free_port(), free_port()
+    procs = [subprocess.Popen([str(exe), str(up_port)], stdout=subprocess.DEVNULL),
+             subprocess.Popen([sys.executable, str(BENCH / "passthrough.py"), str(pt_port),
+                               f"http://127.0.0.1:{up_port}"])]
+    try:
+        for port in (up_port, pt_port):
+            await asyncio.get_running_loop().run_in_executor(None, wait_port, port)
+        proxy = await make_proxy(workers=[{"name": "fake", "url": f"http://127.0.0.1:{up_port}", "dialect": "vllm",
+                                           "models": ["bench-json", "bench-coalesced"]}])
+        for name, model, stream, path in EDGE_CASES:
+            body = edge_body(path, model, stream)
+            answers = []
+            for url, headers in ((f"http://127.0.0.1:{pt_port}", {}),
+                                 (proxy.url, {"x-api-key": proxy.api_key})):
+                async with http.post(url + path, data=body, headers={"Content-Type": "application/json", **headers}) as r:
+                    assert r.status == 200, (name, url, await r.text())
+                    answers.append(await r.read())
+            direct, through = answers
+            if path in ("/v1/chat/completions", "/v1/completions") and stream:
+                usage = [e for e in direct.split(b"\n\n") if b'"usage"' in e]
+                assert len(usage) == 1 and through == direct.replace(usage[0] + b"\n\n", b""), name
+            else:
+                assert through == direct, name
+        await wait_for_settlements(proxy.app)
+        rows = await proxy.ledger.list_usage()
+        assert sorted(r.endpoint for r in rows) == sorted(path for *_, path in EDGE_CASES)
+        assert all(r.status == "completed" and r.input_tokens > 0 for r in rows)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()

@@ -144,3 +144,31 @@ async def test_upstream_errors_and_n_above_one(make_proxy, sim, http):
         assert resp.status == 400 and "bad things" in (await resp.json())["error"]["message"]
     rows = await _rows(proxy)
     assert all(r.cost_micros == 0 for r in rows)
+
+
+async def test_an_output_cap_the_window_has_no_room_for_is_lowered_as_vllm_does(make_proxy, http):
+    """vLLM takes a max_tokens that the prompt leaves no room for and lowers it (the capture
+    chat_prompt_plus_maxtokens_over); Claude Code asks 32,000 whatever the window. Through the edge
+    too: never refused for it, one above the whole window is lowered to it; a prompt that does not
+    fit at all is the model server's 400."""
+    from proxy.simulator.server import Simulator
+
+    async with Simulator(max_model_len=2048) as small:
+        proxy = await make_proxy(PRICES, workers=[{"name": "small", "url": small.url, "dialect": "vllm",
+                                                   "models": [MODEL]}])
+        headers = {"Authorization": f"Bearer {proxy.api_key}"}
+        prompt = "hello " * 300
+        cases = [("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+                 ("/v1/messages", {"messages": [{"role": "user", "content": prompt}]})]
+        for path, body in cases:
+            for asked, sent in ((2000, 2000), (5000, 2048)):
+                async with http.post(proxy.url + path, headers=headers,
+                                     json={"model": MODEL, "max_tokens": asked, **body}) as resp:
+                    assert resp.status == 200, (path, asked, await resp.text())
+                assert small.requests[-1].get("_path", "/v1/chat/completions") == path
+                assert small.requests[-1]["max_tokens"] == sent
+        async with http.post(proxy.url + "/v1/chat/completions", headers=headers,
+                             json={"model": MODEL, "max_tokens": 10,
+                                   "messages": [{"role": "user", "content": "hello " * 3000}]}) as resp:
+            error = (await resp.json())["error"]
+        assert resp.status == 400 and error["code"] == "context_length_exceeded", error

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.http.forwarder import POOL
+from proxy.state import POOL
 from tests.test_workers import ask, call, served_by, settings, start_sim, wait_for, worker  # noqa: F401
 from tests.conftest import only
 

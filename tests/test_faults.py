@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.http.forwarder import UPSTREAMS
+from proxy.state import UPSTREAMS
 from tests.conftest import free_port
 from tests.sdk_check import parse_sse
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.runtime import metrics as proxy_metrics
 from proxy import state
-from proxy.http.forwarder import POOL
+from proxy.state import POOL
 from proxy.state import METRICS
 from proxy.config.load import Config
 from proxy.upstream.workers import WorkerPool, parse_workers

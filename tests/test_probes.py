@@ -12,7 +12,7 @@ import pytest
 
 from proxy import state
 from proxy.upstream import health
-from proxy.http.forwarder import POOL
+from proxy.state import POOL
 from tests.conftest import free_port, only
 
 FAST = {"connect": 1, "first_byte": 5, "idle": 5, "total": 30}

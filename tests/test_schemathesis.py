@@ -48,6 +48,22 @@ def test_served_description_is_the_checked_one(live):
                 assert (method.upper(), path) in served_routes
 
 
+def test_every_route_of_the_route_table_is_described(live):
+    """The other way round: every route the app serves from its route table (proxy.http.routes),
+    and every other route of the running app but /metrics (its path is config, metrics.path, and
+    it is Prometheus text, not the API), is in /openapi.json with its method."""
+    from proxy.http.routes import ROUTES
+
+    described = {(method.upper(), path) for path, ops in openapi_document()["paths"].items()
+                 for method in ops if not method.startswith("x-")}
+    table = {(r.method, r.path) for r in ROUTES}
+    assert table - described == set()
+    served = {(r.method, r.resource.canonical) for r in live.app.router.routes()
+              if r.method != "HEAD" and r.resource.canonical != "/metrics"}
+    assert table <= served
+    assert served - described == set()
+
+
 @schema.parametrize()
 @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,

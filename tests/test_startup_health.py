@@ -7,7 +7,7 @@ Real simulators on loopback, a real proxy, real HTTP between.
 
 from __future__ import annotations
 
-from proxy.http.forwarder import POOL
+from proxy.state import POOL
 from tests.conftest import free_port, only
 from tests.test_workers import ask, call, settings, start_sim, wait_for, worker  # noqa: F401
 

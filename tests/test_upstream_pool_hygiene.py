@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.http.forwarder import UPSTREAMS
+from proxy.state import UPSTREAMS
 from tests.raw_chat_upstream import ChatUpstream, answer_for, json_answer, completion, sse_answer
 
 FAKE_TEXT = "LEAKED-answer-meant-for-nobody"

@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.http.forwarder import POOL
+from proxy.state import POOL
 from proxy.config import settings as config_settings
 from proxy.upstream.routing import check_context_window, parse_provider
 from proxy.protocol.translate import translate_request

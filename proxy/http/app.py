@@ -19,7 +19,7 @@ from proxy.errors import APIError
 from proxy.http.anthropic_errors import dress
 from proxy.http.compact import CompactSettings
 from proxy.http.errors import ERROR_CODE, error_response, ledger_unavailable
-from proxy.http.forwarder import POOL, SESSION, UPSTREAMS, refusal_as_event
+from proxy.http.forwarder import refusal_as_event
 from proxy.http.parse_errors import HeadLimits
 from proxy.http.routes import add_routes, unit_for
 from proxy.http.turn import refuse_other_answers
@@ -35,10 +35,13 @@ from proxy.state import (
     CONTEXT,
     IMAGE_POLICY,
     PHASES,
+    POOL,
     READINESS,
     RESPONSE_SETTINGS,
     SAMPLING_DEFAULTS,
+    SESSION,
     TURN,
+    UPSTREAMS,
     RequestContext,
 )
 from proxy.upstream.client import UpstreamPool

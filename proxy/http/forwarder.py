@@ -26,22 +26,16 @@ from proxy.http.event_stream import (
     open_event_stream,
 )
 from proxy.http.units import RESPONSES
+from proxy.http.upstream_open import _Retryable, _upstream_message, open_upstream
 from proxy.protocol.dialects import chat_for
-from proxy.protocol.response import ResponseContext, client_usage, map_usage, public_message
+from proxy.protocol.response import ResponseContext, client_usage, map_usage
 from proxy.protocol.rewriter import StreamRewriter, completion_response
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import Translation
 from proxy.runtime.logs import log
-from proxy.state import POOL, RESPONSE_SETTINGS, SEALER, SESSION, UPSTREAMS, RequestContext
+from proxy.state import POOL, RESPONSE_SETTINGS, SEALER, SESSION, RequestContext
 from proxy.upstream.affinity import request_key
-from proxy.upstream.client import (
-    BadResponse,
-    ConnectFailed,
-    ConnectTimeout,
-    DeadlinePassed,
-    Disconnected,
-    UpstreamResponse,
-)
+from proxy.upstream.client import BadResponse, Disconnected, UpstreamResponse
 from proxy.upstream.routing import (
     TokenCountError,
     check_context_window,
@@ -56,54 +50,6 @@ from proxy.upstream.workers import Worker
 STREAM_END_GRACE_S = 1.0  # after [DONE], how long the last chunk of a stream may take to keep its connection
 
 
-# A non-stream answer is buffered whole: past this size it is an upstream fault (an endless
-# body), refused instead of held in memory until the total timeout. Error bodies are only
-# read for their message.
-MAX_JSON_BODY = 16 * 1024 * 1024
-MAX_ERROR_BODY = 64 * 1024
-
-
-class _Retryable(Exception):
-    """The worker failed before anything reached the client: another worker may take it."""
-
-    def __init__(self, worker: Worker, reason: str, final: APIError) -> None:
-        super().__init__(reason)
-        self.worker = worker
-        self.final = final
-
-
-def _upstream_message(body: bytes) -> tuple[str | None, Any]:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None, None
-    if isinstance(data, dict):
-        err = data["error"] if isinstance(data.get("error"), dict) else data
-        message = err.get("message") if isinstance(err, dict) else None
-        if isinstance(message, str):
-            # Upstream messages are useful to the client ("maximum context length is ..."),
-            # but never pass on what looks like an internal trace.
-            message = public_message(message, 1000)
-            return message, err.get("param")
-    return None, None
-
-
-def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _Retryable:
-    message, param = _upstream_message(body)
-    if status in (400, 422):
-        code = "context_length_exceeded" if message and "context length" in message else "invalid_request"
-        return APIError(400, message or "The model server rejected the request.", code=code,
-                        param=param if isinstance(param, str) else None)
-    if status == 404:
-        return APIError(404, message or "The model does not exist on the model server.", code="model_not_found",
-                        param="model")
-    if status == 413:
-        return APIError(413, "The model server found the request too large.", code="request_too_large")
-    if status == 429:
-        return APIError(429, "The model server is at capacity; retry shortly.", code="capacity_exhausted",
-                        headers={"Retry-After": "1"})
-    final = APIError(502, f"The model server answered {status}.", code="upstream_error")
-    return _Retryable(worker, f"status {status}", final)
 
 
 def _response_context(app: web.Application, ctx: RequestContext, t: Translation) -> ResponseContext:
@@ -213,48 +159,8 @@ async def _forward(request: web.Request, request_ctx: RequestContext, worker: Wo
     deadline = loop.time() + timeouts.total
     payload = orjson.dumps(chat_for(t.chat, worker.dialect, worker.thinking_switch))
     upstream: UpstreamResponse | None = None
-    first_byte = min(timeouts.first_byte, timeouts.total) if t.stream else timeouts.total
     try:
-        try:
-            # The connect phase is bounded by its own timeout inside post(); first byte, idle
-            # and total are timed here, so each one is reported as itself.
-            first_deadline = loop.time() + first_byte
-            upstream = await request.app[UPSTREAMS].post(worker.chat_url, worker.chat_headers, payload,
-                                                         connect_timeout=timeouts.connect, deadline=first_deadline)
-            if upstream.status != 200:
-                error = map_upstream_error(worker, upstream.status,
-                                           await upstream.read_capped(MAX_ERROR_BODY, first_deadline))
-                if upstream.status >= 500:
-                    pool.record_failure(worker, f"status {upstream.status}")
-                raise error
-            if upstream.content_encoding is not None:
-                # Asked for identity: compressed bytes must never reach the JSON parser or the rewriter as text.
-                pool.record_failure(worker, "encoded answer")
-                coding = upstream.content_encoding.decode("latin-1")[:40]
-                raise _Retryable(worker, "content_encoding", APIError(
-                    502, f"The model server sent an encoded answer ({coding}) although none was asked for.",
-                    code="upstream_error"))
-            first = (await upstream.read(first_deadline) if t.stream
-                     else await upstream.read_capped(MAX_JSON_BODY, first_deadline))
-            if len(first) > MAX_JSON_BODY:
-                raise _Retryable(worker, "answer too large", APIError(
-                    502, f"The model server sent an answer larger than {MAX_JSON_BODY} bytes.",
-                    code="upstream_error"))
-        except ConnectTimeout:
-            # Nothing was sent: another worker may take it.
-            pool.record_failure(worker, "connect timeout")
-            raise _Retryable(worker, "connect_timeout",
-                             APIError(504, f"The model server did not accept a connection within "
-                                           f"{timeouts.connect:g}s.", code="upstream_timeout")) from None
-        except DeadlinePassed:
-            pool.record_failure(worker, "first byte timeout")
-            which = "first_byte" if t.stream and first_byte < timeouts.total else "total"
-            raise APIError(504, f"The model server did not answer within {first_byte:g}s ({which} timeout).",
-                           code="upstream_timeout") from None
-        except (ConnectFailed, Disconnected, BadResponse) as exc:
-            pool.record_failure(worker, type(exc).__name__)
-            unreachable = APIError(502, "The model server could not be reached.", code="upstream_unreachable")
-            raise _Retryable(worker, type(exc).__name__, unreachable) from None
+        upstream, first = await open_upstream(request.app, worker, worker.chat_url, payload, stream=t.stream)
         out.ttfb_ms = (time.perf_counter() - started) * 1000
         if not t.stream:
             pool.record_success(worker, out.ttfb_ms / 1000)

@@ -11,6 +11,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.http.openapi_edge import ANTHROPIC_ENVELOPE, EDGE_PATHS
+
 __all__ = ["openapi_document", "openapi_handler", "ERROR_STATUSES"]
 
 # What each status means on this proxy (the README / spec error tables, plus the transport limits).
@@ -242,10 +244,33 @@ _KEY_PATH: dict[str, Any] = {
                                        "limit_remaining": {"type": ["number", "null"]},
                                        "limits": {"type": "object"}}}}}}},
             },
-            **_errors(401, 429),
+            **_errors(400, 401, 429),  # 400: a request the HTTP parser refused (malformed headers)
         },
     }
 }
+
+
+_MODELS_PATH: dict[str, Any] = {
+    "get": {
+        "operationId": "listModels",
+        "security": [{"bearer": []}],
+        "responses": {
+            "200": {
+                "description": "The union of the workers' models.",
+                "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["object", "data"],
+                    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
+                        "type": "object", "required": ["id", "object"],
+                        "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                       "context_window": {"type": "integer"}}}}}}}},
+            },
+            **_errors(400, 401, 429),  # 400: a request the HTTP parser refused (malformed headers)
+        },
+    }
+}
+
+_OPENAPI_PATH: dict[str, Any] = {"get": {"operationId": "openapi", "security": [], "responses": {"200": {
+    "description": "This description.", "content": {"application/json": {"schema": {"type": "object"}}}}}}}
 
 
 def openapi_document() -> dict[str, Any]:
@@ -254,13 +279,16 @@ def openapi_document() -> dict[str, Any]:
         "info": {
             "title": "responses-proxy",
             "version": "0.1.0",
-            "description": "A stateless OpenAI Responses API in front of vLLM and SGLang chat-completions servers. "
-                           "Every error is the OpenAI envelope {\"error\": {message, type, param, code}}.",
+            "description": "A stateless OpenAI Responses API in front of vLLM and SGLang chat-completions servers, "
+                           "and their other APIs passed through. Every error is the OpenAI envelope "
+                           "{\"error\": {message, type, param, code}}; on /v1/messages and "
+                           "/v1/messages/count_tokens, Anthropic's {\"type\": \"error\", \"error\": {type, message}}.",
         },
         "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
             "schemas": {"ResponsesRequest": _REQUEST, "Response": _RESPONSE, "ErrorEnvelope": _ENVELOPE,
-                        "Usage": _USAGE},
+                        "AnthropicErrorEnvelope": ANTHROPIC_ENVELOPE, "Usage": _USAGE},
         },
         "paths": {
             "/v1/responses": {
@@ -301,30 +329,15 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
-            "/v1/models": {
-                "get": {
-                    "operationId": "listModels",
-                    "security": [{"bearer": []}],
-                    "responses": {
-                        "200": {
-                            "description": "The union of the workers' models.",
-                            "content": {"application/json": {"schema": {
-                                "type": "object", "required": ["object", "data"],
-                                "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-                                    "type": "object", "required": ["id", "object"],
-                                    "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                                                   "context_window": {"type": "integer"}}}}}}}},
-                        },
-                        **_errors(401, 429),
-                    },
-                }
-            },
+            "/v1/models": _MODELS_PATH,
             "/v1/key": _KEY_PATH,
             "/livez": _probe("livez", "Liveness: the process answers (no dependency is checked).", None),
             "/healthz": _probe("healthz", "Liveness, as /livez.", None),
             "/readyz": _probe("readyz", "Readiness: some worker takes traffic and the ledger answers.",
                               "Not ready: no worker takes traffic (reason no_worker) or the ledger does not "
                               "answer (reason ledger)."),
+            "/openapi.json": _OPENAPI_PATH,
+            **EDGE_PATHS,
         },
     }
 

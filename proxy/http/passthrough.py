@@ -5,7 +5,8 @@ The translate phase (proxy.http.request) calls `passthrough_translate`: the endp
 (config `endpoints`), the body is read for what billing needs (proxy.protocol.passthrough) and the
 image guard runs on chat content (and on Anthropic image URLs). The balance then holds the prompt
 bound + the output cap, as for Responses. `passthrough_handler` picks a worker (affinity,
-failover before the first byte, the context check on the first), posts the body to the same
+failover before the first byte, the context check on the first: as vLLM does on these APIs, an
+output cap the prompt leaves no room for is lowered, not refused), posts the body to the same
 path on it, and passes the answer through: a JSON answer as its bytes, an event stream event by
 event as it arrives (proxy.protocol.chat_usage reads the usage on the way), settled before the
 last bytes go out. A worker that answers 404 with no error of its own (FastAPI's "Not Found")
@@ -23,26 +24,15 @@ from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError
-from proxy.http.forwarder import (
-    _SSE_HEADERS,
-    MAX_ERROR_BODY,
-    MAX_JSON_BODY,
-    _check_stream_start,
-    _EventStream,
-    _let_go,
-    _ReadWatchdog,
-    _record_usage,
-    _Retryable,
-    _settle_now,
-    _upstream_message,
-    map_upstream_error,
-)
+from proxy.http.event_stream import SSE_HEADERS, EventStreamResponse
+from proxy.http.forwarder import _check_stream_start, _let_go, _ReadWatchdog, _record_usage, _settle_now
+from proxy.http.upstream_open import _Retryable, _upstream_message, open_upstream
 from proxy.policy.netguard import ImagePolicy, check_images
 from proxy.protocol.chat_usage import SSEScanner, json_usage
 from proxy.protocol.passthrough import ANTHROPIC, Passthrough, build
 from proxy.runtime.logs import log
 from proxy.upstream.affinity import request_key
-from proxy.upstream.client import BadResponse, ConnectFailed, ConnectTimeout, DeadlinePassed, Disconnected
+from proxy.upstream.client import BadResponse, Disconnected
 from proxy.upstream.routing import check_context_window, choose
 from proxy.upstream.workers import Worker
 
@@ -115,7 +105,10 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
         worker.in_flight += 1
         try:
             if not tried and routing.context_check and "max_tokens" in t.chat:
-                _, sent = await check_context_window(app[state.SESSION], worker, t, t.max_output_tokens,
+                # The cap as vLLM takes it on these APIs: lowered to the room the prompt leaves, not
+                # refused (Claude Code asks 32,000 whatever the model's window); a prompt that
+                # does not fit at all is still refused.
+                _, sent = await check_context_window(app[state.SESSION], worker, t, None,
                                                      bytes_per_token_floor=routing.bytes_per_token_floor)
             return await _forward(request, ctx, worker, sent, out)
         except _Retryable as exc:
@@ -135,46 +128,11 @@ async def _forward(request: web.Request, ctx: state.RequestContext, worker: Work
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
     deadline = loop.time() + timeouts.total
-    first_byte = min(timeouts.first_byte, timeouts.total) if t.stream else timeouts.total
     upstream = None
     try:
-        try:
-            first_deadline = loop.time() + first_byte
-            upstream = await request.app[state.UPSTREAMS].post(worker.endpoint(t.path), worker.chat_headers,
-                                                               orjson.dumps(t.body), connect_timeout=timeouts.connect,
-                                                               deadline=first_deadline)
-            if upstream.status != 200:
-                body = await upstream.read_capped(MAX_ERROR_BODY, first_deadline)
-                missing = _not_served(worker, t, upstream.status, body)
-                if missing is not None:
-                    raise missing
-                error = map_upstream_error(worker, upstream.status, body)
-                if upstream.status >= 500:
-                    pool.record_failure(worker, f"status {upstream.status}")
-                raise error
-            if upstream.content_encoding is not None:
-                pool.record_failure(worker, "encoded answer")
-                raise _Retryable(worker, "content_encoding", APIError(
-                    502, "The model server sent an encoded answer although none was asked for.", code="upstream_error"))
-            first = (await upstream.read(first_deadline) if t.stream
-                     else await upstream.read_capped(MAX_JSON_BODY, first_deadline))
-            if len(first) > MAX_JSON_BODY:
-                raise _Retryable(worker, "answer too large", APIError(
-                    502, f"The model server sent an answer larger than {MAX_JSON_BODY} bytes.", code="upstream_error"))
-        except ConnectTimeout:
-            pool.record_failure(worker, "connect timeout")
-            raise _Retryable(worker, "connect_timeout", APIError(
-                504, f"The model server did not accept a connection within {timeouts.connect:g}s.",
-                code="upstream_timeout")) from None
-        except DeadlinePassed:
-            pool.record_failure(worker, "first byte timeout")
-            which = "first_byte" if t.stream and first_byte < timeouts.total else "total"
-            raise APIError(504, f"The model server did not answer within {first_byte:g}s ({which} timeout).",
-                           code="upstream_timeout") from None
-        except (ConnectFailed, Disconnected, BadResponse) as exc:
-            pool.record_failure(worker, type(exc).__name__)
-            unreachable = APIError(502, "The model server could not be reached.", code="upstream_unreachable")
-            raise _Retryable(worker, type(exc).__name__, unreachable) from None
+        upstream, first = await open_upstream(request.app, worker, worker.endpoint(t.path), orjson.dumps(t.body),
+                                              stream=t.stream,
+                                              refine=lambda status, body: _not_served(worker, t, status, body))
         out.ttfb_ms = (time.perf_counter() - started) * 1000
         if not t.stream:
             pool.record_success(worker, out.ttfb_ms / 1000)
@@ -205,7 +163,7 @@ def _json_answer(worker: Worker, t: Passthrough, body: bytes, out: state.Outcome
 async def _stream(request: web.Request, ctx: state.RequestContext, upstream: Any, worker: Worker, t: Passthrough,
                   first: bytes, out: state.Outcome, deadline: float) -> web.StreamResponse:
     scanner = SSEScanner(t.family, t.usage_added)
-    response = _EventStream(status=200, headers=_SSE_HEADERS)
+    response = EventStreamResponse(status=200, headers=SSE_HEADERS)
     dog = _ReadWatchdog(worker.timeouts.idle, deadline, scanner)  # type: ignore[arg-type]  # it reads .done alone
     cap = t.output_cap
     failure: tuple[str, str] | None = None

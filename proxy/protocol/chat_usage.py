@@ -4,8 +4,10 @@
 for its end) and keeps what billing needs: the usage reported (OpenAI's usage chunk, or
 Anthropic's message_start / message_delta), the output deltas counted (each carried at least
 one token: a lower bound), and whether the stream ended (`data: [DONE]`, `message_stop`).
-Only the events that mention usage are parsed; the rest cost a few byte searches per read.
-When the edge added `stream_options.include_usage`, the usage chunk (no choices) is not passed on.
+Only the events that mention usage are parsed, found by byte searches (never a split of the
+whole read: a coalesced read holds a hundred events); the rest cost a few byte searches per read.
+When the edge added `stream_options.include_usage`, the usage chunk (no choices) is not passed on:
+its bytes are cut out, the others go on as they came.
 
 `json_usage(family, body)` reads a whole JSON answer's usage. Both give Responses-shaped usage
 (proxy.protocol.response.map_usage), unchecked: proxy.ledger.usage.clean_usage checks it.
@@ -13,7 +15,7 @@ When the edge added `stream_options.include_usage`, the usage chunk (no choices)
 
 from __future__ import annotations
 
-import re
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -21,7 +23,6 @@ import orjson
 from proxy.protocol.response import map_usage
 
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # one event longer than this is an upstream fault (an endless line)
-_BOUNDARY = re.compile(rb"\r?\n\r?\n")
 # Deltas that carry text (an empty one carried no token): (key, its empty form)
 _OPENAI_TEXT = ((b'"content":"', b'"content":""'), (b'"reasoning_content":"', b'"reasoning_content":""'),
                 (b'"reasoning":"', b'"reasoning":""'), (b'"arguments":"', b'"arguments":""'))
@@ -51,6 +52,22 @@ def json_usage(family: str, answer: Any) -> dict | None:
     if family == "embeddings":
         usage.setdefault("completion_tokens", 0)
     return map_usage(usage)
+
+
+def _events_with(out: bytes, key: bytes) -> Iterator[tuple[int, int]]:
+    """(start, end) of each whole event of `out` (whole events, as feed cuts them) that holds
+    `key`; end is past the blank line that ends it (\n\n or \r\n\r\n)."""
+    at = out.find(key)
+    while at >= 0:
+        lf, crlf = out.rfind(b"\n\n", 0, at), out.rfind(b"\r\n\r\n", 0, at)
+        start = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        lf, crlf = out.find(b"\n\n", at), out.find(b"\r\n\r\n", at)
+        if lf < 0 and crlf < 0:
+            end = len(out)  # the last event of a stream that ended without its blank line
+        else:
+            end = min(lf + 2 if lf >= 0 else len(out), crlf + 4 if crlf >= 0 else len(out))
+        yield start, end
+        at = out.find(key, end)
 
 
 class SSEScanner:
@@ -121,28 +138,25 @@ class SSEScanner:
         return None
 
     def _openai_usage(self, out: bytes) -> bytes:
-        kept: list[bytes] = []
-        dropped = False
-        for event in _BOUNDARY.split(out):
-            if not event:
-                continue
-            if b'"usage":{' in event:
-                obj = self._data(event)
-                if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                    self.usage = map_usage(obj["usage"])
-                    if self.drop_usage and not obj.get("choices"):
-                        dropped = True
-                        continue
-            kept.append(event)
-        if not dropped:
+        cut: list[tuple[int, int]] = []
+        for start, end in _events_with(out, b'"usage":{'):
+            obj = self._data(out[start:end])
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = map_usage(obj["usage"])
+                if self.drop_usage and not obj.get("choices"):
+                    cut.append((start, end))
+        if not cut:
             return out
-        return b"".join(e + b"\n\n" for e in kept)
+        parts, at = [], 0
+        for start, end in cut:  # the usage chunk's bytes, its blank line with them
+            parts.append(out[at:start])
+            at = end
+        parts.append(out[at:])
+        return b"".join(parts)
 
     def _anthropic_usage(self, out: bytes) -> None:
-        for event in _BOUNDARY.split(out):
-            if b'"usage"' not in event:
-                continue
-            obj = self._data(event)
+        for start, end in _events_with(out, b'"usage"'):
+            obj = self._data(out[start:end])
             if not isinstance(obj, dict):
                 continue
             usage = obj.get("usage")

@@ -4,7 +4,8 @@ completions_legacy, anthropic_messages[_stream], messages_count_tokens; embeddin
 /v1/messages/count_tokens. The answer comes from the same script queue and generator as the
 chat endpoint (proxy.simulator.script); the faults a pass-through must survive are honoured:
 status (+ body), usage_override (merged into the usage), usage false, ignore_max_tokens,
-first_byte_delay, drop_after n, stall_after n, endless_line, delay.
+first_byte_delay, drop_after n, stall_after n, endless_line, endless_pings (after two events,
+pings or SSE comments forever), delay.
 """
 
 from __future__ import annotations
@@ -99,6 +100,13 @@ async def _faulty_stream(request: web.Request, script: dict, events: list[bytes]
             while True:
                 await resp.write(b"x" * 65536)
                 await asyncio.sleep(0)
+        if script.get("endless_pings") and i == 2:
+            # whole events that carry nothing, forever, 10 ms apart: only the total timeout ends it
+            ping = (b'event: ping\ndata: {"type":"ping"}\n\n' if events[0].startswith(b"event:")
+                    else b": keep-alive\n\n")
+            while True:
+                await resp.write(ping)
+                await asyncio.sleep(0.01)
         if delay and i:
             await _sleep(request, delay)
         await resp.write(event)
@@ -220,6 +228,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         blocks.append({"type": "tool_use", "id": "toolu_" + secrets.token_hex(8), "name": call["name"],
                        "input": json.loads(args) if isinstance(args, str) else args})
         stop = "tool_use"
+        n += max(1, len(tokenize(json.dumps(blocks[1]["input"]))))  # the call's tokens are output too
     usage = _override(script, {"input_tokens": prompt_tokens, "output_tokens": n,
                                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0})
     if not body.get("stream"):

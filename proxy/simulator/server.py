@@ -15,7 +15,8 @@ deterministic default answer (see `proxy.simulator.script`). Script fields:
   faults   error_first {message, code, type?} | true, error_after n (+ error {...}),
            flat_error, status + body (+ content_type, headers), drop_after n,
            reset_before_headers, garbage (true | str), endless_line (true | MB),
-           delay s, first_byte_delay s, stall_after n, coalesce, keepalive
+           endless_pings (after two deltas, SSE comments forever), delay s, first_byte_delay s,
+           stall_after n, coalesce, keepalive
 
 Endpoints: POST /v1/chat/completions, GET /v1/models, GET /health, POST /tokenize (vLLM),
 POST /v1/tokenize + GET /ready + GET /health_generate (SGLang), POST|DELETE /sim/script,
@@ -248,6 +249,11 @@ async def _stream(request: web.Request, chat: Chat) -> web.StreamResponse:
             if endless:
                 await flush()
                 return await _endless(request, chat, resp, b"")
+            if s.get("endless_pings") and deltas >= 2:  # comments forever: only the total timeout ends it
+                await flush()
+                while True:
+                    await resp.write(b": keep-alive\n\n")
+                    await asyncio.sleep(0.01)
         await emit(data)
         if kind == "delta":
             deltas += 1

@@ -37,6 +37,19 @@ VLLM_ARGS = [
 ]
 
 
+# The embedding model (scripts/vllm_tier/build_tiny_embedder.py), on a vLLM of its own: a pooling
+# runner serves /v1/embeddings, not generation.
+EMBED_MODEL = "tiny-org/tiny-embedder"
+EMBED_MAX_MODEL_LEN = 512
+EMBED_ARGS = [
+    "--served-model-name", EMBED_MODEL,
+    "--runner", "pooling",
+    "--enforce-eager",
+    "--dtype", "float32",
+    "--max-model-len", str(EMBED_MAX_MODEL_LEN),
+]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -101,11 +114,12 @@ class Proc:
 
 
 def start_vllm(python: str, model_dir: str, port: int, workdir: str, name: str = "vllm",
-               extra_args: list[str] | None = None) -> Proc:
+               extra_args: list[str] | None = None, args: list[str] | None = None) -> Proc:
+    """`args`: instead of VLLM_ARGS (the chat model's), e.g. EMBED_ARGS."""
     os.makedirs(workdir, exist_ok=True)
     log_path = os.path.join(workdir, f"{name}.log")
     cmd = [python, SERVE_PY, "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-           *VLLM_ARGS, *(extra_args or [])]
+           *(VLLM_ARGS if args is None else args), *(extra_args or [])]
     log = open(log_path, "ab")
     log.write(("$ " + " ".join(cmd) + "\n").encode())
     log.flush()

@@ -3,6 +3,7 @@ decoded JSON body) right after auth, before any policy edits the body.
 
     middlewares:
       after_auth: ["tests.clients.capture:create"]
+      # or other paths: after_auth: [{"tests.clients.capture:create": {"paths": ["/v1/messages"]}}]
     ...
     app[CAPTURED] -> list of {"headers": {...}, "body": {...}, "status": int, "end": bytes}
 
@@ -49,12 +50,14 @@ async def _record_writes(request: web.Request, response: web.StreamResponse) -> 
 def create(section: dict[str, Any], app: web.Application):
     app[CAPTURED] = []
     app.on_response_prepare.append(_record_writes)
+    paths = frozenset(section.get("paths") or ["/v1/responses"])
 
     @web.middleware
     async def capture(request: web.Request, handler):
-        if request.method != "POST" or request.path != "/v1/responses":
+        if request.method != "POST" or request.path not in paths:
             return await handler(request)
-        record: dict[str, Any] = {"headers": dict(request.headers), "body": None, "status": None, "end": b""}
+        record: dict[str, Any] = {"path": request.path, "headers": dict(request.headers), "body": None,
+                                  "status": None, "end": b""}
         app[CAPTURED].append(record)
         request[_RECORD] = record
         try:

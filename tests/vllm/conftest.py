@@ -5,12 +5,16 @@ and sets:
     VLLM_TIER_PYTHON   python of the vLLM venv (.venv-vllm/bin/python)
     VLLM_TIER_MODEL    the tiny model folder (scripts/vllm_tier/build_tiny_model.py)
     VLLM_TIER_WORKDIR  where servers keep caches and logs (a fresh temp folder by default)
+    VLLM_TIER_EMBED_MODEL  the tiny embedding model folder (scripts/vllm_tier/build_tiny_embedder.py)
 
 The servers are started here, by session fixtures, only when a test needs them, one after the
-other (2 cores): worker "vllm-a" for every test, worker "vllm-b" only for the two-worker tests.
+other (2 cores): worker "vllm-a" for every test, worker "vllm-b" only for the two-worker tests,
+worker "vllm-embed" (the embedding model, `--runner pooling`) only for the embeddings test.
 Three proxies: `proxy_single` (vllm-a only: deterministic routing for cached tokens and counts),
 `proxy_pair` (vllm-a + vllm-b: affinity and failover) and `proxy_pair_no_affinity` (the same two
-workers, prompt-cache affinity off: the baseline the affinity test compares against). Every process started here is
+workers, prompt-cache affinity off: the baseline the affinity test compares against), and
+`proxy_billed` (vllm-a + vllm-embed behind auth and the balance, with prices and one key: the
+pass-through endpoints billed from the ledger's rows). Every process started here is
 stopped at the end of the session (its whole process group), logs are kept in the workdir.
 """
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Tier:
     python: str
     model_dir: str
     workdir: str
+    embed_model_dir: str
 
 
 @dataclass
@@ -84,14 +89,17 @@ def tier() -> Tier:
     workdir = os.environ.get("VLLM_TIER_WORKDIR") or tempfile.mkdtemp(prefix="vllm-tier-")
     os.makedirs(workdir, exist_ok=True)
     print(f"\nvLLM tier workdir (logs): {workdir}", file=sys.stderr)
-    return Tier(python=python, model_dir=model_dir, workdir=workdir)
+    embed = os.environ.get("VLLM_TIER_EMBED_MODEL") or str(REPO / ".cache" / "vllm-tier" / "tiny-embedder")
+    return Tier(python=python, model_dir=model_dir, workdir=workdir, embed_model_dir=embed)
 
 
-def _start_vllm(tier: Tier, name: str, env_port: str, default_port: int) -> servers.Proc:
+def _start_vllm(tier: Tier, name: str, env_port: str, default_port: int, *, model_dir: str | None = None,
+                args: list[str] | None = None) -> servers.Proc:
     port = int(os.environ.get(env_port) or 0) or default_port
     if not servers.port_is_free(port):
         port = servers.free_port()
-    proc = servers.start_vllm(tier.python, tier.model_dir, port, os.path.join(tier.workdir, name), name=name)
+    proc = servers.start_vllm(tier.python, model_dir or tier.model_dir, port, os.path.join(tier.workdir, name),
+                              name=name, args=args)
     try:
         took = servers.wait_ready(proc, "/health", timeout=STARTUP_TIMEOUT)
     except BaseException:
@@ -115,15 +123,26 @@ def vllm_b(tier, vllm_a):  # depends on vllm_a: start-ups run one after the othe
     servers.stop(proc)
 
 
+@pytest.fixture(scope="session")
+def vllm_embed(tier, vllm_a):  # after vllm_a: start-ups run one after the other
+    if not os.path.exists(os.path.join(tier.embed_model_dir, ".complete")):
+        pytest.fail(f"no tiny embedder at {tier.embed_model_dir}: run `bash scripts/vllm_tier/run.sh` (make test-vllm)")
+    proc = _start_vllm(tier, "vllm-embed", "VLLM_TIER_PORT_EMBED", 8103, model_dir=tier.embed_model_dir,
+                       args=servers.EMBED_ARGS)
+    yield proc
+    servers.stop(proc)
+
+
 def _proxy_config(path: str, workers: dict[str, servers.Proc], ledger: str, routing: dict | None = None,
                   extra: dict | None = None) -> None:
     import yaml
 
     config = {
-        **only("stateless"),  # no auth, limits or balance in this tier
+        **only("stateless"),  # no auth, limits or balance in this tier (but proxy_billed's)
         "server": {"log_format": "json", "log_level": "info"},
         "workers": [
-            {"name": name, "url": proc.url, "dialect": "vllm", "models": [MODEL],
+            {"name": name, "url": proc.url, "dialect": "vllm",
+             "models": [servers.EMBED_MODEL if name == "vllm-embed" else MODEL],
              "timeouts": {"connect": 5, "first_byte": 120, "idle": 120, "total": 600}}
             for name, proc in workers.items()
         ],
@@ -189,6 +208,62 @@ def proxy_sealed(tier, vllm_a):
     info = _start_proxy(tier, "proxy-sealed", {"vllm-a": vllm_a}, extra={"reasoning_seal": {"keys": {"k1": key}}})
     yield info
     servers.stop(info.proc)
+
+
+# proxy_billed's prices, micros per million tokens: 3 / 1 / 7 micros a token (cached input apart).
+PRICES = {"input": 3_000_000, "cached_input": 1_000_000, "output": 7_000_000}
+
+
+@dataclass
+class Billed:
+    info: ProxyInfo
+    key: str
+    ledger: str
+
+    def rows(self, request_id: str, timeout: float = 10.0) -> list[dict]:
+        """The ledger's usage rows of a request (settled before its last bytes went out; the
+        writer thread commits them within a few ms)."""
+        import sqlite3
+
+        deadline = time.monotonic() + timeout
+        while True:
+            with sqlite3.connect(f"file:{self.ledger}?mode=ro", uri=True) as conn:
+                conn.row_factory = sqlite3.Row
+                rows = [dict(r) for r in conn.execute("SELECT * FROM usage WHERE request_id = ?", (request_id,))]
+            if rows or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def proxy_billed(tier, vllm_a, vllm_embed):
+    """vllm-a (chat, completions, messages) and vllm-embed (embeddings) behind auth and the
+    balance with PRICES; one key, created with the CLI before the proxy starts."""
+    import json as _json
+    import subprocess
+
+    name = "proxy-billed"
+    folder = os.path.join(tier.workdir, name)
+    os.makedirs(folder, exist_ok=True)
+    config_path = os.path.join(folder, "config.yaml")
+    ledger = os.path.join(folder, "ledger.db")
+    _proxy_config(config_path, {"vllm-a": vllm_a, "vllm-embed": vllm_embed}, ledger,
+                  extra={**only("auth", "balance"), "prices": {"default": PRICES}})
+    made = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "proxy", "--config", config_path, "keys",
+                           "create", "tier", "--json", "--balance", str(10**12)],
+                          cwd=REPO, capture_output=True, text=True, check=True)
+    key = _json.loads(made.stdout)["secret"]
+    port = servers.free_port()
+    proc = servers.start_proxy(str(REPO / ".venv" / "bin" / "python"), config_path, port, folder, name=name)
+    try:
+        took = servers.wait_ready(proc, "/healthz", timeout=60)
+    except BaseException:
+        servers.stop(proc)
+        raise
+    _timings_note(tier.workdir, f"proxy {name} ready on :{port} after {took:.1f}s")
+    yield Billed(ProxyInfo(proc=proc, workers={"vllm-a": vllm_a, "vllm-embed": vllm_embed},
+                           config_path=config_path), key, ledger)
+    servers.stop(proc)
 
 
 @pytest.fixture

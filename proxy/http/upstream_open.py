@@ -1,0 +1,146 @@
+"""Opening an answer from a worker, shared by every forwarding handler (proxy.http.forwarder for
+/v1/responses, proxy.http.passthrough for the other endpoints): the POST, the status, the first
+read, and the upstream's failures mapped to what the client is told.
+
+`open_upstream` returns the answer and its first bytes (a stream's first read, or a JSON answer
+whole). When it raises, the connection is already given back (pooled when its answer was read
+whole, else closed), so the caller only lets go of answers it was handed. A `_Retryable` is a
+failure before anything reached the client: the caller may try another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy import state
+from proxy.errors import APIError
+from proxy.protocol.rewriter import public_message
+from proxy.upstream.client import (
+    BadResponse,
+    ConnectFailed,
+    ConnectTimeout,
+    DeadlinePassed,
+    Disconnected,
+    UpstreamResponse,
+)
+from proxy.upstream.workers import Worker
+
+# A non-stream answer is buffered whole: past this size it is an upstream fault (an endless
+# body), refused instead of held in memory until the total timeout. Error bodies are only
+# read for their message.
+MAX_JSON_BODY = 16 * 1024 * 1024
+MAX_ERROR_BODY = 64 * 1024
+
+
+class _Retryable(Exception):
+    """The worker failed before anything reached the client: another worker may take it."""
+
+    def __init__(self, worker: Worker, reason: str, final: APIError) -> None:
+        super().__init__(reason)
+        self.worker = worker
+        self.final = final
+
+
+def _upstream_message(body: bytes) -> tuple[str | None, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None, None
+    if isinstance(data, dict):
+        err = data["error"] if isinstance(data.get("error"), dict) else data
+        message = err.get("message")
+        if isinstance(message, str):
+            # Upstream messages are useful to the client ("maximum context length is ..."),
+            # but never pass on what looks like an internal trace.
+            message = public_message(message, 1000)
+            return message, err.get("param")
+    return None, None
+
+
+def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _Retryable:
+    message, param = _upstream_message(body)
+    if status in (400, 422):
+        code = "context_length_exceeded" if message and "context length" in message else "invalid_request"
+        return APIError(400, message or "The model server rejected the request.", code=code,
+                        param=param if isinstance(param, str) else None)
+    if status == 404:
+        return APIError(404, message or "The model does not exist on the model server.", code="model_not_found",
+                        param="model")
+    if status == 413:
+        return APIError(413, "The model server found the request too large.", code="request_too_large")
+    if status == 429:
+        return APIError(429, "The model server is at capacity; retry shortly.", code="capacity_exhausted",
+                        headers={"Retry-After": "1"})
+    final = APIError(502, f"The model server answered {status}.", code="upstream_error")
+    return _Retryable(worker, f"status {status}", final)
+
+
+# (status, error body) -> the refusal to raise instead of map_upstream_error's, or None
+Refine = Callable[[int, bytes], "APIError | _Retryable | None"]
+
+
+async def open_upstream(app: web.Application, worker: Worker, url: str, payload: bytes, *, stream: bool,
+                        refine: Refine | None = None) -> tuple[UpstreamResponse, bytes]:
+    """POST `payload` to `url` on `worker` -> (the answer, its first bytes): a stream's first read,
+    a JSON answer whole (up to MAX_JSON_BODY). A status other than 200 raises what
+    map_upstream_error (or `refine`, asked first) makes of it; an encoded answer, an unreachable
+    worker, a connect timeout or an answer too large raise _Retryable; no first byte in time
+    raises the 504. Whatever it raises, the connection is released first."""
+    pool = app[state.POOL]
+    timeouts = worker.timeouts
+    loop = asyncio.get_running_loop()
+    first_byte = min(timeouts.first_byte, timeouts.total) if stream else timeouts.total
+    upstream: UpstreamResponse | None = None
+    try:
+        try:
+            # The connect phase is bounded by its own timeout inside post(); first byte, idle
+            # and total are timed by the callers' deadlines, so each one is reported as itself.
+            first_deadline = loop.time() + first_byte
+            upstream = await app[state.UPSTREAMS].post(url, worker.chat_headers, payload,
+                                                       connect_timeout=timeouts.connect, deadline=first_deadline)
+            if upstream.status != 200:
+                body = await upstream.read_capped(MAX_ERROR_BODY, first_deadline)
+                error = refine(upstream.status, body) if refine is not None else None
+                if error is None:
+                    error = map_upstream_error(worker, upstream.status, body)
+                    if upstream.status >= 500:
+                        pool.record_failure(worker, f"status {upstream.status}")
+                raise error
+            if upstream.content_encoding is not None:
+                # Asked for identity: compressed bytes must never reach a JSON parser or a rewriter as text.
+                pool.record_failure(worker, "encoded answer")
+                coding = upstream.content_encoding.decode("latin-1")[:40]
+                raise _Retryable(worker, "content_encoding", APIError(
+                    502, f"The model server sent an encoded answer ({coding}) although none was asked for.",
+                    code="upstream_error"))
+            first = (await upstream.read(first_deadline) if stream
+                     else await upstream.read_capped(MAX_JSON_BODY, first_deadline))
+            if len(first) > MAX_JSON_BODY:
+                raise _Retryable(worker, "answer too large", APIError(
+                    502, f"The model server sent an answer larger than {MAX_JSON_BODY} bytes.",
+                    code="upstream_error"))
+        except ConnectTimeout:
+            # Nothing was sent: another worker may take it.
+            pool.record_failure(worker, "connect timeout")
+            raise _Retryable(worker, "connect_timeout",
+                             APIError(504, f"The model server did not accept a connection within "
+                                           f"{timeouts.connect:g}s.", code="upstream_timeout")) from None
+        except DeadlinePassed:
+            pool.record_failure(worker, "first byte timeout")
+            which = "first_byte" if stream and first_byte < timeouts.total else "total"
+            raise APIError(504, f"The model server did not answer within {first_byte:g}s ({which} timeout).",
+                           code="upstream_timeout") from None
+        except (ConnectFailed, Disconnected, BadResponse) as exc:
+            pool.record_failure(worker, type(exc).__name__)
+            unreachable = APIError(502, "The model server could not be reached.", code="upstream_unreachable")
+            raise _Retryable(worker, type(exc).__name__, unreachable) from None
+    except BaseException:
+        if upstream is not None:
+            upstream.release()  # pooled when the (error) answer was read whole, else closed
+        raise
+    return upstream, first

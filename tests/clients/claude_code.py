@@ -1,0 +1,142 @@
+"""Claude Code (npm `@anthropic-ai/claude-code`), installed into the git-ignored cache the Codex
+tier uses (.cache/claude-code/<version>), run headless (`claude -p`) against the proxy.
+
+    command = ensure_claude_code()            # npm install once, reused
+    result = await run_claude(command, home, workdir, "prompt", base_url=proxy.url, api_key=key,
+                              model="tiny-org/tiny-model", egress_port=trap.port)
+
+The npm package is a launcher whose postinstall copies a native binary out of a platform package
+(an optional dependency); npm 11 does not run unapproved install scripts, so the platform
+package's binary is run directly. Only the proxy is reachable: ANTHROPIC_BASE_URL is the proxy,
+the key comes from the environment (ANTHROPIC_API_KEY -> x-api-key, or ANTHROPIC_AUTH_TOKEN ->
+Authorization: Bearer), every model Claude Code may ask for (its main model, and the small fast
+one of background tasks) is the served model, the non-essential traffic (telemetry, error
+reports, update checks) is off, and everything that is not loopback goes to a dead proxy
+(tests.clients.codex.EgressTrap records any attempt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CLAUDE_CODE_VERSION = os.environ.get("CLAUDE_CODE_VERSION", "2.1.332")
+CACHE = Path(os.environ.get("CLAUDE_CODE_CACHE_DIR", REPO / ".cache" / "claude-code")) / CLAUDE_CODE_VERSION
+PACKAGE = "@anthropic-ai/claude-code"
+
+_PLATFORMS = {("Linux", "x86_64"): "linux-x64", ("Linux", "aarch64"): "linux-arm64",
+              ("Darwin", "x86_64"): "darwin-x64", ("Darwin", "arm64"): "darwin-arm64"}
+
+
+class ClaudeCodeUnavailable(Exception):
+    """npm could not install Claude Code (no npm, no registry): the tests skip with this reason."""
+
+
+def _find_binary(root: Path) -> Path | None:
+    base = root / "node_modules" / "@anthropic-ai"
+    if not base.exists():
+        return None
+    plat = _PLATFORMS.get((platform.system(), platform.machine()))
+    candidates = [base / f"claude-code-{plat}" / "claude", base / f"claude-code-{plat}-musl" / "claude"] if plat else []
+    candidates += sorted(base.glob("claude-code-*/claude"))
+    # after a postinstall that ran, the launcher's placeholder is the native binary itself
+    launcher = base / "claude-code" / "bin" / "claude.exe"
+    if launcher.is_file() and launcher.stat().st_size > 1_000_000:
+        candidates.append(launcher)
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def ensure_claude_code() -> list[str]:
+    """The command that runs Claude Code; installs it once into CACHE."""
+    found = _find_binary(CACHE)
+    if found is None:
+        npm = shutil.which("npm")
+        if npm is None:
+            raise ClaudeCodeUnavailable("npm is not installed")
+        CACHE.mkdir(parents=True, exist_ok=True)
+        try:
+            proc = subprocess.run(
+                [npm, "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(CACHE),
+                 f"{PACKAGE}@{CLAUDE_CODE_VERSION}"],
+                capture_output=True, text=True, timeout=900,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ClaudeCodeUnavailable(f"npm install {PACKAGE}@{CLAUDE_CODE_VERSION} failed: {exc}") from exc
+        if proc.returncode != 0:
+            raise ClaudeCodeUnavailable(f"npm install {PACKAGE}@{CLAUDE_CODE_VERSION} failed "
+                                        f"(exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+        found = _find_binary(CACHE)
+        if found is None:
+            raise ClaudeCodeUnavailable(f"npm installed {PACKAGE}@{CLAUDE_CODE_VERSION} but no binary for "
+                                        f"{platform.system()} {platform.machine()} was found")
+    return [str(found)]
+
+
+@dataclass
+class ClaudeRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    result: dict | None  # the --output-format json result object
+
+    def explain(self) -> str:
+        return f"exit {self.returncode}\n--- stdout\n{self.stdout[-6000:]}\n--- stderr\n{self.stderr[-6000:]}"
+
+
+async def run_claude(command: list[str], home: Path, workdir: Path, prompt: str, *, base_url: str, api_key: str,
+                     model: str, egress_port: int, bearer: bool = False, tools: str = "Bash,Read,Write",
+                     timeout: float = 180) -> ClaudeRun:
+    """`claude -p prompt --output-format json` in `workdir`, with a HOME of its own; `bearer`: the key as
+    ANTHROPIC_AUTH_TOKEN (Authorization: Bearer) instead of ANTHROPIC_API_KEY (x-api-key)."""
+    trap = f"http://127.0.0.1:{egress_port}"
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_AUTH_TOKEN" if bearer else "ANTHROPIC_API_KEY": api_key,
+        # Whatever model a request names, it is one the proxy serves.
+        "ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": model, "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+        "CLAUDE_CODE_SUBAGENT_MODEL": model,
+        # Nothing but the model requests: no telemetry, error reports, update checks, feedback.
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_AUTOUPDATER": "1", "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
+        "HTTPS_PROXY": trap, "HTTP_PROXY": trap, "ALL_PROXY": trap,
+        "https_proxy": trap, "http_proxy": trap, "all_proxy": trap,
+        "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
+        "NO_COLOR": "1", "TERM": "dumb",
+    }
+    # --allowedTools: the tools run without asking (--dangerously-skip-permissions is refused as root).
+    args = [*command, "-p", prompt, "--output-format", "json", "--allowedTools", tools]
+    proc = await asyncio.create_subprocess_exec(
+        *args, cwd=str(workdir), env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        out, err = await proc.communicate()
+        return ClaudeRun(-9, out.decode(errors="replace"), err.decode(errors="replace") + "\n[timed out]", None)
+    stdout = out.decode(errors="replace")
+    result = None
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            parsed = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(parsed, dict) and parsed.get("type") == "result":
+            result = parsed
+            break
+    return ClaudeRun(proc.returncode or 0, stdout, err.decode(errors="replace"), result)
