@@ -21,10 +21,10 @@ import asyncio
 import json
 import os
 import platform
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.clients.npm import npm_install
 
 REPO = Path(__file__).resolve().parents[2]
 CLAUDE_CODE_VERSION = os.environ.get("CLAUDE_CODE_VERSION", "2.1.332")
@@ -60,21 +60,7 @@ def ensure_claude_code() -> list[str]:
     """The command that runs Claude Code; installs it once into CACHE."""
     found = _find_binary(CACHE)
     if found is None:
-        npm = shutil.which("npm")
-        if npm is None:
-            raise ClaudeCodeUnavailable("npm is not installed")
-        CACHE.mkdir(parents=True, exist_ok=True)
-        try:
-            proc = subprocess.run(
-                [npm, "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(CACHE),
-                 f"{PACKAGE}@{CLAUDE_CODE_VERSION}"],
-                capture_output=True, text=True, timeout=900,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise ClaudeCodeUnavailable(f"npm install {PACKAGE}@{CLAUDE_CODE_VERSION} failed: {exc}") from exc
-        if proc.returncode != 0:
-            raise ClaudeCodeUnavailable(f"npm install {PACKAGE}@{CLAUDE_CODE_VERSION} failed "
-                                        f"(exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+        npm_install(CACHE, f"{PACKAGE}@{CLAUDE_CODE_VERSION}", 900, ClaudeCodeUnavailable)
         found = _find_binary(CACHE)
         if found is None:
             raise ClaudeCodeUnavailable(f"npm installed {PACKAGE}@{CLAUDE_CODE_VERSION} but no binary for "

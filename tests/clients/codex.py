@@ -16,9 +16,10 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.clients.npm import npm_install
 
 REPO = Path(__file__).resolve().parents[2]
 CODEX_VERSION = os.environ.get("CODEX_VERSION", "0.171.0")
@@ -55,21 +56,7 @@ def ensure_codex() -> list[str]:
     """The command that runs Codex (the native binary, or node + the launcher); installs once."""
     found = _find_binary(CACHE)
     if found is None:
-        npm = shutil.which("npm")
-        if npm is None:
-            raise CodexUnavailable("npm is not installed")
-        CACHE.mkdir(parents=True, exist_ok=True)
-        try:
-            proc = subprocess.run(
-                [npm, "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(CACHE),
-                 f"@openai/codex@{CODEX_VERSION}"],
-                capture_output=True, text=True, timeout=600,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise CodexUnavailable(f"npm install @openai/codex@{CODEX_VERSION} failed: {exc}") from exc
-        if proc.returncode != 0:
-            raise CodexUnavailable(f"npm install @openai/codex@{CODEX_VERSION} failed "
-                                   f"(exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+        npm_install(CACHE, f"@openai/codex@{CODEX_VERSION}", 600, CodexUnavailable)
         found = _find_binary(CACHE)
         if found is None:
             raise CodexUnavailable(f"npm installed @openai/codex@{CODEX_VERSION} but no binary was found")
