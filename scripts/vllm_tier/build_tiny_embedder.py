@@ -18,12 +18,10 @@ It writes OUT_DIR/.complete last; an existing complete OUT_DIR is left alone unl
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from build_tiny_model import corpus  # noqa: E402
@@ -84,19 +82,9 @@ def build(out_dir: str, *, seed: int = 0, vocab_size: int = 1024) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args(argv)
-    out = os.path.abspath(args.out_dir)
-    if not args.force and os.path.exists(os.path.join(out, ".complete")):
-        print(f"tiny embedder already built: {out}")
-        return 0
-    t0 = time.monotonic()
-    build(out, seed=args.seed)
-    print(f"tiny embedder built in {time.monotonic() - t0:.1f}s: {out}")
-    return 0
+    from build_tiny_model import build_cli  # its sibling: the script's directory is on sys.path
+
+    return build_cli(build, "tiny embedder", __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

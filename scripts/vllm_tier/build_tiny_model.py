@@ -381,20 +381,26 @@ def _self_check(path: str) -> None:
     assert tok.decode(ids) == text
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_cli(build, what: str, description: str, argv=None) -> int:
+    """A builder's command line (the tiny model's, the tiny embedder's): OUT_DIR [--seed N]
+    [--force]; a directory already built (its .complete marker) is kept unless --force."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     if not args.force and os.path.exists(os.path.join(out, ".complete")):
-        print(f"tiny model already built: {out}")
+        print(f"{what} already built: {out}")
         return 0
     t0 = time.monotonic()
     build(out, seed=args.seed)
-    print(f"tiny model built in {time.monotonic() - t0:.1f}s: {out}")
+    print(f"{what} built in {time.monotonic() - t0:.1f}s: {out}")
     return 0
+
+
+def main(argv=None) -> int:
+    return build_cli(build, "tiny model", __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

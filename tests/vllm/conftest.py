@@ -162,6 +162,11 @@ def _start_proxy(tier: Tier, name: str, workers: dict[str, servers.Proc], routin
     os.makedirs(folder, exist_ok=True)
     config_path = os.path.join(folder, "config.yaml")
     _proxy_config(config_path, workers, os.path.join(folder, "ledger.db"), routing, extra)
+    return ProxyInfo(proc=_serve(tier, name, config_path, folder), workers=workers, config_path=config_path)
+
+
+def _serve(tier: Tier, name: str, config_path: str, folder: str) -> servers.Proc:
+    """`python -m proxy serve` with that config, ready (its /healthz answers)."""
     port = servers.free_port()
     proc = servers.start_proxy(str(REPO / ".venv" / "bin" / "python"), config_path, port, folder, name=name)
     try:
@@ -170,7 +175,7 @@ def _start_proxy(tier: Tier, name: str, workers: dict[str, servers.Proc], routin
         servers.stop(proc)
         raise
     _timings_note(tier.workdir, f"proxy {name} ready on :{port} after {took:.1f}s")
-    return ProxyInfo(proc=proc, workers=workers, config_path=config_path)
+    return proc
 
 
 @pytest.fixture(scope="session")
@@ -253,14 +258,7 @@ def proxy_billed(tier, vllm_a, vllm_embed):
                            "create", "tier", "--json", "--balance", str(10**12)],
                           cwd=REPO, capture_output=True, text=True, check=True)
     key = _json.loads(made.stdout)["secret"]
-    port = servers.free_port()
-    proc = servers.start_proxy(str(REPO / ".venv" / "bin" / "python"), config_path, port, folder, name=name)
-    try:
-        took = servers.wait_ready(proc, "/healthz", timeout=60)
-    except BaseException:
-        servers.stop(proc)
-        raise
-    _timings_note(tier.workdir, f"proxy {name} ready on :{port} after {took:.1f}s")
+    proc = _serve(tier, name, config_path, folder)
     yield Billed(ProxyInfo(proc=proc, workers={"vllm-a": vllm_a, "vllm-embed": vllm_embed},
                            config_path=config_path), key, ledger)
     servers.stop(proc)
