@@ -52,10 +52,12 @@ from proxy.protocol.response import (
     public_message,
 )
 
-__all__ = ["Assembler"]
+__all__ = ["INCOMPLETE_REASONS", "Assembler", "message_item"]
 
 _TERMINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete"}
-_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+# finish_reason -> the response's incomplete_details.reason (any other ends it completed)
+INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+_INCOMPLETE = INCOMPLETE_REASONS
 
 
 class _Item:
@@ -102,6 +104,12 @@ def _custom_input(args: str) -> str:
     if isinstance(parsed, str):
         return parsed
     return args
+
+
+def message_item(item_id: str, status: str, text: str) -> dict:
+    """An assistant message output item as it ends: its one output_text part."""
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
 class Assembler:
@@ -380,8 +388,7 @@ class Assembler:
                 "summary": [{"type": "summary_text", "text": it.text()}] if self._clear else [], "status": status}
 
     def _message_final(self, it: _Item, status: str) -> dict:
-        return {"type": "message", "id": it.id, "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": it.text(), "annotations": [], "logprobs": []}]}
+        return message_item(it.id, status, it.text())
 
     def _close_message(self, status: str) -> None:
         it = self._message

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from proxy.protocol.assembler import INCOMPLETE_REASONS, message_item
 from proxy.protocol.response import ResponseContext, base_response, client_usage, map_usage
 
-_ENDS = {"stop": None, "length": "max_output_tokens", "content_filter": "content_filter", "tool_calls": None}
+# The finish reasons taken here, and the incomplete_details.reason each gives (None: completed);
+# "abort" and the unknown ones take the general path.
+_ENDS: dict[str, str | None] = {"stop": None, "tool_calls": None, **INCOMPLETE_REASONS}
 
 
 def plain_response(ctx: ResponseContext, completion: Any) -> tuple[dict, dict] | None:
@@ -47,8 +50,7 @@ def plain_response(ctx: ResponseContext, completion: Any) -> tuple[dict, dict] |
         return None
     incomplete = _ENDS[reason]
     status = "completed" if incomplete is None else "incomplete"
-    item = {"type": "message", "id": "msg_" + ctx.ids(), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    item = message_item("msg_" + ctx.ids(), status, text)
     reported = map_usage(usage)
     r = base_response(ctx)
     r["status"] = status
