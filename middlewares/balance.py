@@ -35,9 +35,10 @@ Before forwarding:
     balance". Concurrent requests of one key cannot overdraw it: the check and the hold are
     one transaction under the database write lock. The hold is the context's `hold`.
 
-Settlement, before the answer's last bytes are sent (the forwarder calls the hook under
-the context's `settle` before the end of a stream; a JSON body is written after this middleware
-returns), so a client that waited for its answer finds its balance settled. When the
+Settlement, from the handler's AnswerReport (ctx.report) when the handler returns, before the
+answer's last bytes are sent (a stream's end is the request's Tail, which the envelope writes
+after the phases; a JSON body is written after them too), so a client that waited for its
+answer finds its balance settled; the bill is the context's `bill`. When the
 client disconnected (the handler was cancelled) it runs in a task of its own, which the
 cancellation cannot reach and shutdown waits for:
   * the upstream answered (completed / incomplete / failed / cancelled mid-stream), or
@@ -90,7 +91,7 @@ from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_toke
 from proxy.ledger.service import budget_room
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.runtime.logs import log
-from proxy.state import METRICS, RequestContext
+from proxy.state import METRICS, AnswerReport, Bill, RequestContext, Tokens
 from proxy.upstream.routing import TokenCountError, count_tokens
 
 _DEFAULTS = config_settings.of("balance")  # a caller without a configuration (a test, a tool) gets these
@@ -187,19 +188,18 @@ def _settings(section: Any) -> tuple[float, int, float, dict[str, Any]]:
     return section.hold_ttl_s, section.default_max_output_tokens, section.bytes_per_token, lease_settings
 
 
-def _billable(out: Any, cancelled: bool) -> bool:
+def _billable(report: AnswerReport | None, cancelled: bool) -> bool:
     """The upstream answered (completed / incomplete / failed / cancelled mid-stream), or the
     client left while the model server was working; else the hold is released."""
-    reached = out is not None and out.upstream is not None
-    answered = reached and (out.status in _ANSWERED or out.usage_reported or out.output_tokens > 0)
-    return answered or (reached and cancelled)
+    if report is None or report.upstream is None:
+        return False
+    return cancelled or report.status in _ANSWERED or report.usage is not None or report.shown.output > 0
 
 
-def _needs_count(ctx: RequestContext, cancelled: bool) -> bool:
+def _needs_count(report: AnswerReport | None, cancelled: bool) -> bool:
     """A bill without a usage report: the worker's tokenizer says what it processed."""
-    out = ctx.outcome
-    return (out is not None and _billable(out, cancelled) and not out.usage_reported
-            and not out.extra.get("no_token_count"))
+    return (report is not None and _billable(report, cancelled) and report.usage is None
+            and not report.count_failed)
 
 
 def _fit_cap(ctx: RequestContext, price: Price, found: Hold, est: int, wanted: int) -> Hold:
@@ -317,14 +317,14 @@ class _Billing:
             for reason in fixes:
                 metrics.usage_corrections.inc((reason,))
 
-    async def worker_count(self, out: Any, t: Any) -> int | None:
+    async def worker_count(self, report: AnswerReport, t: Any) -> int | None:
         """The prompt as the worker that served it counts it (its tokenizer and template);
         None when it cannot say."""
         pool = self.app.get(state.POOL)
         session = self.app.get(state.SESSION)
-        if pool is None or session is None or out is None:
+        if pool is None or session is None:
             return None
-        worker = next((w for w in pool.workers if w.name == out.upstream), None)
+        worker = next((w for w in pool.workers if w.name == report.upstream), None)
         if worker is None:
             return None
         try:
@@ -333,54 +333,51 @@ class _Billing:
         except (TokenCountError, Exception):  # billing never fails because a count could not be had
             return None
 
-    def usage_of(self, ctx: RequestContext, hold: Hold, t: Any, price: Price, est: int, cancelled: bool,
-                 counted_input: int | None) -> UsageRecord | None:
+    def usage_of(self, ctx: RequestContext, report: AnswerReport | None, hold: Hold, t: Any, price: Price, est: int,
+                 cancelled: bool, counted_input: int | None) -> UsageRecord | None:
         """The usage to settle, or None to release the hold. Never raises."""
-        request_id = hold.request_id
-        out = ctx.outcome
-        if out is None or not _billable(out, cancelled):
+        if report is None or not _billable(report, cancelled):
             return None
         assert ctx.translation is not None  # translated before the hold
         cap = ctx.translation.reserved_output
         media = t.prompt_size()[1]
-        billed = clean_usage(out.reported_usage if out.usage_reported else None,
-                             counted_output=out.counted_output,
+        billed = clean_usage(report.usage, counted_output=report.counted_output,
                              input_fallback=counted_input if counted_input is not None else est,
                              input_bound=None if media else est, output_cap=cap, price=price,
                              hold_micros=hold.amount_micros)
         if billed.corrections:
-            self.count_corrections(billed.corrections, hold, out.reported_usage)
+            self.count_corrections(billed.corrections, hold, report.usage)
         # What the access line and the metrics print: the billed figures.
-        out.input_tokens, out.cached_tokens = billed.input_tokens, billed.cached_tokens
-        out.output_tokens, out.reasoning_tokens = billed.output_tokens, billed.reasoning_tokens
-        out.cost_micros = billed.cost_micros
-        status = out.status if out.status in USAGE_STATUSES else ("cancelled" if cancelled else "error")
+        ctx.bill = Bill(Tokens(billed.input_tokens, billed.cached_tokens, billed.output_tokens,
+                               billed.reasoning_tokens), billed.cost_micros)
+        status = report.status if report.status in USAGE_STATUSES else ("cancelled" if cancelled else "error")
         return UsageRecord(
-            request_id=request_id, key_id=hold.key_id, model=t.model,
+            request_id=hold.request_id, key_id=hold.key_id, model=t.model,
             input_tokens=billed.input_tokens, cached_tokens=billed.cached_tokens, output_tokens=billed.output_tokens,
             reasoning_tokens=billed.reasoning_tokens, cost_micros=billed.cost_micros, status=status,
-            worker=out.upstream, served_model=t.upstream_model, endpoint=ctx.path,
+            worker=report.upstream, served_model=t.upstream_model, endpoint=ctx.path,
         )
 
     def finish(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
                cancelled: bool, counted_input: int | None) -> asyncio.Task | None:
+        report = ctx.report
         try:
-            usage = self.usage_of(ctx, hold, t, price, est, cancelled, counted_input)
+            usage = self.usage_of(ctx, report, hold, t, price, est, cancelled, counted_input)
         except Exception:
             log.exception("settlement failed", request_id=hold.request_id)
             # The upper bound, clamped at the hold: a request that reached the worker is never free.
-            out = ctx.outcome
-            usage = None if out is None or out.upstream is None else UsageRecord(
+            usage = None if report is None or report.upstream is None else UsageRecord(
                 request_id=hold.request_id, key_id=hold.key_id, model=t.model, input_tokens=est, cached_tokens=0,
                 output_tokens=0, reasoning_tokens=0, cost_micros=min(hold.amount_micros, cost_micros(price, est, 0, 0)),
-                status="error", worker=out.upstream, served_model=t.upstream_model, endpoint=ctx.path)
-            if usage is not None and out is not None:
-                out.cost_micros = usage.cost_micros
+                status="error", worker=report.upstream, served_model=t.upstream_model, endpoint=ctx.path)
+            if usage is not None:
+                ctx.bill = Bill(Tokens(input=est), usage.cost_micros)
         return leases.finish(hold, usage, waited=not cancelled)
 
     async def settle(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
                      cancelled: bool) -> None:
-        counted = await self.worker_count(ctx.outcome, t) if _needs_count(ctx, cancelled) else None
+        report = ctx.report
+        counted = await self.worker_count(report, t) if report is not None and _needs_count(report, cancelled) else None
         task = self.finish(ctx, leases, hold, t, price, est, cancelled, counted)
         if task is not None:
             await task
@@ -390,7 +387,7 @@ class _Billing:
         """Settle (or release) now; the task to wait for, None when it is done already (in
         memory, from a lease). The ledger work runs in a task of its own, which a cancelled
         handler (the client left) cannot interrupt and shutdown waits for."""
-        if _needs_count(ctx, cancelled):
+        if _needs_count(ctx.report, cancelled):
             task = asyncio.ensure_future(self.settle(ctx, leases, hold, t, price, est, cancelled))
             self.settlements.track(task)
             return task
@@ -409,43 +406,36 @@ class _Billing:
         room = await budget_room(ledger, record)
         hold, est = await self.reserve(ctx, leases, key_id, t, price, est, room)
         ctx.hold = hold
-        settling: list[asyncio.Task | None] = []  # one entry once settlement started
-
-        async def settle_now() -> None:
-            """Settle before the answer's last bytes go out (the forwarder calls this before the
-            end of a stream; a JSON body is written after this phase returns): a client that
-            waits for its answer finds its balance settled. Never raises."""
-            if not settling:
-                settling.append(self.start_settling(ctx, leases, hold, t, price, est, False))
-            task = settling[0]
-            if task is not None and not task.done():
-                await asyncio.shield(task)  # cancelled (the client left): the task goes on
-
-        ctx.settle = settle_now
         try:
-            try:
-                response = await call_next(request, ctx)
-            except asyncio.CancelledError:
-                if not settling:  # the client left: settle in the background, never waited for
-                    settling.append(self.start_settling(ctx, leases, hold, t, price, est, True))
-                raise
-            except BaseException:
-                await settle_now()
-                raise
-            await settle_now()
-            return response
+            response = await call_next(request, ctx)
         except asyncio.CancelledError:
-            # Cancelled during the handler or while waiting for the settle: the settlement goes
-            # on in its task; the envelope writes the access line and the metrics once it is
-            # done, so they carry the billed figures.
-            task = settling[0] if settling else None
+            # The client left: the settlement runs in a task of its own, never waited for; the
+            # envelope writes the access line and the metrics once it is done, so they carry
+            # the billed figures.
+            task = self.start_settling(ctx, leases, hold, t, price, est, True)
             if task is not None and not task.done():
                 ctx.settling = task
             raise
-        finally:
-            # ctx -> settle_now -> ctx: a cycle only the cyclic GC would free
-            ctx.settle = None
-            settling.clear()
+        except BaseException:
+            await self.settled(ctx, leases, hold, t, price, est)
+            raise
+        # Before the answer's last bytes go out (a stream's end is the envelope's to write, a
+        # JSON body is written after the phases return): a client that waits for its answer
+        # finds its balance settled.
+        await self.settled(ctx, leases, hold, t, price, est)
+        return response
+
+    async def settled(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int) -> None:
+        """Settle the answer and wait for it. Cancelled (the client left) while the ledger works,
+        the settlement goes on in its task and the envelope waits for it (ctx.settling)."""
+        task = self.start_settling(ctx, leases, hold, t, price, est, False)
+        if task is None or task.done():
+            return
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            ctx.settling = task
+            raise
 
     async def drain(self, app: web.Application) -> None:
         for leases in self.accounts:

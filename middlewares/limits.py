@@ -131,27 +131,22 @@ def _in_process(counter: MemoryCounter, global_limit: int | None, key_default: i
         try:
             return await call_next(request, ctx)
         finally:
-            out = ctx.outcome
-            release(ticket, out.input_tokens + out.output_tokens if out is not None else None)
+            release(ticket, _spent(ctx))
 
     return limits
 
 
 async def _with_early_release(request: web.Request, ctx: RequestContext, call_next, release, ticket):
-    """A shared counter's release is a round trip: the stream handler awaits it before its last
-    bytes (ctx.release, as ctx.settle), else the client could ask again before its slot is free."""
-    done = False
-
-    async def release_now() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            out = ctx.outcome
-            await release(ticket, out.input_tokens + out.output_tokens if out is not None else None)
-
-    ctx.release = release_now
+    """A shared counter's release is a round trip, awaited when the handler returns: before the
+    last bytes of a stream (its Tail, which the envelope writes after the phases), else the
+    client could ask again before its slot is free in every replica."""
     try:
         return await call_next(request, ctx)
     finally:
-        ctx.release = None
-        await release_now()
+        await release(ticket, _spent(ctx))
+
+
+def _spent(ctx: RequestContext) -> int | None:
+    """The tokens the answer ends with (as billed, else as shown); None: there was no answer."""
+    tokens = ctx.tokens()
+    return tokens.input + tokens.output if tokens is not None else None

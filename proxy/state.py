@@ -1,5 +1,6 @@
 """Where state lives: every AppKey and RequestKey of the product (their types by name, so this
-module imports none of their modules), the one per-request `RequestContext` and `Outcome`.
+module imports none of their modules), the one per-request `RequestContext`
+and the values its phases hand on (`AnswerReport`, `Bill`, `Tail`).
 
 App-wide resources hang on the app under these keys; what one request learns (the caller's
 key, the body, the translation, the notices, the hold) is a field of its RequestContext,
@@ -8,7 +9,7 @@ written by the phase that owns it; nothing is passed by string name.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,31 +23,76 @@ if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this m
 # This module stands below everything that keeps state on an app or a request.
 
 
-@dataclass
-class Outcome:
-    """What the forwarder reports about one request, updated as the answer streams.
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """An answer's token figures: as its Response shows them, or as billed."""
 
-    Read by the middlewares after the handler returns (or is cancelled): the balance
-    middleware settles from it, the access log prints it.
-    """
+    input: int = 0
+    cached: int = 0
+    output: int = 0
+    reasoning: int = 0
 
-    status: str = "pending"  # completed | incomplete | failed | cancelled | error
-    http_status: int = 0
-    upstream: str | None = None
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    reasoning_tokens: int = 0
-    usage_reported: bool = False  # False: output_tokens is counted from the deltas
-    # The upstream's usage as reported (Responses-shaped, unchecked: proxy.ledger.usage
-    # checks it before billing), and whether the answer was cut off at the output cap.
-    reported_usage: dict | None = None
-    counted_output: int = 0  # output deltas counted (each carried at least one token)
-    output_capped: bool = False
+    def as_chat_usage(self) -> dict:
+        """The figures as a chat usage (what the rewriter's response.failed carries)."""
+        return {"prompt_tokens": self.input, "completion_tokens": self.output,
+                "prompt_tokens_details": {"cached_tokens": self.cached},
+                "completion_tokens_details": {"reasoning_tokens": self.reasoning}}
+
+
+NO_TOKENS = Tokens()
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerReport:
+    """What the handler says about its answer, once, when it ends (returned, raised or was
+    cancelled): the balance turns it into the bill, the limits debit its tokens, the envelope
+    logs it. Written by the handler alone (ctx.report), never changed after."""
+
+    status: str  # completed | incomplete | failed | cancelled | error
+    upstream: str | None = None  # the worker the generation was sent to (None: none was)
     ttfb_ms: float | None = None
-    cost_micros: int | None = None  # what the ledger row says was charged (None: nothing settled)
-    error: str | None = None  # the error code of a stream ended by response.failed, when the proxy ended it
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The upstream's usage as reported (Responses-shaped, unchecked: proxy.ledger.usage checks
+    # it before billing); None: none was reported.
+    usage: dict | None = None
+    counted_output: int = 0  # output deltas counted (each carried at least one token)
+    output_capped: bool = False  # cut off at the output cap (the worker ignored max_tokens)
+    shown: Tokens = NO_TOKENS  # what the client was shown (the access line's when nothing is billed)
+    error: str | None = None  # the error code of a stream the proxy ended with response.failed
+    count_failed: bool = False  # a worker's tokenizer was asked for the usage and could not say
+
+
+@dataclass(frozen=True, slots=True)
+class Bill:
+    """What the balance charged for an answer (the ledger row's figures)."""
+
+    tokens: Tokens
+    cost_micros: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """The end of a streamed answer, written by the envelope after the phases returned: the
+    balance has billed it and the limits have given the slot back by then, so a client that
+    reads the end of its answer finds both done (and its next request admitted)."""
+
+    response: Any  # the prepared web.StreamResponse (or a transport's TurnStream)
+    pending: bytes  # the last events, not yet written
+    whole: bool  # the answer was complete: a client hanging up on its end is no error
+    # The proxy's own end of a failed stream, made from the figures it ends with (the bill,
+    # else what was shown): (those Tokens) -> its last event's bytes.
+    failure: Callable[[Tokens], bytes] | None = None
+
+    async def send(self, tokens: Tokens) -> None:
+        data = self.pending
+        if self.failure is not None:
+            data += self.failure(tokens)
+        try:
+            await self.response.write_eof(data)  # the last events and the end of the body: one send
+        except ConnectionResetError:
+            # Clients such as Codex hang up as soon as they read the terminal event: an
+            # answer that was whole is a success, not a disconnect.
+            if not self.whole:
+                raise
 
 
 def _app_key(name: str, type_name: str) -> web.AppKey[Any]:
@@ -78,6 +124,7 @@ COMPACT_SETTINGS = _app_key("compact_settings", "CompactSettings")  # proxy.http
 KEY_CACHE = _app_key("key_cache", "KeyCache")  # middlewares.auth
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
 SETTLEMENTS = _app_key("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
+ENVELOPE = _app_key("envelope", "Middleware")  # proxy.http.app: the app's one middleware; a turn runs through it
 PHASES = _app_key("phases", "Phases")  # middlewares.Phases: auth .. handler, for one request or one turn
 ADMIN = _app_key("admin_console", "AdminConsole")  # proxy.admin: admin keys, session signer (on the admin sub-app)
 HEAD_LIMITS = _app_key("head_limits", "HeadLimits")  # proxy.http.parse_errors: bounds on a request's head
@@ -111,15 +158,10 @@ class RequestContext:
     # prepare: the one translation; balance replaces it with a capped copy (Translation.with_cap).
     translation: Translation | None = None
     notices: list[str] = field(default_factory=list)  # joined into x-token-notice (middlewares.notices)
-    outcome: Outcome | None = None  # the handler's report, once it reached for an upstream
+    report: AnswerReport | None = None  # the handler: its answer, once it ended (None: no worker was chosen)
+    tail: Tail | None = None  # the handler: a stream's end, written by the envelope after the phases
     hold: Hold | None = None  # balance: the hold on the ledger
-    # balance: settle now (the handler awaits it before the last bytes of a stream, so a client
-    # that waits for its answer finds it billed); cleared when the balance phase returns.
-    settle: Callable[[], Awaitable[None]] | None = None
-    # limits (a shared backend): give the slot back now, awaited after settle, before the last
-    # bytes of a stream, so a client that sends its next request on reading the end finds its
-    # slot free in every replica; cleared when the limits phase returns.
-    release: Callable[[], Awaitable[None]] | None = None
+    bill: Bill | None = None  # balance: what the answer was charged, once settled
     # balance: the settlement still in flight when the handler was cancelled (the client went
     # away); the envelope writes the access line and the metrics once it is done, so they carry
     # the billed figures (an asyncio.Task).
@@ -133,12 +175,12 @@ class RequestContext:
     # table or the turn; the body phase may refine it to one of its variants.
     unit: Unit = None  # type: ignore[assignment]
 
-    def started_outcome(self) -> Outcome:
-        """The outcome, created when the handler first reports."""
-        found = self.outcome
-        if found is None:
-            found = self.outcome = Outcome()
-        return found
+    def tokens(self) -> Tokens | None:
+        """The figures the answer ends with: as billed, else as shown; None: no answer."""
+        if self.bill is not None:
+            return self.bill.tokens
+        report = self.report
+        return report.shown if report is not None else None
 
 
 def context(request: web.Request) -> RequestContext:

@@ -92,7 +92,7 @@ def test_every_app_and_request_key_is_defined_in_proxy_state():
 # aiohttp's private names the product touches, each where no public hook exists, said so in a
 # comment there and pinned by the tests named there. A new one needs the same, or public API.
 AIOHTTP_PRIVATE_ALLOWED = {
-    "_send_headers_immediately": "proxy/http/forwarder.py (_EventStream; tests/test_forwarder_writes.py)",
+    "_send_headers_immediately": "proxy/http/event_stream.py (EventStreamResponse; tests/test_forwarder_writes.py)",
     "_make_server": "proxy/http/parse_errors.py (ProxyRunner; tests/test_hostile.py)",
     "_parser": "proxy/http/parse_errors.py (EnvelopeRequestHandler.bound_heads wraps it; tests/test_edge_bounds.py)",
     "_eof_sent": "proxy/http/app.py _after_start, proxy/http/turn.py TurnStream (tests/test_stream_integrity.py)",

@@ -175,7 +175,7 @@ async def test_metrics_can_be_turned_off(make_proxy):
 EXPOSITION = Path(__file__).resolve().parent / "fixtures" / "metrics_exposition.txt"
 _CREATED = re.compile(r"(?m)^(\w+_created(?:\{[^}]*\})?) (\S+)$")
 
-# (path, upstream model or None for no translation, HTTP status, seconds, Outcome fields or None)
+# (path, upstream model or None for no translation, HTTP status, seconds, AnswerReport fields or None)
 SEQUENCE = [
     ("/v1/responses", "tiny-model", 200, 0.031,
      {"status": "completed", "upstream": "a", "input_tokens": 120, "cached_tokens": 64, "output_tokens": 33,
@@ -186,7 +186,7 @@ SEQUENCE = [
      {"status": "incomplete", "upstream": "a", "input_tokens": 10, "cached_tokens": 20, "output_tokens": 1,
       "ttfb_ms": 0.01}),
     ("/v1/responses", "tiny-model", 499, 0.05, {"status": "cancelled", "upstream": "a"}),
-    ("/v1/responses", "made-up", 404, 0.001, {}),  # an unknown model is labelled "other"
+    ("/v1/responses", "made-up", 404, 0.001, {"status": "error"}),  # an unknown model is labelled "other"
     ("/v1/responses", "tiny-model", 502, 0.1,  # an upstream that is no worker: no per-worker tokens
      {"status": "failed", "upstream": "ghost", "input_tokens": 5, "ttfb_ms": 100.0}),
     ("/v1/responses/input_tokens", "tiny-model", 200, 0.002, {"status": "completed", "upstream": "a",
@@ -194,10 +194,22 @@ SEQUENCE = [
     ("/v1/models", None, 200, 0.0001, None),
     ("/healthz", None, 200, 0.5, None),
     ("/nope", None, 404, 10.0, None),
-    ("/v1/responses", None, 400, 0.25, {}),
+    ("/v1/responses", None, 400, 0.25, {"status": "error"}),
     ("/v1/responses", "tiny-model", 200, 0.031,  # a second request on an existing series
      {"status": "completed", "upstream": "a", "input_tokens": 1, "output_tokens": 2, "ttfb_ms": 12.5}),
 ]
+
+
+def observed_context(path: str, model: str | None, fields: dict | None) -> state.RequestContext:
+    """A finished request's context: its translation's model and the handler's report (`fields`)."""
+    report = None
+    if fields is not None:
+        tokens = state.Tokens(fields.get("input_tokens", 0), fields.get("cached_tokens", 0),
+                              fields.get("output_tokens", 0))
+        report = state.AnswerReport(fields["status"], fields.get("upstream"), fields.get("ttfb_ms"), shown=tokens)
+    return state.RequestContext("req_test", "POST", path,
+                                translation=SimpleNamespace(upstream_model=model) if model is not None else None,
+                                report=report)
 
 
 def _observed_app(module) -> tuple[web.Application, Any]:
@@ -208,10 +220,8 @@ def _observed_app(module) -> tuple[web.Application, Any]:
         {"name": "b", "url": "http://b", "models": ["tiny-model"], "capacity": 8}]}).workers)))
     for path, model, status, seconds, outcome in SEQUENCE:
         request = make_mocked_request("POST", path, app=app)
-        ctx = state.RequestContext("req_test", "POST", path,
-                                   translation=SimpleNamespace(upstream_model=model) if model is not None else None,
-                                   outcome=state.Outcome(**outcome) if outcome is not None else None)
-        module.observe(request, ctx, status, seconds)
+        ctx = observed_context(path, model, outcome)
+        module.observe(request, ctx, status, seconds, ctx.report.status if ctx.report is not None else None)
     found.holds.set(3)
     return app, found
 
@@ -249,11 +259,10 @@ def test_a_negative_token_count_is_refused_as_before():
     app[proxy_metrics.METRICS] = found = proxy_metrics.Metrics(WorkerPool(parse_workers(Config.from_dict({"workers": [
         {"name": "a", "url": "http://a", "models": ["tiny-model"]}]}).workers)))
     request = make_mocked_request("POST", "/v1/responses", app=app)
-    ctx = state.RequestContext("req_test", "POST", "/v1/responses", translation=SimpleNamespace(upstream_model="tiny-model"),
-                               outcome=state.Outcome(status="completed", input_tokens=-1))
+    ctx = observed_context("/v1/responses", "tiny-model", {"status": "completed", "input_tokens": -1})
     with pytest.raises(ValueError):
-        found.observe(ctx, 200, 0.1)
-    proxy_metrics.observe(request, ctx, 200, 0.1)  # the hook logs it and never raises
+        found.observe(ctx, 200, 0.1, "completed")
+    proxy_metrics.observe(request, ctx, 200, 0.1, "completed")  # the hook logs it and never raises
     _, samples = _parse(generate_latest(found.registry).decode())
     # As with prometheus_client's labels().inc(): the series is made, at 0, before the refusal.
     assert ("responses_proxy_input_tokens_total", (("model", "tiny-model"),)) in samples

@@ -153,7 +153,7 @@ def test_the_merged_view_of_one_process_has_the_figures_of_the_plain_one(tmp_pat
     from proxy.runtime import metrics as proxy_metrics
     from proxy.config.load import Config
     from proxy.upstream.workers import WorkerPool, parse_workers
-    from tests.test_metrics import SEQUENCE
+    from tests.test_metrics import SEQUENCE, observed_context
 
     def observed(shared_dir):
         app = web.Application()
@@ -162,10 +162,8 @@ def test_the_merged_view_of_one_process_has_the_figures_of_the_plain_one(tmp_pat
             {"name": "b", "url": "http://b", "models": ["tiny-model"], "capacity": 8}]}).workers)), shared_dir)
         for path, model, status, seconds, outcome in SEQUENCE:
             request = make_mocked_request("POST", path, app=app)
-            ctx = state.RequestContext("req_test", "POST", path,
-                                       translation=SimpleNamespace(upstream_model=model) if model is not None else None,
-                                       outcome=state.Outcome(**outcome) if outcome is not None else None)
-            proxy_metrics.observe(request, ctx, status, seconds)
+            ctx = observed_context(path, model, outcome)
+            proxy_metrics.observe(request, ctx, status, seconds, ctx.report.status if ctx.report is not None else None)
         found.holds.set(3)
         found.publish_pool()
         return _samples(generate_latest(found.registry).decode())

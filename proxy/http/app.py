@@ -34,6 +34,7 @@ from proxy.runtime.refusals import Refusals, is_refusal
 from proxy.state import (
     CONTEXT,
     IMAGE_POLICY,
+    NO_TOKENS,
     PHASES,
     POOL,
     READINESS,
@@ -43,6 +44,7 @@ from proxy.state import (
     TURN,
     UPSTREAMS,
     RequestContext,
+    Tail,
 )
 from proxy.upstream.client import UpstreamPool
 from proxy.upstream.health import Readiness, health_context
@@ -73,8 +75,9 @@ def envelope(phases: Phases):
         started = time.perf_counter()
         status = 500
         error_code: str | None = None
+        ended: str | None = None  # how the answer ended, when the envelope decided it (else ctx.report's)
         try:
-            response = await _within_started(phases.run, request, ctx)
+            response, ended = await _within_started(phases.run, request, ctx)
             if ctx.unit.family in ANTHROPIC:
                 response = dress(response)  # Anthropic's error envelope on its routes
             status = response.status
@@ -87,6 +90,7 @@ def envelope(phases: Phases):
             status, error_code = exc.status, exc.code
             streamed = await refusal_as_event(request, ctx, exc)  # Codex reads a spent balance only as an event
             if streamed is not None:
+                ended = "error"
                 return streamed
             return dress(error_response(exc)) if ctx.unit.family in ANTHROPIC else error_response(exc)
         except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and methods
@@ -103,9 +107,9 @@ def envelope(phases: Phases):
             error_code = refusal.code
             return error_response(refusal)
         except (asyncio.CancelledError, ConnectionResetError) as gone:
-            out = ctx.outcome
+            report = ctx.report
             # 499: the client went away before its answer was whole (after it, the answer stands).
-            status = 200 if out is not None and out.status in ("completed", "incomplete", "failed") else 499
+            status = 200 if report is not None and report.status in ("completed", "incomplete", "failed") else 499
             if isinstance(gone, ConnectionResetError) and turn is None:
                 # A write to a client that hung up. Raised on, aiohttp would log it as a 500
                 # "Error handling request" with a traceback; an answer handed back is one it
@@ -123,9 +127,9 @@ def envelope(phases: Phases):
                 # The client went away while the request was being billed: the settlement goes
                 # on in a task of its own; the access line and the metrics wait for it, so they
                 # carry the figures the ledger row has.
-                settling.add_done_callback(lambda _: _log_access(request, ctx, status, error_code, elapsed))
+                settling.add_done_callback(lambda _: _log_access(request, ctx, status, error_code, elapsed, ended))
             else:
-                _log_access(request, ctx, status, error_code, elapsed)
+                _log_access(request, ctx, status, error_code, elapsed, ended)
 
     return envelope_and_access_log
 
@@ -140,42 +144,46 @@ def transport_of(request: web.Request) -> str:
 
 
 def _log_access(request: web.Request, ctx: RequestContext, status: int, error_code: str | None,
-                elapsed_s: float) -> None:
+                elapsed_s: float, ended: str | None) -> None:
     ctx.settling = None
-    out = ctx.outcome
-    if out is not None and out.status == "pending" and status >= 400:
-        # Refused or failed before any answer (a 502/503/504 after failover, a 4xx): no
-        # request ends "pending" in the log or the metrics.
-        out.status = "cancelled" if status == 499 else "error"
-    metrics.observe(request, ctx, status, elapsed_s)
+    report = ctx.report
+    if ended is None and report is not None:
+        ended = report.status
+    metrics.observe(request, ctx, status, elapsed_s, ended)
     translation = ctx.translation
     model = translation.model if translation is not None else None
     latency_ms = round(elapsed_s * 1000, 2)
     key_id = ctx.key.key_id if ctx.key is not None else None
-    if error_code is None and out is not None:
-        error_code = out.error
+    if error_code is None and report is not None:
+        error_code = report.error
     carrier = transport_of(request)
     if is_refusal(status):
         refusals = request.config_dict.get(state.REFUSALS)
         if refusals is not None:
             refusals.record(request.path, request_id=ctx.request_id, method=request.method, transport=carrier,
                             status=status, error_code=error_code, key_id=key_id, model=model, client=request.remote)
-    if out is None:
+    if ended is None:
         access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
                transport=carrier, key_id=key_id, model=model, status=status, error_code=error_code,
                latency_ms=latency_ms)
-    else:
-        access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
-               transport=carrier, key_id=key_id, model=model, status=status, error_code=error_code,
-               latency_ms=latency_ms, upstream=out.upstream, outcome=out.status, input_tokens=out.input_tokens,
-               cached_tokens=out.cached_tokens, output_tokens=out.output_tokens, cost_micros=out.cost_micros,
-               ttfb_ms=round(out.ttfb_ms, 2) if out.ttfb_ms is not None else None)
+        return
+    tokens = ctx.tokens() or NO_TOKENS
+    bill = ctx.bill
+    ttfb = report.ttfb_ms if report is not None else None
+    access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
+           transport=carrier, key_id=key_id, model=model, status=status, error_code=error_code,
+           latency_ms=latency_ms, upstream=report.upstream if report is not None else None, outcome=ended,
+           input_tokens=tokens.input, cached_tokens=tokens.cached, output_tokens=tokens.output,
+           cost_micros=bill.cost_micros if bill is not None else None,
+           ttfb_ms=round(ttfb, 2) if ttfb is not None else None)
 
 
-async def _within_started(run, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
-    """The phases; an exception after the answer started is ended by _after_start."""
+async def _within_started(run, request: web.Request, ctx: RequestContext) -> tuple[web.StreamResponse, str | None]:
+    """The phases, then the end of a streamed answer (ctx.tail: billed and its slot given back by
+    now) -> (the response, "failed" when the envelope ended it); an exception after the answer
+    started is ended by _after_start."""
     try:
-        return await run(request, ctx)
+        response = await run(request, ctx)
     except ConnectionResetError:
         raise
     except Exception as exc:
@@ -188,11 +196,20 @@ async def _within_started(run, request: web.Request, ctx: RequestContext) -> web
                 writer.chunked = False  # type: ignore[attr-defined]  # aiohttp's StreamWriter has it
                 writer.length = None
             raise
-        return await _after_start(request, ctx, started, exc)
+        return await _after_start(request, ctx, started, exc, ctx.tail)
+    tail = ctx.tail
+    if tail is not None:
+        try:
+            await tail.send(ctx.tokens() or NO_TOKENS)
+        except ConnectionResetError:
+            raise
+        except Exception as exc:
+            return await _after_start(request, ctx, response, exc, None)
+    return response, None
 
 
 async def _after_start(request: web.Request, ctx: RequestContext, response: web.StreamResponse,
-                       exc: Exception) -> web.StreamResponse:
+                       exc: Exception, tail: Tail | None) -> tuple[web.StreamResponse, str | None]:
     """An error after the status line and headers went out. A second response written now
     would land inside the body (or behind it, as the next answer on a keep-alive connection),
     so the only honest endings are: the answer as it stands when it was whole, a terminal
@@ -204,7 +221,14 @@ async def _after_start(request: web.Request, ctx: RequestContext, response: web.
     # attribute its StreamResponse sets is read, as TurnStream sets it (tests/test_stream_integrity.py
     # raise_after pins that a whole answer stands).
     if getattr(response, "_eof_sent", False):
-        return response  # whole before the error: it stands
+        return response, None  # whole before the error: it stands
+    if tail is not None:  # the handler finished its answer before the error: its end is written, it stands
+        try:
+            await tail.send(ctx.tokens() or NO_TOKENS)
+        except Exception:
+            pass  # the transport is cut below
+        else:
+            return response, None
     rewriter = ctx.event_stream
     if rewriter is not None and not rewriter.done:
         try:
@@ -213,13 +237,11 @@ async def _after_start(request: web.Request, ctx: RequestContext, response: web.
         except Exception:
             pass  # the transport is cut below
         else:
-            if ctx.outcome is not None:
-                ctx.outcome.status = "failed"
-            return response
+            return response, "failed"
     transport = request.transport
     if transport is not None:
         transport.abort()
-    return response
+    return response, None
 
 
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -335,7 +357,8 @@ def build_app(config: Config) -> web.Application:
     if sealer is not None:
         app[state.SEALER] = sealer
     phases = app[PHASES] = build_phases(config, app)
-    app.middlewares.append(envelope(phases))
+    app[state.ENVELOPE] = entry = envelope(phases)
+    app.middlewares.append(entry)
     # Before _add_request_id: a turn's foreign answer is refused while it is not started yet.
     app.on_response_prepare.append(refuse_other_answers)
     app.on_response_prepare.append(_add_request_id)

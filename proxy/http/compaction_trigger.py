@@ -17,9 +17,10 @@ which is what Codex collects (codex-rs compact_remote_v2: exactly one compaction
 then response.completed).
 
 A model that answers all reasoning and no text (it ignored the switch, or thought up to the cap):
-that answer is billed as it stands, then the summary is asked for once more, differently: without
-the switch and without a cap (the room the window leaves), as the unit COMPACT_SUMMARY (its own
-hold and bill). Its usage is added to the answer's; a second empty answer is a 502.
+the summary is asked for once more, differently: without the switch and without a cap (the room
+the window leaves), as the unit COMPACT_SUMMARY (its own hold and bill); the first answer is
+billed as it stands, as the request's own, when this handler returns. Its usage is added to the
+answer's; a second empty answer is a 502.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError
 from proxy.http.event_stream import open_event_stream
-from proxy.http.forwarder import _settle_now, forward
+from proxy.http.forwarder import forward
 from proxy.http.turn import TurnAnswer, run_turn
 from proxy.http.units import COMPACT_SUMMARY
 from proxy.protocol.compaction import compaction_item, summary_text, take_trigger
 from proxy.protocol.continuation import TERMINAL_EVENTS
 from proxy.protocol.seal import binding
-from proxy.state import RequestContext
+from proxy.state import RequestContext, Tail
 
 
 async def answer_trigger(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
@@ -49,8 +50,6 @@ async def answer_trigger(request: web.Request, ctx: RequestContext) -> web.Strea
     summary = summary_text(response)
     usage = response.get("usage")
     if not summary:
-        if ctx.settle is not None:
-            await ctx.settle()  # the first answer is billed as it stands
         summary, more = await _once_more(request, ctx)
         usage = add_usage(usage, more)
     if not summary:
@@ -75,8 +74,7 @@ async def _answer(request: web.Request, ctx: RequestContext, final: dict[str, An
     enc.event("response.output_item.done", {"output_index": 0, "item": item})
     enc.event("response.completed", {"response": final})
     enc.end()
-    await _settle_now(ctx)  # billed before the client can read the end of its answer
-    await stream.write_eof(enc.take())
+    ctx.tail = Tail(stream, enc.take(), True)  # written once the answer is billed (proxy.state.Tail)
     return stream
 
 

@@ -16,7 +16,7 @@ does not serve that path: another may; else 404 `endpoint_not_served` naming the
 from __future__ import annotations
 
 import asyncio
-import time
+from functools import partial
 from typing import Any
 
 import orjson
@@ -24,16 +24,16 @@ from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError
+from proxy.http.attempt import Attempt, check_stream_start, let_go
 from proxy.http.event_stream import SSE_HEADERS, EventStreamResponse
-from proxy.http.forwarder import _check_stream_start, _let_go, _ReadWatchdog, _record_usage, _settle_now
+from proxy.http.failover import failover
 from proxy.http.upstream_open import _Retryable, _upstream_message, open_upstream
+from proxy.http.watchdog import ReadWatchdog
 from proxy.policy.netguard import ImagePolicy, check_images
 from proxy.protocol.chat_usage import SSEScanner, json_usage
 from proxy.protocol.passthrough import ANTHROPIC, Passthrough, build
-from proxy.runtime.logs import log
-from proxy.upstream.affinity import request_key
 from proxy.upstream.client import BadResponse, Disconnected
-from proxy.upstream.routing import check_context_window, choose
+from proxy.upstream.routing import check_context_window
 from proxy.upstream.workers import Worker
 
 # config `endpoints` key of each family (messages_count follows messages)
@@ -84,90 +84,73 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
     ctx = request[state.CONTEXT]
     t: Passthrough = ctx.translation
     app = request.app
-    pool = app[state.POOL]
-    routing = app[state.CONFIG].routing
-    affinity = request_key(t, routing.affinity)
-    out = ctx.started_outcome()
-    attempts = routing.max_attempts
-    tried: list[Worker] = []
-    last: _Retryable | None = None
-    sent = t
-    for _ in range(max(attempts, 1)):
-        try:
-            worker = choose(pool, t.upstream_model, exclude=tried, affinity=affinity)
-        except APIError:
-            if last is not None:
-                raise last.final from None
-            raise
-        if last is not None:
-            pool.note_failover(last.worker, str(last))
-            log.info("failover", worker=last.worker.name, to=worker.name, reason=str(last), request_id=ctx.request_id)
-        worker.in_flight += 1
-        try:
-            if not tried and routing.context_check and "max_tokens" in t.chat:
-                # The cap as vLLM takes it on these APIs: lowered to the room the prompt leaves, not
-                # refused (Claude Code asks 32,000 whatever the model's window); a prompt that
-                # does not fit at all is still refused.
-                _, sent = await check_context_window(app[state.SESSION], worker, t, None,
-                                                     bytes_per_token_floor=routing.bytes_per_token_floor)
-            return await _forward(request, ctx, worker, sent, out)
-        except _Retryable as exc:
-            tried.append(worker)
-            last = exc
-        finally:
-            worker.in_flight -= 1
-    assert last is not None
-    raise last.final
+    floor = app[state.CONFIG].routing.bytes_per_token_floor
+
+    async def fit(worker: Worker, sent: Passthrough) -> Passthrough:
+        if "max_tokens" not in sent.chat:
+            return sent
+        # The cap as vLLM takes it on these APIs: lowered to the room the prompt leaves, not
+        # refused (Claude Code asks 32,000 whatever the model's window); a prompt that does
+        # not fit at all is still refused.
+        return (await check_context_window(app[state.SESSION], worker, sent, None, bytes_per_token_floor=floor))[1]
+
+    def attempt(one: Attempt, sent: Passthrough) -> Any:
+        return _attempt(request, ctx, one, sent)
+
+    return await failover(request, ctx, t, attempt, check=fit)
 
 
-async def _forward(request: web.Request, ctx: state.RequestContext, worker: Worker, t: Passthrough,
-                   out: state.Outcome) -> web.StreamResponse:
+async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Attempt,
+                   t: Passthrough) -> web.StreamResponse:
+    worker = attempt.worker
     pool = request.app[state.POOL]
-    timeouts = worker.timeouts
-    out.upstream = worker.name
-    loop = asyncio.get_running_loop()
-    started = time.perf_counter()
-    deadline = loop.time() + timeouts.total
+    deadline = asyncio.get_running_loop().time() + worker.timeouts.total
     upstream = None
+    attempt.sent()
     try:
         upstream, first = await open_upstream(request.app, worker, worker.endpoint(t.path), orjson.dumps(t.body),
                                               stream=t.stream,
                                               refine=lambda status, body: _not_served(worker, t, status, body))
-        out.ttfb_ms = (time.perf_counter() - started) * 1000
+        ttfb = attempt.first_byte()
         if not t.stream:
-            pool.record_success(worker, out.ttfb_ms / 1000)
-            return _json_answer(worker, t, first, out)
-        _check_stream_start(pool, worker, upstream, first)
-        pool.record_success(worker, out.ttfb_ms / 1000)
-        return await _stream(request, ctx, upstream, worker, t, first, out, deadline)
+            pool.record_success(worker, ttfb)
+            return _json_answer(attempt, t, first)
+        check_stream_start(pool, worker, upstream, first)
+        pool.record_success(worker, ttfb)
+        return await _stream(request, ctx, attempt, upstream, t, first, deadline)
     finally:
         if upstream is not None:
-            _let_go(upstream, t, out)
+            let_go(upstream, t.stream, attempt.report)
 
 
-def _json_answer(worker: Worker, t: Passthrough, body: bytes, out: state.Outcome) -> web.Response:
+def _json_answer(attempt: Attempt, t: Passthrough, body: bytes) -> web.Response:
     try:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
-        raise _Retryable(worker, "garbage body", APIError(502, "The model server sent an unreadable answer.",
-                                                          code="upstream_error")) from None
+        raise _Retryable(attempt.worker, "garbage body", APIError(502, "The model server sent an unreadable answer.",
+                                                                  code="upstream_error")) from None
     if not isinstance(answer, dict) or ("error" in answer and answer.get("type") != "message"):
         message, _ = _upstream_message(body)
         raise APIError(502, message or "The model server failed.", code="upstream_error")
-    out.status = "completed"
-    usage = json_usage(t.family, answer)
-    _record_usage(out, usage, 0, t.output_cap)
+    attempt.end("completed", json_usage(t.family, answer), 0, t.output_cap)
     return web.Response(body=body, content_type="application/json")  # the bytes as they came
 
 
-async def _stream(request: web.Request, ctx: state.RequestContext, upstream: Any, worker: Worker, t: Passthrough,
-                  first: bytes, out: state.Outcome, deadline: float) -> web.StreamResponse:
+def _dialect_failure(family: str, message: str, status: int, _tokens: Any) -> bytes:
+    return _dialect_error(family, message, status)
+
+
+async def _stream(request: web.Request, ctx: state.RequestContext, attempt: Attempt, upstream: Any, t: Passthrough,
+                  first: bytes, deadline: float) -> web.StreamResponse:
+    """Everything but the stream's end written (it is ctx.tail: the envelope writes it once the
+    answer is billed); the attempt's report made."""
+    worker = attempt.worker
     scanner = SSEScanner(t.family, t.usage_added)
     response = EventStreamResponse(status=200, headers=SSE_HEADERS)
-    dog = _ReadWatchdog(worker.timeouts.idle, deadline, scanner)  # type: ignore[arg-type]  # it reads .done alone
+    dog = ReadWatchdog(worker.timeouts.idle, deadline, scanner)
     cap = t.output_cap
     failure: tuple[str, str] | None = None
-    recorded = False
+    capped = False
     try:
         await response.prepare(request)
         try:
@@ -177,7 +160,7 @@ async def _stream(request: web.Request, ctx: state.RequestContext, upstream: Any
         read, write = upstream.read, response.write
         while failure is None and not scanner.done:
             if cap is not None and scanner.counted > cap:
-                out.output_capped = True
+                capped = True
                 failure = ("The model server sent more output than max_tokens allows.", "upstream_error")
                 break
             if pending:
@@ -207,23 +190,19 @@ async def _stream(request: web.Request, ctx: state.RequestContext, upstream: Any
                 pending += scanner.feed(data)
             except ValueError:
                 failure = ("The model server sent an event larger than the proxy accepts.", "upstream_error")
-        out.status = "completed" if failure is None else "failed"
-        if failure is not None:
-            out.error = failure[1]
-        _record_usage(out, scanner.usage, min(scanner.counted, cap) if cap else scanner.counted, cap,
-                      out.output_capped)
-        recorded = True
-        await _settle_now(ctx)  # billed before the client can read the end of its answer
-        if failure is not None:
-            pending += _dialect_error(t.family, failure[0], 502 if failure[1] != "upstream_timeout" else 504)
-        await response.write_eof(pending)
-    except ConnectionResetError:
-        if not scanner.done:
-            raise
+    except BaseException:  # raised or cancelled (the client left): the answer as it stands
+        attempt.end("completed" if scanner.done else "cancelled", scanner.usage, _counted(scanner, cap), cap,
+                    capped=capped)
+        raise
     finally:
         dog.stop()
-        if not recorded:
-            out.status = "completed" if scanner.done else "cancelled"
-            _record_usage(out, scanner.usage, min(scanner.counted, cap) if cap else scanner.counted, cap,
-                          out.output_capped)
+    attempt.end("completed" if failure is None else "failed", scanner.usage, _counted(scanner, cap), cap,
+                capped=capped, error=failure[1] if failure is not None else None)
+    ending = None if failure is None else partial(
+        _dialect_failure, t.family, failure[0], 502 if failure[1] != "upstream_timeout" else 504)
+    ctx.tail = state.Tail(response, pending, scanner.done, ending)
     return response
+
+
+def _counted(scanner: SSEScanner, cap: int | None) -> int:
+    return min(scanner.counted, cap) if cap else scanner.counted

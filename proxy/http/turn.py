@@ -3,9 +3,9 @@ the WebSocket transport and /v1/responses/compact use to create a response.
 
 `run_turn(origin, body, unit=...)` makes the turn's request with aiohttp's public `Request.clone()`
 (`POST /v1/responses` with `origin`'s headers: the WebSocket handshake, the compact request),
-resolves it with the app's router and runs it through the app's own middlewares (the envelope:
-request id, context, every phase, error envelope, access line, metrics) to the route's handler,
-as a request off the wire. A turn is therefore authenticated, limited, held and billed exactly
+resolves it with the app's router and runs it through the app's one middleware, the envelope
+(`state.ENVELOPE`: request id, context, every phase, error envelope, access line, metrics), to
+the route's handler, as a request off the wire. A turn is therefore authenticated, limited, held and billed exactly
 as the HTTP request with these headers and this body.
 
 What differs is only where the bytes are and where the answer goes, both said by the request's
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -165,10 +164,9 @@ async def run_turn(origin: web.Request, body: bytes, *, unit: Unit, send_lines: 
     turn = request[state.TURN] = Turn(body, unit, decode, handlers or {}, on_prepare=on_prepare,
                                       transport=transport, send_lines=send_lines, on_event=on_event)
     app = request.app
-    handler = (await app.router.resolve(request)).handler
-    for middleware in reversed(app.middlewares):  # new-style middlewares: (request, handler)
-        handler = partial(middleware, handler=handler)
-    response = await handler(request)
+    # The app's one middleware, the envelope (the phases, the error envelope, the access line),
+    # around the route's handler: as aiohttp runs a request off the wire.
+    response = await app[state.ENVELOPE](request, (await app.router.resolve(request)).handler)
     stream = turn.answer
     if stream is not None and stream.prepared:
         await stream.write_eof()  # a handler that returned without finishing its body

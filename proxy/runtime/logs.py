@@ -2,7 +2,7 @@
 
 The access log never carries an API key, a secret's prefix or prompt text: it is built
 from the request id, the client's address (the connection's peer: X-Forwarded-For is not
-believed), the key's id, the Outcome (tokens and the cost the ledger row records) and the
+believed), the key's id, the answer's report and bill (tokens and the cost the ledger row records) and the
 error envelope's code.
 
 `access(**fields)` writes the one access-log line per request. With JSON output at level

@@ -2,7 +2,7 @@
 
 Each app has its own CollectorRegistry (tests run many apps in one process). Request
 metrics are updated in one place, `observe()`, called by the outermost middleware once a
-request has finished (from its Outcome); they are kept in plain dicts and lists (no
+request has finished (from its AnswerReport and Bill); they are kept in plain dicts and lists (no
 prometheus_client lock per update) and turned into metric families by _RequestCollector
 when scraped. Worker gauges and the failover / ejection counters are read from the
 WorkerPool at scrape time, so nothing else has to know about Prometheus.
@@ -38,7 +38,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from proxy import state
-from proxy.state import METRICS, RequestContext
+from proxy.state import METRICS, NO_TOKENS, RequestContext
 from proxy.upstream import affinity
 from proxy.upstream.workers import WorkerPool
 
@@ -438,30 +438,30 @@ class Metrics:
                 return model
         return "other"
 
-    def observe(self, ctx: RequestContext, status: int, elapsed_s: float) -> None:
+    def observe(self, ctx: RequestContext, status: int, elapsed_s: float, ended: str | None = None) -> None:
         endpoint = _ENDPOINTS.get(ctx.path, "other")
         model = self.model_label(ctx)
-        out = ctx.outcome
         billed = endpoint in _BILLED
-        outcome = out.status if out is not None and billed else ""
-        self.requests.inc((endpoint, model, str(status), outcome))
+        self.requests.inc((endpoint, model, str(status), ended if ended is not None and billed else ""))
         self.latency.observe((endpoint, model), elapsed_s)
-        if out is None or not billed:
+        report = ctx.report
+        if report is None or not billed:
             return  # input_tokens counts nothing toward usage
-        if out.ttfb_ms is not None:
-            self.ttfb.observe((model, out.upstream or ""), out.ttfb_ms / 1000)
+        if report.ttfb_ms is not None:
+            self.ttfb.observe((model, report.upstream or ""), report.ttfb_ms / 1000)
+        tokens = ctx.tokens() or NO_TOKENS
         by_model = (model,)
-        if out.input_tokens:
-            self.input_tokens.inc(by_model, out.input_tokens)
-        if out.cached_tokens:
-            self.cached_tokens.inc(by_model, out.cached_tokens)
-        if out.output_tokens:
-            self.output_tokens.inc(by_model, out.output_tokens)
-        upstream = out.upstream
-        if upstream and out.input_tokens and self._is_worker(upstream):
-            cached = min(out.cached_tokens, out.input_tokens)
+        if tokens.input:
+            self.input_tokens.inc(by_model, tokens.input)
+        if tokens.cached:
+            self.cached_tokens.inc(by_model, tokens.cached)
+        if tokens.output:
+            self.output_tokens.inc(by_model, tokens.output)
+        upstream = report.upstream
+        if upstream and tokens.input and self._is_worker(upstream):
+            cached = min(tokens.cached, tokens.input)
             by_worker = (upstream,)
-            self.worker_prompt_tokens.inc(by_worker, out.input_tokens)
+            self.worker_prompt_tokens.inc(by_worker, tokens.input)
             self.worker_cached_tokens.inc(by_worker, cached)
 
     def _is_worker(self, name: str) -> bool:
@@ -487,13 +487,14 @@ class Metrics:
         self.holds.set(found if isinstance(found, int) else len(found))
 
 
-def observe(request: web.Request, ctx: RequestContext, status: int, elapsed_s: float) -> None:
-    """The one hook: called by the envelope when a request is done. Never raises."""
+def observe(request: web.Request, ctx: RequestContext, status: int, elapsed_s: float, ended: str | None) -> None:
+    """The one hook: called by the envelope when a request is done (`ended`: how its answer
+    ended, None: there was none). Never raises."""
     metrics = request.app.get(METRICS)
     if metrics is None:
         return
     try:
-        metrics.observe(ctx, status, elapsed_s)
+        metrics.observe(ctx, status, elapsed_s, ended)
     except Exception:  # metrics must never break a request
         from proxy.runtime.logs import log
 

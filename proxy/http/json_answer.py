@@ -1,0 +1,90 @@
+"""The JSON answer of POST /v1/responses (stream: false): the worker's chat completion read
+whole, as one Response; its usage, when the worker reported none, from the worker's tokenizer."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.errors import APIError
+from proxy.http.attempt import Attempt
+from proxy.http.upstream_open import _Retryable, _upstream_message
+from proxy.protocol.response import ResponseContext, client_usage, map_usage
+from proxy.protocol.rewriter import completion_response
+from proxy.protocol.translate import Translation
+from proxy.state import SESSION
+from proxy.upstream.routing import TokenCountError, count_tokens, tokenize
+from proxy.upstream.workers import Worker
+
+
+async def json_answer(app: web.Application, attempt: Attempt, t: Translation, rctx: ResponseContext,
+                      body: bytes) -> web.Response:
+    """The Response for the worker's answer `body`; the attempt's report made."""
+    worker = attempt.worker
+    try:
+        completion = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise _Retryable(worker, "garbage body", APIError(502, "The model server sent an unreadable answer.",
+                                                          code="upstream_error")) from None
+    if not isinstance(completion, dict) or "error" in completion or completion.get("object") == "error":
+        message, _ = _upstream_message(body)
+        raise APIError(502, message or "The model server failed.", code="upstream_error")
+    response, reported = completion_response(rctx, completion)
+    status = response["status"]
+    if completion.get("usage"):
+        attempt.end(status, reported, 0, rctx.output_cap, shown=response["usage"])
+    else:  # as counted (one per item with text) until the worker's tokenizer says, if it can
+        attempt.end(status, None, int(response["usage"]["output_tokens"]), rctx.output_cap)
+        await _count_usage(app[SESSION], attempt, t, rctx, response)
+    return web.Response(body=orjson.dumps(response), content_type="application/json")
+
+
+def _output_text(response: dict) -> str:
+    """Everything the model wrote in a Response: its text, reasoning and call arguments."""
+    parts: list[str] = []
+    for item in response.get("output") or ():
+        kind = item.get("type")
+        if kind == "message":
+            parts.extend(c.get("text") or "" for c in item.get("content") or ())
+        elif kind == "reasoning":
+            parts.extend(c.get("text") or "" for c in item.get("summary") or ())
+        elif kind == "function_call":
+            parts.append(item.get("arguments") or "")
+        elif kind == "custom_tool_call":
+            parts.append(item.get("input") or "")
+    return "".join(parts)
+
+
+async def _count_usage(session: aiohttp.ClientSession, attempt: Attempt, t: Translation, rctx: ResponseContext,
+                       response: dict) -> None:
+    """A non-stream answer without a usage report: the worker's tokenizer counts the prompt and
+    the output, so the client, the access line, the metrics and the bill show what it really
+    processed. Left as counted when the worker cannot say."""
+    worker = attempt.worker
+    status = response["status"]
+    counted = int(response["usage"]["output_tokens"])
+    try:
+        prompt = await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
+                                    t.chat.get("tools"))
+    except TokenCountError:
+        attempt.end(status, None, counted, rctx.output_cap, count_failed=True)  # the balance does not ask again
+        return
+    text = _output_text(response)
+    output = await _count_text(session, worker, t.upstream_model, text) if text else 0
+    if output is None:
+        attempt.end(status, None, counted, rctx.output_cap, count_failed=True)
+        return
+    usage = map_usage({"prompt_tokens": prompt, "completion_tokens": output})
+    response["usage"] = client_usage(usage, rctx.output_cap)
+    attempt.end(status, usage, counted, rctx.output_cap)
+
+
+async def _count_text(session: aiohttp.ClientSession, worker: Worker, model: str, text: str) -> int | None:
+    """The tokens of a plain text as the worker's tokenizer counts them (no template, no special
+    tokens); None when it cannot say."""
+    try:
+        count = await tokenize(session, worker, {"model": model, "prompt": text, "add_special_tokens": False})
+    except TokenCountError:
+        return None
+    return count if count >= 0 else None

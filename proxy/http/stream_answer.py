@@ -1,0 +1,113 @@
+"""The event stream of POST /v1/responses (stream: true, and every turn): the worker's chat
+chunks through the sans-I/O StreamRewriter, one write per upstream read, as each arrives.
+
+The stream's end (its last events, and a response.failed when the proxy ends it) is not
+written here: it is the request's Tail (proxy.state), written by the envelope once the phases
+returned, so the answer is billed and its limits' slot given back before a client can read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+
+from aiohttp import web
+
+from proxy.http.attempt import Attempt
+from proxy.http.event_stream import open_event_stream
+from proxy.http.watchdog import ReadWatchdog
+from proxy.protocol.response import ResponseContext
+from proxy.protocol.rewriter import StreamRewriter
+from proxy.state import POOL, RequestContext, Tail, Tokens
+from proxy.upstream.client import BadResponse, Disconnected, UpstreamResponse
+
+# A first read this big holds many events (a server that coalesces its chunks, or a client
+# that connected late): its first two events (vLLM: the role, then the first text) are
+# rewritten and written on their own, so the first delta does not wait for all the others.
+EARLY_WRITE_BYTES = 2048
+
+
+def _early_cut(first: bytes) -> int:
+    """Where to split a big first read: after its second event; 0: do not split."""
+    if len(first) < EARLY_WRITE_BYTES:
+        return 0
+    end = first.find(b"\n\n", first.find(b"\n\n") + 2)
+    return end + 2 if 0 < end < len(first) - 2 else 0
+
+
+async def _start_stream(request: web.Request, response: web.StreamResponse, rewriter: StreamRewriter,
+                        first: bytes) -> bytes:
+    """Send the headers (with the first events when the first read is big); -> what the next write sends."""
+    await response.prepare(request)
+    pending = rewriter.start()
+    cut = _early_cut(first)
+    if cut:
+        # The first two events rewritten on their own (the rest is then rewritten in bulk,
+        # a TextRun, proxy.protocol.deltas) and, unless this read holds the whole answer,
+        # written on their own: the first delta does not wait for the rest of a big read.
+        pending += rewriter.feed(first[:cut])
+        first = first[cut:]
+        if not first.endswith(b"data: [DONE]\n\n"):
+            await response.write(pending)
+            pending = b""
+    return pending + rewriter.feed(first)
+
+
+def _failed(rewriter: StreamRewriter, message: str, code: str, tokens: Tokens) -> bytes:
+    # The proxy's response.failed shows the bill (the prompt and the output the worker
+    # reported so far, else as counted).
+    return rewriter.fail(message, code=code, usage=tokens.as_chat_usage())
+
+
+async def stream_answer(request: web.Request, ctx: RequestContext, attempt: Attempt, upstream: UpstreamResponse,
+                        rctx: ResponseContext, first: bytes, deadline: float) -> web.StreamResponse:
+    """Everything but the stream's end written; the attempt's report made, the end left as ctx.tail."""
+    worker = attempt.worker
+    response, encoder = open_event_stream(request)  # an SSE response, or a transport's turn
+    rewriter = ctx.event_stream = StreamRewriter(rctx, encoder=encoder)
+    dog = ReadWatchdog(worker.timeouts.idle, deadline, rewriter)
+    failure: tuple[str, str, bool] | None = None  # (message, code, the proxy's own error code)
+    try:
+        pending = await _start_stream(request, response, rewriter, first)
+        read = upstream.read
+        write = response.write
+        feed = rewriter.feed
+        while not rewriter.done:
+            if pending:  # one write per upstream read, none for a read that completed no event
+                await write(pending)
+                pending = b""
+            dog.start_read()
+            try:
+                data = await read()
+            except asyncio.CancelledError:
+                if not dog.caused():
+                    raise
+                failure = (dog.message(worker.timeouts.total), "upstream_timeout", True)  # reads dog.since
+                dog.since = None
+                break
+            except (Disconnected, BadResponse):
+                dog.since = None
+                request.app[POOL].record_failure(worker, "disconnected mid-stream")
+                failure = ("The connection to the model server was lost mid-stream.", "upstream_disconnected", True)
+                break
+            dog.since = None
+            if data:
+                pending = feed(data)
+                continue
+            pending = rewriter.drain()
+            if rewriter.done or rewriter.finish_reason is not None:
+                pending += rewriter.finish()
+            else:  # the worker ended the stream mid-way
+                failure = ("upstream stream ended without a finish_reason", "server_error", False)
+    except BaseException:  # raised or cancelled (the client left): the answer as it stands
+        attempt.end(rewriter.status if rewriter.done else "cancelled", rewriter.usage, rewriter.output_tokens_seen,
+                    rctx.output_cap, capped=rewriter.capped)
+        raise
+    finally:
+        dog.stop()
+    own_error = failure[1] if failure is not None and failure[2] else None
+    attempt.end(rewriter.status if failure is None else "failed", rewriter.usage, rewriter.output_tokens_seen,
+                rctx.output_cap, capped=rewriter.capped, error=own_error)
+    ctx.tail = Tail(response, pending, True,
+                    partial(_failed, rewriter, failure[0], failure[1]) if failure is not None else None)
+    return response
