@@ -9,8 +9,9 @@
   prepare   (proxy.http.request.prepare) reads the body once (ctx.body), runs the stateless checks
             and the tool policy on it, then translates it once into a frozen Translation
             (ctx.translation).
-  balance   holds the cost on the ledger (ctx.hold) and, when the balance covers less, replaces
-            ctx.translation with a capped copy (Translation.with_cap); settles after the handler.
+  balance   holds the cost on the ledger (ctx.hold) and keeps the translation capped to it
+            (ctx.capped, Translation.with_cap: lowered when the balance covers less; the handler
+            answers ctx.to_answer()); settles from the handler's report (ctx.report) after it.
   handler   the route's handler (proxy.http.forwarder for /v1/responses).
 
 config.yaml chooses WHICH policies run, never their order: each built-in policy's section has

@@ -90,6 +90,7 @@ from proxy.ledger.lease import Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.service import budget_room
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
+from proxy.protocol.translate import Translation
 from proxy.runtime.logs import log
 from proxy.state import METRICS, AnswerReport, Bill, RequestContext, Tokens
 from proxy.upstream.routing import TokenCountError, count_tokens
@@ -202,16 +203,15 @@ def _needs_count(report: AnswerReport | None, cancelled: bool) -> bool:
             and not report.count_failed)
 
 
-def _fit_cap(ctx: RequestContext, price: Price, found: Hold, est: int, wanted: int) -> Hold:
-    """Hold the request's output to what `found` covers: a new Translation (with_cap), lowered
-    and sent upstream when it covers less than wanted."""
+def _fit_cap(ctx: RequestContext, t: Translation, price: Price, found: Hold, est: int,
+             wanted: int) -> tuple[Hold, Translation]:
+    """(the hold, `t` with its output held to what `found` covers: a new Translation (with_cap),
+    lowered and sent upstream when it covers less than wanted)."""
     cap = min(wanted, max_output_tokens_for(price, found.amount_micros, est, 0))
     lowered = cap < wanted  # >= 1: at least `least` was held
     if lowered:
         ctx.notices.append(f"max_output_tokens lowered to {cap} to fit the balance")
-    assert ctx.translation is not None  # translated before the hold
-    ctx.translation = ctx.translation.with_cap(cap, lowered=lowered)
-    return found
+    return found, t.with_cap(cap, lowered=lowered)
 
 
 class _Billing:
@@ -244,15 +244,16 @@ class _Billing:
         window = models.get(t.upstream_model) or models.get(t.model)
         return int(window) if window else self.default_cap
 
-    async def reserve(self, ctx: RequestContext, leases: Leases, key_id: str, t: Any, price: Price,
-                      est: int, room: int | None = None) -> tuple[Hold, int]:
-        """(the hold, the input bound it was sized with). `room`: what the key's budgets
-        still allow (None: no budget); the hold, and so the output cap, stays within it."""
+    async def reserve(self, ctx: RequestContext, leases: Leases, key_id: str, t: Translation, price: Price,
+                      est: int, room: int | None = None) -> tuple[Hold, Translation, int]:
+        """(the hold, `t` capped to it, the input bound it was sized with). `room`: what the key's
+        budgets still allow (None: no budget); the hold, and so the output cap, stays within it."""
         wanted = self.output_cap(t)
         if wanted < 1:
             raise _insufficient("The available balance does not cover any output for this request.")
         # (no balance exceeds MAX_AMOUNT: a larger amount is simply one it cannot cover)
         least = min(cost_micros(price, est, 0, 1), MAX_AMOUNT)  # the input and one output token
+        capped = t
         if room is not None:
             if room < least:
                 raise APIError(402, "This API key's daily or monthly budget is spent; it resets at the start of "
@@ -260,18 +261,18 @@ class _Billing:
             fits = max_output_tokens_for(price, room, est, 0)  # >= 1: room covers `least`
             if fits < wanted:
                 wanted = fits
-                assert ctx.translation is not None  # translated before the hold
-                ctx.translation = ctx.translation.with_cap(fits)  # sent upstream and echoed
+                capped = t.with_cap(fits)  # sent upstream and echoed
                 ctx.notices.append(f"max_output_tokens lowered to {fits} to fit the key's budget")
         most = min(cost_micros(price, est, 0, wanted), MAX_AMOUNT)
         try:
             found = await leases.hold_up_to(ctx.request_id, key_id, least, most)
         except InsufficientBalance as exc:
-            return await self.reserve_counted(ctx, leases, key_id, t, price, est, wanted, exc)
-        return _fit_cap(ctx, price, found, est, wanted), est
+            return await self.reserve_counted(ctx, leases, key_id, t, capped, price, est, wanted, exc)
+        return (*_fit_cap(ctx, capped, price, found, est, wanted), est)
 
-    async def reserve_counted(self, ctx: RequestContext, leases: Leases, key_id: str, t: Any, price: Price,
-                              est: int, wanted: int, exc: InsufficientBalance) -> tuple[Hold, int]:
+    async def reserve_counted(self, ctx: RequestContext, leases: Leases, key_id: str, t: Translation,
+                              capped: Translation, price: Price, est: int, wanted: int,
+                              exc: InsufficientBalance) -> tuple[Hold, Translation, int]:
         """The bytes bound did not fit: retry with the prompt as a worker counts it, else refuse."""
         # The bound from the prompt's bytes is generous (3-4x on English text): before a
         # refusal, a worker's tokenizer gives the prompt's real size, which may fit. Not
@@ -287,7 +288,7 @@ class _Billing:
             except InsufficientBalance as again:
                 exc = again
             else:
-                return _fit_cap(ctx, price, found, counted, wanted), counted
+                return (*_fit_cap(ctx, capped, price, found, counted, wanted), counted)
             est = counted
         if exc.available_micros < cost_micros(price, est, 0, 0):
             raise _insufficient("The available balance does not cover the input of this request. "
@@ -338,8 +339,7 @@ class _Billing:
         """The usage to settle, or None to release the hold. Never raises."""
         if report is None or not _billable(report, cancelled):
             return None
-        assert ctx.translation is not None  # translated before the hold
-        cap = ctx.translation.reserved_output
+        cap = t.reserved_output  # the capped translation (the output the hold was sized for)
         media = t.prompt_size()[1]
         billed = clean_usage(report.usage, counted_output=report.counted_output,
                              input_fallback=counted_input if counted_input is not None else est,
@@ -404,8 +404,8 @@ class _Billing:
         leases = self.leases_for(ledger)
         # A LedgerUnavailable here holds nothing: the envelope answers it 503 with Retry-After.
         room = await budget_room(ledger, record)
-        hold, est = await self.reserve(ctx, leases, key_id, t, price, est, room)
-        ctx.hold = hold
+        hold, t, est = await self.reserve(ctx, leases, key_id, t, price, est, room)
+        ctx.hold, ctx.capped = hold, t  # the handler answers the capped translation (ctx.to_answer())
         try:
             response = await call_next(request, ctx)
         except asyncio.CancelledError:

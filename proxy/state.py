@@ -155,12 +155,14 @@ class RequestContext:
     path: str  # the route: /v1/responses, /v1/responses/input_tokens, ...
     key: KeyRecord | None = None  # auth: the caller's key (None: no auth, or not a guarded route)
     body: dict | None = None  # prepare: the parsed body, read once (a turn's from its TURN, proxy.http.turn)
-    # prepare: the one translation; balance replaces it with a capped copy (Translation.with_cap).
-    translation: Translation | None = None
+    translation: Translation | None = None  # prepare: the one translation, as the client asked
     notices: list[str] = field(default_factory=list)  # joined into x-token-notice (middlewares.notices)
     report: AnswerReport | None = None  # the handler: its answer, once it ended (None: no worker was chosen)
     tail: Tail | None = None  # the handler: a stream's end, written by the envelope after the phases
     hold: Hold | None = None  # balance: the hold on the ledger
+    # balance: the translation with the output cap it held for (Translation.with_cap): lowered,
+    # sent upstream and echoed when the balance or a budget covers less than the client asked.
+    capped: Translation | None = None
     bill: Bill | None = None  # balance: what the answer was charged, once settled
     # balance: the settlement still in flight when the handler was cancelled (the client went
     # away); the envelope writes the access line and the metrics once it is done, so they carry
@@ -174,6 +176,10 @@ class RequestContext:
     # The unit of work (proxy.http.units): which phases run. The envelope sets it from the route
     # table or the turn; the body phase may refine it to one of its variants.
     unit: Unit = None  # type: ignore[assignment]
+
+    def to_answer(self) -> Translation | None:
+        """The translation the handler answers: the balance's capped copy, when it held."""
+        return self.capped if self.capped is not None else self.translation
 
     def tokens(self) -> Tokens | None:
         """The figures the answer ends with: as billed, else as shown; None: no answer."""

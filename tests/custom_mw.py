@@ -63,7 +63,7 @@ def probe(section: dict[str, Any], app: web.Application):
     async def probe_mw(request: web.Request, handler):
         ctx = state.context(request)
         if request.path == "/v1/responses":
-            t = ctx.translation
+            t = ctx.to_answer()
             seen.append({"point": section.get("point"), "key": ctx.key.name if ctx.key is not None else None,
                          "body_read": ctx.body is not None, "translated": t is not None,
                          "held": ctx.hold is not None, "reserved_output": t.reserved_output if t else None})

@@ -130,7 +130,7 @@ POLICIES = ("stateless", "auth", "limits", "tools", "balance", "notices")
 POINTS = {
     "after_auth": "the key is known (context .key), the body not read yet",
     "after_prepare": "body read and translated once (context .body, .translation), nothing held yet",
-    "before_handler": "the balance is held (context .hold) and the output cap final; the handler is next",
+    "before_handler": "the balance is held (context .hold) and the output cap final (context .to_answer()); the handler is next",
 }
 ENABLED_DOC = "false: this policy does not run"
 

@@ -54,7 +54,7 @@ def _response_context(app: web.Application, ctx: RequestContext, t: Translation)
 
 async def forward(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
     """The answer to the request's Translation, from the first worker that gives one."""
-    t = ctx.translation
+    t = ctx.to_answer()
     assert t is not None  # the translate phase ran: this handler's unit has it
     body = ctx.body or {}
     prefs = parse_provider(body.get("provider"))
@@ -118,7 +118,7 @@ async def refusal_as_event(request: web.Request, ctx: RequestContext, exc: APIEr
     client, when Accept leaves no other way to tell it; None: answer with the JSON envelope."""
     if exc.code not in _STREAMED_REFUSALS or ctx.unit is not RESPONSES or not _event_stream_only(request, ctx):
         return None
-    t = ctx.translation
+    t = ctx.to_answer()
     if t is None:
         return None
     rewriter = StreamRewriter(_response_context(request.app, ctx, t))

@@ -82,7 +82,7 @@ def _not_served(worker: Worker, t: Passthrough, status: int, body: bytes) -> _Re
 
 async def passthrough_handler(request: web.Request) -> web.StreamResponse:
     ctx = request[state.CONTEXT]
-    t: Passthrough = ctx.translation
+    t: Passthrough = ctx.to_answer()
     app = request.app
     floor = app[state.CONFIG].routing.bytes_per_token_floor
 
