@@ -10,6 +10,7 @@ import random
 import zlib
 from types import SimpleNamespace
 
+import orjson
 import pytest
 
 from proxy.config import settings as config_settings
@@ -151,5 +152,6 @@ def test_prompt_bytes_counts_utf8_and_finds_media():
         {"role": "tool", "tool_call_id": "c1", "content": "😀"},  # 2 + 4
     ]}
     assert prompt_bytes(chat) == (6 + 8 + 12 + 6, False)
-    chat["messages"].append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
-    assert prompt_bytes(chat) == (32, True)
+    image = {"type": "image_url", "image_url": {"url": "x"}}
+    chat["messages"].append({"role": "user", "content": [image]})
+    assert prompt_bytes(chat) == (32 + len(orjson.dumps(image)), True)  # a media part: its size as sent

@@ -8,9 +8,9 @@ when the balance lowers it). `Passthrough` stands where a Responses request's Tr
 on the request's context, with the same fields the phases after it read (the balance, the
 context check, affinity, the access line):
 
-  chat     a chat-shaped VIEW of the prompt (messages, tools, max_tokens): what the balance's
-           input bound (middlewares.balance.estimate_input_tokens), the context check
-           (proxy.upstream.routing.check_context_window) and the token counts read. For chat it
+  chat     a chat-shaped VIEW of the prompt (messages, tools, max_tokens): what the prompt's
+           bound (proxy.protocol.prompt.prompt_bound: the balance's hold, the context check)
+           and the token counts (proxy.upstream.tokens) read. For chat it
            is the body itself; for a completion prompt, embedding inputs and Anthropic messages it
            is built from them (every text the model reads is in it, so its bytes stay an upper
            bound of the prompt's tokens: a byte-level BPE token covers at least one byte, and a
