@@ -64,6 +64,9 @@ class Passthrough(NamedTuple):
     include_encrypted_reasoning: bool = False
     allowed_tools: frozenset[str] | None = None
     compaction: Any = None
+    # prompt_bytes(chat), computed once at build: the balance and the context check both read it
+    # (with_cap and with_max_tokens copy chat with the same messages and tools).
+    size: tuple[int, bool] | None = None
 
     @property
     def path(self) -> str:
@@ -95,7 +98,7 @@ class Passthrough(NamedTuple):
                           self.max_output_tokens, self.reserved_output)
 
     def prompt_size(self) -> tuple[int, bool]:
-        size, media = prompt_bytes(self.chat)
+        size, media = self.size if self.size is not None else prompt_bytes(self.chat)
         return size, media or self.media
 
     @property
@@ -241,4 +244,4 @@ def build(family: str, body: dict, served: Any) -> Passthrough:
     if view.get("tools") is None:
         view.pop("tools", None)
     return Passthrough(view, sent, model, upstream_model, stream, family, cap_fields,
-                       cap if family != "embeddings" else 1, usage_added, None, media)
+                       cap if family != "embeddings" else 1, usage_added, None, media, size=prompt_bytes(view))

@@ -19,14 +19,17 @@ from typing import NamedTuple
 
 import orjson
 
-__all__ = ["PER_MESSAGE_OVERHEAD", "TEMPLATE_OVERHEAD", "TOOLS_OVERHEAD", "PromptBound", "prompt_bound",
-           "prompt_bytes"]
+__all__ = ["PER_MESSAGE_OVERHEAD", "PER_TOOL_CALL_OVERHEAD", "TEMPLATE_OVERHEAD", "TOOLS_OVERHEAD", "PromptBound",
+           "prompt_bound", "prompt_bytes"]
 
 # The chat template's own tokens: in front of everything, around each message, in front of a
 # tool list (a tool-use preamble; the tools' JSON itself is in the bytes).
 TEMPLATE_OVERHEAD = 256
 PER_MESSAGE_OVERHEAD = 16
 TOOLS_OVERHEAD = 512
+# ...and around each tool call of an assistant message (tags, newlines: <tool_call>\n...\n</tool_call>),
+# counted with the call's JSON in prompt_bytes (a message may carry any number of calls).
+PER_TOOL_CALL_OVERHEAD = 8
 
 _TEXT_KEYS = frozenset(("content", "reasoning_content", "reasoning", "name", "tool_call_id"))
 
@@ -40,6 +43,14 @@ class PromptBound(NamedTuple):
 def _utf8_len(text: str) -> int:
     # isascii() is a flag check in CPython: an ASCII string's length is its UTF-8 size, no copy.
     return len(text) if text.isascii() else len(text.encode())
+
+
+def _json_bytes(value: object) -> int:
+    """The bytes of `value` as a template renders it as JSON: Jinja's tojson (transformers) writes
+    ", " and ": ", one byte more than compact JSON per comma and colon (counting those inside
+    strings too keeps it an upper bound, at C speed)."""
+    raw = orjson.dumps(value)
+    return len(raw) + raw.count(b",") + raw.count(b":")
 
 
 def _parts_bytes(parts: list) -> tuple[int, bool]:
@@ -58,8 +69,8 @@ def _parts_bytes(parts: list) -> tuple[int, bool]:
 
 
 def prompt_bytes(chat: dict) -> tuple[int, bool]:
-    """(UTF-8 bytes of every text the template renders, and of each media part as sent;
-    whether the prompt carries media)."""
+    """(UTF-8 bytes of every text the template renders, with the JSON of tool calls and tools as
+    tojson writes it, and of each media part as sent; whether the prompt carries media)."""
     total, media = 0, False
     for message in chat.get("messages") or []:
         if not isinstance(message, dict):
@@ -76,9 +87,11 @@ def prompt_bytes(chat: dict) -> tuple[int, bool]:
             elif key == "tool_calls" and value:
                 for call in value:
                     if isinstance(call, dict):
-                        total += len(orjson.dumps(call.get("function") or {}))
+                        # The arguments as an escaped JSON string: at least the bytes of the object
+                        # a template renders from them (vLLM parses them before rendering).
+                        total += _json_bytes(call.get("function") or {}) + PER_TOOL_CALL_OVERHEAD
     if chat.get("tools"):
-        total += len(orjson.dumps(chat["tools"]))
+        total += _json_bytes(chat["tools"])
     return total, media
 
 
