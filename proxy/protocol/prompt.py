@@ -9,7 +9,7 @@ byte-level (or byte-fallback) tokenizer covers at least one byte of the rendered
 text is at most as many tokens as its bytes; the template adds its own tokens in front of
 everything (a default system prompt, the generation prompt), around each message and in front
 of a tool list. Media are not bounded by any byte count: the bound carries their parts' size
-as sent (the balance's hold stays the size of what was sent) and the `media` flag, for which
+as sent (so the balance holds for the size of what was sent) and the `media` flag, for which
 the worker's tokenizer or report has the last word.
 """
 
