@@ -19,11 +19,12 @@ key: without the auth middleware, or for a static key (no account), this passes 
 Prices come from the top-level `prices` section (proxy.ledger.pricing).
 
 Before forwarding:
-  * the input is bounded from above: the utf-8 bytes of the chat messages and tools as
-    compact JSON (a byte-level BPE token covers at least one byte: digits and punctuation
-    reach one token per byte) + the chat template's tokens (256, 16 per message, 512 for
-    a tool list). Real tokenizers average 3-4 bytes per token on English, so the hold is
-    generous; the bill is what the worker reports (see below), not this bound.
+  * the input is bounded from above by the prompt's bound (proxy.protocol.prompt.prompt_bound,
+    the context check's too): the UTF-8 bytes of the text the template renders / bytes_per_token
+    (a byte-level BPE token covers at least one byte: digits and punctuation reach one token
+    per byte) + the chat template's tokens. Real tokenizers average 3-4 bytes per token on
+    English, so the hold is generous; the bill is what the worker reports (see below), not
+    this bound.
   * the output cap is max_output_tokens, else the model's window from the worker pool,
     else default_max_output_tokens.
   * ONE ledger operation, hold_up_to(min = input + 1 output token, max = input + cap),
@@ -82,7 +83,6 @@ from aiohttp import web
 
 from middlewares.auth import is_static
 from proxy import state
-from proxy.config import settings as config_settings
 from proxy.errors import APIError
 from proxy.http.units import BALANCE
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
@@ -90,18 +90,12 @@ from proxy.ledger.lease import Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.service import budget_room
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
+from proxy.protocol.prompt import TEMPLATE_OVERHEAD, prompt_bound
 from proxy.protocol.translate import Translation
 from proxy.runtime.logs import log
 from proxy.state import METRICS, AnswerReport, Bill, RequestContext, Tokens
-from proxy.upstream.routing import TokenCountError, count_tokens
+from proxy.upstream.tokens import TokenCounter
 
-_DEFAULTS = config_settings.of("balance")  # a caller without a configuration (a test, a tool) gets these
-# The chat template's own tokens (see estimate_input_tokens): in front of everything, around
-# each message, in front of a tool list. The same margins as the context check's bound
-# (proxy.upstream.routing).
-TEMPLATE_OVERHEAD = 256
-PER_MESSAGE_OVERHEAD = 16
-TOOLS_OVERHEAD = 512
 _ANSWERED = ("completed", "incomplete", "failed", "cancelled")
 
 
@@ -137,24 +131,6 @@ async def wait_for_settlements(app: web.Application, timeout: float = 30) -> Non
     ledger = app.get(state.LEDGER)
     if ledger is not None:
         await ledger.settled(timeout)  # written durably; in the database too (a server-side ledger)
-
-
-def estimate_input_tokens(chat: dict[str, Any], bytes_per_token: float = _DEFAULTS.bytes_per_token) -> int:
-    """An upper bound of the prompt tokens of a chat-completions body (text prompts).
-
-    A byte-level BPE token (and a byte-fallback one) covers at least one byte, so the text
-    the template renders is at most as many tokens as its UTF-8 bytes; the compact JSON of
-    the messages and tools holds every such byte (and more). The template adds its own
-    tokens: a few around each message, a preamble in front of a tool list, a default system
-    prompt. Images and audio are not bounded by their bytes: for them the bill is the
-    worker's report (clamped at the hold)."""
-    messages = chat.get("messages") or []
-    size = len(orjson.dumps(messages))
-    overhead = TEMPLATE_OVERHEAD + PER_MESSAGE_OVERHEAD * (len(messages) if isinstance(messages, list) else 1)
-    if chat.get("tools"):
-        size += len(orjson.dumps(chat["tools"]))
-        overhead += TOOLS_OVERHEAD
-    return int(-(-size // bytes_per_token)) + overhead
 
 
 def _loggable(usage: Any) -> Any:
@@ -295,20 +271,13 @@ class _Billing:
                                 "Top up the key or send a shorter input.") from None
         raise _insufficient("The available balance does not cover any output for this request.") from None
 
+    def counter(self) -> TokenCounter:
+        return TokenCounter(self.app.get(state.SESSION), self.app.get(state.POOL))
+
     async def prompt_count(self, t: Any) -> int | None:
-        """The prompt's tokens as a worker serving the model counts them; None when none can."""
-        pool = self.app.get(state.POOL)
-        session = self.app.get(state.SESSION)
-        if pool is None or session is None:
-            return None
-        worker = next((w for w in pool.workers if w.available and w.serves(t.upstream_model)), None)
-        if worker is None:
-            return None
-        try:
-            return await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
-                                      t.chat.get("tools"))
-        except (TokenCountError, Exception):  # a refusal stays a refusal when the count fails
-            return None
+        """The prompt's tokens as a worker serving the model counts them; None when none can
+        (a refusal stays a refusal)."""
+        return await self.counter().prompt(t)
 
     def count_corrections(self, fixes: list[str], hold: Hold, usage: Any) -> None:
         log.warning("usage corrected", request_id=hold.request_id, corrections=fixes,
@@ -320,19 +289,8 @@ class _Billing:
 
     async def worker_count(self, report: AnswerReport, t: Any) -> int | None:
         """The prompt as the worker that served it counts it (its tokenizer and template);
-        None when it cannot say."""
-        pool = self.app.get(state.POOL)
-        session = self.app.get(state.SESSION)
-        if pool is None or session is None:
-            return None
-        worker = next((w for w in pool.workers if w.name == report.upstream), None)
-        if worker is None:
-            return None
-        try:
-            return await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
-                                      t.chat.get("tools"))
-        except (TokenCountError, Exception):  # billing never fails because a count could not be had
-            return None
+        None when it cannot say (billing never fails because a count could not be had)."""
+        return await self.counter().prompt(t, report.upstream) if report.upstream else None
 
     def usage_of(self, ctx: RequestContext, report: AnswerReport | None, hold: Hold, t: Any, price: Price, est: int,
                  cancelled: bool, counted_input: int | None) -> UsageRecord | None:
@@ -400,7 +358,7 @@ class _Billing:
         t = ctx.translation
         assert t is not None  # the translate phase runs before the balance
         price = self.price_of(t.model)
-        est = estimate_input_tokens(t.chat, self.bytes_per_token)
+        est = prompt_bound(t.chat, t.prompt_size(), self.bytes_per_token).tokens
         leases = self.leases_for(ledger)
         # A LedgerUnavailable here holds nothing: the envelope answers it 503 with Retry-After.
         room = await budget_room(ledger, record)

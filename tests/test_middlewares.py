@@ -12,10 +12,10 @@ import orjson
 import pytest
 
 import middlewares.balance as balance_mw
-from middlewares.balance import estimate_input_tokens
 from middlewares.notices import header_value, sanitize
 from proxy import state
 from proxy.ledger.pricing import cost_micros, price_for
+from proxy.protocol.prompt import prompt_bound
 from proxy.protocol.translate import translate_request
 from tests.conftest import only, sim_input, sse_events
 
@@ -453,7 +453,7 @@ async def test_402_when_balance_cannot_cover_input(make_proxy, http):
 async def test_cap_lowered_to_fit_balance_then_incomplete(make_proxy, http):
     p = await make_proxy({"prices": PRICES})
     body = {"model": MODEL, "input": "Tell me a story about rivers."}
-    estimate = estimate_input_tokens(translate_request(body).chat)
+    estimate = prompt_bound(translate_request(body).chat).tokens
     secret, record = await p.ledger.create_key("tight", balance_micros=estimate + 5)
     status, headers, answer = await call(http, p, body, key=secret)
     assert status == 200, answer
@@ -571,7 +571,7 @@ async def test_settle_client_disconnect_while_upstream_works(make_proxy, http, s
     chat = translate_request(body).chat
     async with http.post(sim.url + "/tokenize", json={"model": MODEL, "messages": chat["messages"]}) as r:
         estimate = (await r.json())["count"]
-    assert estimate < estimate_input_tokens(chat)
+    assert estimate < prompt_bound(chat).tokens
     task = asyncio.ensure_future(call(http, p, body, key=secret))
     await wait_for(lambda: _true(sim.in_flight >= 1))
     task.cancel()  # closes the client connection
@@ -612,7 +612,7 @@ async def test_input_tokens_not_billed(make_proxy, http):
 async def test_no_overdraft_under_200_concurrent_requests(make_proxy, http):
     p = await make_proxy({"prices": PRICES})
     body = {"model": MODEL, "max_output_tokens": 20, "input": sim_input(delay=0.02)}
-    hold = estimate_input_tokens(translate_request(body).chat) + 20
+    hold = prompt_bound(translate_request(body).chat).tokens + 20
     initial = 10 * hold
     secret, record = await p.ledger.create_key("ten", balance_micros=initial, concurrency=1000)
     results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(200)))
@@ -668,7 +668,7 @@ async def test_partial_holds_under_200_concurrent_requests(make_proxy, http):
     and the costs add up to the balance decrease."""
     p = await make_proxy({"prices": PRICES})
     body = {"model": MODEL, "max_output_tokens": 20, "input": sim_input(delay=0.02)}
-    estimate = estimate_input_tokens(translate_request(body).chat)
+    estimate = prompt_bound(translate_request(body).chat).tokens
     hold = estimate + 20
     initial = 7 * hold + estimate + 9  # room for 7 whole requests and one with a cap of <= 9
     secret, record = await p.ledger.create_key("partial", balance_micros=initial, concurrency=1000)
@@ -696,7 +696,7 @@ async def test_leased_key_drained_by_a_burst_never_overdraws(make_proxy, http):
     402), nothing is overdrawn and the balance falls by exactly the recorded costs."""
     p = await make_proxy({"prices": PRICES, "balance": {"lease_min_rate": 2}})
     body = {"model": MODEL, "max_output_tokens": 20, "input": sim_input(delay=0.02)}
-    hold = estimate_input_tokens(translate_request(body).chat) + 20
+    hold = prompt_bound(translate_request(body).chat).tokens + 20
     initial = 10 * hold + 7  # the bound is ~10x the real cost; near the end holds are sized by the worker
     secret, record = await p.ledger.create_key("leased", balance_micros=initial, concurrency=1000)
     for _ in range(3):  # steady traffic: a lease is granted

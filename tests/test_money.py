@@ -17,8 +17,8 @@ import orjson
 import pytest
 
 from middlewares import balance as balance_mw
-from middlewares.balance import estimate_input_tokens
 from proxy.ledger.pricing import Price, cost_micros
+from proxy.protocol.prompt import prompt_bound
 from proxy.protocol.translate import translate_request
 from tests.conftest import sim_input, sse_events
 
@@ -43,7 +43,7 @@ async def balance_of(ledger, key_id: str) -> int:
 
 def bound_cost(body: dict, cap: int) -> int:
     """The most a request may be billed: its input bound and its output cap."""
-    return cost_micros(PRICE, estimate_input_tokens(translate_request(body).chat), 0, cap)
+    return cost_micros(PRICE, prompt_bound(translate_request(body).chat).tokens, 0, cap)
 
 
 async def scrape(http, proxy) -> str:
@@ -57,7 +57,7 @@ async def scrape(http, proxy) -> str:
 def test_input_bound_is_at_least_one_token_per_byte():
     digits = "1,2,3;4.5!" * 3000  # punctuation and digits: about one token per byte
     chat = translate_request({"model": MODEL, "input": digits}).chat
-    assert estimate_input_tokens(chat) >= len(digits) + 16  # the text, and the template around it
+    assert prompt_bound(chat).tokens >= len(digits) + 16  # the text, and the template around it
 
 
 async def test_concurrent_byte_dense_inputs_cannot_overdraw(make_proxy, http, sim):
@@ -88,7 +88,7 @@ async def test_a_balance_below_the_bound_is_sized_by_the_workers_tokenizer(make_
     async with http.post(sim.url + "/tokenize", json={"model": MODEL, "messages": chat["messages"]}) as r:
         counted = (await r.json())["count"]
     initial = counted + 4
-    assert initial < estimate_input_tokens(chat)
+    assert initial < prompt_bound(chat).tokens
     secret, record = await p.ledger.create_key("small", balance_micros=initial)
     status, headers, answer = await call(http, p, body, key=secret)
     assert status == 200, answer
@@ -248,7 +248,7 @@ async def test_failed_stream_without_usage_bills_the_workers_count(make_proxy, h
         counted = (await r.json())["count"]
     usage = await p.ledger.usage(headers["x-request-id"])
     assert (usage.input_tokens, usage.output_tokens) == (counted, 3)
-    assert usage.input_tokens < estimate_input_tokens(chat)
+    assert usage.input_tokens < prompt_bound(chat).tokens
 
 
 async def test_non_stream_without_usage_bills_the_workers_count(make_proxy, http, sim):

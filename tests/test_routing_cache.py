@@ -10,6 +10,7 @@ import random
 import zlib
 from types import SimpleNamespace
 
+import orjson
 import pytest
 
 from proxy.config import settings as config_settings
@@ -147,9 +148,10 @@ def test_prompt_bytes_counts_utf8_and_finds_media():
     chat = {"messages": [
         {"role": "system", "content": "héllo"},  # 6 bytes
         {"role": "user", "content": [{"type": "text", "text": "日本"}, "ab"]},  # 6 + 2
-        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},  # 12
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},  # 12, +1 a colon (tojson), +8 markup
         {"role": "tool", "tool_call_id": "c1", "content": "😀"},  # 2 + 4
     ]}
-    assert prompt_bytes(chat) == (6 + 8 + 12 + 6, False)
-    chat["messages"].append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
-    assert prompt_bytes(chat) == (32, True)
+    assert prompt_bytes(chat) == (6 + 8 + 21 + 6, False)
+    image = {"type": "image_url", "image_url": {"url": "x"}}
+    chat["messages"].append({"role": "user", "content": [image]})
+    assert prompt_bytes(chat) == (41 + len(orjson.dumps(image)), True)  # a media part: its size as sent

@@ -11,7 +11,8 @@ from proxy import state
 from proxy.errors import APIError
 from proxy.http.forwarder import POOL, SESSION
 from proxy.state import READINESS
-from proxy.upstream.routing import TokenCountError, choose, count_tokens, parse_provider, request_parameters
+from proxy.upstream.routing import choose, parse_provider, request_parameters
+from proxy.upstream.tokens import TokenCountError, count_tokens
 from proxy.upstream.workers import Worker
 
 _STARTED = int(time.time())

@@ -14,8 +14,7 @@ from proxy.protocol.response import ResponseContext, client_usage, map_usage
 from proxy.protocol.rewriter import completion_response
 from proxy.protocol.translate import Translation
 from proxy.state import SESSION
-from proxy.upstream.routing import TokenCountError, count_tokens, tokenize
-from proxy.upstream.workers import Worker
+from proxy.upstream.tokens import TokenCounter
 
 
 async def json_answer(app: web.Application, attempt: Attempt, t: Translation, rctx: ResponseContext,
@@ -64,27 +63,13 @@ async def _count_usage(session: aiohttp.ClientSession, attempt: Attempt, t: Tran
     worker = attempt.worker
     status = response["status"]
     counted = int(response["usage"]["output_tokens"])
-    try:
-        prompt = await count_tokens(session, worker, t.upstream_model, t.chat.get("messages") or [],
-                                    t.chat.get("tools"))
-    except TokenCountError:
+    counter = TokenCounter(session)
+    prompt = await counter.prompt(t, worker)
+    text = _output_text(response) if prompt is not None else ""
+    output = await counter.text(worker, t.upstream_model, text) if text else 0
+    if prompt is None or output is None:
         attempt.end(status, None, counted, rctx.output_cap, count_failed=True)  # the balance does not ask again
-        return
-    text = _output_text(response)
-    output = await _count_text(session, worker, t.upstream_model, text) if text else 0
-    if output is None:
-        attempt.end(status, None, counted, rctx.output_cap, count_failed=True)
         return
     usage = map_usage({"prompt_tokens": prompt, "completion_tokens": output})
     response["usage"] = client_usage(usage, rctx.output_cap)
     attempt.end(status, usage, counted, rctx.output_cap)
-
-
-async def _count_text(session: aiohttp.ClientSession, worker: Worker, model: str, text: str) -> int | None:
-    """The tokens of a plain text as the worker's tokenizer counts them (no template, no special
-    tokens); None when it cannot say."""
-    try:
-        count = await tokenize(session, worker, {"model": model, "prompt": text, "add_special_tokens": False})
-    except TokenCountError:
-        return None
-    return count if count >= 0 else None

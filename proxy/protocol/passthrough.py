@@ -8,9 +8,9 @@ when the balance lowers it). `Passthrough` stands where a Responses request's Tr
 on the request's context, with the same fields the phases after it read (the balance, the
 context check, affinity, the access line):
 
-  chat     a chat-shaped VIEW of the prompt (messages, tools, max_tokens): what the balance's
-           input bound (middlewares.balance.estimate_input_tokens), the context check
-           (proxy.upstream.routing.check_context_window) and the token counts read. For chat it
+  chat     a chat-shaped VIEW of the prompt (messages, tools, max_tokens): what the prompt's
+           bound (proxy.protocol.prompt.prompt_bound: the balance's hold, the context check)
+           and the token counts (proxy.upstream.tokens) read. For chat it
            is the body itself; for a completion prompt, embedding inputs and Anthropic messages it
            is built from them (every text the model reads is in it, so its bytes stay an upper
            bound of the prompt's tokens: a byte-level BPE token covers at least one byte, and a
@@ -64,6 +64,9 @@ class Passthrough(NamedTuple):
     include_encrypted_reasoning: bool = False
     allowed_tools: frozenset[str] | None = None
     compaction: Any = None
+    # prompt_bytes(chat), computed once at build: the balance and the context check both read it
+    # (with_cap and with_max_tokens copy chat with the same messages and tools).
+    size: tuple[int, bool] | None = None
 
     @property
     def path(self) -> str:
@@ -95,7 +98,7 @@ class Passthrough(NamedTuple):
                           self.max_output_tokens, self.reserved_output)
 
     def prompt_size(self) -> tuple[int, bool]:
-        size, media = prompt_bytes(self.chat)
+        size, media = self.size if self.size is not None else prompt_bytes(self.chat)
         return size, media or self.media
 
     @property
@@ -241,4 +244,4 @@ def build(family: str, body: dict, served: Any) -> Passthrough:
     if view.get("tools") is None:
         view.pop("tools", None)
     return Passthrough(view, sent, model, upstream_model, stream, family, cap_fields,
-                       cap if family != "embeddings" else 1, usage_added, None, media)
+                       cap if family != "embeddings" else 1, usage_added, None, media, size=prompt_bytes(view))

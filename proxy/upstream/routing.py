@@ -3,8 +3,9 @@
 
 The `provider` object (000 doc, "worker requirements") is modelled on OpenRouter's
 provider preferences; the README's "Provider requirements" section lists what each
-field does here. Selection is pure (no I/O); `count_tokens` and `check_context_window`
-are the only upstream calls, made only when a request could overflow its window.
+field does here. Selection is pure (no I/O). The context check's upper bound is the prompt's
+one (proxy.protocol.prompt.prompt_bound); only when it says the prompt may not fit does the
+check ask the worker's tokenizer (proxy.upstream.tokens), its only upstream call.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import orjson
 
 from proxy.errors import APIError, bad_request
-from proxy.protocol.dialects import messages_for
+from proxy.protocol.prompt import prompt_bound
 from proxy.upstream.affinity import pick as pick_by_affinity, pick_on_route
+from proxy.upstream.tokens import TokenCounter
 
 if TYPE_CHECKING:
     from proxy.upstream.affinity import AffinityKey
@@ -368,55 +369,7 @@ def _at_capacity(model: str) -> APIError:
                     code="capacity_exhausted", headers={"Retry-After": "1"})
 
 
-# --------------------------------------------------------------------------- token counting
-
-
-class TokenCountError(Exception):
-    def __init__(self, message: str, *, connection: bool = False) -> None:
-        super().__init__(message)
-        self.connection = connection
-
-
-async def count_tokens(session: aiohttp.ClientSession, worker: Worker, model: str, messages: list,
-                       tools: list | None = None) -> int:
-    """The worker's own count (vLLM POST /tokenize, SGLang POST /v1/tokenize), chat template included."""
-    body: dict[str, Any] = {"model": model, "messages": messages_for(messages, worker.dialect)}
-    if tools:
-        body["tools"] = tools
-    return await tokenize(session, worker, body)
-
-
-async def tokenize(session: aiohttp.ClientSession, worker: Worker, body: dict[str, Any]) -> int:
-    """The `count` of the worker's tokenizer endpoint for `body` (messages or a prompt), or
-    TokenCountError saying why it could not be had."""
-    path = worker.tokenize_path
-    timeout = aiohttp.ClientTimeout(total=worker.timeouts.first_byte, connect=worker.timeouts.connect)
-    try:
-        async with session.post(worker.endpoint(path), data=orjson.dumps(body), timeout=timeout,
-                                headers={"Content-Type": "application/json", **worker.auth_headers()}) as upstream:
-            raw = await upstream.read()
-            if upstream.status != 200:
-                raise TokenCountError(f"the model server could not count tokens ({upstream.status})")
-            data = orjson.loads(raw)
-    except aiohttp.ClientConnectionError as exc:
-        raise TokenCountError(f"the model server could not be reached ({type(exc).__name__})",
-                              connection=not isinstance(exc, aiohttp.ServerTimeoutError)) from None
-    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-        raise TokenCountError(f"the model server could not count tokens ({type(exc).__name__})") from None
-    count = data.get("count") if isinstance(data, dict) else None
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise TokenCountError("the model server gave no token count")
-    return count
-
-
 # --------------------------------------------------------------------------- the context window
-
-# Upper bound of a prompt's tokens: every token of a byte-level (or byte-fallback) tokenizer
-# covers at least one byte of text, plus what the chat template adds around each message and
-# in front of a tool list.
-_PER_MESSAGE = 16
-_BASE = 256
-_TOOLS_PREAMBLE = 512
 
 
 def _too_long(window: int, prompt: int, wanted: int | None, *, estimated: bool) -> APIError:
@@ -443,12 +396,10 @@ async def check_context_window(session: aiohttp.ClientSession, worker: Worker, t
     max_tokens = t.chat.get("max_tokens")
     if not window or max_tokens is None:
         return "no_window", t
-    text, media = t.prompt_size()
+    upper, text, media = prompt_bound(t.chat, t.prompt_size())
     if media:
         return "media", t  # image tokens are the model server's to count
     asked = isinstance(client_max, int) and not isinstance(client_max, bool)
-    n = len(t.chat.get("messages") or [])
-    upper = text + _PER_MESSAGE * n + _BASE + (_TOOLS_PREAMBLE if t.chat.get("tools") else 0)
     if not asked:
         # The client set no max_output_tokens: the cap is ours (the balance's, a summary's, the
         # default). vLLM lowers it to the room left by itself, but refuses one above the whole
@@ -465,9 +416,8 @@ async def check_context_window(session: aiohttp.ClientSession, worker: Worker, t
     lower = int(text / bytes_per_token_floor) if bytes_per_token_floor > 0 else 0
     if asked and lower + wanted > window:
         raise _too_long(window, lower, wanted, estimated=True)  # clearly over: no need to ask
-    try:
-        count = await count_tokens(session, worker, t.upstream_model, t.chat["messages"], t.chat.get("tools"))
-    except TokenCountError:
+    count = await TokenCounter(session).prompt(t, worker)
+    if count is None:
         return "uncounted", t  # the model server will judge
     if count >= window:
         raise _too_long(window, count, wanted if asked else None, estimated=False)
