@@ -50,6 +50,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proxy.ledger import KeyLimits
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 # The hand-kept section of results.md (measurements behind design choices): a run keeps it.
@@ -205,7 +207,7 @@ async def _create_key(db: str | dict) -> str:
     ledger = open_ledger({"path": db} if isinstance(db, str) else db)
     await ledger.start()
     try:
-        secret, _ = await ledger.create_key("bench", balance_micros=10**15, concurrency=100_000)
+        secret, _ = await ledger.create_key("bench", balance_micros=10**15, limits=KeyLimits(concurrency=100_000))
     finally:
         await ledger.close()
     return secret

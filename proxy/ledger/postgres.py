@@ -42,7 +42,6 @@ the proxy under an advisory lock (proxy/ledger/pg_schema.py).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -58,7 +57,7 @@ from proxy.ledger.base import (
     DuplicateRequest,
     Hold,
     InsufficientBalance,
-    Ledger,
+    KeyRecord,
     LedgerError,
     LedgerFault,
     LedgerUnavailable,
@@ -66,6 +65,8 @@ from proxy.ledger.base import (
     UsageRecord,
 )
 from proxy.ledger.commit_rules import checked_rows, note_debits, usage_row
+from proxy.ledger.interface import Ledger
+from proxy.ledger.key_rules import presented_key
 from proxy.ledger.pg_console import PgConsoleOps
 from proxy.ledger.pg_errors import FAULT, RETRY, classify, describe
 from proxy.ledger.pg_faults import PgFaults
@@ -74,9 +75,8 @@ from proxy.ledger.pg_listen import KeyListener
 from proxy.ledger.pg_schema import migrate
 from proxy.ledger.pg_spool import PgSpoolOps
 from proxy.ledger.pg_usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
-from proxy.ledger.schema import _check_usage_values, _int, _key_record, hash_secret
+from proxy.ledger.schema import _check_usage_values, _int, hash_secret
 from proxy.ledger.spool import Spool, release_record, settle_record
-from proxy.ledger.sqlite import _DUMMY_HASH
 
 log = logging.getLogger("proxy.ledger")
 _DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger opened without one
@@ -265,7 +265,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
 
     # ------------------------------------------------------------------ the request path
 
-    async def lookup_key(self, secret: str) -> Any:
+    async def lookup_key(self, secret: str) -> KeyRecord | None:
         if not isinstance(secret, str) or not secret:
             return None
         try:
@@ -277,12 +277,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
             return await conn.fetchrow(f"SELECT secret_sha256, {KEY_COLUMNS} FROM keys WHERE secret_sha256 = $1",
                                        digest)
 
-        row = await self._db(op, transaction=False)
-        stored = bytes(row[0]) if row else _DUMMY_HASH
-        if not hmac.compare_digest(stored, digest) or row is None:
-            return None
-        record = _key_record(tuple(row)[1:])
-        return None if record.revoked or record.expired() else record
+        return presented_key(digest, await self._db(op, transaction=False))
 
     async def available(self, key_id: str) -> int:
         await self.settled()  # a client asking after its answer sees it settled

@@ -27,8 +27,6 @@ debits clamp), and a lease row whose expiry stays is updated without touching it
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import sqlite3
 import time
@@ -43,12 +41,13 @@ from proxy.ledger.base import (
     Hold,
     InsufficientBalance,
     KeyRecord,
-    Ledger,
     LedgerError,
     UnknownKey,
     UsageRecord,
 )
 from proxy.ledger.commit_rules import checked_rows, lease_row_changes, note_debits
+from proxy.ledger.interface import Ledger
+from proxy.ledger.key_rules import presented_key
 from proxy.ledger.schema import (
     _DEBIT_KEY,
     _REDUCE_AND_RENEW_LEASE,
@@ -71,9 +70,6 @@ READ, HOLD, SYNC, LINGER = Durability.READ, Durability.HOLD, Durability.SYNC, Du
 
 log = logging.getLogger("proxy.ledger")
 
-
-# Compared against when the hash is unknown, so both paths do the same work.
-_DUMMY_HASH = hashlib.sha256(b"responses-proxy: no such key").digest()
 _DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger opened without one
 
 
@@ -148,13 +144,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             row = conn.execute(
                 f"SELECT secret_sha256, {_KEY_COLUMNS} FROM keys WHERE secret_sha256 = ?", (digest,)
             ).fetchone()
-            stored = row[0] if row else _DUMMY_HASH
-            # The index finds the row; the decision is a constant-time compare of the hashes,
-            # done on both the found and the not-found path.
-            if not hmac.compare_digest(stored, digest) or row is None:
-                return None
-            record = _key_record(row[1:])
-            return None if record.revoked or record.expired() else record
+            return presented_key(digest, row)
 
         return await self._run(op, READ)
 
