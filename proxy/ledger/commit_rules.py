@@ -1,6 +1,8 @@
-"""The lease commit's rules, shared by both backends (sqlite.py, postgres.py): the row a usage
-record is inserted as, each usage checked once into its row, and what a commit changes on the
-lease rows. Pure: values in, rows and changes out; the backends hold the SQL.
+"""The money rules of the request path, shared by both backends (sqlite.py, postgres.py,
+pg_usage.py): what a hold, a settle and a lease grow may be asked for, what a settle debits,
+what a lease grows by, the row a usage record is inserted as, each usage checked once into its
+row, and what a lease commit changes on the lease rows. Pure: values in, rows and changes out;
+the backends hold the SQL.
 
 A usage row, in the INSERT order of both backends (schema.py _INSERT_USAGE, pg_usage.py
 USAGE_COLUMNS; rollup.py reads the same positions): request_id, key_id, model, input_tokens,
@@ -10,10 +12,59 @@ created_at, worker, served_model, endpoint.
 
 from __future__ import annotations
 
-from proxy.ledger.base import UsageRecord
-from proxy.ledger.schema import _check_usage
+from typing import Any
 
-__all__ = ["usage_row", "checked_rows", "lease_row_changes", "note_debits"]
+from proxy.ledger.base import UsageRecord
+from proxy.ledger.schema import _check_usage, _check_usage_values, _int
+
+__all__ = ["hold_range", "hold_ttl", "check_settle", "settle_debit", "lease_grow_args", "lease_grant", "usage_row",
+           "checked_rows", "lease_row_changes", "note_debits"]
+
+
+def hold_range(min_micros: Any, max_micros: Any) -> tuple[int, int]:
+    """hold_up_to's (min, max), checked: integers, min <= max."""
+    low = _int(min_micros, "min_micros")
+    high = _int(max_micros, "max_micros")
+    if low > high:
+        raise ValueError("min_micros must not exceed max_micros")
+    return low, high
+
+
+def hold_ttl(request_id: str, ttl_s: Any) -> float:
+    """A hold's ttl, checked with its request id (required)."""
+    if not request_id:
+        raise ValueError("request_id is required")
+    ttl = float(ttl_s)
+    if not ttl > 0:
+        raise ValueError("ttl_s must be positive")
+    return ttl
+
+
+def check_settle(request_id: str, usage: UsageRecord) -> None:
+    """ValueError unless `usage` can be settled as `request_id`."""
+    if not request_id:
+        raise ValueError("request_id is required")
+    _check_usage_values(usage)
+
+
+def settle_debit(cost: int, balance: int, held: int | None) -> int:
+    """What a settle debits: its cost, never more than the balance, nor than the request's own
+    hold while it exists (the money others hold stays theirs). A hold that expired meanwhile
+    (None) no longer bounds it."""
+    return max(0, min(cost, balance) if held is None else min(cost, balance, held))
+
+
+def lease_grow_args(min_micros: Any, max_micros: Any, ttl_s: Any, share: Any) -> tuple[int, int, float, int]:
+    """lease_grow's (min, max, ttl, share), checked."""
+    return _int(min_micros, "min_micros"), _int(max_micros, "max_micros"), float(ttl_s), max(1, int(share))
+
+
+def lease_grant(available: int, low: int, high: int, share: int) -> int:
+    """What a lease grows by: min(high, available // share), `available` without the lease
+    itself, so other processes keep the rest; nothing when that is below `low` (less than one
+    request like the current one: the key stays on the exact path)."""
+    grant = min(high, max(0, available) // share)
+    return grant if grant >= low else 0
 
 
 def usage_row(usage: UsageRecord, request_id: str | None = None) -> tuple:

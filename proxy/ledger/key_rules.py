@@ -1,7 +1,7 @@
 """The rules of keys, shared by every backend (sqlite_keys.py, pg_keys.py, and the request
 path's lookup in sqlite.py and postgres.py): what a new key, a limit change and a top-up may
-hold, which secret a presented one matches, and what each KeyStore change means (which
-changes bump key_generation, when a key cannot be rotated).
+hold, which secret a presented one matches, what each KeyStore change means (which
+changes bump key_generation, when a key cannot be rotated), and how an audit entry is stored.
 
 The values part is pure: values in, checked values or ValueError out. `RuledKeyStore` holds
 the KeyStore operations built from them, once; a backend mixes it in and supplies only the
@@ -13,10 +13,11 @@ from __future__ import annotations
 import abc
 import hashlib
 import hmac
+import json
 import secrets
 from typing import Any, NamedTuple
 
-from proxy.ledger.base import NO_LIMITS, KeyLimits, KeyRecord, LedgerError, UnknownKey
+from proxy.ledger.base import NO_LIMITS, AuditEntry, KeyLimits, KeyRecord, LedgerError, UnknownKey
 from proxy.ledger.interface import KeyStore
 from proxy.ledger.schema import _int, _key_record, _models_json, _opt_limit, hash_secret, new_secret
 from proxy.ledger.usage import MAX_AMOUNT
@@ -124,6 +125,22 @@ def presented_key(digest: bytes, row: Any) -> KeyRecord | None:
         return None
     record = _key_record(tuple(row)[1:])
     return None if record.revoked or record.expired() else record
+
+
+# The audit table's columns as both backends read them (audit_entry); they insert the rest.
+AUDIT_COLUMNS = "seq, created_at, actor, action, key_id, details"
+AUDIT_INSERT_COLUMNS = "created_at, actor, action, key_id, details"
+
+
+def audit_values(now: float, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> tuple:
+    """An audit row in AUDIT_INSERT_COLUMNS order: the details as JSON (sorted keys; a value
+    JSON has no type for, as its str)."""
+    return now, str(actor), str(action), key_id, json.dumps(details, sort_keys=True, default=str)
+
+
+def audit_entry(row: Any) -> AuditEntry:
+    """An audit row, read in AUDIT_COLUMNS order."""
+    return AuditEntry(row[0], row[1], row[2], row[3], row[4], json.loads(row[5]))
 
 
 class RuledKeyStore(KeyStore):

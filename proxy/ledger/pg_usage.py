@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from proxy.ledger.base import UnknownKey
-from proxy.ledger.commit_rules import lease_row_changes
+from proxy.ledger.commit_rules import lease_row_changes, settle_debit
 
 USAGE_COLUMNS = ("request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
                  " cost_micros, debited_micros, status, created_at, worker, served_model, endpoint")
@@ -110,7 +110,7 @@ async def settle_batch(conn: Any, rows: list[tuple]) -> list[int | BaseException
         if request_id in known:
             continue
         known.add(request_id)
-        debit = max(0, min(row[_COST], balances[key_id], held.get(request_id, row[_COST])))
+        debit = settle_debit(row[_COST], balances[key_id], held.get(request_id))
         balances[key_id] -= debit
         fresh.append(row[:_DEBITED] + (debit,) + row[_DEBITED + 1:])
         where.append(i)
