@@ -4,7 +4,7 @@ what a lease grows by, the row a usage record is inserted as, each usage checked
 row, and what a lease commit changes on the lease rows. Pure: values in, rows and changes out;
 the backends hold the SQL.
 
-A usage row, in the INSERT order of both backends (schema.py _INSERT_USAGE, pg_usage.py
+A usage row, in the INSERT order of both backends (sqlite_usage.py _INSERT_USAGE, pg_usage.py
 USAGE_COLUMNS; rollup.py reads the same positions): request_id, key_id, model, input_tokens,
 cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros, status,
 created_at, worker, served_model, endpoint.
@@ -12,13 +12,18 @@ created_at, worker, served_model, endpoint.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
-from proxy.ledger.base import UsageRecord
+from proxy.ledger.base import UnknownKey, UsageRecord
 from proxy.ledger.schema import _check_usage, _check_usage_values, _int
 
 __all__ = ["hold_range", "hold_ttl", "check_settle", "settle_debit", "lease_grow_args", "lease_grant", "usage_row",
-           "checked_rows", "lease_row_changes", "note_debits"]
+           "checked_rows", "plan_batch", "lease_row_changes", "note_debits"]
+
+COST = 7  # a usage row's cost_micros (and debited_micros next to it, DEBITED)
+DEBITED = 8
 
 
 def hold_range(min_micros: Any, max_micros: Any) -> tuple[int, int]:
@@ -88,6 +93,28 @@ def checked_rows(usages: list[tuple[str, UsageRecord]]) -> list[tuple | ValueErr
             continue
         rows.append(usage_row(usage))
     return rows
+
+
+def plan_batch(rows: list, balances: Mapping[str, int | None]
+               ) -> tuple[list[int | BaseException | None], list[int], bool]:
+    """A lease commit's batch of checked_rows against its keys' balances (None or absent: no
+    such key): (per row: its error, else None for now; the indexes of the rows to insert, in
+    order; whether a debit may clamp, i.e. some key's costs exceed its balance, so that each
+    debit depends on those before it and the rows go one at a time). `type(row) is tuple`
+    tells a row from its ValueError, which mypy cannot narrow on."""
+    results: list[int | BaseException | None] = [None] * len(rows)
+    wanted: dict[str, int] = defaultdict(int)  # the costs per known key
+    todo: list[int] = []
+    for i, row in enumerate(rows):
+        if type(row) is not tuple:
+            results[i] = row
+        elif balances.get(row[1]) is None:
+            results[i] = UnknownKey(row[1])
+        else:
+            wanted[row[1]] += row[COST]
+            todo.append(i)
+    clamps = any(cost > balances[key_id] for key_id, cost in wanted.items())  # type: ignore[operator]  # known keys
+    return results, todo, clamps
 
 
 def lease_row_changes(taken: dict[str, int], leases: list[tuple[str, int, float | None, bool]],

@@ -28,7 +28,7 @@ from typing import Any
 from proxy.ledger.base import USAGE_GROUPS, UsageTotals
 
 HOUR = 3600
-# Positions in a usage row as both backends insert it (schema.py _INSERT_USAGE, pg_usage.py
+# Positions in a usage row as both backends insert it (sqlite_usage.py _INSERT_USAGE, pg_usage.py
 # USAGE_COLUMNS): request_id, key_id, model, input, cached, output, reasoning, cost, debited,
 # status, created_at, worker, served_model, endpoint.
 _KEY, _MODEL, _INPUT, _CREATED, _WORKER, _SERVED = 1, 2, 3, 10, 11, 12

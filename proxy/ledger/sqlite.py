@@ -65,7 +65,6 @@ from proxy.ledger.schema import (
     KEY_COLUMNS as _KEY_COLUMNS,
     _int,
     _key_record,
-    _record_usage,
     _usage_record,
     apply_schema,
     hash_secret,
@@ -73,6 +72,7 @@ from proxy.ledger.schema import (
 )
 from proxy.ledger.sqlite_console import ConsoleOps
 from proxy.ledger.sqlite_keys import KeyOps
+from proxy.ledger.sqlite_usage import record_usage
 from proxy.ledger.writer import Durability, GroupWriter
 
 READ, HOLD, SYNC, LINGER = Durability.READ, Durability.HOLD, Durability.SYNC, Durability.LINGER
@@ -344,12 +344,12 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         the lease ids whose row had expired or vanished)."""
         # Validated here, on the event loop, into ready-made usage rows (debited = cost),
         # so that the writer thread only looks up the balances and inserts.
-        rows: list[Any] = checked_rows(usages)  # as _record_usage takes them
+        rows: list[Any] = checked_rows(usages)  # as record_usage takes them
         lease_ids = [lease_id for lease_id, _ in usages]
 
         def op(conn: sqlite3.Connection) -> tuple[list, set[str]]:
             now = time.time()
-            results, debits, taken = _record_usage(conn, rows, lease_ids)
+            results, debits, taken = record_usage(conn, rows, lease_ids)
             roll_up(conn, [(row, debit) for row, debit in zip(rows, results) if type(debit) is int])
             for key_id, debit in debits.items():
                 if debit:
