@@ -50,8 +50,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxy.ledger import KeyLimits
-
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 # The hand-kept section of results.md (measurements behind design choices): a run keeps it.
@@ -202,7 +200,7 @@ def start(cmd: list[str], cores: str, *, env: dict | None = None, stdout=None, s
 async def _create_key(db: str | dict) -> str:
     """A key with a bottomless balance in the ledger at this path (SQLite) or of this config section."""
     sys.path.insert(0, str(ROOT))
-    from proxy.ledger import open_ledger
+    from proxy.ledger import KeyLimits, open_ledger
 
     ledger = open_ledger({"path": db} if isinstance(db, str) else db)
     await ledger.start()

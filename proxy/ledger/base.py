@@ -20,7 +20,8 @@ USAGE_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled", "e
 
 
 class _Unset:
-    """Sentinel for `set_limits`: "leave this limit as it is" (None means "clear it")."""
+    """Sentinel for a KeyLimits field: "not given", so set_limits leaves that limit as it is
+    (None means "clear it") and create_key starts the key without it."""
 
     _instance: _Unset | None = None
 

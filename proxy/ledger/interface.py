@@ -234,8 +234,6 @@ class ConsoleReads(abc.ABC):
 class Ledger(RequestLedger, KeyStore, ConsoleReads):
     """The whole ledger: what a backend implements and what open_ledger returns."""
 
-    key_generation: int = 0
-
     @abc.abstractmethod
     async def start(self) -> None:
         """Open storage, create the schema, and expire holds whose ttl has passed."""

@@ -147,7 +147,7 @@ class Leases:
         self.min_rate = int(min_rate)
         self.idle_s = float(idle_s)
         self.ttl_s = min(float(ttl_s), self.hold_ttl_s)  # never outlive a request hold
-        if linger_s is None:  # the ledger's own settle linger, as config.yaml's default says
+        if linger_s is None:  # no balance.lease_commit_ms given (tests, benches): ledger.settle_linger_ms's default
             linger_s = _LEDGER.settle_linger_ms / 1000
         self.linger_s = max(0.0, float(linger_s))
         self.commit_rows = max(1, int(commit_rows))
