@@ -19,15 +19,20 @@ import pytest
 
 from proxy.ledger import (
     UNSET,
+    ConsoleReads,
     DuplicateRequest,
+    Hold,
     InsufficientBalance,
     KeyRecord,
+    KeyStore,
+    Ledger,
     LedgerError,
+    RequestLedger,
     UnknownKey,
     UsageRecord,
     open_ledger,
 )
-from proxy.ledger import KeyLimits, key_rules, sqlite as ledger_sqlite
+from proxy.ledger import KeyLimits, key_rules, service, sqlite as ledger_sqlite
 from proxy.ledger.writer import Durability
 from proxy.ledger.pricing import (
     UNLIMITED,
@@ -163,6 +168,54 @@ async def test_set_limits_and_top_up(ledger):
     with pytest.raises(UnknownKey):
         await ledger.set_limits("key_missing", KeyLimits(concurrency=1))
     assert UNSET is not None and not UNSET
+
+
+def test_key_limits_is_one_frozen_value_whose_unset_fields_are_not_given():
+    assert KeyLimits().given() == {}
+    limits = KeyLimits(concurrency=None, rate_per_min=3, expires_at=UNSET)
+    assert limits.given() == {"concurrency": None, "rate_per_min": 3}  # None is given: it clears
+    assert limits == KeyLimits(rate_per_min=3, concurrency=None) and hash(limits) == hash(KeyLimits(concurrency=None,
+                                                                                                  rate_per_min=3))
+    with pytest.raises(AttributeError):  # frozen (dataclasses.FrozenInstanceError is an AttributeError)
+        limits.concurrency = 1  # type: ignore[misc]
+    assert service.parse_limits({"tokens_per_min": 5}) == KeyLimits(tokens_per_min=5)
+    assert service.LIMIT_FIELDS == tuple(KeyLimits.__dataclass_fields__)
+
+
+async def test_lease_support_is_declared_and_a_ledger_without_it_refuses_lease_calls():
+    class Exact(RequestLedger):  # the request path only, no leases: the interface's defaults
+        async def lookup_key(self, secret):
+            return None
+
+        async def available(self, key_id):
+            return 10
+
+        async def hold(self, request_id, key_id, amount_micros, ttl_s):
+            return Hold(request_id, key_id, amount_micros, time.time() + ttl_s)
+
+        async def settle(self, request_id, usage, *, linger=True):
+            return True
+
+        async def release(self, request_id, *, linger=True):
+            return False
+
+        async def expire_holds(self, now=None):
+            return 0
+
+        async def spend_since(self, key_id, since):
+            return 0
+
+    exact = Exact()
+    assert ledger_sqlite.SQLiteLedger.supports_leases and not exact.supports_leases
+    assert all(issubclass(Ledger, part) for part in (RequestLedger, KeyStore, ConsoleReads))
+    assert (await exact.hold_up_to("r1", "k", 1, 50, 60)).amount_micros == 10
+    with pytest.raises(LedgerError):
+        await exact.hold_up_to("r2", "k", 1, 50, 60, lease_return=("lease:x", 5))
+    with pytest.raises(LedgerError):
+        await exact.lease_grow("lease:x", "k", 1, 5, 60)
+    with pytest.raises(LedgerError):
+        await exact.lease_commit([], [])
+    assert not Leases(exact, hold_ttl_s=60).enabled  # so Leases keeps to the exact path
 
 
 # ---------------------------------------------------------------- holds and settles
