@@ -200,12 +200,12 @@ def start(cmd: list[str], cores: str, *, env: dict | None = None, stdout=None, s
 async def _create_key(db: str | dict) -> str:
     """A key with a bottomless balance in the ledger at this path (SQLite) or of this config section."""
     sys.path.insert(0, str(ROOT))
-    from proxy.ledger import open_ledger
+    from proxy.ledger import KeyLimits, open_ledger
 
     ledger = open_ledger({"path": db} if isinstance(db, str) else db)
     await ledger.start()
     try:
-        secret, _ = await ledger.create_key("bench", balance_micros=10**15, concurrency=100_000)
+        secret, _ = await ledger.create_key("bench", balance_micros=10**15, limits=KeyLimits(concurrency=100_000))
     finally:
         await ledger.close()
     return secret

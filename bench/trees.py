@@ -46,7 +46,11 @@ def write_tree_config(tmp: Path, port: int, upstream_port: int, extra: dict | No
 def tree_key(tree: Path, db: Path) -> str:
     code = ("import asyncio\nfrom proxy.ledger import open_ledger\nasync def m():\n"
             f"    l = open_ledger({{'path': {str(db)!r}}})\n    await l.start()\n"
-            "    s, _ = await l.create_key('bench', balance_micros=10**15, concurrency=100000)\n"
+            # KeyLimits where the tree has it; older trees took the limits as keywords
+            "    try:\n        from proxy.ledger import KeyLimits\n"
+            "        kw = {'limits': KeyLimits(concurrency=100000)}\n"
+            "    except ImportError:\n        kw = {'concurrency': 100000}\n"
+            "    s, _ = await l.create_key('bench', balance_micros=10**15, **kw)\n"
             "    await l.close()\n    print(s)\nasyncio.run(m())\n")
     return subprocess.run([PY, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                           capture_output=True, text=True, check=True).stdout.strip()

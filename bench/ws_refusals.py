@@ -25,6 +25,7 @@ from aiohttp import web
 from proxy.config.load import Config
 from proxy.http.app import LEDGER, build_app
 from proxy.http.parse_errors import ProxyRunner
+from proxy.ledger import KeyLimits
 from proxy.simulator.server import Simulator
 
 MODEL = "tiny-org/tiny-model"
@@ -54,7 +55,7 @@ async def main(items: int, turns: int) -> None:
         await runner.setup()
         port = _port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
-        secret, _ = await app[LEDGER].create_key("bench", balance_micros=10**9, rate_per_min=1)
+        secret, _ = await app[LEDGER].create_key("bench", balance_micros=10**9, limits=KeyLimits(rate_per_min=1))
         message = orjson.dumps({"type": "response.create", "model": MODEL,
                                 "input": [{"type": "message", "role": "user", "content": "x" * 100}] * items})
         async with aiohttp.ClientSession() as http:

@@ -232,7 +232,7 @@ def create(section: Any, app: web.Application):
         if record is None:
             ledger = app.get(LEDGER)  # this middleware's app: the one whose keys it checks
             if ledger is not None:
-                generation = getattr(ledger, "key_generation", 0)
+                generation = ledger.key_generation
                 record = cache.get(digest, generation)
                 if record is None:
                     try:

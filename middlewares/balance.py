@@ -85,7 +85,7 @@ from middlewares.auth import is_static
 from proxy import state
 from proxy.errors import APIError
 from proxy.http.units import BALANCE
-from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, UsageRecord
+from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, RequestLedger, UsageRecord
 from proxy.ledger.lease import Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.service import budget_room
@@ -204,7 +204,7 @@ class _Billing:
         self.accounts: list[Leases] = []  # this app's, made on first use (the ledger opens at startup)
         self.settlements = app[state.SETTLEMENTS] = Settlements()
 
-    def leases_for(self, ledger: Any) -> Leases:
+    def leases_for(self, ledger: RequestLedger) -> Leases:
         accounts = self.accounts
         if accounts and accounts[0].ledger is ledger:
             return accounts[0]
@@ -351,7 +351,7 @@ class _Billing:
             return task
         return self.finish(ctx, leases, hold, t, price, est, cancelled, None)
 
-    async def bill(self, request: web.Request, ctx: RequestContext, call_next, ledger: Any,
+    async def bill(self, request: web.Request, ctx: RequestContext, call_next, ledger: RequestLedger,
                    record: Any) -> web.StreamResponse:
         """Hold, run the rest (the handler), settle (or release)."""
         key_id = record.key_id

@@ -17,6 +17,7 @@ import pytest
 
 from proxy.admin.auth import COOKIE, AdminAuth
 from proxy.config import settings as config_settings
+from proxy.ledger import KeyLimits
 
 ADMIN_KEY = "adm-test-0123456789abcdef"
 OTHER_ADMIN = "adm-other-0123456789abcdef"
@@ -161,7 +162,8 @@ async def test_usage_rows_totals_csv_and_pages(admin_proxy):
 
 async def test_v1_key_shows_only_the_callers_key(admin_proxy):
     p = admin_proxy
-    a_secret, a = await p.ledger.create_key("holder-a", 9_000_000, rate_per_min=50, monthly_budget_micros=8_000_000)
+    a_secret, a = await p.ledger.create_key("holder-a", 9_000_000,
+                                            limits=KeyLimits(rate_per_min=50, monthly_budget_micros=8_000_000))
     _b_secret, b = await p.ledger.create_key("holder-b", 1_000_000)
     await _traffic(p, a_secret, 2)
     spent = sum(r.debited_micros for _, r in await p.ledger.usage_rows(key_id=a.key_id))
@@ -280,7 +282,8 @@ async def test_secrets_never_in_pages_logs_or_audit(make_proxy, capsys):
 
 async def test_expired_key_is_refused(admin_proxy):
     p = admin_proxy
-    secret, record = await p.ledger.create_key("short-lived", 1_000_000, expires_at=time.time() + 3600)
+    secret, record = await p.ledger.create_key("short-lived", 1_000_000,
+                                               limits=KeyLimits(expires_at=time.time() + 3600))
     async with aiohttp.ClientSession() as s:
         h = {"Authorization": f"Bearer {secret}"}
         assert (await s.get(p.url + "/v1/models", headers=h)).status == 200

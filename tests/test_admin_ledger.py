@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.ledger import LedgerError, UsageRecord, open_ledger
+from proxy.ledger import KeyLimits, LedgerError, UsageRecord, open_ledger
 from proxy.ledger.cli import add_key_commands, run_key_command
 from proxy.ledger.service import KeyService, period_starts
 from proxy.ledger.sqlite import SQLiteLedger
@@ -230,13 +230,13 @@ async def test_audit_is_append_only_and_service_audits_every_change(ledger):
 
 
 async def test_expired_and_rotated_secrets_stop_working(ledger):
-    secret, record = await ledger.create_key("e", 1, expires_at=time.time() + 60)
+    secret, record = await ledger.create_key("e", 1, limits=KeyLimits(expires_at=time.time() + 60))
     assert await ledger.lookup_key(secret) is not None
     new_secret, _ = await ledger.rotate_key(record.key_id)
     assert await ledger.lookup_key(secret) is None and await ledger.lookup_key(new_secret) is not None
-    await ledger.set_limits(record.key_id, expires_at=time.time() - 1)
+    await ledger.set_limits(record.key_id, KeyLimits(expires_at=time.time() - 1))
     assert await ledger.lookup_key(new_secret) is None
-    await ledger.set_limits(record.key_id, expires_at=None)
+    await ledger.set_limits(record.key_id, KeyLimits(expires_at=None))
     assert await ledger.lookup_key(new_secret) is not None
 
 
@@ -267,7 +267,7 @@ async def test_a_ledger_from_before_the_console_is_migrated(tmp_path):
         assert row.worker is None and row.request_id == "r0"
         (total,) = await ledger.usage_totals(())  # the hourly sums were filled from the old rows
         assert total.requests == 1 and total.cost_micros == 3
-        await ledger.set_limits("key_old", tokens_per_min=100)
+        await ledger.set_limits("key_old", KeyLimits(tokens_per_min=100))
         assert (await ledger.get_key("key_old")).tokens_per_min == 100
 
 
@@ -307,7 +307,7 @@ def test_keys_cli_goes_through_the_service(tmp_path, capsys):
 
 async def test_tokens_per_minute_limit(make_proxy, limits_backend):
     proxy = await make_proxy({"auth": {"demo_key": True}, "limits": limits_backend})
-    secret, record = await proxy.ledger.create_key("tpm", 50_000_000, tokens_per_min=12)
+    secret, record = await proxy.ledger.create_key("tpm", 50_000_000, limits=KeyLimits(tokens_per_min=12))
     async with aiohttp.ClientSession() as s:
         h = {"Authorization": f"Bearer {secret}"}
         body = {"model": "tiny-org/tiny-model", "input": "Tell me a long story.", "max_output_tokens": 40}
@@ -353,7 +353,7 @@ async def _until_refused(status) -> list[int]:
 
 async def test_daily_budget_refuses_once_spent(make_proxy):
     proxy = await make_proxy({"auth": {"demo_key": True}, "balance": {"lease_max_micros": 0}})
-    secret, record = await proxy.ledger.create_key("budget", 50_000_000, daily_budget_micros=400)
+    secret, record = await proxy.ledger.create_key("budget", 50_000_000, limits=KeyLimits(daily_budget_micros=400))
 
     async with aiohttp.ClientSession() as s:
         statuses = await _until_refused(_budget_client(s, proxy, secret))
@@ -369,8 +369,9 @@ async def test_monthly_budget_refuses_once_spent_and_a_new_day_does_not_reset_it
 
     proxy = await make_proxy({"auth": {"demo_key": True}, "balance": {"lease_max_micros": 0}})
     # The daily budget never binds here: only the monthly one can refuse.
-    secret, record = await proxy.ledger.create_key("monthly", 50_000_000, daily_budget_micros=10_000_000,
-                                                   monthly_budget_micros=400)
+    secret, record = await proxy.ledger.create_key("monthly", 50_000_000,
+                                                   limits=KeyLimits(daily_budget_micros=10_000_000,
+                                                                    monthly_budget_micros=400))
 
     async with aiohttp.ClientSession() as s:
         status = _budget_client(s, proxy, secret)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from proxy.ledger import KeyLimits
+
 playwright_api = pytest.importorskip("playwright.async_api")
 
 CHROMIUM = os.environ.get("CHROMIUM_PATH") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -57,7 +59,7 @@ async def _refusals(proxy, alpha_secret: str) -> dict[int, int]:
     import aiohttp
 
     broke_secret, _ = await proxy.ledger.create_key("broke", 0)
-    slow_secret, _ = await proxy.ledger.create_key("slow", 50_000_000, rate_per_min=1)
+    slow_secret, _ = await proxy.ledger.create_key("slow", 50_000_000, limits=KeyLimits(rate_per_min=1))
     body = {"model": "tiny-org/tiny-model", "input": "hi", "max_output_tokens": 4}
     plan = [("GET", "/v1/nothing", alpha_secret, None, 404)] * 3 + [("POST", "/v1/responses", broke_secret, body, 402)] * 4
     plan += [("POST", "/v1/responses", slow_secret, body, None)] * 3  # the first passes, then 429s

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from middlewares.balance import wait_for_settlements
+from proxy.ledger import KeyLimits
 
 MODEL = "tiny-org/tiny-model"
 PRICES = {"prices": {"default": {"input": 1.0, "output": 2.0}}}
@@ -105,7 +106,8 @@ async def test_the_resolved_model_goes_upstream_and_the_keys_models_apply(make_p
     client = proxy.openai()
     await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
     assert sim.requests[-1]["model"] == MODEL
-    secret, _ = await proxy.ledger.create_key("limited", balance_micros=10_000_000, allowed_models=["other/model"])
+    secret, _ = await proxy.ledger.create_key("limited", balance_micros=10_000_000,
+                                              limits=KeyLimits(allowed_models=["other/model"]))
     with pytest.raises(openai.PermissionDeniedError):
         await proxy.openai(secret).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
 

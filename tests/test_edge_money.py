@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from middlewares.balance import wait_for_settlements
+from proxy.ledger import KeyLimits
 
 MODEL = "tiny-org/tiny-model"
 PRICES = {"prices": {"default": {"input": 1_000_000, "output": 1_000_000}}}  # 1 micro per token
@@ -156,7 +157,8 @@ async def test_audit_over_the_edge_under_hostile_concurrent_load(make_proxy, sim
     proxy = await make_proxy({**PRICES, "balance": section})
     keys = []
     for n, initial in enumerate((1_500, 4_000, 12_000)):
-        secret, record = await proxy.ledger.create_key(f"audit{n}", balance_micros=initial, concurrency=1000)
+        secret, record = await proxy.ledger.create_key(f"audit{n}", balance_micros=initial,
+                                                       limits=KeyLimits(concurrency=1000))
         keys.append((secret, record.key_id, initial))
     cases = CASES
 

@@ -7,6 +7,7 @@ import aiohttp
 import orjson
 import pytest
 
+from proxy.ledger import KeyLimits
 from proxy.upstream.models import resolve_model
 from proxy.simulator.server import Simulator
 from tests.conftest import only
@@ -73,7 +74,8 @@ async def test_exact_name_wins_over_the_stripped_one(make_proxy):
 async def test_key_allowed_models_follow_the_same_rule(make_proxy):
     async with Simulator(models=("Qwen/Qwen3-8B", "other/Qwen3-8B")) as qwen:
         proxy = await make_proxy(workers=[sim_worker("qwen", qwen, ["Qwen/Qwen3-8B", "other/Qwen3-8B"])])
-        secret, _ = await proxy.ledger.create_key("k", balance_micros=10_000_000, allowed_models=["Qwen/Qwen3-8B"])
+        secret, _ = await proxy.ledger.create_key("k", balance_micros=10_000_000,
+                                                  limits=KeyLimits(allowed_models=["Qwen/Qwen3-8B"]))
         assert (await post(proxy, {"model": "Qwen/Qwen3-8B", "input": "hi"}, secret))[0] == 200
         assert (await post(proxy, {"model": "hf/Qwen/Qwen3-8B", "input": "hi"}, secret))[0] == 200
         # the same last segment is another model: not allowed

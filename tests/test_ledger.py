@@ -19,15 +19,20 @@ import pytest
 
 from proxy.ledger import (
     UNSET,
+    ConsoleReads,
     DuplicateRequest,
+    Hold,
     InsufficientBalance,
     KeyRecord,
+    KeyStore,
+    Ledger,
     LedgerError,
+    RequestLedger,
     UnknownKey,
     UsageRecord,
     open_ledger,
 )
-from proxy.ledger import sqlite as ledger_sqlite
+from proxy.ledger import KeyLimits, key_rules, service, sqlite as ledger_sqlite
 from proxy.ledger.writer import Durability
 from proxy.ledger.pricing import (
     UNLIMITED,
@@ -80,8 +85,9 @@ def subprocess_env() -> dict[str, str]:
 
 
 async def test_create_lookup_revoke(ledger, tmp_path):
-    secret, record = await ledger.create_key("alice", 5_000, allowed_models=["a", "vendor/b"], concurrency=3,
-                                             rate_per_min=60)
+    secret, record = await ledger.create_key("alice", 5_000,
+                                             limits=KeyLimits(allowed_models=["a", "vendor/b"], concurrency=3,
+                                                              rate_per_min=60))
     assert SECRET_RE.fullmatch(secret), secret
     assert isinstance(record, KeyRecord)
     assert record.prefix == secret[:12]
@@ -126,14 +132,13 @@ async def test_secret_is_stored_hashed_only(ledger, tmp_path):
 async def test_unknown_secret_takes_the_constant_time_path(ledger, monkeypatch):
     secret, record = await ledger.create_key("dave", 1)
     calls: list[tuple[bytes, bytes]] = []
-    backend = sys.modules[type(ledger).__module__]
-    real = backend.hmac.compare_digest
+    real = key_rules.hmac.compare_digest  # both backends decide by key_rules.presented_key
 
     def spy(a, b):
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(backend.hmac, "compare_digest", spy)
+    monkeypatch.setattr(key_rules.hmac, "compare_digest", spy)
     assert await ledger.lookup_key("sk-rp-" + "A" * 32) is None
     assert len(calls) == 1  # compared (against a dummy) even though no row matched
     assert await ledger.lookup_key(secret[:-1] + ("A" if secret[-1] != "A" else "B")) is None
@@ -146,12 +151,13 @@ async def test_unknown_secret_takes_the_constant_time_path(ledger, monkeypatch):
 
 
 async def test_set_limits_and_top_up(ledger):
-    _, record = await ledger.create_key("erin", 10, allowed_models=["m1"], concurrency=2, rate_per_min=30)
-    updated = await ledger.set_limits(record.key_id, concurrency=None)
+    _, record = await ledger.create_key("erin", 10,
+                                        limits=KeyLimits(allowed_models=["m1"], concurrency=2, rate_per_min=30))
+    updated = await ledger.set_limits(record.key_id, KeyLimits(concurrency=None))
     assert (updated.allowed_models, updated.concurrency, updated.rate_per_min) == (("m1",), None, 30)
-    updated = await ledger.set_limits(record.key_id, allowed_models=None, rate_per_min=7)
+    updated = await ledger.set_limits(record.key_id, KeyLimits(allowed_models=None, rate_per_min=7))
     assert (updated.allowed_models, updated.concurrency, updated.rate_per_min) == (None, None, 7)
-    assert (await ledger.set_limits(record.key_id)) == updated  # nothing given: nothing changes
+    assert (await ledger.set_limits(record.key_id, KeyLimits())) == updated  # nothing given: nothing changes
     assert await ledger.top_up(record.key_id, 90) == 100
     assert await ledger.top_up(record.key_id, -40) == 60
     with pytest.raises(ValueError):
@@ -160,8 +166,56 @@ async def test_set_limits_and_top_up(ledger):
     with pytest.raises(UnknownKey):
         await ledger.top_up("key_missing", 1)
     with pytest.raises(UnknownKey):
-        await ledger.set_limits("key_missing", concurrency=1)
+        await ledger.set_limits("key_missing", KeyLimits(concurrency=1))
     assert UNSET is not None and not UNSET
+
+
+def test_key_limits_is_one_frozen_value_whose_unset_fields_are_not_given():
+    assert KeyLimits().given() == {}
+    limits = KeyLimits(concurrency=None, rate_per_min=3, expires_at=UNSET)
+    assert limits.given() == {"concurrency": None, "rate_per_min": 3}  # None is given: it clears
+    assert limits == KeyLimits(rate_per_min=3, concurrency=None) and hash(limits) == hash(KeyLimits(concurrency=None,
+                                                                                                  rate_per_min=3))
+    with pytest.raises(AttributeError):  # frozen (dataclasses.FrozenInstanceError is an AttributeError)
+        limits.concurrency = 1  # type: ignore[misc]
+    assert service.parse_limits({"tokens_per_min": 5}) == KeyLimits(tokens_per_min=5)
+    assert service.LIMIT_FIELDS == tuple(KeyLimits.__dataclass_fields__)
+
+
+async def test_lease_support_is_declared_and_a_ledger_without_it_refuses_lease_calls():
+    class Exact(RequestLedger):  # the request path only, no leases: the interface's defaults
+        async def lookup_key(self, secret):
+            return None
+
+        async def available(self, key_id):
+            return 10
+
+        async def hold(self, request_id, key_id, amount_micros, ttl_s):
+            return Hold(request_id, key_id, amount_micros, time.time() + ttl_s)
+
+        async def settle(self, request_id, usage, *, linger=True):
+            return True
+
+        async def release(self, request_id, *, linger=True):
+            return False
+
+        async def expire_holds(self, now=None):
+            return 0
+
+        async def spend_since(self, key_id, since):
+            return 0
+
+    exact = Exact()
+    assert ledger_sqlite.SQLiteLedger.supports_leases and not exact.supports_leases
+    assert all(issubclass(Ledger, part) for part in (RequestLedger, KeyStore, ConsoleReads))
+    assert (await exact.hold_up_to("r1", "k", 1, 50, 60)).amount_micros == 10
+    with pytest.raises(LedgerError):
+        await exact.hold_up_to("r2", "k", 1, 50, 60, lease_return=("lease:x", 5))
+    with pytest.raises(LedgerError):
+        await exact.lease_grow("lease:x", "k", 1, 5, 60)
+    with pytest.raises(LedgerError):
+        await exact.lease_commit([], [])
+    assert not Leases(exact, hold_ttl_s=60).enabled  # so Leases keeps to the exact path
 
 
 # ---------------------------------------------------------------- holds and settles
@@ -434,7 +488,7 @@ async def test_key_generation_moves_on_key_changes(ledger):
     g0 = ledger.key_generation
     await ledger.top_up(key.key_id, 5)
     assert ledger.key_generation == g0  # balances are not part of the cached record's contract
-    await ledger.set_limits(key.key_id, concurrency=3)
+    await ledger.set_limits(key.key_id, KeyLimits(concurrency=3))
     g1 = ledger.key_generation
     assert g1 == g0 + 1 if is_sqlite(ledger) else g1 > g0  # postgres: its own NOTIFY comes back too
     await ledger.revoke(key.key_id)

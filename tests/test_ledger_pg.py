@@ -13,7 +13,7 @@ import time
 import aiohttp
 import pytest
 
-from proxy.ledger import LedgerUnavailable, UsageRecord, open_ledger
+from proxy.ledger import KeyLimits, LedgerUnavailable, UsageRecord, open_ledger
 from proxy.ledger.pg_schema import MIGRATIONS, latest_version
 from proxy.ledger.spool import Spool, decode, encode, release_record, settle_record, usage_of
 
@@ -137,7 +137,7 @@ async def test_key_changes_reach_another_replica_at_once(pg_dsn, tmp_path):
     b = open_ledger(pg_section(pg_dsn, tmp_path / "b"))
     async with a, b:
         secret, key = await a.create_key("k", 10)
-        for change in (lambda: a.set_limits(key.key_id, concurrency=2), lambda: a.rotate_key(key.key_id),
+        for change in (lambda: a.set_limits(key.key_id, KeyLimits(concurrency=2)), lambda: a.rotate_key(key.key_id),
                        lambda: a.revoke(key.key_id)):
             seen = b.key_generation
             t0 = time.monotonic()

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from proxy.config.load import Config
+from proxy.ledger import KeyLimits
 from proxy.runtime.supervisor import _child_config
 from tests.conftest import free_port, sim_input
 
@@ -154,13 +155,13 @@ async def test_global_concurrency_is_never_exceeded_across_two_processes(stack, 
 async def test_per_key_concurrency_and_rate_are_shared(stack, http):
     sim, ledger, launch = stack
     a, b = await launch("a"), await launch("b")
-    two, _ = await ledger.create_key("two", balance_micros=100_000_000, concurrency=2)
+    two, _ = await ledger.create_key("two", balance_micros=100_000_000, limits=KeyLimits(concurrency=2))
     sim.reset_peak()
     results = await asyncio.gather(*(post(http, a if i % 2 else b, two, slow()) for i in range(6)))
     assert codes(results) == [(200, None)] * 2 + [(429, "concurrency_limit")] * 4
     assert sim.peak_in_flight == 2
 
-    three, _ = await ledger.create_key("three-a-minute", balance_micros=100_000_000, rate_per_min=3)
+    three, _ = await ledger.create_key("three-a-minute", balance_micros=100_000_000, limits=KeyLimits(rate_per_min=3))
     statuses = [(await post(http, proxy, three))[:2] for proxy in (a, b, a, b, a)]
     assert [s for s, _ in statuses] == [200, 200, 200, 429, 429]
     assert 1 <= int(statuses[3][1]["Retry-After"]) <= 20  # about 60 s / 3 for the next token
@@ -169,7 +170,7 @@ async def test_per_key_concurrency_and_rate_are_shared(stack, http):
 async def test_tokens_per_minute_are_shared(stack, http):
     sim, ledger, launch = stack
     a, b = await launch("a"), await launch("b")
-    key, _ = await ledger.create_key("tpm", balance_micros=100_000_000, tokens_per_min=12)
+    key, _ = await ledger.create_key("tpm", balance_micros=100_000_000, limits=KeyLimits(tokens_per_min=12))
     body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 40}
     status, _, first = await post(http, a, key, body)
     assert status == 200 and first["usage"]["input_tokens"] + first["usage"]["output_tokens"] >= 24
@@ -181,7 +182,7 @@ async def test_tokens_per_minute_are_shared(stack, http):
 async def test_slots_are_renewed_while_a_request_runs_and_expire_when_its_process_dies(stack, http):
     sim, ledger, launch = stack
     a, c = await launch("a"), await launch("c")
-    key, _ = await ledger.create_key("one", balance_micros=100_000_000, concurrency=1)
+    key, _ = await ledger.create_key("one", balance_micros=100_000_000, limits=KeyLimits(concurrency=1))
     long = await open_stream(http, a, key, slow(seconds=TTL * 2.5, words=40))
     await asyncio.sleep(TTL * 1.5)  # past the slot's first expiry: only the heartbeat keeps it
     assert (await post(http, c, key))[0] == 429
@@ -206,7 +207,7 @@ async def _status_is(http, proxy, key, wanted: int) -> bool:
 async def test_redis_down_closed_refuses_open_admits_and_both_recover(stack, http, redis_db):
     sim, ledger, launch = stack
     closed, opened = await launch("closed", on_error="closed", retry_after_s=2), await launch("open")
-    key, _ = await ledger.create_key("k", balance_micros=100_000_000, concurrency=1)
+    key, _ = await ledger.create_key("k", balance_micros=100_000_000, limits=KeyLimits(concurrency=1))
     assert (await post(http, closed, key))[0] == 200
     redis_db.stop()
     for _ in range(3):
@@ -238,7 +239,7 @@ async def test_a_frozen_redis_is_a_bounded_wait_not_a_hang(stack, http, redis_db
     admitted when open), and once it answers again the limits are shared again."""
     sim, ledger, launch = stack
     closed, opened = await launch("closed", on_error="closed"), await launch("open")
-    key, _ = await ledger.create_key("k", balance_micros=100_000_000, concurrency=1)
+    key, _ = await ledger.create_key("k", balance_micros=100_000_000, limits=KeyLimits(concurrency=1))
     assert (await post(http, closed, key))[0] == 200
     os.kill(redis_db.proc.pid, signal.SIGSTOP)
     try:

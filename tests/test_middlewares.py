@@ -14,6 +14,7 @@ import pytest
 import middlewares.balance as balance_mw
 from middlewares.notices import header_value, sanitize
 from proxy import state
+from proxy.ledger import KeyLimits
 from proxy.ledger.pricing import cost_micros, price_for
 from proxy.protocol.prompt import prompt_bound
 from proxy.protocol.translate import translate_request
@@ -144,7 +145,7 @@ async def test_auth_cache_revoke_and_limits_in_process_take_effect_at_once(make_
     p = await make_proxy({"auth": {"key_cache_ttl_s": 3600}})
     secret, record = await p.ledger.create_key("changing", balance_micros=10_000_000)
     assert (await call(http, p, key=secret))[0] == 200
-    await p.ledger.set_limits(record.key_id, allowed_models=["other-model"])
+    await p.ledger.set_limits(record.key_id, KeyLimits(allowed_models=["other-model"]))
     status, _, body = await call(http, p, key=secret)
     assert status == 403 and body["error"]["code"] == "model_not_allowed"
     await p.ledger.revoke(record.key_id)
@@ -187,12 +188,14 @@ async def test_auth_guards_models_but_not_healthz(make_proxy, http):
 
 async def test_auth_model_not_allowed_is_403(make_proxy, http):
     p = await make_proxy()
-    secret, _ = await p.ledger.create_key("limited", balance_micros=10_000_000, allowed_models=["other-model"])
+    secret, _ = await p.ledger.create_key("limited", balance_micros=10_000_000,
+                                          limits=KeyLimits(allowed_models=["other-model"]))
     status, _, body = await call(http, p, key=secret)
     assert status == 403
     assert body["error"]["code"] == "model_not_allowed"
     assert body["error"]["param"] == "model"
-    ok_secret, _ = await p.ledger.create_key("vendor", balance_micros=10_000_000, allowed_models=["acme/tiny-org/tiny-model"])
+    ok_secret, _ = await p.ledger.create_key("vendor", balance_micros=10_000_000,
+                                             limits=KeyLimits(allowed_models=["acme/tiny-org/tiny-model"]))
     assert (await call(http, p, key=ok_secret))[0] == 200
 
 
@@ -248,7 +251,7 @@ async def _slow_stream(http, p, key, seconds_per_delta=0.05, words=60):
 
 async def test_per_key_concurrency_429_with_retry_after(make_proxy, http, sim, limits_backend):
     p = await make_proxy({"limits": {"retry_after_s": 3, **limits_backend}})
-    secret, _ = await p.ledger.create_key("one-at-a-time", balance_micros=10_000_000, concurrency=1)
+    secret, _ = await p.ledger.create_key("one-at-a-time", balance_micros=10_000_000, limits=KeyLimits(concurrency=1))
     other, _ = await p.ledger.create_key("other", balance_micros=10_000_000)
     slow = await _slow_stream(http, p, secret, seconds_per_delta=0.02, words=40)
     status, headers, body = await call(http, p, key=secret)
@@ -281,7 +284,7 @@ async def _ok(coro) -> bool:
 
 async def test_slot_released_when_client_disconnects(make_proxy, http, sim, limits_backend):
     p = await make_proxy({"limits": limits_backend})
-    secret, _ = await p.ledger.create_key("one", balance_micros=10_000_000, concurrency=1)
+    secret, _ = await p.ledger.create_key("one", balance_micros=10_000_000, limits=KeyLimits(concurrency=1))
     slow = await _slow_stream(http, p, secret, seconds_per_delta=0.5)
     assert (await call(http, p, key=secret))[0] == 429
     slow.close()  # the client goes away mid-stream
@@ -290,7 +293,7 @@ async def test_slot_released_when_client_disconnects(make_proxy, http, sim, limi
 
 async def test_rate_limit_per_key(make_proxy, http, limits_backend):
     p = await make_proxy({"limits": limits_backend})
-    secret, _ = await p.ledger.create_key("two-a-minute", balance_micros=10_000_000, rate_per_min=2)
+    secret, _ = await p.ledger.create_key("two-a-minute", balance_micros=10_000_000, limits=KeyLimits(rate_per_min=2))
     assert (await call(http, p, key=secret))[0] == 200
     assert (await call(http, p, key=secret))[0] == 200
     status, headers, body = await call(http, p, key=secret)
@@ -614,7 +617,7 @@ async def test_no_overdraft_under_200_concurrent_requests(make_proxy, http):
     body = {"model": MODEL, "max_output_tokens": 20, "input": sim_input(delay=0.02)}
     hold = prompt_bound(translate_request(body).chat).tokens + 20
     initial = 10 * hold
-    secret, record = await p.ledger.create_key("ten", balance_micros=initial, concurrency=1000)
+    secret, record = await p.ledger.create_key("ten", balance_micros=initial, limits=KeyLimits(concurrency=1000))
     results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(200)))
     statuses = [r[0] for r in results]
     ok = statuses.count(200)
@@ -671,7 +674,7 @@ async def test_partial_holds_under_200_concurrent_requests(make_proxy, http):
     estimate = prompt_bound(translate_request(body).chat).tokens
     hold = estimate + 20
     initial = 7 * hold + estimate + 9  # room for 7 whole requests and one with a cap of <= 9
-    secret, record = await p.ledger.create_key("partial", balance_micros=initial, concurrency=1000)
+    secret, record = await p.ledger.create_key("partial", balance_micros=initial, limits=KeyLimits(concurrency=1000))
     results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(200)))
     statuses = [r[0] for r in results]
     ok = statuses.count(200)
@@ -698,7 +701,7 @@ async def test_leased_key_drained_by_a_burst_never_overdraws(make_proxy, http):
     body = {"model": MODEL, "max_output_tokens": 20, "input": sim_input(delay=0.02)}
     hold = prompt_bound(translate_request(body).chat).tokens + 20
     initial = 10 * hold + 7  # the bound is ~10x the real cost; near the end holds are sized by the worker
-    secret, record = await p.ledger.create_key("leased", balance_micros=initial, concurrency=1000)
+    secret, record = await p.ledger.create_key("leased", balance_micros=initial, limits=KeyLimits(concurrency=1000))
     for _ in range(3):  # steady traffic: a lease is granted
         results = await asyncio.gather(*(call(http, p, body, key=secret) for _ in range(8)))
         assert [r[0] for r in results] == [200] * 8

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from middlewares import balance as balance_mw
+from proxy.ledger import KeyLimits
 from proxy.ledger.pricing import Price, cost_micros
 from proxy.protocol.prompt import prompt_bound
 from proxy.protocol.translate import translate_request
@@ -65,7 +66,7 @@ async def test_concurrent_byte_dense_inputs_cannot_overdraw(make_proxy, http, si
     the holds are upper bounds, so the admitted ones are billed in full, nothing clamps."""
     p = await make_proxy({"prices": PRICES})
     initial = 100_000
-    secret, record = await p.ledger.create_key("dense", balance_micros=initial, concurrency=100)
+    secret, record = await p.ledger.create_key("dense", balance_micros=initial, limits=KeyLimits(concurrency=100))
     bodies = [{"model": MODEL, "max_output_tokens": 16, "input": f"q{i} " + ",;" * 10_000}  # no cache hits
               for i in range(10)]
     results = await asyncio.gather(*(call(http, p, body, key=secret) for body in bodies))
@@ -303,9 +304,9 @@ async def test_amounts_beyond_64_bits_are_refused(ledger_path):
         with pytest.raises(ValueError):
             await ledger.top_up(record.key_id, 2**64)
         with pytest.raises(ValueError, match="positive"):
-            await ledger.create_key("zero", balance_micros=5, concurrency=0)
+            await ledger.create_key("zero", balance_micros=5, limits=KeyLimits(concurrency=0))
         with pytest.raises(ValueError, match="positive"):
-            await ledger.set_limits(record.key_id, rate_per_min=0)
+            await ledger.set_limits(record.key_id, KeyLimits(rate_per_min=0))
         keys = await ledger.list_keys()
         assert all(type(k.balance_micros) is int for k in keys)
 
@@ -430,7 +431,8 @@ async def test_audit_under_hostile_concurrent_load(make_proxy, http, sim, monkey
     p = await make_proxy({"prices": PRICES, "balance": section})
     keys = []
     for n, initial in enumerate((3_000, 12_000, 40_000)):
-        secret, record = await p.ledger.create_key(f"audit{n}", balance_micros=initial, concurrency=1000)
+        secret, record = await p.ledger.create_key(f"audit{n}", balance_micros=initial,
+                                                   limits=KeyLimits(concurrency=1000))
         keys.append((secret, record.key_id, initial))
 
     async def one(secret: str, i: int) -> None:

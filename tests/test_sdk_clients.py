@@ -18,6 +18,7 @@ from openai.types.responses import Response
 
 from tests.sdk_check import check_sequence, parse_sse, validate_response, validate_sdk_response
 from tests.conftest import POLICIES, only
+from proxy.ledger import KeyLimits
 
 PIPELINE = only(*POLICIES)  # every policy: auth (demo key), balance...
 WEATHER = {
@@ -170,7 +171,8 @@ async def test_429_rate_limit(sim, proxy):
 
 
 async def test_429_concurrency_limit_of_a_key(sim, proxy):
-    secret, record = await proxy.ledger.create_key("one-at-a-time", balance_micros=10**9, concurrency=1)
+    secret, record = await proxy.ledger.create_key("one-at-a-time", balance_micros=10**9,
+                                                   limits=KeyLimits(concurrency=1))
     sim.script({"text": "slow " * 40, "delay": 0.05})
     client = proxy.openai(api_key=secret)
     async with client.responses.stream(model="tiny-org/tiny-model", input="long") as first:

@@ -20,6 +20,7 @@ from aiohttp import WSMsgType
 from proxy.http import units
 from proxy.http.routes import ROUTES, unit_for
 from proxy.http.units import AUTH, BALANCE, BODY, LIMITS, MODELS, ORDER, SIZES, TRANSLATE
+from proxy.ledger import KeyLimits
 
 MODEL = "tiny-org/tiny-model"
 SEAL = {"reasoning_seal": {"keys": {"k1": base64.urlsafe_b64encode(os.urandom(32)).decode()}}}
@@ -39,14 +40,14 @@ class Probe:
         self.proxy, self.unit = proxy, unit
 
     async def key(self, phase: str) -> tuple[str, str]:
-        kwargs: dict[str, Any] = {"balance_micros": 10_000_000}
+        balance, limits = 10_000_000, KeyLimits()
         if phase == LIMITS:
-            kwargs["rate_per_min"] = 1
+            limits = KeyLimits(rate_per_min=1)
         elif phase == MODELS:
-            kwargs["allowed_models"] = ["other-org/other-model"]
+            limits = KeyLimits(allowed_models=["other-org/other-model"])
         elif phase == BALANCE:
-            kwargs["balance_micros"] = 0
-        secret, record = await self.proxy.ledger.create_key(f"probe-{phase}", **kwargs)
+            balance = 0
+        secret, record = await self.proxy.ledger.create_key(f"probe-{phase}", balance, limits)
         return secret, record.key_id
 
     def body(self, phase: str) -> dict[str, Any]:
@@ -213,8 +214,8 @@ async def test_the_compaction_summary_turn_is_billed_but_takes_no_second_slot(ma
     still gets its compaction (the summary does not ask for a second slot)."""
     proxy = await make_proxy({**CONFIG, "compact": {"keep_recent_items": 1}})
     window = [{"type": "message", "role": "user", "content": f"turn {i}"} for i in range(4)]
-    for kwargs, expected in (({"balance_micros": 0}, 402), ({"balance_micros": 10_000_000, "concurrency": 1}, 200)):
-        secret, _ = await proxy.ledger.create_key(f"compact-{expected}", **kwargs)
+    for balance, limits, expected in ((0, KeyLimits(), 402), (10_000_000, KeyLimits(concurrency=1), 200)):
+        secret, _ = await proxy.ledger.create_key(f"compact-{expected}", balance, limits)
         sim.script({"text": "A summary."})
         async with http.post(proxy.url + "/v1/responses/compact", json={"model": MODEL, "input": window},
                              headers={"Authorization": f"Bearer {secret}"}) as resp:

@@ -13,6 +13,7 @@ from aiohttp import WSMsgType
 from openai.types.responses.responses_server_event import ResponseWsError
 from openresponses_types import types as spec_types
 
+from proxy.ledger import KeyLimits
 from tests.sdk_check import check_sequence, normalise, parse_sse, validate_spec_ws_error
 
 MODEL = "tiny-org/tiny-model"
@@ -365,7 +366,8 @@ async def test_each_turn_meets_the_rate_limit(sim, make_proxy, http):
     """The limits policy runs per turn, not once per handshake: a key allowed one request a
     minute gets its second turn refused as a 429 error event carrying Retry-After."""
     proxy = await make_proxy({})
-    secret, _ = await proxy.ledger.create_key("one-a-minute", balance_micros=10_000_000, rate_per_min=1)
+    secret, _ = await proxy.ledger.create_key("one-a-minute", balance_micros=10_000_000,
+                                              limits=KeyLimits(rate_per_min=1))
     async with http.ws_connect(ws_url(proxy), headers=auth(secret)) as ws:
         sim.script({"text": "first"})
         assert (await turn(ws, {"model": MODEL, "input": "one"}))[-1]["type"] == "response.completed"

@@ -13,6 +13,8 @@ import orjson
 import pytest
 from aiohttp import WSMsgType
 
+from proxy.ledger import KeyLimits
+
 MODEL = "tiny-org/tiny-model"
 
 
@@ -142,7 +144,8 @@ async def test_limits_refuse_a_message_before_it_is_parsed(make_proxy, sim):
     """A spent rate is a 429 for what follows, whatever it is: the message is not read (an
     invalid one would be a 400 if it were), and the queue it would have joined holds."""
     proxy = await make_proxy({})
-    secret, _ = await proxy.ledger.create_key("one-a-minute", balance_micros=10_000_000, rate_per_min=1)
+    secret, _ = await proxy.ledger.create_key("one-a-minute", balance_micros=10_000_000,
+                                              limits=KeyLimits(rate_per_min=1))
     async with aiohttp.ClientSession() as http:
         async with http.ws_connect(proxy.url + "/v1/responses", headers=_auth(secret)) as ws:
             await ws.send_bytes(_create())

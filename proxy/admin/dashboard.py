@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -160,7 +161,7 @@ async def overview(request: web.Request) -> web.Response:
     ledger = ledger_of(request)
     until = time.time()
     since = until - span
-    window = {"since": since}
+    window: dict[str, Any] = {"since": since}
     by_key_time = await guarded(ledger.usage_totals((bucket, "key"), **window))
     by_model_time = await guarded(ledger.usage_totals((bucket, "model"), **window))
     by_key = await guarded(ledger.usage_totals(("key",), **window))

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError
-from proxy.ledger import LedgerError, UnknownKey
+from proxy.ledger import Ledger, LedgerError, UnknownKey
 from proxy.ledger.service import (
     TOTAL_FIELDS,
     USAGE_FIELDS,
@@ -48,7 +48,7 @@ def json_response(data: Any, status: int = 200) -> web.Response:
                         headers={"Cache-Control": "no-store"})
 
 
-def ledger_of(request: web.Request) -> Any:
+def ledger_of(request: web.Request) -> Ledger:
     ledger = request.config_dict.get(state.LEDGER)
     if ledger is None:
         raise APIError(503, "No ledger (ledger.backend is none): there are no keys to manage.", code="no_ledger")

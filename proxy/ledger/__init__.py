@@ -15,14 +15,16 @@ The flow for one request:
   release(request_id)             drops the hold without charge (nothing was produced)
   expire_holds()                  drops holds whose ttl has passed (crashed requests)
 
-Backends with `supports_leases` (SQLiteLedger) also offer lease_grow / lease_commit, which
-proxy.ledger.lease.Leases uses to take request holds from a per-process lease in memory and
-commit settles in batches (see that module); the balance middleware goes through Leases.
+Backends with `supports_leases` (both of them) also implement lease_grow / lease_commit,
+which proxy.ledger.lease.Leases uses to take request holds from a per-process lease in memory
+and commit settles in batches (see that module); the balance middleware goes through Leases.
 
-Key management and the operator's console (create / rotate / limits / budgets / expiry, the
-audit log, usage rows and totals over time ranges, spend since a time) are abstract methods
-of the same interface; proxy.ledger.service holds their rules, shared by the keys CLI and the
-admin API (proxy/admin/).
+The interface is split by who uses it (proxy/ledger/interface.py): `RequestLedger` (the flow
+above, spend since a time for budgets, leases), `KeyStore` (create / rotate / limits as one
+`KeyLimits` value / top up / revoke, the audit log's writes) and `ConsoleReads` (the audit
+log, usage rows and totals over time ranges); `Ledger` is their union, what a backend
+implements. proxy.ledger.service holds the key and report rules, shared by the keys CLI and
+the admin API (proxy/admin/).
 
 Secrets never appear in logs, exception messages or reprs; they are stored as sha256.
 """
@@ -45,8 +47,8 @@ from proxy.ledger.base import (  # the interface, re-exported: callers import it
     DuplicateRequest,
     Hold,
     InsufficientBalance,
+    KeyLimits,
     KeyRecord,
-    Ledger,
     LedgerError,
     LedgerFault,
     LedgerUnavailable,
@@ -54,6 +56,7 @@ from proxy.ledger.base import (  # the interface, re-exported: callers import it
     UsageRecord,
     UsageTotals,
 )
+from proxy.ledger.interface import ConsoleReads, KeyStore, Ledger, RequestLedger
 
 __all__ = [
     "KeyRecord",
@@ -70,6 +73,10 @@ __all__ = [
     "DuplicateRequest",
     "InsufficientBalance",
     "Ledger",
+    "RequestLedger",
+    "KeyStore",
+    "ConsoleReads",
+    "KeyLimits",
     "UNSET",
     "open_ledger",
     "SECRET_PREFIX",

@@ -1,14 +1,15 @@
-"""The ledger interface: the records, the errors and the abstract `Ledger` every backend implements.
+"""The ledger's values: the records, `KeyLimits` and the errors every backend and caller shares.
 
-proxy.ledger (the package) re-exports all of it with `open_ledger`; backends (proxy.ledger.sqlite)
-import it from here, so the package can import its backends without an import cycle.
+The abstract interface built on them is proxy/ledger/interface.py (`RequestLedger`, `KeyStore`,
+`ConsoleReads` and their union `Ledger`). proxy.ledger (the package) re-exports both with
+`open_ledger`; backends (proxy.ledger.sqlite) import them from these modules, so the package can
+import its backends without an import cycle.
 """
 
 from __future__ import annotations
 
-import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -19,7 +20,8 @@ USAGE_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled", "e
 
 
 class _Unset:
-    """Sentinel for `set_limits`: "leave this limit as it is" (None means "clear it")."""
+    """Sentinel for a KeyLimits field: "not given", so set_limits leaves that limit as it is
+    (None means "clear it") and create_key starts the key without it."""
 
     _instance: _Unset | None = None
 
@@ -36,6 +38,33 @@ class _Unset:
 
 
 UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLimits:
+    """A key's limits as one value: what create_key starts a key with and what set_limits
+    changes. A field left UNSET is not given: create_key reads it as None (no limit), set_limits
+    leaves the key's value as it is; None clears a limit. The values are checked by the ledger
+    (proxy/ledger/key_rules.py) and, from JSON, by proxy/ledger/service.py parse_limits."""
+
+    allowed_models: Sequence[str] | _Unset | None = UNSET  # None: every model
+    concurrency: int | _Unset | None = UNSET  # requests in flight
+    rate_per_min: int | _Unset | None = UNSET  # requests per minute
+    tokens_per_min: int | _Unset | None = UNSET  # input + output tokens per minute
+    daily_budget_micros: int | _Unset | None = UNSET  # spend per UTC day
+    monthly_budget_micros: int | _Unset | None = UNSET  # spend per UTC calendar month
+    expires_at: float | _Unset | None = UNSET  # Unix time; None: never
+
+    def given(self) -> dict[str, Any]:
+        """The fields given (not UNSET) by name, in field order: what set_limits changes and
+        what an audit entry records."""
+        return {name: value for name in KEY_LIMIT_FIELDS if (value := getattr(self, name)) is not UNSET}
+
+
+NO_LIMITS = KeyLimits()  # every field UNSET: a new key without limits
+
+# KeyLimits' field names, in order (the admin API's and the CLI's limit fields are these).
+KEY_LIMIT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(KeyLimits))
 
 
 @dataclass(frozen=True)
@@ -217,200 +246,3 @@ class InsufficientBalance(LedgerError):
         super().__init__(message)
         self.available_micros = available_micros
         self.requested_micros = requested_micros
-
-
-class Ledger(abc.ABC):
-    """The async ledger interface. Every method is safe to call concurrently."""
-
-    # True when lease_grow / lease_commit exist (proxy/ledger/lease.py); else Leases always
-    # takes the exact per-request path.
-    supports_leases: bool = False
-
-    # The cause of a fault no retry fixes (LedgerFault.cause), while it lasts; None when
-    # healthy. Leases are not spent meanwhile and /readyz names it.
-    fault: str | None = None
-
-    # Bumped (after the commit) by every change to a key made through THIS object (revoke,
-    # set_limits). An in-process cache of lookup_key results remembers the value it saw
-    # before its lookup and drops entries filled under an older one, so a revoke through
-    # the same ledger takes effect at once; changes by other processes (the CLI, other
-    # workers) are only bounded by the cache's TTL.
-    key_generation: int = 0
-
-    # lifecycle
-    @abc.abstractmethod
-    async def start(self) -> None:
-        """Open storage, create the schema, and expire holds whose ttl has passed."""
-
-    @abc.abstractmethod
-    async def close(self) -> None:
-        """Finish every queued operation, then close storage. Idempotent."""
-
-    async def __aenter__(self) -> Ledger:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    # the request path
-    @abc.abstractmethod
-    async def lookup_key(self, secret: str) -> KeyRecord | None:
-        """The key for a presented secret; None for unknown or revoked keys."""
-
-    @abc.abstractmethod
-    async def available(self, key_id: str) -> int:
-        """Balance minus the open (unexpired) holds. UnknownKey if there is no such key."""
-
-    @abc.abstractmethod
-    async def hold(self, request_id: str, key_id: str, amount_micros: int, ttl_s: float) -> Hold:
-        """Reserve funds atomically. InsufficientBalance if available < amount;
-        DuplicateRequest if the request id has a hold or was settled; UnknownKey."""
-
-    async def hold_up_to(
-        self, request_id: str, key_id: str, min_micros: int, max_micros: int, ttl_s: float
-    ) -> Hold:
-        """Hold min(available, max_micros) if available >= min_micros, else raise
-        InsufficientBalance(available, min_micros); DuplicateRequest / UnknownKey as hold().
-
-        This default is correct for any backend whose hold() is atomic (hold() re-checks, so
-        a race can only make it retry, never overdraw) but costs two round trips; backends
-        override it with a single atomic operation (SQLiteLedger does)."""
-        if not 0 <= min_micros <= max_micros:
-            raise ValueError("need 0 <= min_micros <= max_micros")
-        available = 0
-        for _ in range(3):
-            available = await self.available(key_id)
-            if available < min_micros:
-                break
-            try:
-                return await self.hold(request_id, key_id, min(available, max_micros), ttl_s)
-            except InsufficientBalance:
-                continue  # another request took part of it meanwhile
-        raise InsufficientBalance(max(available, 0), min_micros)
-
-    @abc.abstractmethod
-    async def settle(self, request_id: str, usage: UsageRecord, *, linger: bool = True) -> bool:
-        """Record usage and debit its cost exactly once, dropping the hold in the same
-        transaction. The debit is clamped at the balance (never below 0) and at the request's
-        own hold while it exists; the record keeps both cost_micros and debited_micros. False
-        (and no debit) if already settled. `linger`: the backend may wait a few ms for other
-        settles to share the commit (False: someone is waiting for this one)."""
-
-    async def settle_behind(self, request_id: str, usage: UsageRecord) -> None:
-        """Settle a request whose client waits for the end of its answer: the settlement is
-        durable when this returns, and applied (as settle, exactly once) then or a moment
-        later. A ledger on a database server writes it to a local file first and applies it
-        after (proxy/ledger/pg_spool.py), so the answer does not wait on a round trip; a
-        local ledger's commit is that file: it settles now."""
-        await self.settle(request_id, usage, linger=False)
-
-    async def settled(self, timeout: float = 2.0) -> None:  # noqa: B027 - a hook: a local ledger has nothing to wait for
-        """Wait (at most `timeout`, never raising) until every settle_behind of this object is
-        applied; a local ledger applies them at once."""
-
-    @abc.abstractmethod
-    async def release(self, request_id: str, *, linger: bool = True) -> bool:
-        """Drop a hold without charge. True if there was one. `linger` as for settle()."""
-
-    @abc.abstractmethod
-    async def expire_holds(self, now: float | None = None) -> int:
-        """Drop holds with expires_at <= now; returns how many."""
-
-    @abc.abstractmethod
-    async def usage(self, request_id: str) -> UsageRecord | None:
-        """The usage record of a settled request."""
-
-    @abc.abstractmethod
-    async def list_usage(self, key_id: str | None = None, limit: int = 50) -> list[UsageRecord]:
-        """The most recent usage records, newest first (optionally for one key)."""
-
-    # key management (the CLI and tests)
-    @abc.abstractmethod
-    async def create_key(
-        self,
-        name: str,
-        balance_micros: int = 0,
-        allowed_models: list[str] | tuple[str, ...] | None = None,
-        concurrency: int | None = None,
-        rate_per_min: int | None = None,
-        *,
-        tokens_per_min: int | None = None,
-        daily_budget_micros: int | None = None,
-        monthly_budget_micros: int | None = None,
-        expires_at: float | None = None,
-    ) -> tuple[str, KeyRecord]:
-        """A new key; returns the secret (shown once, never stored) and the record."""
-
-    @abc.abstractmethod
-    async def get_key(self, key_id: str) -> KeyRecord | None:
-        """A key by id, revoked or not."""
-
-    @abc.abstractmethod
-    async def list_keys(self) -> list[KeyRecord]:
-        """Every key, oldest first, revoked included."""
-
-    @abc.abstractmethod
-    async def top_up(self, key_id: str, micros: int) -> int:
-        """Add to the balance (negative corrects it, never below 0); returns the new balance."""
-
-    @abc.abstractmethod
-    async def set_limits(
-        self,
-        key_id: str,
-        *,
-        allowed_models: Any = UNSET,
-        concurrency: Any = UNSET,
-        rate_per_min: Any = UNSET,
-        tokens_per_min: Any = UNSET,
-        daily_budget_micros: Any = UNSET,
-        monthly_budget_micros: Any = UNSET,
-        expires_at: Any = UNSET,
-    ) -> KeyRecord:
-        """Change limits; UNSET leaves a limit alone, None clears it. Bumps key_generation."""
-
-    @abc.abstractmethod
-    async def revoke(self, key_id: str) -> None:
-        """Revoke a key (lookup_key returns None for it from now on)."""
-
-    @abc.abstractmethod
-    async def rotate_key(self, key_id: str) -> tuple[str, KeyRecord]:
-        """A new secret for the same key (same id, balance, limits, usage); the old secret
-        stops working at once (lookup_key). Returns the new secret, shown once. UnknownKey;
-        LedgerError for a revoked key. Bumps key_generation."""
-
-    # the operator's console (proxy/ledger/service.py, proxy/admin)
-    @abc.abstractmethod
-    async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
-        """Append one entry to the audit log (append-only; its time is the ledger's now)."""
-
-    @abc.abstractmethod
-    async def list_audit(self, *, key_id: str | None = None, since: float | None = None,
-                         until: float | None = None, before_seq: int | None = None,
-                         limit: int = 100) -> list[AuditEntry]:
-        """Audit entries, newest first: created_at in [since, until), seq < before_seq (the
-        cursor of the next page), at most `limit`."""
-
-    @abc.abstractmethod
-    async def usage_rows(self, *, since: float | None = None, until: float | None = None,
-                         key_id: str | None = None, model: str | None = None,
-                         before_seq: int | None = None, limit: int = 100,
-                         statuses: tuple[str, ...] | None = None) -> list[tuple[int, UsageRecord]]:
-        """Usage records as (seq, record), newest first: created_at in [since, until),
-        optionally of one key, one model (the served model: UsageRecord.grouped_model) and
-        some statuses, seq < before_seq (the next page's cursor)."""
-
-    @abc.abstractmethod
-    async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,
-                           until: float | None = None, key_id: str | None = None,
-                           model: str | None = None, statuses: tuple[str, ...] | None = None) -> list[UsageTotals]:
-        """Sums over usage records with created_at in [since, until) (and the filters),
-        grouped by the USAGE_GROUPS names in `group_by` (none: one total), ordered by the
-        group values. "day" / "hour" group by the UTC bucket's start (Unix seconds); "model"
-        (and the `model` filter) is the served model (UsageRecord.grouped_model), never the
-        client's unbounded string."""
-
-    @abc.abstractmethod
-    async def spend_since(self, key_id: str, since: float) -> int:
-        """The sum of debited_micros of the key's usage records with created_at >= since
-        (budgets and GET /v1/key: one indexed range read)."""

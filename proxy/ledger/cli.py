@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy.config import settings as config_settings
-from proxy.ledger import UNSET, KeyRecord, LedgerError, open_ledger, resolve_path
+from proxy.ledger import UNSET, ConsoleReads, KeyRecord, LedgerError, open_ledger, resolve_path
+from proxy.ledger.pg_spool import PgSpoolOps
 from proxy.ledger.service import (
     TOTAL_FIELDS,
     USAGE_FIELDS,
@@ -334,7 +335,7 @@ def _print_secret(secret: str, record: KeyRecord, as_json: bool, out: Any) -> No
     print("The secret is shown once and is not stored; keep it now.", file=out)
 
 
-async def _usage(ledger: Any, args: argparse.Namespace, out: Any) -> None:
+async def _usage(ledger: ConsoleReads, args: argparse.Namespace, out: Any) -> None:
     fmt = args.format or ("json" if getattr(args, "json", False) else "table")
     query = UsageQuery({"since": args.since, "until": args.until, "key_id": args.key, "model": args.model,
                         "group_by": args.group_by or "", "limit": max(1, min(args.limit or 1, 1000))})
@@ -441,16 +442,16 @@ async def _spool(args: argparse.Namespace, config: Any, out: Any) -> int:
     alone (show: no database needed), or replayed now (replay)."""
     section = _locate(args, config)
     ledger = open_ledger(section, base_dir=_base_dir(args, config))
-    spool = getattr(ledger, "spool", None)
-    if spool is None:
+    if not isinstance(ledger, PgSpoolOps):
         print(f"the {section.backend} ledger writes locally: it has no spool", file=out)
         return 0
+    spool = ledger.spool
     applied = 0
     if args.action == "replay":
         try:
             await ledger.start()  # replays a waiting spool itself, before anything else
             try:
-                applied = ledger.stats["replayed"] + await ledger.replay_spool()  # type: ignore[attr-defined]  # it has a spool
+                applied = ledger.stats["replayed"] + await ledger.replay_spool()
             finally:
                 await ledger.close()
         except LedgerError as exc:  # still broken: say why, and what still waits

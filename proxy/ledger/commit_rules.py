@@ -1,8 +1,10 @@
-"""The lease commit's rules, shared by both backends (sqlite.py, postgres.py): the row a usage
-record is inserted as, each usage checked once into its row, and what a commit changes on the
-lease rows. Pure: values in, rows and changes out; the backends hold the SQL.
+"""The money rules of the request path, shared by both backends (sqlite.py, postgres.py,
+pg_usage.py): what a hold, a settle and a lease grow may be asked for, what a settle debits,
+what a lease grows by, the row a usage record is inserted as, each usage checked once into its
+row, and what a lease commit changes on the lease rows. Pure: values in, rows and changes out;
+the backends hold the SQL.
 
-A usage row, in the INSERT order of both backends (schema.py _INSERT_USAGE, pg_usage.py
+A usage row, in the INSERT order of both backends (sqlite_usage.py _INSERT_USAGE, pg_usage.py
 USAGE_COLUMNS; rollup.py reads the same positions): request_id, key_id, model, input_tokens,
 cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros, status,
 created_at, worker, served_model, endpoint.
@@ -10,10 +12,64 @@ created_at, worker, served_model, endpoint.
 
 from __future__ import annotations
 
-from proxy.ledger.base import UsageRecord
-from proxy.ledger.schema import _check_usage
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["usage_row", "checked_rows", "lease_row_changes", "note_debits"]
+from proxy.ledger.base import UnknownKey, UsageRecord
+from proxy.ledger.schema import _check_usage, _check_usage_values, _int
+
+__all__ = ["hold_range", "hold_ttl", "check_settle", "settle_debit", "lease_grow_args", "lease_grant", "usage_row",
+           "checked_rows", "plan_batch", "lease_row_changes", "note_debits"]
+
+COST = 7  # a usage row's cost_micros (and debited_micros next to it, DEBITED)
+DEBITED = 8
+
+
+def hold_range(min_micros: Any, max_micros: Any) -> tuple[int, int]:
+    """hold_up_to's (min, max), checked: integers, min <= max."""
+    low = _int(min_micros, "min_micros")
+    high = _int(max_micros, "max_micros")
+    if low > high:
+        raise ValueError("min_micros must not exceed max_micros")
+    return low, high
+
+
+def hold_ttl(request_id: str, ttl_s: Any) -> float:
+    """A hold's ttl, checked with its request id (required)."""
+    if not request_id:
+        raise ValueError("request_id is required")
+    ttl = float(ttl_s)
+    if not ttl > 0:
+        raise ValueError("ttl_s must be positive")
+    return ttl
+
+
+def check_settle(request_id: str, usage: UsageRecord) -> None:
+    """ValueError unless `usage` can be settled as `request_id`."""
+    if not request_id:
+        raise ValueError("request_id is required")
+    _check_usage_values(usage)
+
+
+def settle_debit(cost: int, balance: int, held: int | None) -> int:
+    """What a settle debits: its cost, never more than the balance, nor than the request's own
+    hold while it exists (the money others hold stays theirs). A hold that expired meanwhile
+    (None) no longer bounds it."""
+    return max(0, min(cost, balance) if held is None else min(cost, balance, held))
+
+
+def lease_grow_args(min_micros: Any, max_micros: Any, ttl_s: Any, share: Any) -> tuple[int, int, float, int]:
+    """lease_grow's (min, max, ttl, share), checked."""
+    return _int(min_micros, "min_micros"), _int(max_micros, "max_micros"), float(ttl_s), max(1, int(share))
+
+
+def lease_grant(available: int, low: int, high: int, share: int) -> int:
+    """What a lease grows by: min(high, available // share), `available` without the lease
+    itself, so other processes keep the rest; nothing when that is below `low` (less than one
+    request like the current one: the key stays on the exact path)."""
+    grant = min(high, max(0, available) // share)
+    return grant if grant >= low else 0
 
 
 def usage_row(usage: UsageRecord, request_id: str | None = None) -> tuple:
@@ -37,6 +93,28 @@ def checked_rows(usages: list[tuple[str, UsageRecord]]) -> list[tuple | ValueErr
             continue
         rows.append(usage_row(usage))
     return rows
+
+
+def plan_batch(rows: list, balances: Mapping[str, int | None]
+               ) -> tuple[list[int | BaseException | None], list[int], bool]:
+    """A lease commit's batch of checked_rows against its keys' balances (None or absent: no
+    such key): (per row: its error, else None for now; the indexes of the rows to insert, in
+    order; whether a debit may clamp, i.e. some key's costs exceed its balance, so that each
+    debit depends on those before it and the rows go one at a time). `type(row) is tuple`
+    tells a row from its ValueError, which mypy cannot narrow on."""
+    results: list[int | BaseException | None] = [None] * len(rows)
+    wanted: dict[str, int] = defaultdict(int)  # the costs per known key
+    todo: list[int] = []
+    for i, row in enumerate(rows):
+        if type(row) is not tuple:
+            results[i] = row
+        elif balances.get(row[1]) is None:
+            results[i] = UnknownKey(row[1])
+        else:
+            wanted[row[1]] += row[COST]
+            todo.append(i)
+    clamps = any(cost > balances[key_id] for key_id, cost in wanted.items())  # type: ignore[operator]  # known keys
+    return results, todo, clamps
 
 
 def lease_row_changes(taken: dict[str, int], leases: list[tuple[str, int, float | None, bool]],

@@ -1,19 +1,37 @@
-"""The rules of a key's values, shared by every backend (sqlite_keys.py, pg_keys.py): what a
-new key, a limit change and a top-up may hold. Pure: values in, checked values or ValueError
-out; the backends only write what these return."""
+"""The rules of keys, shared by every backend (sqlite_keys.py, pg_keys.py, and the request
+path's lookup in sqlite.py and postgres.py): what a new key, a limit change and a top-up may
+hold, which secret a presented one matches, what each KeyStore change means (which
+changes bump key_generation, when a key cannot be rotated), and how an audit entry is stored.
+
+The values part is pure: values in, checked values or ValueError out. `RuledKeyStore` holds
+the KeyStore operations built from them, once; a backend mixes it in and supplies only the
+SQL of each change (the `_write_*` methods), so the backends differ in SQL and driver code.
+"""
 
 from __future__ import annotations
 
+import abc
+import hashlib
+import hmac
+import json
 import secrets
 from typing import Any, NamedTuple
 
-from proxy.ledger.base import UNSET
-from proxy.ledger.schema import _int, _models_json, _opt_limit, hash_secret, new_secret
+from proxy.ledger.base import NO_LIMITS, AuditEntry, KeyLimits, KeyRecord, LedgerError, UnknownKey
+from proxy.ledger.interface import KeyStore
+from proxy.ledger.schema import _int, _key_record, _models_json, _opt_limit, hash_secret, new_secret
 from proxy.ledger.usage import MAX_AMOUNT
 
 # The limit columns of a key, in the order the backends' INSERT lists them after the balance.
 LIMIT_COLUMNS = ("allowed_models", "concurrency", "rate_per_min", "expires_at", "tokens_per_min",
                  "daily_budget_micros", "monthly_budget_micros")
+# Every column of a new key's row, in the order of NewKey.row().
+INSERT_COLUMNS = ("key_id", "name", "prefix", "secret_sha256", "balance_micros", *LIMIT_COLUMNS,
+                  "revoked", "created_at")
+PREFIX_CHARS = 12  # the secret's first characters kept for display ("sk-rp-" + 6)
+
+# Compared against when a presented secret matches no row, so both paths do the same work.
+DUMMY_HASH = hashlib.sha256(b"responses-proxy: no such key").digest()
 
 
 def opt_budget(value: Any, what: str) -> int | None:
@@ -51,27 +69,130 @@ class NewKey(NamedTuple):
     balance: int
     limits: tuple  # the LIMIT_COLUMNS values
 
+    @property
+    def prefix(self) -> str:
+        return self.secret[:PREFIX_CHARS]
 
-def new_key(name: Any, balance_micros: Any, limits: dict[str, Any]) -> NewKey:
-    """A key to create: its name, balance and limits checked, a fresh id and secret."""
+    def row(self, now: float) -> tuple:
+        """The keys row, in INSERT_COLUMNS order."""
+        return (self.key_id, self.name, self.prefix, self.digest, self.balance, *self.limits, False, now)
+
+
+def new_key(name: Any, balance_micros: Any, limits: KeyLimits) -> NewKey:
+    """A key to create: its name, balance and limits checked (a limit UNSET is None), a fresh
+    id and secret."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError("a key needs a name")
     balance = _int(balance_micros, "balance_micros")
-    values = tuple(_CHECKS[c](limits.get(c), c) for c in LIMIT_COLUMNS)
+    given = limits.given()
+    values = tuple(_CHECKS[c](given.get(c), c) for c in LIMIT_COLUMNS)
     secret = new_secret()
     return NewKey("key_" + secrets.token_hex(8), secret, hash_secret(secret), name.strip(), balance, values)
 
 
-def limit_changes(limits: dict[str, Any]) -> dict[str, Any]:
+def limit_changes(limits: KeyLimits) -> dict[str, Any]:
     """The columns a set_limits call changes (UNSET: left alone, None: cleared), checked."""
-    return {column: _CHECKS[column](value, column) for column, value in limits.items() if value is not UNSET}
+    return {column: _CHECKS[column](value, column) for column, value in limits.given().items()}
 
 
-def topped_up(balance: int, amount: int) -> int:
+def topped_up(key_id: str, balance: int | None, amount: int) -> int:
     """The balance after a top-up (a negative one corrects it), never below 0 nor above the
-    largest amount the ledger keeps."""
+    largest amount the ledger keeps; UnknownKey when the key has no balance (no row)."""
+    if balance is None:
+        raise UnknownKey(key_id)
     if balance + amount < 0:
         raise ValueError(f"the balance would go below zero ({balance} + {amount})")
     if balance + amount > MAX_AMOUNT:
         raise ValueError(f"the balance would exceed {MAX_AMOUNT} micros ({balance} + {amount})")
     return balance + amount
+
+
+def check_rotatable(key_id: str, revoked: Any) -> None:
+    """A key may get a new secret unless it is missing (revoked None: no row) or revoked."""
+    if revoked is None:
+        raise UnknownKey(key_id)
+    if revoked:
+        raise LedgerError(f"key {key_id!r} is revoked: create a new key instead")
+
+
+def presented_key(digest: bytes, row: Any) -> KeyRecord | None:
+    """The key a presented secret (its `digest`) finds: `row` is (secret_sha256, *KEY_COLUMNS)
+    found by the digest, or None. The index finds the row; the decision is a constant-time
+    compare of the hashes, done on both the found and the not-found path. None for a revoked
+    or expired key."""
+    stored = bytes(row[0]) if row else DUMMY_HASH
+    if not hmac.compare_digest(stored, digest) or row is None:
+        return None
+    record = _key_record(tuple(row)[1:])
+    return None if record.revoked or record.expired() else record
+
+
+# The audit table's columns as both backends read them (audit_entry); they insert the rest.
+AUDIT_COLUMNS = "seq, created_at, actor, action, key_id, details"
+AUDIT_INSERT_COLUMNS = "created_at, actor, action, key_id, details"
+
+
+def audit_values(now: float, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> tuple:
+    """An audit row in AUDIT_INSERT_COLUMNS order: the details as JSON (sorted keys; a value
+    JSON has no type for, as its str)."""
+    return now, str(actor), str(action), key_id, json.dumps(details, sort_keys=True, default=str)
+
+
+def audit_entry(row: Any) -> AuditEntry:
+    """An audit row, read in AUDIT_COLUMNS order."""
+    return AuditEntry(row[0], row[1], row[2], row[3], row[4], json.loads(row[5]))
+
+
+class RuledKeyStore(KeyStore):
+    """KeyStore's changes by the rules above; a backend supplies the SQL of each (`_write_*`,
+    each one transaction). A change a cached lookup could miss (limits, revoke, rotate) bumps
+    key_generation after it, also on error: a cache flush is always safe."""
+
+    async def create_key(self, name: str, balance_micros: int = 0,
+                         limits: KeyLimits = NO_LIMITS) -> tuple[str, KeyRecord]:
+        key = new_key(name, balance_micros, limits)
+        return key.secret, await self._write_new_key(key)
+
+    async def top_up(self, key_id: str, micros: int) -> int:
+        return await self._write_top_up(key_id, _int(micros, "micros", minimum=None))
+
+    async def set_limits(self, key_id: str, limits: KeyLimits) -> KeyRecord:
+        changes = limit_changes(limits)
+        try:
+            return await self._write_limits(key_id, changes)
+        finally:
+            self.key_generation += 1
+
+    async def revoke(self, key_id: str) -> None:
+        try:
+            await self._write_revoked(key_id)
+        finally:
+            self.key_generation += 1  # after the commit: caches filled before it are stale
+
+    async def rotate_key(self, key_id: str) -> tuple[str, KeyRecord]:
+        secret = new_secret()
+        try:
+            return secret, await self._write_secret(key_id, secret[:PREFIX_CHARS], hash_secret(secret))
+        finally:
+            self.key_generation += 1
+
+    @abc.abstractmethod
+    async def _write_new_key(self, key: NewKey) -> KeyRecord:
+        """Insert key.row(now) and, for a balance, its first top-up row; the record."""
+
+    @abc.abstractmethod
+    async def _write_top_up(self, key_id: str, amount: int) -> int:
+        """Add `amount` to the balance (topped_up checks it, under the row's lock) and record
+        the top-up; the new balance."""
+
+    @abc.abstractmethod
+    async def _write_limits(self, key_id: str, changes: dict[str, Any]) -> KeyRecord:
+        """Set the changed columns (none: just read the key); UnknownKey; the record."""
+
+    @abc.abstractmethod
+    async def _write_revoked(self, key_id: str) -> None:
+        """Mark the key revoked; UnknownKey."""
+
+    @abc.abstractmethod
+    async def _write_secret(self, key_id: str, prefix: str, digest: bytes) -> KeyRecord:
+        """Replace the key's secret (check_rotatable first, under the row's lock); the record."""

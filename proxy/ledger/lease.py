@@ -60,7 +60,7 @@ import time
 from typing import Any
 
 from proxy.config import settings as config_settings
-from proxy.ledger import Hold, Ledger, UsageRecord
+from proxy.ledger import Hold, RequestLedger, UsageRecord
 
 # Defaults of config.yaml `balance` and `ledger` (a Leases made without a configuration: tests, benches).
 _BALANCE, _LEDGER = config_settings.of("balance"), config_settings.of("ledger")
@@ -127,7 +127,7 @@ class _Key:
 class Leases:
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: RequestLedger,
         *,
         hold_ttl_s: float,
         max_micros: int = _BALANCE.lease_max_micros,
@@ -141,14 +141,14 @@ class Leases:
     ) -> None:
         self.ledger = ledger
         self.hold_ttl_s = float(hold_ttl_s)
-        self.enabled = bool(getattr(ledger, "supports_leases", False)) and max_micros > 0
+        self.enabled = ledger.supports_leases and max_micros > 0
         self.max_micros = int(max_micros)
         self.seconds = float(seconds)
         self.min_rate = int(min_rate)
         self.idle_s = float(idle_s)
         self.ttl_s = min(float(ttl_s), self.hold_ttl_s)  # never outlive a request hold
-        if linger_s is None:
-            linger_s = getattr(ledger, "settle_linger_s", _LEDGER.settle_linger_ms / 1000)
+        if linger_s is None:  # no balance.lease_commit_ms given (tests, benches): ledger.settle_linger_ms's default
+            linger_s = _LEDGER.settle_linger_ms / 1000
         self.linger_s = max(0.0, float(linger_s))
         self.commit_rows = max(1, int(commit_rows))
         self._keys: dict[str, _Key] = {}
@@ -199,8 +199,8 @@ class Leases:
         k.free -= give_back
         self.stats["exact_holds"] += 1
         if give_back:
-            op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s,  # type: ignore[call-arg]
-                                        lease_return=(k.lease_id, give_back))  # a ledger with supports_leases
+            op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s,
+                                        lease_return=(k.lease_id, give_back))
         else:
             op = self.ledger.hold_up_to(request_id, key_id, low, high, self.hold_ttl_s)
         # A client that goes away (aiohttp cancels its handler) while the hold is in flight
@@ -290,7 +290,7 @@ class Leases:
         try:
             self.stats["grows"] += 1
             # At least one request like the latest, or nothing (then stay on the exact path).
-            granted, existed = await self.ledger.lease_grow(  # type: ignore[attr-defined]  # supports_leases
+            granted, existed = await self.ledger.lease_grow(
                 k.lease_id, k.key_id, min(k.typical, want), want, self.ttl_s
             )
             if k.row and not existed:
@@ -327,7 +327,7 @@ class Leases:
         leases = [(lease_id, give_back, None if drop else self.ttl_s, drop)
                   for _, lease_id, give_back, drop in adjust]
         try:
-            results, lapsed = await self.ledger.lease_commit(  # type: ignore[attr-defined]  # supports_leases
+            results, lapsed = await self.ledger.lease_commit(
                 [(lid, u) for _, lid, u in batch], leases)
         except Exception:
             log.exception("committing %d usage records failed; they stay unbilled", len(batch))

@@ -7,38 +7,37 @@ as proxy/ledger/sqlite_console.py, by the same rule (proxy/ledger/rollup.py): to
 hourly sums (usage_hourly, proxy/ledger/pg_schema.py migrations 3 and 4) for the whole UTC hours
 of the range and the usage rows for its ragged ends (and for a status filter), over the
 indexes usage_by_time(created_at) and usage_by_key_time(key_id, created_at) INCLUDE
-(debited_micros), all in one REPEATABLE READ snapshot.
+(debited_micros), all in one REPEATABLE READ snapshot. What a filter selects is rollup.py's too,
+an audit row's encoding proxy/ledger/key_rules.py's.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from proxy.ledger.base import USAGE_GROUPS, USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
-from proxy.ledger.rollup import check_group_by, merge_totals, split_totals
+from proxy.ledger.key_rules import AUDIT_COLUMNS, AUDIT_INSERT_COLUMNS, audit_entry, audit_values
+from proxy.ledger.rollup import (
+    GROUP_SQL,
+    ROLLUP_GROUP_SQL,
+    Filters,
+    check_group_by,
+    hourly_filters,
+    merge_totals,
+    split_totals,
+    usage_filters,
+)
 
-# A row's model in totals and the model filter: the served model, else (rows from before it
-# was kept) the client's string (UsageRecord.grouped_model; usage_hourly.model holds the same).
-SERVED_MODEL_SQL = "COALESCE(served_model, model)"
 _GROUP_SQL = {
-    "key": "key_id",
-    "model": SERVED_MODEL_SQL,
-    "worker": "worker",
+    **GROUP_SQL,
     "day": "(floor(created_at / 86400) * 86400)::bigint",
     "hour": "(floor(created_at / 3600) * 3600)::bigint",
 }
 assert set(_GROUP_SQL) == set(USAGE_GROUPS)
 # The same groups over usage_hourly.
-_ROLLUP_GROUP_SQL = {
-    "key": "key_id",
-    "model": "model",
-    "worker": "NULLIF(worker, '')",
-    "day": "hour / 86400 * 86400",
-    "hour": "hour",
-}
+_ROLLUP_GROUP_SQL = {**ROLLUP_GROUP_SQL, "day": "hour / 86400 * 86400"}
 _ROLLUP_SUMS = (
     "COALESCE(SUM(requests), 0)::bigint, COALESCE(SUM(input_tokens), 0)::bigint,"
     " COALESCE(SUM(cached_tokens), 0)::bigint, COALESCE(SUM(output_tokens), 0)::bigint,"
@@ -52,31 +51,12 @@ _SUMS = (
 )
 
 
-def _where(since: float | None, until: float | None, key_id: str | None, model: str | None,
-           before_seq: int | None = None, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
-    clauses: list[str] = []
-    params: list[Any] = []
-    for clause, value in (("key_id = ", key_id), ("created_at >= ", None if since is None else float(since)),
-                          ("created_at < ", None if until is None else float(until)),
-                          (f"{SERVED_MODEL_SQL} = ", model),
-                          ("seq < ", None if before_seq is None else int(before_seq))):
-        if value is not None:
-            params.append(value)
-            clauses.append(f"{clause}${len(params)}")
+def _where(filters: Filters, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
+    clauses = [f"{clause} ${i + 1}" for i, (clause, _) in enumerate(filters)]
+    params: list[Any] = [value for _, value in filters]
     if statuses:
         params.append(list(statuses))
         clauses.append(f"status = ANY(${len(params)}::text[])")
-    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
-
-
-def _hourly_where(first: int | None, end: int | None, key_id: str | None, model: str | None
-                  ) -> tuple[str, list[Any]]:
-    clauses: list[str] = []
-    params: list[Any] = []
-    for clause, value in (("key_id = ", key_id), ("model = ", model), ("hour >= ", first), ("hour < ", end)):
-        if value is not None:
-            params.append(value)
-            clauses.append(f"{clause}${len(params)}")
     return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
 
@@ -94,26 +74,23 @@ class PgConsoleOps:
     _db: Callable[..., Awaitable[Any]]
 
     async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
-        text = json.dumps(details, sort_keys=True, default=str)
-
         async def op(conn: Any) -> AuditEntry:
-            now = time.time()
+            values = audit_values(time.time(), actor, action, key_id, details)
             seq = await conn.fetchval(
-                "INSERT INTO audit (created_at, actor, action, key_id, details) VALUES ($1, $2, $3, $4, $5)"
-                " RETURNING seq", now, str(actor), str(action), key_id, text)
-            return AuditEntry(seq, now, str(actor), str(action), key_id, json.loads(text))
+                f"INSERT INTO audit ({AUDIT_INSERT_COLUMNS}) VALUES ($1, $2, $3, $4, $5) RETURNING seq", *values)
+            return audit_entry((seq, *values))
 
         return await self._db(op, transaction=False)
 
     async def list_audit(self, *, key_id: str | None = None, since: float | None = None,
                          until: float | None = None, before_seq: int | None = None,
                          limit: int = 100) -> list[AuditEntry]:
-        where, params = _where(since, until, key_id, None, before_seq)
+        where, params = _where(usage_filters(since, until, key_id, None, before_seq))
 
         async def op(conn: Any) -> list[AuditEntry]:
-            rows = await conn.fetch(f"SELECT seq, created_at, actor, action, key_id, details FROM audit{where}"
+            rows = await conn.fetch(f"SELECT {AUDIT_COLUMNS} FROM audit{where}"
                                     f" ORDER BY seq DESC LIMIT ${len(params) + 1}", *params, page_limit(limit))
-            return [AuditEntry(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+            return [audit_entry(r) for r in rows]
 
         return await self._db(op, transaction=False)
 
@@ -121,7 +98,7 @@ class PgConsoleOps:
                          key_id: str | None = None, model: str | None = None,
                          before_seq: int | None = None, limit: int = 100,
                          statuses: tuple[str, ...] | None = None) -> list[tuple[int, UsageRecord]]:
-        where, params = _where(since, until, key_id, model, before_seq, statuses)
+        where, params = _where(usage_filters(since, until, key_id, model, before_seq), statuses)
 
         async def op(conn: Any) -> list[tuple[int, UsageRecord]]:
             rows = await conn.fetch(f"SELECT {USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC"
@@ -136,10 +113,10 @@ class PgConsoleOps:
         check_group_by(group_by)
         raw, whole = split_totals(since, until, statuses)
         queries = [_totals_sql(group_by, _GROUP_SQL, _SUMS, "usage",
-                               *_where(lo, hi, key_id, model, statuses=statuses)) for lo, hi in raw]
+                               *_where(usage_filters(lo, hi, key_id, model), statuses)) for lo, hi in raw]
         if whole is not None:
             queries.append(_totals_sql(group_by, _ROLLUP_GROUP_SQL, _ROLLUP_SUMS, "usage_hourly",
-                                       *_hourly_where(*whole, key_id, model)))
+                                       *_where(hourly_filters(whole, key_id, model))))
 
         async def op(conn: Any) -> list[UsageTotals]:
             if len(queries) == 1:  # one statement is one snapshot already

@@ -1,7 +1,8 @@
 """The PostgreSQL ledger's usage rows: the row of a UsageRecord, and lease_commit's batch
 (insert exactly once, debit clamped at the balance, take the debits off the lease rows).
-The same contract as proxy/ledger/schema.py's _record_usage (tests/test_ledger_lease_commit.py
-checks both against one model), in PostgreSQL: the key rows locked first, in key_id order.
+The same contract as proxy/ledger/sqlite_usage.py's record_usage (tests/test_ledger_lease_commit.py
+checks both against one model), by the same rules (proxy/ledger/commit_rules.py), in
+PostgreSQL: the key rows locked first, in key_id order.
 The hourly sums of the rows inserted here are added by the database itself, in the same
 transaction (the trigger of proxy/ledger/pg_schema.py migration 3): nothing to call.
 """
@@ -12,11 +13,11 @@ from collections import defaultdict
 from typing import Any
 
 from proxy.ledger.base import UnknownKey
-from proxy.ledger.commit_rules import lease_row_changes
+from proxy.ledger.commit_rules import COST, DEBITED, lease_row_changes, plan_batch, settle_debit
 
 USAGE_COLUMNS = ("request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
                  " cost_micros, debited_micros, status, created_at, worker, served_model, endpoint")
-_COST, _DEBITED = 7, 8  # positions in a usage row (proxy/ledger/commit_rules.py)
+_COST, _DEBITED = COST, DEBITED  # positions in a usage row (proxy/ledger/commit_rules.py)
 _TYPES = ("text", "text", "text", "bigint", "bigint", "bigint", "bigint", "bigint", "bigint", "text",
           "float8", "text", "text", "text")
 _INSERT_ONE = (f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
@@ -42,22 +43,12 @@ async def insert_usage_batch(conn: Any, rows: list[Any], lease_ids: list[str]
     """Insert the rows (or their validation errors) in order, each exactly once, debiting
     its cost clamped at what is left of its key's balance. Returns (per row: the debit,
     None if recorded already, or the error; per lease id, the debits of its new rows).
-    `rows` as proxy.ledger.schema._record_usage takes them."""
-    results: list[int | BaseException | None] = [None] * len(rows)
+    `rows` as proxy.ledger.sqlite_usage.record_usage takes them."""
     balances = await _lock_balances(conn, rows)
-    wanted: dict[str, int] = defaultdict(int)
-    todo: list[int] = []
-    for i, row in enumerate(rows):
-        if type(row) is not tuple:
-            results[i] = row
-        elif row[1] not in balances:
-            results[i] = UnknownKey(row[1])
-        else:
-            wanted[row[1]] += row[_COST]
-            todo.append(i)
+    results, todo, clamps = plan_batch(rows, balances)
     debits: dict[str, int] = defaultdict(int)
     taken: dict[str, int] = defaultdict(int)
-    if todo and all(cost <= balances[key_id] for key_id, cost in wanted.items()):
+    if todo and not clamps:
         # Nothing clamps, whichever rows turn out to be new: one statement for the batch.
         columns = [list(col) for col in zip(*(rows[i] for i in todo))]
         fresh = {r[0] for r in await conn.fetch(_INSERT_MANY, *columns)}
@@ -71,7 +62,7 @@ async def insert_usage_batch(conn: Any, rows: list[Any], lease_ids: list[str]
     else:  # a balance runs out: each debit depends on those before it
         for i in todo:
             row = rows[i]
-            debit = min(row[_COST], balances[row[1]])
+            debit = settle_debit(row[_COST], balances[row[1]], None)
             status = await conn.execute(_INSERT_ONE, *row[:_DEBITED], debit, *row[_DEBITED + 1:])
             if status.endswith(" 0"):
                 continue
@@ -110,7 +101,7 @@ async def settle_batch(conn: Any, rows: list[tuple]) -> list[int | BaseException
         if request_id in known:
             continue
         known.add(request_id)
-        debit = max(0, min(row[_COST], balances[key_id], held.get(request_id, row[_COST])))
+        debit = settle_debit(row[_COST], balances[key_id], held.get(request_id))
         balances[key_id] -= debit
         fresh.append(row[:_DEBITED] + (debit,) + row[_DEBITED + 1:])
         where.append(i)

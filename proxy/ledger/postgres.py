@@ -42,7 +42,6 @@ the proxy under an advisory lock (proxy/ledger/pg_schema.py).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -58,14 +57,26 @@ from proxy.ledger.base import (
     DuplicateRequest,
     Hold,
     InsufficientBalance,
-    Ledger,
+    KeyRecord,
     LedgerError,
     LedgerFault,
     LedgerUnavailable,
     UnknownKey,
     UsageRecord,
 )
-from proxy.ledger.commit_rules import checked_rows, note_debits, usage_row
+from proxy.ledger.commit_rules import (
+    check_settle,
+    checked_rows,
+    hold_range,
+    hold_ttl,
+    lease_grant,
+    lease_grow_args,
+    note_debits,
+    settle_debit,
+    usage_row,
+)
+from proxy.ledger.interface import Ledger
+from proxy.ledger.key_rules import presented_key
 from proxy.ledger.pg_console import PgConsoleOps
 from proxy.ledger.pg_errors import FAULT, RETRY, classify, describe
 from proxy.ledger.pg_faults import PgFaults
@@ -74,9 +85,8 @@ from proxy.ledger.pg_listen import KeyListener
 from proxy.ledger.pg_schema import migrate
 from proxy.ledger.pg_spool import PgSpoolOps
 from proxy.ledger.pg_usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
-from proxy.ledger.schema import _check_usage_values, _int, _key_record, hash_secret
+from proxy.ledger.schema import _int, hash_secret
 from proxy.ledger.spool import Spool, release_record, settle_record
-from proxy.ledger.sqlite import _DUMMY_HASH
 
 log = logging.getLogger("proxy.ledger")
 _DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger opened without one
@@ -265,7 +275,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
 
     # ------------------------------------------------------------------ the request path
 
-    async def lookup_key(self, secret: str) -> Any:
+    async def lookup_key(self, secret: str) -> KeyRecord | None:
         if not isinstance(secret, str) or not secret:
             return None
         try:
@@ -277,12 +287,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
             return await conn.fetchrow(f"SELECT secret_sha256, {KEY_COLUMNS} FROM keys WHERE secret_sha256 = $1",
                                        digest)
 
-        row = await self._db(op, transaction=False)
-        stored = bytes(row[0]) if row else _DUMMY_HASH
-        if not hmac.compare_digest(stored, digest) or row is None:
-            return None
-        record = _key_record(tuple(row)[1:])
-        return None if record.revoked or record.expired() else record
+        return presented_key(digest, await self._db(op, transaction=False))
 
     async def available(self, key_id: str) -> int:
         await self.settled()  # a client asking after its answer sees it settled
@@ -306,21 +311,14 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
                          *, lease_return: tuple[str, int] | None = None) -> Hold:
         """`lease_return` as SQLiteLedger.hold_up_to: that much of a lease goes back first, in
         the same transaction, kept even when the hold is refused."""
-        low = _int(min_micros, "min_micros")
-        high = _int(max_micros, "max_micros")
-        if low > high:
-            raise ValueError("min_micros must not exceed max_micros")
+        low, high = hold_range(min_micros, max_micros)
         if lease_return is not None and lease_return[1] <= 0:
             lease_return = None
         return await self._hold(request_id, key_id, low, high, ttl_s, lease_return)
 
     async def _hold(self, request_id: str, key_id: str, low: int, high: int, ttl_s: float,
                     lease_return: tuple[str, int] | None) -> Hold:
-        if not request_id:
-            raise ValueError("request_id is required")
-        ttl = float(ttl_s)
-        if not ttl > 0:
-            raise ValueError("ttl_s must be positive")
+        ttl = hold_ttl(request_id, ttl_s)
         self._refuse_if_faulty()
 
         lease_id, give_back = lease_return if lease_return is not None else (None, 0)
@@ -353,9 +351,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
                 return None
             if balance is None:
                 raise UnknownKey(usage.key_id)
-            # Never more than the request's own hold, nor than the balance (as sqlite).
-            cost = usage.cost_micros
-            debit = min(cost, balance) if held is None else min(cost, balance, held)
+            debit = settle_debit(usage.cost_micros, balance, held)
             status = await conn.execute(
                 f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
                 " $13, $14) ON CONFLICT (request_id) DO NOTHING", *row[:8], debit, *row[9:])
@@ -370,9 +366,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         return await self._db(op)
 
     async def settle(self, request_id: str, usage: UsageRecord, *, linger: bool = True) -> bool:
-        if not request_id:
-            raise ValueError("request_id is required")
-        _check_usage_values(usage)
+        check_settle(request_id, usage)
         try:
             debited = await self._settle_db(request_id, usage)
         except Exception as exc:  # whatever the reason, a settlement is never dropped
@@ -428,10 +422,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
                          share: int = 2) -> tuple[int, bool]:
         """As SQLiteLedger.lease_grow: add min(max, available // share) (available without
         the lease itself) to the lease row, push its expiry; nothing below min_micros."""
-        low = _int(min_micros, "min_micros")
-        high = _int(max_micros, "max_micros")
-        share = max(1, int(share))
-        ttl = float(ttl_s)
+        low, high, ttl, share = lease_grow_args(min_micros, max_micros, ttl_s, share)
         self._refuse_if_faulty()
 
         async def op(conn: asyncpg.Connection) -> tuple[int, bool]:
@@ -443,10 +434,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
                 "SELECT (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds WHERE key_id = $1"
                 " AND expires_at > $2 AND request_id <> $3),"
                 " (SELECT amount_micros FROM holds WHERE request_id = $3 AND expires_at > $2)", key_id, now, lease_id)
-            available = balance - others - (own or 0)
-            grant = min(high, max(0, available) // share)
-            if grant < low:
-                grant = 0
+            grant = lease_grant(balance - others - (own or 0), low, high, share)
             if own is None:  # absent, or expired (then it counts for nothing: start afresh)
                 if not grant:
                     await conn.execute("DELETE FROM holds WHERE request_id = $1", lease_id)

@@ -11,20 +11,24 @@
   * how a time range is answered: `split_totals` splits [since, until) into the whole UTC
     hours between (read from the sums) and the ragged ends (read from the rows); a status
     filter reads the rows only (the sums keep no status);
-  * how the parts' answers combine into the totals (`merge_totals`).
+  * how the parts' answers combine into the totals (`merge_totals`);
+  * what the console's filters select (`usage_filters` over the usage rows, `hourly_filters`
+    over the sums) and the group columns the two backends spell alike.
 
-Pure: no SQL dialect, no I/O. proxy/ledger/sqlite_console.py and pg_console.py hold the SQL.
+Pure: no I/O, and only the SQL both dialects spell alike. proxy/ledger/sqlite_console.py and
+pg_console.py hold the rest of the SQL.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from proxy.ledger.base import USAGE_GROUPS, UsageTotals
 
 HOUR = 3600
-# Positions in a usage row as both backends insert it (schema.py _INSERT_USAGE, pg_usage.py
+# Positions in a usage row as both backends insert it (sqlite_usage.py _INSERT_USAGE, pg_usage.py
 # USAGE_COLUMNS): request_id, key_id, model, input, cached, output, reasoning, cost, debited,
 # status, created_at, worker, served_model, endpoint.
 _KEY, _MODEL, _INPUT, _CREATED, _WORKER, _SERVED = 1, 2, 3, 10, 11, 12
@@ -53,6 +57,33 @@ def hourly_sums(inserted: Iterable[tuple[Sequence, int]]) -> list[tuple]:
         sums[5] += row[_INPUT + 4]
         sums[6] += debit
     return [(*group, *sums) for group, sums in groups.items()]
+
+
+# A row's model in totals and the model filter: the served model, else (rows from before it
+# was kept) the client's string (UsageRecord.grouped_model; usage_hourly.model holds the same).
+SERVED_MODEL_SQL = "COALESCE(served_model, model)"
+# The groups over the usage rows and over usage_hourly that both backends write the same;
+# each adds "day" and "hour" (the UTC bucket's start, Unix seconds) in its own SQL.
+GROUP_SQL = {"key": "key_id", "model": SERVED_MODEL_SQL, "worker": "worker"}
+ROLLUP_GROUP_SQL = {"key": "key_id", "model": "model", "worker": "NULLIF(worker, '')", "hour": "hour"}
+
+Filters = list[tuple[str, Any]]  # (an SQL expression and its comparison, the value): the backend adds its placeholder
+
+
+def usage_filters(since: float | None, until: float | None, key_id: str | None, model: str | None,
+                  before_seq: int | None = None) -> Filters:
+    """The usage rows' filters given (None: not filtered): created_at in [since, until), one
+    key, one model (the served one), seq < before_seq (a page's cursor)."""
+    given = (("key_id =", key_id), ("created_at >=", None if since is None else float(since)),
+             ("created_at <", None if until is None else float(until)), (f"{SERVED_MODEL_SQL} =", model),
+             ("seq <", None if before_seq is None else int(before_seq)))
+    return [(clause, value) for clause, value in given if value is not None]
+
+
+def hourly_filters(hours: Hours, key_id: str | None, model: str | None) -> Filters:
+    """The hourly sums' filters given: one key, one model, the hours [first, end)."""
+    given = (("key_id =", key_id), ("model =", model), ("hour >=", hours[0]), ("hour <", hours[1]))
+    return [(clause, value) for clause, value in given if value is not None]
 
 
 def check_group_by(group_by: tuple[str, ...]) -> None:

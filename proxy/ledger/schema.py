@@ -9,10 +9,9 @@ import hashlib
 import json
 import secrets
 import sqlite3
-from collections import defaultdict
 from typing import Any
 
-from proxy.ledger.base import SECRET_PREFIX, USAGE_STATUSES, KeyRecord, UnknownKey, UsageRecord
+from proxy.ledger.base import SECRET_PREFIX, USAGE_STATUSES, KeyRecord, UsageRecord
 from proxy.ledger.rollup import hourly_sums
 from proxy.ledger.usage import MAX_AMOUNT
 
@@ -145,8 +144,9 @@ _ROLLUP_ADD = (
 
 
 def roll_up(conn: sqlite3.Connection, inserted: list[tuple[tuple, int]]) -> None:
-    """Add usage rows just inserted (each an _INSERT_USAGE row and its debit) to the hourly
-    sums, in the caller's transaction: one upsert per group (proxy/ledger/rollup.py)."""
+    """Add usage rows just inserted (each a row as proxy/ledger/sqlite_usage.py inserts it, and
+    its debit) to the hourly sums, in the caller's transaction: one upsert per group
+    (proxy/ledger/rollup.py)."""
     conn.executemany(_ROLLUP_ADD, hourly_sums(inserted))
 
 
@@ -241,14 +241,6 @@ def _models_json(models: Any) -> str | None:
 
 
 # The statements of lease_commit (one insert per usage row, then one update per key and lease).
-_KEY_BALANCE = "SELECT balance_micros FROM keys WHERE key_id = ?"
-_INSERT_USAGE = (
-    "INSERT OR IGNORE INTO usage (request_id, key_id, model, input_tokens, cached_tokens,"
-    " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at, worker, served_model,"
-    " endpoint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
-_COST, _DEBITED = 7, 8  # positions in an _INSERT_USAGE row
-_NEWEST_USAGE = "SELECT request_id FROM usage ORDER BY seq DESC LIMIT ?"
 _DEBIT_KEY = "UPDATE keys SET balance_micros = balance_micros - ? WHERE key_id = ?"
 # Without a new expiry the update leaves expires_at, and so both indexes on it, alone:
 # two fewer pages written (and fsync'd) per commit.
@@ -282,73 +274,3 @@ def _check_usage_values(usage: UsageRecord) -> None:
         for value, name in ((a, "input_tokens"), (b, "cached_tokens"), (c, "output_tokens"),
                             (d, "reasoning_tokens"), (cost, "cost_micros")):
             _int(value, name)
-
-
-def _record_usage(
-    conn: sqlite3.Connection, rows: list[Any], lease_ids: list[str]
-) -> tuple[list[int | BaseException | None], dict[str, int], dict[str, int]]:
-    """Insert the usage rows (or their validation errors) in order, each exactly once
-    (UNIQUE request_id), debiting its cost clamped at what is left of its key's balance.
-    Returns (per row: the debit, None if already recorded, or the error; the debits per
-    key; per lease id of an inserted row, its debits). `rows` are checked_rows': a tuple
-    or a ValueError, told apart by `type(row) is tuple`, which mypy cannot narrow on."""
-    results: list[int | BaseException | None] = [None] * len(rows)
-    balances: dict[str, int | None] = {}
-    wanted: dict[str, int] = defaultdict(int)  # the costs per known key
-    todo: list[int] = []
-    for i, row in enumerate(rows):
-        if type(row) is not tuple:
-            results[i] = row
-            continue
-        key_id = row[1]
-        if key_id not in balances:
-            found = conn.execute(_KEY_BALANCE, (key_id,)).fetchone()
-            balances[key_id] = found[0] if found else None
-        if balances[key_id] is None:
-            results[i] = UnknownKey(key_id)
-            continue
-        wanted[key_id] += row[_COST]
-        todo.append(i)
-    debits: dict[str, int] = defaultdict(int)
-    taken: dict[str, int] = defaultdict(int)
-    if all(cost <= balances[key_id] for key_id, cost in wanted.items()):  # type: ignore[operator]  # known keys
-        # No clamping, whichever rows turn out to be recorded already: every debit is
-        # its cost, which the rows already say. One executemany for all of them.
-        for i in _insert_unclamped(conn, rows, todo):
-            cost = rows[i][_COST]
-            results[i] = cost
-            debits[rows[i][1]] += cost
-            taken[lease_ids[i]] += cost
-        return results, debits, taken
-    # A balance runs out: each debit depends on those before it, one row at a time.
-    for i in todo:
-        row = rows[i]
-        key_id = row[1]
-        balance = balances[key_id]
-        debit = min(row[_COST], balance)
-        if not conn.execute(_INSERT_USAGE, (*row[:_DEBITED], debit, *row[_DEBITED + 1:])).rowcount:
-            continue  # recorded already: None
-        balances[key_id] = balance - debit
-        results[i] = debit
-        debits[key_id] += debit
-        taken[lease_ids[i]] += debit
-    return results, debits, taken
-
-
-def _insert_unclamped(conn: sqlite3.Connection, rows: list, todo: list[int]) -> list[int]:
-    """Insert rows[i] for i in todo (INSERT OR IGNORE); the i actually inserted."""
-    if not todo:
-        return todo
-    inserted = conn.executemany(_INSERT_USAGE, [rows[i] for i in todo]).rowcount
-    if inserted == len(todo):
-        return todo
-    # Some were recorded before (a retried commit), or twice here. The inserted rows are
-    # the newest `inserted` ones: AUTOINCREMENT seq, and this thread holds the write lock.
-    fresh = {request_id for (request_id,) in conn.execute(_NEWEST_USAGE, (inserted,))}
-    done = []
-    for i in todo:
-        request_id = rows[i][0]
-        if request_id in fresh:
-            fresh.discard(request_id)  # twice in this batch: only the first was inserted
-            done.append(i)
-    return done

@@ -25,12 +25,21 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
-from proxy.ledger.base import UNSET, USAGE_GROUPS, KeyRecord, Ledger, UnknownKey, UsageRecord, UsageTotals
+from proxy.ledger.base import (
+    KEY_LIMIT_FIELDS,
+    UNSET,
+    USAGE_GROUPS,
+    KeyLimits,
+    KeyRecord,
+    UnknownKey,
+    UsageRecord,
+    UsageTotals,
+)
+from proxy.ledger.interface import ConsoleReads, Ledger, RequestLedger
 from proxy.ledger.usage import MAX_AMOUNT
 
-# The fields a key's limits are set with (create and update take them all).
-LIMIT_FIELDS = ("allowed_models", "concurrency", "rate_per_min", "tokens_per_min",
-                "daily_budget_micros", "monthly_budget_micros", "expires_at")
+# The fields a key's limits are set with (create and update take them all): KeyLimits'.
+LIMIT_FIELDS = KEY_LIMIT_FIELDS
 CREATE_FIELDS = ("name", "balance_micros", *LIMIT_FIELDS)
 MAX_PAGE = 1000
 
@@ -121,8 +130,9 @@ def _models(value: Any) -> list[str] | None:
     return value
 
 
-def parse_limits(data: dict[str, Any]) -> dict[str, Any]:
-    """The limit fields present in `data`, checked (absent fields are left out)."""
+def parse_limits(data: dict[str, Any]) -> KeyLimits:
+    """The limit fields present in `data`, checked; absent fields are UNSET (left as they are
+    by an update, no limit for a new key)."""
     out: dict[str, Any] = {}
     for name in LIMIT_FIELDS:
         if name not in data:
@@ -134,7 +144,7 @@ def parse_limits(data: dict[str, Any]) -> dict[str, Any]:
             out[name] = parse_time(value, name)
         else:
             out[name] = _opt_int(value, name)
-    return out
+    return KeyLimits(**out)
 
 
 def _fields(data: Any, allowed: Iterable[str]) -> dict[str, Any]:
@@ -147,7 +157,9 @@ def _fields(data: Any, allowed: Iterable[str]) -> dict[str, Any]:
 
 
 class KeyService:
-    """Key management with an audit entry per change. `actor` names who acts (never a secret)."""
+    """Key management with an audit entry per change. `actor` names who acts (never a secret).
+    It takes the whole Ledger: the changes and their audit are the KeyStore's, a key's summary
+    reads the balance and spend as the request path does (RequestLedger)."""
 
     def __init__(self, ledger: Ledger, actor: str) -> None:
         self.ledger = ledger
@@ -165,9 +177,9 @@ class KeyService:
         if isinstance(balance, bool) or not isinstance(balance, int) or not 0 <= balance <= MAX_AMOUNT:
             raise ValueError("balance_micros must be a non-negative integer")
         limits = parse_limits(data)
-        secret, record = await self.ledger.create_key(name, balance, **limits)
+        secret, record = await self.ledger.create_key(name, balance, limits)
         await self._audit("key.create", record.key_id, {"name": record.name, "balance_micros": balance,
-                                                        "prefix": record.prefix, **limits})
+                                                        "prefix": record.prefix, **limits.given()})
         return secret, record
 
     async def get(self, key_id: str) -> KeyRecord:
@@ -188,10 +200,11 @@ class KeyService:
 
     async def update(self, key_id: str, data: dict[str, Any]) -> KeyRecord:
         limits = parse_limits(_fields(data, LIMIT_FIELDS))
-        if not limits:
+        changes = limits.given()
+        if not changes:
             raise ValueError(f"nothing to change: give one of {', '.join(LIMIT_FIELDS)}")
-        record = await self.ledger.set_limits(key_id, **limits)
-        await self._audit("key.update", key_id, limits)
+        record = await self.ledger.set_limits(key_id, limits)
+        await self._audit("key.update", key_id, changes)
         return record
 
     async def revoke(self, key_id: str) -> None:
@@ -209,7 +222,7 @@ class KeyService:
         return await key_summary(self.ledger, record, now)
 
 
-async def key_summary(ledger: Ledger, record: KeyRecord, now: float | None = None) -> dict[str, Any]:
+async def key_summary(ledger: RequestLedger, record: KeyRecord, now: float | None = None) -> dict[str, Any]:
     day, month = period_starts(now)
     spend_day = await ledger.spend_since(record.key_id, day)
     spend_month = await ledger.spend_since(record.key_id, month)
@@ -226,7 +239,7 @@ async def key_summary(ledger: Ledger, record: KeyRecord, now: float | None = Non
     }
 
 
-async def budget_room(ledger: Ledger, record: KeyRecord, now: float | None = None) -> int | None:
+async def budget_room(ledger: RequestLedger, record: KeyRecord, now: float | None = None) -> int | None:
     """What the key's budgets still allow in their current periods (the smaller one); None
     without a budget. Read from settled usage: requests in flight are not in it yet, so
     concurrent requests may together pass a budget by at most their holds (the balance
@@ -278,7 +291,7 @@ class UsageQuery:
             raise ValueError("group_by takes day or hour, not both")
         self.group_by = groups
 
-    async def rows(self, ledger: Ledger) -> tuple[list[tuple[int, UsageRecord]], int | None]:
+    async def rows(self, ledger: ConsoleReads) -> tuple[list[tuple[int, UsageRecord]], int | None]:
         """A page of rows, newest first, and the cursor of the next page (None: last page)."""
         found = await ledger.usage_rows(since=self.since, until=self.until, key_id=self.key_id, model=self.model,
                                         before_seq=self.cursor, limit=self.limit + 1)
@@ -286,7 +299,7 @@ class UsageQuery:
         found = found[:self.limit]
         return found, (found[-1][0] if more and found else None)
 
-    async def totals(self, ledger: Ledger) -> list[UsageTotals]:
+    async def totals(self, ledger: ConsoleReads) -> list[UsageTotals]:
         return await ledger.usage_totals(self.group_by, since=self.since, until=self.until,
                                          key_id=self.key_id, model=self.model)
 
@@ -327,5 +340,5 @@ def to_csv(rows: list[dict[str, Any]], columns: Iterable[str]) -> str:
     return out.getvalue()
 
 
-__all__ = ["KeyService", "UsageQuery", "key_dict", "key_summary", "budget_room", "usage_dict", "totals_dict",
-           "to_csv", "parse_time", "period_starts", "iso", "UNSET"]
+__all__ = ["KeyService", "KeyLimits", "parse_limits", "UsageQuery", "key_dict", "key_summary", "budget_room",
+           "usage_dict", "totals_dict", "to_csv", "parse_time", "period_starts", "iso", "UNSET"]

@@ -27,8 +27,6 @@ debits clamp), and a lease row whose expiry stays is updated without touching it
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import sqlite3
 import time
@@ -43,21 +41,30 @@ from proxy.ledger.base import (
     Hold,
     InsufficientBalance,
     KeyRecord,
-    Ledger,
     LedgerError,
     UnknownKey,
     UsageRecord,
 )
-from proxy.ledger.commit_rules import checked_rows, lease_row_changes, note_debits
+from proxy.ledger.commit_rules import (
+    check_settle,
+    checked_rows,
+    hold_range,
+    hold_ttl,
+    lease_grant,
+    lease_grow_args,
+    lease_row_changes,
+    note_debits,
+    settle_debit,
+)
+from proxy.ledger.interface import Ledger
+from proxy.ledger.key_rules import presented_key
 from proxy.ledger.schema import (
     _DEBIT_KEY,
     _REDUCE_AND_RENEW_LEASE,
     _REDUCE_LEASE,
     KEY_COLUMNS as _KEY_COLUMNS,
-    _check_usage_values,
     _int,
     _key_record,
-    _record_usage,
     _usage_record,
     apply_schema,
     hash_secret,
@@ -65,15 +72,13 @@ from proxy.ledger.schema import (
 )
 from proxy.ledger.sqlite_console import ConsoleOps
 from proxy.ledger.sqlite_keys import KeyOps
+from proxy.ledger.sqlite_usage import record_usage
 from proxy.ledger.writer import Durability, GroupWriter
 
 READ, HOLD, SYNC, LINGER = Durability.READ, Durability.HOLD, Durability.SYNC, Durability.LINGER
 
 log = logging.getLogger("proxy.ledger")
 
-
-# Compared against when the hash is unknown, so both paths do the same work.
-_DUMMY_HASH = hashlib.sha256(b"responses-proxy: no such key").digest()
 _DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger opened without one
 
 
@@ -148,13 +153,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             row = conn.execute(
                 f"SELECT secret_sha256, {_KEY_COLUMNS} FROM keys WHERE secret_sha256 = ?", (digest,)
             ).fetchone()
-            stored = row[0] if row else _DUMMY_HASH
-            # The index finds the row; the decision is a constant-time compare of the hashes,
-            # done on both the found and the not-found path.
-            if not hmac.compare_digest(stored, digest) or row is None:
-                return None
-            record = _key_record(row[1:])
-            return None if record.revoked or record.expired() else record
+            return presented_key(digest, row)
 
         return await self._run(op, READ)
 
@@ -163,12 +162,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
 
     async def hold(self, request_id: str, key_id: str, amount_micros: int, ttl_s: float) -> Hold:
         amount = _int(amount_micros, "amount_micros")
-        if not request_id:
-            raise ValueError("request_id is required")
-        ttl = float(ttl_s)
-        if not ttl > 0:
-            raise ValueError("ttl_s must be positive")
-
+        ttl = hold_ttl(request_id, ttl_s)
         return await self._run(self._hold_op(request_id, key_id, amount, amount, ttl), HOLD, atomic=True)
 
     async def hold_up_to(
@@ -178,15 +172,8 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         """`lease_return` = (lease id, micros): first give that much of a lease back (its
         amount, never below 0), in the same transaction, kept even when the hold is refused
         (proxy/ledger/lease.py: a request its process's lease cannot cover)."""
-        low = _int(min_micros, "min_micros")
-        high = _int(max_micros, "max_micros")
-        if low > high:
-            raise ValueError("min_micros must not exceed max_micros")
-        if not request_id:
-            raise ValueError("request_id is required")
-        ttl = float(ttl_s)
-        if not ttl > 0:
-            raise ValueError("ttl_s must be positive")
+        low, high = hold_range(min_micros, max_micros)
+        ttl = hold_ttl(request_id, ttl_s)
         if lease_return is None or lease_return[1] <= 0:
             return await self._run(self._hold_op(request_id, key_id, low, high, ttl), HOLD, atomic=True)
         result = await self._run(self._hold_op(request_id, key_id, low, high, ttl, lease_return), HOLD)
@@ -244,9 +231,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         return op
 
     async def settle(self, request_id: str, usage: UsageRecord, *, linger: bool = True) -> bool:
-        if not request_id:
-            raise ValueError("request_id is required")
-        _check_usage_values(usage)
+        check_settle(request_id, usage)
         counts = (usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens)
         cost = usage.cost_micros
         key_id, model, status = usage.key_id, str(usage.model), usage.status
@@ -266,9 +251,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
                 return None
             if balance is None:
                 raise UnknownKey(key_id)
-            # Never more than the request's own hold (the money others hold stays theirs),
-            # nor than the balance. A hold that expired meanwhile no longer bounds it.
-            debit = min(cost, balance) if held is None else min(cost, balance, held)
+            debit = settle_debit(cost, balance, held)
             try:
                 # The exactly-once guarantee: UNIQUE(request_id), in this same transaction.
                 conn.execute(
@@ -313,10 +296,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         missing) and push its expiry to now + ttl_s; nothing when that is below min_micros.
         available excludes the lease itself. Returns (granted, whether the row was still
         there unexpired before). Commits without fsync, like every hold."""
-        low = _int(min_micros, "min_micros")
-        high = _int(max_micros, "max_micros")
-        share = max(1, int(share))
-        ttl = float(ttl_s)
+        low, high, ttl, share = lease_grow_args(min_micros, max_micros, ttl_s, share)
 
         def op(conn: sqlite3.Connection) -> tuple[int, bool]:
             now = time.time()
@@ -330,10 +310,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             if row is None:
                 raise UnknownKey(key_id)
             own = row[2]
-            available = row[0] - row[1] - (own or 0)
-            grant = min(high, max(0, available) // share)
-            if grant < low:
-                grant = 0
+            grant = lease_grant(row[0] - row[1] - (own or 0), low, high, share)
             if own is None:  # absent, or expired (then it counts for nothing: start afresh)
                 if not grant:
                     conn.execute("DELETE FROM holds WHERE request_id = ?", (lease_id,))
@@ -367,12 +344,12 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         the lease ids whose row had expired or vanished)."""
         # Validated here, on the event loop, into ready-made usage rows (debited = cost),
         # so that the writer thread only looks up the balances and inserts.
-        rows: list[Any] = checked_rows(usages)  # as _record_usage takes them
+        rows: list[Any] = checked_rows(usages)  # as record_usage takes them
         lease_ids = [lease_id for lease_id, _ in usages]
 
         def op(conn: sqlite3.Connection) -> tuple[list, set[str]]:
             now = time.time()
-            results, debits, taken = _record_usage(conn, rows, lease_ids)
+            results, debits, taken = record_usage(conn, rows, lease_ids)
             roll_up(conn, [(row, debit) for row, debit in zip(rows, results) if type(debit) is int])
             for key_id, debit in debits.items():
                 if debit:

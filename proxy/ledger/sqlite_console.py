@@ -3,45 +3,45 @@ rows over a time range (paginated by seq), usage totals grouped by key / model /
 day / hour, and a key's spend since a time (budgets).
 
 A mixin of SQLiteLedger (proxy/ledger/sqlite.py), which supplies `_run`. Only SQL lives
-here: what a group or a range means is decided by the caller (proxy/ledger/service.py).
+here: what a group, a filter or a range means is proxy/ledger/rollup.py's (shared with the
+PostgreSQL ledger) and the caller's (proxy/ledger/service.py); an audit row's encoding is
+proxy/ledger/key_rules.py's.
 The ranges use the indexes usage_by_time(created_at) and usage_by_key_time(key_id,
 created_at) (proxy/ledger/schema.py; tests/test_admin_ledger.py checks the query plans).
 """
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from proxy.ledger.base import USAGE_GROUPS, USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
-from proxy.ledger.rollup import check_group_by, merge_totals, split_totals
+from proxy.ledger.key_rules import AUDIT_COLUMNS, AUDIT_INSERT_COLUMNS, audit_entry, audit_values
+from proxy.ledger.rollup import (
+    GROUP_SQL,
+    ROLLUP_GROUP_SQL,
+    Filters,
+    check_group_by,
+    hourly_filters,
+    merge_totals,
+    split_totals,
+    usage_filters,
+)
 from proxy.ledger.writer import Durability
 
 READ = Durability.READ
 
-# A row's model in totals and the model filter: the served model, else (rows from before it
-# was kept) the client's string (UsageRecord.grouped_model; usage_hourly.model holds the same).
-SERVED_MODEL_SQL = "COALESCE(served_model, model)"
 # Each group's SQL expression; "day" and "hour" are the UTC bucket's start in Unix seconds.
 _GROUP_SQL = {
-    "key": "key_id",
-    "model": SERVED_MODEL_SQL,
-    "worker": "worker",
+    **GROUP_SQL,
     "day": "CAST(created_at / 86400 AS INTEGER) * 86400",
     "hour": "CAST(created_at / 3600 AS INTEGER) * 3600",
 }
 assert set(_GROUP_SQL) == set(USAGE_GROUPS)
 # The same groups over usage_hourly (proxy/ledger/schema.py: ROLLUP).
-_ROLLUP_GROUP_SQL = {
-    "key": "key_id",
-    "model": "model",
-    "worker": "NULLIF(worker, '')",
-    "day": "CAST(hour / 86400 AS INTEGER) * 86400",
-    "hour": "hour",
-}
+_ROLLUP_GROUP_SQL = {**ROLLUP_GROUP_SQL, "day": "CAST(hour / 86400 AS INTEGER) * 86400"}
 _ROLLUP_SUMS = (
     "COALESCE(SUM(requests), 0), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
     " COALESCE(SUM(output_tokens), 0), COALESCE(SUM(reasoning_tokens), 0), COALESCE(SUM(cost_micros), 0),"
@@ -53,15 +53,9 @@ _SUMS = (
 )
 
 
-def _where(since: float | None, until: float | None, key_id: str | None, model: str | None,
-           before_seq: int | None = None, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
-    clauses: list[str] = []
-    params: list[Any] = []
-    for clause, value in (("key_id = ?", key_id), ("created_at >= ?", since), ("created_at < ?", until),
-                          (f"{SERVED_MODEL_SQL} = ?", model), ("seq < ?", before_seq)):
-        if value is not None:
-            clauses.append(clause)
-            params.append(value)
+def _where(filters: Filters, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
+    clauses = [f"{clause} ?" for clause, _ in filters]
+    params = [value for _, value in filters]
     if statuses:
         clauses.append(f"status IN ({', '.join('?' for _ in statuses)})")
         params.extend(statuses)
@@ -83,28 +77,22 @@ class ConsoleOps:
     _run: Callable[..., Awaitable[Any]]
 
     async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
-        text = json.dumps(details, sort_keys=True, default=str)
-
         def op(conn: sqlite3.Connection) -> AuditEntry:
-            now = time.time()
-            cur = conn.execute(
-                "INSERT INTO audit (created_at, actor, action, key_id, details) VALUES (?, ?, ?, ?, ?)",
-                (now, str(actor), str(action), key_id, text),
-            )
-            return AuditEntry(cast(int, cur.lastrowid), now, str(actor), str(action), key_id, json.loads(text))
+            values = audit_values(time.time(), actor, action, key_id, details)
+            cur = conn.execute(f"INSERT INTO audit ({AUDIT_INSERT_COLUMNS}) VALUES (?, ?, ?, ?, ?)", values)
+            return audit_entry((cast(int, cur.lastrowid), *values))
 
         return await self._run(op)
 
     async def list_audit(self, *, key_id: str | None = None, since: float | None = None,
                          until: float | None = None, before_seq: int | None = None,
                          limit: int = 100) -> list[AuditEntry]:
-        where, params = _where(since, until, key_id, None, before_seq)
+        where, params = _where(usage_filters(since, until, key_id, None, before_seq))
 
         def op(conn: sqlite3.Connection) -> list[AuditEntry]:
-            rows = conn.execute(
-                f"SELECT seq, created_at, actor, action, key_id, details FROM audit{where}"
-                " ORDER BY seq DESC LIMIT ?", (*params, page_limit(limit)))
-            return [AuditEntry(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+            rows = conn.execute(f"SELECT {AUDIT_COLUMNS} FROM audit{where} ORDER BY seq DESC LIMIT ?",
+                                (*params, page_limit(limit)))
+            return [audit_entry(r) for r in rows]
 
         return await self._run(op, READ)
 
@@ -112,7 +100,7 @@ class ConsoleOps:
                          key_id: str | None = None, model: str | None = None,
                          before_seq: int | None = None, limit: int = 100,
                          statuses: tuple[str, ...] | None = None) -> list[tuple[int, UsageRecord]]:
-        where, params = _where(since, until, key_id, model, before_seq, statuses)
+        where, params = _where(usage_filters(since, until, key_id, model, before_seq), statuses)
 
         def op(conn: sqlite3.Connection) -> list[tuple[int, UsageRecord]]:
             rows = conn.execute(f"SELECT {USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC LIMIT ?",
@@ -128,15 +116,11 @@ class ConsoleOps:
         # Whole hours come from the hourly sums; the ragged ends of the range, and any
         # status filter (the sums do not keep statuses), from the rows (proxy/ledger/rollup.py).
         raw, whole = split_totals(since, until, statuses)
-        queries = [_totals_sql(group_by, _GROUP_SQL, "usage", *_where(lo, hi, key_id, model, statuses=statuses))
+        queries = [_totals_sql(group_by, _GROUP_SQL, "usage", *_where(usage_filters(lo, hi, key_id, model), statuses))
                    for lo, hi in raw]
         if whole is not None:
-            where, params = _where(None, None, key_id, None)
-            for clause, value in (("model = ?", model), ("hour >= ?", whole[0]), ("hour < ?", whole[1])):
-                if value is not None:
-                    where += (" AND " if where else " WHERE ") + clause
-                    params.append(value)
-            queries.append(_totals_sql(group_by, _ROLLUP_GROUP_SQL, "usage_hourly", where, params, rolled=True))
+            queries.append(_totals_sql(group_by, _ROLLUP_GROUP_SQL, "usage_hourly",
+                                       *_where(hourly_filters(whole, key_id, model)), rolled=True))
 
         def op(conn: sqlite3.Connection) -> list[UsageTotals]:
             return merge_totals(group_by, (conn.execute(sql, params) for sql, params in queries))

@@ -17,10 +17,11 @@ with serve --workers N every process reports the same shared figures.
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import cast
 
 from prometheus_client.core import GaugeMetricFamily
 
+from proxy.ledger.interface import Ledger
 from proxy.ledger.service import period_starts
 
 PREFIX = "responses_proxy"
@@ -36,7 +37,7 @@ class KeyMetrics:
         self._rows: list[tuple[str, str, int, int, int]] = []  # key_id, name, balance, today, month
         self._read_at = float("-inf")
 
-    async def refresh(self, ledger: Any, now: float | None = None) -> None:
+    async def refresh(self, ledger: Ledger | None, now: float | None = None) -> None:
         if ledger is None or time.monotonic() - self._read_at < self.refresh_s:
             return
         try:
@@ -45,7 +46,7 @@ class KeyMetrics:
             return
         self._read_at = time.monotonic()
 
-    async def _read(self, ledger: Any, now: float | None) -> list[tuple[str, str, int, int, int]]:
+    async def _read(self, ledger: Ledger, now: float | None) -> list[tuple[str, str, int, int, int]]:
         day, month = period_starts(now)
         month_spend = {t.group["key"]: t.debited_micros for t in await ledger.usage_totals(("key",), since=month)}
         chosen = list(self.key_ids)
