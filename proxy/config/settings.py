@@ -43,8 +43,8 @@ def _problems(module: ModuleType) -> list[str]:
             problems.append(f"no class {name}")
             continue
         fields = dataclasses.fields(cls)
-        if not (cls.__dataclass_params__.frozen and "__slots__" in vars(cls)  # type: ignore[attr-defined]
-                and all(f.kw_only for f in fields)):
+        params = cls.__dataclass_params__  # type: ignore[attr-defined]  # @dataclass sets it; typeshed omits it
+        if not (params.frozen and "__slots__" in vars(cls) and all(f.kw_only for f in fields)):
             problems.append(f"{name} is not frozen, slotted and keyword-only")
         found = [(f.name, f.type) for f in fields]
         wanted = [(key_name, codegen.field_annotation(key, names)) for key_name, key in section.keys.items()]
@@ -86,6 +86,7 @@ def _ready() -> None:
 
 
 _DEFAULTS = SCHEMA.defaults()
+_SECTIONS = dict(codegen.sections())  # "routing.affinity" -> its Section
 
 
 def _value(t: Type, value: Any, root: dict[str, Any] | None = None) -> Any:
@@ -140,9 +141,10 @@ def of(path: str, raw: dict[str, Any] | None = None) -> Any:
     """One section's settings from a mapping of its keys (the rest at their defaults), checked
     as the start-up check would: `of("routing.affinity", {"vnodes": 8})`. For tests and tools
     that need one section without a whole configuration (a default taken from another key
-    takes that key's default)."""
+    takes that key's default). A type checker sees Any: annotate the result with the section's
+    class from proxy/config/sections.py (`_ENTRY: Workers = of("workers[]", ...)`)."""
     _ready()
-    section = dict(codegen.sections())[path]
+    section = _SECTIONS[path]
     return _section(section, section.check(raw or {}, path), _DEFAULTS)
 
 
