@@ -215,7 +215,7 @@ def test_settings_refuse_classes_that_differ_from_the_schema(monkeypatch):
     monkeypatch.setitem(sys.modules, stale.__name__, stale)  # dataclass() reads its class's module
     exec(codegen.source().replace("    lease_commit_rows: int", "    lease_commit_rows: float"), stale.__dict__)
     why = config_settings._bind(stale)[2]
-    assert "Balance has fields lease_commit_rows: float where the schema has lease_commit_rows: int" in why
+    assert "Balance: lease_commit_rows: float where the schema has lease_commit_rows: int" in why
     assert why.endswith(f"regenerate it with `{codegen.COMMAND}`")
     assert "no class Root" in config_settings._bind(types.ModuleType("empty"))[2]
     monkeypatch.setattr(config_settings, "_STALE", why)

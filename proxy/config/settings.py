@@ -49,7 +49,7 @@ def _problems(module: ModuleType) -> list[str]:
         found = [(f.name, f.type) for f in fields]
         wanted = [(key_name, codegen.field_annotation(key, names)) for key_name, key in section.keys.items()]
         if found != wanted:
-            problems.append(f"{name} has fields {_differ(found, wanted)}")
+            problems.append(f"{name}: {_differ(found, wanted)}")
     typed = getattr(getattr(module, "Sections", None), "__annotations__", None)
     if typed != {name: codegen.field_annotation(key, names) for name, key in SCHEMA.keys.items()}:
         problems.append("Sections is not the root's keys")
@@ -60,7 +60,9 @@ def _differ(found: list[tuple[str, Any]], wanted: list[tuple[str, str]]) -> str:
     for have, want in zip(found, wanted):
         if have != want:
             return f"{have[0]}: {have[1]} where the schema has {want[0]}: {want[1]}"
-    return f"{len(found)} fields where the schema has {len(wanted)}"
+    if len(found) < len(wanted):
+        return f"no field {wanted[len(found)][0]}, which the schema has"
+    return f"a field {found[len(wanted)][0]}, which the schema does not have"
 
 
 def _bind(module: ModuleType) -> tuple[dict[int, type], dict[str, type], str]:
