@@ -91,8 +91,9 @@ HEADER = f'''\
 Generated from proxy/config/schema.py by `{COMMAND}`
 (proxy/config/codegen.py); edit the schema, not this file. tests/test_config_schema.py keeps
 the two equal, and proxy/config/settings.py refuses to build settings from a stale copy.
-A field's comment is its key's doc in the schema. Section classes are imported for
-annotations only (under TYPE_CHECKING): the regenerating command runs with this file stale.
+A field's comment is its key's doc in the schema. Other modules import these classes for
+annotations only (under TYPE_CHECKING), so the command that regenerates this file runs while
+it is stale, or empty (the shell truncates it for the redirect).
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def _field(name: str, ann: str, doc: str) -> list[str]:
         return [line]
     if len(line) + 4 + len(doc) <= _WIDTH:
         return [f"{line}  # {doc}"]
-    return [*textwrap.wrap(doc, _WIDTH, initial_indent="    # ", subsequent_indent="    # ",
-                                break_long_words=False, break_on_hyphens=False), line]
+    comment = textwrap.wrap(doc, _WIDTH, initial_indent="    # ", subsequent_indent="    # ",
+                            break_long_words=False, break_on_hyphens=False)
+    return [*comment, line]
 
 
 def _class(path: str, section: Section, names: dict[int, str]) -> list[str]:

@@ -3,8 +3,9 @@
 Generated from proxy/config/schema.py by `responses-proxy config sections > proxy/config/sections.py`
 (proxy/config/codegen.py); edit the schema, not this file. tests/test_config_schema.py keeps
 the two equal, and proxy/config/settings.py refuses to build settings from a stale copy.
-A field's comment is its key's doc in the schema. Section classes are imported for
-annotations only (under TYPE_CHECKING): the regenerating command runs with this file stale.
+A field's comment is its key's doc in the schema. Other modules import these classes for
+annotations only (under TYPE_CHECKING), so the command that regenerates this file runs while
+it is stale, or empty (the shell truncates it for the redirect).
 """
 
 from __future__ import annotations
