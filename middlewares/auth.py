@@ -53,7 +53,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -65,6 +65,9 @@ from proxy.http.units import AUTH
 from proxy.ledger import KeyRecord, LedgerUnavailable
 from proxy.runtime.logs import log
 from proxy.state import KEY_CACHE, LEDGER, RequestContext
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Auth
 
 STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
@@ -192,7 +195,7 @@ def _demo_key_ctx(balance_micros: int):
     return demo_key
 
 
-def create(section: Any, app: web.Application):
+def create(section: Auth, app: web.Application):
     """config.yaml `auth` (config.auth)."""
     statics = _static_keys(section.static_keys)
     cache = KeyCache(section.key_cache_ttl_s, section.key_cache_size)

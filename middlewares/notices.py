@@ -17,11 +17,14 @@ non-ASCII character becomes "?", and the value is cut at max_bytes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from proxy.state import CONTEXT, NOTICES_HEADER
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Notices
 
 _SEPARATOR = "; "
 _ELLIPSIS = "..."
@@ -46,7 +49,7 @@ def header_value(notices: list[str], max_bytes: int) -> str:
     return sanitize(_SEPARATOR.join(unique), max_bytes)
 
 
-def create(section: Any, app: web.Application):
+def create(section: Notices, app: web.Application):
     """config.yaml `notices` (config.notices)."""
     header, max_bytes = section.header, section.max_bytes
     if app.get(NOTICES_HEADER) is not None:

@@ -6,15 +6,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from proxy.policy.rules import apply_stateless, previous_response_mode
 from proxy.state import RequestContext
 
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Stateless
 
-def create(section: Any, app: web.Application):
+
+def create(section: Stateless, app: web.Application):
     """The body check the prepare phase applies (before the tool policy and the translation);
     `section` is config.stateless."""
     mode = previous_response_mode(section)

@@ -19,7 +19,7 @@ returns an edited copy; the body it was given is left as it was.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -32,6 +32,9 @@ from proxy.policy.rules import (
     leave_out,
 )
 from proxy.state import RequestContext
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Tools
 
 
 def _show(value: Any) -> str:
@@ -46,7 +49,7 @@ def _names(entry: Any) -> str | None:
     return None
 
 
-def create(section: Any, app: web.Application):
+def create(section: Tools, app: web.Application):
     """config.yaml `tools` (config.tools; checked at load, proxy.config.rules): null is the built-in list."""
     drop = HOSTED_TOOL_TYPES if section.drop is None else frozenset(section.drop)
     refuse = REFUSED_TOOL_TYPES if section.refuse is None else frozenset(section.refuse)

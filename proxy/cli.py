@@ -1,5 +1,5 @@
 """The console script: `responses-proxy serve` (the default), `responses-proxy keys ...` and
-`responses-proxy config reference|check`."""
+`responses-proxy config reference|sections|check`."""
 
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     conf = sub.add_parser("config", help="the configuration: its commented reference, or a check of a file")
     conf_sub = conf.add_subparsers(dest="config_command", required=True)
     conf_sub.add_parser("reference", help="print the commented reference of every key (config.yaml is it)")
+    conf_sub.add_parser("sections", help="print the typed settings classes of every section "
+                                         "(proxy/config/sections.py is it)")
     check = conf_sub.add_parser("check", help="load --config and build the app (middlewares included), start nothing")
     check.add_argument("--config", default=argparse.SUPPRESS, help="as the top-level --config")
     return parser
@@ -196,6 +198,11 @@ def _config_command(args: argparse.Namespace) -> int:
         from proxy.config.schema import reference
 
         sys.stdout.write(reference())
+        return 0
+    if args.config_command == "sections":
+        from proxy.config.codegen import source
+
+        sys.stdout.write(source())
         return 0
     config = Config.load(args.config)
     _config_dir_on_path(config)

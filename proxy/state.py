@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this module import-light
+    from proxy.config.load import Config
     from proxy.http.units import Unit
     from proxy.ledger.base import Hold, KeyRecord
     from proxy.protocol.rewriter import StreamRewriter
@@ -107,7 +108,7 @@ def _request_key(name: str, type_name: str) -> web.RequestKey[Any]:
 
 # App-wide state. The resources live here, not beside the code that makes them, so that a
 # middleware or an endpoint can read them without importing the app or the forwarder.
-CONFIG = _app_key("config", "Config")
+CONFIG: web.AppKey[Config] = _app_key("config", "Config")
 LEDGER = _app_key("ledger", "Ledger")  # proxy.ledger.Ledger, or absent (ledger.backend: none)
 POOL = _app_key("worker_pool", "WorkerPool")
 SESSION = _app_key("client_session", "aiohttp.ClientSession")  # every upstream call but the chat POST

@@ -241,3 +241,23 @@ def test_every_typed_section_is_frozen():
                 setattr(section, dataclasses.fields(section)[0].name, None)
     assert config.balance.lease_commit_ms == 20  # an Opt key's default is in force, from the schema alone
     assert config.websocket.max_message_bytes == config.server.max_body_bytes  # a default taken from another key
+
+
+def test_the_generated_settings_classes_are_imported_for_annotations_only():
+    """proxy/config/sections.py is read at run time by proxy/config/settings.py alone (as a
+    module, each class found by name): elsewhere a `from proxy.config.sections import ...` sits
+    under `if TYPE_CHECKING:`, so the command that regenerates the file runs while it is stale
+    or truncated by the redirect."""
+    found = []
+    for name, path in _modules().items():
+        if name in ("proxy.config.sections", "proxy.config.settings"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        guarded = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If) and ast.unparse(node.test)
+                   in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for stmt in node.body for inner in ast.walk(stmt)}
+        found += [f"{name}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in guarded
+                  and ("proxy.config.sections" in [a.name for a in node.names] + [getattr(node, "module", None)]
+                       or (getattr(node, "module", None) == "proxy.config"
+                           and "sections" in [a.name for a in node.names]))]
+    assert found == []

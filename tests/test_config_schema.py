@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 import yaml
 
-from proxy.config import schema as config_schema
+from proxy.config import codegen, schema as config_schema, sections as config_sections, settings as config_settings
 from proxy.config.load import DEFAULTS, Config, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,6 +199,45 @@ def test_cli_prints_the_reference():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == (ROOT / "config.yaml").read_text()
+
+
+# ----------------------------------------------------------------------------- the typed settings
+
+
+def test_sections_py_is_the_generated_source():
+    assert (ROOT / "proxy" / "config" / "sections.py").read_text() == codegen.source(), (
+        f"proxy/config/sections.py differs from the schema: regenerate it with `.venv/bin/{codegen.COMMAND}`")
+
+
+def test_settings_refuse_classes_that_differ_from_the_schema(monkeypatch):
+    assert config_settings._bind(config_sections)[2] == ""
+    stale = types.ModuleType("stale_sections")
+    monkeypatch.setitem(sys.modules, stale.__name__, stale)  # dataclass() reads its class's module
+    exec(codegen.source().replace("    lease_commit_rows: int", "    lease_commit_rows: float"), stale.__dict__)
+    why = config_settings._bind(stale)[2]
+    assert "Balance: lease_commit_rows: float where the schema has lease_commit_rows: int" in why
+    assert why.endswith(f"regenerate it with `{codegen.COMMAND}`")
+    assert "no class Root" in config_settings._bind(types.ModuleType("empty"))[2]
+    monkeypatch.setattr(config_settings, "_STALE", why)
+    for make in (lambda: config_settings.build(DEFAULTS), lambda: config_settings.of("balance"),
+                 config_settings.classes):
+        with pytest.raises(RuntimeError, match="does not match the schema"):
+            make()
+
+
+def test_cli_prints_the_sections_even_from_a_truncated_copy(tmp_path):
+    # The redirect truncates sections.py before the command imports anything: it must not need it.
+    proc = subprocess.run([str(PYTHON), "-m", "proxy", "config", "sections"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (ROOT / "proxy" / "config" / "sections.py").read_text()
+    for package in ("proxy", "middlewares"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "proxy" / "config" / "sections.py").write_text("")
+    again = subprocess.run([str(PYTHON), "-m", "proxy", "config", "sections"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == proc.stdout
 
 
 def test_cli_config_check(tmp_path):

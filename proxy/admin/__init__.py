@@ -16,13 +16,16 @@ everything under /api needs `Authorization: Bearer <admin key>` or a dashboard s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from proxy import state
 from proxy.admin.auth import AdminAuth, guard
 from proxy.config.rules import admin_prefix
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Admin
 
 
 def console_off_hint(request: web.Request) -> str:
@@ -35,7 +38,7 @@ def console_off_hint(request: web.Request) -> str:
             "make run prints a demo admin key).")
 
 
-def install(app: web.Application, section: Any) -> web.Application | None:
+def install(app: web.Application, section: Admin) -> web.Application | None:
     """Mount the console on `app` when admin keys are configured (config.admin); the sub-app, or None."""
     if not section.keys:
         return None

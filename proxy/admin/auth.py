@@ -37,7 +37,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -46,6 +46,9 @@ from proxy import state
 from proxy.config.rules import key_digest
 from proxy.errors import APIError
 from proxy.ledger import SECRET_PREFIX
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Admin, AdminKeys
 
 COOKIE = "rp_admin_session"
 CSRF_HEADER = "X-CSRF-Token"
@@ -148,7 +151,7 @@ class Session:
 class AdminAuth:
     """The admin keys and the session signer of one app."""
 
-    def __init__(self, section: Any) -> None:
+    def __init__(self, section: Admin) -> None:
         """config.yaml `admin` (config.admin; its keys and secret checked at load, proxy.config.rules)."""
         self.keys = [(entry.name, key_digest(_given(entry), f"admin.keys[{i}]", 16))
                      for i, entry in enumerate(section.keys)]
@@ -241,7 +244,7 @@ class AdminAuth:
         response.del_cookie(COOKIE, path=prefix)
 
 
-def _given(entry: Any) -> dict[str, Any]:
+def _given(entry: AdminKeys) -> dict[str, Any]:
     return {"name": entry.name, **({"sha256": entry.sha256} if entry.sha256 is not None else {"key": entry.key})}
 
 

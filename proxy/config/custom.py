@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.config.types import ConfigError
+
+if TYPE_CHECKING:  # for annotations only
+    from proxy.config.load import Config
 
 Factory = Callable[[dict[str, Any], Any], Any]
 
 
-def entries(config: Any, point: str) -> list[tuple[str, dict[str, Any]]]:
+def entries(config: Config, point: str) -> list[tuple[str, dict[str, Any]]]:
     """(name, section) of each custom middleware at `point`, in order."""
     found = []
     for item in getattr(config.middlewares, point):

@@ -63,7 +63,15 @@ def _expand_env(value: Any, path: str = "") -> Any:
     return value
 
 
-class Config:
+if TYPE_CHECKING:
+    from proxy.config.sections import Root, Sections as _Typed
+else:
+    # At run time the attributes are set by _typed; the generated Sections only tells a type
+    # checker their types (and sections.py is not imported here, so a stale copy can be regenerated).
+    _Typed = object
+
+
+class Config(_Typed):
     """The checked configuration: `data` as merged (plain values), `settings` typed from it.
 
     A section's settings are attributes (`config.balance`); `update` is the one way a value
@@ -75,12 +83,9 @@ class Config:
         self._typed(settings.build(data))
         self.local_keys: Any = None  # what serve made at start (proxy/runtime/local_keys.py)
 
-    if TYPE_CHECKING:  # the sections are set per instance (_typed): a type checker sees them as Any
-        def __getattr__(self, name: str) -> Any: ...
-
-    def _typed(self, root: Any) -> None:
+    def _typed(self, root: Root) -> None:
         # Each section an instance attribute: a request reads config.routing as a plain attribute.
-        self.settings = root
+        self.settings: Root = root
         for name in root.__dataclass_fields__:
             setattr(self, name, getattr(root, name))
 

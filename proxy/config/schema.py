@@ -9,9 +9,11 @@ Three things come from it, so they cannot disagree:
 
 `F(type, default, doc)` is a key with an embedded default. `Opt(type, default, doc)` is a
 key shown commented out in the reference and left out of DEFAULTS; its default is in force
-all the same. Adding a key is one line in its section below: the typed settings the modules
-read (proxy/config/settings.py) are made from it, and the rules that span keys are in
-proxy/config/rules.py.
+all the same. Adding a key is one line in its section below, then `responses-proxy config
+sections > proxy/config/sections.py` writes the typed settings classes the modules read
+(proxy/config/settings.py builds them; a test fails until they are regenerated), and
+`responses-proxy config reference > config.yaml` the reference. The rules that span keys
+are in proxy/config/rules.py.
 
 Sections of custom middlewares ("package.module:factory", named under `middlewares`) are
 free-form: their factory gets them as written and checks them.

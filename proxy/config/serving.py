@@ -9,9 +9,12 @@ of server.host, server.port and server.workers, checked as the file's keys are.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from proxy.config.types import ConfigError
+
+if TYPE_CHECKING:  # for annotations only
+    from proxy.config.load import Config
 
 
 def port(value: object, source: str) -> int:
@@ -42,7 +45,7 @@ def resolve_workers(value: object) -> int:
     return n
 
 
-def listen(config: Any, host: str | None, port_arg: str | None, workers_arg: object) -> tuple[str, int, int]:
+def listen(config: Config, host: str | None, port_arg: str | None, workers_arg: object) -> tuple[str, int, int]:
     """(host, port, processes) of `serve`, from its options, the environment and config.server."""
     server = config.server
     host = host or os.environ.get("RESPONSES_PROXY_HOST") or server.host
@@ -58,7 +61,7 @@ def listen(config: Any, host: str | None, port_arg: str | None, workers_arg: obj
     return host, found, workers
 
 
-def _one_simulator_port(config: Any, workers: int) -> None:
+def _one_simulator_port(config: Config, workers: int) -> None:
     """Every process of --workers N starts its own embedded simulator: one fixed port cannot hold them."""
     embedded = any(w.url == "embedded" for w in config.workers)
     if embedded and config.simulator.port:

@@ -1,11 +1,15 @@
-"""The typed settings: one frozen dataclass per section of the schema, made from it.
+"""The typed settings: one frozen dataclass per section of the schema, built from the checked data.
 
-Every `Section` of proxy/config/schema.py gets a class whose fields are its keys, in order
+Every `Section` of proxy/config/schema.py has a class whose fields are its keys, in order
 (named by its path: `balance` -> Balance, `routing.affinity` -> RoutingAffinity,
-`workers[]` -> Workers). `build(data)` turns the checked configuration into the `Root`
-instance that `Config` exposes (`config.balance.lease_commit_ms`). A key left out takes its
-schema default, an `Opt` key's included: the default in force is the one the schema writes,
-so no module restates it. A key whose default is `OMIT` (absent means off) is None.
+`workers[]` -> Workers, the root -> Root). The classes are source, generated from the schema
+into proxy/config/sections.py (`responses-proxy config sections`, proxy/config/codegen.py), so a
+type checker knows every key; this module finds each section's class there by name and
+refuses to build settings while the two differ. `build(data)` turns the checked
+configuration into the `Root` instance that `Config` exposes (`config.balance.lease_commit_ms`).
+A key left out takes its schema default, an `Opt` key's included: the default in force is
+the one the schema writes, so no module restates it. A key whose default is `OMIT` (absent
+means off) is None.
 
 Lists become tuples; numbers of a `Num` key are floats. Mappings (labels, prices, keys by
 id) stay dicts: the dataclasses are frozen, their free-form mappings are read-only by
@@ -16,77 +20,75 @@ gets the raw mapping (middlewares/__init__.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
+from proxy.config import codegen, sections
 from proxy.config.schema import SCHEMA
-from proxy.config.types import (
-    OMIT,
-    REQUIRED,
-    Bool,
-    Either,
-    Int,
-    ListOf,
-    MapOf,
-    Nullable,
-    Num,
-    SchemaError,
-    Section,
-    Str,
-    Type,
-    Url,
-)
+from proxy.config.types import OMIT, REQUIRED, ListOf, MapOf, Nullable, Num, SchemaError, Section, Type
 
-_CLASSES: dict[int, type] = {}  # id(Section) -> its class
-_BY_PATH: dict[str, type] = {}  # "routing.affinity" -> its class
+if TYPE_CHECKING:
+    from proxy.config.sections import Root
 
 
-def _class_name(path: str) -> str:
-    parts = path.replace("[]", "").split(".") if path else ["root"]
-    return "".join(part.title().replace("_", "") for part in parts)
+def _problems(module: ModuleType) -> list[str]:
+    """Where the classes of `module` differ from the schema: a class missing, not frozen with
+    slots and keyword-only fields, or with other fields (names, order, annotations)."""
+    names = codegen.class_names()
+    problems: list[str] = []
+    for path, section in codegen.sections():
+        name = codegen.class_name(path)
+        cls = getattr(module, name, None)
+        if not isinstance(cls, type) or not dataclasses.is_dataclass(cls):
+            problems.append(f"no class {name}")
+            continue
+        fields = dataclasses.fields(cls)
+        params = cls.__dataclass_params__  # type: ignore[attr-defined]  # @dataclass sets it; typeshed omits it
+        if not (params.frozen and "__slots__" in vars(cls) and all(f.kw_only for f in fields)):
+            problems.append(f"{name} is not frozen, slotted and keyword-only")
+        found = [(f.name, f.type) for f in fields]
+        wanted = [(key_name, codegen.field_annotation(key, names)) for key_name, key in section.keys.items()]
+        if found != wanted:
+            problems.append(f"{name}: {_differ(found, wanted)}")
+    typed = getattr(getattr(module, "Sections", None), "__annotations__", None)
+    if typed != {name: codegen.field_annotation(key, names) for name, key in SCHEMA.keys.items()}:
+        problems.append("Sections is not the root's keys")
+    return problems
 
 
-def _annotation(t: Type) -> str:
-    if isinstance(t, Section):
-        return _CLASSES[id(t)].__name__
-    if isinstance(t, Nullable):
-        return f"{_annotation(t.inner)} | None"
-    if isinstance(t, ListOf):
-        return f"tuple[{_annotation(t.item)}, ...]"
-    if isinstance(t, MapOf):
-        return f"dict[str, {_annotation(t.value)}]"
-    if isinstance(t, Either):
-        return " | ".join(_annotation(o) for o in t.options)
-    return {Int: "int", Num: "float", Bool: "bool", Str: "str", Url: "str"}.get(type(t), "Any")
+def _differ(found: list[tuple[str, Any]], wanted: list[tuple[str, str]]) -> str:
+    for have, want in zip(found, wanted):
+        if have != want:
+            return f"{have[0]}: {have[1]} where the schema has {want[0]}: {want[1]}"
+    if len(found) < len(wanted):
+        return f"no field {wanted[len(found)][0]}, which the schema has"
+    return f"a field {found[len(wanted)][0]}, which the schema does not have"
 
 
-def _inner_sections(t: Type, path: str) -> list[tuple[Section, str]]:
-    if isinstance(t, Section):
-        return [(t, path)]
-    if isinstance(t, Nullable):
-        return _inner_sections(t.inner, path)
-    if isinstance(t, (ListOf, MapOf)):
-        return _inner_sections(t.item if isinstance(t, ListOf) else t.value, path + "[]")
-    return []
+def _bind(module: ModuleType) -> tuple[dict[int, type], dict[str, type], str]:
+    """Each section's class (by the section's id and by its path), or why they cannot be used.
+
+    A stale module is refused when settings are built, not at import: the command that
+    regenerates it imports this module (the CLI's), with sections.py stale or truncated."""
+    problems = _problems(module)
+    if problems:
+        return {}, {}, (f"proxy/config/sections.py does not match the schema ({'; '.join(problems)}): "
+                        f"regenerate it with `{codegen.COMMAND}`")
+    by_id = {id(section): getattr(module, codegen.class_name(path)) for path, section in codegen.sections()}
+    return by_id, {path: by_id[id(section)] for path, section in codegen.sections()}, ""
 
 
-def _make(section: Section, path: str) -> type:
-    if id(section) in _CLASSES:
-        return _CLASSES[id(section)]
-    for name, key in section.keys.items():
-        for inner, where in _inner_sections(key.type, f"{path}.{name}" if path else name):
-            _make(inner, where)
-    fields = [(name, _annotation(key.type), dataclasses.field(metadata={"doc": key.doc}))
-              for name, key in section.keys.items()]
-    cls = dataclasses.make_dataclass(_class_name(path), fields, frozen=True, slots=True, kw_only=True)
-    cls.__module__ = __name__
-    globals()[cls.__name__] = cls  # importable by name (pickle, copy): settings.Balance
-    _CLASSES[id(section)] = cls
-    _BY_PATH[path] = cls
-    return cls
+_CLASSES, _BY_PATH, _STALE = _bind(sections)  # id(Section) -> its class; "routing.affinity" -> its class
+globals().update({cls.__name__: cls for cls in _BY_PATH.values()})  # importable by name too: settings.Balance
 
 
-Root = _make(SCHEMA, "")
+def _ready() -> None:
+    if _STALE:
+        raise RuntimeError(_STALE)
+
+
 _DEFAULTS = SCHEMA.defaults()
+_SECTIONS = dict(codegen.sections())  # "routing.affinity" -> its Section
 
 
 def _value(t: Type, value: Any, root: dict[str, Any] | None = None) -> Any:
@@ -130,34 +132,25 @@ def _section(section: Section, data: dict[str, Any], root: dict[str, Any] | None
     return _CLASSES[id(section)](**values)
 
 
-def build(data: dict[str, Any]) -> Any:
+def build(data: dict[str, Any]) -> Root:
     """The typed settings of a checked configuration (proxy.config.schema.validate's result)."""
-    return _section(SCHEMA, data, data)
+    _ready()
+    root: Root = _section(SCHEMA, data, data)
+    return root
 
 
 def of(path: str, raw: dict[str, Any] | None = None) -> Any:
     """One section's settings from a mapping of its keys (the rest at their defaults), checked
     as the start-up check would: `of("routing.affinity", {"vnodes": 8})`. For tests and tools
     that need one section without a whole configuration (a default taken from another key
-    takes that key's default)."""
-    cls = _BY_PATH[path]
-    section = next(s for s in _section_types() if _CLASSES[id(s)] is cls)
+    takes that key's default). A type checker sees Any: annotate the result with the section's
+    class from proxy/config/sections.py (`_ENTRY: Workers = of("workers[]", ...)`)."""
+    _ready()
+    section = _SECTIONS[path]
     return _section(section, section.check(raw or {}, path), _DEFAULTS)
-
-
-def _section_types() -> list[Section]:
-    found: list[Section] = []
-
-    def walk(section: Section) -> None:
-        found.append(section)
-        for key in section.keys.values():
-            for inner, _ in _inner_sections(key.type, ""):
-                walk(inner)
-
-    walk(SCHEMA)
-    return found
 
 
 def classes() -> dict[str, type]:
     """Every section's class by its path ("" is the root)."""
+    _ready()
     return dict(_BY_PATH)

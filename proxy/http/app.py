@@ -297,7 +297,7 @@ async def _ledger(app: web.Application) -> AsyncIterator[None]:
         return
     from proxy.ledger import LedgerUnavailable, open_ledger
 
-    base = app[state.CONFIG].path.parent if app[state.CONFIG].path else Path.cwd()
+    base = path.parent if (path := app[state.CONFIG].path) else Path.cwd()
     ledger = open_ledger(section, base_dir=base)
     await ledger.start()
     app[LEDGER] = ledger

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -42,6 +42,9 @@ from proxy.protocol.continuation import TERMINAL_EVENTS
 from proxy.protocol.ids import random_bits
 from proxy.upstream.models import resolve_model
 
+if TYPE_CHECKING:  # for annotations only
+    from proxy.config.load import Config
+
 _ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
 
@@ -54,7 +57,7 @@ class CompactSettings:
     previous_response_id: str  # the operator's stateless policy (proxy.policy.rules)
 
     @classmethod
-    def of(cls, config: Any) -> CompactSettings:
+    def of(cls, config: Config) -> CompactSettings:
         """config.yaml `compact`, with what `stateless` says of previous_response_id."""
         compact = config.compact
         return cls(keep_recent_items=compact.keep_recent_items, max_summary_tokens=compact.max_summary_tokens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -25,13 +25,16 @@ from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, translate_request
 from proxy.state import SAMPLING_DEFAULTS, SEALER, RequestContext
 
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Server
+
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs
     import zstandard
 except ImportError:  # pragma: no cover
     zstandard = None  # type: ignore[assignment]  # checked before each use
 
 
-def _limits(request: web.Request) -> Any:
+def _limits(request: web.Request) -> Server:
     return request.app[state.CONFIG].server  # config.yaml `server`: the bounds on a request
 
 

@@ -39,7 +39,7 @@ import asyncio
 import struct
 from collections import deque
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import ClientConnectionResetError, WSCloseCode, WSMsgType, web
@@ -61,6 +61,9 @@ from proxy.protocol.continuation import (
 )
 from proxy.runtime.logs import log
 
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Websocket
+
 _CLOSED = object()  # the queue's end: the peer closed, or the socket failed
 _CONTROL = (WSMsgType.PING, WSMsgType.PONG)
 
@@ -69,7 +72,7 @@ class SocketAdmission:
     """Open sockets, per key and in all, in this process: a socket is admitted at its handshake
     (after auth, before the upgrade) or refused with 429, and counted until it ends."""
 
-    def __init__(self, settings: Any) -> None:  # config.websocket
+    def __init__(self, settings: Websocket) -> None:
         self.settings = settings
         self.total = 0
         self.per_key: dict[str | None, int] = {}
@@ -140,7 +143,7 @@ class _Connection:
     that a close or a vanished peer cancels. A message is neither parsed nor decompressed
     further here: each turn's phases (auth, limits, then the body) decide what it costs."""
 
-    def __init__(self, request: web.Request, ws: web.WebSocketResponse, settings: Any) -> None:
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, settings: Websocket) -> None:
         self.request = request
         self.ws = ws
         self.settings = settings

@@ -41,7 +41,7 @@ import contextlib
 import secrets
 from collections.abc import AsyncIterator, Callable, Mapping
 from itertools import count
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -53,6 +53,9 @@ from proxy.limits.base import GLOBAL, KEY, RATE, TOKENS, Ask, LimitsUnavailable,
 from proxy.limits.memory import MemoryCounter
 from proxy.limits.scripts import ADMIT, FORGET, RELEASE, RENEW
 from proxy.runtime.logs import log
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import LimitsRedis
 
 ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 _SCOPES = {1: GLOBAL, 2: KEY, 3: RATE, 4: TOKENS}
@@ -98,18 +101,19 @@ def _grouped(slots: dict[str, list[str]], head: list[str], ttl_ms: int) -> list[
 
 
 class RedisCounter:
-    def __init__(self, section: Any, report: Callable[[str], None] | None = None) -> None:
+    def __init__(self, section: LimitsRedis | Mapping[str, Any],
+                 report: Callable[[str], None] | None = None) -> None:
         """config.yaml `limits.redis` (config.limits.redis); a mapping of its keys (a tool's, a
         test's) is read as that section, the rest at the schema's defaults."""
-        if isinstance(section, Mapping):
-            section = config_settings.of("limits.redis", dict(section))
-        timeout = section.socket_timeout_ms / 1000.0
+        settings: LimitsRedis = (config_settings.of("limits.redis", dict(section)) if isinstance(section, Mapping)
+                                 else section)
+        timeout = settings.socket_timeout_ms / 1000.0
         self.client = aioredis.Redis.from_url(
-            section.url, socket_timeout=timeout,
+            settings.url, socket_timeout=timeout,
             socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self.prefix = section.key_prefix
-        self.ttl_ms = max(1, int(section.slot_ttl_s * 1000))
-        self.closed = section.on_error == "closed"
+        self.prefix = settings.key_prefix
+        self.ttl_ms = max(1, int(settings.slot_ttl_s * 1000))
+        self.closed = settings.on_error == "closed"
         self.report = report or (lambda _event: None)
         self.admit_script = self.client.register_script(ADMIT)
         self.release_script = self.client.register_script(RELEASE)

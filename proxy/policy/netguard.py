@@ -27,10 +27,13 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from proxy.errors import bad_request
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Images
 
 __all__ = ["ImagePolicy", "image_urls", "check_images", "verdict_for_address"]
 
@@ -38,7 +41,7 @@ _CODE = "image_url_refused"
 
 
 class ImagePolicy:
-    def __init__(self, section: Any) -> None:
+    def __init__(self, section: Images) -> None:
         """config.yaml `images` (config.images)."""
         self.allow_hosts = [h.lower().rstrip(".") for h in section.allow_hosts]
         self.allow_private = section.allow_private

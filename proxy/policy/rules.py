@@ -8,9 +8,12 @@ with those policies off refuses or leaves out the same things with the same word
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.errors import APIError
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Stateless
 
 __all__ = [
     "CORE_TOOL_TYPES",
@@ -109,7 +112,7 @@ STATELESS_MODES = ("refuse", "ignore")
 CORE_TOOL_TYPES = frozenset({"function", "custom", "namespace"})  # translated, never dropped or refused
 
 
-def previous_response_mode(section: Any) -> str:
+def previous_response_mode(section: Stateless) -> str:
     """What the operator's `stateless` section (config.stateless) means for previous_response_id:
     "ignore" only when the policy is enabled and says so; otherwise "refuse" (a deployment with
     the policy off still has the translation refuse it). Every endpoint that takes a Responses

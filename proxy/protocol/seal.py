@@ -19,14 +19,17 @@ import binascii
 import os
 import struct
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.config import settings as config_settings
 from proxy.config.rules import seal_keys
 
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import ReasoningSeal
+
 PREFIX = "rp2"  # rp1 tokens carried no binding: they no longer open
 ANONYMOUS = "anonymous"  # the binding of requests no auth middleware identified
-DEFAULT_TTL_S = config_settings.of("reasoning_seal").ttl_s  # a Sealer made without a configuration
+DEFAULT_TTL_S: float = config_settings.of("reasoning_seal").ttl_s  # a Sealer made without a configuration
 _ISSUED = struct.Struct(">Q")  # the payload's first 8 bytes: Unix seconds at sealing
 
 
@@ -97,7 +100,7 @@ class Sealer:
         return (lambda text: self.seal(text, bound_to)), (lambda token: self.unseal(token, bound_to))
 
 
-def sealer_from_config(section: Any) -> Sealer | None:
+def sealer_from_config(section: ReasoningSeal) -> Sealer | None:
     """config.yaml `reasoning_seal` (config.reasoning_seal) and $RESPONSES_PROXY_SEAL_KEY: the
     sealer, or None without a key. The keys are checked at load (proxy.config.rules)."""
     keys, active = seal_keys(section.keys, section.active)

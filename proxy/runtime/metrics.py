@@ -29,7 +29,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from functools import partial
 from itertools import accumulate
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest, metrics as prometheus_metrics
@@ -41,6 +41,9 @@ from proxy import state
 from proxy.state import METRICS, NO_TOKENS, RequestContext
 from proxy.upstream import affinity
 from proxy.upstream.workers import WorkerPool
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Metrics as MetricsSettings
 
 PREFIX = "responses_proxy"
 # The endpoints whose requests generate (and count toward the token totals).
@@ -512,7 +515,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def install(app: web.Application, pool: WorkerPool, section: Any) -> None:
+def install(app: web.Application, pool: WorkerPool, section: MetricsSettings) -> None:
     """config.yaml `metrics` (config.metrics)."""
     if not section.enabled:
         return

@@ -31,7 +31,7 @@ import asyncio
 import json
 import math
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -63,7 +63,11 @@ from proxy.simulator.script import (
 )
 from proxy.state import SIM_STATE
 
-_DEFAULTS = config_settings.of("simulator")  # config.yaml `simulator`'s, for a simulator made without one
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Simulator as SimulatorSettings
+
+# config.yaml `simulator`'s, for a simulator made without one
+_DEFAULTS: SimulatorSettings = config_settings.of("simulator")
 
 # --------------------------------------------------------------------------- handlers
 

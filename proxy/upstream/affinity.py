@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import orjson
 
 if TYPE_CHECKING:
+    from proxy.config.sections import RoutingAffinity
     from proxy.upstream.workers import Route, Worker, WorkerPool
 
 RING_CACHE_SIZE = 128  # rings kept per pool (one per eligible-set signature seen recently)
@@ -74,7 +75,7 @@ def _leading(messages: list) -> tuple[Any, Any]:
     return system, user
 
 
-def request_key(t: Any, settings: Any) -> AffinityKey | None:
+def request_key(t: Any, settings: RoutingAffinity) -> AffinityKey | None:
     """The request's affinity key (None: affinity off, or nothing to key on). `settings` are
     the app's routing.affinity (config.routing.affinity)."""
     if not settings.enabled:

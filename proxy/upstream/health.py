@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -39,6 +39,9 @@ from proxy import state
 from proxy.runtime.logs import log
 from proxy.state import CHECKER
 from proxy.upstream.workers import Worker, WorkerPool
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Health
 
 _WINDOW_KEYS = ("max_model_len", "context_window", "context_length", "max_context_length")
 
@@ -102,7 +105,7 @@ async def discover(session: aiohttp.ClientSession, worker: Worker, timeout_s: fl
 
 
 class HealthChecker:
-    def __init__(self, pool: WorkerPool, session: aiohttp.ClientSession, settings: Any) -> None:  # config.health
+    def __init__(self, pool: WorkerPool, session: aiohttp.ClientSession, settings: Health) -> None:
         self.pool = pool
         self.session = session
         self.settings = settings

@@ -10,7 +10,10 @@ The client's string is what the Response echoes as `model`.
 from __future__ import annotations
 
 from collections.abc import Callable, Container
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import ResponsesSamplingDefaults
 
 __all__ = ["DEFAULT_SAMPLING", "sampling_defaults", "resolve_model", "strip_vendor"]
 
@@ -43,7 +46,7 @@ DEFAULT_SAMPLING: dict[str, float | int] = {
 }
 
 
-def sampling_defaults(section: Any) -> dict[str, dict[str, float]]:
+def sampling_defaults(section: dict[str, ResponsesSamplingDefaults] | None) -> dict[str, dict[str, float]]:
     """config.yaml `responses.sampling_defaults`: served model name -> the sampling values its
     server applies when a request leaves them out (vLLM reads them from the model's
     generation_config.json), only those the operator wrote. They are only echoed in the

@@ -26,12 +26,15 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config import settings as config_settings
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import HealthOutlier, Workers, WorkersTimeouts
 
 _UNSET = object()
 
@@ -81,10 +84,10 @@ class _RoutingField(Generic[_T]):
 
 
 # A worker entry's defaults, from the schema (a test's or a tool's Worker(...) takes them too).
-_ENTRY = config_settings.of("workers[]", {"name": "-", "url": "embedded"})
+_ENTRY: Workers = config_settings.of("workers[]", {"name": "-", "url": "embedded"})
 
 
-def ejection_time(outlier: Any, multiplier: int) -> float:
+def ejection_time(outlier: HealthOutlier, multiplier: int) -> float:
     """health.outlier: the ejection of the multiplier-th repeat, doubled each time up to the cap."""
     return min(outlier.base_ejection_s * (2 ** max(multiplier - 1, 0)), outlier.max_ejection_s)
 
@@ -98,7 +101,7 @@ class Worker:
     api_key: str | None = None
     labels: dict[str, Any] = field(default_factory=dict)
     capacity: int = _ENTRY.capacity
-    timeouts: Any = _ENTRY.timeouts  # workers[].timeouts: connect, first_byte, idle, total (frozen)
+    timeouts: WorkersTimeouts = _ENTRY.timeouts  # workers[].timeouts: connect, first_byte, idle, total (frozen)
     thinking_switch: str = _ENTRY.thinking_switch  # the chat-template kwarg its model reads (proxy.protocol.dialects)
     max_model_len: dict[str, int] = field(default_factory=dict)
     models_known: bool = True  # False while `models` was omitted and /v1/models has not answered yet
@@ -164,7 +167,7 @@ class Worker:
         return self._healthy and not self._ejected and self._dialect != "detect"  # type: ignore[attr-defined]  # as serves
 
 
-def parse_workers(entries: Iterable[Any]) -> list[Worker]:
+def parse_workers(entries: Iterable[Workers]) -> list[Worker]:
     """The workers of config.yaml's `workers` (typed settings, checked at load)."""
     return [Worker(name=entry.name, url=entry.url, dialect=entry.dialect, models=tuple(entry.models or ()),
                    api_key=entry.api_key, labels=dict(entry.labels), capacity=entry.capacity,
@@ -196,9 +199,10 @@ class WorkerPool:
     in-flight counts and health, and per-model routes cached until a worker's routing
     fields change."""
 
-    def __init__(self, workers: Iterable[Worker], *, outlier: Any = None, ewma_alpha: float = 0.3) -> None:
+    def __init__(self, workers: Iterable[Worker], *, outlier: HealthOutlier | None = None,
+                 ewma_alpha: float = 0.3) -> None:
         self.workers = list(workers)
-        self.outlier = outlier or config_settings.of("health.outlier")  # health.outlier's settings
+        self.outlier: HealthOutlier = outlier or config_settings.of("health.outlier")  # health.outlier's settings
         self.ewma_alpha = ewma_alpha
         self.active_checks = False  # proxy.upstream.health turns this on when its loop runs
         # Set by proxy.upstream.health: when its next round starts (monotonic), how far apart rounds
