@@ -162,7 +162,8 @@ class Middlewares:
 
     after_auth: tuple[Any, ...]  # the key is known (context .key), the body not read yet
     after_prepare: tuple[Any, ...]  # body read and translated once (context .body, .translation), nothing held yet
-    before_handler: tuple[Any, ...]  # the balance is held (context .hold) and the output cap final; the handler is next
+    # the balance is held (context .hold) and the output cap final (context .to_answer()); the handler is next
+    before_handler: tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
