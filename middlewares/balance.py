@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -95,6 +95,9 @@ from proxy.protocol.translate import Translation
 from proxy.runtime.logs import log
 from proxy.state import METRICS, AnswerReport, Bill, RequestContext, Tokens
 from proxy.upstream.tokens import TokenCounter
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Balance
 
 _ANSWERED = ("completed", "incomplete", "failed", "cancelled")
 
@@ -146,7 +149,7 @@ def _insufficient(message: str) -> APIError:
     return APIError(402, message, code="insufficient_quota", type="insufficient_quota")
 
 
-def _settings(section: Any) -> tuple[float, int, float, dict[str, Any]]:
+def _settings(section: Balance) -> tuple[float, int, float, dict[str, Any]]:
     """config.balance -> (hold_ttl_s, default output cap, bytes_per_token, Leases settings)."""
     lease_settings = {
         "max_micros": section.lease_max_micros,
@@ -401,7 +404,7 @@ class _Billing:
         await self.settlements.wait()
 
 
-def create(section: Any, app: web.Application):
+def create(section: Balance, app: web.Application):
     """config.yaml `balance` (config.balance); the prices from `prices` (checked at load)."""
     hold_ttl, default_cap, bytes_per_token, lease_settings = _settings(section)
     price_of = PriceTable(app[state.CONFIG].prices)

@@ -31,7 +31,7 @@ Retry-After `redis.retry_after_s`.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -42,12 +42,15 @@ from proxy.limits.base import GLOBAL, KEY, RATE, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter
 from proxy.state import RequestContext
 
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Limits, LimitsRedis
+
 
 def _seconds_header(retry_after_s: float) -> str:
     return str(max(0, math.ceil(retry_after_s)))
 
 
-def _redis_counter(section: Any, app: web.Application):
+def _redis_counter(section: LimitsRedis, app: web.Application):
     from proxy.limits.redis_backend import RedisCounter
 
     def report(event: str) -> None:
@@ -80,7 +83,7 @@ def _refusal(refused: Refused, ask: Ask, retry_header: str) -> APIError:
                     code="tokens_per_min_exceeded", headers=wait)
 
 
-def create(section: Any, app: web.Application):
+def create(section: Limits, app: web.Application):
     """config.yaml `limits` (config.limits)."""
     global_limit = section.global_concurrency
     key_default = section.default_key_concurrency

@@ -17,6 +17,7 @@ from aiohttp import web
 
 if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this module import-light
     from proxy.config.load import Config
+    from proxy.config.sections import Responses
     from proxy.http.units import Unit
     from proxy.ledger.base import Hold, KeyRecord
     from proxy.protocol.rewriter import StreamRewriter
@@ -116,7 +117,8 @@ UPSTREAMS = _app_key("upstreams", "UpstreamPool")  # the chat POST (proxy.upstre
 METRICS = _app_key("metrics", "Metrics")  # proxy.runtime.metrics
 CHECKER = _app_key("health_checker", "HealthChecker")  # proxy.upstream.health's active checks
 READINESS = _app_key("readiness", "Readiness")  # proxy.upstream.health, answers /readyz
-RESPONSE_SETTINGS = _app_key("response_settings", "Responses")  # config.responses, read by proxy.http.forwarder
+# config.responses, read by proxy.http.forwarder
+RESPONSE_SETTINGS: web.AppKey[Responses] = _app_key("response_settings", "Responses")
 SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.upstream.models.sampling_defaults
 IMAGE_POLICY = _app_key("image_policy", "ImagePolicy")  # proxy.policy.netguard
 SEALER = _app_key("sealer", "Sealer")  # the app's proxy.protocol.seal.Sealer, when seal keys are configured
