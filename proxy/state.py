@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from aiohttp import web
 
@@ -25,8 +25,9 @@ if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this m
 # This module stands below everything that keeps state on an app or a request.
 
 
-@dataclass(frozen=True, slots=True)
-class Tokens:
+# The values the phases hand on are NamedTuples: immutable, and built by one C call (a frozen
+# dataclass's __init__ sets each field through object.__setattr__), once or twice a request.
+class Tokens(NamedTuple):
     """An answer's token figures: as its Response shows them, or as billed."""
 
     input: int = 0
@@ -44,8 +45,7 @@ class Tokens:
 NO_TOKENS = Tokens()
 
 
-@dataclass(frozen=True, slots=True)
-class AnswerReport:
+class AnswerReport(NamedTuple):
     """What the handler says about its answer, once, when it ends (returned, raised or was
     cancelled): the balance turns it into the bill, the limits debit its tokens, the envelope
     logs it. Written by the handler alone (ctx.report), never changed after."""
@@ -63,16 +63,14 @@ class AnswerReport:
     count_failed: bool = False  # a worker's tokenizer was asked for the usage and could not say
 
 
-@dataclass(frozen=True, slots=True)
-class Bill:
+class Bill(NamedTuple):
     """What the balance charged for an answer (the ledger row's figures)."""
 
     tokens: Tokens
     cost_micros: int
 
 
-@dataclass(frozen=True, slots=True)
-class Tail:
+class Tail(NamedTuple):
     """The end of a streamed answer, written by the envelope after the phases returned: the
     balance has billed it and the limits have given the slot back by then, so a client that
     reads the end of its answer finds both done (and its next request admitted)."""

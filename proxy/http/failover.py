@@ -36,52 +36,42 @@ async def failover(request: web.Request, ctx: RequestContext, t: Any, run: RunAt
                    check: ContextCheck | None = None, prefs: Any = None,
                    params: frozenset[str] = frozenset()) -> web.StreamResponse:
     """The answer of the first worker that gives one; ctx.report says how it ended."""
-    tried: list[Attempt] = []
-    try:
-        response = await _try_workers(request, ctx, t, run, tried, check, prefs, params)
-    except asyncio.CancelledError:
-        ctx.report = _ended(tried, "cancelled")
-        raise
-    except BaseException:
-        ctx.report = _ended(tried, "error")
-        raise
-    ctx.report = _ended(tried, "completed")  # the attempt that answered made its report
-    return response
-
-
-def _ended(tried: list[Attempt], status: str) -> AnswerReport:
-    return tried[-1].ended(status) if tried else AnswerReport(status)
-
-
-async def _try_workers(request: web.Request, ctx: RequestContext, t: Any, run: RunAttempt, tried: list[Attempt],
-                       check: ContextCheck | None, prefs: Any, params: frozenset[str]) -> web.StreamResponse:
     app = request.app
     pool = app[POOL]
     routing = app[CONFIG].routing
     affinity = request_key(t, routing.affinity)  # prompt-cache affinity (proxy.upstream.affinity)
     attempts = 1 if prefs is not None and prefs.single_attempt else routing.max_attempts
+    tried: list[Worker] = []
+    attempt: Attempt | None = None
     last: _Retryable | None = None
-    for _ in range(max(attempts, 1)):
-        try:
-            worker = choose(pool, t.upstream_model, exclude=[a.worker for a in tried], prefs=prefs, params=params,
-                            affinity=affinity)
-        except APIError:
-            if last is not None:  # every eligible worker failed before the first byte
-                raise last.final from None
-            raise
-        if last is not None:  # logged here, once there is a worker to fail over to
-            pool.note_failover(last.worker, str(last))
-            log.info("failover", worker=last.worker.name, to=worker.name, reason=str(last),
-                     request_id=ctx.request_id)
-        attempt = Attempt(worker)
-        worker.in_flight += 1  # taken before any await: capacity is never over-committed
-        try:
-            sent = await check(worker, t) if check is not None and not tried and routing.context_check else t
-            tried.append(attempt)
-            return await run(attempt, sent)
-        except _Retryable as exc:
-            last = exc
-        finally:
-            worker.in_flight -= 1
-    assert last is not None
-    raise last.final
+    ended = "error"  # how the answer ended when no attempt says (it raised)
+    try:
+        for _ in range(max(attempts, 1)):
+            try:
+                worker = choose(pool, t.upstream_model, exclude=tried, prefs=prefs, params=params, affinity=affinity)
+            except APIError:
+                if last is not None:  # every eligible worker failed before the first byte
+                    raise last.final from None
+                raise
+            if last is not None:  # logged here, once there is a worker to fail over to
+                pool.note_failover(last.worker, str(last))
+                log.info("failover", worker=last.worker.name, to=worker.name, reason=str(last),
+                         request_id=ctx.request_id)
+            worker.in_flight += 1  # taken before any await: capacity is never over-committed
+            try:
+                sent = await check(worker, t) if check is not None and not tried and routing.context_check else t
+                tried.append(worker)
+                attempt = Attempt(worker)
+                return await run(attempt, sent)
+            except _Retryable as exc:
+                last = exc
+            finally:
+                worker.in_flight -= 1
+        assert last is not None
+        raise last.final
+    except asyncio.CancelledError:
+        ended = "cancelled"
+        raise
+    finally:
+        # Written once, from the last attempt: its own report, else how it ended.
+        ctx.report = AnswerReport(ended) if attempt is None else attempt.ended(ended)
