@@ -301,7 +301,7 @@ class _Billing:
         if report is None or not _billable(report, cancelled):
             return None
         cap = t.reserved_output  # the capped translation (the output the hold was sized for)
-        media = t.prompt_size()[1]
+        media = t.prompt_bound().media
         billed = clean_usage(report.usage, counted_output=report.counted_output,
                              input_fallback=counted_input if counted_input is not None else est,
                              input_bound=None if media else est, output_cap=cap, price=price,
@@ -361,7 +361,9 @@ class _Billing:
         t = ctx.translation
         assert t is not None  # the translate phase runs before the balance
         price = self.price_of(t.model)
-        est = prompt_bound(t.chat, t.prompt_size(), self.bytes_per_token).tokens
+        bound = t.prompt_bound()  # computed once with the translation, at one byte per token
+        est = bound.tokens if self.bytes_per_token == 1 else \
+            prompt_bound(t.chat, (bound.text, bound.media), self.bytes_per_token).tokens
         leases = self.leases_for(ledger)
         # A LedgerUnavailable here holds nothing: the envelope answers it 503 with Retry-After.
         room = await budget_room(ledger, record)

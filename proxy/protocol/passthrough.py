@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from proxy.errors import bad_request
-from proxy.protocol.prompt import prompt_bytes
+from proxy.protocol.prompt import PromptBound, prompt_bound
 from proxy.protocol.translate_options import is_int
 from proxy.upstream.models import resolve_model
 
@@ -64,9 +64,9 @@ class Passthrough(NamedTuple):
     include_encrypted_reasoning: bool = False
     allowed_tools: frozenset[str] | None = None
     compaction: Any = None
-    # prompt_bytes(chat), computed once at build: the balance and the context check both read it
+    # prompt_bound(view), computed once at build: the balance and the context check both read it
     # (with_cap and with_max_tokens copy chat with the same messages and tools).
-    size: tuple[int, bool] | None = None
+    bound: PromptBound | None = None
 
     @property
     def path(self) -> str:
@@ -97,9 +97,13 @@ class Passthrough(NamedTuple):
         return self._with(self._capped_body(max_tokens), {**self.chat, "max_tokens": max_tokens},
                           self.max_output_tokens, self.reserved_output)
 
+    def prompt_bound(self) -> PromptBound:
+        bound = self.bound if self.bound is not None else prompt_bound(self.chat)
+        return bound if bound.media or not self.media else bound._replace(media=True)
+
     def prompt_size(self) -> tuple[int, bool]:
-        size, media = self.size if self.size is not None else prompt_bytes(self.chat)
-        return size, media or self.media
+        bound = self.prompt_bound()
+        return bound.text, bound.media
 
     @property
     def output_cap(self) -> int | None:
@@ -244,4 +248,4 @@ def build(family: str, body: dict, served: Any) -> Passthrough:
     if view.get("tools") is None:
         view.pop("tools", None)
     return Passthrough(view, sent, model, upstream_model, stream, family, cap_fields,
-                       cap if family != "embeddings" else 1, usage_added, None, media, size=prompt_bytes(view))
+                       cap if family != "embeddings" else 1, usage_added, None, media, bound=prompt_bound(view))

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from proxy.errors import APIError, bad_request
 from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, check_stateless
 from proxy.protocol.compaction import SummaryAsk, summary_chat, take_trigger
-from proxy.protocol.prompt import prompt_bytes
+from proxy.protocol.prompt import PromptBound, prompt_bound
 from proxy.protocol.translate_input import HOSTED_ITEM_TYPES, NO_SEAL_KEY, UNSEAL_FAILED, messages_of
 from proxy.protocol.translate_options import (
     KNOWN_FIELDS,
@@ -76,10 +76,10 @@ class Translation(NamedTuple):
     # The most output tokens the client may be sent and billed, when the balance reserved for
     # a number (None: max_tokens as sent, if any). The rewriter stops there.
     reserved_output: int | None = None
-    # (chat's messages, its tools, prompt_bytes(chat)), computed once: the balance and the
+    # (chat's messages, its tools, prompt_bound(chat)), computed once: the balance and the
     # context check both read it. It stands while chat holds those same two objects: the copies
     # share them (chat is never edited in place), a _replace() with other messages does not.
-    prompt: tuple[Any, Any, tuple[int, bool]] | None = None
+    prompt: tuple[Any, Any, PromptBound] | None = None
     # A compaction_trigger's request (proxy.protocol.compaction): how its summary is asked for;
     # chat is then the summary's (non-stream), answered by proxy.http.compaction_trigger.
     compaction: SummaryAsk | None = None
@@ -107,12 +107,18 @@ class Translation(NamedTuple):
                            self.include_encrypted_reasoning, self.prompt_cache_key, self.conversation,
                            max_output_tokens, self.allowed_tools, reserved_output, self.prompt, self.compaction)
 
-    def prompt_size(self) -> tuple[int, bool]:
-        """(UTF-8 bytes of the prompt's text, whether it carries media): proxy.protocol.prompt."""
+    def prompt_bound(self) -> PromptBound:
+        """The prompt's upper bound of tokens, its bytes and whether it carries media
+        (proxy.protocol.prompt): the one computed with the translation, while it stands."""
         chat, found = self.chat, self.prompt
         if found is not None and found[0] is chat.get("messages") and found[1] is chat.get("tools"):
             return found[2]
-        return prompt_bytes(chat)
+        return prompt_bound(chat)
+
+    def prompt_size(self) -> tuple[int, bool]:
+        """(UTF-8 bytes of the prompt's text, whether it carries media): proxy.protocol.prompt."""
+        bound = self.prompt_bound()
+        return bound.text, bound.media
 
     @property
     def output_cap(self) -> int | None:
@@ -188,7 +194,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
         conversation=sc.conversation,
         max_output_tokens=sent.max_out,
         allowed_tools=allowed_tools,
-        prompt=(chat.get("messages"), chat.get("tools"), prompt_bytes(chat)),
+        prompt=(chat.get("messages"), chat.get("tools"), prompt_bound(chat)),
         compaction=ask,
     )
 

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from proxy.errors import APIError, bad_request
-from proxy.protocol.prompt import prompt_bound
 from proxy.upstream.affinity import pick as pick_by_affinity, pick_on_route
 from proxy.upstream.tokens import TokenCounter
 
@@ -396,7 +395,7 @@ async def check_context_window(session: aiohttp.ClientSession, worker: Worker, t
     max_tokens = t.chat.get("max_tokens")
     if not window or max_tokens is None:
         return "no_window", t
-    upper, text, media = prompt_bound(t.chat, t.prompt_size())
+    upper, text, media = t.prompt_bound()  # computed once with the translation
     if media:
         return "media", t  # image tokens are the model server's to count
     asked = isinstance(client_max, int) and not isinstance(client_max, bool)
