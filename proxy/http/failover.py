@@ -27,9 +27,9 @@ from proxy.upstream.workers import Worker
 
 # (the attempt, what to send) -> the answer; raises _Retryable when another worker may take it
 RunAttempt = Callable[[Attempt, Any], Awaitable[web.StreamResponse]]
-# (the worker, the translation) -> what to send it (a copy with a lower cap, or the same); raises
-# APIError for a prompt that cannot fit
-ContextCheck = Callable[[Worker, Any], Awaitable[Any]]
+# (the worker, the translation) -> (what was decided, what to send it: a copy with a lower cap, or
+# the same), proxy.upstream.routing.check_context_window's; raises APIError for a prompt that cannot fit
+ContextCheck = Callable[[Worker, Any], Awaitable[tuple[str, Any]]]
 
 
 async def failover(request: web.Request, ctx: RequestContext, t: Any, run: RunAttempt, *,
@@ -59,7 +59,7 @@ async def failover(request: web.Request, ctx: RequestContext, t: Any, run: RunAt
                          request_id=ctx.request_id)
             worker.in_flight += 1  # taken before any await: capacity is never over-committed
             try:
-                sent = await check(worker, t) if check is not None and not tried and routing.context_check else t
+                sent = (await check(worker, t))[1] if check is not None and not tried and routing.context_check else t
                 tried.append(worker)
                 attempt = Attempt(worker)
                 return await run(attempt, sent)

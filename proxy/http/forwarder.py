@@ -62,10 +62,10 @@ async def forward(request: web.Request, ctx: RequestContext) -> web.StreamRespon
     rctx = _response_context(app, ctx, t)
     floor = app[CONFIG].routing.bytes_per_token_floor
 
-    async def fit(worker: Worker, sent: Translation) -> Translation:
+    def fit(worker: Worker, sent: Translation) -> Any:
         # It may lower max_tokens to the room the window leaves: a new Translation.
-        return (await check_context_window(app[SESSION], worker, sent, body.get("max_output_tokens"),
-                                           bytes_per_token_floor=floor))[1]
+        return check_context_window(app[SESSION], worker, sent, body.get("max_output_tokens"),
+                                    bytes_per_token_floor=floor)
 
     def attempt(one: Attempt, sent: Translation) -> Any:
         return _attempt(request, ctx, one, sent, rctx)

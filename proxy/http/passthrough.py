@@ -86,18 +86,16 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
     app = request.app
     floor = app[state.CONFIG].routing.bytes_per_token_floor
 
-    async def fit(worker: Worker, sent: Passthrough) -> Passthrough:
-        if "max_tokens" not in sent.chat:
-            return sent
+    def fit(worker: Worker, sent: Passthrough) -> Any:
         # The cap as vLLM takes it on these APIs: lowered to the room the prompt leaves, not
         # refused (Claude Code asks 32,000 whatever the model's window); a prompt that does
         # not fit at all is still refused.
-        return (await check_context_window(app[state.SESSION], worker, sent, None, bytes_per_token_floor=floor))[1]
+        return check_context_window(app[state.SESSION], worker, sent, None, bytes_per_token_floor=floor)
 
     def attempt(one: Attempt, sent: Passthrough) -> Any:
         return _attempt(request, ctx, one, sent)
 
-    return await failover(request, ctx, t, attempt, check=fit)
+    return await failover(request, ctx, t, attempt, check=fit if "max_tokens" in t.chat else None)
 
 
 async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Attempt,
