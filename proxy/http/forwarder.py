@@ -21,7 +21,7 @@ from proxy.errors import APIError
 from proxy.http.attempt import Attempt, check_stream_start, let_go
 from proxy.http.event_stream import SSE_HEADERS
 from proxy.http.failover import failover
-from proxy.http.json_answer import json_answer
+from proxy.http.json_answer import count_usage, json_answer
 from proxy.http.stream_answer import stream_answer
 from proxy.http.units import RESPONSES
 from proxy.http.upstream_open import open_upstream
@@ -88,7 +88,10 @@ async def _attempt(request: web.Request, ctx: RequestContext, attempt: Attempt, 
         ttfb = attempt.first_byte()
         if not t.stream:
             pool.record_success(worker, ttfb)
-            return await json_answer(app, attempt, t, rctx, first)
+            answer = json_answer(attempt, rctx, first)
+            if attempt.report is not None and attempt.report.usage is None:
+                await count_usage(app[SESSION], attempt, t, rctx, answer)
+            return web.Response(body=orjson.dumps(answer), content_type="application/json")
         check_stream_start(pool, worker, upstream, first)
         pool.record_success(worker, ttfb)
         return await stream_answer(request, ctx, attempt, upstream, rctx, first, deadline)

@@ -1,11 +1,11 @@
 """The JSON answer of POST /v1/responses (stream: false): the worker's chat completion read
-whole, as one Response; its usage, when the worker reported none, from the worker's tokenizer."""
+whole, as one Response (json_answer); its usage, when the worker reported none, from the
+worker's tokenizer (count_usage)."""
 
 from __future__ import annotations
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from proxy.errors import APIError
 from proxy.http.attempt import Attempt
@@ -13,13 +13,12 @@ from proxy.http.upstream_open import _Retryable, _upstream_message
 from proxy.protocol.response import ResponseContext, client_usage, map_usage
 from proxy.protocol.rewriter import completion_response
 from proxy.protocol.translate import Translation
-from proxy.state import SESSION
 from proxy.upstream.tokens import TokenCounter
 
 
-async def json_answer(app: web.Application, attempt: Attempt, t: Translation, rctx: ResponseContext,
-                      body: bytes) -> web.Response:
-    """The Response for the worker's answer `body`; the attempt's report made."""
+def json_answer(attempt: Attempt, rctx: ResponseContext, body: bytes) -> dict:
+    """The Response for the worker's answer `body`, its report made; the report has no usage
+    when the worker reported none (then count_usage asks the worker's tokenizer)."""
     worker = attempt.worker
     try:
         completion = orjson.loads(body)
@@ -30,13 +29,11 @@ async def json_answer(app: web.Application, attempt: Attempt, t: Translation, rc
         message, _ = _upstream_message(body)
         raise APIError(502, message or "The model server failed.", code="upstream_error")
     response, reported = completion_response(rctx, completion)
-    status = response["status"]
     if completion.get("usage"):
-        attempt.end(status, reported, 0, rctx.output_cap, shown=response["usage"])
+        attempt.end(response["status"], reported, 0, rctx.output_cap, shown=response["usage"])
     else:  # as counted (one per item with text) until the worker's tokenizer says, if it can
-        attempt.end(status, None, int(response["usage"]["output_tokens"]), rctx.output_cap)
-        await _count_usage(app[SESSION], attempt, t, rctx, response)
-    return web.Response(body=orjson.dumps(response), content_type="application/json")
+        attempt.end(response["status"], None, int(response["usage"]["output_tokens"]), rctx.output_cap)
+    return response
 
 
 def _output_text(response: dict) -> str:
@@ -55,7 +52,7 @@ def _output_text(response: dict) -> str:
     return "".join(parts)
 
 
-async def _count_usage(session: aiohttp.ClientSession, attempt: Attempt, t: Translation, rctx: ResponseContext,
+async def count_usage(session: aiohttp.ClientSession, attempt: Attempt, t: Translation, rctx: ResponseContext,
                        response: dict) -> None:
     """A non-stream answer without a usage report: the worker's tokenizer counts the prompt and
     the output, so the client, the access line, the metrics and the bill show what it really
