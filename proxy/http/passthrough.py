@@ -16,7 +16,6 @@ does not serve that path: another may; else 404 `endpoint_not_served` naming the
 from __future__ import annotations
 
 import asyncio
-from functools import partial
 from typing import Any
 
 import orjson
@@ -134,10 +133,6 @@ def _json_answer(attempt: Attempt, t: Passthrough, body: bytes) -> web.Response:
     return web.Response(body=body, content_type="application/json")  # the bytes as they came
 
 
-def _dialect_failure(family: str, message: str, status: int, _tokens: Any) -> bytes:
-    return _dialect_error(family, message, status)
-
-
 async def _stream(request: web.Request, ctx: state.RequestContext, attempt: Attempt, upstream: Any, t: Passthrough,
                   first: bytes, deadline: float) -> web.StreamResponse:
     """Everything but the stream's end written (it is ctx.tail: the envelope writes it once the
@@ -196,9 +191,9 @@ async def _stream(request: web.Request, ctx: state.RequestContext, attempt: Atte
         dog.stop()
     attempt.end("completed" if failure is None else "failed", scanner.usage, _counted(scanner, cap), cap,
                 capped=capped, error=failure[1] if failure is not None else None)
-    ending = None if failure is None else partial(
-        _dialect_failure, t.family, failure[0], 502 if failure[1] != "upstream_timeout" else 504)
-    ctx.tail = state.Tail(response, pending, scanner.done, ending)
+    if failure is not None:  # the dialect's own error event: it shows no bill, so it is known now
+        pending += _dialect_error(t.family, failure[0], 502 if failure[1] != "upstream_timeout" else 504)
+    ctx.tail = state.Tail(response, pending, scanner.done)
     return response
 
 
