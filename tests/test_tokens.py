@@ -157,7 +157,8 @@ def test_the_bound_is_the_text_and_the_templates_overheads_once():
 async def test_the_balance_and_the_context_check_use_the_same_bound(make_proxy, http):
     body = {"model": MODEL, "instructions": "Be brief.", "input": "Tell me a story about rivers, 1,2,3."}
     t = translate_request(body)
-    bound = prompt_bound(t.chat, t.prompt_size()).tokens
+    bound = t.prompt_bound().tokens
+    assert bound == prompt_bound(t.chat).tokens
 
     # The balance (bytes_per_token 1): a key holding the bound + 5 is served with 5 output tokens.
     p = await make_proxy({"prices": PRICES})

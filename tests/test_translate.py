@@ -854,14 +854,15 @@ def test_the_copies_keep_every_other_field():
         assert t._replace(**{n: getattr(copy_, n) for n in changed}) == copy_, name
 
 
-def test_the_prompt_size_is_computed_once_and_follows_the_messages():
-    from proxy.protocol.prompt import prompt_bytes
+def test_the_prompt_bound_is_computed_once_and_follows_the_messages():
+    from proxy.protocol.prompt import prompt_bound, prompt_bytes
 
     t = tr(body("héllo"))
-    assert t.prompt_size() == prompt_bytes(t.chat) == (6, False)
-    assert t.with_cap(5).prompt_size() == (6, False)  # a copy shares the messages, and the size
+    assert t.prompt_bound()[1:] == prompt_bytes(t.chat) == (6, False)
+    assert t.prompt_bound() == prompt_bound(t.chat)
+    assert t.with_cap(5).prompt_bound()[1:] == (6, False)  # a copy shares the messages, and the bound
     other = t._replace(chat={**t.chat, "messages": [{"role": "user", "content": "a much longer text"}]})
-    assert other.prompt_size() == (18, False)  # other messages: counted again, never the stale size
+    assert other.prompt_bound()[1:] == (18, False)  # other messages: counted again, never the stale bound
 
 
 # --------------------------------------------------------------------------- fuzz: only APIError, only 4xx

@@ -101,10 +101,6 @@ class Passthrough(NamedTuple):
         bound = self.bound if self.bound is not None else prompt_bound(self.chat)
         return bound if bound.media or not self.media else bound._replace(media=True)
 
-    def prompt_size(self) -> tuple[int, bool]:
-        bound = self.prompt_bound()
-        return bound.text, bound.media
-
     @property
     def output_cap(self) -> int | None:
         sent = self.chat.get("max_tokens")

@@ -1,7 +1,7 @@
 """A chat prompt's size and the one upper bound of its tokens (pure).
 
 `prompt_bytes(chat)` measures the text the chat template renders (UTF-8 bytes) and says
-whether the prompt carries media. The Translation computes it once (Translation.prompt_size).
+whether the prompt carries media. The Translation computes its bound once (Translation.prompt_bound).
 
 `prompt_bound(chat, size, bytes_per_token)` is the prompt's bound, the one both the balance
 (how much input to hold) and the context check (can the prompt fit?) use: every token of a
@@ -97,7 +97,7 @@ def prompt_bytes(chat: dict) -> tuple[int, bool]:
 
 def prompt_bound(chat: dict, size: tuple[int, bool] | None = None, bytes_per_token: float = 1) -> PromptBound:
     """The upper bound of `chat`'s prompt tokens. `size`: its prompt_bytes when known (the
-    Translation's cached prompt_size()); bytes_per_token: at most 1 keeps it a bound (the
+    text and media of a Translation's cached bound); bytes_per_token: at most 1 keeps it a bound (the
     balance's setting; below 1 it is more generous)."""
     text, media = prompt_bytes(chat) if size is None else size
     messages = chat.get("messages")

@@ -115,11 +115,6 @@ class Translation(NamedTuple):
             return found[2]
         return prompt_bound(chat)
 
-    def prompt_size(self) -> tuple[int, bool]:
-        """(UTF-8 bytes of the prompt's text, whether it carries media): proxy.protocol.prompt."""
-        bound = self.prompt_bound()
-        return bound.text, bound.media
-
     @property
     def output_cap(self) -> int | None:
         """The most output deltas the client may be sent (and billed): the max_tokens sent
