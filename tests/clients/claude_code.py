@@ -17,14 +17,13 @@ reports, update checks) is off, and everything that is not loopback goes to a de
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.clients.npm import npm_install
+from tests.clients.npm import loopback_only, npm_install, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CLAUDE_CODE_VERSION = os.environ.get("CLAUDE_CODE_VERSION", "2.1.332")
@@ -84,7 +83,6 @@ async def run_claude(command: list[str], home: Path, workdir: Path, prompt: str,
                      timeout: float = 180) -> ClaudeRun:
     """`claude -p prompt --output-format json` in `workdir`, with a HOME of its own; `bearer`: the key as
     ANTHROPIC_AUTH_TOKEN (Authorization: Bearer) instead of ANTHROPIC_API_KEY (x-api-key)."""
-    trap = f"http://127.0.0.1:{egress_port}"
     home.mkdir(parents=True, exist_ok=True)
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -98,24 +96,13 @@ async def run_claude(command: list[str], home: Path, workdir: Path, prompt: str,
         # Nothing but the model requests: no telemetry, error reports, update checks, feedback.
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
         "DISABLE_AUTOUPDATER": "1", "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
-        "HTTPS_PROXY": trap, "HTTP_PROXY": trap, "ALL_PROXY": trap,
-        "https_proxy": trap, "http_proxy": trap, "all_proxy": trap,
-        "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
-        "NO_COLOR": "1", "TERM": "dumb",
+        **loopback_only(egress_port),
     }
     # --allowedTools: the tools run without asking (--dangerously-skip-permissions is refused as root).
     args = [*command, "-p", prompt, "--output-format", "json", "--allowedTools", tools]
-    proc = await asyncio.create_subprocess_exec(
-        *args, cwd=str(workdir), env=env, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        out, err = await proc.communicate()
-        return ClaudeRun(-9, out.decode(errors="replace"), err.decode(errors="replace") + "\n[timed out]", None)
-    stdout = out.decode(errors="replace")
+    code, stdout, stderr, timed_out = await run_cli(args, workdir, env, timeout)
+    if timed_out:
+        return ClaudeRun(code, stdout, stderr, None)
     result = None
     for line in reversed(stdout.strip().splitlines()):
         try:
@@ -125,4 +112,4 @@ async def run_claude(command: list[str], home: Path, workdir: Path, prompt: str,
         if isinstance(parsed, dict) and parsed.get("type") == "result":
             result = parsed
             break
-    return ClaudeRun(proc.returncode or 0, stdout, err.decode(errors="replace"), result)
+    return ClaudeRun(code, stdout, stderr, result)

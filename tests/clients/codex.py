@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.clients.npm import npm_install
+from tests.clients.npm import loopback_only, npm_install, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CODEX_VERSION = os.environ.get("CODEX_VERSION", "0.171.0")
@@ -159,32 +159,19 @@ class EgressTrap:
 async def run_codex(command: list[str], home: Path, workdir: Path, prompt: str, *, api_key: str,
                     timeout: float = 120, extra_args: list[str] | None = None,
                     egress_port: int = 9) -> CodexRun:
-    trap = f"http://127.0.0.1:{egress_port}"
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home.parent),
         "CODEX_HOME": str(home),
         KEY_ENV: api_key,
-        # Anything that is not loopback goes to a dead proxy and fails at once.
-        "HTTPS_PROXY": trap, "HTTP_PROXY": trap, "ALL_PROXY": trap,
-        "https_proxy": trap, "http_proxy": trap, "all_proxy": trap,
-        "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
         "RUST_LOG": os.environ.get("CODEX_RUST_LOG", "warn"),
-        "NO_COLOR": "1", "TERM": "dumb",
+        **loopback_only(egress_port),  # anything that is not loopback goes to a dead proxy and fails at once
     }
     args = [*command, "exec", "--json", "--skip-git-repo-check", "--ephemeral",
             "--dangerously-bypass-approvals-and-sandbox", "-C", str(workdir), *(extra_args or []), prompt]
-    proc = await asyncio.create_subprocess_exec(
-        *args, cwd=str(workdir), env=env, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        out, err = await proc.communicate()
-        return CodexRun(-9, out.decode(errors="replace"), err.decode(errors="replace") + "\n[timed out]")
-    stdout = out.decode(errors="replace")
+    code, stdout, stderr, timed_out = await run_cli(args, workdir, env, timeout)
+    if timed_out:
+        return CodexRun(code, stdout, stderr)
     events = []
     for line in stdout.splitlines():
         line = line.strip()
@@ -193,4 +180,4 @@ async def run_codex(command: list[str], home: Path, workdir: Path, prompt: str, 
                 events.append(json.loads(line))
             except ValueError:
                 pass
-    return CodexRun(proc.returncode or 0, stdout, err.decode(errors="replace"), events)
+    return CodexRun(code, stdout, stderr, events)
