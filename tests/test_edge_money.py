@@ -14,6 +14,7 @@ import pytest
 
 from middlewares.balance import wait_for_settlements
 from proxy.ledger import KeyLimits
+from tests.test_money import record_holds
 
 MODEL = "tiny-org/tiny-model"
 PRICES = {"prices": {"default": {"input": 1_000_000, "output": 1_000_000}}}  # 1 micro per token
@@ -45,18 +46,7 @@ HOSTILE = [
 @pytest.fixture(autouse=True)
 def holds(monkeypatch) -> dict[str, int]:
     """request id -> the amount held for it (every hold goes through Leases.hold_up_to)."""
-    from proxy.ledger.lease import Leases
-
-    made: dict[str, int] = {}
-    hold_up_to = Leases.hold_up_to
-
-    async def recording(self, request_id, key_id, low, high):
-        found = await hold_up_to(self, request_id, key_id, low, high)
-        made[request_id] = found.amount_micros
-        return found
-
-    monkeypatch.setattr(Leases, "hold_up_to", recording)
-    return made
+    return record_holds(monkeypatch)
 
 
 async def _check(proxy, key_id: str, endpoint: str, holds: dict[str, int]) -> None:

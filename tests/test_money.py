@@ -348,6 +348,23 @@ def test_cli_refuses_zero_limits_on_limits_and_huge_topups(ledger_path):
     assert listed.returncode == 0, listed
 
 
+def record_holds(monkeypatch) -> dict[str, int]:
+    """request id -> the amount held for it, filled as the test runs (every hold goes through
+    Leases.hold_up_to, the lease's and the exact path's alike)."""
+    from proxy.ledger.lease import Leases
+
+    made: dict[str, int] = {}
+    hold_up_to = Leases.hold_up_to
+
+    async def recording(self, request_id, key_id, low, high):
+        found = await hold_up_to(self, request_id, key_id, low, high)
+        made[request_id] = found.amount_micros
+        return found
+
+    monkeypatch.setattr(Leases, "hold_up_to", recording)
+    return made
+
+
 # --------------------------------------------------------------------------- the cap, differentially
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -416,17 +433,7 @@ async def test_audit_under_hostile_concurrent_load(make_proxy, http, sim, monkey
     """Mixed concurrent traffic on several small keys, every upstream behaviour above; then,
     for every key: balance decrease == sum of debits <= sum of holds, no debit above its own
     hold, no hold left open."""
-    from proxy.ledger.lease import Leases
-
-    holds: dict[str, int] = {}
-    hold_up_to = Leases.hold_up_to
-
-    async def recording(self, request_id, key_id, low, high):
-        found = await hold_up_to(self, request_id, key_id, low, high)
-        holds[request_id] = found.amount_micros
-        return found
-
-    monkeypatch.setattr(Leases, "hold_up_to", recording)
+    holds = record_holds(monkeypatch)
     section = {"lease_min_rate": 1} if leases else {"lease_max_micros": 0}
     p = await make_proxy({"prices": PRICES, "balance": section})
     keys = []
