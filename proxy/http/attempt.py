@@ -33,12 +33,16 @@ class Attempt:
     def sent(self) -> None:
         self.sent_at = time.perf_counter()
 
-    def first_byte(self) -> float:
-        """The time to the first byte, in seconds (from `sent`)."""
+    def opened(self, pool: Any, upstream: UpstreamResponse, first: bytes, stream: bool) -> None:
+        """The answer's first bytes came (open_upstream): timed, and the worker's success
+        recorded once they can start the answer (a stream's must start an event stream, else
+        _Retryable)."""
         assert self.sent_at is not None
         seconds = time.perf_counter() - self.sent_at
         self.ttfb_ms = seconds * 1000
-        return seconds
+        if stream:
+            check_stream_start(pool, self.worker, upstream, first)
+        pool.record_success(self.worker, seconds)
 
     def end(self, status: str, usage: dict | None = None, counted: int = 0, cap: int | None = None, *,
             capped: bool = False, shown: dict | None = None, error: str | None = None,

@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import APIError
-from proxy.http.attempt import Attempt, check_stream_start, let_go
+from proxy.http.attempt import Attempt, let_go
 from proxy.http.event_stream import SSE_HEADERS
 from proxy.http.failover import failover
 from proxy.http.json_answer import count_usage, json_answer
@@ -78,22 +78,18 @@ async def _attempt(request: web.Request, ctx: RequestContext, attempt: Attempt, 
     """One worker's answer; raises _Retryable when nothing reached the client and another may answer."""
     worker = attempt.worker
     app = request.app
-    pool = app[POOL]
     deadline = asyncio.get_running_loop().time() + worker.timeouts.total
     payload = orjson.dumps(chat_for(t.chat, worker.dialect, worker.thinking_switch))
     upstream = None
     attempt.sent()
     try:
         upstream, first = await open_upstream(app, worker, worker.chat_url, payload, stream=t.stream)
-        ttfb = attempt.first_byte()
+        attempt.opened(app[POOL], upstream, first, t.stream)
         if not t.stream:
-            pool.record_success(worker, ttfb)
             answer = json_answer(attempt, rctx, first)
             if attempt.report is not None and attempt.report.usage is None:
                 await count_usage(app[SESSION], attempt, t, rctx, answer)
             return web.Response(body=orjson.dumps(answer), content_type="application/json")
-        check_stream_start(pool, worker, upstream, first)
-        pool.record_success(worker, ttfb)
         return await stream_answer(request, ctx, attempt, upstream, rctx, first, deadline)
     finally:
         if upstream is not None:

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError
-from proxy.http.attempt import Attempt, check_stream_start, let_go
+from proxy.http.attempt import Attempt, let_go
 from proxy.http.event_stream import SSE_HEADERS, EventStreamResponse
 from proxy.http.failover import failover
 from proxy.http.upstream_open import _Retryable, _upstream_message, open_upstream
@@ -100,7 +100,6 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
 async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Attempt,
                    t: Passthrough) -> web.StreamResponse:
     worker = attempt.worker
-    pool = request.app[state.POOL]
     deadline = asyncio.get_running_loop().time() + worker.timeouts.total
     upstream = None
     attempt.sent()
@@ -108,12 +107,9 @@ async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Att
         upstream, first = await open_upstream(request.app, worker, worker.endpoint(t.path), orjson.dumps(t.body),
                                               stream=t.stream,
                                               refine=lambda status, body: _not_served(worker, t, status, body))
-        ttfb = attempt.first_byte()
+        attempt.opened(request.app[state.POOL], upstream, first, t.stream)
         if not t.stream:
-            pool.record_success(worker, ttfb)
             return _json_answer(attempt, t, first)
-        check_stream_start(pool, worker, upstream, first)
-        pool.record_success(worker, ttfb)
         return await _stream(request, ctx, attempt, upstream, t, first, deadline)
     finally:
         if upstream is not None:
