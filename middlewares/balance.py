@@ -182,11 +182,17 @@ def _needs_count(report: AnswerReport | None, cancelled: bool) -> bool:
             and not report.count_failed)
 
 
+def _per_answer(price: Price, amount: int, est: int, choices: int) -> int:
+    """The output cap each of `choices` answers may have within `amount`."""
+    covered = max_output_tokens_for(price, amount, est, 0)
+    return covered if choices == 1 else covered // choices
+
+
 def _fit_cap(ctx: RequestContext, t: Translation, price: Price, found: Hold, est: int,
              wanted: int) -> tuple[Hold, Translation]:
     """(the hold, `t` with its output held to what `found` covers: a new Translation (with_cap),
     lowered and sent upstream when it covers less than wanted)."""
-    cap = min(wanted, max_output_tokens_for(price, found.amount_micros, est, 0))
+    cap = min(wanted, _per_answer(price, found.amount_micros, est, t.choices))
     lowered = cap < wanted  # >= 1: at least `least` was held
     if lowered:
         ctx.notices.append(f"max_output_tokens lowered to {cap} to fit the balance")
@@ -231,18 +237,19 @@ class _Billing:
         if wanted < 1:
             raise _insufficient("The available balance does not cover any output for this request.")
         # (no balance exceeds MAX_AMOUNT: a larger amount is simply one it cannot cover)
-        least = min(cost_micros(price, est, 0, 1), MAX_AMOUNT)  # the input and one output token
+        choices = t.choices  # n answers (a pass-through's n, best_of, batch): each up to the cap
+        least = min(cost_micros(price, est, 0, choices), MAX_AMOUNT)  # the input and one output token each
         capped = t
         if room is not None:
             if room < least:
                 raise APIError(402, "This API key's daily or monthly budget is spent; it resets at the start of "
                                "the next UTC day or month.", code="budget_exceeded", type="insufficient_quota")
-            fits = max_output_tokens_for(price, room, est, 0)  # >= 1: room covers `least`
+            fits = _per_answer(price, room, est, choices)  # >= 1: room covers `least`
             if fits < wanted:
                 wanted = fits
                 capped = t.with_cap(fits)  # sent upstream and echoed
                 ctx.notices.append(f"max_output_tokens lowered to {fits} to fit the key's budget")
-        most = min(cost_micros(price, est, 0, wanted), MAX_AMOUNT)
+        most = min(cost_micros(price, est, 0, wanted * choices), MAX_AMOUNT)
         try:
             found = await leases.hold_up_to(ctx.request_id, key_id, least, most)
         except InsufficientBalance as exc:
@@ -257,13 +264,14 @@ class _Billing:
         # refusal, a worker's tokenizer gives the prompt's real size, which may fit. Not
         # asked when even a 16-bytes-per-token prompt would not fit (an empty key's retries
         # cost the workers nothing).
-        floor = cost_micros(price, max(1, (est - TEMPLATE_OVERHEAD) // 16), 0, 1)
+        choices = t.choices
+        floor = cost_micros(price, max(1, (est - TEMPLATE_OVERHEAD) // 16), 0, choices)
         counted = await self.prompt_count(t) if exc.available_micros >= floor else None
-        if counted is not None and counted < est and exc.available_micros >= cost_micros(price, counted, 0, 1):
+        if counted is not None and counted < est and exc.available_micros >= cost_micros(price, counted, 0, choices):
             try:
                 found = await leases.hold_up_to(ctx.request_id, key_id,
-                                                min(cost_micros(price, counted, 0, 1), MAX_AMOUNT),
-                                                min(cost_micros(price, counted, 0, wanted), MAX_AMOUNT))
+                                                min(cost_micros(price, counted, 0, choices), MAX_AMOUNT),
+                                                min(cost_micros(price, counted, 0, wanted * choices), MAX_AMOUNT))
             except InsufficientBalance as again:
                 exc = again
             else:
@@ -301,6 +309,8 @@ class _Billing:
         if report is None or not _billable(report, cancelled):
             return None
         cap = t.reserved_output  # the capped translation (the output the hold was sized for)
+        if cap is not None and t.choices != 1:
+            cap *= t.choices  # each answer up to the cap
         media = t.prompt_bound().media
         billed = clean_usage(report.usage, counted_output=report.counted_output,
                              input_fallback=counted_input if counted_input is not None else est,

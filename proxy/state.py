@@ -119,6 +119,7 @@ READINESS = _app_key("readiness", "Readiness")  # proxy.upstream.health, answers
 RESPONSE_SETTINGS: web.AppKey[Responses] = _app_key("response_settings", "Responses")
 SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.upstream.models.sampling_defaults
 IMAGE_POLICY = _app_key("image_policy", "ImagePolicy")  # proxy.policy.netguard
+PASSTHROUGH_LIMITS = _app_key("passthrough_limits", "Limits")  # proxy.protocol.passthrough, from config.endpoints
 SEALER = _app_key("sealer", "Sealer")  # the app's proxy.protocol.seal.Sealer, when seal keys are configured
 SOCKETS = _app_key("socket_admission", "SocketAdmission")  # proxy.http.websocket: open sockets per key
 COMPACT_SETTINGS = _app_key("compact_settings", "CompactSettings")  # proxy.http.compact

@@ -5,6 +5,7 @@ reads the usage, the deltas and the end as they were."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from proxy.protocol.chat_usage import SSEScanner
@@ -19,7 +20,7 @@ def run(scanner: SSEScanner, data: bytes, cuts: list[int]) -> bytes:
     out, at = [], 0
     for cut in [*cuts, len(data)]:
         piece = scanner.feed(data[at:cut])
-        assert piece == b"" or piece.endswith((b"\n\n", b"\r\n\r\n")), piece[-20:]  # whole events only
+        assert piece == b"" or piece.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")), piece[-20:]  # whole events only
         out.append(piece)
         at = cut
     out.append(scanner.flush())
@@ -56,13 +57,16 @@ def test_a_usage_string_in_the_text_is_not_the_usage():
 
 
 def test_a_messages_stream_cut_anywhere_passes_on_as_it_came():
-    deltas = MESSAGES.count(b"event: content_block_delta")
+    # vLLM 0.32 closes a thinking block with a signature_delta: no token of output
+    deltas = MESSAGES.count(b"event: content_block_delta") - MESSAGES.count(b'"signature_delta"')
+    assert deltas == 10
     for cuts in every_cut(MESSAGES):
         scanner = SSEScanner("messages", False)
         assert run(scanner, MESSAGES, cuts) == MESSAGES, cuts
         # message_start's usage, then message_delta's over it
         assert (scanner.usage["input_tokens"], scanner.usage["output_tokens"]) == (24, 10)
         assert scanner.done and scanner.finished and scanner.counted == deltas
+        assert scanner.counted <= scanner.usage["output_tokens"]  # never above what vLLM reports
 
 
 def test_a_completions_stream_keeps_its_text_chunks_and_drops_its_usage_chunk():
@@ -74,3 +78,68 @@ def test_a_completions_stream_keeps_its_text_chunks_and_drops_its_usage_chunk():
     scanner = SSEScanner("completions", True)
     assert run(scanner, data, [len(events[0]) + 7]) == data.replace(usage, b"")
     assert scanner.counted == 2 and scanner.usage["output_tokens"] == 2 and scanner.done
+
+
+def _chunk(content: str, index: int = 0, finish: str | None = None) -> bytes:
+    return b"data: " + orjson.dumps({"object": "chat.completion.chunk", "choices": [
+        {"index": index, "delta": {"content": content}, "finish_reason": finish}]}) + b"\n\n"
+
+
+def test_done_inside_the_text_does_not_end_the_stream():
+    """A delta whose text holds `data: [DONE]` is text: the stream goes on to its real end."""
+    body = (_chunk("before data: [DONE]\n\n after") + _chunk("more") + _chunk("end", finish="stop")
+            + USAGE_CHUNK + b"data: [DONE]\n\n")
+    for cuts in every_cut(body):
+        scanner = SSEScanner("chat", True)
+        assert run(scanner, body, cuts) == body.replace(USAGE_CHUNK, b"")
+        assert scanner.done and scanner.finished and scanner.counted == 3
+
+
+def test_usage_in_json_with_spaces_is_read():
+    spaced = b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}\n\n'
+    body = _chunk("a") + spaced + b"data: [DONE]\n\n"
+    scanner = SSEScanner("chat", True)
+    assert run(scanner, body, []) == _chunk("a") + b"data: [DONE]\n\n"
+    assert (scanner.usage["input_tokens"], scanner.usage["output_tokens"]) == (7, 3)
+
+
+def test_the_cut_is_at_the_event_that_crosses_the_cap_in_one_coalesced_read():
+    body = b"".join(_chunk(f"w{i} ") for i in range(50)) + _chunk("", finish="length") + b"data: [DONE]\n\n"
+    scanner = SSEScanner("chat", True, cap=5)
+    out = run(scanner, body, [])
+    assert out == b"".join(_chunk(f"w{i} ") for i in range(5))
+    assert scanner.capped and scanner.done and not scanner.completed and scanner.counted == 5
+
+
+def test_each_answer_of_n_has_its_own_cap():
+    body = b"".join(_chunk("x", index=i % 3) for i in range(9)) + b"data: [DONE]\n\n"
+    scanner = SSEScanner("chat", True, cap=3)
+    assert run(scanner, body, []) == body
+    assert scanner.counted == 9 and scanner.per_answer == {0: 3, 1: 3, 2: 3} and not scanner.capped
+    scanner = SSEScanner("chat", True, cap=2)
+    assert run(scanner, body, []) == b"".join(_chunk("x", index=i % 3) for i in range(6))
+    assert scanner.capped
+
+
+@pytest.mark.parametrize("eol", [b"\r\n", b"\r"])
+def test_events_framed_with_cr_line_ends(eol):
+    body = (_chunk("a") + _chunk("b", finish="stop") + USAGE_CHUNK + b"data: [DONE]\n\n").replace(b"\n", eol)
+    for cuts in every_cut(body):
+        scanner = SSEScanner("chat", True)
+        out = run(scanner, body, cuts)
+        assert out == body.replace(USAGE_CHUNK.replace(b"\n", eol), b""), cuts
+        assert scanner.done and scanner.counted == 2 and scanner.usage["output_tokens"] == 6
+
+
+def test_multi_line_data_and_comments():
+    body = b": keep-alive\n\ndata: {\"choices\":\ndata: [{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n"
+    scanner = SSEScanner("chat", False)
+    assert run(scanner, body, []) == body
+    assert scanner.counted == 1 and scanner.done
+
+
+def test_an_anthropic_stream_is_cut_at_the_delta_past_max_tokens():
+    cap = 4
+    scanner = SSEScanner("messages", False, cap=cap)
+    out = run(scanner, MESSAGES, [])
+    assert out.count(b'"thinking_delta"') == cap and scanner.capped and scanner.counted == cap

@@ -49,6 +49,10 @@ from proxy.config.types import (
     unknown_key,
 )
 
+# The one list of the pass-through extensions is the protocol's table (a module of data alone,
+# importing nothing): config.yaml's allowed_extensions is checked against it.
+from proxy.protocol.passthrough_fields import EXTENSION_NAMES
+
 # ----------------------------------------------------------------------------- the schema
 
 POS_INT = Int(lo=1)
@@ -241,9 +245,16 @@ name (or written {"package.module:factory": {...}} in the list); README, "Your o
         "completions": F(Bool(), True, "POST /v1/completions, the body passed through"),
         "embeddings": F(Bool(), True, "POST /v1/embeddings, the body passed through"),
         "messages": F(Bool(), True, "POST /v1/messages (+ /count_tokens): Anthropic's API, passed through"),
+        "max_choices": F(POS_INT, 16, "n, best_of or a beam's width of one request; above it, a 400"),
+        "max_batch_inputs": F(POS_INT, 256, "prompts of one completion, inputs of one embedding request; above, a 400"),
+        "max_top_logprobs": F(Int(0, 1000), 20, "top_logprobs (chat) and logprobs (completions) at most this"),
+        "allowed_extensions": F(ListOf(Str(choices=EXTENSION_NAMES)), [],
+                                "server extensions no hold bounds, accepted anyway (else a 400 naming the field)"),
     }), None, note="""\
 The model server's other APIs, each through the same keys, limits and ledger as /v1/responses
-(README, "Other endpoints"). false: that path answers 404 endpoint_disabled."""),
+(README, "Other endpoints"). false: that path answers 404 endpoint_disabled. Each body is
+rebuilt from the fields the server reads (proxy/protocol/passthrough_fields.py): n, best_of and
+batches are multiplied into the hold; unknown fields are not forwarded, and named in x-token-notice."""),
     "websocket": F(Section({
         "enabled": F(Bool(), True, "GET /v1/responses with an upgrade: the Responses WebSocket transport"),
         "max_connection_minutes": F(POS_NUM, 60, "then websocket_connection_limit_reached and the socket closes"),

@@ -174,6 +174,11 @@ class Endpoints:
     completions: bool  # POST /v1/completions, the body passed through
     embeddings: bool  # POST /v1/embeddings, the body passed through
     messages: bool  # POST /v1/messages (+ /count_tokens): Anthropic's API, passed through
+    max_choices: int  # n, best_of or a beam's width of one request; above it, a 400
+    max_batch_inputs: int  # prompts of one completion, inputs of one embedding request; above, a 400
+    max_top_logprobs: int  # top_logprobs (chat) and logprobs (completions) at most this
+    # server extensions no hold bounds, accepted anyway (else a 400 naming the field)
+    allowed_extensions: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

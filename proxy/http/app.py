@@ -21,6 +21,7 @@ from proxy.http.compact import CompactSettings
 from proxy.http.errors import ERROR_CODE, error_response, ledger_unavailable
 from proxy.http.forwarder import refusal_as_event
 from proxy.http.parse_errors import HeadLimits
+from proxy.http.passthrough import limits_of
 from proxy.http.routes import add_routes, unit_for
 from proxy.http.turn import refuse_other_answers
 from proxy.http.websocket import SocketAdmission
@@ -343,6 +344,7 @@ def build_app(config: Config) -> web.Application:
     # The bounds on a whole head (bytes, time): applied by ProxyRunner's connections (parse_errors).
     app[state.HEAD_LIMITS] = HeadLimits(server.max_header_bytes, server.header_read_timeout_s)
     app[IMAGE_POLICY] = ImagePolicy(config.images)
+    app[state.PASSTHROUGH_LIMITS] = limits_of(config.endpoints)
     app[POOL] = WorkerPool(parse_workers(config.workers), outlier=config.health.outlier)
     app[RESPONSE_SETTINGS] = config.responses
     app[SAMPLING_DEFAULTS] = sampling_defaults(config.responses.sampling_defaults)

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from proxy.errors import APIError
 from proxy.http.attempt import Attempt
-from proxy.http.upstream_open import _Retryable
+from proxy.http.upstream_open import AnswerLost, _Retryable
 from proxy.runtime.logs import log
 from proxy.state import CONFIG, POOL, AnswerReport, RequestContext
 from proxy.upstream.affinity import request_key
@@ -58,6 +58,7 @@ async def failover(request: web.Request, ctx: RequestContext, t: Any, run: RunAt
                 log.info("failover", worker=last.worker.name, to=worker.name, reason=str(last),
                          request_id=ctx.request_id)
             worker.in_flight += 1  # taken before any await: capacity is never over-committed
+            sent = None
             try:
                 sent = (await check(worker, t))[1] if check is not None and not tried and routing.context_check else t
                 tried.append(worker)
@@ -65,6 +66,14 @@ async def failover(request: web.Request, ctx: RequestContext, t: Any, run: RunAt
                 return await run(attempt, sent)
             except _Retryable as exc:
                 last = exc
+            except AnswerLost as lost:
+                # The worker did the work: billed as far as it can be counted (an answer too
+                # large to read ran to its cap, within the hold), never asked of another worker.
+                if attempt is not None and attempt.report is None and sent is not None:
+                    cap = sent.output_cap
+                    budget = cap * sent.choices if cap is not None else None
+                    attempt.end("failed", None, budget or 0 if lost.whole else 0, budget, error=lost.code)
+                raise
             finally:
                 worker.in_flight -= 1
         assert last is not None

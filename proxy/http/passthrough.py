@@ -16,24 +16,32 @@ does not serve that path: another may; else 404 `endpoint_not_served` naming the
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError
+from proxy.http.anthropic_errors import anthropic_type
 from proxy.http.attempt import Attempt, let_go
 from proxy.http.event_stream import SSE_HEADERS, EventStreamResponse
 from proxy.http.failover import failover
+from proxy.http.read_loop import DISCONNECTED, EOF, TIMEOUT, TOO_LARGE, relay
 from proxy.http.upstream_open import _Retryable, _upstream_message, open_upstream
 from proxy.http.watchdog import ReadWatchdog
+from proxy.ledger.usage import as_count
 from proxy.policy.netguard import ImagePolicy, check_images
-from proxy.protocol.chat_usage import SSEScanner, json_usage
-from proxy.protocol.passthrough import ANTHROPIC, Passthrough, build
-from proxy.upstream.client import BadResponse, Disconnected
+from proxy.protocol.chat_usage import SSEScanner, json_output, json_usage
+from proxy.protocol.passthrough import ANTHROPIC, Limits, Passthrough, build
+from proxy.protocol.response import map_usage
 from proxy.upstream.routing import check_context_window
+from proxy.upstream.tokens import TokenCounter
 from proxy.upstream.workers import Worker
+
+if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+    from proxy.config.sections import Endpoints
 
 # config `endpoints` key of each family (messages_count follows messages)
 SWITCHES = {"chat": "chat_completions", "completions": "completions", "embeddings": "embeddings",
@@ -48,13 +56,26 @@ def policy_for(app: web.Application) -> ImagePolicy:
     return policy
 
 
+def limits_of(section: Endpoints) -> Limits:
+    """config.endpoints' bounds of a pass-through request (build_app keeps them on the app)."""
+    return Limits(section.max_choices, section.max_batch_inputs, section.max_top_logprobs,
+                  frozenset(section.allowed_extensions))
+
+
+def limits_for(app: web.Application) -> Limits:
+    limits = app.get(state.PASSTHROUGH_LIMITS)
+    return limits if limits is not None else limits_of(app[state.CONFIG].endpoints)
+
+
 async def passthrough_translate(app: web.Application, ctx: state.RequestContext, body: dict) -> Passthrough:
     family = ctx.unit.family
     switch = SWITCHES[family]
     if not getattr(app[state.CONFIG].endpoints, switch):
         raise APIError(404, f"{ctx.path} is turned off on this proxy (endpoints.{switch}).", code="endpoint_disabled")
     pool = app.get(state.POOL)
-    t = build(family, body, pool.serves if pool is not None else None)
+    t = build(family, body, pool.serves if pool is not None else None, limits_for(app))
+    if t.notices:
+        ctx.notices.extend(t.notices)
     if family == "chat":
         await check_images(policy_for(app), t.body)  # the model server fetches image_url parts
     elif family in ANTHROPIC and t.media:
@@ -63,12 +84,14 @@ async def passthrough_translate(app: web.Application, ctx: state.RequestContext,
 
 
 def _dialect_error(family: str, message: str, status: int) -> bytes:
+    """A failure after the headers, as an event in the endpoint's own error shape."""
     if family in ANTHROPIC:
-        kind = "api_error" if status >= 500 else "invalid_request_error"
+        kind = anthropic_type(status)
         return b"event: error\ndata: " + orjson.dumps({"type": "error", "error": {"type": kind, "message": message}}) \
             + b"\n\n"
-    return b"data: " + orjson.dumps({"error": {"message": message, "type": "server_error", "code": status}}) \
-        + b"\n\ndata: [DONE]\n\n"
+    code = "upstream_timeout" if status == 504 else "upstream_error"
+    return b"data: " + orjson.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                              "code": code}}) + b"\n\ndata: [DONE]\n\n"
 
 
 def _not_served(worker: Worker, t: Passthrough, status: int, body: bytes) -> _Retryable | None:
@@ -100,23 +123,30 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
 async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Attempt,
                    t: Passthrough) -> web.StreamResponse:
     worker = attempt.worker
+    app = request.app
     deadline = asyncio.get_running_loop().time() + worker.timeouts.total
     upstream = None
     attempt.sent()
     try:
-        upstream, first = await open_upstream(request.app, worker, worker.endpoint(t.path), orjson.dumps(t.body),
+        upstream, first = await open_upstream(app, worker, worker.endpoint(t.path), orjson.dumps(t.body),
                                               stream=t.stream,
                                               refine=lambda status, body: _not_served(worker, t, status, body))
-        attempt.opened(request.app[state.POOL], upstream, first, t.stream)
+        attempt.opened(app[state.POOL], upstream, first, t.stream)
         if not t.stream:
-            return _json_answer(attempt, t, first)
+            return await _json_answer(app, attempt, t, first)
         return await _stream(request, ctx, attempt, upstream, t, first, deadline)
     finally:
         if upstream is not None:
             let_go(upstream, t.stream, attempt.report)
 
 
-def _json_answer(attempt: Attempt, t: Passthrough, body: bytes) -> web.Response:
+def _budget(t: Passthrough) -> int | None:
+    """The most output of all the request's answers: the cap per answer x the answers."""
+    cap = t.output_cap
+    return cap * t.choices if cap is not None else None
+
+
+async def _json_answer(app: web.Application, attempt: Attempt, t: Passthrough, body: bytes) -> web.Response:
     try:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -125,8 +155,32 @@ def _json_answer(attempt: Attempt, t: Passthrough, body: bytes) -> web.Response:
     if not isinstance(answer, dict) or ("error" in answer and answer.get("type") != "message"):
         message, _ = _upstream_message(body)
         raise APIError(502, message or "The model server failed.", code="upstream_error")
-    attempt.end("completed", json_usage(t.family, answer), 0, t.output_cap)
+    usage = json_usage(t.family, answer)
+    budget = _budget(t)
+    if t.family == "embeddings" or _readable(usage):
+        attempt.end("completed", usage, 0, budget)
+    else:  # as /v1/responses counts an answer whose usage it cannot read: the worker's tokenizer
+        await _count_usage(app, attempt, t, answer, budget)
     return web.Response(body=body, content_type="application/json")  # the bytes as they came
+
+
+def _readable(usage: dict | None) -> bool:
+    return usage is not None and as_count(usage.get("input_tokens")) is not None \
+        and as_count(usage.get("output_tokens")) is not None
+
+
+async def _count_usage(app: web.Application, attempt: Attempt, t: Passthrough, answer: dict,
+                       budget: int | None) -> None:
+    """The prompt and what the answers wrote, counted by the worker that served them; as
+    counted (one token per answer that wrote any) when it cannot say."""
+    text, written = json_output(t.family, answer)
+    counter = TokenCounter(app[state.SESSION])
+    prompt = await counter.prompt(t, attempt.worker)
+    output = await counter.text(attempt.worker, t.upstream_model, text) if text and prompt is not None else 0
+    if prompt is None or output is None:
+        attempt.end("completed", None, written, budget, count_failed=prompt is None)
+        return
+    attempt.end("completed", map_usage({"prompt_tokens": prompt, "completion_tokens": output}), written, budget)
 
 
 async def _stream(request: web.Request, ctx: state.RequestContext, attempt: Attempt, upstream: Any, t: Passthrough,
@@ -134,64 +188,44 @@ async def _stream(request: web.Request, ctx: state.RequestContext, attempt: Atte
     """Everything but the stream's end written (it is ctx.tail: the envelope writes it once the
     answer is billed); the attempt's report made."""
     worker = attempt.worker
-    scanner = SSEScanner(t.family, t.usage_added)
+    cap = t.output_cap
+    scanner = SSEScanner(t.family, t.usage_added, cap)
     response = EventStreamResponse(status=200, headers=SSE_HEADERS)
     dog = ReadWatchdog(worker.timeouts.idle, deadline, scanner)
-    cap = t.output_cap
     failure: tuple[str, str] | None = None
-    capped = False
+    ended: str | None
     try:
         await response.prepare(request)
         try:
             pending = scanner.feed(first)
         except ValueError:
-            pending, failure = b"", ("The model server sent an event larger than the proxy accepts.", "upstream_error")
-        read, write = upstream.read, response.write
-        while failure is None and not scanner.done:
-            if cap is not None and scanner.counted > cap:
-                capped = True
-                failure = ("The model server sent more output than max_tokens allows.", "upstream_error")
-                break
-            if pending:
-                await write(pending)
-                pending = b""
-            dog.start_read()
-            try:
-                data = await read()
-            except asyncio.CancelledError:
-                if not dog.caused():
-                    raise
-                failure = (dog.message(worker.timeouts.total), "upstream_timeout")
-                dog.since = None
-                break
-            except (Disconnected, BadResponse):
-                dog.since = None
-                request.app[state.POOL].record_failure(worker, "disconnected mid-stream")
-                failure = ("The connection to the model server was lost mid-stream.", "upstream_disconnected")
-                break
+            pending, ended = b"", TOO_LARGE
+        else:
+            pending, ended = await relay(upstream.read, response.write, scanner.feed, scanner, dog, pending,
+                                         partial(request.app[state.POOL].record_failure, worker,
+                                                 "disconnected mid-stream"))
+        if ended == EOF:
+            pending += scanner.flush()
+        if scanner.capped:
+            failure = ("The model server sent more output than max_tokens allows.", "upstream_error")
+        elif ended == TIMEOUT:
+            failure = (dog.message(worker.timeouts.total), "upstream_timeout")
             dog.since = None
-            if not data:
-                pending += scanner.flush()
-                if not scanner.done and not scanner.finished:
-                    failure = ("The model server ended the stream before it was complete.", "upstream_error")
-                break
-            try:
-                pending += scanner.feed(data)
-            except ValueError:
-                failure = ("The model server sent an event larger than the proxy accepts.", "upstream_error")
+        elif ended == DISCONNECTED:
+            failure = ("The connection to the model server was lost mid-stream.", "upstream_disconnected")
+        elif ended == TOO_LARGE:
+            failure = ("The model server sent an event larger than the proxy accepts.", "upstream_error")
+        elif not scanner.completed and not scanner.finished:
+            failure = ("The model server ended the stream before it was complete.", "upstream_error")
     except BaseException:  # raised or cancelled (the client left): the answer as it stands
-        attempt.end("completed" if scanner.done else "cancelled", scanner.usage, _counted(scanner, cap), cap,
-                    capped=capped)
+        attempt.end("completed" if scanner.completed else "cancelled", scanner.usage, scanner.counted, _budget(t),
+                    capped=scanner.capped)
         raise
     finally:
         dog.stop()
-    attempt.end("completed" if failure is None else "failed", scanner.usage, _counted(scanner, cap), cap,
-                capped=capped, error=failure[1] if failure is not None else None)
+    attempt.end("completed" if failure is None else "failed", scanner.usage, scanner.counted, _budget(t),
+                capped=scanner.capped, error=failure[1] if failure is not None else None)
     if failure is not None:  # the dialect's own error event: it shows no bill, so it is known now
         pending += _dialect_error(t.family, failure[0], 502 if failure[1] != "upstream_timeout" else 504)
-    ctx.tail = state.Tail(response, pending, scanner.done)
+    ctx.tail = state.Tail(response, pending, scanner.completed)
     return response
-
-
-def _counted(scanner: SSEScanner, cap: int | None) -> int:
-    return min(scanner.counted, cap) if cap else scanner.counted

@@ -8,18 +8,18 @@ returned, so the answer is billed and its limits' slot given back before a clien
 
 from __future__ import annotations
 
-import asyncio
 from functools import partial
 
 from aiohttp import web
 
 from proxy.http.attempt import Attempt
 from proxy.http.event_stream import open_event_stream
+from proxy.http.read_loop import DISCONNECTED, EOF, TIMEOUT, TOO_LARGE, relay
 from proxy.http.watchdog import ReadWatchdog
 from proxy.protocol.response import ResponseContext
 from proxy.protocol.rewriter import StreamRewriter
 from proxy.state import POOL, RequestContext, Tail, Tokens
-from proxy.upstream.client import BadResponse, Disconnected, UpstreamResponse
+from proxy.upstream.client import UpstreamResponse
 
 # A first read this big holds many events (a server that coalesces its chunks, or a client
 # that connected late): its first two events (vLLM: the role, then the first text) are
@@ -69,36 +69,21 @@ async def stream_answer(request: web.Request, ctx: RequestContext, attempt: Atte
     failure: tuple[str, str, bool] | None = None  # (message, code, the proxy's own error code)
     try:
         pending = await _start_stream(request, response, rewriter, first)
-        read = upstream.read
-        write = response.write
-        feed = rewriter.feed
-        while not rewriter.done:
-            if pending:  # one write per upstream read, none for a read that completed no event
-                await write(pending)
-                pending = b""
-            dog.start_read()
-            try:
-                data = await read()
-            except asyncio.CancelledError:
-                if not dog.caused():
-                    raise
-                failure = (dog.message(worker.timeouts.total), "upstream_timeout", True)  # reads dog.since
-                dog.since = None
-                break
-            except (Disconnected, BadResponse):
-                dog.since = None
-                request.app[POOL].record_failure(worker, "disconnected mid-stream")
-                failure = ("The connection to the model server was lost mid-stream.", "upstream_disconnected", True)
-                break
+        pending, ended = await relay(upstream.read, response.write, rewriter.feed, rewriter, dog, pending,
+                                     partial(request.app[POOL].record_failure, worker, "disconnected mid-stream"))
+        if ended == TIMEOUT:
+            failure = (dog.message(worker.timeouts.total), "upstream_timeout", True)  # reads dog.since
             dog.since = None
-            if data:
-                pending = feed(data)
-                continue
-            pending = rewriter.drain()
+        elif ended == DISCONNECTED:
+            failure = ("The connection to the model server was lost mid-stream.", "upstream_disconnected", True)
+        elif ended == EOF:
+            pending += rewriter.drain()
             if rewriter.done or rewriter.finish_reason is not None:
                 pending += rewriter.finish()
             else:  # the worker ended the stream mid-way
                 failure = ("upstream stream ended without a finish_reason", "server_error", False)
+        elif ended == TOO_LARGE:
+            failure = ("The model server sent an event larger than the proxy accepts.", "upstream_error", True)
     except BaseException:  # raised or cancelled (the client left): the answer as it stands
         attempt.end(rewriter.status if rewriter.done else "cancelled", rewriter.usage, rewriter.output_tokens_seen,
                     rctx.output_cap, capped=rewriter.capped)

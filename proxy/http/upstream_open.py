@@ -46,6 +46,16 @@ class _Retryable(Exception):
         self.final = final
 
 
+class AnswerLost(APIError):
+    """The worker answered 200 and its answer could not be read: larger than the proxy reads
+    (`whole`: it ran to its end, so to its cap), or the connection lost mid-body. The work was
+    done: the failover bills it as far as it can be counted and asks no other worker."""
+
+    def __init__(self, message: str, *, whole: bool) -> None:
+        super().__init__(502, message, code="upstream_error")
+        self.whole = whole
+
+
 def _upstream_message(body: bytes) -> tuple[str | None, Any]:
     try:
         data = orjson.loads(body)
@@ -118,12 +128,18 @@ async def open_upstream(app: web.Application, worker: Worker, url: str, payload:
                 raise _Retryable(worker, "content_encoding", APIError(
                     502, f"The model server sent an encoded answer ({coding}) although none was asked for.",
                     code="upstream_error"))
-            first = (await upstream.read(first_deadline) if stream
-                     else await upstream.read_capped(MAX_JSON_BODY, first_deadline))
-            if len(first) > MAX_JSON_BODY:
-                raise _Retryable(worker, "answer too large", APIError(
-                    502, f"The model server sent an answer larger than {MAX_JSON_BODY} bytes.",
-                    code="upstream_error"))
+            if stream:
+                first = await upstream.read(first_deadline)
+            else:
+                try:
+                    first = await upstream.read_capped(MAX_JSON_BODY, first_deadline)
+                except (Disconnected, BadResponse):
+                    pool.record_failure(worker, "disconnected mid-answer")
+                    raise AnswerLost("The connection to the model server was lost while it sent its answer.",
+                                     whole=False) from None
+                if len(first) > MAX_JSON_BODY:
+                    raise AnswerLost(f"The model server sent an answer larger than {MAX_JSON_BODY} bytes, the most "
+                                     "this proxy reads; ask for less (fewer answers, fewer logprobs).", whole=True)
         except ConnectTimeout:
             # Nothing was sent: another worker may take it.
             pool.record_failure(worker, "connect timeout")

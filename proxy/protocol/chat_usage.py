@@ -1,21 +1,24 @@
-"""The usage in a passed-through answer: read from the bytes, never re-encoded.
+"""A passed-through answer read for its bill: each event parsed once, its bytes passed on as they came.
 
-`SSEScanner.feed(data)` returns the bytes to pass on (whole events only: a partial event waits
-for its end) and keeps what billing needs: the usage reported (OpenAI's usage chunk, or
-Anthropic's message_start / message_delta), the output deltas counted (each carried at least
-one token: a lower bound), and whether the stream ended (`data: [DONE]`, `message_stop`).
-Only the events that mention usage are parsed, found by byte searches (never a split of the
-whole read: a coalesced read holds a hundred events); the rest cost a few byte searches per read.
-When the edge added `stream_options.include_usage`, the usage chunk (no choices) is not passed on:
-its bytes are cut out, the others go on as they came.
+`SSEScanner.feed(data)` frames the stream by the SSE spec (an event ends at a blank line; its
+`data:` lines joined; `data: [DONE]` ends an OpenAI stream only as an event's whole data, never
+as text inside a delta), parses each event's data once (orjson), and returns the bytes of the
+whole events to pass on (a partial event waits for its end). On the way it keeps what billing
+needs: the usage reported (OpenAI's usage chunk, or Anthropic's message_start / message_delta),
+the output deltas counted per answer (each carried at least one token: a lower bound; Anthropic's
+signature_delta, which closes a thinking block, and empty deltas carry none), and whether the
+stream ended. An event whose delta takes an answer past the output cap is not passed on, nor
+anything after it (`capped`): the cut is at that event, not after the read that held it.
+When the edge added `stream_options.include_usage`, the usage chunk (no choices) is not passed
+on: its bytes are cut out, the others go on as they came.
 
-`json_usage(family, body)` reads a whole JSON answer's usage. Both give Responses-shaped usage
+`json_usage(family, body)` reads a whole JSON answer's usage, `json_output(family, body)` what
+its answers wrote (for a count when the usage cannot be read). Both give Responses-shaped usage
 (proxy.protocol.response.map_usage), unchecked: proxy.ledger.usage.clean_usage checks it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -23,10 +26,8 @@ import orjson
 from proxy.protocol.response import map_usage
 
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # one event longer than this is an upstream fault (an endless line)
-# Deltas that carry text (an empty one carried no token): (key, its empty form)
-_OPENAI_TEXT = ((b'"content":"', b'"content":""'), (b'"reasoning_content":"', b'"reasoning_content":""'),
-                (b'"reasoning":"', b'"reasoning":""'), (b'"arguments":"', b'"arguments":""'))
-_COMPLETION_TEXT = ((b'"text":"', b'"text":""'),)
+_OPENAI_TEXT = ("content", "reasoning_content", "reasoning")
+_ANTHROPIC_TEXT = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
 
 
 def anthropic_usage(u: Any) -> dict:
@@ -54,42 +55,135 @@ def json_usage(family: str, answer: Any) -> dict | None:
     return map_usage(usage)
 
 
-def _events_with(out: bytes, key: bytes) -> Iterator[tuple[int, int]]:
-    """(start, end) of each whole event of `out` (whole events, as feed cuts them) that holds
-    `key`; end is past the blank line that ends it (\n\n or \r\n\r\n)."""
-    at = out.find(key)
-    while at >= 0:
-        lf, crlf = out.rfind(b"\n\n", 0, at), out.rfind(b"\r\n\r\n", 0, at)
-        start = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-        lf, crlf = out.find(b"\n\n", at), out.find(b"\r\n\r\n", at)
-        if lf < 0 and crlf < 0:
-            end = len(out)  # the last event of a stream that ended without its blank line
+def _call_texts(calls: Any) -> list[str]:
+    out: list[str] = []
+    for call in calls if isinstance(calls, list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            out.extend(v for v in (function.get("name"), function.get("arguments")) if isinstance(v, str))
+    return out
+
+
+def json_output(family: str, answer: Any) -> tuple[str, int]:
+    """(every text the answers of a JSON answer wrote, how many answers wrote any)."""
+    texts: list[str] = []
+    written = 0
+    if not isinstance(answer, dict):
+        return "", 0
+    if family in ("messages", "messages_count"):
+        for block in answer.get("content") or ():
+            if isinstance(block, dict):
+                value = block.get("text") or block.get("thinking") or block.get("input")
+                if value:
+                    texts.append(value if isinstance(value, str) else orjson.dumps(value).decode())
+        return "".join(texts), 1 if texts else 0
+    for choice in answer.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if family == "completions":
+            found = [choice["text"]] if isinstance(choice.get("text"), str) and choice["text"] else []
         else:
-            end = min(lf + 2 if lf >= 0 else len(out), crlf + 4 if crlf >= 0 else len(out))
-        yield start, end
-        at = out.find(key, end)
+            message: dict = choice["message"] if isinstance(choice.get("message"), dict) else {}
+            found = [message[k] for k in _OPENAI_TEXT if isinstance(message.get(k), str) and message[k]]
+            found += _call_texts(message.get("tool_calls"))
+        texts.extend(found)
+        written += 1 if found else 0
+    return "".join(texts), written
+
+
+def _event_data(event: bytes) -> tuple[bytes | None, bytes | None]:
+    """(the event's type, its data lines joined) by the SSE spec; None: no such field."""
+    if event.startswith(b"data:") and b"\n" not in event and b"\r" not in event:
+        data = event[5:]
+        return None, data[1:] if data.startswith(b" ") else data
+    kind = None
+    lines: list[bytes] = []
+    for line in event.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
+        name, colon, value = line.partition(b":")
+        if not colon or not name:
+            continue  # a comment (":..."), or a field without a value
+        if value.startswith(b" "):
+            value = value[1:]
+        if name == b"data":
+            lines.append(value)
+        elif name == b"event":
+            kind = value
+    return kind, b"\n".join(lines) if lines else None
+
+
+def _boundary(buf: bytes) -> int:
+    """The end of the last whole event in `buf` (past its blank line); -1: none."""
+    if b"\r" not in buf:
+        end = buf.rfind(b"\n\n")
+        return end + 2 if end >= 0 else -1
+    best = -1
+    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n"):
+        at = buf.rfind(sep)
+        if at >= 0:
+            best = max(best, at + len(sep))
+    return best
+
+
+def _events(out: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each event of `out` (whole events), end past its blank line."""
+    if b"\r" in out:
+        spans, at, n = [], 0, len(out)
+        i = 0
+        while i < n:
+            # a line ends at \r\n, \n or \r; a blank line ends the event
+            j = i
+            while j < n and out[j] not in (10, 13):
+                j += 1
+            k = j + 2 if out[j:j + 2] == b"\r\n" else j + 1
+            if j == i:  # a blank line
+                if i > at:
+                    spans.append((at, k))
+                at = k
+            i = k
+        if at < n:
+            spans.append((at, n))
+        return spans
+    spans, at = [], 0
+    while True:
+        end = out.find(b"\n\n", at)
+        if end < 0:
+            if out[at:].strip():
+                spans.append((at, len(out)))
+            return spans
+        if end > at:
+            spans.append((at, end + 2))
+        at = end + 2
+        while out.startswith(b"\n", at):  # blank lines beyond the one that ended the event
+            at += 1
 
 
 class SSEScanner:
-    __slots__ = ("anthropic", "drop_usage", "tail", "usage", "counted", "done", "finished", "_text", "_raw")
+    __slots__ = ("anthropic", "completions", "drop_usage", "cap", "tail", "usage", "counted", "per_answer",
+                 "completed", "finished", "capped", "_raw")
 
-    def __init__(self, family: str, drop_usage: bool) -> None:
+    def __init__(self, family: str, drop_usage: bool, cap: int | None = None) -> None:
         self.anthropic = family == "messages"
+        self.completions = family == "completions"
         self.drop_usage = drop_usage
+        self.cap = cap  # the most output deltas one answer may have; past it the stream is cut
         self.tail = b""
         self.usage: dict | None = None  # Responses-shaped
-        self.counted = 0
-        self.done = False  # the terminal event was seen
+        self.counted = 0  # output deltas, every answer's
+        self.per_answer: dict[int, int] = {}
+        self.completed = False  # the terminal event was seen
         self.finished = False  # a finish_reason / stop_reason was seen
-        self._text = _COMPLETION_TEXT if family == "completions" else _OPENAI_TEXT
+        self.capped = False  # an answer went past the cap: the stream was cut there
         self._raw: dict = {}  # Anthropic: the usage fields seen so far, merged
+
+    @property
+    def done(self) -> bool:
+        """Nothing more is to be read: the stream ended, or was cut at the cap."""
+        return self.completed or self.capped
 
     def feed(self, data: bytes) -> bytes:
         """The whole events of tail + data to pass on; the rest waits. ValueError: an endless event."""
         buf = self.tail + data if self.tail else data
-        end = buf.rfind(b"\n\n")
-        alt = buf.rfind(b"\r\n\r\n")
-        end = max(end + 2 if end >= 0 else -1, alt + 4 if alt >= 0 else -1)
+        end = _boundary(buf)
         if end < 0:
             if len(buf) > MAX_EVENT_BYTES:
                 raise ValueError("an event longer than the bound")
@@ -106,62 +200,111 @@ class SSEScanner:
         return self._scan(rest) if rest.strip() else rest
 
     def _scan(self, out: bytes) -> bytes:
+        """The events of `out` to pass on (all of them, but a withheld usage chunk and whatever
+        follows a cut or the end)."""
+        keep: list[tuple[int, int]] | None = None  # None: every byte of `out`
+        spans = _events(out)
+        for i, (start, end) in enumerate(spans):
+            if self.completed or self.capped:
+                keep = spans[:i] if keep is None else keep
+                break
+            passed = self._event(out[start:end])
+            if not passed:
+                if keep is None:
+                    keep = spans[:i]
+                if self.capped:
+                    break
+            elif keep is not None:
+                keep.append((start, end))
+        if keep is None:
+            return out
+        return b"".join(out[start:end] for start, end in keep)
+
+    def _event(self, event: bytes) -> bool:
+        """Read one event; whether it is passed on."""
+        _, data = _event_data(event)
+        if data is None:
+            return True  # a comment or a keep-alive
+        if not self.anthropic and data == b"[DONE]":
+            self.completed = True
+            return True
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return True  # not ours to judge: passed on as it came
+        if not isinstance(obj, dict):
+            return True
         if self.anthropic:
-            self.counted += out.count(b'"content_block_delta"')
-            if b'"usage"' in out:
-                self._anthropic_usage(out)
-            if b'"stop_reason":"' in out:
-                self.finished = True
-            if b'"message_stop"' in out:
-                self.done = True
-            return out
-        for key, empty in self._text:
-            n = out.count(key)
-            if n:
-                self.counted += n - out.count(empty)
-        if b'"finish_reason":"' in out:
-            self.finished = True
-        if b'"usage":{' in out:
-            out = self._openai_usage(out)
-        if b"data: [DONE]" in out:
-            self.done = True
-        return out
+            return self._anthropic(obj)
+        return self._openai(obj)
 
-    @staticmethod
-    def _data(event: bytes) -> Any:
-        for line in event.splitlines():
-            if line.startswith(b"data:"):
-                try:
-                    return orjson.loads(line[5:])
-                except orjson.JSONDecodeError:
-                    return None
-        return None
+    def _count(self, index: Any) -> bool:
+        """One more delta of answer `index`; False when it takes the answer past the cap."""
+        index = index if type(index) is int else 0
+        seen = self.per_answer.get(index, 0) + 1
+        if self.cap is not None and seen > self.cap:
+            self.capped = True
+            return False
+        self.per_answer[index] = seen
+        self.counted += 1
+        return True
 
-    def _openai_usage(self, out: bytes) -> bytes:
-        cut: list[tuple[int, int]] = []
-        for start, end in _events_with(out, b'"usage":{'):
-            obj = self._data(out[start:end])
-            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                self.usage = map_usage(obj["usage"])
-                if self.drop_usage and not obj.get("choices"):
-                    cut.append((start, end))
-        if not cut:
-            return out
-        parts, at = [], 0
-        for start, end in cut:  # the usage chunk's bytes, its blank line with them
-            parts.append(out[at:start])
-            at = end
-        parts.append(out[at:])
-        return b"".join(parts)
+    def _openai(self, obj: dict) -> bool:
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    continue
+                if self._wrote(choice) and not self._count(choice.get("index")):
+                    return False
+                if isinstance(choice.get("finish_reason"), str):
+                    self.finished = True
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = map_usage(usage)
+            if self.drop_usage and not choices:
+                return False
+        return True
 
-    def _anthropic_usage(self, out: bytes) -> None:
-        for start, end in _events_with(out, b'"usage"'):
-            obj = self._data(out[start:end])
-            if not isinstance(obj, dict):
-                continue
+    def _wrote(self, choice: dict) -> bool:
+        if self.completions:
+            text = choice.get("text")
+            return isinstance(text, str) and text != ""
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return False
+        for key in _OPENAI_TEXT:
+            value = delta.get(key)
+            if isinstance(value, str) and value:
+                return True
+        calls = delta.get("tool_calls")
+        if isinstance(calls, list):
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict) and isinstance(function.get("arguments"), str) \
+                        and function["arguments"]:
+                    return True
+        return False
+
+    def _anthropic(self, obj: dict) -> bool:
+        kind = obj.get("type")
+        if kind == "content_block_delta":
+            delta = obj.get("delta")
+            if not isinstance(delta, dict):
+                return True
+            key = _ANTHROPIC_TEXT.get(delta.get("type"))  # type: ignore[arg-type]  # any value: a miss is None
+            return key is None or not isinstance(delta.get(key), str) or not delta[key] or self._count(0)
+        usage = None
+        if kind == "message_start" and isinstance(obj.get("message"), dict):
+            usage = obj["message"].get("usage")
+        elif kind == "message_delta":
             usage = obj.get("usage")
-            if usage is None and isinstance(obj.get("message"), dict):
-                usage = obj["message"].get("usage")  # message_start
-            if isinstance(usage, dict):
-                self._raw.update({k: v for k, v in usage.items() if v is not None})
-                self.usage = anthropic_usage(self._raw)
+            delta = obj.get("delta")
+            if isinstance(delta, dict) and isinstance(delta.get("stop_reason"), str):
+                self.finished = True
+        elif kind == "message_stop":
+            self.completed = True
+        if isinstance(usage, dict):
+            self._raw.update({k: v for k, v in usage.items() if v is not None})
+            self.usage = anthropic_usage(self._raw)
+        return True

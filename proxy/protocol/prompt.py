@@ -32,6 +32,9 @@ TOOLS_OVERHEAD = 512
 PER_TOOL_CALL_OVERHEAD = 8
 
 _TEXT_KEYS = frozenset(("content", "reasoning_content", "reasoning", "name", "tool_call_id"))
+# The roles a template renders as its own few tokens (the per-message overhead covers them); any
+# other role string is rendered as sent (vLLM accepts any), so its bytes count.
+_ROLES = frozenset(("system", "user", "assistant", "tool", "developer", "function"))
 
 
 class PromptBound(NamedTuple):
@@ -84,6 +87,9 @@ def prompt_bytes(chat: dict) -> tuple[int, bool]:
                     size, has_media = _parts_bytes(value)
                     total += size
                     media = media or has_media
+            elif key == "role":
+                if isinstance(value, str) and value not in _ROLES:
+                    total += _utf8_len(value)
             elif key == "tool_calls" and value:
                 for call in value:
                     if isinstance(call, dict):

@@ -83,6 +83,7 @@ class Translation(NamedTuple):
     # A compaction_trigger's request (proxy.protocol.compaction): how its summary is asked for;
     # chat is then the summary's (non-stream), answered by proxy.http.compaction_trigger.
     compaction: SummaryAsk | None = None
+    choices: int = 1  # answers generated, each up to the cap (a pass-through's n; one here)
 
     def with_cap(self, cap: int, *, lowered: bool = True) -> Translation:
         """This request with its output held to `cap` tokens (reserved_output). lowered: the cap
