@@ -60,9 +60,10 @@ from aiohttp import web
 from proxy import state
 from proxy.config.rules import key_digest
 from proxy.errors import APIError
-from proxy.http.errors import error_response, ledger_unavailable
+from proxy.http.errors import close_if_unread, error_response, ledger_unavailable
 from proxy.http.units import AUTH
 from proxy.ledger import KeyRecord, LedgerUnavailable
+from proxy.protocol.passthrough import ANTHROPIC
 from proxy.runtime.logs import log
 from proxy.state import KEY_CACHE, LEDGER, RequestContext
 
@@ -135,6 +136,21 @@ def _x_api_key(request: web.Request) -> list[str] | None:
     return [f"Bearer {v}" for v in found]
 
 
+def _credentials(request: web.Request, anthropic: bool) -> list[str] | None:
+    """The Authorization values to check: x-api-key first on Anthropic's routes (its SDKs and
+    Claude Code send it; a Bearer beside it is another client's habit), Authorization first on
+    the others. Both present and naming different keys: None, a 401 that says so."""
+    bearer = request.headers.getall("Authorization", None)
+    api_key = _x_api_key(request)
+    if bearer and api_key and len(bearer) == len(api_key) == 1:
+        scheme, _, secret = bearer[0].strip().partition(" ")
+        if scheme.lower() == "bearer" and secret.strip() != api_key[0][7:].strip():
+            return None
+    if anthropic:
+        return api_key or bearer or []
+    return bearer or api_key or []
+
+
 def is_static(record: KeyRecord) -> bool:
     return record.key_id.startswith(STATIC_PREFIX)
 
@@ -155,11 +171,7 @@ async def _refuse(request: web.Request, ctx: RequestContext, call_next, exc: API
     """
     if request.match_info.http_exception is not None:
         return await call_next(request, ctx)  # a method this path does not serve: its 405, not a 401
-    response = error_response(exc)
-    if not request.content.is_eof():
-        response.force_close()
-        request.protocol.close()
-    return response
+    return close_if_unread(request, error_response(exc))
 
 
 def _static_keys(entries: Any) -> list[tuple[bytes, KeyRecord]]:
@@ -215,12 +227,15 @@ def create(section: Auth, app: web.Application):
     async def auth(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
         if AUTH not in ctx.unit.phases:
             return await call_next(request, ctx)
-        headers = request.headers.getall("Authorization", None)
-        if not headers:
-            headers = _x_api_key(request)  # Anthropic's clients send the key as x-api-key
+        headers = _credentials(request, ctx.unit.family in ANTHROPIC)
+        if headers is None:
+            return await _refuse(request, ctx, call_next, _unauthorized(
+                "Two different API keys in one request (Authorization and x-api-key): send one."))
         if not headers:
             return await _refuse(request, ctx, call_next, _unauthorized(
-                "Missing API key: send it as 'Authorization: Bearer <key>'."))
+                "Missing API key: send it as 'x-api-key: <key>' (or 'Authorization: Bearer <key>')."
+                if ctx.unit.family in ANTHROPIC else
+                "Missing API key: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')."))
         if len(headers) > 1:
             return await _refuse(request, ctx, call_next, APIError(
                 400, "More than one Authorization header: send exactly one, 'Authorization: Bearer <key>'.",

@@ -179,3 +179,19 @@ async def test_claude_code_is_told_a_spent_balance_in_anthropics_envelope(sim, s
     assert result.returncode != 0 or (result.result or {}).get("is_error"), result.explain()
     assert "balance" in (result.stdout + result.stderr).lower(), result.explain()
     assert await proxy.ledger.list_usage(record.key_id) == []
+
+
+async def test_claude_code_on_a_revoked_key_ends_in_one_request(sim, start, http):
+    """A 401 on /v1/messages says x-should-retry: false: Claude Code stops at once, where without
+    it it asked 11 times over 176 s before saying it could not authenticate."""
+    proxy, workdir, run = await start()
+    secret, record = await proxy.ledger.create_key("gone", balance_micros=BALANCE)
+    await proxy.ledger.revoke(record.key_id)
+    result = await run("Say hello", api_key=secret, timeout=120)
+    async with http.get(proxy.url + "/metrics") as resp:
+        text = await resp.text()
+    refused = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("responses_proxy_requests_total") and 'status="401"' in line)
+    assert refused == 1, result.explain()
+    assert sim.requests == []
+    assert result.returncode != 0 or (result.result or {}).get("is_error"), result.explain()

@@ -51,7 +51,7 @@ async def test_chat_stream_passes_chunks_through_and_hides_the_usage_chunk_it_as
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "one two three four"
     assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)  # no usage chunk shown
-    assert sim.requests[-1]["stream_options"] == {"include_usage": True}
+    assert sim.requests[-1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
     (row,) = await _rows(proxy)
     assert row.endpoint == "/v1/chat/completions" and row.output_tokens == 4 and row.input_tokens > 0
 
@@ -138,7 +138,7 @@ async def test_upstream_errors_and_n_above_one(make_proxy, sim, http):
     proxy = await make_proxy()
     headers = {"Authorization": f"Bearer {proxy.api_key}"}
     async with http.post(proxy.url + "/v1/chat/completions", headers=headers,
-                         json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 2}) as resp:
+                         json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 17}) as resp:
         assert resp.status == 400 and (await resp.json())["error"]["param"] == "n"
     sim.script({"status": 400, "message": "bad things"})
     async with http.post(proxy.url + "/v1/chat/completions", headers=headers,

@@ -592,6 +592,11 @@ def test_text_format():
     assert t.chat["response_format"] == {"type": "json_schema", "json_schema": {
         "name": "out", "schema": schema, "strict": True, "description": "d"}}
     assert t.echo["text"]["format"]["name"] == "out"
+    # The Open Responses JsonSchemaResponseFormat requires description (string | null) and strict
+    bare = tr(body("u", text={"format": {"type": "json_schema", "name": "out", "schema": schema}}))
+    assert bare.echo["text"]["format"] == {"type": "json_schema", "name": "out", "schema": schema,
+                                           "description": None, "strict": False}
+    assert "strict" not in bare.chat["response_format"]["json_schema"]  # not sent: the server's default
 
 
 def test_text_format_errors():

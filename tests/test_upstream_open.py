@@ -14,7 +14,7 @@ from aiohttp import web
 from proxy import state
 from proxy.http import upstream_open
 from proxy.http.errors import APIError
-from proxy.http.upstream_open import _Retryable, open_upstream
+from proxy.http.upstream_open import AnswerLost, _Retryable, open_upstream
 from proxy.upstream.client import UpstreamPool
 from proxy.config import settings as config_settings
 from proxy.upstream.workers import Worker, WorkerPool
@@ -84,7 +84,8 @@ CASES = {
     "400": (answer(400, JSON_500), False, APIError, 400, True),
     "429": (answer(429, b"{}"), True, APIError, 429, True),
     "encoded": (answer(200, b"\x1f\x8b", headers=b"Content-Encoding: gzip\r\n"), False, _Retryable, 502, False),
-    "too_large": (b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 5000, False, _Retryable, 502, False),
+    # the worker did the work: not another worker's to redo (the failover bills it)
+    "too_large": (b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 5000, False, AnswerLost, 502, False),
     "no_first_byte": (None, True, APIError, 504, False),
 }
 

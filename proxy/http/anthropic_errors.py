@@ -20,6 +20,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billi
           504: "timeout_error", 529: "overloaded_error"}
 
 
+NO_RETRY = frozenset({400, 401, 402, 403, 404, 405, 413})  # refusals a retry cannot fix
+
+
 def anthropic_type(status: int) -> str:
     return _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
@@ -38,4 +41,10 @@ def dress(response: web.StreamResponse) -> web.StreamResponse:
                            headers={k: v for k, v in response.headers.items()
                                     if k.lower() not in ("content-type", "content-length")})
     dressed[ERROR_CODE] = response[ERROR_CODE]
+    if response.keep_alive is False:
+        dressed.force_close()  # a refusal before the body was read: its Connection: close stays
+    if response.status in NO_RETRY:
+        # The anthropic SDK (and Claude Code) retry a 401 and others unless told not to: a
+        # revoked key would be asked for 11 times over 176 s before the user hears of it.
+        dressed.headers["x-should-retry"] = "false"
     return dressed

@@ -18,7 +18,7 @@ from proxy.config.load import Config, ConfigError
 from proxy.errors import APIError
 from proxy.http.anthropic_errors import dress
 from proxy.http.compact import CompactSettings
-from proxy.http.errors import ERROR_CODE, error_response, ledger_unavailable
+from proxy.http.errors import ERROR_CODE, close_if_unread, error_response, ledger_unavailable
 from proxy.http.forwarder import refusal_as_event
 from proxy.http.parse_errors import HeadLimits
 from proxy.http.passthrough import limits_of
@@ -63,6 +63,14 @@ def new_request_id() -> str:
     return f"req_{time.time_ns() // 1_000_000:012x}{random_bits(48):012x}"
 
 
+def _refusal(request: web.Request, ctx: RequestContext, response: web.StreamResponse) -> web.StreamResponse:
+    """A refusal as its route's clients read one: Anthropic's envelope on its routes, and
+    Connection: close when the body was not read (proxy.http.errors.close_if_unread)."""
+    if ctx.unit.family in ANTHROPIC:
+        response = dress(response)
+    return close_if_unread(request, response)
+
+
 def envelope(phases: Phases):
     """The outermost layer (the app's one aiohttp middleware): gives every request an id and its
     context, runs the phases, turns every failure into the OpenAI envelope (never a traceback
@@ -79,10 +87,10 @@ def envelope(phases: Phases):
         ended: str | None = None  # how the answer ended, when the envelope decided it (else ctx.report's)
         try:
             response, ended = await _within_started(phases.run, request, ctx)
-            if ctx.unit.family in ANTHROPIC:
-                response = dress(response)  # Anthropic's error envelope on its routes
-            status = response.status
             error_code = response.get(ERROR_CODE)
+            if error_code is not None:
+                response = _refusal(request, ctx, response)
+            status = response.status
             return response
         except (APIError, LedgerUnavailable) as caught:
             # A ledger that cannot be reached on the way (a hold, GET /v1/key, the admin API)
@@ -93,7 +101,7 @@ def envelope(phases: Phases):
             if streamed is not None:
                 ended = "error"
                 return streamed
-            return dress(error_response(exc)) if ctx.unit.family in ANTHROPIC else error_response(exc)
+            return _refusal(request, ctx, error_response(exc))
         except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and methods
             status = exc.status
             if exc.status < 400:
@@ -106,7 +114,7 @@ def envelope(phases: Phases):
                 message += console_off_hint(request)
             refusal = APIError(exc.status, f"{message} ({request.method} {request.path})")
             error_code = refusal.code
-            return error_response(refusal)
+            return _refusal(request, ctx, error_response(refusal))
         except (asyncio.CancelledError, ConnectionResetError) as gone:
             report = ctx.report
             # 499: the client went away before its answer was whole (after it, the answer stands).

@@ -31,6 +31,20 @@ def error_response(error: APIError) -> web.Response:
     return response
 
 
+def close_if_unread(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """A refusal answered before the request's body was read whole: `Connection: close`, and the
+    connection marked closing (`RequestHandler.close()`), so aiohttp drops what the client still
+    sends as it arrives, unparsed, instead of draining it through its parser, and closes once
+    the client is done or its lingering time is over. Closing at once would cut off a client
+    still sending before it reads its refusal (the OpenAI SDK then reports a connection error,
+    and retries); keeping the connection would leave a keep-alive client's next request behind
+    a body nobody reads. A transport's turn shares its socket's connection: left alone."""
+    if not request.content.is_eof() and not response.prepared:
+        response.force_close()
+        request.protocol.close()
+    return response
+
+
 def ledger_unavailable(exc: Any) -> APIError:
     """The answer while the ledger cannot serve (proxy.ledger.LedgerUnavailable): 503 with
     Retry-After, never a 500; the client retries, nothing was held or billed. A LedgerFault

@@ -25,6 +25,7 @@ from proxy.http.units import (
     EMBEDDINGS,
     INPUT_TOKENS,
     KEYED,
+    KEYED_ANTHROPIC,
     MESSAGES,
     MESSAGES_COUNT,
     PUBLIC,
@@ -64,7 +65,8 @@ ROUTES = (
 _BY_METHOD = {(r.method, r.path): r.unit for r in ROUTES}
 _BY_METHOD.update({("HEAD", r.path): r.unit for r in ROUTES if r.method == "GET" and r.unit is not WS_HANDSHAKE})
 # Any other method on a guarded path: auth first, then the router's 405.
-_BY_PATH = {r.path: KEYED for r in ROUTES if r.unit is not PUBLIC}
+_BY_PATH = {r.path: KEYED_ANTHROPIC if r.unit.family in ("messages", "messages_count") else KEYED
+            for r in ROUTES if r.unit is not PUBLIC}
 
 
 def unit_for(method: str, path: str) -> Unit:

@@ -92,8 +92,10 @@ MESSAGES_COUNT = Unit("POST /v1/messages/count_tokens", UNBILLED, body_limit=UNB
                       items="messages",
                       why="a count is free of charge; limited, and bounded by the unbilled body size")
 PASSTHROUGH = (CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, MESSAGES_COUNT)
-UNITS = (RESPONSES, INPUT_TOKENS, COMPACT, COMPACT_SUMMARY, WS_TURN, WS_WARMUP, WS_HANDSHAKE, KEYED, PUBLIC,
-         *PASSTHROUGH)
+# Another method on Anthropic's paths (a GET /v1/messages): its refusal in Anthropic's envelope.
+KEYED_ANTHROPIC = KEYED._replace(name="keyed read on Anthropic's routes", family="messages")
+UNITS = (RESPONSES, INPUT_TOKENS, COMPACT, COMPACT_SUMMARY, WS_TURN, WS_WARMUP, WS_HANDSHAKE, KEYED, KEYED_ANTHROPIC,
+         PUBLIC, *PASSTHROUGH)
 
 
 def _check(units: tuple[Unit, ...]) -> None:

@@ -86,6 +86,9 @@ def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _
     if status == 429:
         return APIError(429, "The model server is at capacity; retry shortly.", code="capacity_exhausted",
                         headers={"Retry-After": "1"})
+    if status == 529:  # Anthropic's (and vLLM's Anthropic API's) overloaded: another worker may take it
+        return _Retryable(worker, "status 529", APIError(529, message or "The model server is overloaded.",
+                                                        code="overloaded_error", headers={"Retry-After": "1"}))
     final = APIError(502, f"The model server answered {status}.", code="upstream_error")
     return _Retryable(worker, f"status {status}", final)
 

@@ -145,6 +145,8 @@ def text_format(text: Any) -> tuple[dict | None, dict]:
             if not isinstance(desc, str):
                 raise bad_request("Invalid type for 'text.format.description'.", param="text.format.description")
             js["description"] = desc
+        # The Open Responses type requires both in the echo: null and OpenAI's default (false) when not sent.
+        echo["format"] = {**fmt, "description": desc, "strict": strict if strict is not None else False}
         return {"type": "json_schema", "json_schema": js}, echo
     shown = show(ftype)
     raise bad_request(f"Unknown text format type '{shown}'.", param="text.format.type")
