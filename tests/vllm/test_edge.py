@@ -132,3 +132,75 @@ def test_messages_stream_events_are_vllms_bytes(proxy_billed):
     read, made = delta.get("cache_read_input_tokens") or 0, delta.get("cache_creation_input_tokens") or 0
     assert (row["input_tokens"], row["output_tokens"]) == (inp + read + made, delta["output_tokens"])
     assert row["cost_micros"] == cost_micros(PRICE, inp + read + made, read, delta["output_tokens"])
+
+
+def _billed_as_reported(billed, request_id: str, endpoint: str, prompt: int, cached: int, output: int) -> dict:
+    row = _row(billed, request_id, endpoint)
+    assert (row["input_tokens"], row["cached_tokens"], row["output_tokens"]) == (prompt, cached, output), row
+    assert row["cost_micros"] == cost_micros(PRICE, prompt, cached, output)
+    return row
+
+
+def _cached(usage) -> int:
+    return (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
+
+
+def test_two_caps_are_billed_as_vllm_takes_them(proxy_billed):
+    """max_tokens 5 beside max_completion_tokens 64: vLLM reads max_completion_tokens; the edge
+    holds for it and sends it as both, and bills what vLLM generated, past the 5."""
+    raw = _openai(proxy_billed).chat.completions.with_raw_response.create(
+        model=MODEL, messages=_prompt("Say hello."), max_tokens=5, max_completion_tokens=64)
+    answer = raw.parse()
+    u = answer.usage
+    assert u.completion_tokens > 5 and answer.choices[0].finish_reason == "stop"
+    _billed_as_reported(proxy_billed, raw.headers["x-request-id"], "/v1/chat/completions", u.prompt_tokens,
+                        _cached(u), u.completion_tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completions_batch_is_billed_every_answer(proxy_billed, stream):
+    prompts = [f"[{uuid.uuid4().hex}] Once upon a time {i}" for i in range(4)]
+    client = _openai(proxy_billed)
+    if not stream:
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompts, max_tokens=12, seed=1)
+        answer = raw.parse()
+        assert len(answer.choices) == 4
+        u = answer.usage
+    else:
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompts, max_tokens=12, seed=1,
+                                                          stream=True, stream_options={"include_usage": True})
+        chunks = list(raw.parse())
+        assert {c.choices[0].index for c in chunks if c.choices} == {0, 1, 2, 3}
+        u = chunks[-1].usage
+    assert u.completion_tokens > 12  # more than one answer's cap: every prompt was answered
+    _billed_as_reported(proxy_billed, raw.headers["x-request-id"], "/v1/completions", u.prompt_tokens, _cached(u),
+                        u.completion_tokens)
+
+
+def test_logprobs_with_top_logprobs_are_billed_as_reported(proxy_billed):
+    raw = _openai(proxy_billed).chat.completions.with_raw_response.create(
+        model=MODEL, messages=_prompt("Say hello."), max_tokens=16, logprobs=True, top_logprobs=5)
+    answer = raw.parse()
+    assert answer.choices[0].logprobs is not None and answer.choices[0].logprobs.content
+    assert len(answer.choices[0].logprobs.content[0].top_logprobs) == 5
+    u = answer.usage
+    _billed_as_reported(proxy_billed, raw.headers["x-request-id"], "/v1/chat/completions", u.prompt_tokens,
+                        _cached(u), u.completion_tokens)
+
+
+def test_a_thinking_messages_stream_is_whole_and_billed_as_reported(proxy_billed):
+    """vLLM 0.32 streams the reasoning as thinking deltas closed by a signature_delta (no token):
+    the stream is never cut for it, and is billed vLLM's usage."""
+    client = anthropic.Anthropic(base_url=proxy_billed.info.url, api_key=proxy_billed.key, max_retries=0,
+                                 timeout=300.0)
+    with client.messages.stream(model=MODEL, max_tokens=64, messages=_prompt("Say hello."),
+                                thinking={"type": "enabled", "budget_tokens": 32}) as stream:
+        events = [event for event in stream]
+        final = stream.get_final_message()
+        request_id = stream.response.headers["x-request-id"]
+    assert [e.type for e in events][-1] == "message_stop"
+    assert any(b.type == "thinking" for b in final.content), final.content
+    assert "".join(b.text for b in final.content if b.type == "text") == SCRIPTED_CONTENT
+    u = final.usage
+    read, made = u.cache_read_input_tokens or 0, u.cache_creation_input_tokens or 0
+    _billed_as_reported(proxy_billed, request_id, "/v1/messages", u.input_tokens + read + made, read, u.output_tokens)
