@@ -143,3 +143,14 @@ def test_an_anthropic_stream_is_cut_at_the_delta_past_max_tokens():
     scanner = SSEScanner("messages", False, cap=cap)
     out = run(scanner, MESSAGES, [])
     assert out.count(b'"thinking_delta"') == cap and scanner.capped and scanner.counted == cap
+
+
+def test_the_usage_at_the_end_of_an_answer_too_large_to_read():
+    from proxy.protocol.chat_usage import usage_in_tail
+
+    tail = b'..."text":"usage \\"usage\\":{}"}],"usage": {"prompt_tokens": 5, "total_tokens": 9, ' \
+           b'"completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2}}}'
+    got = usage_in_tail(tail)
+    assert (got["input_tokens"], got["output_tokens"], got["input_tokens_details"]["cached_tokens"]) == (5, 4, 2)
+    assert usage_in_tail(b'"usage":{"input_tokens":3,"output_tokens":7}}')["output_tokens"] == 7
+    assert usage_in_tail(b'no usage here') is None and usage_in_tail(b'"usage":{"prompt_tokens":') is None

@@ -14,6 +14,8 @@ import pytest
 
 from middlewares.balance import wait_for_settlements
 from proxy.ledger.pricing import Price, cost_micros
+from proxy.protocol.passthrough_fields import MESSAGES as MESSAGES_FIELDS
+from proxy.protocol.passthrough_fields import MESSAGES_OWN, SILENT
 from tests.clients.capture import CAPTURED, ENTRY as CAPTURE
 from tests.clients.claude_code import ClaudeCodeUnavailable, ensure_claude_code, run_claude
 from tests.clients.codex import EgressTrap
@@ -119,10 +121,13 @@ async def test_claude_code_runs_bash_through_the_proxy_billed_as_reported(sim, s
         assert isinstance(r["body"]["max_tokens"], int)
         assert {t["name"] for t in r["body"]["tools"]} >= {"Bash", "Read"}
         assert r["end"].endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n'), r["end"]
-    # The upstream got the body as sent (model resolved, nothing else rewritten but the cap).
+    # The upstream got the body as sent (model resolved, nothing else rewritten but the cap), but
+    # the Anthropic fields vLLM does not serve (context_management); no field of it unknown.
     assert [r["_path"] for r in sim.requests] == ["/v1/messages"] * 2
+    silent = {k for k, rule in MESSAGES_FIELDS.items() if rule == SILENT}
     assert {k: v for k, v in sim.requests[0].items() if k not in ("_path", "max_tokens")} == \
-        {k: v for k, v in sent[0]["body"].items() if k != "max_tokens"}
+        {k: v for k, v in sent[0]["body"].items() if k != "max_tokens" and k not in silent}
+    assert set(sent[0]["body"]) <= set(MESSAGES_FIELDS) | MESSAGES_OWN, set(sent[0]["body"]) - set(MESSAGES_FIELDS)
     # The second request carries the tool's output back, through the proxy.
     (call,) = [b for m in sim.requests[1]["messages"] if m["role"] == "assistant"
                for b in m["content"] if b.get("type") == "tool_use"]

@@ -290,3 +290,20 @@ async def test_a_failed_pass_through_stream_ends_in_the_openai_error_shape(make_
                                  {"model": "tiny-org/tiny-model", "messages": MSGS, "stream": True})
     error = next(orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b'data: {"error"'))["error"]
     assert set(error) == {"message", "type", "param", "code"} and isinstance(error["code"], str)
+
+
+async def test_a_responses_answer_too_large_to_read_is_billed_and_not_retried(make_proxy, rules, http, holds,
+                                                                              monkeypatch):
+    """The same opening serves /v1/responses: its answer past the read limit is billed too."""
+    from proxy.http import upstream_open
+
+    monkeypatch.setattr(upstream_open, "MAX_JSON_BODY", 64 * 1024)
+    rules.words = 100_000
+    proxy = await _proxy(make_proxy, rules, workers=2)
+    secret, record = await proxy.ledger.create_key("k", balance_micros=1_000_000)
+    status, raw, _ = await _post(http, proxy, secret, "/v1/responses",
+                                 {"model": MODEL, "input": "Hi", "max_output_tokens": 30_000})
+    assert status == 502, raw[:300]
+    assert len(rules.requests) == 1
+    rows = await _audit(proxy, record.key_id, 1_000_000, holds)
+    assert rows[0].output_tokens == rules.generated == 30_000

@@ -40,6 +40,7 @@ class VLLMRules:
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/messages", self.messages)
+        self.app.router.add_post("/v1/embeddings", self.embeddings)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_post("/tokenize", self.tokenize)
@@ -160,6 +161,18 @@ class VLLMRules:
         await resp.write(b"".join(events))  # one write: the proxy reads it coalesced
         await resp.write_eof()
         return resp
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        raw = body["input"]
+        inputs = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
+        prompt = sum(len(p) if isinstance(p, list) else len(str(p).split()) for p in inputs)
+        self.prompt_tokens += prompt
+        return web.json_response({"object": "list", "model": self.model,
+                                  "data": [{"index": i, "object": "embedding", "embedding": [0.5, -0.5]}
+                                           for i in range(len(inputs))],
+                                  "usage": {"prompt_tokens": prompt, "total_tokens": prompt}})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's /v1/messages as vLLM 0.32 streams it with a reasoning parser: thinking

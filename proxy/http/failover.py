@@ -19,6 +19,7 @@ from aiohttp import web
 from proxy.errors import APIError
 from proxy.http.attempt import Attempt
 from proxy.http.upstream_open import AnswerLost, _Retryable
+from proxy.protocol.chat_usage import usage_in_tail
 from proxy.runtime.logs import log
 from proxy.state import CONFIG, POOL, AnswerReport, RequestContext
 from proxy.upstream.affinity import request_key
@@ -72,7 +73,10 @@ async def failover(request: web.Request, ctx: RequestContext, t: Any, run: RunAt
                 if attempt is not None and attempt.report is None and sent is not None:
                     cap = sent.output_cap
                     budget = cap * sent.choices if cap is not None else None
-                    attempt.end("failed", None, budget or 0 if lost.whole else 0, budget, error=lost.code)
+                    # Its usage when its end could be read (vLLM writes it last), else its cap.
+                    usage = usage_in_tail(lost.tail) if lost.tail else None
+                    ran = (budget or 0) if lost.whole and usage is None else 0
+                    attempt.end("failed", usage, ran, budget, error=lost.code)
                 raise
             finally:
                 worker.in_flight -= 1

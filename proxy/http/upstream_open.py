@@ -35,6 +35,7 @@ from proxy.upstream.workers import Worker
 # read for their message.
 MAX_JSON_BODY = 16 * 1024 * 1024
 MAX_ERROR_BODY = 64 * 1024
+TAIL_BYTES = 64 * 1024  # of an answer too large to read: where its usage is
 
 
 class _Retryable(Exception):
@@ -51,9 +52,10 @@ class AnswerLost(APIError):
     (`whole`: it ran to its end, so to its cap), or the connection lost mid-body. The work was
     done: the failover bills it as far as it can be counted and asks no other worker."""
 
-    def __init__(self, message: str, *, whole: bool) -> None:
+    def __init__(self, message: str, *, whole: bool, tail: bytes = b"") -> None:
         super().__init__(502, message, code="upstream_error")
         self.whole = whole
+        self.tail = tail  # the answer's last bytes (where vLLM and SGLang write the usage)
 
 
 def _upstream_message(body: bytes) -> tuple[str | None, Any]:
@@ -91,6 +93,20 @@ def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _
                                                         code="overloaded_error", headers={"Retry-After": "1"}))
     final = APIError(502, f"The model server answered {status}.", code="upstream_error")
     return _Retryable(worker, f"status {status}", final)
+
+
+async def _read_tail(upstream: UpstreamResponse, first: bytes, deadline: float) -> bytes:
+    """The rest of an answer too large to hold, read to its end (within the deadline) keeping
+    only its last TAIL_BYTES: its usage, for the bill. b"" when the end cannot be had."""
+    tail = first[-TAIL_BYTES:]
+    try:
+        while True:
+            chunk = await upstream.read(deadline)
+            if not chunk:
+                return tail
+            tail = (tail + chunk)[-TAIL_BYTES:]
+    except (Disconnected, BadResponse, DeadlinePassed):
+        return b""
 
 
 # (status, error body) -> the refusal to raise instead of map_upstream_error's, or None
@@ -142,7 +158,8 @@ async def open_upstream(app: web.Application, worker: Worker, url: str, payload:
                                      whole=False) from None
                 if len(first) > MAX_JSON_BODY:
                     raise AnswerLost(f"The model server sent an answer larger than {MAX_JSON_BODY} bytes, the most "
-                                     "this proxy reads; ask for less (fewer answers, fewer logprobs).", whole=True)
+                                     "this proxy reads; ask for less (fewer answers, fewer logprobs).", whole=True,
+                                     tail=await _read_tail(upstream, first, first_deadline))
         except ConnectTimeout:
             # Nothing was sent: another worker may take it.
             pool.record_failure(worker, "connect timeout")

@@ -19,6 +19,7 @@ its answers wrote (for a count when the usage cannot be read). Both give Respons
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -53,6 +54,24 @@ def json_usage(family: str, answer: Any) -> dict | None:
     if family == "embeddings":
         usage.setdefault("completion_tokens", 0)
     return map_usage(usage)
+
+
+_USAGE_IN_TAIL = re.compile(rb'"usage"\s*:\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
+
+
+def usage_in_tail(tail: bytes) -> dict | None:
+    """The usage object nearest the end of an answer's last bytes (an answer too large to read
+    whole), Responses-shaped: OpenAI's fields or Anthropic's; None when none can be read."""
+    objects = _USAGE_IN_TAIL.findall(tail)
+    if not objects:
+        return None
+    try:
+        usage = orjson.loads(objects[-1])
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(usage, dict):
+        return None
+    return anthropic_usage(usage) if "input_tokens" in usage else map_usage(usage)
 
 
 def _call_texts(calls: Any) -> list[str]:
