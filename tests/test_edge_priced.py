@@ -307,3 +307,18 @@ async def test_a_responses_answer_too_large_to_read_is_billed_and_not_retried(ma
     assert len(rules.requests) == 1
     rows = await _audit(proxy, record.key_id, 1_000_000, holds)
     assert rows[0].output_tokens == rules.generated == 30_000
+
+
+async def test_the_fingerprint_stays_on_the_chunk_vllm_puts_it_on(make_proxy, sim, http):
+    """Asked no usage, vLLM stamps system_fingerprint on the terminal chunk; the edge asks for the
+    usage chunk (which then carries it) and keeps that chunk to itself: the fingerprint goes back
+    on the terminal chunk, where the client would have found it, and nowhere else."""
+    proxy = await make_proxy(PRICES)
+    sim.script({"text": "one two three"})
+    status, raw, _ = await _post(http, proxy, proxy.api_key, "/v1/chat/completions",
+                                 {"model": "tiny-org/tiny-model", "messages": MSGS, "stream": True, "max_tokens": 20})
+    chunks = [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert status == 200 and all(c["choices"] and "usage" not in c for c in chunks)
+    stamped = [c for c in chunks if "system_fingerprint" in c]
+    assert len(stamped) == 1 and stamped[0] is chunks[-1] and chunks[-1]["choices"][0]["finish_reason"]
+    assert stamped[0]["system_fingerprint"] == sim.state.fingerprint

@@ -178,7 +178,7 @@ def _events(out: bytes) -> list[tuple[int, int]]:
 
 class SSEScanner:
     __slots__ = ("anthropic", "completions", "drop_usage", "cap", "tail", "usage", "counted", "per_answer",
-                 "completed", "finished", "capped", "_raw")
+                 "completed", "finished", "capped", "_raw", "_held")
 
     def __init__(self, family: str, drop_usage: bool, cap: int | None = None) -> None:
         self.anthropic = family == "messages"
@@ -193,6 +193,7 @@ class SSEScanner:
         self.finished = False  # a finish_reason / stop_reason was seen
         self.capped = False  # an answer went past the cap: the stream was cut there
         self._raw: dict = {}  # Anthropic: the usage fields seen so far, merged
+        self._held: list[bytes] = []  # terminal chunks waiting for the usage chunk's fingerprint
 
     @property
     def done(self) -> bool:
@@ -216,46 +217,62 @@ class SSEScanner:
     def flush(self) -> bytes:
         """At the end of the upstream body: what is left (an unterminated last event), scanned."""
         rest, self.tail = self.tail, b""
-        return self._scan(rest) if rest.strip() else rest
+        out = self._scan(rest) if rest.strip() else rest
+        return self._release(None) + out if self._held else out
 
     def _scan(self, out: bytes) -> bytes:
-        """The events of `out` to pass on (all of them, but a withheld usage chunk and whatever
-        follows a cut or the end)."""
-        keep: list[tuple[int, int]] | None = None  # None: every byte of `out`
-        spans = _events(out)
-        for i, (start, end) in enumerate(spans):
+        """The events of `out` to pass on: all of them as they came, but a withheld usage chunk,
+        whatever follows a cut or the end, and a terminal chunk held for its fingerprint."""
+        parts: list[bytes] | None = None  # None: every byte of `out`
+        for start, end in _events(out):
             if self.completed or self.capped:
-                keep = spans[:i] if keep is None else keep
+                if parts is None:
+                    parts = [out[:start]]
                 break
-            passed = self._event(out[start:end])
-            if not passed:
-                if keep is None:
-                    keep = spans[:i]
-                if self.capped:
-                    break
-            elif keep is not None:
-                keep.append((start, end))
-        if keep is None:
-            return out
-        return b"".join(out[start:end] for start, end in keep)
+            event = out[start:end]
+            emitted = self._event(event)
+            if emitted is event:
+                if parts is not None:
+                    parts.append(event)
+                continue
+            if parts is None:
+                parts = [out[:start]]
+            parts.append(emitted)
+        if self.capped and self._held:
+            parts = [out] if parts is None else parts
+            parts.append(self._release(None))
+        return out if parts is None else b"".join(parts)
 
-    def _event(self, event: bytes) -> bool:
-        """Read one event; whether it is passed on."""
+    def _release(self, fingerprint: Any) -> bytes:
+        """The terminal chunks held back, with the fingerprint vLLM would have put on them had
+        the edge not asked for the usage chunk that carried it (written into their bytes)."""
+        held, self._held = self._held, []
+        if not isinstance(fingerprint, str):
+            return b"".join(held)
+        stamp = b',"system_fingerprint":' + orjson.dumps(fingerprint) + b"}"
+        out = []
+        for event in held:
+            body = event.rstrip(b"\r\n")
+            out.append(body[:-1] + stamp + event[len(body):] if body.endswith(b"}") else event)
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes:
+        """Read one event; -> the bytes to pass on for it (`event` itself when passed as it came)."""
         _, data = _event_data(event)
         if data is None:
-            return True  # a comment or a keep-alive
+            return event  # a comment or a keep-alive
         if not self.anthropic and data == b"[DONE]":
             self.completed = True
-            return True
+            return self._release(None) + event if self._held else event
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return True  # not ours to judge: passed on as it came
+            return event  # not ours to judge: passed on as it came
         if not isinstance(obj, dict):
-            return True
+            return event
         if self.anthropic:
-            return self._anthropic(obj)
-        return self._openai(obj)
+            return event if self._anthropic(obj) else b""
+        return self._openai(obj, event)
 
     def _count(self, index: Any) -> bool:
         """One more delta of answer `index`; False when it takes the answer past the cap."""
@@ -268,22 +285,31 @@ class SSEScanner:
         self.counted += 1
         return True
 
-    def _openai(self, obj: dict) -> bool:
+    def _openai(self, obj: dict, event: bytes) -> bytes:
         choices = obj.get("choices")
+        ended = False
         if isinstance(choices, list):
             for choice in choices:
                 if not isinstance(choice, dict):
                     continue
                 if self._wrote(choice) and not self._count(choice.get("index")):
-                    return False
+                    return b""
                 if isinstance(choice.get("finish_reason"), str):
-                    self.finished = True
+                    self.finished = ended = True
         usage = obj.get("usage")
         if isinstance(usage, dict):
             self.usage = map_usage(usage)
             if self.drop_usage and not choices:
-                return False
-        return True
+                return self._release(obj.get("system_fingerprint"))
+        if self.drop_usage:
+            if ended and "system_fingerprint" not in obj:
+                # vLLM stamps its fingerprint on the terminal chunk when the client asked for no
+                # usage, on the usage chunk when it did: held until that chunk says it.
+                self._held.append(event)
+                return b""
+            if self._held:
+                return self._release(None) + event
+        return event
 
     def _wrote(self, choice: dict) -> bool:
         if self.completions:
