@@ -322,3 +322,15 @@ async def test_the_fingerprint_stays_on_the_chunk_vllm_puts_it_on(make_proxy, si
     stamped = [c for c in chunks if "system_fingerprint" in c]
     assert len(stamped) == 1 and stamped[0] is chunks[-1] and chunks[-1]["choices"][0]["finish_reason"]
     assert stamped[0]["system_fingerprint"] == sim.state.fingerprint
+
+
+async def test_a_batch_whose_prompts_each_fit_the_window_is_not_refused_for_their_sum(make_proxy, http):
+    from proxy.simulator.server import Simulator
+
+    async with Simulator(max_model_len=512) as small:
+        proxy = await make_proxy(PRICES, workers=[{"name": "small", "url": small.url, "dialect": "vllm",
+                                                   "models": ["tiny-org/tiny-model"]}])
+        prompts = ["word " * 100] * 8  # 100 tokens each, 800 together: each fits a 512 window
+        status, raw, _ = await _post(http, proxy, proxy.api_key, "/v1/completions",
+                                     {"model": "tiny-org/tiny-model", "prompt": prompts, "max_tokens": 10})
+        assert status == 200, raw[:300]

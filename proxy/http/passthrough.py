@@ -117,7 +117,10 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
     def attempt(one: Attempt, sent: Passthrough) -> Any:
         return _attempt(request, ctx, one, sent)
 
-    return await failover(request, ctx, t, attempt, check=fit if "max_tokens" in t.chat else None)
+    # A batch's prompts each have the window to themselves (the bound is of all of them): vLLM
+    # judges each one.
+    checked = "max_tokens" in t.chat and t.prompts == 1
+    return await failover(request, ctx, t, attempt, check=fit if checked else None)
 
 
 async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Attempt,

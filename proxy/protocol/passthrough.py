@@ -95,6 +95,7 @@ class Passthrough(NamedTuple):
     bound: PromptBound | None = None
     choices: int = 1  # answers generated, each up to the cap: the hold's output is cap x choices
     notices: tuple[str, ...] = ()  # the fields not forwarded (named in x-token-notice)
+    prompts: int = 1  # a completion's batch: each prompt has the window to itself
 
     @property
     def path(self) -> str:
@@ -321,7 +322,7 @@ def _chat(body: dict, sent: dict, limits: Limits) -> tuple[dict, int | None, int
     return {"messages": messages, "tools": body.get("tools")}, cap, choices, fields
 
 
-def _completions(body: dict, sent: dict, limits: Limits) -> tuple[dict, int | None, int, tuple[str, ...]]:
+def _completions(body: dict, sent: dict, limits: Limits) -> tuple[dict, int | None, int, tuple[str, ...], int]:
     prompts = _batch(_prompt_texts(body.get("prompt"), "prompt"), "prompt", limits)
     choices = _choices(body, limits, best_of=True) * len(prompts)
     value = body.get("max_tokens", MISSING)
@@ -333,7 +334,7 @@ def _completions(body: dict, sent: dict, limits: Limits) -> tuple[dict, int | No
             sent[name] = body[name]
     sent["prompt"] = body["prompt"]
     sent["max_tokens"] = cap  # null (the window, as the client asked) is sent as null
-    return {"messages": _text_messages(prompts)}, cap, choices, ("max_tokens",)
+    return {"messages": _text_messages(prompts)}, cap, choices, ("max_tokens",), len(prompts)
 
 
 def _stream_usage(body: dict, sent: dict) -> bool:
@@ -361,13 +362,13 @@ def build(family: str, body: dict, served: Any, limits: Limits = DEFAULT_LIMITS)
     rendered, unknown = _fields(family, body, sent, limits)
     usage_added = False
     media = False
-    choices = 1
+    choices = prompts = 1
     cap_fields: tuple[str, ...] = ()
     if family == "chat":
         view, cap, choices, cap_fields = _chat(body, sent, limits)
         sent["messages"] = view["messages"]
     elif family == "completions":
-        view, cap, choices, cap_fields = _completions(body, sent, limits)
+        view, cap, choices, cap_fields, prompts = _completions(body, sent, limits)
     elif family == "embeddings":
         if stream:
             raise bad_request("Embeddings are not streamed.", param="stream")
@@ -404,4 +405,4 @@ def build(family: str, body: dict, served: Any, limits: Limits = DEFAULT_LIMITS)
     notices = (f"unknown field(s) ignored: {', '.join(sorted(unknown)[:20])}",) if unknown else ()
     return Passthrough(view, sent, model, upstream_model, stream, family, cap_fields,
                        cap if family != "embeddings" else 1, usage_added, None, media, bound=prompt_bound(view),
-                       choices=choices, notices=notices)
+                       choices=choices, notices=notices, prompts=prompts)
