@@ -334,3 +334,20 @@ async def test_a_batch_whose_prompts_each_fit_the_window_is_not_refused_for_thei
         status, raw, _ = await _post(http, proxy, proxy.api_key, "/v1/completions",
                                      {"model": "tiny-org/tiny-model", "prompt": prompts, "max_tokens": 10})
         assert status == 200, raw[:300]
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/responses", {"input": "Hi"}), ("/v1/chat/completions", {"messages": MSGS}),
+                                        ("/v1/completions", {"prompt": "Hi"}), ("/v1/embeddings", {"input": "Hi"}),
+                                        ("/v1/messages", {"messages": MSGS, "max_tokens": 5})])
+@pytest.mark.parametrize("model", ["A" * 4_000_000 + "/tiny-model", "\u0000/tiny-model", "tiny\nmodel",
+                                   "é" * 129 + "/tiny-model"], ids=["4MB", "nul", "newline", "257-bytes"])
+async def test_a_model_alias_is_bounded_printable_text(make_proxy, rules, http, path, extra, model):
+    """It is stored in every usage row and access line: at most 256 bytes of printable UTF-8."""
+    proxy = await _proxy(make_proxy, rules)
+    secret, record = await proxy.ledger.create_key("k", balance_micros=100_000)
+    status, raw, _ = await _post(http, proxy, secret, path, {"model": model, **extra})
+    assert status == 400, raw[:300]
+    error = orjson.loads(raw)["error"]
+    assert (error.get("param") == "model") if path != "/v1/messages" else "model" in error["message"], error
+    assert len(raw) < 2000 and rules.requests == []
+    assert await _rows(proxy, record.key_id) == []

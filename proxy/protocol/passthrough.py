@@ -40,7 +40,7 @@ import orjson
 from proxy.errors import bad_request
 from proxy.protocol.passthrough_fields import EXTENSION, FIELDS, RENDERED, SILENT
 from proxy.protocol.prompt import PromptBound, prompt_bound
-from proxy.protocol.translate_options import is_int
+from proxy.protocol.translate_options import check_model, is_int
 from proxy.upstream.models import resolve_model
 
 # family -> the worker's path
@@ -353,9 +353,7 @@ def _stream_usage(body: dict, sent: dict) -> bool:
 
 def build(family: str, body: dict, served: Any, limits: Limits = DEFAULT_LIMITS) -> Passthrough:
     """The Passthrough of a client's body (APIError 400 when it cannot be priced as sent)."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise bad_request("Missing required parameter: 'model' must be a non-empty string.", param="model")
+    model = check_model(body)
     upstream_model = (resolve_model(model, served) if served is not None else model) or model
     stream = _flag(body, "stream")
     sent: dict[str, Any] = {"model": upstream_model}

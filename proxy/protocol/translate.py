@@ -26,6 +26,7 @@ from proxy.protocol.translate_options import (
     STORE_NOTICE,
     TranslateOptions,
     chat_body,
+    check_model,
     echo_fields,
     field_notices,
     is_int,
@@ -135,9 +136,7 @@ def translate_request(body: Any, options: TranslateOptions | None = None) -> Tra
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
 
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise bad_request("Missing required parameter: 'model' must be a non-empty string.", param="model")
+    model = check_model(body)
     # A name nobody serves goes on as sent: routing answers 404 naming the client's string.
     upstream_model = resolve_model(model, options.served) if options.served is not None else model
     if upstream_model is None:

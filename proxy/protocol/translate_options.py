@@ -45,6 +45,22 @@ class TranslateOptions:
 # --------------------------------------------------------------------------- small validators
 
 
+MAX_MODEL_BYTES = 256  # a model alias: stored in every usage row and access line, so bounded
+
+
+def check_model(body: dict) -> str:
+    """The request's `model`: a non-empty string of at most MAX_MODEL_BYTES bytes of printable
+    UTF-8 (no NUL or control character: every ledger and log stores it as sent)."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise bad_request("Missing required parameter: 'model' must be a non-empty string.", param="model")
+    if len(model) > MAX_MODEL_BYTES or (not model.isascii() and len(model.encode()) > MAX_MODEL_BYTES):
+        raise bad_request(f"'model' must be at most {MAX_MODEL_BYTES} bytes.", param="model")
+    if not model.isprintable():
+        raise bad_request("'model' must be printable text (no control characters).", param="model")
+    return model
+
+
 def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
