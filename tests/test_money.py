@@ -333,6 +333,22 @@ def test_cli_refuses_zero_limits_and_huge_amounts(ledger_path, args):
     assert "error" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("text,micros", [("1,50", None), ("1,5,0", None), ("12,34", None), ("1.5.0", None),
+                                         ("1,0000", None), ("1e3", None), ("1.50", 1_500_000), ("$1.50", 1_500_000),
+                                         ("1,250.00", 1_250_000_000), ("1_000", 1_000_000_000), ("-0.25", -250_000)])
+def test_dollars_take_one_decimal_point_and_separators_in_groups_of_three(ledger_path, text, micros):
+    """`--usd 1,50` credited $150 once (every comma stripped): a decimal comma is refused now."""
+    created = _keys(ledger_path, "create", "a", "--balance", "1000000000", "--json")
+    key_id = json.loads(created.stdout)["key_id"]
+    done = _keys(ledger_path, "topup", key_id, "--usd", text)
+    if micros is None:
+        assert done.returncode == 2 and "not an amount of dollars" in done.stderr, done
+        return
+    assert done.returncode == 0, done
+    shown = json.loads(_keys(ledger_path, "show", key_id, "--json").stdout)
+    assert shown["balance_micros"] == 1_000_000_000 + micros
+
+
 def test_cli_refuses_zero_limits_on_limits_and_huge_topups(ledger_path):
     created = _keys(ledger_path, "create", "a", "--balance", "100", "--json")
     assert created.returncode == 0, created

@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
@@ -66,10 +67,15 @@ from proxy.ledger.service import (
 from proxy.ledger.usage import MAX_AMOUNT
 
 MICROS = 1_000_000
+_DOLLARS = re.compile(r"[+-]?\$?(\d{1,3}(,\d{3})+|\d{1,3}(_\d{3})+|\d+)(\.\d+)?|[+-]?\$?\.\d+")
 
 
 def _usd_amount(text: str, signed: bool) -> int:
     """An amount in dollars ("1.50", "$1.50", "-0.25" when `signed`) -> micro-dollars, exactly."""
+    # One decimal point; thousands separators (',' or '_') only between groups of three digits:
+    # "1,50" is no amount (a decimal comma read as a separator credited $150).
+    if _DOLLARS.fullmatch(text.strip()) is None:
+        raise argparse.ArgumentTypeError(f"not an amount of dollars: {text!r} (e.g. 1.50, 1,250.00 or -0.25)")
     try:
         value = Decimal(text.strip().replace("$", "", 1).replace(",", "").replace("_", "")) * MICROS
     except InvalidOperation:
