@@ -194,11 +194,23 @@ class AdminAuth:
     def _mac(self, data: bytes) -> bytes:
         return hmac.new(self._signing, data, hashlib.sha256).digest()
 
+    def _key_of(self, name: str) -> bytes | None:
+        return next((hashed for entry, hashed in self.keys if entry == name), None)
+
+    def _session_mac(self, payload: bytes, name: str) -> bytes | None:
+        """A session's signature, bound to the admin key it was made with: a new key under the
+        same name (the demo admin key, new at every start; a rotated key) ends its sessions."""
+        hashed = self._key_of(name)
+        return None if hashed is None else self._mac(payload + b"\0key\0" + hashed)
+
     def issue(self, name: str, now: float | None = None) -> tuple[str, Session]:
         session = Session(name, (time.time() if now is None else now) + self.ttl, secrets.token_urlsafe(16))
         payload = json.dumps({"n": session.name, "e": session.expires_at, "s": session.sid},
                              separators=(",", ":")).encode()
-        return f"{_b64(payload)}.{_b64(self._mac(payload))}", session
+        mac = self._session_mac(payload, name)
+        if mac is None:
+            raise ValueError(f"no admin key named {name!r}")
+        return f"{_b64(payload)}.{_b64(mac)}", session
 
     def verify(self, token: str | None, now: float | None = None) -> Session | None:
         """The session of a cookie value whose signature holds and which has not expired."""
@@ -207,10 +219,11 @@ class AdminAuth:
         body, _, mac = token.partition(".")
         try:
             payload = _unb64(body)
-            if not hmac.compare_digest(_unb64(mac), self._mac(payload)):
-                return None
             data = json.loads(payload)
             session = Session(str(data["n"]), float(data["e"]), str(data["s"]))
+            expected = self._session_mac(payload, session.name)
+            if expected is None or not hmac.compare_digest(_unb64(mac), expected):
+                return None  # forged, or made with a key no longer configured under its name
         except (ValueError, KeyError, TypeError):
             return None
         if session.expires_at <= (time.time() if now is None else now):

@@ -58,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -116,6 +117,23 @@ def _resolve_all(items: Sequence[tuple[asyncio.Future, Any, BaseException | None
             future.set_exception(exc)
         else:
             future.set_result(result)
+
+
+def _private_files(path: Path) -> None:
+    """The ledger (key names, hashes, balances, usage) readable by its owner alone: made 0600
+    before SQLite opens it (its -wal and -shm files take the database file's mode), and an
+    older one's files tightened."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    for each in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            if each.stat().st_mode & 0o077:
+                os.chmod(each, 0o600)
+        except (FileNotFoundError, PermissionError):
+            pass  # gone, or not ours to change: SQLite says what it can or cannot open
 
 
 class GroupWriter:
@@ -206,7 +224,7 @@ class GroupWriter:
 
     def _connect(self) -> sqlite3.Connection:
         if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            _private_files(Path(self.path))
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
         if self.path != ":memory:":

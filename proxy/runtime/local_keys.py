@@ -70,7 +70,29 @@ def state_folder(config: Config) -> Path | None:
     return p.parent
 
 
+def check_private(path: Path, what: str) -> None:
+    """`path` is ours alone to trust: owned by the user the proxy runs as and writable by nobody
+    else (a state folder under /tmp, or a secret another user planted there, would let them
+    choose the secret: a forged dashboard session). LocalKeyError naming the path otherwise."""
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        raise LocalKeyError(f"{path} ({what}) is owned by uid {st.st_uid}, not by the user the proxy runs as "
+                            f"(uid {os.geteuid()}): refusing to trust it")
+    if st.st_mode & 0o022:
+        raise LocalKeyError(f"{path} ({what}) is writable by other users (mode {st.st_mode & 0o777:o}): "
+                            f"make it private (chmod go-w {path}) or choose another ledger.path")
+
+
+def check_state_folder(folder: Path) -> None:
+    """The state folder (the ledger, its spool, the start-up secrets): made private when it is
+    new, checked when it is not."""
+    if not folder.exists():
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(folder, "the state folder")
+
+
 def _read(path: Path) -> str:
+    check_private(path, "a start-up secret")
     text = path.read_text().strip()
     if (path.stat().st_mode & 0o077) != 0:
         os.chmod(path, 0o600)  # readable by others: tightened, never left so
@@ -151,6 +173,7 @@ def ensure(config: Config) -> LocalKeys:
         out.session_shared = True
     if out.folder is None:
         return out
+    check_state_folder(out.folder)
     try:
         if not _seal_configured(config):
             _ensure_seal(config, out.folder, out)
