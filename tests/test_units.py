@@ -158,7 +158,10 @@ DRIVERS = {
 }
 # Units no request reaches alone: the compaction's summary turn runs inside a compaction (its
 # own test below); PUBLIC is what a path without a unit runs (tested below).
-NESTED = {units.COMPACT_SUMMARY.name, units.PUBLIC.name}
+NESTED = {units.COMPACT_SUMMARY.name, units.PUBLIC.name,
+          # another method on Anthropic's paths answers only its refusal (auth, then the 405), in
+          # Anthropic's envelope: tests/test_edge_anthropic_clients.py
+          units.KEYED_ANTHROPIC.name}
 REFUSALS = {AUTH: 401, LIMITS: 429, BODY: 413, SIZES: 400, MODELS: 403, TRANSLATE: 400, BALANCE: 402}
 
 

@@ -36,6 +36,7 @@ from proxy.upstream.workers import Worker
 MAX_JSON_BODY = 16 * 1024 * 1024
 MAX_ERROR_BODY = 64 * 1024
 TAIL_BYTES = 64 * 1024  # of an answer too large to read: where its usage is
+MAX_TAIL_SCAN = 4 * MAX_JSON_BODY  # how much more of it is read, looking for that end
 
 
 class _Retryable(Exception):
@@ -52,8 +53,8 @@ class AnswerLost(APIError):
     (`whole`: it ran to its end, so to its cap), or the connection lost mid-body. The work was
     done: the failover bills it as far as it can be counted and asks no other worker."""
 
-    def __init__(self, message: str, *, whole: bool, tail: bytes = b"") -> None:
-        super().__init__(502, message, code="upstream_error")
+    def __init__(self, message: str, *, whole: bool, tail: bytes = b"", status: int = 502) -> None:
+        super().__init__(status, message, code="upstream_error" if status == 502 else "upstream_timeout")
         self.whole = whole
         self.tail = tail  # the answer's last bytes (where vLLM and SGLang write the usage)
 
@@ -96,17 +97,21 @@ def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _
 
 
 async def _read_tail(upstream: UpstreamResponse, first: bytes, deadline: float) -> bytes:
-    """The rest of an answer too large to hold, read to its end (within the deadline) keeping
-    only its last TAIL_BYTES: its usage, for the bill. b"" when the end cannot be had."""
+    """The rest of an answer too large to hold, read to its end (within the deadline and
+    MAX_TAIL_SCAN more bytes) keeping only its last TAIL_BYTES: its usage, for the bill. b""
+    when the end cannot be had (then it is billed as having run to its cap)."""
     tail = first[-TAIL_BYTES:]
+    left = MAX_TAIL_SCAN
     try:
-        while True:
+        while left > 0:
             chunk = await upstream.read(deadline)
             if not chunk:
                 return tail
+            left -= len(chunk)
             tail = (tail + chunk)[-TAIL_BYTES:]
     except (Disconnected, BadResponse, DeadlinePassed):
-        return b""
+        pass
+    return b""  # no end within the bound: an endless body, or one too large to look through
 
 
 # (status, error body) -> the refusal to raise instead of map_upstream_error's, or None
@@ -156,6 +161,10 @@ async def open_upstream(app: web.Application, worker: Worker, url: str, payload:
                     pool.record_failure(worker, "disconnected mid-answer")
                     raise AnswerLost("The connection to the model server was lost while it sent its answer.",
                                      whole=False) from None
+                except DeadlinePassed:  # its headers came (vLLM sends them with the body): mid-answer
+                    pool.record_failure(worker, "total timeout mid-answer")
+                    raise AnswerLost(f"The model server did not finish its answer within {first_byte:g}s "
+                                     "(total timeout).", whole=False, status=504) from None
                 if len(first) > MAX_JSON_BODY:
                     raise AnswerLost(f"The model server sent an answer larger than {MAX_JSON_BODY} bytes, the most "
                                      "this proxy reads; ask for less (fewer answers, fewer logprobs).", whole=True,
