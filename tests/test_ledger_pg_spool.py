@@ -157,3 +157,32 @@ async def test_a_crash_around_the_drain_replays_without_a_second_debit(pg_dsn, t
         assert all(balance == expected for _, balance, expected in await again.audit())
     finally:
         await again.close()
+
+
+async def test_a_settlement_the_database_refuses_for_its_data_is_set_aside_alone(pg_dsn, tmp_path):
+    """A NUL in a text column (22021) fails its batch: that record goes to <spool>.rejected, the
+    others of the batch and after it are applied, and the ledger is in no fault (other keys and
+    the CLI's reads go on)."""
+    led = open_ledger(pg_section(pg_dsn, tmp_path))
+    await led.start()
+    led.replay_interval_s = 0.2
+    try:
+        _, key = await led.create_key("data", 10_000)
+        for rid in ("d-0", "d-bad", "d-2"):
+            await led.hold(rid, key.key_id, 1_000, ttl_s=60)
+        bad = UsageRecord("d-bad", key.key_id, "\u0000/tiny-model", 10, 0, 5, 0, 300, "completed")
+        await asyncio.gather(led.settle_behind("d-0", usage_for("d-0", key.key_id, 100)),
+                             led.settle_behind("d-bad", bad),
+                             led.settle_behind("d-2", usage_for("d-2", key.key_id, 200)))
+        assert await wait_for(lambda: not led.spool.pending(), 15.0)
+        assert (await led.usage("d-0")).debited_micros == 100 and (await led.usage("d-2")).debited_micros == 200
+        assert await led.usage("d-bad") is None
+        assert any(b'"d-bad"' in line for line in led.spool.rejected())
+        assert led.fault is None
+        assert (await led.get_key(key.key_id)).balance_micros == 10_000 - 300
+        _, other = await led.create_key("other", 5_000)  # the ledger serves on
+        await led.hold("o-1", other.key_id, 100, ttl_s=60)
+        await led.release("o-1")
+        assert [k.name for k in await led.list_keys()] == ["data", "other"]
+    finally:
+        await led.close()

@@ -213,6 +213,12 @@ class LedgerUnavailable(LedgerError):
         self.retry_after_s = retry_after_s
 
 
+class LedgerDataRefused(LedgerUnavailable):
+    """The database refused one operation for its data (SQLSTATE class 22: a NUL in a text, a
+    value out of range): that operation alone fails; the ledger is in no fault for it, and a
+    spooled settlement refused so is set aside (`<spool>.rejected`), never stopping the others."""
+
+
 class LedgerFault(LedgerUnavailable):
     """The ledger's database answers, but in a way no retry fixes (a rejected password, a
     missing table): the operator must act. Answered like LedgerUnavailable (503, settlements

@@ -37,7 +37,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from proxy.ledger.base import FAULT_EXPLAINED as EXPLAIN, LedgerFault, LedgerUnavailable, UnknownKey, UsageRecord
+from proxy.ledger.base import (
+    FAULT_EXPLAINED as EXPLAIN,
+    LedgerDataRefused,
+    LedgerFault,
+    LedgerUnavailable,
+    UnknownKey,
+    UsageRecord,
+)
 from proxy.ledger.commit_rules import usage_row
 from proxy.ledger.pg_usage import insert_usage_batch, lease_changes, settle_batch
 from proxy.ledger.schema import _check_usage_values
@@ -146,7 +153,20 @@ class PgSpoolOps:
             return out
 
         if releases or settles or leased:
-            for i, result in await self._db(op):
+            try:
+                results = await self._db(op)
+            except LedgerDataRefused:
+                # One record's data the database refuses (22xxx) fails the whole transaction:
+                # each is tried alone, so that one is set aside and the others applied.
+                if len(records) == 1:
+                    log.error("ledger spool: %s of %s refused by the database for its data: set aside in %s",
+                              records[0]["kind"], records[0].get("request_id"), self.spool.rejected_path)
+                    return [REJECTED]
+                out: list[str] = []
+                for record in records:
+                    out += await self._replay_batch([record])
+                return out
+            for i, result in results:
                 if isinstance(result, UnknownKey):  # the key row is gone (a table restored from an old backup?)
                     verdicts[i] = KEPT
                     if records[i]["request_id"] not in self._kept_logged:

@@ -58,6 +58,7 @@ from proxy.ledger.base import (
     Hold,
     InsufficientBalance,
     KeyRecord,
+    LedgerDataRefused,
     LedgerError,
     LedgerFault,
     LedgerUnavailable,
@@ -261,6 +262,11 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
                     async with conn.transaction():
                         return await fn(conn)
             except Exception as exc:
+                if isinstance(exc, asyncpg.DataError):  # 22xxx: this operation's data, not the ledger
+                    self.stats["data_refused"] = self.stats.get("data_refused", 0) + 1
+                    raise LedgerDataRefused(f"the ledger database refused the data of one operation "
+                                            f"({type(exc).__name__} {getattr(exc, 'sqlstate', '')})",
+                                            self.retry_after_s) from None
                 failure = classify(exc)
                 if failure is None:
                     raise  # ours: UnknownKey, a ValueError
