@@ -156,3 +156,32 @@ async def test_limits_refuse_a_message_before_it_is_parsed(make_proxy, sim):
                 assert event["type"] == "error" and event["status"] == 429, event
                 assert event["error"]["code"] == "rate_limit_exceeded"
     assert len(sim.requests) == 1
+
+
+@pytest.mark.parametrize("why", ["rate", "balance"])
+async def test_a_socket_whose_turns_keep_being_refused_is_closed_and_its_key_not_compressed(make_proxy, sim, why):
+    """A spent rate or balance: each refused message still cost its inflating (8 MB out of a few
+    kB) and decoding. After max_refused_turns in a row the socket is closed (1008), and the key's
+    next socket negotiates no permessage-deflate: what it sends is what the proxy reads."""
+    proxy = await make_proxy({"prices": {"default": {"input": 1_000_000, "output": 1_000_000}}})
+    limits = KeyLimits(rate_per_min=1) if why == "rate" else KeyLimits()
+    secret, _ = await proxy.ledger.create_key("refused", balance_micros=10_000_000 if why == "rate" else 0,
+                                              limits=limits)
+    padding = "x" * (4 << 20)  # 4 MiB inflated, ~4 kB on the wire
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(proxy.url + "/v1/responses", headers=_auth(secret), compress=15) as ws:
+            assert ws.compress
+            if why == "rate":
+                await ws.send_bytes(_create())
+                assert (await _until_end(ws))["type"] == "response.completed"
+            for _ in range(3):
+                await ws.send_bytes(_create(instructions=padding))
+                event = await _until_end(ws)
+                assert event["type"] == "error" and event["status"] in (402, 429), event
+            closing = await ws.receive()
+            assert closing.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING), closing
+            assert ws.close_code == 1008
+        async with http.ws_connect(proxy.url + "/v1/responses", headers=_auth(secret), compress=15) as ws:
+            assert not ws.compress  # refused a moment ago: no compression to amplify
+        async with http.ws_connect(proxy.url + "/v1/responses", headers=_auth(proxy.api_key), compress=15) as ws:
+            assert ws.compress  # another key is not touched

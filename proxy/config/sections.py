@@ -199,6 +199,10 @@ class Websocket:
     # pings and pongs a peer may send (twice this as a burst); a flood past it closes the socket
     max_control_frames_per_s: float
     permessage_deflate: bool  # accept compressed messages (RFC 7692); their inflated size is what every bound counts
+    # turns in a row refused for rate or balance (429, 402); then the socket closes (1008), and the key's sockets are
+    # not compressed for refused_for_s
+    max_refused_turns: int
+    refused_for_s: float  # how long a key refused so gets no permessage-deflate on a new socket
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

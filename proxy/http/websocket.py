@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/section
     from proxy.config.sections import Websocket
 
 _CLOSED = object()  # the queue's end: the peer closed, or the socket failed
+_REFUSED_AGAIN = frozenset({402, 429})  # refusals the same socket would meet again at once
 _CONTROL = (WSMsgType.PING, WSMsgType.PONG)
 
 
@@ -76,6 +77,23 @@ class SocketAdmission:
         self.settings = settings
         self.total = 0
         self.per_key: dict[str | None, int] = {}
+        # key -> until when its sockets get no permessage-deflate: a key whose turns keep being
+        # refused would otherwise make the proxy inflate every message it sends before saying no.
+        self.refused: dict[str | None, float] = {}
+
+    def note_refused(self, key_id: str | None, now: float) -> None:
+        refused = self.refused
+        if len(refused) >= 10_000:  # bounded: the expired go first, else the oldest
+            for k in [k for k, until in refused.items() if until <= now] or list(refused)[:1000]:
+                del refused[k]
+        refused[key_id] = now + self.settings.refused_for_s
+
+    def compress(self, key_id: str | None, now: float) -> bool:
+        until = self.refused.get(key_id)
+        if until is not None and until <= now:
+            del self.refused[key_id]
+            until = None
+        return self.settings.permessage_deflate and until is None
 
     def admit(self, key_id: str | None) -> None:
         settings = self.settings
@@ -114,11 +132,12 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     admission.admit(key_id)
     try:
         # autoping off: the reader answers pings itself, within the control-frame budget.
+        compress = admission.compress(key_id, asyncio.get_running_loop().time())
         ws = web.WebSocketResponse(heartbeat=settings.ping_interval_s, max_msg_size=settings.max_message_bytes,
-                                   autoping=False, compress=settings.permessage_deflate)
+                                   autoping=False, compress=compress)
         await ws.prepare(request)
         try:
-            await _Connection(request, ws, settings).serve()
+            await _Connection(request, ws, settings, admission, key_id).serve()
         except asyncio.CancelledError:
             # aiohttp cancels the handler of a connection that is lost, which is how most sockets
             # end (often before the close frame is read): that is the socket's end (logged 101),
@@ -143,10 +162,14 @@ class _Connection:
     that a close or a vanished peer cancels. A message is neither parsed nor decompressed
     further here: each turn's phases (auth, limits, then the body) decide what it costs."""
 
-    def __init__(self, request: web.Request, ws: web.WebSocketResponse, settings: Websocket) -> None:
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, settings: Websocket,
+                 admission: SocketAdmission | None = None, key_id: str | None = None) -> None:
         self.request = request
         self.ws = ws
         self.settings = settings
+        self.admission = admission
+        self.key_id = key_id
+        self.refused_in_a_row = 0  # turns refused for rate or balance since the last one served
         self.memory = Continuation()
         self.queue: deque[bytes] = deque()
         self.queued_bytes = 0
@@ -353,6 +376,20 @@ class _Connection:
             self._remember(answer, terminal, decoded["body"], decoded["previous"])
         if not answer.streamed:
             await self._send_json(_error_of(answer, names, decoded.get("remembered", 0)))
+        await self._count_refusal(answer.status)
+
+    async def _count_refusal(self, status: int) -> None:
+        """A socket whose turns keep being refused for rate or balance is closed (1008): each
+        message costs its inflating and decoding before the refusal, and no answer comes of it.
+        Its key's next sockets are not compressed for a while (SocketAdmission.refused)."""
+        if status not in _REFUSED_AGAIN:
+            self.refused_in_a_row = 0
+            return
+        self.refused_in_a_row += 1
+        if self.admission is not None:
+            self.admission.note_refused(self.key_id, self.loop.time())
+        if self.refused_in_a_row >= self.settings.max_refused_turns:
+            await self._close_for(WSCloseCode.POLICY_VIOLATION, f"{self.refused_in_a_row} turns refused in a row")
 
     def _carried_headers(self) -> tuple[str, ...]:
         """The answer headers a turn carries on its events: the notices header, when the
