@@ -124,3 +124,27 @@ async def test_readiness_without_a_ledger(sim, make_proxy):
     proxy = await make_proxy({"ledger": {"backend": "none"}, **only("stateless")})
     status, _, raw = await get(proxy, "/readyz")
     assert status == 200 and orjson.loads(raw) == {"status": "ready"}
+
+
+async def test_readiness_names_a_database_that_refuses_more_connections(sim, make_proxy, monkeypatch):
+    """The README's causes, too_many_connections among them: what the PostgreSQL ledger's
+    failure classification makes of the driver's error reaches /readyz as that word."""
+    from asyncpg import exceptions as pg
+
+    from proxy.ledger.pg_errors import classify
+    from proxy.ledger.pg_faults import PgFaults
+
+    failure = classify(pg.TooManyConnectionsError("sorry, too many clients already"))
+    faults = PgFaults.__new__(PgFaults)
+    faults.stats, faults.retry_after_s = {"unavailable": 0}, 1.0
+    refused = faults._failed(failure, pg.TooManyConnectionsError("sorry, too many clients already"))
+    proxy = await make_proxy()
+    monkeypatch.setattr(health, "LEDGER_TTL_S", 0.0)
+
+    async def crowded(key_id):
+        raise refused
+
+    monkeypatch.setattr(proxy.ledger, "get_key", crowded)
+    status, _, raw = await get(proxy, "/readyz")
+    assert status == 503 and orjson.loads(raw) == {"status": "not_ready", "reason": "ledger",
+                                                   "cause": "too_many_connections"}

@@ -208,9 +208,11 @@ class LedgerUnavailable(LedgerError):
     path answers 503 with Retry-After `retry_after_s`, never 500; settlements that cannot
     reach it are spooled (proxy/ledger/spool.py) and replayed when it answers again."""
 
-    def __init__(self, message: str = "the ledger database is unreachable", retry_after_s: float = 5.0) -> None:
+    def __init__(self, message: str = "the ledger database is unreachable", retry_after_s: float = 5.0,
+                 reason: str = "unreachable") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.reason = reason  # /readyz's cause: "unreachable", "too_many_connections" (FAULT_EXPLAINED's keys)
 
 
 class LedgerDataRefused(LedgerUnavailable):

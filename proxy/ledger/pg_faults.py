@@ -50,7 +50,8 @@ class PgFaults:
         if failure.kind == FAULT:
             self._note_fault(failure.cause, describe(failure, exc))
             return LedgerFault(EXPLAIN.get(failure.cause, failure.cause), self.retry_after_s, failure.cause)
-        return LedgerUnavailable(f"the ledger database is unreachable ({type(exc).__name__})", self.retry_after_s)
+        return LedgerUnavailable(f"{EXPLAIN.get(failure.cause, 'the ledger database is unreachable')} "
+                                 f"({type(exc).__name__})", self.retry_after_s, failure.cause)
 
     def _note_fault(self, cause: str, line: str) -> None:
         self.fault = cause

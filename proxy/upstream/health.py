@@ -237,7 +237,7 @@ class Readiness:
                 await ledger.get_key("")  # an indexed read through the ledger's own path
             cause = ledger.fault  # answers, but has a fault a table read does not show
         except Exception as exc:  # a timeout, a closed or broken database: not ready
-            cause = getattr(exc, "cause", None) or "unreachable"
+            cause = getattr(exc, "cause", None) or getattr(exc, "reason", None) or "unreachable"
             if cause != self._ledger_cause:
                 log.warning("readiness: the ledger did not answer", cause=cause, error=f"{type(exc).__name__}: {exc}")
         finally:
