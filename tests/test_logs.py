@@ -181,3 +181,22 @@ async def test_a_write_to_a_client_that_hung_up_logs_no_error(make_proxy, monkey
     errors = [line for line in lines if line.get("level") in ("error", "critical") or "exc_traceback" in line]
     assert errors == [], errors[:3]
     assert len([line for line in lines if line.get("event") == "request"]) == 2
+
+
+def test_asyncpg_pool_warnings_are_said_once_a_minute(caplog):
+    """While the database is away asyncpg's pool warns each time it re-opens its floor of
+    connections (every 1-2 s): the PostgreSQL ledger lets one through a minute, without its traceback."""
+    import logging
+
+    from proxy.ledger import postgres
+
+    postgres._quiet_asyncpg()
+    pool_log = logging.getLogger("asyncpg.pool")
+    with caplog.at_level(logging.WARNING, logger="asyncpg.pool"):
+        for _ in range(20):
+            try:
+                raise ConnectionRefusedError("refused")
+            except ConnectionRefusedError:
+                pool_log.warning("Failed to restore the pool connection", exc_info=True)
+    said = [r for r in caplog.records if r.name == "asyncpg.pool"]
+    assert len(said) == 1 and said[0].exc_info is None

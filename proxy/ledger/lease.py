@@ -60,7 +60,7 @@ import time
 from typing import Any
 
 from proxy.config import settings as config_settings
-from proxy.ledger import Hold, RequestLedger, UsageRecord
+from proxy.ledger import Hold, LedgerUnavailable, RequestLedger, UsageRecord
 
 # Defaults of config.yaml `balance` and `ledger` (a Leases made without a configuration: tests, benches).
 _BALANCE, _LEDGER = config_settings.of("balance"), config_settings.of("ledger")
@@ -161,10 +161,18 @@ class Leases:
         self._nonce = f"{os.getpid()}:{secrets.token_hex(4)}"
         self._serial = 0
         self._closed = False
+        self._said: dict[str, float] = {}  # what _say_once_a_minute last said, and when
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stats = {"lease_holds": 0, "exact_holds": 0, "grows": 0, "commits": 0, "lapsed": 0}
 
     # ------------------------------------------------------------------ the request path
+
+    def _say_once_a_minute(self, what: str, line: str) -> None:
+        """A warning that repeats with every request while an outage lasts: once a minute."""
+        now = time.monotonic()
+        if now - self._said.get(what, float("-inf")) >= 60.0:
+            self._said[what] = now
+            log.warning(line)
 
     async def hold_up_to(self, request_id: str, key_id: str, low: int, high: int) -> Hold:
         """As Ledger.hold_up_to (ttl: hold_ttl_s), from the key's lease when it can."""
@@ -299,6 +307,11 @@ class Leases:
             k.free += granted
             if granted == 0:
                 k.grow_after = time.monotonic() + 1.0  # the balance is short: back off
+        except LedgerUnavailable as exc:
+            # The database away (or in a fault, which the ledger logs itself, once a minute):
+            # the requests take the exact path meanwhile; said once a minute, not per request.
+            k.grow_after = time.monotonic() + 1.0
+            self._say_once_a_minute("lease grow", f"lease grow failed, the ledger is unavailable: {exc}")
         except Exception:
             k.grow_after = time.monotonic() + 1.0
             log.exception("lease grow failed (key %s)", k.key_id)

@@ -90,6 +90,36 @@ from proxy.ledger.schema import _int, hash_secret
 from proxy.ledger.spool import Spool, release_record, settle_record
 
 log = logging.getLogger("proxy.ledger")
+
+
+class _OncePerMinute(logging.Filter):
+    """asyncpg's own warnings (its pool re-opening its floor of connections every second or so
+    while the database is away) said once a minute each, not at every try."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: dict[tuple[str, object], float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.exc_info is None:
+            return True
+        key = (record.name, record.msg)
+        now = time.monotonic()
+        if now - self.last.get(key, float("-inf")) < 60.0:
+            return False
+        if len(self.last) > 1000:
+            self.last.clear()
+        self.last[key] = now
+        record.exc_info = record.exc_text = None  # one line: the cause, not a traceback each minute
+        return True
+
+
+def _quiet_asyncpg() -> None:
+    # A logger's filters see only what is logged to it, not what its children propagate.
+    for name in ("asyncpg", "asyncpg.pool"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OncePerMinute) for f in logger.filters):
+            logger.addFilter(_OncePerMinute())
 _DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger opened without one
 
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
@@ -171,6 +201,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         returned, only the task running it may use the database (`_db` refuses the others
         with LedgerUnavailable): a spool of settlements is replayed before any new hold."""
         self._owner = asyncio.current_task()
+        _quiet_asyncpg()
         try:
             # command_timeout: the client's own bound on every statement, past the server's
             # statement_timeout, for a server that cannot even answer that (frozen, or a
