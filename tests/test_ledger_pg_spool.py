@@ -8,6 +8,7 @@ lost, and a crash's replay debits nothing twice."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 
@@ -184,5 +185,61 @@ async def test_a_settlement_the_database_refuses_for_its_data_is_set_aside_alone
         await led.hold("o-1", other.key_id, 100, ttl_s=60)
         await led.release("o-1")
         assert [k.name for k in await led.list_keys()] == ["data", "other"]
+    finally:
+        await led.close()
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs, filled: what a spool on a full file system meets (ENOSPC). Root only."""
+    import subprocess
+
+    folder = tmp_path / "full"
+    folder.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+async def test_a_spool_on_a_full_disk_settles_with_the_database_and_says_so(pg_dsn, tmp_path, full_disk):
+    from proxy.upstream.health import Readiness
+
+    section = {**pg_section(pg_dsn, tmp_path), "spool_path": str(full_disk / "spool.jsonl")}
+    led = open_ledger(section)
+    try:
+        await led.start()
+    except OSError:
+        pytest.skip("the spool's folder must be writable at start")
+    try:
+        _, key = await led.create_key("full", 10_000)
+        for i in range(5):
+            await led.hold(f"f-{i}", key.key_id, 1_000, ttl_s=60)
+            await led.settle_behind(f"f-{i}", usage_for(f"f-{i}", key.key_id, 100))
+        for i in range(5):  # billed, each once, straight into the database
+            assert (await led.usage(f"f-{i}")).debited_micros == 100
+        assert await led.holds() == [] and (await led.get_key(key.key_id)).balance_micros == 9_500
+        assert led.spool_fault == "spool_full"
+
+        class App(dict):
+            pass
+
+        class Pool:
+            workers = [type("W", (), {"available": True})()]
+
+        app = App(ledger=led)
+        verdict = await Readiness(Pool(), "ledger").verdict(app)
+        assert verdict == (False, "ledger", "spool_full")
     finally:
         await led.close()

@@ -200,6 +200,8 @@ FAULT_EXPLAINED = {
     "misconfigured": "the ledger database's connection settings are invalid",
     "database_error": "the ledger database answered with an unexpected error",
     "conflict": "the ledger database kept aborting the transaction",
+    "spool_full": "the ledger's local spool is on a full disk",
+    "spool_unwritable": "the ledger's local spool cannot be written",
 }
 
 

@@ -32,6 +32,7 @@ negative), as it always was for a settlement spooled in an outage.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -58,6 +59,8 @@ SETTLED_WAIT_S = 2.0  # how long a read waits for this process's settlements to 
 class PgSpoolOps:
     _wake: asyncio.Event | None = None
     _written = 0  # records settle_behind wrote
+    spool_fault: str | None = None  # "spool_full" | "spool_unwritable": the last write failed
+    _spool_said = float("-inf")
     _drained = 0  # _written as it was when the last complete drain began
     # PostgresLedger's, which mixes this in (declared for the type checker: no value here)
     spool: Spool
@@ -68,8 +71,9 @@ class PgSpoolOps:
     _closed: bool
     _kept_logged: set[str]
     _db: Callable[..., Awaitable[Any]]
-    if TYPE_CHECKING:  # PgFaults', mixed in beside this
+    if TYPE_CHECKING:  # PgFaults' and PostgresLedger's, mixed in beside this
         async def check_fault(self) -> str | None: ...
+        async def settle(self, request_id: str, usage: UsageRecord, *, linger: bool = True) -> bool: ...
 
     async def settle_behind(self, request_id: str, usage: UsageRecord) -> None:
         """Record a settlement durably (the local spool, fsync'd) and return: the drainer
@@ -77,9 +81,29 @@ class PgSpoolOps:
         if not request_id:
             raise ValueError("request_id is required")
         _check_usage_values(usage)
-        await self.spool.write([settle_record(request_id, usage)])
+        try:
+            await self.spool.write([settle_record(request_id, usage)])
+        except OSError as exc:
+            # The spool cannot take it (a full disk, a read-only or vanished folder): settled
+            # with the database directly, which is durable too; /readyz says the spool's fault.
+            self._spool_failed(exc)
+            await self.settle(request_id, usage)
+            return
+        if self.spool_fault is not None:
+            log.warning("ledger spool %s is writable again", self.spool.path)
+            self.spool_fault = None
         self._written += 1
         self._wake_drainer()
+
+    def _spool_failed(self, exc: OSError) -> None:
+        cause = "spool_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "spool_unwritable"
+        now = time.monotonic()
+        if cause != self.spool_fault or now - self._spool_said >= 60.0:
+            self._spool_said = now
+            log.error("ledger spool %s cannot be written (%s): settling with the database directly; if it "
+                      "fails too, the settlement is lost: /readyz is not ready until the spool is writable",
+                      self.spool.path, exc.strerror or exc)
+        self.spool_fault = cause
 
     def _wake_drainer(self) -> None:
         if self._wake is not None:

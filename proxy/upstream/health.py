@@ -235,7 +235,8 @@ class Readiness:
         try:
             async with asyncio.timeout(LEDGER_TIMEOUT_S):
                 await ledger.get_key("")  # an indexed read through the ledger's own path
-            cause = ledger.fault  # answers, but has a fault a table read does not show
+            # answers, but has a fault a table read does not show; or its spool cannot be written
+            cause = ledger.fault or getattr(ledger, "spool_fault", None)
         except Exception as exc:  # a timeout, a closed or broken database: not ready
             cause = getattr(exc, "cause", None) or getattr(exc, "reason", None) or "unreachable"
             if cause != self._ledger_cause:
