@@ -243,3 +243,58 @@ async def test_a_spool_on_a_full_disk_settles_with_the_database_and_says_so(pg_d
         assert verdict == (False, "ledger", "spool_full")
     finally:
         await led.close()
+
+
+async def test_a_hold_whose_reply_was_lost_is_released_when_the_database_answers(pg_dsn, tmp_path):
+    """The hold committed, its reply never came (the connection died): the request was answered
+    503 and will never settle, so the hold is given back, not left 900 s refusing the key."""
+    from proxy.ledger import LedgerUnavailable
+
+    led = open_ledger(pg_section(pg_dsn, tmp_path))
+    await led.start()
+    led.replay_interval_s = 0.2
+    real = led._db
+    try:
+        _, key = await led.create_key("lost", 10_000)
+
+        async def reply_lost(fn, **kw):
+            await real(fn, **kw)  # it ran and committed...
+            raise LedgerUnavailable("connection lost", 1.0)  # ...and its answer is gone
+
+        led._db = reply_lost
+        with pytest.raises(LedgerUnavailable):
+            await led.hold("lost-1", key.key_id, 4_000, ttl_s=900)
+        led._db = real
+        assert await wait_for(lambda: not led.spool.pending(), 15.0)
+        assert await led.holds(key.key_id) == []
+        assert await led.available(key.key_id) == 10_000
+    finally:
+        led._db = real
+        await led.close()
+
+
+async def test_a_release_with_its_key_is_never_overtaken_by_its_hold(pg_dsn, tmp_path):
+    """A client that leaves while its hold is in flight: the release may reach the database first.
+    It leaves a zero tombstone under the key's row lock, so the late hold is refused, never made."""
+    from proxy.ledger import DuplicateRequest
+
+    led = open_ledger(pg_section(pg_dsn, tmp_path))
+    await led.start()
+    try:
+        _, key = await led.create_key("race", 10_000)
+        assert await led.release("race-1", key_id=key.key_id) is False  # nothing held yet
+        with pytest.raises(DuplicateRequest):
+            await led.hold("race-1", key.key_id, 4_000, ttl_s=900)
+        assert await led.holds(key.key_id) == [] and await led.available(key.key_id) == 10_000
+        await led.hold("race-2", key.key_id, 3_000, ttl_s=900)  # a hold made first is simply dropped
+        assert await led.release("race-2", key_id=key.key_id) is True
+        assert await led.holds(key.key_id) == [] and await led.available(key.key_id) == 10_000
+        # in parallel, many times: whichever lands first, nothing is left held
+        for i in range(30):
+            rid = f"par-{i}"
+            results = await asyncio.gather(led.hold(rid, key.key_id, 100, ttl_s=900),
+                                           led.release(rid, key_id=key.key_id), return_exceptions=True)
+            assert isinstance(results[0], (DuplicateRequest, type(None))) or results[0].amount_micros == 100
+        assert await led.holds(key.key_id) == [] and await led.available(key.key_id) == 10_000
+    finally:
+        await led.close()

@@ -114,8 +114,11 @@ class RequestLedger(abc.ABC):
         applied; a local ledger applies them at once."""
 
     @abc.abstractmethod
-    async def release(self, request_id: str, *, linger: bool = True) -> bool:
-        """Drop a hold without charge. True if there was one. `linger` as for settle()."""
+    async def release(self, request_id: str, *, linger: bool = True, key_id: str | None = None) -> bool:
+        """Drop a hold without charge. True if there was one. `linger` as for settle().
+        `key_id`, when the caller knows it: a hold of the request still on its way (its client
+        left while it was in flight) can never be made after this release (PostgreSQL: a
+        zero tombstone under the key's row lock; SQLite: its one writer runs them in order)."""
 
     @abc.abstractmethod
     async def expire_holds(self, now: float | None = None) -> int:

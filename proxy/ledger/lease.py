@@ -260,7 +260,7 @@ class Leases:
     async def _settle_exact(self, hold: Hold, usage: UsageRecord | None, waited: bool = False) -> None:
         try:
             if usage is None:
-                await self.ledger.release(hold.request_id, linger=not waited)
+                await self.ledger.release(hold.request_id, linger=not waited, key_id=hold.key_id)
             elif waited:  # the client's last bytes wait for this: durable, not necessarily applied yet
                 await self.ledger.settle_behind(hold.request_id, usage)
             else:

@@ -124,6 +124,7 @@ _DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger
 
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
 _HOLD = "SELECT outcome, amount FROM ledger_hold($1, $2, $3, $4, $5, $6, $7, $8)"
+TOMBSTONE_S = 900.0  # how long a released request's tombstone stands in the way of its late hold
 
 
 def redact(dsn: str) -> str:
@@ -367,7 +368,18 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
             return tuple(await conn.fetchrow(_HOLD, request_id, key_id, low, high, now, ttl, lease_id,
                                              int(give_back)))
 
-        outcome, amount = await self._db(op, transaction=False)
+        try:
+            outcome, amount = await self._db(op, transaction=False)
+        except LedgerUnavailable:
+            # The hold may have committed and only its reply been lost: it is released when
+            # the database answers again (releasing one never made changes nothing). Not a
+            # line of the log per refused request: the outage is said once a minute.
+            try:
+                await self.spool.write([release_record(request_id)])
+                self.stats["spooled"] += 1
+            except OSError as exc:
+                self._spool_failed(exc)
+            raise
         if outcome == "held":
             return Hold(request_id, key_id, amount, now + ttl)
         if outcome == "insufficient":
@@ -414,12 +426,24 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         usage.debited_micros = debited
         return True
 
-    async def release(self, request_id: str, *, linger: bool = True) -> bool:
+    async def release(self, request_id: str, *, linger: bool = True, key_id: str | None = None) -> bool:
         async def op(conn: asyncpg.Connection) -> bool:
             return (await conn.execute("DELETE FROM holds WHERE request_id = $1", request_id)) != "DELETE 0"
 
+        async def closed(conn: asyncpg.Connection) -> bool:
+            # Under the key's row lock, which ledger_hold takes first: a hold of this request in
+            # flight has committed (and is dropped here) or has not begun, and then meets the
+            # zero tombstone left in its place (ON CONFLICT: 'duplicate'), never held after all.
+            await conn.fetchval(_LOCK_KEY, key_id)
+            if (await conn.execute("DELETE FROM holds WHERE request_id = $1", request_id)) != "DELETE 0":
+                return True
+            await conn.execute("INSERT INTO holds (request_id, key_id, amount_micros, expires_at) "
+                               "VALUES ($1, $2, 0, $3) ON CONFLICT (request_id) DO NOTHING",
+                               request_id, key_id, time.time() + TOMBSTONE_S)
+            return False
+
         try:
-            return await self._db(op, transaction=False)
+            return await (self._db(closed) if key_id is not None else self._db(op, transaction=False))
         except Exception as exc:
             await self._spool([release_record(request_id)], exc)
             return True
@@ -531,10 +555,13 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
 
     async def holds(self, key_id: str | None = None) -> list[Hold]:
         """Open holds (expired ones included until expire_holds drops them)."""
-        sql = "SELECT request_id, key_id, amount_micros, expires_at FROM holds"
+        # (not a released request's zero tombstone: it holds nothing, and only stands in the way
+        # of a late hold of that request)
+        sql = ("SELECT request_id, key_id, amount_micros, expires_at FROM holds"
+               " WHERE (amount_micros > 0 OR request_id LIKE 'lease:%')")
 
         async def op(conn: asyncpg.Connection) -> list[Hold]:
-            found = await (conn.fetch(sql + " WHERE key_id = $1", key_id) if key_id else conn.fetch(sql))
+            found = await (conn.fetch(sql + " AND key_id = $1", key_id) if key_id else conn.fetch(sql))
             return [Hold(*r) for r in found]
 
         return await self._db(op, transaction=False)

@@ -278,7 +278,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         usage.debited_micros = debited  # only once committed
         return True
 
-    async def release(self, request_id: str, *, linger: bool = True) -> bool:
+    async def release(self, request_id: str, *, linger: bool = True, key_id: str | None = None) -> bool:
         return await self._run(
             lambda conn: conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,)).rowcount > 0,
             LINGER if linger else SYNC,

@@ -193,8 +193,8 @@ def test_a_thinking_messages_stream_is_whole_and_billed_as_reported(proxy_billed
     the stream is never cut for it, and is billed vLLM's usage."""
     client = anthropic.Anthropic(base_url=proxy_billed.info.url, api_key=proxy_billed.key, max_retries=0,
                                  timeout=300.0)
-    with client.messages.stream(model=MODEL, max_tokens=64, messages=_prompt("Say hello."),
-                                thinking={"type": "enabled", "budget_tokens": 32}) as stream:
+    with client.messages.stream(model=MODEL, max_tokens=2048, messages=_prompt("Say hello."),
+                                thinking={"type": "enabled", "budget_tokens": 1024}) as stream:  # vLLM: >= 1024
         events = [event for event in stream]
         final = stream.get_final_message()
         request_id = stream.response.headers["x-request-id"]
