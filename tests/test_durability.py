@@ -175,3 +175,43 @@ async def test_sigkill_mid_stream_then_restart(tmp_path):
             if proc.proc is not None and proc.proc.returncode is None:
                 proc.proc.kill()
                 await proc.proc.wait()
+
+
+async def test_a_leased_answer_is_on_disk_before_its_end_and_survives_a_sigkill(tmp_path):
+    """A busy key's requests are held from a lease and their usage rows committed in batches:
+    the batch a request's row is in is committed before that request's last bytes are written,
+    so the moment a client has its whole answer the row is in the file, and a SIGKILL right
+    after loses no answer anyone received. (Before: a batch lingered up to lease_commit_ms
+    after the answers it held had ended; a crash then left them unbilled.)"""
+    db = tmp_path / "ledger.db"
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump({
+        "server": {"log_format": "json"},
+        "workers": [{"name": "local", "url": "embedded", "dialect": "vllm", "models": ["tiny-org/tiny-model"]}],
+        "ledger": {"path": str(db)},
+        # leased from the first request; a batch lingers a whole second for company
+        "balance": {"demo_balance_micros": 100_000_000, "lease_min_rate": 1, "lease_commit_ms": 1000,
+                    "lease_commit_rows": 1000},
+        "prices": {"default": {"input": 1_000_000, "output": 1_000_000}},
+    }))
+    proxy = await ProxyProcess(config, tmp_path / "proxy.log").start()
+    try:
+        headers = {"Authorization": f"Bearer {proxy.demo_key}", "Content-Type": "application/json"}
+        answered: list[str] = []
+        async with aiohttp.ClientSession() as http:
+            for i in range(12):
+                async with http.post(proxy.url + "/v1/responses", headers=headers,
+                                     data=orjson.dumps({"model": "tiny-org/tiny-model", "input": f"q {i}",
+                                                        "stream": i % 2 == 0})) as r:
+                    assert r.status == 200
+                    await r.read()
+                    answered.append(r.headers["x-request-id"])
+                rows = {row[0] for row in _db(db, "SELECT request_id FROM usage")}
+                assert answered[-1] in rows, (i, answered[-1])  # the file has it, as the client has its end
+        leased = _db(db, "SELECT count(*) FROM holds WHERE request_id LIKE 'lease:%'")[0][0]
+        assert leased >= 1  # the key was leased: these rows came through the lease's batches
+        await proxy.stop(signal.SIGKILL)
+        rows = {row[0] for row in _db(db, "SELECT request_id FROM usage")}
+        assert set(answered) <= rows
+    finally:
+        await proxy.stop(signal.SIGKILL)
