@@ -167,3 +167,95 @@ def test_the_usage_at_the_end_of_an_answer_too_large_to_read():
     assert (got["input_tokens"], got["output_tokens"], got["input_tokens_details"]["cached_tokens"]) == (5, 4, 2)
     assert usage_in_tail(b'"usage":{"input_tokens":3,"output_tokens":7}}')["output_tokens"] == 7
     assert usage_in_tail(b'no usage here') is None and usage_in_tail(b'"usage":{"prompt_tokens":') is None
+
+
+# ----------------------------------------------------------------------------- the fast path, differentially
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+_TEXTS = st.one_of(st.sampled_from(["a", " b", "word ", "x y z", "", 'q"uote', "back\\slash", "\n", "é", "[DONE]",
+                                    "data: [DONE]"]), st.text(max_size=6))
+
+
+def _openai_event(kind: str, text: str, index: int, completions: bool) -> bytes:
+    if kind == "usage":
+        return b"data: " + orjson.dumps({**_HEAD, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9},
+                                         "system_fingerprint": "fp"}) + b"\n\n"
+    if kind == "done":
+        return b"data: [DONE]\n\n"
+    if kind == "ping":
+        return b": keep-alive\n\n"
+    finish = "stop" if kind == "finish" else None
+    choice = ({"index": index, "text": text, "logprobs": None, "finish_reason": finish} if completions else
+              {"index": index, "delta": {"content": text} if kind != "role" else {"role": "assistant", "content": ""},
+               "logprobs": None, "finish_reason": finish})
+    return b"data: " + orjson.dumps({**_HEAD, "choices": [choice]}) + b"\n\n"
+
+
+_EVENTS = st.tuples(st.sampled_from(["text"] * 8 + ["finish", "usage", "ping", "role"]), _TEXTS,
+                    st.sampled_from([0, 0, 0, 1]))
+
+
+@given(events=st.lists(_EVENTS, min_size=1, max_size=60), cuts=st.lists(st.integers(0, 8000), max_size=6),
+       cap=st.one_of(st.none(), st.integers(1, 40)), drop=st.booleans(), completions=st.booleans(),
+       done=st.booleans())
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_runs_of_learned_chunks_count_and_cut_exactly_as_parsing_each(events, cuts, cap, drop, completions, done):
+    family = "completions" if completions else "chat"
+    body = b"".join(_openai_event(k, t, i, completions) for k, t, i in events) + (b"data: [DONE]\n\n" if done else b"")
+    cuts = sorted(c for c in cuts if c < len(body))
+    fast, slow = SSEScanner(family, drop, cap), SSEScanner(family, drop, cap, runs=False)
+    assert run(fast, body, cuts) == run(slow, body, cuts)
+    for name in ("counted", "per_answer", "usage", "completed", "finished", "capped"):
+        assert getattr(fast, name) == getattr(slow, name), name
+
+
+def test_a_coalesced_read_of_text_chunks_is_counted_as_a_run():
+    body = (_openai_event("role", "", 0, False) + b"".join(_openai_event("text", f"w{i} ", 0, False)
+                                                         for i in range(100))
+            + _openai_event("finish", "", 0, False) + _openai_event("usage", "", 0, False) + b"data: [DONE]\n\n")
+    parsed = []
+
+    class Counting(SSEScanner):
+        __slots__ = ()
+
+        def _event(self, event):
+            parsed.append(event)
+            return super()._event(event)
+
+    scanner = Counting("chat", True)
+    out = run(scanner, body, [len(_openai_event("role", "", 0, False)) + len(_openai_event("text", "w0 ", 0, False))])
+    assert scanner.counted == 100 and scanner.completed and scanner.usage["output_tokens"] == 9
+    assert len(parsed) < 10  # the role, the first text (learned), the finish, the usage, [DONE]
+    assert out == SSEScanner("chat", True, runs=False).feed(body)
+
+
+def _anthropic_event(kind: str, text: str) -> bytes:
+    def ev(name: str, obj: dict) -> bytes:
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **obj}) + b"\n\n"
+
+    if kind == "text":
+        return ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+    if kind == "thinking":
+        return ev("content_block_delta", {"index": 0, "delta": {"type": "thinking_delta", "thinking": text}})
+    if kind == "signature":
+        return ev("content_block_delta", {"index": 0, "delta": {"type": "signature_delta", "signature": "ab12"}})
+    if kind == "ping":
+        return b'event: ping\ndata: {"type":"ping"}\n\n'
+    return ev("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 7}})
+
+
+@given(events=st.lists(st.tuples(st.sampled_from(["text"] * 6 + ["thinking"] * 3 + ["signature", "ping", "delta"]),
+                                 _TEXTS), min_size=1, max_size=60),
+       cuts=st.lists(st.integers(0, 8000), max_size=6), cap=st.one_of(st.none(), st.integers(1, 40)))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_anthropic_runs_count_and_cut_exactly_as_parsing_each(events, cuts, cap):
+    body = (MESSAGES.split(b"\n\n")[0] + b"\n\n" + b"".join(_anthropic_event(k, t) for k, t in events)
+            + b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    cuts = sorted(c for c in cuts if c < len(body))
+    fast, slow = SSEScanner("messages", False, cap), SSEScanner("messages", False, cap, runs=False)
+    assert run(fast, body, cuts) == run(slow, body, cuts)
+    for name in ("counted", "usage", "completed", "finished", "capped"):
+        assert getattr(fast, name) == getattr(slow, name), name

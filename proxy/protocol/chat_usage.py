@@ -20,10 +20,13 @@ its answers wrote (for a count when the usage cannot be read). Both give Respons
 from __future__ import annotations
 
 import re
+from itertools import repeat
+from operator import and_, itemgetter
 from typing import Any
 
 import orjson
 
+from proxy.protocol.deltas import NOT_PLAIN, RESTARTS, RUN_MIN
 from proxy.protocol.response import map_usage
 
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # one event longer than this is an upstream fault (an endless line)
@@ -178,9 +181,10 @@ def _events(out: bytes) -> list[tuple[int, int]]:
 
 class SSEScanner:
     __slots__ = ("anthropic", "completions", "drop_usage", "cap", "tail", "usage", "counted", "per_answer",
-                 "completed", "finished", "capped", "_raw", "_held")
+                 "completed", "finished", "capped", "runs", "_raw", "_held", "_head", "_tail", "_cut", "_index",
+                 "_event_bytes")
 
-    def __init__(self, family: str, drop_usage: bool, cap: int | None = None) -> None:
+    def __init__(self, family: str, drop_usage: bool, cap: int | None = None, *, runs: bool = True) -> None:
         self.anthropic = family == "messages"
         self.completions = family == "completions"
         self.drop_usage = drop_usage
@@ -194,6 +198,14 @@ class SSEScanner:
         self.capped = False  # an answer went past the cap: the stream was cut there
         self._raw: dict = {}  # Anthropic: the usage fields seen so far, merged
         self._held: list[bytes] = []  # terminal chunks waiting for the usage chunk's fingerprint
+        self.runs = runs  # False: every event parsed (the reference the fast path is held to)
+        # A plain text chunk's bytes up to its string's opening quote and from its closing one
+        # (without the blank line), learned from a parsed one; its cut and its answer's index.
+        self._head: bytes | None = None
+        self._tail = b""
+        self._cut = (0, 0)
+        self._index = 0
+        self._event_bytes = b""
 
     @property
     def done(self) -> bool:
@@ -223,7 +235,96 @@ class SSEScanner:
     def _scan(self, out: bytes) -> bytes:
         """The events of `out` to pass on: all of them as they came, but a withheld usage chunk,
         whatever follows a cut or the end, and a terminal chunk held for its fingerprint."""
+        if b"\r" in out:
+            return self._scan_spans(out)
+        pieces = out.split(b"\n\n")
+        if not pieces[-1]:
+            pieces.pop()  # out ends with the blank line of its last event (flush's may not)
+        n = len(pieces)
+        head = self._head
+        flags = self._flags(pieces, 0) if head is not None and n >= RUN_MIN else None
+        restarts = RESTARTS
         parts: list[bytes] | None = None  # None: every byte of `out`
+        i = 0
+        while i < n:
+            if self.completed or self.capped:
+                if parts is None:
+                    parts = [b"\n\n".join(pieces[:i]) + b"\n\n"] if i else []
+                break
+            if self._head is not head:  # a chunk parsed on the way taught another shape
+                head = self._head
+                flags = None
+                if head is not None and n - i >= RUN_MIN and restarts:
+                    restarts -= 1
+                    flags = self._flags(pieces, i)
+            if flags is not None and flags[i] and not self._held:
+                j = flags.index(False, i)
+                if self._run(pieces, i, j):
+                    if parts is not None:
+                        parts.append(b"\n\n".join(pieces[i:j]) + b"\n\n")
+                    i = j
+                    continue
+            event = pieces[i] + b"\n\n"
+            emitted = self._event(event)
+            if emitted is not event:
+                if parts is None:
+                    parts = [b"\n\n".join(pieces[:i]) + b"\n\n"] if i else []
+                parts.append(emitted)
+            elif parts is not None:
+                parts.append(event)
+            i += 1
+        if self.capped and self._held:
+            parts = [out] if parts is None else parts
+            parts.append(self._release(None))
+        return out if parts is None else b"".join(parts)
+
+    def _flags(self, pieces: list[bytes], start: int) -> list[bool]:
+        """Which pieces (from `start` on; the ones before: False) have the learned shape."""
+        head, tail = self._head, self._tail
+        assert head is not None
+        rest = pieces[start:] if start else pieces
+        flags = [False] * start
+        flags += map(and_, map(bytes.startswith, rest, repeat(head)), map(bytes.endswith, rest, repeat(tail)))
+        flags.append(False)  # the end: every run stops there
+        return flags
+
+    def _run(self, pieces: list[bytes], i: int, j: int) -> bool:
+        """pieces[i:j] are the learned text chunk's bytes around other strings: when every one
+        is a plain non-empty string (what the JSON writer leaves as it is) and the answer's cap
+        holds them all, they are counted as the chunks they are, without a parse each (the
+        differential test holds this to parsing every one). False: parse them one by one."""
+        hl, tl = self._cut
+        texts = list(map(itemgetter(slice(hl, -tl)), pieces[i:j]))
+        if not all(texts) or NOT_PLAIN.search(b"".join(texts)) is not None:
+            return False
+        index = self._index
+        seen = self.per_answer.get(index, 0) + (j - i)
+        if self.cap is not None and seen > self.cap:
+            return False  # the cut is inside the run: found event by event
+        self.per_answer[index] = seen
+        self.counted += j - i
+        return True
+
+    def _learn(self, event: bytes, key: bytes, text: str, index: int) -> None:
+        """Keep the bytes around the string of a chunk that carried only that text (plain, and
+        there once): a run of chunks of that shape is counted without a parse each (_run)."""
+        if not self.runs:
+            return
+        enc = orjson.dumps(text)
+        if NOT_PLAIN.search(enc, 1, len(enc) - 1) is not None:
+            return
+        body = event.rstrip(b"\r\n")
+        needle = key + enc
+        at = body.find(needle)
+        if at < 0 or body.find(needle, at + 1) >= 0:
+            return
+        cut = at + len(key) + 1
+        self._head, self._tail = body[:cut], body[cut + len(enc) - 2:]
+        self._cut, self._index = (cut, len(self._tail)), index
+
+    def _scan_spans(self, out: bytes) -> bytes:
+        """_scan for events framed with CR or CRLF line ends (no server seen sends them)."""
+        parts: list[bytes] | None = None
         for start, end in _events(out):
             if self.completed or self.capped:
                 if parts is None:
@@ -271,6 +372,7 @@ class SSEScanner:
         if not isinstance(obj, dict):
             return event
         if self.anthropic:
+            self._event_bytes = event
             return event if self._anthropic(obj) else b""
         return self._openai(obj, event)
 
@@ -288,12 +390,16 @@ class SSEScanner:
     def _openai(self, obj: dict, event: bytes) -> bytes:
         choices = obj.get("choices")
         ended = False
+        learn = None  # (key, text, index) of a chunk of one plain text delta: its shape is learned
         if isinstance(choices, list):
             for choice in choices:
                 if not isinstance(choice, dict):
                     continue
-                if self._wrote(choice) and not self._count(choice.get("index")):
-                    return b""
+                if self._wrote(choice):
+                    if not self._count(choice.get("index")):
+                        return b""
+                    if len(choices) == 1:
+                        learn = self._plain(choice)
                 if isinstance(choice.get("finish_reason"), str):
                     self.finished = ended = True
         usage = obj.get("usage")
@@ -301,6 +407,9 @@ class SSEScanner:
             self.usage = map_usage(usage)
             if self.drop_usage and not choices:
                 return self._release(obj.get("system_fingerprint"))
+        if learn is not None and not ended and usage is None and (self._head is None
+                                                                   or not event.startswith(self._head)):
+            self._learn(event, learn[0], learn[1], learn[2])
         if self.drop_usage:
             if ended and "system_fingerprint" not in obj:
                 # vLLM stamps its fingerprint on the terminal chunk when the client asked for no
@@ -310,6 +419,21 @@ class SSEScanner:
             if self._held:
                 return self._release(None) + event
         return event
+
+    def _plain(self, choice: dict) -> tuple[bytes, str, int] | None:
+        """(its key, its text, its index) when a choice is one text delta and nothing else."""
+        index = choice.get("index")
+        if type(index) is not int:
+            return None
+        if self.completions:
+            text = choice.get("text")
+            return (b'"text":', text, index) if isinstance(text, str) and text else None
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and len(delta) == 1:
+            text = delta.get("content")
+            if isinstance(text, str) and text:
+                return b'"content":', text, index
+        return None
 
     def _wrote(self, choice: dict) -> bool:
         if self.completions:
@@ -338,7 +462,13 @@ class SSEScanner:
             if not isinstance(delta, dict):
                 return True
             key = _ANTHROPIC_TEXT.get(delta.get("type"))  # type: ignore[arg-type]  # any value: a miss is None
-            return key is None or not isinstance(delta.get(key), str) or not delta[key] or self._count(0)
+            if key is None or not isinstance(delta.get(key), str) or not delta[key]:
+                return True
+            if not self._count(0):
+                return False
+            if self._head is None or not self._event_bytes.startswith(self._head):
+                self._learn(self._event_bytes, b'"' + key.encode() + b'":', delta[key], 0)
+            return True
         usage = None
         if kind == "message_start" and isinstance(obj.get("message"), dict):
             usage = obj["message"].get("usage")

@@ -107,6 +107,10 @@ _RESTARTS = 4  # times a read's runs are looked for again after a new shape was 
 # A byte other than these in a content string (a quote, a backslash, a control character,
 # non-ASCII: orjson would write the string otherwise) keeps its chunk out of a run.
 _NOT_PLAIN = re.compile(rb"[^\x20\x21\x23-\x5b\x5d-\x7f]")
+# For the pass-through's scanner (proxy.protocol.chat_usage), which counts runs the same way:
+NOT_PLAIN = _NOT_PLAIN  # a byte a JSON writer would not leave as it is in a string (or non-ASCII)
+RUN_MIN = _RUN_MIN
+RESTARTS = _RESTARTS
 
 
 class ChunkParser:
