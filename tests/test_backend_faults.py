@@ -258,6 +258,70 @@ async def test_postgres_frozen_then_a_replica_sigkilled_bills_every_answer_serve
         findings.done()
 
 
+class FullDiskReplica(Replica):
+    """A replica whose spool is on a 64 KiB tmpfs (filled once it has started: ENOSPC)."""
+
+    def __init__(self, index: int, tmp: Path, config: dict, disk: Path) -> None:
+        super().__init__(index, tmp, config)
+        self.disk = disk
+
+    @property
+    def spool_path(self) -> Path:
+        return self.disk / "spool.jsonl"
+
+
+async def test_a_spool_on_a_full_disk_under_load_settles_with_the_database(pg_dsn, redis_db, sim, tmp_path):
+    """A replica whose spool's file system is full: every answer it serves is settled with the
+    database directly (billed once), and its /readyz names spool_full until the spool can be
+    written again. (Before: the settlement failed, the hold waited for its TTL, /readyz said 200:
+    20 of 20 answers served and 0 billed.)"""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    findings = Findings()
+    try:
+        keys = await create_keys(pg_dsn, tmp_path, KEYS)
+        config = fault_config(sim.url, pg_dsn, redis_db.url)
+        full = FullDiskReplica(0, tmp_path, config, disk)
+        replicas = [full, Replica(1, tmp_path, config)]
+        cluster = Cluster(pg_dsn, replicas, sim)
+        cluster.keys = keys
+        try:
+            await asyncio.gather(*(r.start() for r in replicas))
+            fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+            try:
+                while os.write(fd, b"\0" * 4096):
+                    pass
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            load = Load(cluster, clients=16)
+            load.start()
+            try:
+                await asyncio.sleep(4)
+                await until_ready_is([full], 503, {"status": "not_ready", "reason": "ledger", "cause": "spool_full"},
+                                     10)
+            finally:
+                await load.finish()
+            print("a spool on a full disk:", summary(load.outcomes))
+            assert [o for o in load.outcomes if o.served and o.replica == 0], "the full-disk replica served nothing"
+            await findings.check("answers", check_answers, load.outcomes, refusals=False)
+            await findings.check("every served request billed", served_are_billed, cluster, load, 30)
+            await findings.check("ledger audit", cluster.audit)
+            os.unlink(disk / "filler")  # room again: the next settlement goes to the spool, and it is ready
+            await until_ready_is([full], 200, None, 15)
+            findings.done()
+        finally:
+            await asyncio.gather(*(r.stop() for r in replicas))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
 # ----------------------------------------------------------------------------- PostgreSQL: faults
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,7 @@ from proxy.ledger.spool import APPLIED, KEPT, REJECTED, Spool, settle_record, us
 log = logging.getLogger("proxy.ledger")
 
 SETTLED_WAIT_S = 2.0  # how long a read waits for this process's settlements to be applied
+SPOOL_ROOM_BYTES = 16 * 1024  # free room that ends a full spool's fault
 
 
 class PgSpoolOps:
@@ -104,6 +106,19 @@ class PgSpoolOps:
                       "fails too, the settlement is lost: /readyz is not ready until the spool is writable",
                       self.spool.path, exc.strerror or exc)
         self.spool_fault = cause
+
+    def _probe_spool(self) -> None:
+        """While the spool's fault lasts (each replay interval): room and the right to write
+        again end it, settlements or not."""
+        folder = self.spool.path.parent
+        try:
+            room = os.statvfs(folder)
+            free = room.f_bavail * room.f_frsize
+        except OSError:
+            return
+        if free >= SPOOL_ROOM_BYTES and os.access(folder, os.W_OK):
+            log.warning("ledger spool %s is writable again", self.spool.path)
+            self.spool_fault = None
 
     def _wake_drainer(self) -> None:
         if self._wake is not None:
@@ -224,6 +239,8 @@ class PgSpoolOps:
             except TimeoutError:
                 pass
             self._wake.clear()
+            if self.spool_fault is not None:
+                self._probe_spool()
             if self.fault is not None and not self.spool.pending():
                 await self.check_fault()  # the repair is noticed with nothing to replay too
             mark = self._written  # before the look: each record it counts is on disk by now
