@@ -330,7 +330,7 @@ class _Billing:
         )
 
     def finish(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
-               cancelled: bool, counted_input: int | None) -> asyncio.Future | None:
+               cancelled: bool, counted_input: int | None) -> asyncio.Task | None:
         report = ctx.report
         try:
             usage = self.usage_of(ctx, report, hold, t, price, est, cancelled, counted_input)
@@ -354,7 +354,7 @@ class _Billing:
             await task
 
     def start_settling(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
-                       cancelled: bool) -> asyncio.Future | None:
+                       cancelled: bool) -> asyncio.Task | None:
         """Settle (or release) now; the task to wait for, None when it is done already (in
         memory, from a lease). The ledger work runs in a task of its own, which a cancelled
         handler (the client left) cannot interrupt and shutdown waits for."""

@@ -154,7 +154,7 @@ class Leases:
         self._keys: dict[str, _Key] = {}
         self._leased: dict[str, _Key] = {}  # request id -> key, for holds taken from a lease
         self._queue: list[tuple[_Key, str, UsageRecord]] = []
-        self._timer: asyncio.Handle | None = None
+        self._timer: asyncio.TimerHandle | None = None
         # commits, grows, per-request settles (shared with the caller's set when given)
         self._tasks: set[asyncio.Task] = tasks if tasks is not None else set()
         self._ticker: asyncio.Task | None = None
@@ -162,8 +162,6 @@ class Leases:
         self._serial = 0
         self._closed = False
         self._said: dict[str, float] = {}  # what _say_once_a_minute last said, and when
-        self._batch_done: asyncio.Future | None = None  # the queued rows' commit, for those who wait
-        self._soon = False  # the queued rows' flush is at the next turn of the loop (someone waits)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stats = {"lease_holds": 0, "exact_holds": 0, "grows": 0, "commits": 0, "lapsed": 0}
 
@@ -226,12 +224,10 @@ class Leases:
         self._reserve(k, hold.amount_micros)
         return hold
 
-    def finish(self, hold: Hold, usage: UsageRecord | None, *, waited: bool = False) -> asyncio.Future | None:
+    def finish(self, hold: Hold, usage: UsageRecord | None, *, waited: bool = False) -> asyncio.Task | None:
         """Settle (usage) or release (None) a hold from hold_up_to; never waits. A lease hold
-        is settled in memory at once, its usage row committed in a batch: `waited` (the caller
-        waits for it before the answer's end) -> the future of that commit, at the next turn of
-        the loop; else None, the row lingering for company. A per-request hold in the returned
-        task (`waited`: the settle does not linger for company either).
+        is settled in memory at once (None); a per-request hold in the returned task (the
+        caller may wait for it; `waited`: it will, so the settle does not linger for company).
         A cost above the hold is clamped at it: a request never takes money held for another."""
         if usage is not None and not (type(usage.cost_micros) is int and 0 <= usage.cost_micros <= hold.amount_micros):
             log.warning("usage cost %r of request %s clamped at its hold %d", usage.cost_micros,
@@ -252,21 +248,13 @@ class Leases:
             k.queued += usage.cost_micros
             k.free += hold.amount_micros - usage.cost_micros
             self._queue.append((k, k.lease_id, usage))
-            done = self._committed() if waited else None
             if len(self._queue) >= self.commit_rows:
                 if self._timer is not None:
                     self._timer.cancel()
                 self._flush()
-            elif self.loop is not None and (self._timer is None or (waited and not self._soon)):
-                if self._timer is not None:
-                    self._timer.cancel()
-                # A client waits for its answer's end: its row is committed at the next turn of
-                # the loop (with every other row queued by then), on disk before that end is
-                # written; rows nobody waits for linger for company.
-                self._soon = waited
-                self._timer = (self.loop.call_soon(self._flush) if waited
-                               else self.loop.call_later(self.linger_s, self._flush))
-            return done
+            elif self._timer is None and self.loop is not None:
+                self._timer = self.loop.call_later(self.linger_s, self._flush)
+            return None
         return self._spawn(self._settle_exact(hold, usage, waited))
 
     async def _settle_exact(self, hold: Hold, usage: UsageRecord | None, waited: bool = False) -> None:
@@ -336,38 +324,18 @@ class Leases:
         log.warning("ledger lease %s lapsed (event loop stalled beyond its ttl?)", k.lease_id)
         k.free = -(k.held + k.queued)
 
-    def _committed(self) -> asyncio.Future:
-        """The future of the queued batch: done once its rows are committed (or spooled)."""
-        if self._batch_done is None:
-            assert self.loop is not None  # set by the hold that this row settles
-            self._batch_done = self.loop.create_future()
-        return self._batch_done
-
     def _flush(self, adjust: list[tuple[_Key, str, int, bool]] | None = None) -> asyncio.Task | None:
         self._timer = None
-        self._soon = False
         batch, self._queue = self._queue, []
-        done, self._batch_done = self._batch_done, None
         if not batch and not adjust:
-            if done is not None and not done.done():
-                done.set_result(None)
             return None
         touched = {k for k, _, _ in batch} | {k for k, _, _, _ in adjust or ()}
         for k in touched:
             k.committing += 1
-        return self._spawn(self._commit(batch, adjust or [], touched, done))
+        return self._spawn(self._commit(batch, adjust or [], touched))
 
     async def _commit(self, batch: list[tuple[_Key, str, UsageRecord]],
-                      adjust: list[tuple[_Key, str, int, bool]], touched: set[_Key],
-                      done: asyncio.Future | None = None) -> None:
-        try:
-            await self._commit_batch(batch, adjust, touched)
-        finally:
-            if done is not None and not done.done():
-                done.set_result(None)
-
-    async def _commit_batch(self, batch: list[tuple[_Key, str, UsageRecord]],
-                            adjust: list[tuple[_Key, str, int, bool]], touched: set[_Key]) -> None:
+                      adjust: list[tuple[_Key, str, int, bool]], touched: set[_Key]) -> None:
         self.stats["commits"] += 1
         leases = [(lease_id, give_back, None if drop else self.ttl_s, drop)
                   for _, lease_id, give_back, drop in adjust]
