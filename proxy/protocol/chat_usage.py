@@ -115,9 +115,11 @@ def json_output(family: str, answer: Any) -> tuple[str, int]:
 
 def _event_data(event: bytes) -> tuple[bytes | None, bytes | None]:
     """(the event's type, its data lines joined) by the SSE spec; None: no such field."""
-    if event.startswith(b"data:") and b"\n" not in event and b"\r" not in event:
-        data = event[5:]
-        return None, data[1:] if data.startswith(b" ") else data
+    if event.startswith(b"data:"):
+        end = event.find(b"\n")
+        if (end < 0 or end >= len(event) - 2) and b"\r" not in event:  # one data line (and its blank line)
+            data = event[5:end] if end >= 0 else event[5:]
+            return None, data[1:] if data.startswith(b" ") else data
     kind = None
     lines: list[bytes] = []
     for line in event.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
@@ -283,8 +285,9 @@ class SSEScanner:
         head, tail = self._head, self._tail
         assert head is not None
         rest = pieces[start:] if start else pieces
-        flags = [False] * start
-        flags += map(and_, map(bytes.startswith, rest, repeat(head)), map(bytes.endswith, rest, repeat(tail)))
+        flags = list(map(and_, map(bytes.startswith, rest, repeat(head)), map(bytes.endswith, rest, repeat(tail))))
+        if start:
+            flags[:0] = [False] * start
         flags.append(False)  # the end: every run stops there
         return flags
 
