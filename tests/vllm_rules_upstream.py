@@ -11,7 +11,8 @@ completion/serving.py, serve/utils/api_utils.py get_max_tokens, anthropic/servin
   * `ignore_eos`: every answer runs to its cap (else each writes `words` tokens, at most the cap);
   * `logprobs` / `top_logprobs`: each token carries them in vLLM's JSON shape (~55 bytes per
     alternative), so an answer's size follows them;
-  * usage is what it generated, compact JSON; a stream is written in ONE write (a coalesced read).
+  * usage is what it generated, compact JSON; an OpenAI stream is written in ONE write (a
+    coalesced read), an Anthropic one event by event (paced reads).
 
 `generated` is the truth: the output tokens the server produced for every request, summed.
 Tokens: one per whitespace-separated word of the prompt's rendered text; "tok " per output token.
@@ -19,6 +20,7 @@ Tokens: one per whitespace-separated word of the prompt's rendered text; "tok " 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -212,6 +214,8 @@ class VLLMRules:
                                       "usage": {"input_tokens": prompt, "output_tokens": length}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write(b"".join(events))
+        for event in events:  # paced, as vLLM streams them: the proxy reads them one by one
+            await resp.write(event)
+            await asyncio.sleep(0.002)
         await resp.write_eof()
         return resp
