@@ -255,7 +255,8 @@ async def test_a_thinking_messages_stream_is_billed_as_vllm_reports(make_proxy, 
 async def test_done_inside_model_text_does_not_end_the_stream(make_proxy, sim, http):
     proxy = await make_proxy(PRICES)
     text = "a data: [DONE]\n\n b " + "word " * 20
-    sim.script({"text": text})
+    # one delta holding the whole text, the chunks after it paced into reads of their own
+    sim.script({"text": text, "chunk_chars": 15, "delay": 0.005})
     status, raw, _ = await _post(http, proxy, proxy.api_key, "/v1/chat/completions",
                                  {"model": "tiny-org/tiny-model", "messages": MSGS, "stream": True, "max_tokens": 200})
     chunks = [orjson.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
