@@ -26,6 +26,14 @@ from proxy.upstream.affinity import request_key
 from proxy.upstream.routing import choose
 from proxy.upstream.workers import Worker
 
+
+def output_budget(t: Any) -> int | None:
+    """The most output of all a request's answers: the cap per answer x the answers (a
+    Translation's one, a pass-through's n, best_of or batch)."""
+    cap = t.output_cap
+    return cap * t.choices if cap is not None else None
+
+
 # (the attempt, what to send) -> the answer; raises _Retryable when another worker may take it
 RunAttempt = Callable[[Attempt, Any], Awaitable[web.StreamResponse]]
 # (the worker, the translation) -> (what was decided, what to send it: a copy with a lower cap, or
@@ -71,8 +79,7 @@ async def failover(request: web.Request, ctx: RequestContext, t: Any, run: RunAt
                 # The worker did the work: billed as far as it can be counted (an answer too
                 # large to read ran to its cap, within the hold), never asked of another worker.
                 if attempt is not None and attempt.report is None and sent is not None:
-                    cap = sent.output_cap
-                    budget = cap * sent.choices if cap is not None else None
+                    budget = output_budget(sent)
                     # Its usage when its end could be read (vLLM writes it last), else its cap.
                     usage = usage_in_tail(lost.tail) if lost.tail else None
                     ran = (budget or 0) if lost.whole and usage is None else 0

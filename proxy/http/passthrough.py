@@ -27,7 +27,7 @@ from proxy.errors import APIError
 from proxy.http.anthropic_errors import anthropic_type
 from proxy.http.attempt import Attempt, let_go
 from proxy.http.event_stream import SSE_HEADERS, EventStreamResponse
-from proxy.http.failover import failover
+from proxy.http.failover import failover, output_budget
 from proxy.http.read_loop import DISCONNECTED, EOF, TIMEOUT, TOO_LARGE, relay
 from proxy.http.upstream_open import _Retryable, _upstream_message, open_upstream
 from proxy.http.watchdog import ReadWatchdog
@@ -143,12 +143,6 @@ async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Att
             let_go(upstream, t.stream, attempt.report)
 
 
-def _budget(t: Passthrough) -> int | None:
-    """The most output of all the request's answers: the cap per answer x the answers."""
-    cap = t.output_cap
-    return cap * t.choices if cap is not None else None
-
-
 async def _json_answer(app: web.Application, attempt: Attempt, t: Passthrough, body: bytes) -> web.Response:
     try:
         answer = orjson.loads(body)
@@ -159,7 +153,7 @@ async def _json_answer(app: web.Application, attempt: Attempt, t: Passthrough, b
         message, _ = _upstream_message(body)
         raise APIError(502, message or "The model server failed.", code="upstream_error")
     usage = json_usage(t.family, answer)
-    budget = _budget(t)
+    budget = output_budget(t)
     if t.family == "embeddings" or _readable(usage):
         attempt.end("completed", usage, 0, budget)
     else:  # as /v1/responses counts an answer whose usage it cannot read: the worker's tokenizer
@@ -221,12 +215,12 @@ async def _stream(request: web.Request, ctx: state.RequestContext, attempt: Atte
         elif not scanner.completed and not scanner.finished:
             failure = ("The model server ended the stream before it was complete.", "upstream_error")
     except BaseException:  # raised or cancelled (the client left): the answer as it stands
-        attempt.end("completed" if scanner.completed else "cancelled", scanner.usage, scanner.counted, _budget(t),
+        attempt.end("completed" if scanner.completed else "cancelled", scanner.usage, scanner.counted, output_budget(t),
                     capped=scanner.capped)
         raise
     finally:
         dog.stop()
-    attempt.end("completed" if failure is None else "failed", scanner.usage, scanner.counted, _budget(t),
+    attempt.end("completed" if failure is None else "failed", scanner.usage, scanner.counted, output_budget(t),
                 capped=scanner.capped, error=failure[1] if failure is not None else None)
     if failure is not None:  # the dialect's own error event: it shows no bill, so it is known now
         pending += _dialect_error(t.family, failure[0], 502 if failure[1] != "upstream_timeout" else 504)

@@ -34,6 +34,7 @@ from proxy.http.units import (
     Unit,
 )
 from proxy.http.websocket import websocket_handler
+from proxy.protocol.passthrough import ANTHROPIC
 
 
 class Route(NamedTuple):
@@ -65,7 +66,7 @@ ROUTES = (
 _BY_METHOD = {(r.method, r.path): r.unit for r in ROUTES}
 _BY_METHOD.update({("HEAD", r.path): r.unit for r in ROUTES if r.method == "GET" and r.unit is not WS_HANDSHAKE})
 # Any other method on a guarded path: auth first, then the router's 405.
-_BY_PATH = {r.path: KEYED_ANTHROPIC if r.unit.family in ("messages", "messages_count") else KEYED
+_BY_PATH = {r.path: KEYED_ANTHROPIC if r.unit.family in ANTHROPIC else KEYED
             for r in ROUTES if r.unit is not PUBLIC}
 
 

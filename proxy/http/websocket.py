@@ -163,7 +163,7 @@ class _Connection:
     further here: each turn's phases (auth, limits, then the body) decide what it costs."""
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, settings: Websocket,
-                 admission: SocketAdmission | None = None, key_id: str | None = None) -> None:
+                 admission: SocketAdmission, key_id: str | None) -> None:
         self.request = request
         self.ws = ws
         self.settings = settings
@@ -386,8 +386,7 @@ class _Connection:
             self.refused_in_a_row = 0
             return
         self.refused_in_a_row += 1
-        if self.admission is not None:
-            self.admission.note_refused(self.key_id, self.loop.time())
+        self.admission.note_refused(self.key_id, self.loop.time())
         if self.refused_in_a_row >= self.settings.max_refused_turns:
             await self._close_for(WSCloseCode.POLICY_VIOLATION, f"{self.refused_in_a_row} turns refused in a row")
 

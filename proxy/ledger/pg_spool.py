@@ -92,8 +92,7 @@ class PgSpoolOps:
             await self.settle(request_id, usage)
             return
         if self.spool_fault is not None:
-            log.warning("ledger spool %s is writable again", self.spool.path)
-            self.spool_fault = None
+            self._spool_writable()
         self._written += 1
         self._wake_drainer()
 
@@ -117,8 +116,11 @@ class PgSpoolOps:
         except OSError:
             return
         if free >= SPOOL_ROOM_BYTES and os.access(folder, os.W_OK):
-            log.warning("ledger spool %s is writable again", self.spool.path)
-            self.spool_fault = None
+            self._spool_writable()
+
+    def _spool_writable(self) -> None:
+        log.warning("ledger spool %s is writable again", self.spool.path)
+        self.spool_fault = None
 
     def _wake_drainer(self) -> None:
         if self._wake is not None:
