@@ -8,7 +8,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,6 +148,37 @@ async def make_proxy(sim, tmp_path):
         await runner.cleanup()
     failures = [f for h in handles if h.spec is not None for f in h.spec.failures]
     assert not failures, f"answers outside the Open Responses spec: {failures[:3]}"
+
+
+# --------------------------------------------------------------------------- a full file system
+
+@contextmanager
+def tiny_tmpfs(folder: Path) -> Iterator[Path]:
+    """`folder` made a 64 KiB tmpfs for the test (root only: skipped, with the reason, elsewhere)."""
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def fill(folder: Path) -> Path:
+    """Fill the file system of `folder` (ENOSPC from then on); the filler file, to remove for room."""
+    filler = folder / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
 
 
 # --------------------------------------------------------------------------- Redis

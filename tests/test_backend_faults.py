@@ -40,6 +40,7 @@ import pytest
 
 from proxy.ledger.spool import decode
 from tests.cluster import Cluster, Replica, create_keys, keys_cli, merged, replica_config
+from tests.conftest import fill, tiny_tmpfs
 from tests.fault_load import Findings, Load, check_answers, summary
 from tests.pg_server import PgServer
 
@@ -238,15 +239,8 @@ async def test_a_spool_on_a_full_disk_under_load_settles_with_the_database(pg_ds
     database directly (billed once), and its /readyz names spool_full until the spool can be
     written again. (Before: the settlement failed, the hold waited for its TTL, /readyz said 200:
     20 of 20 answers served and 0 billed.)"""
-    import subprocess
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     findings = Findings()
-    try:
+    with tiny_tmpfs(tmp_path / "disk") as disk:
         keys = await create_keys(pg_dsn, tmp_path, KEYS)
         config = fault_config(sim.url, pg_dsn, redis_db.url)
         full = FullDiskReplica(0, tmp_path, config, disk)
@@ -255,14 +249,7 @@ async def test_a_spool_on_a_full_disk_under_load_settles_with_the_database(pg_ds
         cluster.keys = keys
         try:
             await asyncio.gather(*(r.start() for r in replicas))
-            fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
-            try:
-                while os.write(fd, b"\0" * 4096):
-                    pass
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            filler = fill(disk)
             load = Load(cluster, clients=16)
             load.start()
             try:
@@ -276,13 +263,11 @@ async def test_a_spool_on_a_full_disk_under_load_settles_with_the_database(pg_ds
             await findings.check("answers", check_answers, load.outcomes, refusals=False)
             await findings.check("every served request billed", served_are_billed, cluster, load, 30)
             await findings.check("ledger audit", cluster.audit)
-            os.unlink(disk / "filler")  # room again: the next settlement goes to the spool, and it is ready
+            filler.unlink()  # room again: the next settlement goes to the spool, and it is ready
             await until_ready_is([full], 200, None, 15)
             findings.done()
         finally:
             await asyncio.gather(*(r.stop() for r in replicas))
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 # ----------------------------------------------------------------------------- PostgreSQL: faults

@@ -8,13 +8,13 @@ lost, and a crash's replay debits nothing twice."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 
 import pytest
 
 from proxy.ledger import InsufficientBalance, UsageRecord, open_ledger
+from tests.conftest import fill, tiny_tmpfs
 from tests.test_ledger_pg import pg_section, usage_for, wait_for
 
 
@@ -192,25 +192,9 @@ async def test_a_settlement_the_database_refuses_for_its_data_is_set_aside_alone
 @pytest.fixture
 def full_disk(tmp_path):
     """A 64 KiB tmpfs, filled: what a spool on a full file system meets (ENOSPC). Root only."""
-    import subprocess
-
-    folder = tmp_path / "full"
-    folder.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+    with tiny_tmpfs(tmp_path / "full") as folder:
+        fill(folder)
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 async def test_a_spool_on_a_full_disk_settles_with_the_database_and_says_so(pg_dsn, tmp_path, full_disk):
