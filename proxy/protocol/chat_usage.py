@@ -183,8 +183,7 @@ def _events(out: bytes) -> list[tuple[int, int]]:
 
 class SSEScanner:
     __slots__ = ("anthropic", "completions", "drop_usage", "cap", "tail", "usage", "counted", "per_answer",
-                 "completed", "finished", "capped", "runs", "_raw", "_held", "_head", "_tail", "_cut", "_index",
-                 "_event_bytes")
+                 "completed", "finished", "capped", "runs", "_raw", "_held", "_head", "_tail", "_cut", "_index")
 
     def __init__(self, family: str, drop_usage: bool, cap: int | None = None, *, runs: bool = True) -> None:
         self.anthropic = family == "messages"
@@ -207,7 +206,6 @@ class SSEScanner:
         self._tail = b""
         self._cut = (0, 0)
         self._index = 0
-        self._event_bytes = b""
 
     @property
     def done(self) -> bool:
@@ -375,8 +373,7 @@ class SSEScanner:
         if not isinstance(obj, dict):
             return event
         if self.anthropic:
-            self._event_bytes = event
-            return event if self._anthropic(obj) else b""
+            return event if self._anthropic(obj, event) else b""
         return self._openai(obj, event)
 
     def _count(self, index: Any) -> bool:
@@ -458,7 +455,7 @@ class SSEScanner:
                     return True
         return False
 
-    def _anthropic(self, obj: dict) -> bool:
+    def _anthropic(self, obj: dict, event: bytes) -> bool:
         kind = obj.get("type")
         if kind == "content_block_delta":
             delta = obj.get("delta")
@@ -469,8 +466,8 @@ class SSEScanner:
                 return True
             if not self._count(0):
                 return False
-            if self._head is None or not self._event_bytes.startswith(self._head):
-                self._learn(self._event_bytes, b'"' + key.encode() + b'":', delta[key], 0)
+            if self._head is None or not event.startswith(self._head):
+                self._learn(event, b'"' + key.encode() + b'":', delta[key], 0)
             return True
         usage = None
         if kind == "message_start" and isinstance(obj.get("message"), dict):

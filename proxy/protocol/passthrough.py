@@ -53,7 +53,6 @@ UPSTREAM_PATHS = {
 }
 ANTHROPIC = frozenset({"messages", "messages_count"})
 COMPLETION_DEFAULT_CAP = 16  # vLLM's CompletionRequest.max_tokens default (SGLang's too)
-MISSING = object()
 
 
 class Limits(NamedTuple):
@@ -325,8 +324,8 @@ def _chat(body: dict, sent: dict, limits: Limits) -> tuple[dict, int | None, int
 def _completions(body: dict, sent: dict, limits: Limits) -> tuple[dict, int | None, int, tuple[str, ...], int]:
     prompts = _batch(_prompt_texts(body.get("prompt"), "prompt"), "prompt", limits)
     choices = _choices(body, limits, best_of=True) * len(prompts)
-    value = body.get("max_tokens", MISSING)
-    cap = COMPLETION_DEFAULT_CAP if value is MISSING else _positive(body, "max_tokens")  # null: the window
+    # absent: the server's default; null: the window, as the client asked
+    cap = _positive(body, "max_tokens") if "max_tokens" in body else COMPLETION_DEFAULT_CAP
     _bounded(body, "logprobs", 0, limits.max_top_logprobs, "(endpoints.max_top_logprobs)")
     _least_tokens(body, cap)
     for name in ("n", "best_of", "use_beam_search", "logprobs", "min_tokens"):
