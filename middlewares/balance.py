@@ -157,13 +157,14 @@ def _settings(section: Balance) -> tuple[float, int, float, dict[str, Any]]:
         "min_rate": section.lease_min_rate,
         "idle_s": section.lease_idle_s,
         "ttl_s": section.lease_ttl_s,
-        # Each commit is an fsync'd transaction plus a round trip to the writer thread: batching
-        # the usage rows this far apart, rather than per request, spares a busy key's CPU per
-        # request, for a SIGKILL window of the rows settled in the last lease_commit_ms.
+        # Each commit is a ledger transaction plus a round trip to its writer: batching the
+        # usage rows this far apart, rather than per request, spares a busy key's CPU per
+        # request; each row is on local disk before its answer ends all the same (the journal).
         "linger_s": section.lease_commit_ms / 1000,
-        # ...and no more rows than this wait for one: the rows a crash can lose stay bounded
-        # in number too, and a commit is a function of the requests, not of the clock.
+        # ...and no more rows than this wait for one: a commit is a function of the requests,
+        # not of the clock, and the journal a restart replays stays short.
         "commit_rows": section.lease_commit_rows,
+        "journal": section.lease_journal,
     }
     return section.hold_ttl_s, section.default_max_output_tokens, section.bytes_per_token, lease_settings
 
@@ -330,7 +331,7 @@ class _Billing:
         )
 
     def finish(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
-               cancelled: bool, counted_input: int | None) -> asyncio.Task | None:
+               cancelled: bool, counted_input: int | None) -> asyncio.Future | None:
         report = ctx.report
         try:
             usage = self.usage_of(ctx, report, hold, t, price, est, cancelled, counted_input)
@@ -354,7 +355,7 @@ class _Billing:
             await task
 
     def start_settling(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,
-                       cancelled: bool) -> asyncio.Task | None:
+                       cancelled: bool) -> asyncio.Future | None:
         """Settle (or release) now; the task to wait for, None when it is done already (in
         memory, from a lease). The ledger work runs in a task of its own, which a cancelled
         handler (the client left) cannot interrupt and shutdown waits for."""

@@ -176,3 +176,52 @@ async def test_sigkill_mid_stream_then_restart(tmp_path):
                 proc.proc.kill()
                 await proc.proc.wait()
 
+
+
+async def test_a_leased_answer_is_on_disk_before_its_end_and_survives_a_sigkill(tmp_path):
+    """A busy key's requests are held from a lease and their usage rows committed in batches,
+    here a whole second apart: the moment a client has its whole answer, its row is on disk
+    (the lease journal, fsync'd, or the ledger), so a SIGKILL right after loses no answer
+    anyone received: the restart commits them, each exactly once. (Before: the batch lingered
+    in memory up to lease_commit_ms after the answers it held had ended; a SIGKILL left them
+    unbilled.)"""
+    db = tmp_path / "ledger.db"
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump({
+        "server": {"log_format": "json"},
+        "workers": [{"name": "local", "url": "embedded", "dialect": "vllm", "models": ["tiny-org/tiny-model"]}],
+        "ledger": {"path": str(db)},
+        # leased from the first request; a batch lingers a whole second (and 1000 rows) for company
+        "balance": {"demo_balance_micros": 100_000_000, "lease_min_rate": 1, "lease_commit_ms": 1000,
+                    "lease_commit_rows": 1000},
+        "prices": {"default": {"input": 1_000_000, "output": 1_000_000}},
+    }))
+    proxy = await ProxyProcess(config, tmp_path / "proxy.log").start()
+    try:
+        headers = {"Authorization": f"Bearer {proxy.demo_key}", "Content-Type": "application/json"}
+        answered: list[str] = []
+        async with aiohttp.ClientSession() as http:
+            for i in range(12):
+                async with http.post(proxy.url + "/v1/responses", headers=headers,
+                                     data=orjson.dumps({"model": "tiny-org/tiny-model", "input": f"q {i}",
+                                                        "stream": i % 2 == 0})) as r:
+                    assert r.status == 200
+                    await r.read()
+                    answered.append(r.headers["x-request-id"])
+        leased = _db(db, "SELECT count(*) FROM holds WHERE request_id LIKE 'lease:%'")[0][0]
+        assert leased >= 1  # the key was leased: these rows go through the lease's batches
+        in_db = {row[0] for row in _db(db, "SELECT request_id FROM usage")}
+        assert not set(answered) <= in_db  # some only in the journal when the kill comes (else no test)
+        key_id = _db(db, "SELECT key_id FROM holds WHERE request_id LIKE 'lease:%'")[0][0]
+        await proxy.stop(signal.SIGKILL)
+        before = _db(db, "SELECT balance_micros FROM keys WHERE key_id = ?", key_id)[0][0]
+        proxy = await ProxyProcess(config, tmp_path / "proxy.log").start()  # recovers the journal first
+        rows = _db(db, "SELECT request_id, debited_micros FROM usage")
+        assert set(answered) <= {row[0] for row in rows}
+        assert len(rows) == len({row[0] for row in rows})  # each once
+        recovered = sum(d for r, d in rows if r in set(answered) - in_db)
+        after = _db(db, "SELECT balance_micros FROM keys WHERE key_id = ?", key_id)[0][0]
+        assert recovered > 0 and before - after == recovered  # debited once, by the recovery
+        assert not list((tmp_path / "ledger.db.leased").glob("*.jsonl"))  # the dead one's journal, done
+    finally:
+        await proxy.stop(signal.SIGKILL)

@@ -338,6 +338,9 @@ compaction item), opened when the window comes back in a later request."""),
         "lease_ttl_s": Opt(POS_NUM, 30, "a lease row expires this long after its last renewal"),
         "lease_commit_ms": Opt(POS_NUM, 20, "leased usage rows are committed this far apart"),
         "lease_commit_rows": Opt(Int(1, 10_000), 64, "or as soon as this many wait, whichever comes first"),
+        "lease_journal": F(Str(choices=("fsync", "write", "off")), "fsync",
+                           "a leased row on disk before its answer ends: fsync'd (group-committed), write(2) "
+                           "only (survives a crash of the proxy, not of the machine), or off"),
     }), None),
     "notices": F(Section({
         "enabled": F(Bool(), True, ENABLED_DOC),

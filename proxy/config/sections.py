@@ -299,6 +299,9 @@ class Balance:
     lease_ttl_s: float  # a lease row expires this long after its last renewal
     lease_commit_ms: float  # leased usage rows are committed this far apart
     lease_commit_rows: int  # or as soon as this many wait, whichever comes first
+    # a leased row on disk before its answer ends: fsync'd (group-committed), write(2) only (survives a crash of the
+    # proxy, not of the machine), or off
+    lease_journal: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

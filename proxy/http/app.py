@@ -304,12 +304,23 @@ async def _ledger(app: web.Application) -> AsyncIterator[None]:
     if section.backend == "none":
         yield
         return
-    from proxy.ledger import LedgerUnavailable, open_ledger
+    from proxy.ledger import LedgerError, LedgerUnavailable, open_ledger
+    from proxy.ledger.lease_journal import recover
 
     base = path.parent if (path := app[state.CONFIG].path) else Path.cwd()
     ledger = open_ledger(section, base_dir=base)
     await ledger.start()
     app[LEDGER] = ledger
+
+    async def recover_journals() -> None:
+        # Leased usage rows a process that died left on disk, committed before serving (a
+        # sibling worker that dies later: at the next sweep).
+        try:
+            await recover(ledger.lease_journal_path, ledger)
+        except (LedgerError, OSError) as exc:
+            log.warning("lease journals not recovered yet (the next sweep retries)", error=str(exc))
+
+    await recover_journals()
     try:
         await ledger.expire_holds()
     except LedgerUnavailable:  # a database that is down at start: 503s until it is back
@@ -319,6 +330,7 @@ async def _ledger(app: web.Application) -> AsyncIterator[None]:
     async def expire_forever() -> None:
         while True:
             await asyncio.sleep(interval)
+            await recover_journals()
             try:
                 await ledger.expire_holds()
             except LedgerUnavailable:

@@ -42,6 +42,10 @@ class RequestLedger(abc.ABC):
     # (proxy/ledger/lease.py); else Leases always takes the exact per-request path.
     supports_leases: bool = False
 
+    # The folder of the lease journals (proxy/ledger/lease_journal.py): leased usage rows on
+    # local disk before their answers end, beside the ledger's own files. None: no local disk.
+    lease_journal_path: str | None = None
+
     # The cause of a fault no retry fixes (LedgerFault.cause), while it lasts; None when
     # healthy. Leases are not spent meanwhile and /readyz names it.
     fault: str | None = None

@@ -38,10 +38,10 @@ Expiry. The row expires `ttl_s` after its last renewal; renewals run every ttl_s
 the process lives. After a SIGKILL the row stays until it expires, then counts for nothing
 (the ledger ignores expired holds) and the sweeper deletes it: nothing is charged for it.
 
-The crash window: a SIGKILL loses the usage rows still queued (settled in the last
-`linger_s` + one commit, ~20 ms, and never more than `commit_rows`): those requests go
-unbilled, like a settle lingering in the writer (5 ms there: a lease batches many requests
-per commit, a per-request settle does not).
+The crash window is closed by the lease journal (proxy/ledger/lease_journal.py): each queued row
+is written to a local file before its answer's end (fsync'd, group-committed: balance.lease_journal),
+and a restart commits the rows a dead process left, exactly once by request id. A row the journal
+cannot keep (a full disk) makes its answer wait for a commit with the ledger, started at once.
 Nothing is billed twice and nothing is overdrawn.
 
 If the event loop stalls longer than ttl_s, the row can expire under requests in flight;
@@ -61,6 +61,7 @@ from typing import Any
 
 from proxy.config import settings as config_settings
 from proxy.ledger import Hold, LedgerUnavailable, RequestLedger, UsageRecord
+from proxy.ledger.lease_journal import LeaseJournal
 
 # Defaults of config.yaml `balance` and `ledger` (a Leases made without a configuration: tests, benches).
 _BALANCE, _LEDGER = config_settings.of("balance"), config_settings.of("ledger")
@@ -138,6 +139,7 @@ class Leases:
         linger_s: float | None = None,
         commit_rows: int = _BALANCE.lease_commit_rows,
         tasks: set[asyncio.Task] | None = None,
+        journal: str = _BALANCE.lease_journal,
     ) -> None:
         self.ledger = ledger
         self.hold_ttl_s = float(hold_ttl_s)
@@ -154,6 +156,12 @@ class Leases:
         self._keys: dict[str, _Key] = {}
         self._leased: dict[str, _Key] = {}  # request id -> key, for holds taken from a lease
         self._queue: list[tuple[_Key, str, UsageRecord]] = []
+        # Each queued row on local disk before its answer ends (proxy/ledger/lease_journal.py):
+        # balance.lease_journal says how ("fsync", "write"; "off": not at all).
+        folder = ledger.lease_journal_path if self.enabled and journal != "off" else None
+        self.journal = LeaseJournal(folder, fsync=journal == "fsync") if folder else None
+        if self.journal is not None:
+            self.journal.commit_now = self._journal_failed
         self._timer: asyncio.TimerHandle | None = None
         # commits, grows, per-request settles (shared with the caller's set when given)
         self._tasks: set[asyncio.Task] = tasks if tasks is not None else set()
@@ -224,10 +232,12 @@ class Leases:
         self._reserve(k, hold.amount_micros)
         return hold
 
-    def finish(self, hold: Hold, usage: UsageRecord | None, *, waited: bool = False) -> asyncio.Task | None:
+    def finish(self, hold: Hold, usage: UsageRecord | None, *, waited: bool = False) -> asyncio.Future | None:
         """Settle (usage) or release (None) a hold from hold_up_to; never waits. A lease hold
-        is settled in memory at once (None); a per-request hold in the returned task (the
-        caller may wait for it; `waited`: it will, so the settle does not linger for company).
+        is settled in memory at once, its row queued for the next commit and written to the
+        journal: the future returned (None: nothing to wait for) is the row on disk; a
+        per-request hold in the returned task (the caller may wait for either; `waited`: it
+        will, so nothing lingers for company).
         A cost above the hold is clamped at it: a request never takes money held for another."""
         if usage is not None and not (type(usage.cost_micros) is int and 0 <= usage.cost_micros <= hold.amount_micros):
             log.warning("usage cost %r of request %s clamped at its hold %d", usage.cost_micros,
@@ -248,13 +258,14 @@ class Leases:
             k.queued += usage.cost_micros
             k.free += hold.amount_micros - usage.cost_micros
             self._queue.append((k, k.lease_id, usage))
+            durable = self.journal.write(usage, k.lease_id, waited) if self.journal is not None else None
             if len(self._queue) >= self.commit_rows:
                 if self._timer is not None:
                     self._timer.cancel()
                 self._flush()
-            elif self._timer is None and self.loop is not None:
+            elif self._timer is None and self.loop is not None and self._queue:
                 self._timer = self.loop.call_later(self.linger_s, self._flush)
-            return None
+            return durable
         return self._spawn(self._settle_exact(hold, usage, waited))
 
     async def _settle_exact(self, hold: Hold, usage: UsageRecord | None, waited: bool = False) -> None:
@@ -324,6 +335,15 @@ class Leases:
         log.warning("ledger lease %s lapsed (event loop stalled beyond its ttl?)", k.lease_id)
         k.free = -(k.held + k.queued)
 
+    def _journal_failed(self, exc: OSError) -> None:
+        """The journal could not keep a row (a full disk, a failed fsync): the rows written so
+        far are committed now, and the journal's waiters wait for that commit instead."""
+        self._say_once_a_minute("journal", f"lease journal {self.journal!r} cannot be written ({exc}): leased "
+                                           "usage rows are committed with the ledger before their answers end")
+        if self._timer is not None:
+            self._timer.cancel()
+        self._flush()
+
     def _flush(self, adjust: list[tuple[_Key, str, int, bool]] | None = None) -> asyncio.Task | None:
         self._timer = None
         batch, self._queue = self._queue, []
@@ -332,19 +352,27 @@ class Leases:
         touched = {k for k, _, _ in batch} | {k for k, _, _, _ in adjust or ()}
         for k in touched:
             k.committing += 1
-        return self._spawn(self._commit(batch, adjust or [], touched))
+        segment = self.journal.cut() if self.journal is not None and batch else None
+        return self._spawn(self._commit(batch, adjust or [], touched, segment))
 
     async def _commit(self, batch: list[tuple[_Key, str, UsageRecord]],
-                      adjust: list[tuple[_Key, str, int, bool]], touched: set[_Key]) -> None:
+                      adjust: list[tuple[_Key, str, int, bool]], touched: set[_Key],
+                      segment: int | None = None) -> None:
         self.stats["commits"] += 1
         leases = [(lease_id, give_back, None if drop else self.ttl_s, drop)
                   for _, lease_id, give_back, drop in adjust]
         try:
             results, lapsed = await self.ledger.lease_commit(
                 [(lid, u) for _, lid, u in batch], leases)
+            committed = True
         except Exception:
-            log.exception("committing %d usage records failed; they stay unbilled", len(batch))
+            committed = False
+            log.exception("committing %d usage records failed; they wait in the lease journal for the next start"
+                          if self.journal is not None else "committing %d usage records failed; they stay unbilled",
+                          len(batch))
             results, lapsed = [None] * len(batch), set()
+        if segment is not None and self.journal is not None:
+            self.journal.done(segment, committed)
         for (k, _, usage), result in zip(batch, results):
             k.queued -= usage.cost_micros
             debited = result if isinstance(result, int) else 0
@@ -426,3 +454,5 @@ class Leases:
         if self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
+        if self.journal is not None:
+            await self.journal.close()

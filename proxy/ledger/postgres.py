@@ -154,6 +154,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         self.retry_after_s = float(unavailable_retry_after_s)
         self.replay_interval_s = float(replay_interval_s)
         self.spool = Spool(spool_path)
+        self.lease_journal_path = str(spool_path) + ".leased"
         self.key_generation = 0
         self.stats = {"unavailable": 0, "spooled": 0, "replayed": 0, "retries": 0}
         self._settings = {"statement_timeout": str(self.statement_timeout_ms), "application_name": "responses-proxy"}

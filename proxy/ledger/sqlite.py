@@ -96,6 +96,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         settle_linger_s: float = _DEFAULTS.settle_linger_ms / 1000,
     ) -> None:
         self.path = str(path)
+        self.lease_journal_path = None if self.path == ":memory:" else self.path + ".leased"
         self._writer = GroupWriter(
             self.path,
             apply_schema,
