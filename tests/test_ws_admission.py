@@ -163,7 +163,8 @@ async def test_a_socket_whose_turns_keep_being_refused_is_closed_and_its_key_not
     """A spent rate or balance: each refused message still cost its inflating (8 MB out of a few
     kB) and decoding. After max_refused_turns in a row the socket is closed (1008), and the key's
     next socket negotiates no permessage-deflate: what it sends is what the proxy reads."""
-    proxy = await make_proxy({"prices": {"default": {"input": 1_000_000, "output": 1_000_000}}})
+    proxy = await make_proxy({"prices": {"default": {"input": 1_000_000, "output": 1_000_000}},
+                              "websocket": {"refuse_sockets_s": 0.5}})
     limits = KeyLimits(rate_per_min=1) if why == "rate" else KeyLimits()
     secret, _ = await proxy.ledger.create_key("refused", balance_micros=10_000_000 if why == "rate" else 0,
                                               limits=limits)
@@ -181,6 +182,13 @@ async def test_a_socket_whose_turns_keep_being_refused_is_closed_and_its_key_not
             closing = await ws.receive()
             assert closing.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING), closing
             assert ws.close_code == 1008
+        # For refuse_sockets_s its handshakes get the refusal as a plain HTTP answer: a reconnect
+        # per three turns would cost a handshake each (~3x a refused request).
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await http.ws_connect(proxy.url + "/v1/responses", headers=_auth(secret), compress=15)
+        assert refused.value.status == (429 if why == "rate" else 402)
+        assert int(refused.value.headers["Retry-After"]) >= 1
+        await asyncio.sleep(0.6)
         async with http.ws_connect(proxy.url + "/v1/responses", headers=_auth(secret), compress=15) as ws:
             assert not ws.compress  # refused a moment ago: no compression to amplify
         async with http.ws_connect(proxy.url + "/v1/responses", headers=_auth(proxy.api_key), compress=15) as ws:

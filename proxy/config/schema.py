@@ -276,6 +276,8 @@ batches are multiplied into the hold; unknown fields are not forwarded, and name
         "max_refused_turns": F(POS_INT, 3, "turns in a row refused for rate or balance (429, 402); then the socket "
                                            "closes (1008), and the key's sockets are not compressed for refused_for_s"),
         "refused_for_s": F(SECONDS, 60, "how long a key refused so gets no permessage-deflate on a new socket"),
+        "refuse_sockets_s": F(SECONDS, 5, "and how long its new sockets' handshakes get that refusal (402, 429) "
+                                          "instead, as a plain HTTP answer: a reconnect flood costs what HTTP's does"),
     }), None, note="""\
 Continuation (previous_response_id) over a socket keeps the last response's context in the
 connection's memory only; every turn runs through the same pipeline as POST /v1/responses."""),

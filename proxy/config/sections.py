@@ -203,6 +203,9 @@ class Websocket:
     # not compressed for refused_for_s
     max_refused_turns: int
     refused_for_s: float  # how long a key refused so gets no permessage-deflate on a new socket
+    # and how long its new sockets' handshakes get that refusal (402, 429) instead, as a plain HTTP answer: a reconnect
+    # flood costs what HTTP's does
+    refuse_sockets_s: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -80,13 +80,44 @@ class SocketAdmission:
         # key -> until when its sockets get no permessage-deflate: a key whose turns keep being
         # refused would otherwise make the proxy inflate every message it sends before saying no.
         self.refused: dict[str | None, float] = {}
+        # key -> (until when, the status) its handshakes are refused: a socket of it was just
+        # closed for refused turns, and a reconnect per few turns would cost a handshake each.
+        self.closed_for: dict[str | None, tuple[float, int]] = {}
+
+    @staticmethod
+    def _bounded(table: dict[str | None, Any], now: float) -> None:
+        if len(table) >= 10_000:  # the expired go first, else the oldest
+            expired = [k for k, v in table.items() if (v[0] if isinstance(v, tuple) else v) <= now]
+            for k in expired or list(table)[:1000]:
+                del table[k]
 
     def note_refused(self, key_id: str | None, now: float) -> None:
-        refused = self.refused
-        if len(refused) >= 10_000:  # bounded: the expired go first, else the oldest
-            for k in [k for k, until in refused.items() if until <= now] or list(refused)[:1000]:
-                del refused[k]
-        refused[key_id] = now + self.settings.refused_for_s
+        self._bounded(self.refused, now)
+        self.refused[key_id] = now + self.settings.refused_for_s
+
+    def note_closed(self, key_id: str | None, now: float, status: int) -> None:
+        """A socket of this key closed for its refused turns: its next handshakes, for
+        refuse_sockets_s, get that refusal as a plain HTTP answer (the same cost as a refused
+        request), not an upgrade whose turns would only be refused again."""
+        if key_id is None or self.settings.refuse_sockets_s <= 0:
+            return
+        self._bounded(self.closed_for, now)
+        self.closed_for[key_id] = (now + self.settings.refuse_sockets_s, status)
+
+    def _refuse_if_closed(self, key_id: str | None, now: float) -> None:
+        closed = self.closed_for.get(key_id)
+        if closed is None:
+            return
+        until, status = closed
+        if until <= now:
+            del self.closed_for[key_id]
+            return
+        wait = max(1, int(until - now + 0.999))
+        what = "balance does not cover a turn" if status == 402 else "rate limit refused its turns"
+        raise APIError(status, f"This API key's {what} and its last socket was closed for it; new sockets are "
+                               f"refused for {wait} s. Retry after that.",
+                       code="insufficient_quota" if status == 402 else "rate_limit_exceeded",
+                       type="insufficient_quota" if status == 402 else None, headers={"Retry-After": str(wait)})
 
     def compress(self, key_id: str | None, now: float) -> bool:
         until = self.refused.get(key_id)
@@ -95,8 +126,10 @@ class SocketAdmission:
             until = None
         return self.settings.permessage_deflate and until is None
 
-    def admit(self, key_id: str | None) -> None:
+    def admit(self, key_id: str | None, now: float) -> None:
         settings = self.settings
+        if self.closed_for:
+            self._refuse_if_closed(key_id, now)
         if settings.max_sockets is not None and self.total >= settings.max_sockets:
             raise APIError(429, "The proxy is at its limit of open WebSocket connections; retry shortly.",
                            code="too_many_connections", headers={"Retry-After": "1"})
@@ -129,10 +162,11 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     admission = request.app[state.SOCKETS]
     key = state.context(request).key
     key_id = key.key_id if key is not None else None
-    admission.admit(key_id)
+    now = asyncio.get_running_loop().time()
+    admission.admit(key_id, now)
     try:
         # autoping off: the reader answers pings itself, within the control-frame budget.
-        compress = admission.compress(key_id, asyncio.get_running_loop().time())
+        compress = admission.compress(key_id, now)
         ws = web.WebSocketResponse(heartbeat=settings.ping_interval_s, max_msg_size=settings.max_message_bytes,
                                    autoping=False, compress=compress)
         await ws.prepare(request)
@@ -388,6 +422,7 @@ class _Connection:
         self.refused_in_a_row += 1
         self.admission.note_refused(self.key_id, self.loop.time())
         if self.refused_in_a_row >= self.settings.max_refused_turns:
+            self.admission.note_closed(self.key_id, self.loop.time(), status)
             await self._close_for(WSCloseCode.POLICY_VIOLATION, f"{self.refused_in_a_row} turns refused in a row")
 
     def _carried_headers(self) -> tuple[str, ...]:
