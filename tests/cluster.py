@@ -217,18 +217,23 @@ class Cluster:
             await asyncio.sleep(0.25)
 
 
-def replica_config(sim_url: str, dsn: str, redis_url: str, prefix: str, **limits: Any) -> dict[str, Any]:
+def replica_config(sim_url: str, dsn: str, redis_url: str, prefix: str, *, patient: bool = False,
+                   **limits: Any) -> dict[str, Any]:
+    """A replica's config. The fault tests want a frozen server seen within seconds (2 s
+    statements, 0.5 s Redis replies); `patient`: bounds no busy machine reaches (a starved
+    database or Redis is slow, not down: a test that injects no fault must not see a 503)."""
+    statement_ms, connect_s, redis_ms = (30_000, 10, 10_000) if patient else (2000, 1, 500)
     return {
         "server": {"log_format": "json", "log_level": "warning"},
         "workers": [{"name": "sim", "url": sim_url, "models": [MODEL], "capacity": 4096,
-                     "timeouts": {"connect": 2, "first_byte": 20, "idle": 20, "total": 120}}],
+                     "timeouts": {"connect": 2 if not patient else 10, "first_byte": 20, "idle": 20, "total": 120}}],
         "ledger": {"backend": "postgres", "dsn": dsn, "expire_interval_s": 0.25,
-                   "unavailable_retry_after_s": 2, "statement_timeout_ms": 2000, "connect_timeout_s": 1},
+                   "unavailable_retry_after_s": 2, "statement_timeout_ms": statement_ms, "connect_timeout_s": connect_s},
         "balance": {"hold_ttl_s": 3},
         # Far longer than any wait below: a key change must reach the replicas by NOTIFY.
         "auth": {"key_cache_ttl_s": 300},
         "limits": {"backend": "redis", "global_concurrency": 8, "default_key_concurrency": 4096,
-                   "redis": {"url": redis_url, "key_prefix": prefix, "slot_ttl_s": 3, "socket_timeout_ms": 500,
+                   "redis": {"url": redis_url, "key_prefix": prefix, "slot_ttl_s": 3, "socket_timeout_ms": redis_ms,
                              "on_error": "closed", "retry_after_s": 1}, **limits},
     }
 

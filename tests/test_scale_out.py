@@ -38,7 +38,7 @@ GLOBAL_LIMIT = 8
 async def cluster(pg_dsn, redis_db, sim, tmp_path):
     dsn = pg_dsn
     keys = await create_keys(dsn, tmp_path, {"poor": 450, "rich": 50_000_000})
-    config = replica_config(sim.url, dsn, redis_db.url, f"rp-{secrets.token_hex(3)}:")
+    config = replica_config(sim.url, dsn, redis_db.url, f"rp-{secrets.token_hex(3)}:", patient=True)
     replicas = [Replica(i, tmp_path, config) for i in range(REPLICAS)]
     await asyncio.gather(*(r.start() for r in replicas))
     c = Cluster(dsn, replicas, sim)
