@@ -86,7 +86,7 @@ def envelope(phases: Phases):
         error_code: str | None = None
         ended: str | None = None  # how the answer ended, when the envelope decided it (else ctx.report's)
         try:
-            response, ended = await _within_started(phases.run, request, ctx)
+            response, ended = await _within_started(phases.chain(ctx.unit), request, ctx)
             error_code = response.get(ERROR_CODE)
             if error_code is not None:
                 response = _refusal(request, ctx, response)

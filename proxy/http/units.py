@@ -4,10 +4,11 @@ A unit is what the edge does for a client once: an HTTP request to a route, one 
 `response.create` (a generation or a `generate: false` warm-up), the summary turn of a
 compaction. The route table (proxy.http.routes) gives every HTTP route its unit and the
 transports give their turns theirs (proxy.http.turn.Turn.unit); the envelope puts it on the
-request's context (`ctx.unit`) before any phase runs, and each phase asks only whether its
-name is in `ctx.unit.phases`. No phase keeps a list of paths, so a new route or message type
-runs exactly what its unit declares, and tests/test_units.py sends each unit every phase's
-refusal to prove it.
+request's context (`ctx.unit`) and runs that unit's chain (middlewares.Phases), built once at
+start-up from the phases the unit declares here: a phase not declared is not in the chain, so
+no phase asks which unit it serves and no phase keeps a list of paths. A new route or message
+type runs exactly what its unit declares, and tests/test_units.py sends each unit every
+phase's refusal to prove it.
 
 The phases, in their fixed order (middlewares/__init__.py):
 
@@ -58,12 +59,15 @@ class Unit(NamedTuple):
     # Responses-only policies (stateless refusals, hosted tools) there. "": a Responses unit.
     family: str = ""
     items: str = "input"  # the body's list counted against server.max_input_items (sizes)
+    # A refusal for money (402 insufficient_quota) of an event-stream-only client is answered
+    # as response.created + response.failed (Codex reads a spent balance only so): Responses'.
+    refusal_as_event: bool = False
 
     def runs(self, phase: str) -> bool:
         return phase in self.phases
 
 
-RESPONSES = Unit("POST /v1/responses", EVERY)
+RESPONSES = Unit("POST /v1/responses", EVERY, refusal_as_event=True)
 INPUT_TOKENS = Unit("POST /v1/responses/input_tokens", UNBILLED, body_limit=UNBILLED_BODY,
                     why="a count is free of charge; limited, and bounded by the unbilled body size")
 COMPACT = Unit("POST /v1/responses/compact", frozenset({AUTH, LIMITS, BODY, SIZES, MODELS}),
