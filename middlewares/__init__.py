@@ -20,7 +20,8 @@ config.yaml chooses WHICH policies run, never their order: each built-in policy'
 balance before the tool policy or read a body before the key is checked. An operator's own
 middlewares go at named points, `middlewares: {after_auth: [...], ...}`; each point promises
 what is known there (POINTS), and runs in the chains of the units that run the phase making
-that promise (after_auth: auth; after_prepare: translate; before_handler: balance). A custom entry is "package.module:factory", configured by the
+that promise (after_auth: auth; after_prepare: translate; before_handler: balance). A custom
+entry is "package.module:factory", configured by the
 top-level section of that name or written {"package.module:factory": {...}}; the factory is
 called as factory(section, app) with that section as written (a plain mapping: its keys are the
 factory's to check) and returns an aiohttp middleware (or raises: a bad entry stops start-up
@@ -36,7 +37,7 @@ phase `(request, ctx, call_next)`; stateless and tools return a body check
 from __future__ import annotations
 
 import importlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any, Protocol
 
@@ -123,24 +124,30 @@ class Phases:
     One turn of another transport (a WebSocket message, the compact endpoint's summary) comes
     through the envelope like any request, so through these phases too (proxy.http.turn)."""
 
-    def __init__(self, head: list[tuple[str, Phase]], prepare: Callable[[Unit, dict[Unit, Next]], Next],
-                 tail: list[tuple[str, Phase]], turned_off: dict[Unit, str] | None = None) -> None:
+    def __init__(self, head: list[tuple[str, Phase]], prepare: Callable[[Unit, dict[str, Next]], Next],
+                 tail: list[tuple[str, Phase]], turned_off: dict[Unit, str] | None = None,
+                 handlers: Mapping[str, Next] | None = None) -> None:
         self.head, self.tail, self.prepare = head, tail, prepare
         self.turned_off = turned_off or {}
-        self.chains: dict[Unit, Next] = {}
+        self.handlers = handlers or {}  # variant name -> the handler that ends its chain (the route table's)
+        self.chains: dict[str, Next] = {}  # by unit name (a string's hash is kept; a tuple's is not)
         for unit in UNITS:
-            self.chains[unit] = self._build(unit)
+            self.chains[unit.name] = self._build(unit)
 
     def names(self, unit: Unit) -> list[str]:
         """The steps a unit's chain runs, by name, in order (the body phase: "prepare")."""
+        def name(step: Phase) -> str:
+            return getattr(step, "__name__", type(step).__name__)
+
         if unit in self.turned_off:
-            return [step.__name__ for phase, step in self.head if phase == AUTH] + ["endpoint_disabled"]
-        head = [step.__name__ for phase, step in self.head if phase in unit.phases]
-        tail = [step.__name__ for phase, step in self.tail if phase in unit.phases]
+            return [name(step) for phase, step in self.head if phase == AUTH] + ["endpoint_disabled"]
+        head = [name(step) for phase, step in self.head if phase in unit.phases]
+        tail = [name(step) for phase, step in self.tail if phase in unit.phases]
         return head + (["prepare"] if BODY in unit.phases else []) + tail
 
     def _rest(self, unit: Unit) -> Next:
-        return _chain([step for phase, step in self.tail if phase in unit.phases], _endpoint)
+        return _chain([step for phase, step in self.tail if phase in unit.phases],
+                      self.handlers.get(unit.name, _endpoint))
 
     def _build(self, unit: Unit) -> Next:
         head = [step for phase, step in self.head if phase in unit.phases]
@@ -149,20 +156,21 @@ class Phases:
             return _chain([step for phase, step in self.head if phase == AUTH], _turned_off(switch))
         if BODY not in unit.phases:
             return _chain(head, self._rest(unit))
-        rest = {variant: self._rest(variant) for variant in (unit, *unit.variants)}
+        rest = {variant.name: self._rest(variant) for variant in (unit, *unit.variants)}
         return _chain(head, self.prepare(unit, rest))
 
     def chain(self, unit: Unit) -> Next:
-        run = self.chains.get(unit)
+        run = self.chains.get(unit.name)
         if run is None:  # a unit outside the table (a test's own): built once, as the others
-            run = self.chains[unit] = self._build(unit)
+            run = self.chains[unit.name] = self._build(unit)
         return run
 
 
-def build_phases(config: Config, app: web.Application) -> Phases:
+def build_phases(config: Config, app: web.Application, handlers: Mapping[str, Next] | None = None) -> Phases:
     """Every enabled policy and custom middleware, made in phase order (the app signals and
     cleanup contexts their factories add keep that order), chained per unit. Raises
-    ConfigError for a bad entry."""
+    ConfigError for a bad entry. `handlers`: the route table's handler of each variant that
+    has one of its own (proxy.http.routes.VARIANT_HANDLERS)."""
     body_checks = [check for check in (_policy(config, app, "stateless"),) if check is not None]
     auth = _policy(config, app, "auth")
     after_auth = _customs(config, app, "after_auth")
@@ -181,4 +189,4 @@ def build_phases(config: Config, app: web.Application) -> Phases:
     turned_off = {unit: SWITCHES[unit.family] for unit in PASSTHROUGH
                   if not getattr(config.endpoints, SWITCHES[unit.family])}
     return Phases([(phase, step) for phase, step in head if step is not None], prepare,
-                  [(phase, step) for phase, step in tail if step is not None], turned_off)
+                  [(phase, step) for phase, step in tail if step is not None], turned_off, handlers)

@@ -255,7 +255,7 @@ def _decoded_turn(request: web.Request, ctx: RequestContext, limits: Any, body: 
     return body
 
 
-def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callable[[Unit, dict[Unit, Next]], Next]:
+def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callable[[Unit, dict[str, Next]], Next]:
     """The body phase of `app`, made per unit of work (proxy.http.units) by middlewares.Phases:
     the body, sizes, models and translate steps that unit declares, applying `body_checks` (the
     enabled stateless and tools policies, in that order) between reading and translating.
@@ -264,8 +264,10 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callabl
     body may ask for (a socket message that is a warm-up)."""
     checks = tuple(body_checks)
 
-    def checked(unit: Unit, rest: Next) -> Next:
-        """What follows the read for `unit`: only the steps it declares, chosen here, once."""
+    def checked(unit: Unit, rest: Next, compaction: tuple[Unit, Next] | None) -> Next:
+        """What follows the read for `unit`: only the steps it declares, chosen here, once.
+        `compaction`: its compaction_trigger variant and that variant's chain, taken when the
+        translation made the request a compaction's."""
         sizes, models = SIZES in unit.phases, MODELS in unit.phases
         items = unit.items
         translate = None
@@ -281,13 +283,21 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callabl
                 _check_model(ctx, body, app.get(state.POOL))
             if translate is not None:
                 await translate(ctx, body)
+                if compaction is not None and ctx.translation is not None and ctx.translation.compaction is not None:
+                    ctx.unit = compaction[0]
+                    return await compaction[1](request, ctx)
             return await rest(request, ctx)
 
         return after_body
 
-    def for_unit(unit: Unit, rest: dict[Unit, Next]) -> Next:
-        after = {variant: checked(variant, then) for variant, then in rest.items()}
-        only = after[unit] if len(after) == 1 else None
+    def for_unit(unit: Unit, rest: dict[str, Next]) -> Next:
+        variant = unit.compaction_variant()
+        compaction = (variant, rest[variant.name]) if variant is not None else None
+        # The unit and the variants its message may ask for (a warm-up); not the compaction
+        # variant, which its translation asks for, after these steps.
+        after = {v.name: checked(v, rest[v.name], compaction if v is unit else None)
+                 for v in (unit, *unit.variants) if not v.compaction}
+        only = after[unit.name] if len(after) == 1 else None
         body_limit = unit.body_limit
 
         async def prepare(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
@@ -298,7 +308,7 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callabl
             ctx.body = _decoded_turn(request, ctx, limits, body)
             if only is not None:
                 return await only(request, ctx)
-            return await after[ctx.unit](request, ctx)  # the unit, or the variant its message asked for
+            return await after[ctx.unit.name](request, ctx)  # the unit, or the variant its message asked for
 
         return prepare
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from proxy.http.compact import compact_handler
+from proxy.http.compaction_trigger import answer_trigger
 from proxy.http.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
 from proxy.http.key_view import key_handler
 from proxy.http.openapi import openapi_handler
@@ -22,6 +23,7 @@ from proxy.http.units import (
     AUTH,
     CHAT,
     COMPACT,
+    COMPACT_SUMMARY,
     COMPLETIONS,
     EMBEDDINGS,
     INPUT_TOKENS,
@@ -32,6 +34,7 @@ from proxy.http.units import (
     PUBLIC,
     RESPONSES,
     WS_HANDSHAKE,
+    WS_TURN,
     Unit,
 )
 from proxy.http.websocket import websocket_handler
@@ -64,6 +67,11 @@ ROUTES = (
     Route("GET", "/readyz", readyz_handler, PUBLIC),
     Route("GET", "/openapi.json", openapi_handler, PUBLIC),
 )
+
+# The variants that have a handler of their own: a request its translation made a compaction's
+# (proxy.http.units: Unit.with_compaction), whichever unit it came as.
+VARIANT_HANDLERS = {variant.name: answer_trigger for unit in (RESPONSES, WS_TURN, COMPACT_SUMMARY)
+                    if (variant := unit.compaction_variant()) is not None}
 
 _BY_METHOD = {(r.method, r.path): r.unit for r in ROUTES}
 _BY_METHOD.update({("HEAD", r.path): r.unit for r in ROUTES if r.method == "GET" and r.head})
