@@ -61,7 +61,6 @@ from proxy import state
 from proxy.config.rules import key_digest
 from proxy.errors import APIError
 from proxy.http.errors import close_if_unread, error_response, ledger_unavailable
-from proxy.http.units import AUTH
 from proxy.ledger import KeyRecord, LedgerUnavailable
 from proxy.protocol.passthrough import ANTHROPIC
 from proxy.runtime.logs import log
@@ -225,8 +224,6 @@ def create(section: Auth, app: web.Application):
         return found
 
     async def auth(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
-        if AUTH not in ctx.unit.phases:
-            return await call_next(request, ctx)
         headers = _credentials(request, ctx.unit.family in ANTHROPIC)
         if headers is None:
             return await _refuse(request, ctx, call_next, _unauthorized(

@@ -84,7 +84,6 @@ from aiohttp import web
 from middlewares.auth import is_static
 from proxy import state
 from proxy.errors import APIError
-from proxy.http.units import BALANCE
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, RequestLedger, UsageRecord
 from proxy.ledger.lease import Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
@@ -425,7 +424,7 @@ def create(section: Balance, app: web.Application):
 
     async def balance(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
         record = ctx.key
-        if BALANCE not in ctx.unit.phases or record is None or is_static(record):
+        if record is None or is_static(record):
             return await call_next(request, ctx)
         ledger = app.get(state.LEDGER)  # this phase's app: the one whose ledger bills its requests
         if ledger is None:

@@ -37,7 +37,6 @@ from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError
-from proxy.http.units import LIMITS
 from proxy.limits.base import GLOBAL, KEY, RATE, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter
 from proxy.state import RequestContext
@@ -95,8 +94,6 @@ def create(section: Limits, app: web.Application):
     admit, release = counter.admit, counter.release
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
-        if LIMITS not in ctx.unit.phases:
-            return await call_next(request, ctx)
         ask = _ask(ctx, global_limit, key_default)
         try:
             ticket = await admit(ask)
@@ -125,8 +122,6 @@ def _in_process(counter: MemoryCounter, global_limit: int | None, key_default: i
     admit, release = counter.admit_now, counter.release_now
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
-        if LIMITS not in ctx.unit.phases:
-            return await call_next(request, ctx)
         ask = _ask(ctx, global_limit, key_default)
         ticket = admit(ask)
         if isinstance(ticket, Refused):

@@ -55,14 +55,15 @@ SEEN = web.AppKey("probe_seen", list)
 
 
 def probe(section: dict[str, Any], app: web.Application):
-    """Records, for each POST /v1/responses, what the request context holds at its point."""
+    """Records, for each POST /v1/responses (every path: `every_path: true`), what the request
+    context holds at its point."""
     seen = app[SEEN] if SEEN in app else []
     app[SEEN] = seen
 
     @web.middleware
     async def probe_mw(request: web.Request, handler):
         ctx = state.context(request)
-        if request.path == "/v1/responses":
+        if request.path == "/v1/responses" or section.get("every_path"):
             t = ctx.to_answer()
             seen.append({"point": section.get("point"), "key": ctx.key.name if ctx.key is not None else None,
                          "body_read": ctx.body is not None, "translated": t is not None,

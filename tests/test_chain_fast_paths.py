@@ -99,7 +99,11 @@ def test_only_enabled_policies_become_phases():
     app[state.CONFIG] = config
     phases = build_phases(config, app)
     # limits and prepare (stateless is a body check of prepare; notices is no phase)
-    assert [step.__name__ for step in phases.steps] == ["limits", "prepare"]
+    from proxy.http.units import INPUT_TOKENS, KEYED, RESPONSES
+
+    assert phases.names(RESPONSES) == ["limits", "prepare"]
+    assert phases.names(INPUT_TOKENS) == ["limits", "prepare"]
+    assert phases.names(KEYED) == []  # a keyed read's chain: auth only, and auth is off
     assert len(app.on_response_prepare) == 1  # the notices header is still set, at prepare
 
 

@@ -134,6 +134,26 @@ async def test_an_endpoint_can_be_turned_off(make_proxy, http):
         assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
 
 
+async def test_a_turned_off_endpoint_is_a_404_after_auth_before_any_limit_or_body(make_proxy, http):
+    """Its chain is auth, then the 404: no rate token taken, no byte of the body read (a body
+    that is not JSON is a 404, not a 400), and without a key a
+    401 (whether a path exists is not told to a caller without one). (Before: the switch was
+    read in the translate step, after the limits had counted the request and the body was read.)"""
+    proxy = await make_proxy({"endpoints": {"chat_completions": False}})
+    secret, _ = await proxy.ledger.create_key("one a minute", 10_000_000, limits=KeyLimits(rate_per_min=1))
+    headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
+    for _ in range(3):  # past the rate of one a minute: a 404 each time, never a 429
+        async with http.post(proxy.url + "/v1/chat/completions", headers=headers, data=b"not json") as resp:
+            assert resp.status == 404, await resp.text()
+            assert (await resp.json())["error"]["code"] == "endpoint_disabled"
+    async with http.post(proxy.url + "/v1/chat/completions", data=b"{}") as resp:
+        assert resp.status == 401
+    # The key's one request a minute is still there for an endpoint that is on.
+    async with http.post(proxy.url + "/v1/responses", headers=headers,
+                         json={"model": MODEL, "input": "hi"}) as resp:
+        assert resp.status == 200, await resp.text()
+
+
 async def test_upstream_errors_and_n_above_one(make_proxy, sim, http):
     proxy = await make_proxy()
     headers = {"Authorization": f"Bearer {proxy.api_key}"}

@@ -17,8 +17,8 @@ PROBE = "tests.custom_mw:probe"
 BODY = {"model": "tiny-org/tiny-model", "input": "hi"}
 
 
-def probes() -> dict:
-    return {point: [{PROBE: {"point": point}}] for point in ("after_auth", "after_prepare", "before_handler")}
+def probes(**extra) -> dict:
+    return {point: [{PROBE: {"point": point, **extra}}] for point in ("after_auth", "after_prepare", "before_handler")}
 
 
 async def post(proxy, body: dict, key: str | None) -> tuple[int, dict]:
@@ -77,3 +77,44 @@ def test_a_built_in_policy_cannot_be_placed_at_a_point(entry):
     with pytest.raises(ConfigError) as info:
         Config.from_dict({"middlewares": {"after_auth": [entry]}})
     assert "enabled" in str(info.value)
+
+
+async def test_a_point_runs_only_for_the_units_that_run_its_phase(sim, make_proxy):
+    """One chain per unit, built from the phases it declares: a keyed read (GET /v1/models) runs
+    auth and after_auth, never after_prepare nor before_handler (it reads no body, holds
+    nothing); a free count (input_tokens) runs after_prepare, never before_handler (nothing is
+    held). (Before: one chain served every route and each phase asked the unit itself; the
+    custom points ran for every route, promising what was not there.)"""
+    proxy = await make_proxy({**only(*POLICIES, **probes(every_path=True))})
+    headers = {"Authorization": f"Bearer {proxy.api_key}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.url + "/v1/models", headers=headers) as r:
+            assert r.status == 200
+        assert [e["point"] for e in proxy.app[SEEN]] == ["after_auth"]
+        proxy.app[SEEN].clear()
+        async with http.post(proxy.url + "/v1/responses/input_tokens", headers=headers, json=BODY) as r:
+            assert r.status == 200, await r.text()
+        assert [e["point"] for e in proxy.app[SEEN]] == ["after_auth", "after_prepare"]
+
+
+def test_each_unit_chain_holds_exactly_its_declared_phases(sim):
+    """The chains as built: no unit's chain holds a phase it does not declare."""
+    from aiohttp import web
+
+    from middlewares import build_phases
+    from proxy import state
+    from proxy.http import units
+    from proxy.http.routes import VARIANT_HANDLERS
+
+    config = Config.from_dict(only(*POLICIES, **probes()))
+    app = web.Application()
+    app[state.CONFIG] = config
+    phases = build_phases(config, app, VARIANT_HANDLERS)
+    step_of = {"auth": "auth", "limits": "limits", "prepare": "body", "balance": "balance",
+               "custom": None}
+    for unit in units.UNITS:
+        names = phases.names(unit)
+        declared = {step_of[n] for n in names if n in step_of and step_of[n]}
+        assert declared == unit.phases & {"auth", "limits", "body", "balance"}, (unit.name, names)
+    # The compaction_trigger variants end with the route table's handler, not the route's.
+    assert set(VARIANT_HANDLERS) == {v.name for u in units.UNITS for v in u.variants if v.compaction}

@@ -98,12 +98,14 @@ def test_startup_failures_are_config_errors(overrides, expected, monkeypatch):
 
 
 def test_default_config_builds():
+    from proxy.http.units import KEYED, RESPONSES
     from proxy.state import PHASES
 
     app = build_app(Config.from_dict({}))
     assert len(app.middlewares) == 1  # the envelope; it runs the phases
     # auth, limits, prepare, balance (stateless and tools are prepare's body checks, notices a hook)
-    assert len(app[PHASES].steps) == 4
+    assert app[PHASES].names(RESPONSES) == ["auth", "limits", "prepare", "balance"]
+    assert app[PHASES].names(KEYED) == ["auth"]
 
 
 @pytest.mark.parametrize("form", ["top-level", "after-serve"])

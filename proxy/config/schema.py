@@ -134,9 +134,11 @@ CUSTOM_ENTRY = CustomEntry()
 POLICIES = ("stateless", "auth", "limits", "tools", "balance", "notices")
 # Where custom middlewares go, and what each point promises them (middlewares/__init__.py).
 POINTS = {
-    "after_auth": "the key is known (context .key), the body not read yet",
-    "after_prepare": "body read and translated once (context .body, .translation), nothing held yet",
-    "before_handler": "the balance is held (context .hold) and the output cap final (context .to_answer()); the handler is next",
+    "after_auth": "the key is known (context .key), the body not read yet (every keyed route)",
+    "after_prepare": "body read and translated once (context .body, .translation), nothing held yet (routes that "
+                     "translate)",
+    "before_handler": "the balance is held (context .hold) and the output cap final (context .to_answer()); the "
+                      "handler is next (billed routes)",
 }
 ENABLED_DOC = "false: this policy does not run"
 

@@ -160,9 +160,11 @@ class Responses:
 class Middlewares:
     """The `middlewares` section."""
 
-    after_auth: tuple[Any, ...]  # the key is known (context .key), the body not read yet
-    after_prepare: tuple[Any, ...]  # body read and translated once (context .body, .translation), nothing held yet
-    # the balance is held (context .hold) and the output cap final (context .to_answer()); the handler is next
+    after_auth: tuple[Any, ...]  # the key is known (context .key), the body not read yet (every keyed route)
+    # body read and translated once (context .body, .translation), nothing held yet (routes that translate)
+    after_prepare: tuple[Any, ...]
+    # the balance is held (context .hold) and the output cap final (context .to_answer()); the handler is next (billed
+    # routes)
     before_handler: tuple[Any, ...]
 
 

@@ -22,7 +22,7 @@ from proxy.http.errors import ERROR_CODE, close_if_unread, error_response, ledge
 from proxy.http.forwarder import refusal_as_event
 from proxy.http.parse_errors import HeadLimits
 from proxy.http.passthrough import limits_of
-from proxy.http.routes import add_routes, unit_for
+from proxy.http.routes import VARIANT_HANDLERS, add_routes, unit_for
 from proxy.http.turn import refuse_other_answers
 from proxy.http.websocket import SocketAdmission
 from proxy.ledger.base import LedgerUnavailable
@@ -86,7 +86,7 @@ def envelope(phases: Phases):
         error_code: str | None = None
         ended: str | None = None  # how the answer ended, when the envelope decided it (else ctx.report's)
         try:
-            response, ended = await _within_started(phases.run, request, ctx)
+            response, ended = await _within_started(phases.chain(ctx.unit), request, ctx)
             error_code = response.get(ERROR_CODE)
             if error_code is not None:
                 response = _refusal(request, ctx, response)
@@ -378,7 +378,7 @@ def build_app(config: Config) -> web.Application:
     sealer = sealer_from_config(config.reasoning_seal)
     if sealer is not None:
         app[state.SEALER] = sealer
-    phases = app[PHASES] = build_phases(config, app)
+    phases = app[PHASES] = build_phases(config, app, VARIANT_HANDLERS)
     app[state.ENVELOPE] = entry = envelope(phases)
     app.middlewares.append(entry)
     # Before _add_request_id: a turn's foreign answer is refused while it is not started yet.

@@ -23,7 +23,6 @@ from proxy.http.event_stream import SSE_HEADERS
 from proxy.http.failover import failover
 from proxy.http.json_answer import count_usage, json_answer
 from proxy.http.stream_answer import stream_answer
-from proxy.http.units import RESPONSES
 from proxy.http.upstream_open import open_upstream
 from proxy.protocol.dialects import chat_for
 from proxy.protocol.response import ResponseContext
@@ -115,7 +114,7 @@ def _event_stream_only(request: web.Request, ctx: RequestContext) -> bool:
 async def refusal_as_event(request: web.Request, ctx: RequestContext, exc: APIError) -> web.StreamResponse | None:
     """The refusal as response.created + response.failed (HTTP 200) for an event-stream-only
     client, when Accept leaves no other way to tell it; None: answer with the JSON envelope."""
-    if exc.code not in _STREAMED_REFUSALS or ctx.unit is not RESPONSES or not _event_stream_only(request, ctx):
+    if exc.code not in _STREAMED_REFUSALS or not ctx.unit.refusal_as_event or not _event_stream_only(request, ctx):
         return None
     t = ctx.to_answer()
     if t is None:

@@ -68,10 +68,7 @@ def limits_for(app: web.Application) -> Limits:
 
 
 async def passthrough_translate(app: web.Application, ctx: state.RequestContext, body: dict) -> Passthrough:
-    family = ctx.unit.family
-    switch = SWITCHES[family]
-    if not getattr(app[state.CONFIG].endpoints, switch):
-        raise APIError(404, f"{ctx.path} is turned off on this proxy (endpoints.{switch}).", code="endpoint_disabled")
+    family = ctx.unit.family  # a switched-off endpoint never gets here (middlewares.Phases answers its 404)
     pool = app.get(state.POOL)
     t = build(family, body, pool.serves if pool is not None else None, limits_for(app))
     if t.notices:

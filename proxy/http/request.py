@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -19,7 +19,7 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError, bad_request
 from proxy.http.passthrough import passthrough_translate, policy_for
-from proxy.http.units import BODY, MODELS, SIZES, TRANSLATE
+from proxy.http.units import MODELS, SIZES, TRANSLATE, Unit
 from proxy.policy.netguard import check_images
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, translate_request
@@ -213,6 +213,8 @@ async def _read_body(request: web.Request, limits: Any, limit: int) -> dict[str,
 
 
 BodyCheck = Callable[[RequestContext, dict[str, Any]], dict[str, Any]]
+# The rest of a unit's chain, as a phase calls it (middlewares.Phases builds the chains).
+Next = Callable[[web.Request, RequestContext], Awaitable[web.StreamResponse]]
 
 def _check_model(ctx: RequestContext, body: dict[str, Any], pool: Any) -> None:
     """A key limited to some models (auth) may use only those: 403 for the others."""
@@ -241,58 +243,103 @@ def _decoded_turn(request: web.Request, ctx: RequestContext, limits: Any, body: 
     turn = request.get(state.TURN)
     if turn is None or turn.decode is None:
         return body
-    body, unit = turn.decode(body)
-    if unit is not ctx.unit:
-        if unit not in ctx.unit.variants:
-            raise RuntimeError(f"{unit.name} is not a variant of {ctx.unit.name}")
-        ctx.unit = unit
-        ctx.endpoint = turn.handlers.get(unit, ctx.endpoint)
-        limit = getattr(limits, unit.body_limit)
+    body, asked = turn.decode(body)
+    if asked in ctx.unit.variants:
+        ctx.unit = asked
+        ctx.endpoint = turn.handlers.get(asked, ctx.endpoint)
+        limit = getattr(limits, asked.body_limit)
         if len(turn.body) > limit:
             raise _too_large(limit)
+    elif asked != ctx.unit:
+        raise RuntimeError(f"{asked.name} is not a variant of {ctx.unit.name}")
     return body
 
 
-def prepare_phase(app: web.Application, body_checks: list[BodyCheck]):
-    """The prepare phase of `app`: the body, sizes, models and translate steps of each unit of
-    work (proxy.http.units), those its unit declares, applying `body_checks` (the enabled
-    stateless and tools policies, in that order) between reading and translating. Translating
-    is the last step: nothing after it edits the body, so the one Translation is the request."""
+def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callable[[Unit, dict[str, Next]], Next]:
+    """The body phase of `app`, made per unit of work (proxy.http.units) by middlewares.Phases:
+    the body, sizes, models and translate steps that unit declares, applying `body_checks` (the
+    enabled stateless and tools policies, in that order) between reading and translating.
+    Translating is the last step: nothing after it edits the body, so the one Translation is
+    the request. `rest`: the chain after the body phase, for the unit and for each variant its
+    body may ask for (a socket message that is a warm-up)."""
     checks = tuple(body_checks)
 
-    async def prepare(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
-        phases = ctx.unit.phases
-        if BODY not in phases:
-            return await call_next(request, ctx)
-        limits = _limits(request)
-        body = ctx.body
-        if body is None:  # read once: a custom middleware may have read it (read_json) already
-            body = await _read_body(request, limits, getattr(limits, ctx.unit.body_limit))
-        body = ctx.body = _decoded_turn(request, ctx, limits, body)
-        phases = ctx.unit.phases
-        if SIZES in phases:
-            _check_sizes(body, limits, ctx.unit.items)
-        pool = app.get(state.POOL)
-        if MODELS in phases:
-            _check_model(ctx, body, pool)
-        if TRANSLATE in phases and ctx.unit.family:
-            # Another API of the model server: its body goes upstream as sent (proxy.http.passthrough).
-            ctx.translation = await passthrough_translate(app, ctx, body)  # type: ignore[assignment]  # a Passthrough stands in
-        elif TRANSLATE in phases:
-            for check in checks:
-                body = check(ctx, body)
-            ctx.body = body
-            sealer = app.get(SEALER)
-            compact = app[state.COMPACT_SETTINGS]
-            options = TranslateOptions(unseal=sealer.bound(binding(ctx.key))[1] if sealer is not None else None,
-                                       served=pool.serves if pool is not None else None,
-                                       sampling_defaults=app.get(SAMPLING_DEFAULTS),
-                                       compaction=None if sealer is None else compact.ask)
-            result = translate_request(body, options)
-            # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
-            await check_images(policy_for(app), result.chat)
-            ctx.notices.extend(result.notices)
-            ctx.translation = result
-        return await call_next(request, ctx)
+    def checked(unit: Unit, rest: Next, compaction: tuple[Unit, Next] | None) -> Next:
+        """What follows the read for `unit`: only the steps it declares, chosen here, once.
+        `compaction`: its compaction_trigger variant and that variant's chain, taken when the
+        translation made the request a compaction's."""
+        sizes, models = SIZES in unit.phases, MODELS in unit.phases
+        items = unit.items
+        translate = None
+        if TRANSLATE in unit.phases:
+            translate = _passthrough_step(app) if unit.family else _responses_step(app, checks)
 
-    return prepare
+        async def after_body(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+            body = ctx.body
+            assert body is not None  # read by the body phase
+            if sizes:
+                _check_sizes(body, _limits(request), items)
+            if models:
+                _check_model(ctx, body, app.get(state.POOL))
+            if translate is not None:
+                await translate(ctx, body)
+                if compaction is not None and ctx.translation is not None and ctx.translation.compaction is not None:
+                    ctx.unit = compaction[0]
+                    return await compaction[1](request, ctx)
+            return await rest(request, ctx)
+
+        return after_body
+
+    def for_unit(unit: Unit, rest: dict[str, Next]) -> Next:
+        variant = unit.compaction_variant()
+        compaction = (variant, rest[variant.name]) if variant is not None else None
+        # The unit and the variants its message may ask for (a warm-up); not the compaction
+        # variant, which its translation asks for, after these steps.
+        after = {v.name: checked(v, rest[v.name], compaction if v is unit else None)
+                 for v in (unit, *unit.variants) if not v.compaction}
+        only = after[unit.name] if len(after) == 1 else None
+        body_limit = unit.body_limit
+
+        async def prepare(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+            limits = _limits(request)
+            body = ctx.body
+            if body is None:  # read once: a custom middleware may have read it (read_json) already
+                body = await _read_body(request, limits, getattr(limits, body_limit))
+            ctx.body = _decoded_turn(request, ctx, limits, body)
+            if only is not None:
+                return await only(request, ctx)
+            return await after[ctx.unit.name](request, ctx)  # the unit, or the variant its message asked for
+
+        return prepare
+
+    return for_unit
+
+
+def _passthrough_step(app: web.Application) -> Callable[[RequestContext, dict[str, Any]], Awaitable[None]]:
+    async def translate(ctx: RequestContext, body: dict[str, Any]) -> None:
+        # Another API of the model server: its body rebuilt from what was priced (proxy.http.passthrough).
+        ctx.translation = await passthrough_translate(app, ctx, body)  # type: ignore[assignment]  # a Passthrough stands in
+
+    return translate
+
+
+def _responses_step(app: web.Application, checks: tuple[BodyCheck, ...]) \
+        -> Callable[[RequestContext, dict[str, Any]], Awaitable[None]]:
+    async def translate(ctx: RequestContext, body: dict[str, Any]) -> None:
+        for check in checks:
+            body = check(ctx, body)
+        ctx.body = body
+        sealer = app.get(SEALER)
+        compact = app[state.COMPACT_SETTINGS]
+        pool = app.get(state.POOL)
+        options = TranslateOptions(unseal=sealer.bound(binding(ctx.key))[1] if sealer is not None else None,
+                                   served=pool.serves if pool is not None else None,
+                                   sampling_defaults=app.get(SAMPLING_DEFAULTS),
+                                   compaction=None if sealer is None else compact.ask)
+        result = translate_request(body, options)
+        # The model server fetches input_image URLs: refuse private/loopback/metadata targets first.
+        await check_images(policy_for(app), result.chat)
+        ctx.notices.extend(result.notices)
+        ctx.translation = result
+
+    return translate

@@ -13,14 +13,17 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from proxy.http.compact import compact_handler
+from proxy.http.compaction_trigger import answer_trigger
 from proxy.http.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
 from proxy.http.key_view import key_handler
 from proxy.http.openapi import openapi_handler
 from proxy.http.passthrough import passthrough_handler
 from proxy.http.responses import responses_handler
 from proxy.http.units import (
+    AUTH,
     CHAT,
     COMPACT,
+    COMPACT_SUMMARY,
     COMPLETIONS,
     EMBEDDINGS,
     INPUT_TOKENS,
@@ -31,6 +34,7 @@ from proxy.http.units import (
     PUBLIC,
     RESPONSES,
     WS_HANDSHAKE,
+    WS_TURN,
     Unit,
 )
 from proxy.http.websocket import websocket_handler
@@ -42,11 +46,12 @@ class Route(NamedTuple):
     path: str
     handler: Any
     unit: Unit
+    head: bool = True  # a GET answers HEAD too (a socket's GET does not: a HEAD there is a 405, never an upgrade)
 
 
 ROUTES = (
     Route("POST", "/v1/responses", responses_handler, RESPONSES),
-    Route("GET", "/v1/responses", websocket_handler, WS_HANDSHAKE),
+    Route("GET", "/v1/responses", websocket_handler, WS_HANDSHAKE, head=False),
     Route("POST", "/v1/responses/compact", compact_handler, COMPACT),
     Route("POST", "/v1/responses/input_tokens", input_tokens_handler, INPUT_TOKENS),
     # The model server's other APIs, passed through (proxy.http.passthrough; config `endpoints`).
@@ -63,11 +68,16 @@ ROUTES = (
     Route("GET", "/openapi.json", openapi_handler, PUBLIC),
 )
 
+# The variants that have a handler of their own: a request its translation made a compaction's
+# (proxy.http.units: Unit.with_compaction), whichever unit it came as.
+VARIANT_HANDLERS = {variant.name: answer_trigger for unit in (RESPONSES, WS_TURN, COMPACT_SUMMARY)
+                    if (variant := unit.compaction_variant()) is not None}
+
 _BY_METHOD = {(r.method, r.path): r.unit for r in ROUTES}
-_BY_METHOD.update({("HEAD", r.path): r.unit for r in ROUTES if r.method == "GET" and r.unit is not WS_HANDSHAKE})
+_BY_METHOD.update({("HEAD", r.path): r.unit for r in ROUTES if r.method == "GET" and r.head})
 # Any other method on a guarded path: auth first, then the router's 405.
 _BY_PATH = {r.path: KEYED_ANTHROPIC if r.unit.family in ANTHROPIC else KEYED
-            for r in ROUTES if r.unit is not PUBLIC}
+            for r in ROUTES if r.unit.runs(AUTH)}
 
 
 def unit_for(method: str, path: str) -> Unit:
@@ -81,7 +91,6 @@ def unit_for(method: str, path: str) -> Unit:
 def add_routes(app: Any) -> None:
     for route in ROUTES:
         if route.method == "GET":
-            # The socket's GET has no HEAD: a HEAD there is a 405 (after auth), never an upgrade.
-            app.router.add_get(route.path, route.handler, allow_head=route.unit is not WS_HANDSHAKE)
+            app.router.add_get(route.path, route.handler, allow_head=route.head)
         else:
             app.router.add_route(route.method, route.path, route.handler)

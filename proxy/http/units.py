@@ -4,10 +4,11 @@ A unit is what the edge does for a client once: an HTTP request to a route, one 
 `response.create` (a generation or a `generate: false` warm-up), the summary turn of a
 compaction. The route table (proxy.http.routes) gives every HTTP route its unit and the
 transports give their turns theirs (proxy.http.turn.Turn.unit); the envelope puts it on the
-request's context (`ctx.unit`) before any phase runs, and each phase asks only whether its
-name is in `ctx.unit.phases`. No phase keeps a list of paths, so a new route or message type
-runs exactly what its unit declares, and tests/test_units.py sends each unit every phase's
-refusal to prove it.
+request's context (`ctx.unit`) and runs that unit's chain (middlewares.Phases), built once at
+start-up from the phases the unit declares here: a phase not declared is not in the chain, so
+no phase asks which unit it serves and no phase keeps a list of paths. A new route or message
+type runs exactly what its unit declares, and tests/test_units.py sends each unit every
+phase's refusal to prove it.
 
 The phases, in their fixed order (middlewares/__init__.py):
 
@@ -58,12 +59,27 @@ class Unit(NamedTuple):
     # Responses-only policies (stateless refusals, hosted tools) there. "": a Responses unit.
     family: str = ""
     items: str = "input"  # the body's list counted against server.max_input_items (sizes)
+    # A refusal for money (402 insufficient_quota) of an event-stream-only client is answered
+    # as response.created + response.failed (Codex reads a spent balance only so): Responses'.
+    refusal_as_event: bool = False
+    # A variant its translation asks for: the input ended with a compaction_trigger item, so
+    # the request is answered with the sealed summary (proxy.http.compaction_trigger), the
+    # same phases as the unit (the route table names the handler: proxy.http.routes.VARIANTS).
+    compaction: bool = False
 
     def runs(self, phase: str) -> bool:
         return phase in self.phases
 
+    def with_compaction(self) -> Unit:
+        """This unit, its compaction_trigger variant declared."""
+        trigger = self._replace(name=f"{self.name}, a compaction_trigger", variants=(), compaction=True)
+        return self._replace(variants=(*self.variants, trigger))
 
-RESPONSES = Unit("POST /v1/responses", EVERY)
+    def compaction_variant(self) -> Unit | None:
+        return next((variant for variant in self.variants if variant.compaction), None)
+
+
+RESPONSES = Unit("POST /v1/responses", EVERY, refusal_as_event=True).with_compaction()
 INPUT_TOKENS = Unit("POST /v1/responses/input_tokens", UNBILLED, body_limit=UNBILLED_BODY,
                     why="a count is free of charge; limited, and bounded by the unbilled body size")
 COMPACT = Unit("POST /v1/responses/compact", frozenset({AUTH, LIMITS, BODY, SIZES, MODELS}),
@@ -71,10 +87,11 @@ COMPACT = Unit("POST /v1/responses/compact", frozenset({AUTH, LIMITS, BODY, SIZE
                    "held and billed; a window with nothing to summarize costs nothing")
 COMPACT_SUMMARY = Unit("compaction summary turn", EVERY - {LIMITS},
                        why="the request that runs it (a compaction, or a compaction_trigger's request asking "
-                           "for its summary once more) took the concurrency slot and the rate token already")
+                           "for its summary once more) took the concurrency slot and the rate token already"
+                       ).with_compaction()
 WS_WARMUP = Unit("WebSocket response.create generate=false", UNBILLED, body_limit=UNBILLED_BODY,
                  why="a warm-up calls no model: free of charge, limited, bounded by the unbilled body size")
-WS_TURN = Unit("WebSocket response.create", EVERY, variants=(WS_WARMUP,))
+WS_TURN = Unit("WebSocket response.create", EVERY, variants=(WS_WARMUP,)).with_compaction()
 WS_HANDSHAKE = Unit("GET /v1/responses (WebSocket handshake)", frozenset({AUTH}),
                     why="each message is a unit of its own (WS_TURN); the socket itself is admitted "
                         "per key and in all by proxy.http.websocket")
@@ -99,6 +116,9 @@ UNITS = (RESPONSES, INPUT_TOKENS, COMPACT, COMPACT_SUMMARY, WS_TURN, WS_WARMUP, 
 
 
 def _check(units: tuple[Unit, ...]) -> None:
+    names = [unit.name for unit in units] + [v.name for unit in units for v in unit.variants]
+    if len(set(names)) != len(set(units) | {v for unit in units for v in unit.variants}):
+        raise AssertionError("two units share a name (the chains are found by it)")
     for unit in units:
         if not unit.phases <= EVERY:
             raise AssertionError(f"{unit.name}: unknown phase(s) {sorted(unit.phases - EVERY)}")
@@ -107,6 +127,8 @@ def _check(units: tuple[Unit, ...]) -> None:
         for variant in unit.variants:
             if variant.phases & BEFORE_BODY != unit.phases & BEFORE_BODY:
                 raise AssertionError(f"{variant.name} must run {unit.name}'s phases before the body")
+            if variant.compaction and variant.phases != unit.phases:
+                raise AssertionError(f"{variant.name}: a compaction_trigger variant runs its unit's phases")
 
 
 _check(UNITS)
