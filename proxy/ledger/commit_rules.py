@@ -1,10 +1,10 @@
 """The money rules of the request path, shared by both backends (sqlite.py, postgres.py,
-pg_usage.py): what a hold, a settle and a lease grow may be asked for, what a settle debits,
+postgres/usage.py): what a hold, a settle and a lease grow may be asked for, what a settle debits,
 what a lease grows by, the row a usage record is inserted as, each usage checked once into its
 row, and what a lease commit changes on the lease rows. Pure: values in, rows and changes out;
 the backends hold the SQL.
 
-A usage row, in the INSERT order of both backends (sqlite_usage.py _INSERT_USAGE, pg_usage.py
+A usage row, in the INSERT order of both backends (sqlite/usage.py _INSERT_USAGE, postgres/usage.py
 USAGE_COLUMNS; rollup.py reads the same positions): request_id, key_id, model, input_tokens,
 cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros, status,
 created_at, worker, served_model, endpoint.

@@ -1,4 +1,4 @@
-"""The rules of keys, shared by every backend (sqlite_keys.py, pg_keys.py, and the request
+"""The rules of keys, shared by every backend (sqlite/keys.py, postgres/keys.py, and the request
 path's lookup in sqlite.py and postgres.py): what a new key, a limit change and a top-up may
 hold, which secret a presented one matches, what each KeyStore change means (which
 changes bump key_generation, when a key cannot be rotated), and how an audit entry is stored.

@@ -1,5 +1,5 @@
 """The SQLite ledger's tables and rows: the schema, checks of what goes into a row, records
-from rows, and the batch insert of usage rows that lease_commit runs (proxy/ledger/sqlite.py
+from rows, and the batch insert of usage rows that lease_commit runs (proxy/ledger/sqlite/ledger.py
 holds the operations; this module holds what they share and need no connection state for).
 """
 
@@ -108,7 +108,7 @@ CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
 # worker, added to in the transaction that inserts
 # the usage rows (roll_up below, called by settle and lease_commit: one upsert per group of a
 # batch, not per row): reports over days or months read these sums instead of every row
-# (proxy/ledger/sqlite_console.py; the rules: proxy/ledger/rollup.py). Derived data: filled from
+# (proxy/ledger/sqlite/console.py; the rules: proxy/ledger/rollup.py). Derived data: filled from
 # the usage rows when missing.
 _ROLLUP_SUMS = "input_tokens, cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros"
 ROLLUP = """
@@ -144,7 +144,7 @@ _ROLLUP_ADD = (
 
 
 def roll_up(conn: sqlite3.Connection, inserted: list[tuple[tuple, int]]) -> None:
-    """Add usage rows just inserted (each a row as proxy/ledger/sqlite_usage.py inserts it, and
+    """Add usage rows just inserted (each a row as proxy/ledger/sqlite/usage.py inserts it, and
     its debit) to the hourly sums, in the caller's transaction: one upsert per group
     (proxy/ledger/rollup.py)."""
     conn.executemany(_ROLLUP_ADD, hourly_sums(inserted))

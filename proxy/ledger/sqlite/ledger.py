@@ -1,7 +1,7 @@
 """The SQLite ledger backend: the SQL of keys, holds, settles, leases and usage; keys stored hashed.
 
 Every operation is a plain function of a connection run by the group-commit writer
-(proxy/ledger/writer.py: one thread, one connection, group commit), with the durability it
+(proxy/ledger/sqlite/writer.py: one thread, one connection, group commit), with the durability it
 needs: READ for reads, HOLD for holds and lease growth (committed without fsync, see there
 why that is safe), SYNC for settles and key changes, LINGER for a settle nobody waits for.
 
@@ -70,10 +70,10 @@ from proxy.ledger.schema import (
     hash_secret,
     roll_up,
 )
-from proxy.ledger.sqlite_console import ConsoleOps
-from proxy.ledger.sqlite_keys import KeyOps
-from proxy.ledger.sqlite_usage import record_usage
-from proxy.ledger.writer import Durability, GroupWriter
+from proxy.ledger.sqlite.console import ConsoleOps
+from proxy.ledger.sqlite.keys import KeyOps
+from proxy.ledger.sqlite.usage import record_usage
+from proxy.ledger.sqlite.writer import Durability, GroupWriter
 
 READ, HOLD, SYNC, LINGER = Durability.READ, Durability.HOLD, Durability.SYNC, Durability.LINGER
 

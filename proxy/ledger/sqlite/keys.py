@@ -1,6 +1,6 @@
 """The SQLite ledger's key management: the SQL of each key change, and the key reads.
 
-A mixin of SQLiteLedger (proxy/ledger/sqlite.py), which supplies `_run` (the group-commit
+A mixin of SQLiteLedger (proxy/ledger/sqlite/ledger.py), which supplies `_run` (the group-commit
 writer) and `_get_key`. What a change means (the checks, key_generation) is
 proxy/ledger/key_rules.py's `RuledKeyStore`, shared with the PostgreSQL ledger. Every change
 commits fsync'd (SYNC, the writer's default).
@@ -16,7 +16,7 @@ from typing import Any, cast
 from proxy.ledger.base import KeyRecord, UnknownKey
 from proxy.ledger.key_rules import INSERT_COLUMNS, NewKey, RuledKeyStore, check_rotatable, topped_up
 from proxy.ledger.schema import KEY_COLUMNS, _key_record
-from proxy.ledger.writer import Durability
+from proxy.ledger.sqlite.writer import Durability
 
 READ = Durability.READ
 _INSERT_KEY = f"INSERT INTO keys ({', '.join(INSERT_COLUMNS)}) VALUES ({', '.join('?' for _ in INSERT_COLUMNS)})"

@@ -1,10 +1,10 @@
 """The PostgreSQL ledger's key management: the SQL of each key change, and the key reads.
 
-A mixin of PostgresLedger (proxy/ledger/postgres.py), which supplies `_db` (a pooled
+A mixin of PostgresLedger (proxy/ledger/postgres/ledger.py), which supplies `_db` (a pooled
 connection in a transaction). What a change means (the checks, key_generation) is
 proxy/ledger/key_rules.py's `RuledKeyStore`, shared with the SQLite ledger. A change a cached
 lookup could miss (limits, revoke, rotate) also NOTIFYs every replica in its own transaction
-(proxy/ledger/pg_listen.py). A top-up does not: no cached field depends on it.
+(proxy/ledger/postgres/listen.py). A top-up does not: no cached field depends on it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from proxy.ledger.base import KeyRecord, UnknownKey
 from proxy.ledger.key_rules import INSERT_COLUMNS, NewKey, RuledKeyStore, check_rotatable, topped_up
-from proxy.ledger.pg_listen import CHANNEL
+from proxy.ledger.postgres.listen import CHANNEL
 from proxy.ledger.schema import KEY_COLUMNS, _key_record
 
 _NOTIFY = f"SELECT pg_notify('{CHANNEL}', $1)"
