@@ -45,7 +45,7 @@ from proxy.config.types import (
     Str,
     Type,
     Url,
-    _plain,
+    plain_data,
     unknown_key,
 )
 
@@ -440,7 +440,7 @@ def validate(data: dict[str, Any]) -> dict[str, Any]:
         if name in SCHEMA.keys:
             out[name] = SCHEMA.keys[name].type.check(value, name)
         elif name in custom:
-            out[name] = _plain(value)  # its factory checks it
+            out[name] = plain_data(value)  # its factory checks it
         else:
             raise SchemaError(unknown_key(name, name, SCHEMA.keys))
     return out

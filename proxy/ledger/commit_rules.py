@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.ledger.base import UnknownKey, UsageRecord
-from proxy.ledger.schema import _check_usage, _check_usage_values, _int
+from proxy.ledger.schema import as_int, check_usage, check_usage_values
 
 __all__ = ["hold_range", "hold_ttl", "check_settle", "settle_debit", "lease_grow_args", "lease_grant", "usage_row",
            "checked_rows", "plan_batch", "lease_row_changes", "note_debits"]
@@ -28,8 +28,8 @@ DEBITED = 8
 
 def hold_range(min_micros: Any, max_micros: Any) -> tuple[int, int]:
     """hold_up_to's (min, max), checked: integers, min <= max."""
-    low = _int(min_micros, "min_micros")
-    high = _int(max_micros, "max_micros")
+    low = as_int(min_micros, "min_micros")
+    high = as_int(max_micros, "max_micros")
     if low > high:
         raise ValueError("min_micros must not exceed max_micros")
     return low, high
@@ -49,7 +49,7 @@ def check_settle(request_id: str, usage: UsageRecord) -> None:
     """ValueError unless `usage` can be settled as `request_id`."""
     if not request_id:
         raise ValueError("request_id is required")
-    _check_usage_values(usage)
+    check_usage_values(usage)
 
 
 def settle_debit(cost: int, balance: int, held: int | None) -> int:
@@ -61,7 +61,7 @@ def settle_debit(cost: int, balance: int, held: int | None) -> int:
 
 def lease_grow_args(min_micros: Any, max_micros: Any, ttl_s: Any, share: Any) -> tuple[int, int, float, int]:
     """lease_grow's (min, max, ttl, share), checked."""
-    return _int(min_micros, "min_micros"), _int(max_micros, "max_micros"), float(ttl_s), max(1, int(share))
+    return as_int(min_micros, "min_micros"), as_int(max_micros, "max_micros"), float(ttl_s), max(1, int(share))
 
 
 def lease_grant(available: int, low: int, high: int, share: int) -> int:
@@ -87,7 +87,7 @@ def checked_rows(usages: list[tuple[str, UsageRecord]]) -> list[tuple | ValueErr
     rows: list[tuple | ValueError] = []
     for _, usage in usages:
         try:
-            _check_usage(usage)
+            check_usage(usage)
         except ValueError as exc:
             rows.append(exc)
             continue

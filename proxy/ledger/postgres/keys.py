@@ -16,7 +16,7 @@ from typing import Any, cast
 from proxy.ledger.base import KeyRecord, UnknownKey
 from proxy.ledger.key_rules import INSERT_COLUMNS, NewKey, RuledKeyStore, check_rotatable, topped_up
 from proxy.ledger.postgres.listen import CHANNEL
-from proxy.ledger.schema import KEY_COLUMNS, _key_record
+from proxy.ledger.schema import KEY_COLUMNS, key_record_of
 
 _NOTIFY = f"SELECT pg_notify('{CHANNEL}', $1)"
 _INSERT_KEY = (f"INSERT INTO keys ({', '.join(INSERT_COLUMNS)})"
@@ -26,7 +26,7 @@ _INSERT_TOPUP = "INSERT INTO topups (key_id, micros, created_at) VALUES ($1, $2,
 
 async def _get_key(conn: Any, key_id: str) -> KeyRecord | None:
     row = await conn.fetchrow(f"SELECT {KEY_COLUMNS} FROM keys WHERE key_id = $1", key_id)
-    return _key_record(tuple(row)) if row else None
+    return key_record_of(tuple(row)) if row else None
 
 
 class PgKeyOps(RuledKeyStore):
@@ -41,7 +41,7 @@ class PgKeyOps(RuledKeyStore):
     async def list_keys(self) -> list[KeyRecord]:
         async def op(conn: Any) -> list[KeyRecord]:
             rows = await conn.fetch(f"SELECT {KEY_COLUMNS} FROM keys ORDER BY created_at, key_id")
-            return [_key_record(tuple(r)) for r in rows]
+            return [key_record_of(tuple(r)) for r in rows]
 
         return await self._db(op, transaction=False)
 

@@ -86,7 +86,7 @@ from proxy.ledger.postgres.listen import KeyListener
 from proxy.ledger.postgres.schema import migrate
 from proxy.ledger.postgres.spool import PgSpoolOps
 from proxy.ledger.postgres.usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
-from proxy.ledger.schema import _int, hash_secret
+from proxy.ledger.schema import as_int, hash_secret
 from proxy.ledger.spool import Spool, release_record, settle_record
 
 log = logging.getLogger("proxy.ledger")
@@ -343,7 +343,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         return await self._db(op, transaction=False)
 
     async def hold(self, request_id: str, key_id: str, amount_micros: int, ttl_s: float) -> Hold:
-        amount = _int(amount_micros, "amount_micros")
+        amount = as_int(amount_micros, "amount_micros")
         return await self._hold(request_id, key_id, amount, amount, ttl_s, None)
 
     async def hold_up_to(self, request_id: str, key_id: str, min_micros: int, max_micros: int, ttl_s: float,

@@ -49,7 +49,7 @@ from proxy.ledger.base import (
 )
 from proxy.ledger.commit_rules import usage_row
 from proxy.ledger.postgres.usage import insert_usage_batch, lease_changes, settle_batch
-from proxy.ledger.schema import _check_usage_values
+from proxy.ledger.schema import check_usage_values
 from proxy.ledger.spool import APPLIED, KEPT, REJECTED, Spool, settle_record, usage_of
 
 log = logging.getLogger("proxy.ledger")
@@ -82,7 +82,7 @@ class PgSpoolOps:
         applies it to the database, exactly once (see the module's docstring)."""
         if not request_id:
             raise ValueError("request_id is required")
-        _check_usage_values(usage)
+        check_usage_values(usage)
         try:
             await self.spool.write([settle_record(request_id, usage)])
         except OSError as exc:
@@ -160,7 +160,7 @@ class PgSpoolOps:
                 continue
             try:
                 usage = usage_of(record)
-                _check_usage_values(usage)
+                check_usage_values(usage)
                 row = usage_row(usage, record["request_id"])
             except (ValueError, TypeError, KeyError) as exc:
                 log.error("ledger spool: %s of %s is not a valid settlement (%s): set aside", record["kind"],

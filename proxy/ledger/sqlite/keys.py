@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from proxy.ledger.base import KeyRecord, UnknownKey
 from proxy.ledger.key_rules import INSERT_COLUMNS, NewKey, RuledKeyStore, check_rotatable, topped_up
-from proxy.ledger.schema import KEY_COLUMNS, _key_record
+from proxy.ledger.schema import KEY_COLUMNS, key_record_of
 from proxy.ledger.sqlite.writer import Durability
 
 READ = Durability.READ
@@ -36,7 +36,7 @@ class KeyOps(RuledKeyStore):
     async def list_keys(self) -> list[KeyRecord]:
         def op(conn: sqlite3.Connection) -> list[KeyRecord]:
             rows = conn.execute(f"SELECT {KEY_COLUMNS} FROM keys ORDER BY created_at, key_id")
-            return [_key_record(r) for r in rows]
+            return [key_record_of(r) for r in rows]
 
         return await self._run(op, READ)
 
