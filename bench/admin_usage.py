@@ -1,7 +1,7 @@
 """The console's reads on a big ledger: `python -m bench.admin_usage [--rows 1000000] [--backend both]`.
 
 Builds a ledger of each backend (the real schema, indexes and hourly sums: proxy/ledger/schema.py,
-proxy/ledger/pg_schema.py) holding --rows usage rows spread over 30 days, 1,000 keys (a few of
+proxy/ledger/postgres/schema.py) holding --rows usage rows spread over 30 days, 1,000 keys (a few of
 them carrying most of the traffic), 8 models and 4 workers, then times through the ledger
 object (SQLiteLedger's writer thread, PostgresLedger's pool: as the admin API calls them) the
 reads the admin API and the dashboard make. The same rows on both backends (one seed).

@@ -66,7 +66,7 @@ others a few ms later; only a request the lease cannot cover does the ledger ope
 above (and gives the lease's free part back in it, so the exact semantics hold near the end
 of a balance). See README "Keys and balances" for the guarantees and the crash window.
 
-The hold commits without an fsync (the ledger's hold_synchronous, see proxy/ledger/sqlite.py
+The hold commits without an fsync (the ledger's hold_synchronous, see proxy/ledger/sqlite/ledger.py
 for why that is safe). A per-request hold's settle is fsync'd and the end of the answer waits
 for it (one commit, without the settle linger); a lease hold's settle is an in-memory debit,
 its usage row committed (fsync'd) within lease_commit_ms after the answer ended.

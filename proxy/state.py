@@ -16,12 +16,23 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from aiohttp import web
 
 if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this module import-light
+    from aiohttp import ClientSession
+
     from proxy.config.load import Config
     from proxy.config.sections import Responses
     from proxy.http.units import Unit
     from proxy.ledger.base import Hold, KeyRecord
+    from proxy.ledger.interface import Ledger
+    from proxy.policy.netguard import ImagePolicy
+    from proxy.protocol.passthrough import Limits
     from proxy.protocol.rewriter import StreamRewriter
+    from proxy.protocol.seal import Sealer
     from proxy.protocol.translate import Translation
+    from proxy.runtime.key_metrics import KeyMetrics
+    from proxy.runtime.refusals import Refusals
+    from proxy.simulator.chat import SimState
+    from proxy.upstream.client import UpstreamPool
+    from proxy.upstream.workers import WorkerPool
 # This module stands below everything that keeps state on an app or a request.
 
 
@@ -96,8 +107,12 @@ class Tail(NamedTuple):
 
 
 def _app_key(name: str, type_name: str) -> web.AppKey[Any]:
-    # The value's type by name (aiohttp shows it in the key's repr): importing it would make this
-    # module depend on every module that keeps state here. For a type checker the value is Any.
+    # The value's type by name at run time (aiohttp shows it in the key's repr): importing it
+    # would make this module depend on every module that keeps state here. The type checker
+    # reads each key's annotation instead (web.AppKey[Ledger]: imported for it alone, above).
+    # A key without one holds a type whose module imports this one (tests/test_architecture.py
+    # counts TYPE_CHECKING imports: the annotation would close a cycle): Any for now, until the
+    # key moves beside its type.
     return web.AppKey(name, type_name)  # type: ignore[arg-type]  # a name, not a type: see above
 
 
@@ -108,39 +123,51 @@ def _request_key(name: str, type_name: str) -> web.RequestKey[Any]:
 # App-wide state. The resources live here, not beside the code that makes them, so that a
 # middleware or an endpoint can read them without importing the app or the forwarder.
 CONFIG: web.AppKey[Config] = _app_key("config", "Config")
-LEDGER = _app_key("ledger", "Ledger")  # proxy.ledger.Ledger, or absent (ledger.backend: none)
-POOL = _app_key("worker_pool", "WorkerPool")
-SESSION = _app_key("client_session", "aiohttp.ClientSession")  # every upstream call but the chat POST
-UPSTREAMS = _app_key("upstreams", "UpstreamPool")  # the chat POST (proxy.upstream.client: why)
+LEDGER: web.AppKey[Ledger] = _app_key("ledger", "Ledger")  # proxy.ledger.Ledger, or absent (ledger.backend: none)
+POOL: web.AppKey[WorkerPool] = _app_key("worker_pool", "WorkerPool")
+# every upstream call but the chat POST
+SESSION: web.AppKey[ClientSession] = _app_key("client_session", "aiohttp.ClientSession")
+# the chat POST (proxy.upstream.client: why)
+UPSTREAMS: web.AppKey[UpstreamPool] = _app_key("upstreams", "UpstreamPool")
 METRICS = _app_key("metrics", "Metrics")  # proxy.runtime.metrics
-CHECKER = _app_key("health_checker", "HealthChecker")  # proxy.upstream.health's active checks
+# proxy.upstream.health's active checks
+CHECKER = _app_key("health_checker", "HealthChecker")
 READINESS = _app_key("readiness", "Readiness")  # proxy.upstream.health, answers /readyz
 # config.responses, read by proxy.http.forwarder
 RESPONSE_SETTINGS: web.AppKey[Responses] = _app_key("response_settings", "Responses")
 SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.upstream.models.sampling_defaults
-IMAGE_POLICY = _app_key("image_policy", "ImagePolicy")  # proxy.policy.netguard
-PASSTHROUGH_LIMITS = _app_key("passthrough_limits", "Limits")  # proxy.protocol.passthrough, from config.endpoints
-SEALER = _app_key("sealer", "Sealer")  # the app's proxy.protocol.seal.Sealer, when seal keys are configured
-SOCKETS = _app_key("socket_admission", "SocketAdmission")  # proxy.http.websocket: open sockets per key
+IMAGE_POLICY: web.AppKey[ImagePolicy] = _app_key("image_policy", "ImagePolicy")  # proxy.policy.netguard
+# proxy.protocol.passthrough, from config.endpoints
+PASSTHROUGH_LIMITS: web.AppKey[Limits] = _app_key("passthrough_limits", "Limits")
+# the app's proxy.protocol.seal.Sealer, when seal keys are configured
+SEALER: web.AppKey[Sealer] = _app_key("sealer", "Sealer")
+# proxy.http.websocket: open sockets per key
+SOCKETS = _app_key("socket_admission", "SocketAdmission")
 COMPACT_SETTINGS = _app_key("compact_settings", "CompactSettings")  # proxy.http.compact
 KEY_CACHE = _app_key("key_cache", "KeyCache")  # middlewares.auth
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
-SETTLEMENTS = _app_key("settlements", "Settlements")  # middlewares.balance: the ledger work in flight
+# middlewares.balance: the ledger work in flight
+SETTLEMENTS = _app_key("settlements", "Settlements")
 ENVELOPE = _app_key("envelope", "Middleware")  # proxy.http.app: the app's one middleware; a turn runs through it
-PHASES = _app_key("phases", "Phases")  # middlewares.Phases: auth .. handler, for one request or one turn
-ADMIN = _app_key("admin_console", "AdminConsole")  # proxy.admin: admin keys, session signer (on the admin sub-app)
-HEAD_LIMITS = _app_key("head_limits", "HeadLimits")  # proxy.http.parse_errors: bounds on a request's head
-KEY_METRICS = _app_key("key_metrics", "KeyMetrics")  # proxy.runtime.key_metrics: per-key spend and balance
-REFUSALS = _app_key("refusals", "Refusals")  # proxy.runtime.refusals: the Errors view's records
+# middlewares.Phases: auth .. handler, for one request or one turn
+PHASES = _app_key("phases", "Phases")
+# proxy.admin: admin keys, session signer (on the admin sub-app)
+ADMIN = _app_key("admin_console", "AdminAuth")
+# proxy.http.parse_errors: bounds on a request's head
+HEAD_LIMITS = _app_key("head_limits", "HeadLimits")
+# proxy.runtime.key_metrics: per-key spend and balance
+KEY_METRICS: web.AppKey[KeyMetrics] = _app_key("key_metrics", "KeyMetrics")
+REFUSALS: web.AppKey[Refusals] = _app_key("refusals", "Refusals")  # proxy.runtime.refusals: the Errors view's records
 # The embedded upstream's state (proxy.simulator.server): on the simulator's own app, not the proxy's.
-SIM_STATE = _app_key("simulator_state", "SimState")
+SIM_STATE: web.AppKey[SimState] = _app_key("simulator_state", "SimState")
 
 # Per-request state: one context, created by the envelope (proxy.http.app) and passed explicitly
 # to every phase and the handler; it is also on the request under CONTEXT, for aiohttp-shaped
 # code (a custom middleware, an on_response_prepare hook, a route handler).
-CONTEXT = _request_key("context", "RequestContext")
+CONTEXT: web.RequestKey[RequestContext] = _request_key("context", "RequestContext")
 ADMIN_ACTOR = web.RequestKey("admin_actor", str)  # proxy.admin: "admin:<name>" of an admin request
-ADMIN_SESSION = _request_key("admin_session", "Session")  # proxy.admin.auth: the dashboard session, if any
+# proxy.admin.auth: the dashboard session, if any
+ADMIN_SESSION = _request_key("admin_session", "Session")
 # proxy.http.turn: a transport's turn (its body in memory, where its event stream goes)
 TURN = _request_key("turn", "Turn")
 

@@ -33,7 +33,7 @@ from proxy.ledger import (
     open_ledger,
 )
 from proxy.ledger import KeyLimits, key_rules, service, sqlite as ledger_sqlite
-from proxy.ledger.writer import Durability
+from proxy.ledger.sqlite.writer import Durability
 from proxy.ledger.pricing import (
     UNLIMITED,
     Price,

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from proxy.ledger import KeyLimits, LedgerUnavailable, UsageRecord, open_ledger
-from proxy.ledger.pg_schema import MIGRATIONS, latest_version
+from proxy.ledger.postgres.schema import MIGRATIONS, latest_version
 from proxy.ledger.spool import Spool, decode, encode, release_record, settle_record, usage_of
 
 

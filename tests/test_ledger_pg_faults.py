@@ -1,5 +1,5 @@
 """The PostgreSQL ledger under the database faults an operator meets, each on a real server
-(tests/pg_server.py): every driver error is classified (proxy/ledger/pg_errors.py) as
+(tests/pg_server.py): every driver error is classified (proxy/ledger/postgres/errors.py) as
 unavailable (503 ledger_unavailable, spooled, retried) or a fault the operator must fix
 (503 ledger_fault naming it, /readyz says the cause, exit 2 at start-up), nothing reaches a
 client as 500, and no settlement is ever dropped: what cannot be written waits in the spool
@@ -21,7 +21,7 @@ from asyncpg import exceptions as pgx
 
 from proxy.ledger import LedgerFault, LedgerUnavailable, open_ledger
 from proxy.ledger.lease import Leases
-from proxy.ledger.pg_errors import FAULT, RETRY, UNAVAILABLE, classify
+from proxy.ledger.postgres.errors import FAULT, RETRY, UNAVAILABLE, classify
 from proxy.ledger.spool import settle_record
 from tests.live import free_port
 from tests.test_ledger_pg import pg_section, usage_for, wait_for

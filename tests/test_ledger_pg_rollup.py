@@ -1,4 +1,4 @@
-"""The PostgreSQL ledger's hourly sums (usage_hourly, proxy/ledger/pg_schema.py migration 3)
+"""The PostgreSQL ledger's hourly sums (usage_hourly, proxy/ledger/postgres/schema.py migration 3)
 on a real server: a ledger made before them is upgraded on start (the sums filled from its
 rows), every way a usage row is recorded adds to them exactly once (settle, lease_commit's
 batch, a duplicate, the clamped path, the spool's replay, a plain INSERT), and the sums
@@ -11,7 +11,7 @@ import asyncpg
 import pytest
 
 from proxy.ledger import UsageRecord, open_ledger
-from proxy.ledger.pg_schema import MIGRATIONS, latest_version, migrate
+from proxy.ledger.postgres.schema import MIGRATIONS, latest_version, migrate
 from proxy.ledger.spool import settle_record
 
 BASE = 1_764_547_200.0  # 2025-12-01T00:00:00Z

@@ -1,6 +1,6 @@
-"""Settlement off the client's tail on PostgreSQL (proxy/ledger/pg_spool.py): settle_behind
+"""Settlement off the client's tail on PostgreSQL (proxy/ledger/postgres/spool.py): settle_behind
 writes the settlement to the local spool (fsync'd, group-committed) and the drainer applies
-it in batches (pg_usage.settle_batch). Shown on a real server: the batch path gives exactly
+it in batches (postgres.usage.settle_batch). Shown on a real server: the batch path gives exactly
 what settle() one by one gives (a differential test: the fast path against the general one),
 the answer does not wait on the database, appends racing the drainer's rotation are never
 lost, and a crash's replay debits nothing twice."""

@@ -188,7 +188,7 @@ def test_asyncpg_pool_warnings_are_said_once_a_minute(caplog):
     connections (every 1-2 s): the PostgreSQL ledger lets one through a minute, without its traceback."""
     import logging
 
-    from proxy.ledger import postgres
+    from proxy.ledger.postgres import ledger as postgres
 
     postgres._quiet_asyncpg()
     pool_log = logging.getLogger("asyncpg.pool")

@@ -131,8 +131,8 @@ async def test_readiness_names_a_database_that_refuses_more_connections(sim, mak
     failure classification makes of the driver's error reaches /readyz as that word."""
     from asyncpg import exceptions as pg
 
-    from proxy.ledger.pg_errors import classify
-    from proxy.ledger.pg_faults import PgFaults
+    from proxy.ledger.postgres.errors import classify
+    from proxy.ledger.postgres.faults import PgFaults
 
     failure = classify(pg.TooManyConnectionsError("sorry, too many clients already"))
     faults = PgFaults.__new__(PgFaults)

@@ -14,7 +14,7 @@ from aiohttp import web
 from proxy import state
 from proxy.http import upstream_open
 from proxy.http.errors import APIError
-from proxy.http.upstream_open import AnswerLost, _Retryable, open_upstream
+from proxy.http.upstream_open import AnswerLost, Retryable, open_upstream
 from proxy.upstream.client import UpstreamPool
 from proxy.config import settings as config_settings
 from proxy.upstream.workers import Worker, WorkerPool
@@ -80,10 +80,10 @@ async def _open(app, worker, *, stream: bool, refine=None):
 
 CASES = {
     # what the worker sends -> what open_upstream raises, and whether the connection may be pooled
-    "500": (answer(500, JSON_500), False, _Retryable, 502, True),
+    "500": (answer(500, JSON_500), False, Retryable, 502, True),
     "400": (answer(400, JSON_500), False, APIError, 400, True),
     "429": (answer(429, b"{}"), True, APIError, 429, True),
-    "encoded": (answer(200, b"\x1f\x8b", headers=b"Content-Encoding: gzip\r\n"), False, _Retryable, 502, False),
+    "encoded": (answer(200, b"\x1f\x8b", headers=b"Content-Encoding: gzip\r\n"), False, Retryable, 502, False),
     # the worker did the work: not another worker's to redo (the failover bills it)
     "too_large": (b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 5000, False, AnswerLost, 502, False),
     "no_first_byte": (None, True, APIError, 504, False),
@@ -98,7 +98,7 @@ async def test_what_it_raises_gives_the_connection_back(setup, monkeypatch, case
     raw.script.append(sent)
     with pytest.raises(kind) as caught:
         await _open(app, worker, stream=stream)
-    error = caught.value.final if isinstance(caught.value, _Retryable) else caught.value
+    error = caught.value.final if isinstance(caught.value, Retryable) else caught.value
     assert error.status == status
     await asyncio.sleep(0)  # a closed transport leaves at the next loop turn
     assert upstreams.stats() == {"in_use": 0, "idle": 1 if pooled else 0}

@@ -45,7 +45,7 @@ from proxy.config.types import (
     Str,
     Type,
     Url,
-    _plain,
+    plain_data,
     unknown_key,
 )
 
@@ -364,7 +364,7 @@ compaction item), opened when the window comes back in a later request."""),
                           "postgres: each settlement is written here first (fsync'd) and applied a moment later"),
         "unavailable_retry_after_s": Opt(POS_INT, 5, "postgres: Retry-After of the 503 while it is unreachable"),
         "synchronous": Opt(Str(nonempty=True), "FULL", "settles, top-ups, revokes: fsync'd at every (group) commit"),
-        "hold_synchronous": Opt(Str(nonempty=True), "NORMAL", "holds: no fsync (proxy/ledger/sqlite.py says why)"),
+        "hold_synchronous": Opt(Str(nonempty=True), "NORMAL", "holds: no fsync (proxy/ledger/sqlite/ledger.py says why)"),
         "busy_timeout_ms": Opt(POS_INT, 5000),
         "max_batch": Opt(POS_INT, 1024, "operations per group commit"),
         "settle_linger_ms": Opt(Num(lo=0), 5, "a settle waits up to this long to share its commit"),
@@ -442,7 +442,7 @@ def validate(data: dict[str, Any]) -> dict[str, Any]:
         if name in SCHEMA.keys:
             out[name] = SCHEMA.keys[name].type.check(value, name)
         elif name in custom:
-            out[name] = _plain(value)  # its factory checks it
+            out[name] = plain_data(value)  # its factory checks it
         else:
             raise SchemaError(unknown_key(name, name, SCHEMA.keys))
     return out

@@ -332,7 +332,7 @@ class Ledger:
     spool_path: str  # postgres: each settlement is written here first (fsync'd) and applied a moment later
     unavailable_retry_after_s: int  # postgres: Retry-After of the 503 while it is unreachable
     synchronous: str  # settles, top-ups, revokes: fsync'd at every (group) commit
-    hold_synchronous: str  # holds: no fsync (proxy/ledger/sqlite.py says why)
+    hold_synchronous: str  # holds: no fsync (proxy/ledger/sqlite/ledger.py says why)
     busy_timeout_ms: int
     max_batch: int  # operations per group commit
     settle_linger_ms: float  # a settle waits up to this long to share its commit

@@ -39,11 +39,11 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _plain(value: Any) -> Any:
+def plain_data(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_data(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [plain_data(v) for v in value]
     return str(value) if isinstance(value, EnvStr) else value
 
 
@@ -180,7 +180,7 @@ class AnyValue(Type):
         return "any value"
 
     def check(self, value: Any, path: str) -> Any:
-        return _plain(value)
+        return plain_data(value)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from proxy.errors import APIError
-from proxy.http.upstream_open import _Retryable
+from proxy.http.upstream_open import Retryable
 from proxy.protocol.response import client_usage
 from proxy.state import NO_TOKENS, AnswerReport, Tokens
 from proxy.upstream.client import UpstreamResponse
@@ -36,7 +36,7 @@ class Attempt:
     def opened(self, pool: Any, upstream: UpstreamResponse, first: bytes, stream: bool) -> None:
         """The answer's first bytes came (open_upstream): timed, and the worker's success
         recorded once they can start the answer (a stream's must start an event stream, else
-        _Retryable)."""
+        Retryable)."""
         assert self.sent_at is not None
         seconds = time.perf_counter() - self.sent_at
         self.ttfb_ms = seconds * 1000
@@ -73,17 +73,17 @@ def shown_tokens(usage: dict | None, counted: int, cap: int | None, shown: dict 
 
 
 def check_stream_start(pool: Any, worker: Worker, upstream: UpstreamResponse, first: bytes) -> None:
-    """Raise _Retryable when the first read of a stream is not the start of an event stream."""
+    """Raise Retryable when the first read of a stream is not the start of an event stream."""
     if not first:
         pool.record_failure(worker, "closed before the first byte")
-        raise _Retryable(worker, "empty_stream",
+        raise Retryable(worker, "empty_stream",
                          APIError(502, "The model server closed the stream before answering.",
                                   code="upstream_error"))
     if not is_event_stream(upstream.content_type, first):
         # An HTML page or JSON where events belong (a proxy's error page, a misrouted
         # request): nothing reached the client yet, so another worker may take it.
         pool.record_failure(worker, "not an event stream")
-        raise _Retryable(worker, "not_event_stream",
+        raise Retryable(worker, "not_event_stream",
                          APIError(502, "The model server answered the stream with something other than "
                                        "an event stream.", code="upstream_error"))
 

@@ -41,6 +41,7 @@ async def input_tokens_handler(request: web.Request) -> web.Response:
     """
     ctx = request[state.CONTEXT]  # the prepare phase read and translated the body
     t = ctx.translation
+    assert t is not None  # INPUT_TOKENS declares the translate phase
     body = ctx.body or {}
     prefs = parse_provider(body.get("provider"))
     pool = request.app[POOL]

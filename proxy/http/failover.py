@@ -18,7 +18,7 @@ from aiohttp import web
 
 from proxy.errors import APIError
 from proxy.http.attempt import Attempt
-from proxy.http.upstream_open import AnswerLost, _Retryable
+from proxy.http.upstream_open import AnswerLost, Retryable
 from proxy.protocol.chat_usage import usage_in_tail
 from proxy.runtime.logs import log
 from proxy.state import CONFIG, POOL, AnswerReport, RequestContext
@@ -34,7 +34,7 @@ def output_budget(t: Any) -> int | None:
     return cap * t.choices if cap is not None else None
 
 
-# (the attempt, what to send) -> the answer; raises _Retryable when another worker may take it
+# (the attempt, what to send) -> the answer; raises Retryable when another worker may take it
 RunAttempt = Callable[[Attempt, Any], Awaitable[web.StreamResponse]]
 # (the worker, the translation) -> (what was decided, what to send it: a copy with a lower cap, or
 # the same), proxy.upstream.routing.check_context_window's; raises APIError for a prompt that cannot fit
@@ -52,7 +52,7 @@ async def failover(request: web.Request, ctx: RequestContext, t: Any, run: RunAt
     attempts = 1 if prefs is not None and prefs.single_attempt else routing.max_attempts
     tried: list[Worker] = []
     attempt: Attempt | None = None
-    last: _Retryable | None = None
+    last: Retryable | None = None
     ended = "error"  # how the answer ended when no attempt says (it raised)
     try:
         for _ in range(max(attempts, 1)):
@@ -73,7 +73,7 @@ async def failover(request: web.Request, ctx: RequestContext, t: Any, run: RunAt
                 tried.append(worker)
                 attempt = Attempt(worker)
                 return await run(attempt, sent)
-            except _Retryable as exc:
+            except Retryable as exc:
                 last = exc
             except AnswerLost as lost:
                 # The worker did the work: billed as far as it can be counted (an answer too

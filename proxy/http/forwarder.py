@@ -34,7 +34,7 @@ from proxy.upstream.routing import check_context_window, parse_provider, request
 from proxy.upstream.workers import Worker
 
 
-def _response_context(app: web.Application, ctx: RequestContext, t: Translation) -> ResponseContext:
+def response_context(app: web.Application, ctx: RequestContext, t: Translation) -> ResponseContext:
     settings = app[RESPONSE_SETTINGS]  # config.responses
     sealer = app.get(SEALER)
     return ResponseContext(
@@ -58,7 +58,7 @@ async def forward(request: web.Request, ctx: RequestContext) -> web.StreamRespon
     body = ctx.body or {}
     prefs = parse_provider(body.get("provider"))
     app = request.app
-    rctx = _response_context(app, ctx, t)
+    rctx = response_context(app, ctx, t)
     floor = app[CONFIG].routing.bytes_per_token_floor
 
     def fit(worker: Worker, sent: Translation) -> Any:
@@ -119,7 +119,7 @@ async def refusal_as_event(request: web.Request, ctx: RequestContext, exc: APIEr
     t = ctx.to_answer()
     if t is None:
         return None
-    rewriter = StreamRewriter(_response_context(request.app, ctx, t))
+    rewriter = StreamRewriter(response_context(request.app, ctx, t))
     body = rewriter.fail(exc.message, code=exc.code, retry_after_ms=None, should_retry=False, verbatim_code=True)
     response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **exc.headers, "x-should-retry": "false"})
     await response.prepare(request)

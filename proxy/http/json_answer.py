@@ -9,7 +9,7 @@ import orjson
 
 from proxy.errors import APIError
 from proxy.http.attempt import Attempt
-from proxy.http.upstream_open import _Retryable, _upstream_message
+from proxy.http.upstream_open import Retryable, upstream_message
 from proxy.protocol.response import ResponseContext, client_usage, map_usage
 from proxy.protocol.rewriter import completion_response
 from proxy.protocol.translate import Translation
@@ -23,10 +23,10 @@ def json_answer(attempt: Attempt, rctx: ResponseContext, body: bytes) -> dict:
     try:
         completion = orjson.loads(body)
     except orjson.JSONDecodeError:
-        raise _Retryable(worker, "garbage body", APIError(502, "The model server sent an unreadable answer.",
+        raise Retryable(worker, "garbage body", APIError(502, "The model server sent an unreadable answer.",
                                                           code="upstream_error")) from None
     if not isinstance(completion, dict) or "error" in completion or completion.get("object") == "error":
-        message, _ = _upstream_message(body)
+        message, _ = upstream_message(body)
         raise APIError(502, message or "The model server failed.", code="upstream_error")
     response, reported = completion_response(rctx, completion)
     if completion.get("usage"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from aiohttp import web
@@ -29,7 +29,7 @@ from proxy.http.attempt import Attempt, let_go
 from proxy.http.event_stream import SSE_HEADERS, EventStreamResponse
 from proxy.http.failover import failover, output_budget
 from proxy.http.read_loop import DISCONNECTED, EOF, TIMEOUT, TOO_LARGE, relay
-from proxy.http.upstream_open import _Retryable, _upstream_message, open_upstream
+from proxy.http.upstream_open import Retryable, open_upstream, upstream_message
 from proxy.http.watchdog import ReadWatchdog
 from proxy.ledger.usage import as_count
 from proxy.policy.netguard import ImagePolicy, check_images
@@ -91,17 +91,19 @@ def _dialect_error(family: str, message: str, status: int) -> bytes:
                                               "code": code}}) + b"\n\ndata: [DONE]\n\n"
 
 
-def _not_served(worker: Worker, t: Passthrough, status: int, body: bytes) -> _Retryable | None:
+def _not_served(worker: Worker, t: Passthrough, status: int, body: bytes) -> Retryable | None:
     """A 404/405 without an error message of the server's own: the worker has no such path."""
-    if status not in (404, 405) or _upstream_message(body)[0] is not None:
+    if status not in (404, 405) or upstream_message(body)[0] is not None:
         return None
     final = APIError(404, f"The model server '{worker.name}' does not serve {t.path}.", code="endpoint_not_served")
-    return _Retryable(worker, f"no {t.path}", final)
+    return Retryable(worker, f"no {t.path}", final)
 
 
 async def passthrough_handler(request: web.Request) -> web.StreamResponse:
     ctx = request[state.CONTEXT]
-    t: Passthrough = ctx.to_answer()
+    # The translate phase put a Passthrough where a Translation goes (RequestContext.translation):
+    # the two share no request type yet (issue 38's one forwarding pipeline makes one).
+    t = cast(Passthrough, ctx.to_answer())
     app = request.app
     floor = app[state.CONFIG].routing.bytes_per_token_floor
 
@@ -144,10 +146,10 @@ async def _json_answer(app: web.Application, attempt: Attempt, t: Passthrough, b
     try:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
-        raise _Retryable(attempt.worker, "garbage body", APIError(502, "The model server sent an unreadable answer.",
+        raise Retryable(attempt.worker, "garbage body", APIError(502, "The model server sent an unreadable answer.",
                                                                   code="upstream_error")) from None
     if not isinstance(answer, dict) or ("error" in answer and answer.get("type") != "message"):
-        message, _ = _upstream_message(body)
+        message, _ = upstream_message(body)
         raise APIError(502, message or "The model server failed.", code="upstream_error")
     usage = json_usage(t.family, answer)
     budget = output_budget(t)

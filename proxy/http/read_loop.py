@@ -32,7 +32,7 @@ class _Core(Protocol):
 
 async def relay(read: Callable[[], Awaitable[bytes]], write: Callable[[bytes], Awaitable[None]],
                 feed: Callable[[bytes], bytes], core: _Core, dog: ReadWatchdog, pending: bytes,
-                lost: Callable[[], None]) -> tuple[bytes, str | None]:
+                lost: Callable[[], object]) -> tuple[bytes, str | None]:
     """-> (what is still to be written, None when the core is done, else how the reading ended).
     One write per upstream read, none for a read that completed no event."""
     while not core.done:

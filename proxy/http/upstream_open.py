@@ -4,7 +4,7 @@ read, and the upstream's failures mapped to what the client is told.
 
 `open_upstream` returns the answer and its first bytes (a stream's first read, or a JSON answer
 whole). When it raises, the connection is already given back (pooled when its answer was read
-whole, else closed), so the caller only lets go of answers it was handed. A `_Retryable` is a
+whole, else closed), so the caller only lets go of answers it was handed. A `Retryable` is a
 failure before anything reached the client: the caller may try another worker.
 """
 
@@ -39,7 +39,7 @@ TAIL_BYTES = 64 * 1024  # of an answer too large to read: where its usage is
 MAX_TAIL_SCAN = 4 * MAX_JSON_BODY  # how much more of it is read, looking for that end
 
 
-class _Retryable(Exception):
+class Retryable(Exception):
     """The worker failed before anything reached the client: another worker may take it."""
 
     def __init__(self, worker: Worker, reason: str, final: APIError) -> None:
@@ -59,7 +59,7 @@ class AnswerLost(APIError):
         self.tail = tail  # the answer's last bytes (where vLLM and SGLang write the usage)
 
 
-def _upstream_message(body: bytes) -> tuple[str | None, Any]:
+def upstream_message(body: bytes) -> tuple[str | None, Any]:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -75,8 +75,8 @@ def _upstream_message(body: bytes) -> tuple[str | None, Any]:
     return None, None
 
 
-def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _Retryable:
-    message, param = _upstream_message(body)
+def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | Retryable:
+    message, param = upstream_message(body)
     if status in (400, 422):
         code = "context_length_exceeded" if message and "context length" in message else "invalid_request"
         return APIError(400, message or "The model server rejected the request.", code=code,
@@ -90,10 +90,10 @@ def map_upstream_error(worker: Worker, status: int, body: bytes) -> APIError | _
         return APIError(429, "The model server is at capacity; retry shortly.", code="capacity_exhausted",
                         headers={"Retry-After": "1"})
     if status == 529:  # Anthropic's (and vLLM's Anthropic API's) overloaded: another worker may take it
-        return _Retryable(worker, "status 529", APIError(529, message or "The model server is overloaded.",
+        return Retryable(worker, "status 529", APIError(529, message or "The model server is overloaded.",
                                                         code="overloaded_error", headers={"Retry-After": "1"}))
     final = APIError(502, f"The model server answered {status}.", code="upstream_error")
-    return _Retryable(worker, f"status {status}", final)
+    return Retryable(worker, f"status {status}", final)
 
 
 async def _read_tail(upstream: UpstreamResponse, first: bytes, deadline: float) -> bytes:
@@ -115,7 +115,7 @@ async def _read_tail(upstream: UpstreamResponse, first: bytes, deadline: float) 
 
 
 # (status, error body) -> the refusal to raise instead of map_upstream_error's, or None
-Refine = Callable[[int, bytes], "APIError | _Retryable | None"]
+Refine = Callable[[int, bytes], "APIError | Retryable | None"]
 
 
 async def open_upstream(app: web.Application, worker: Worker, url: str, payload: bytes, *, stream: bool,
@@ -123,7 +123,7 @@ async def open_upstream(app: web.Application, worker: Worker, url: str, payload:
     """POST `payload` to `url` on `worker` -> (the answer, its first bytes): a stream's first read,
     a JSON answer whole (up to MAX_JSON_BODY). A status other than 200 raises what
     map_upstream_error (or `refine`, asked first) makes of it; an encoded answer, an unreachable
-    worker, a connect timeout or an answer too large raise _Retryable; no first byte in time
+    worker, a connect timeout or an answer too large raise Retryable; no first byte in time
     raises the 504. Whatever it raises, the connection is released first."""
     pool = app[state.POOL]
     timeouts = worker.timeouts
@@ -149,7 +149,7 @@ async def open_upstream(app: web.Application, worker: Worker, url: str, payload:
                 # Asked for identity: compressed bytes must never reach a JSON parser or a rewriter as text.
                 pool.record_failure(worker, "encoded answer")
                 coding = upstream.content_encoding.decode("latin-1")[:40]
-                raise _Retryable(worker, "content_encoding", APIError(
+                raise Retryable(worker, "content_encoding", APIError(
                     502, f"The model server sent an encoded answer ({coding}) although none was asked for.",
                     code="upstream_error"))
             if stream:
@@ -172,7 +172,7 @@ async def open_upstream(app: web.Application, worker: Worker, url: str, payload:
         except ConnectTimeout:
             # Nothing was sent: another worker may take it.
             pool.record_failure(worker, "connect timeout")
-            raise _Retryable(worker, "connect_timeout",
+            raise Retryable(worker, "connect_timeout",
                              APIError(504, f"The model server did not accept a connection within "
                                            f"{timeouts.connect:g}s.", code="upstream_timeout")) from None
         except DeadlinePassed:
@@ -183,7 +183,7 @@ async def open_upstream(app: web.Application, worker: Worker, url: str, payload:
         except (ConnectFailed, Disconnected, BadResponse) as exc:
             pool.record_failure(worker, type(exc).__name__)
             unreachable = APIError(502, "The model server could not be reached.", code="upstream_unreachable")
-            raise _Retryable(worker, type(exc).__name__, unreachable) from None
+            raise Retryable(worker, type(exc).__name__, unreachable) from None
     except BaseException:
         if upstream is not None:
             upstream.release()  # pooled when the (error) answer was read whole, else closed

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.http.event_stream import open_event_stream
-from proxy.http.forwarder import _response_context
+from proxy.http.forwarder import response_context
 from proxy.protocol.rewriter import StreamRewriter
 
 # The end of a chat stream that produced nothing: the rewriter's own path to a completed,
@@ -27,7 +27,9 @@ async def warmup_handler(request: web.Request) -> web.StreamResponse:
     ctx = request[state.CONTEXT]
     answer, encoder = open_event_stream(request)
     await answer.prepare(request)  # before the first event: the transport's say in the headers
-    rewriter = StreamRewriter(_response_context(request.app, ctx, ctx.translation), encoder=encoder)
+    t = ctx.translation
+    assert t is not None  # the translate phase ran: a warm-up declares it (proxy.http.units.WS_WARMUP)
+    rewriter = StreamRewriter(response_context(request.app, ctx, t), encoder=encoder)
     stream = rewriter.start() + rewriter.feed(_NOTHING)
     if not rewriter.done:
         stream += rewriter.finish()

@@ -186,7 +186,7 @@ class LedgerError(Exception):
     """A ledger operation that cannot be done (unknown key, storage failure...)."""
 
 
-# What each cause of a LedgerUnavailable / LedgerFault (proxy/ledger/pg_errors.py classifies
+# What each cause of a LedgerUnavailable / LedgerFault (proxy/ledger/postgres/errors.py classifies
 # the driver's errors) tells a client (the 503's message) and an operator (the log line).
 FAULT_EXPLAINED = {
     "unreachable": "the ledger database cannot be reached",
@@ -227,7 +227,7 @@ class LedgerFault(LedgerUnavailable):
     """The ledger's database answers, but in a way no retry fixes (a rejected password, a
     missing table): the operator must act. Answered like LedgerUnavailable (503, settlements
     spooled and kept until a replay after the repair applies them), with its `cause` named
-    (proxy/ledger/pg_errors.py) in the 503, in /readyz and in the log."""
+    (proxy/ledger/postgres/errors.py) in the 503, in /readyz and in the log."""
 
     def __init__(self, message: str, retry_after_s: float = 5.0, cause: str = "database_error") -> None:
         super().__init__(message, retry_after_s)

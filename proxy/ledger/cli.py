@@ -50,7 +50,7 @@ from typing import Any
 
 from proxy.config import settings as config_settings
 from proxy.ledger import UNSET, ConsoleReads, KeyRecord, LedgerError, open_ledger, resolve_path
-from proxy.ledger.pg_spool import PgSpoolOps
+from proxy.ledger.postgres.spool import PgSpoolOps
 from proxy.ledger.service import (
     TOTAL_FIELDS,
     USAGE_FIELDS,

@@ -1,10 +1,10 @@
 """The money rules of the request path, shared by both backends (sqlite.py, postgres.py,
-pg_usage.py): what a hold, a settle and a lease grow may be asked for, what a settle debits,
+postgres/usage.py): what a hold, a settle and a lease grow may be asked for, what a settle debits,
 what a lease grows by, the row a usage record is inserted as, each usage checked once into its
 row, and what a lease commit changes on the lease rows. Pure: values in, rows and changes out;
 the backends hold the SQL.
 
-A usage row, in the INSERT order of both backends (sqlite_usage.py _INSERT_USAGE, pg_usage.py
+A usage row, in the INSERT order of both backends (sqlite/usage.py _INSERT_USAGE, postgres/usage.py
 USAGE_COLUMNS; rollup.py reads the same positions): request_id, key_id, model, input_tokens,
 cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros, status,
 created_at, worker, served_model, endpoint.
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.ledger.base import UnknownKey, UsageRecord
-from proxy.ledger.schema import _check_usage, _check_usage_values, _int
+from proxy.ledger.schema import as_int, check_usage, check_usage_values
 
 __all__ = ["hold_range", "hold_ttl", "check_settle", "settle_debit", "lease_grow_args", "lease_grant", "usage_row",
            "checked_rows", "plan_batch", "lease_row_changes", "note_debits"]
@@ -28,8 +28,8 @@ DEBITED = 8
 
 def hold_range(min_micros: Any, max_micros: Any) -> tuple[int, int]:
     """hold_up_to's (min, max), checked: integers, min <= max."""
-    low = _int(min_micros, "min_micros")
-    high = _int(max_micros, "max_micros")
+    low = as_int(min_micros, "min_micros")
+    high = as_int(max_micros, "max_micros")
     if low > high:
         raise ValueError("min_micros must not exceed max_micros")
     return low, high
@@ -49,7 +49,7 @@ def check_settle(request_id: str, usage: UsageRecord) -> None:
     """ValueError unless `usage` can be settled as `request_id`."""
     if not request_id:
         raise ValueError("request_id is required")
-    _check_usage_values(usage)
+    check_usage_values(usage)
 
 
 def settle_debit(cost: int, balance: int, held: int | None) -> int:
@@ -61,7 +61,7 @@ def settle_debit(cost: int, balance: int, held: int | None) -> int:
 
 def lease_grow_args(min_micros: Any, max_micros: Any, ttl_s: Any, share: Any) -> tuple[int, int, float, int]:
     """lease_grow's (min, max, ttl, share), checked."""
-    return _int(min_micros, "min_micros"), _int(max_micros, "max_micros"), float(ttl_s), max(1, int(share))
+    return as_int(min_micros, "min_micros"), as_int(max_micros, "max_micros"), float(ttl_s), max(1, int(share))
 
 
 def lease_grant(available: int, low: int, high: int, share: int) -> int:
@@ -87,7 +87,7 @@ def checked_rows(usages: list[tuple[str, UsageRecord]]) -> list[tuple | ValueErr
     rows: list[tuple | ValueError] = []
     for _, usage in usages:
         try:
-            _check_usage(usage)
+            check_usage(usage)
         except ValueError as exc:
             rows.append(exc)
             continue

@@ -109,7 +109,7 @@ class RequestLedger(abc.ABC):
         """Settle a request whose client waits for the end of its answer: the settlement is
         durable when this returns, and applied (as settle, exactly once) then or a moment
         later. A ledger on a database server writes it to a local file first and applies it
-        after (proxy/ledger/pg_spool.py), so the answer does not wait on a round trip; a
+        after (proxy/ledger/postgres/spool.py), so the answer does not wait on a round trip; a
         local ledger's commit is that file: it settles now."""
         await self.settle(request_id, usage, linger=False)
 

@@ -1,4 +1,4 @@
-"""The rules of keys, shared by every backend (sqlite_keys.py, pg_keys.py, and the request
+"""The rules of keys, shared by every backend (sqlite/keys.py, postgres/keys.py, and the request
 path's lookup in sqlite.py and postgres.py): what a new key, a limit change and a top-up may
 hold, which secret a presented one matches, what each KeyStore change means (which
 changes bump key_generation, when a key cannot be rotated), and how an audit entry is stored.
@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from proxy.ledger.base import NO_LIMITS, AuditEntry, KeyLimits, KeyRecord, LedgerError, UnknownKey
 from proxy.ledger.interface import KeyStore
-from proxy.ledger.schema import _int, _key_record, _models_json, _opt_limit, hash_secret, new_secret
+from proxy.ledger.schema import as_int, hash_secret, key_record_of, models_json, new_secret, opt_limit
 from proxy.ledger.usage import MAX_AMOUNT
 
 # The limit columns of a key, in the order the backends' INSERT lists them after the balance.
@@ -36,7 +36,7 @@ DUMMY_HASH = hashlib.sha256(b"responses-proxy: no such key").digest()
 
 def opt_budget(value: Any, what: str) -> int | None:
     """A budget in micros: a positive integer, or None (no budget)."""
-    return _opt_limit(value, what)
+    return opt_limit(value, what)
 
 
 def opt_time(value: Any, what: str) -> float | None:
@@ -49,11 +49,11 @@ def opt_time(value: Any, what: str) -> float | None:
 
 
 _CHECKS = {
-    "allowed_models": lambda value, _what: _models_json(value),
-    "concurrency": _opt_limit,
-    "rate_per_min": _opt_limit,
+    "allowed_models": lambda value, _what: models_json(value),
+    "concurrency": opt_limit,
+    "rate_per_min": opt_limit,
     "expires_at": opt_time,
-    "tokens_per_min": _opt_limit,
+    "tokens_per_min": opt_limit,
     "daily_budget_micros": opt_budget,
     "monthly_budget_micros": opt_budget,
 }
@@ -83,7 +83,7 @@ def new_key(name: Any, balance_micros: Any, limits: KeyLimits) -> NewKey:
     id and secret."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError("a key needs a name")
-    balance = _int(balance_micros, "balance_micros")
+    balance = as_int(balance_micros, "balance_micros")
     given = limits.given()
     values = tuple(_CHECKS[c](given.get(c), c) for c in LIMIT_COLUMNS)
     secret = new_secret()
@@ -123,7 +123,7 @@ def presented_key(digest: bytes, row: Any) -> KeyRecord | None:
     stored = bytes(row[0]) if row else DUMMY_HASH
     if not hmac.compare_digest(stored, digest) or row is None:
         return None
-    record = _key_record(tuple(row)[1:])
+    record = key_record_of(tuple(row)[1:])
     return None if record.revoked or record.expired() else record
 
 
@@ -154,7 +154,7 @@ class RuledKeyStore(KeyStore):
         return key.secret, await self._write_new_key(key)
 
     async def top_up(self, key_id: str, micros: int) -> int:
-        return await self._write_top_up(key_id, _int(micros, "micros", minimum=None))
+        return await self._write_top_up(key_id, as_int(micros, "micros", minimum=None))
 
     async def set_limits(self, key_id: str, limits: KeyLimits) -> KeyRecord:
         changes = limit_changes(limits)

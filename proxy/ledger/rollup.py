@@ -7,7 +7,7 @@
     UsageRecord.grouped_model. Never the client's string when a served model is known, so
     4,000 aliases of one model are one group, not 4,000; `hourly_sums` groups a batch of rows
     just inserted into one sum per group (the upsert SQLite's roll_up runs; PostgreSQL's
-    is the same grouping in SQL, proxy/ledger/pg_schema.py);
+    is the same grouping in SQL, proxy/ledger/postgres/schema.py);
   * how a time range is answered: `split_totals` splits [since, until) into the whole UTC
     hours between (read from the sums) and the ragged ends (read from the rows); a status
     filter reads the rows only (the sums keep no status);
@@ -15,8 +15,8 @@
   * what the console's filters select (`usage_filters` over the usage rows, `hourly_filters`
     over the sums) and the group columns the two backends spell alike.
 
-Pure: no I/O, and only the SQL both dialects spell alike. proxy/ledger/sqlite_console.py and
-pg_console.py hold the rest of the SQL.
+Pure: no I/O, and only the SQL both dialects spell alike. proxy/ledger/sqlite/console.py and
+postgres/console.py hold the rest of the SQL.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from proxy.ledger.base import USAGE_GROUPS, UsageTotals
 
 HOUR = 3600
-# Positions in a usage row as both backends insert it (sqlite_usage.py _INSERT_USAGE, pg_usage.py
+# Positions in a usage row as both backends insert it (sqlite/usage.py _INSERT_USAGE, postgres/usage.py
 # USAGE_COLUMNS): request_id, key_id, model, input, cached, output, reasoning, cost, debited,
 # status, created_at, worker, served_model, endpoint.
 _KEY, _MODEL, _INPUT, _CREATED, _WORKER, _SERVED = 1, 2, 3, 10, 11, 12

@@ -1,5 +1,5 @@
 """The SQLite ledger's tables and rows: the schema, checks of what goes into a row, records
-from rows, and the batch insert of usage rows that lease_commit runs (proxy/ledger/sqlite.py
+from rows, and the batch insert of usage rows that lease_commit runs (proxy/ledger/sqlite/ledger.py
 holds the operations; this module holds what they share and need no connection state for).
 """
 
@@ -108,7 +108,7 @@ CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
 # worker, added to in the transaction that inserts
 # the usage rows (roll_up below, called by settle and lease_commit: one upsert per group of a
 # batch, not per row): reports over days or months read these sums instead of every row
-# (proxy/ledger/sqlite_console.py; the rules: proxy/ledger/rollup.py). Derived data: filled from
+# (proxy/ledger/sqlite/console.py; the rules: proxy/ledger/rollup.py). Derived data: filled from
 # the usage rows when missing.
 _ROLLUP_SUMS = "input_tokens, cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros"
 ROLLUP = """
@@ -144,7 +144,7 @@ _ROLLUP_ADD = (
 
 
 def roll_up(conn: sqlite3.Connection, inserted: list[tuple[tuple, int]]) -> None:
-    """Add usage rows just inserted (each a row as proxy/ledger/sqlite_usage.py inserts it, and
+    """Add usage rows just inserted (each a row as proxy/ledger/sqlite/usage.py inserts it, and
     its debit) to the hourly sums, in the caller's transaction: one upsert per group
     (proxy/ledger/rollup.py)."""
     conn.executemany(_ROLLUP_ADD, hourly_sums(inserted))
@@ -185,7 +185,7 @@ def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(24)  # 24 bytes -> 32 urlsafe chars, 192 bits
 
 
-def _key_record(row: tuple) -> KeyRecord:
+def key_record_of(row: tuple) -> KeyRecord:
     models = json.loads(row[4]) if row[4] is not None else None
     return KeyRecord(
         key_id=row[0],
@@ -204,11 +204,11 @@ def _key_record(row: tuple) -> KeyRecord:
     )
 
 
-def _usage_record(row: tuple) -> UsageRecord:
+def usage_record_of(row: tuple) -> UsageRecord:
     return UsageRecord(*row)
 
 
-def _opt_limit(value: Any, what: str) -> int | None:
+def opt_limit(value: Any, what: str) -> int | None:
     """A concurrency or rate limit: a positive integer, or None (no limit). 0 is refused:
     it reads as "unlimited" to the limits middleware and as "nothing" to a person."""
     if value is None:
@@ -218,7 +218,7 @@ def _opt_limit(value: Any, what: str) -> int | None:
     return value
 
 
-def _int(value: Any, what: str, *, minimum: int | None = 0) -> int:
+def as_int(value: Any, what: str, *, minimum: int | None = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{what} must be an integer")
     if minimum is not None and value < minimum:
@@ -229,7 +229,7 @@ def _int(value: Any, what: str, *, minimum: int | None = 0) -> int:
     return value
 
 
-def _models_json(models: Any) -> str | None:
+def models_json(models: Any) -> str | None:
     if models is None:
         return None
     if isinstance(models, str):
@@ -241,24 +241,24 @@ def _models_json(models: Any) -> str | None:
 
 
 # The statements of lease_commit (one insert per usage row, then one update per key and lease).
-_DEBIT_KEY = "UPDATE keys SET balance_micros = balance_micros - ? WHERE key_id = ?"
+DEBIT_KEY = "UPDATE keys SET balance_micros = balance_micros - ? WHERE key_id = ?"
 # Without a new expiry the update leaves expires_at, and so both indexes on it, alone:
 # two fewer pages written (and fsync'd) per commit.
-_REDUCE_LEASE = "UPDATE holds SET amount_micros = MAX(0, amount_micros - ?) WHERE request_id = ? AND expires_at > ?"
-_REDUCE_AND_RENEW_LEASE = (
+REDUCE_LEASE = "UPDATE holds SET amount_micros = MAX(0, amount_micros - ?) WHERE request_id = ? AND expires_at > ?"
+REDUCE_AND_RENEW_LEASE = (
     "UPDATE holds SET amount_micros = MAX(0, amount_micros - ?), expires_at = ?"
     " WHERE request_id = ? AND expires_at > ?"
 )
 
 
-def _check_usage(usage: UsageRecord) -> None:
+def check_usage(usage: UsageRecord) -> None:
     """ValueError unless `usage` can be recorded (the first problem, in field order)."""
     if not usage.request_id:
         raise ValueError("request_id is required")
-    _check_usage_values(usage)
+    check_usage_values(usage)
 
 
-def _check_usage_values(usage: UsageRecord) -> None:
+def check_usage_values(usage: UsageRecord) -> None:
     """ValueError unless usage's status, served model and counts can be recorded (settle and lease_commit)."""
     if usage.status not in USAGE_STATUSES:
         raise ValueError(f"usage.status must be one of {sorted(USAGE_STATUSES)}")
@@ -268,9 +268,9 @@ def _check_usage_values(usage: UsageRecord) -> None:
     a, b, c, d, cost = (
         usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens, usage.cost_micros
     )
-    # The common case in one test; _int says what is wrong (or accepts an int subclass).
+    # The common case in one test; as_int says what is wrong (or accepts an int subclass).
     if not (type(a) is type(b) is type(c) is type(d) is type(cost) is int and min(a, b, c, d, cost) >= 0
             and max(a, b, c, d, cost) <= MAX_AMOUNT):
         for value, name in ((a, "input_tokens"), (b, "cached_tokens"), (c, "output_tokens"),
                             (d, "reasoning_tokens"), (cost, "cost_micros")):
-            _int(value, name)
+            as_int(value, name)

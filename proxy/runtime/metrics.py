@@ -38,7 +38,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from proxy import state
-from proxy.state import METRICS, NO_TOKENS, RequestContext
+from proxy.runtime.key_metrics import KeyMetrics
+from proxy.runtime.logs import log
+from proxy.state import LEDGER, METRICS, NO_TOKENS, RequestContext
 from proxy.upstream import affinity
 from proxy.upstream.workers import WorkerPool
 
@@ -477,8 +479,6 @@ class Metrics:
         return False
 
     async def refresh_ledger(self, app: web.Application) -> None:
-        from proxy.state import LEDGER
-
         ledger = app.get(LEDGER)
         counter = getattr(ledger, "count_holds", None) or getattr(ledger, "holds", None)
         if ledger is None or counter is None:
@@ -499,8 +499,6 @@ def observe(request: web.Request, ctx: RequestContext, status: int, elapsed_s: f
     try:
         metrics.observe(ctx, status, elapsed_s, ended)
     except Exception:  # metrics must never break a request
-        from proxy.runtime.logs import log
-
         log.exception("metrics update failed")
 
 
@@ -522,8 +520,6 @@ def install(app: web.Application, pool: WorkerPool, section: MetricsSettings) ->
     app[METRICS] = found = Metrics(pool, multiprocess_dir())
     app.router.add_get(section.path, metrics_handler)
     if section.key_ids or section.top_keys:
-        from proxy.runtime.key_metrics import KeyMetrics
-
         app[state.KEY_METRICS] = keys = KeyMetrics(list(section.key_ids), section.top_keys, section.key_refresh_s)
         found.registry.register(keys)
     if found.shared is not None:
@@ -537,8 +533,6 @@ def _pool_publisher(metrics: Metrics) -> Callable[[web.Application], Any]:
                 try:
                     metrics.publish_pool()
                 except Exception:  # metrics must never stop the process
-                    from proxy.runtime.logs import log
-
                     log.exception("metrics: publishing the worker figures failed")
                 await asyncio.sleep(POOL_PUBLISH_S)
 

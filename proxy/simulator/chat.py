@@ -62,28 +62,28 @@ class SimState:
 # --------------------------------------------------------------------------- helpers
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps(obj: Any) -> bytes:
     return orjson.dumps(obj)
 
 
 def _sse(obj: Any) -> bytes:
-    return b"data: " + (obj if isinstance(obj, bytes) else _dumps(obj)) + b"\n\n"
+    return b"data: " + (obj if isinstance(obj, bytes) else dumps(obj)) + b"\n\n"
 
 
-def _server_headers(st: SimState) -> dict[str, str]:
+def server_headers(st: SimState) -> dict[str, str]:
     headers = {"server": "uvicorn"}
     if st.dialect == "vllm":
         headers["vary"] = "Origin"
     return headers
 
 
-def _json_response(st: SimState, obj: Any, status: int = 200) -> web.Response:
+def json_answer(st: SimState, obj: Any, status: int = 200) -> web.Response:
     return web.Response(
-        body=_dumps(obj), status=status, content_type="application/json", headers=_server_headers(st)
+        body=dumps(obj), status=status, content_type="application/json", headers=server_headers(st)
     )
 
 
-def _error_obj(st: SimState, message: str, status: int, *, type: str | None = None, param: str | None = None,
+def error_object(st: SimState, message: str, status: int, *, type: str | None = None, param: str | None = None,
                flat: bool | None = None) -> dict:
     """vLLM: {"error": {message, type, param, code}}; SGLang (or flat): {object, message, type, param, code}."""
     err_type = type or ERROR_TYPES.get(status, "InternalServerError")
@@ -92,22 +92,22 @@ def _error_obj(st: SimState, message: str, status: int, *, type: str | None = No
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
-def _error(st: SimState, message: str, status: int, **kw: Any) -> web.Response:
-    return _json_response(st, _error_obj(st, message, status, **kw), status)
+def error_answer(st: SimState, message: str, status: int, **kw: Any) -> web.Response:
+    return json_answer(st, error_object(st, message, status, **kw), status)
 
 
 def _validation_error(st: SimState, detail: dict) -> web.Response:
     """FastAPI/pydantic's 400 for a body that fails validation, as vLLM prints it."""
     loc = detail["loc"]
     message = f"1 validation error:\n  {detail!r}"
-    return _error(st, message, 400, type="Bad Request", param=loc)
+    return error_answer(st, message, 400, type="Bad Request", param=loc)
 
 
-def _stream_error_line(st: SimState, message: str, code: int, err_type: str | None, flat: bool) -> bytes:
+def stream_error_line(st: SimState, message: str, code: int, err_type: str | None, flat: bool) -> bytes:
     """A mid-stream error event, as vLLM/SGLang's create_streaming_error_response (json.dumps) print it."""
-    obj = _error_obj(st, message, code, type=err_type, flat=True if flat else False)
+    obj = error_object(st, message, code, type=err_type, flat=True if flat else False)
     if not flat and st.dialect == "sglang":
-        obj = {"error": _error_obj(st, message, code, type=err_type, flat=True)}
+        obj = {"error": error_object(st, message, code, type=err_type, flat=True)}
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
@@ -115,7 +115,7 @@ class _ClientGone(ConnectionResetError):
     pass
 
 
-async def _sleep(request: web.Request, seconds: float) -> None:
+async def sleep_unless_gone(request: web.Request, seconds: float) -> None:
     """Sleep, but notice the client going away (raises ConnectionResetError)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
@@ -129,7 +129,7 @@ async def _sleep(request: web.Request, seconds: float) -> None:
         await asyncio.sleep(min(left, 0.05))
 
 
-def _abort(request: web.Request) -> None:
+def abort_connection(request: web.Request) -> None:
     transport = request.transport
     if transport is not None:
         transport.abort()
@@ -386,7 +386,7 @@ def _reserialise(arguments: str) -> str:
 # --------------------------------------------------------------------------- validation
 
 
-def _validate(st: SimState, raw: bytes) -> tuple[dict | None, web.Response | None]:
+def validate_chat(st: SimState, raw: bytes) -> tuple[dict | None, web.Response | None]:
     """Parse and check a chat body like vLLM/SGLang: (body, None) or (maybe body, error response)."""
     try:
         body = json.loads(raw)
@@ -410,7 +410,7 @@ def _validate(st: SimState, raw: bytes) -> tuple[dict | None, web.Response | Non
         message = f"The model `{model}` does not exist."
         if st.dialect == "vllm":
             message += f" Valid aliases: {', '.join(st.models)}."
-        return body, _error(st, message, 404, param="model")
+        return body, error_answer(st, message, 404, param="model")
     return body, None
 
 
@@ -419,29 +419,29 @@ def _max_tokens(body: dict) -> Any:
     return body.get("max_tokens") if mt is None else mt
 
 
-def _context_check(st: SimState, body: dict, prompt_tokens: int) -> tuple[int | None, web.Response | None]:
+def context_check(st: SimState, body: dict, prompt_tokens: int) -> tuple[int | None, web.Response | None]:
     """vLLM: overlong prompt or max_tokens > max_model_len is a 400; prompt + max_tokens over is clamped.
     SGLang: prompt + max_tokens over is a 400 too."""
     mml = st.max_model_len
     mt = _max_tokens(body)
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
-        return None, _error(st, f"max_tokens must be at least 1, got {mt}.", 400, param="max_tokens")
+        return None, error_answer(st, f"max_tokens must be at least 1, got {mt}.", 400, param="max_tokens")
     if st.dialect == "sglang":
         if prompt_tokens >= mml:
-            return None, _error(st, f"The input ({prompt_tokens} tokens) is longer than the model's context "
+            return None, error_answer(st, f"The input ({prompt_tokens} tokens) is longer than the model's context "
                                     f"length ({mml} tokens).", 400)
         if mt is not None and prompt_tokens + mt > mml:
-            return None, _error(st, f"Requested token count exceeds the model's maximum context length of {mml} "
+            return None, error_answer(st, f"Requested token count exceeds the model's maximum context length of {mml} "
                                     f"tokens. You requested a total of {prompt_tokens + mt} tokens: {prompt_tokens} "
                                     f"tokens from the input messages and {mt} tokens for the completion. Please "
                                     f"reduce the number of tokens in the input messages or the completion to fit "
                                     f"within the limit.", 400)
         return (mt if mt is not None else mml - prompt_tokens), None
     if mt is not None and mt > mml:
-        return None, _error(st, f"max_tokens={mt} cannot be greater than max_model_len={mml}. Please request fewer "
-                                f"output tokens. (parameter=max_tokens, value={mt})", 400, param="max_tokens")
+        return None, error_answer(st, f"max_tokens={mt} cannot be greater than max_model_len={mml}. Please request "
+                                  f"fewer output tokens. (parameter=max_tokens, value={mt})", 400, param="max_tokens")
     if prompt_tokens > mml:
-        return None, _error(st, f"This model's maximum context length is {mml} tokens. However, your prompt "
+        return None, error_answer(st, f"This model's maximum context length is {mml} tokens. However, your prompt "
                                 f"contains at least {prompt_tokens} input tokens, which exceeds this limit even "
                                 f"without any output tokens. Please reduce the length of the input prompt. "
                                 f"(parameter=input_tokens, value={prompt_tokens})", 400, param="input_tokens")

@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.simulator.chat import _abort, _error, _server_headers, _sleep
+from proxy.simulator.chat import abort_connection, error_answer, server_headers, sleep_unless_gone
 from proxy.simulator.script import content_text, default_plan, find_directive, generate, new_tool_id, tokenize
 from proxy.state import SIM_STATE
 
@@ -41,13 +41,13 @@ async def _body(request: web.Request) -> tuple[dict | None, web.Response | None]
     try:
         body = json.loads(await request.read())
     except ValueError:
-        return None, _error(st, "JSON decode error", 400)
+        return None, error_answer(st, "JSON decode error", 400)
     if not isinstance(body, dict):
-        return None, _error(st, "Input should be a valid dictionary", 400)
+        return None, error_answer(st, "Input should be a valid dictionary", 400)
     st.requests.append({**body, "_path": request.path})
     model = body.get("model")
     if model is not None and model not in st.models:
-        return None, _error(st, f"The model `{model}` does not exist.", 404, param="model")
+        return None, error_answer(st, f"The model `{model}` does not exist.", 404, param="model")
     return body, None
 
 
@@ -59,13 +59,13 @@ def _script(st: Any, messages: list) -> dict:
 async def _early(request: web.Request, script: dict) -> web.StreamResponse | None:
     st = request.app[SIM_STATE]
     if script.get("first_byte_delay"):
-        await _sleep(request, float(script["first_byte_delay"]))
+        await sleep_unless_gone(request, float(script["first_byte_delay"]))
     if script.get("status"):
         status = int(script["status"])
         if "body" in script:
             text = script["body"] if isinstance(script["body"], str) else json.dumps(script["body"])
             return web.Response(status=status, text=text, content_type="application/json")
-        return _error(st, str(script.get("message") or "simulated upstream error"), status)
+        return error_answer(st, str(script.get("message") or "simulated upstream error"), status)
     return None
 
 
@@ -86,15 +86,15 @@ def _pieces(script: dict, body: dict, prompt: str, max_tokens: int | None) -> tu
 async def _faulty_stream(request: web.Request, script: dict, events: list[bytes]) -> web.StreamResponse:
     st = request.app[SIM_STATE]
     resp = web.StreamResponse(status=200, headers={"content-type": "text/event-stream; charset=utf-8",
-                                                   **_server_headers(st)})
+                                                   **server_headers(st)})
     await resp.prepare(request)
     delay = float(script.get("delay") or 0)
     for i, event in enumerate(events):
         if script.get("drop_after") is not None and i > int(script["drop_after"]):
-            _abort(request)
+            abort_connection(request)
             return resp
         if script.get("stall_after") is not None and i > int(script["stall_after"]):
-            await _sleep(request, math.inf)
+            await sleep_unless_gone(request, math.inf)
         if script.get("endless_line") and i == 2:
             await resp.write(b'data: {"id":"')
             while True:
@@ -108,7 +108,7 @@ async def _faulty_stream(request: web.Request, script: dict, events: list[bytes]
                 await resp.write(ping)
                 await asyncio.sleep(0.01)
         if delay and i:
-            await _sleep(request, delay)
+            await sleep_unless_gone(request, delay)
         await resp.write(event)
     await resp.write_eof()
     return resp
@@ -166,7 +166,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     raw = body.get("input")
     inputs = [raw] if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)) else raw
     if not isinstance(inputs, list) or not inputs:
-        return _error(st, "input must be a string or a list", 400)
+        return error_answer(st, "input must be a string or a list", 400)
     script = _script(st, [])
     early = await _early(request, script)
     if early is not None:

@@ -40,16 +40,16 @@ from proxy.simulator.chat import (
     SSE_CONTENT_TYPE,
     Chat,
     SimState,
-    _abort,
-    _context_check,
-    _dumps,
-    _error,
-    _error_obj,
-    _json_response,
-    _server_headers,
-    _sleep,
-    _stream_error_line,
-    _validate,
+    abort_connection,
+    context_check,
+    dumps,
+    error_answer,
+    error_object,
+    json_answer,
+    server_headers,
+    sleep_unless_gone,
+    stream_error_line,
+    validate_chat,
 )
 from proxy.simulator.script import (
     default_plan,
@@ -74,14 +74,14 @@ _DEFAULTS: SimulatorSettings = config_settings.of("simulator")
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[SIM_STATE]
-    body, err = _validate(st, await request.read())
+    body, err = validate_chat(st, await request.read())
     if err is not None:
         return err
     assert body is not None
     messages = body["messages"]
     prompt = render_prompt(messages, body.get("tools"))
     tokens = tokenize(prompt)
-    max_tokens, err = _context_check(st, body, len(tokens))
+    max_tokens, err = context_check(st, body, len(tokens))
     if err is not None:
         return err
 
@@ -115,21 +115,21 @@ async def _before_headers(request: web.Request, chat: Chat) -> web.StreamRespons
     """Faults that happen before any response byte; returns a response to send instead, if any."""
     s, st = chat.script, chat.st
     if s.get("first_byte_delay"):
-        await _sleep(request, float(s["first_byte_delay"]))
+        await sleep_unless_gone(request, float(s["first_byte_delay"]))
     if s.get("reset_before_headers"):
-        _abort(request)
+        abort_connection(request)
         return web.Response(status=500)  # never reaches the client
     if s.get("status"):
         status = int(s["status"])
-        headers = _server_headers(st)
+        headers = server_headers(st)
         headers.update({str(k): str(v) for k, v in (s.get("headers") or {}).items()})
         if "body" in s:
             text = s["body"] if isinstance(s["body"], str) else json.dumps(s["body"])
             ctype = s.get("content_type") or ("application/json" if text.lstrip()[:1] in ("{", "[") else "text/html")
             return web.Response(status=status, text=text, content_type=ctype, headers=headers)
-        obj = _error_obj(st, str(s.get("message") or "simulated upstream error"), status,
+        obj = error_object(st, str(s.get("message") or "simulated upstream error"), status,
                          flat=True if s.get("flat_error") else None)
-        return web.Response(status=status, body=_dumps(obj), content_type="application/json", headers=headers)
+        return web.Response(status=status, body=dumps(obj), content_type="application/json", headers=headers)
     return None
 
 
@@ -151,24 +151,24 @@ async def _respond(request: web.Request, chat: Chat) -> web.StreamResponse:
         if s.get(key) is not None:
             n = min(n, int(s[key]))
     if s.get("delay"):
-        await _sleep(request, float(s["delay"]) * n)
+        await sleep_unless_gone(request, float(s["delay"]) * n)
     if s.get("stall_after") is not None:
-        await _sleep(request, math.inf)
+        await sleep_unless_gone(request, math.inf)
     if s.get("drop_after") is not None:
-        _abort(request)
+        abort_connection(request)
         return web.Response(status=500)
     for key in ("error_first", "error_after"):
         if s.get(key) is not None and s.get(key) is not False:
             message, code, err_type = _script_error(chat, "error_first" if key == "error_first" else "error")
-            return _json_response(st, _error_obj(st, message, code, type=err_type,
+            return json_answer(st, error_object(st, message, code, type=err_type,
                                                  flat=True if s.get("flat_error") else None), code)
     if s.get("garbage"):
         text = s["garbage"] if isinstance(s["garbage"], str) else "<html>not json</html>"
-        return web.Response(text=text, content_type="application/json", headers=_server_headers(st))
+        return web.Response(text=text, content_type="application/json", headers=server_headers(st))
     if s.get("endless_line"):
         return await _endless(request, chat, web.StreamResponse(headers={"content-type": "application/json",
-                                                                         **_server_headers(st)}), b"")
-    return _json_response(st, chat.completion())
+                                                                         **server_headers(st)}), b"")
+    return json_answer(st, chat.completion())
 
 
 async def _endless(request: web.Request, chat: Chat, resp: web.StreamResponse, prefix: bytes) -> web.StreamResponse:
@@ -192,7 +192,7 @@ async def _stream(request: web.Request, chat: Chat) -> web.StreamResponse:
     early = await _before_headers(request, chat)
     if early is not None:
         return early
-    resp = web.StreamResponse(status=200, headers={"content-type": SSE_CONTENT_TYPE, **_server_headers(st)})
+    resp = web.StreamResponse(status=200, headers={"content-type": SSE_CONTENT_TYPE, **server_headers(st)})
     await resp.prepare(request)
 
     delay = float(s.get("delay") or 0)
@@ -209,7 +209,7 @@ async def _stream(request: web.Request, chat: Chat) -> web.StreamResponse:
             buf.extend(data)
             return
         if wrote_any and delay:
-            await _sleep(request, delay)
+            await sleep_unless_gone(request, delay)
         await resp.write(data)
         wrote_any = True
 
@@ -221,7 +221,7 @@ async def _stream(request: web.Request, chat: Chat) -> web.StreamResponse:
     flat = bool(s.get("flat_error"))
     if s.get("error_first") is not None and s.get("error_first") is not False:
         message, code, err_type = _script_error(chat, "error_first")
-        await emit(_stream_error_line(st, message, code, err_type, flat))
+        await emit(stream_error_line(st, message, code, err_type, flat))
         await emit(b"data: [DONE]\n\n")
         await flush()
         return resp
@@ -242,14 +242,14 @@ async def _stream(request: web.Request, chat: Chat) -> web.StreamResponse:
                     await flush()
                     if key == "error_after":
                         message, code, err_type = _script_error(chat, "error")
-                        await emit(_stream_error_line(st, message, code, err_type, flat))
+                        await emit(stream_error_line(st, message, code, err_type, flat))
                         await emit(b"data: [DONE]\n\n")
                         await flush()
                         return resp
                     if key == "drop_after":
-                        _abort(request)
+                        abort_connection(request)
                         return resp
-                    await _sleep(request, math.inf)  # stall_after
+                    await sleep_unless_gone(request, math.inf)  # stall_after
             if endless:
                 await flush()
                 return await _endless(request, chat, resp, b"")
@@ -279,11 +279,11 @@ async def models_handler(request: web.Request) -> web.Response:
                     "organization": "*", "group": None, "is_blocking": False}
             data.append({"id": m, "object": "model", "created": st.created, "owned_by": "vllm", "root": m,
                          "parent": None, "max_model_len": st.max_model_len, "permission": [perm]})
-    return _json_response(st, {"object": "list", "data": data})
+    return json_answer(st, {"object": "list", "data": data})
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200, headers=_server_headers(request.app[SIM_STATE]))
+    return web.Response(status=200, headers=server_headers(request.app[SIM_STATE]))
 
 
 async def tokenize_handler(request: web.Request) -> web.Response:
@@ -291,9 +291,9 @@ async def tokenize_handler(request: web.Request) -> web.Response:
     try:
         body = json.loads(await request.read())
     except ValueError as e:
-        return _error(st, f"JSON decode error: {e}", 400)
+        return error_answer(st, f"JSON decode error: {e}", 400)
     if not isinstance(body, dict):
-        return _error(st, "body must be a JSON object", 400)
+        return error_answer(st, "body must be a JSON object", 400)
     if isinstance(body.get("messages"), list):
         # As vLLM 0.32: its chat endpoint renames an assistant's reasoning_content to
         # reasoning, its /tokenize reads only reasoning. SGLang reads reasoning_content.
@@ -303,12 +303,12 @@ async def tokenize_handler(request: web.Request) -> web.Response:
     elif isinstance(body.get("prompt"), str):
         text = body["prompt"]
     else:
-        return _error(st, "Either 'prompt' or 'messages' must be provided.", 400)
+        return error_answer(st, "Either 'prompt' or 'messages' must be provided.", 400)
     toks = tokenize(text)
     ids = [token_id(t) for t in toks]
     if st.dialect == "sglang":
-        return _json_response(st, {"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})
-    return _json_response(st, {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids,
+        return json_answer(st, {"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})
+    return json_answer(st, {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids,
                                "token_strs": toks if body.get("return_token_strs") else None})
 
 
@@ -333,7 +333,7 @@ async def sim_requests(request: web.Request) -> web.Response:
     if request.method == "DELETE":
         st.requests.clear()
         return web.json_response({"requests": 0})
-    return web.Response(body=_dumps(st.requests), content_type="application/json")
+    return web.Response(body=dumps(st.requests), content_type="application/json")
 
 
 async def sim_state(request: web.Request) -> web.Response:

@@ -32,6 +32,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config import settings as config_settings
+from proxy.runtime.logs import log
 
 if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
     from proxy.config.sections import HealthOutlier, Workers, WorkersTimeouts
@@ -296,8 +297,6 @@ class WorkerPool:
         bound = self._ejection_bound(worker)
         if bound is not None:
             if worker.consecutive_failures == self.outlier.consecutive_failures:  # once per streak
-                from proxy.runtime.logs import log
-
                 log.warning("worker not ejected", worker=worker.name, reason=reason, bound=bound,
                             failures=worker.consecutive_failures)
             return False
@@ -307,8 +306,6 @@ class WorkerPool:
         worker.ejected_until = now + ejection_time(self.outlier, worker.ejection_multiplier)
         worker.last_ejected_at = now
         worker.ejections_total += 1
-        from proxy.runtime.logs import log
-
         log.warning("worker ejected", worker=worker.name, reason=reason,
                     failures=worker.consecutive_failures,
                     seconds=round(worker.ejected_until - now, 3), ejections=worker.ejections_total)
@@ -319,8 +316,6 @@ class WorkerPool:
         if worker.ejected and time.monotonic() >= worker.ejected_until:
             worker.ejected = False
             worker.consecutive_failures = 0
-            from proxy.runtime.logs import log
-
             log.info("worker re-admitted", worker=worker.name)
             return True
         return False

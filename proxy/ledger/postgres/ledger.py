@@ -1,5 +1,5 @@
 """The PostgreSQL ledger backend (asyncpg): the same interface and rules as the SQLite
-ledger (proxy/ledger/sqlite.py), shared by every replica of the proxy.
+ledger (proxy/ledger/sqlite/ledger.py), shared by every replica of the proxy.
 
 Locking: row locks, not SERIALIZABLE. Every operation that moves money or reserves it
 (hold, hold_up_to, settle, lease_grow, lease_commit) begins its READ COMMITTED transaction
@@ -35,8 +35,8 @@ debit, and the same amount off the lease row, if the row is still there), so the
 reserves at least what memory believes until then (never an overdraft), and after the replay
 exactly that. A lease row whose renewal could not be committed just expires.
 
-Key changes NOTIFY every replica (proxy/ledger/pg_listen.py); the schema is migrated by
-the proxy under an advisory lock (proxy/ledger/pg_schema.py).
+Key changes NOTIFY every replica (proxy/ledger/postgres/listen.py); the schema is migrated by
+the proxy under an advisory lock (proxy/ledger/postgres/schema.py).
 """
 
 from __future__ import annotations
@@ -78,15 +78,15 @@ from proxy.ledger.commit_rules import (
 )
 from proxy.ledger.interface import Ledger
 from proxy.ledger.key_rules import presented_key
-from proxy.ledger.pg_console import PgConsoleOps
-from proxy.ledger.pg_errors import FAULT, RETRY, classify, describe
-from proxy.ledger.pg_faults import PgFaults
-from proxy.ledger.pg_keys import KEY_COLUMNS, PgKeyOps
-from proxy.ledger.pg_listen import KeyListener
-from proxy.ledger.pg_schema import migrate
-from proxy.ledger.pg_spool import PgSpoolOps
-from proxy.ledger.pg_usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
-from proxy.ledger.schema import _int, hash_secret
+from proxy.ledger.postgres.console import PgConsoleOps
+from proxy.ledger.postgres.errors import FAULT, RETRY, classify, describe
+from proxy.ledger.postgres.faults import PgFaults
+from proxy.ledger.postgres.keys import KEY_COLUMNS, PgKeyOps
+from proxy.ledger.postgres.listen import KeyListener
+from proxy.ledger.postgres.schema import migrate
+from proxy.ledger.postgres.spool import PgSpoolOps
+from proxy.ledger.postgres.usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
+from proxy.ledger.schema import as_int, hash_secret
 from proxy.ledger.spool import Spool, release_record, settle_record
 
 log = logging.getLogger("proxy.ledger")
@@ -165,7 +165,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         self._connecting: asyncio.Task | None = None  # start() found the database down: retries
         self._owner: asyncio.Task | None = None  # the task connecting (it alone uses the database)
         self._closed = False
-        # A fault no retry fixes (pg_errors.FAULT): its cause while it lasts; new holds are
+        # A fault no retry fixes (postgres.errors.FAULT): its cause while it lasts; new holds are
         # refused meanwhile (503 ledger_fault) and leases are not spent (proxy/ledger/lease.py).
         # Set by the failing call, cleared only by a probe that passes (_probe).
         self.fault: str | None = None
@@ -343,7 +343,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         return await self._db(op, transaction=False)
 
     async def hold(self, request_id: str, key_id: str, amount_micros: int, ttl_s: float) -> Hold:
-        amount = _int(amount_micros, "amount_micros")
+        amount = as_int(amount_micros, "amount_micros")
         return await self._hold(request_id, key_id, amount, amount, ttl_s, None)
 
     async def hold_up_to(self, request_id: str, key_id: str, min_micros: int, max_micros: int, ttl_s: float,

@@ -10,7 +10,7 @@ would fail loudly, which is what tests/test_ledger_pg.py's "4 replicas start at 
 
 Tables match the SQLite ledger's (proxy/ledger/schema.py) column for column, so records
 and checks are shared; money is BIGINT micro-units, times are DOUBLE PRECISION Unix
-seconds written by the proxy (not the database's clock: see proxy/ledger/postgres.py).
+seconds written by the proxy (not the database's clock: see proxy/ledger/postgres/ledger.py).
 Migration 3 adds usage_hourly, the hourly sums of SQLite's schema (proxy/ledger/schema.py
 ROLLUP; the rules: proxy/ledger/rollup.py), filled from the rows already there in the same
 transaction. The sums are kept by a statement-level trigger on usage, not by the proxy's

@@ -1,6 +1,6 @@
 """The PostgreSQL ledger's spool: settlements written to a local file first, applied to the
-database after. A mixin of PostgresLedger (proxy/ledger/postgres.py), which supplies `_db`,
-`spool` (proxy/ledger/spool.py), `stats`, the fault state (proxy/ledger/pg_faults.py) and
+database after. A mixin of PostgresLedger (proxy/ledger/postgres/ledger.py), which supplies `_db`,
+`spool` (proxy/ledger/spool.py), `stats`, the fault state (proxy/ledger/postgres/faults.py) and
 `replay_interval_s`.
 
 Two ways in, one way out:
@@ -11,7 +11,7 @@ Two ways in, one way out:
   * `_spool` (settle, release or lease_commit that could not reach the database, whatever the
     reason): the same file.
   * the drainer (`_drain_forever`), woken by each append and every replay_interval_s: the
-    spool's records in batches, one transaction each (proxy/ledger/pg_usage.py settle_batch,
+    spool's records in batches, one transaction each (proxy/ledger/postgres/usage.py settle_batch,
     insert_usage_batch), exactly once by request id.
 
 Why this keeps every guarantee (README "PostgreSQL: what each fault gets"):
@@ -48,8 +48,8 @@ from proxy.ledger.base import (
     UsageRecord,
 )
 from proxy.ledger.commit_rules import usage_row
-from proxy.ledger.pg_usage import insert_usage_batch, lease_changes, settle_batch
-from proxy.ledger.schema import _check_usage_values
+from proxy.ledger.postgres.usage import insert_usage_batch, lease_changes, settle_batch
+from proxy.ledger.schema import check_usage_values
 from proxy.ledger.spool import APPLIED, KEPT, REJECTED, Spool, settle_record, usage_of
 
 log = logging.getLogger("proxy.ledger")
@@ -82,7 +82,7 @@ class PgSpoolOps:
         applies it to the database, exactly once (see the module's docstring)."""
         if not request_id:
             raise ValueError("request_id is required")
-        _check_usage_values(usage)
+        check_usage_values(usage)
         try:
             await self.spool.write([settle_record(request_id, usage)])
         except OSError as exc:
@@ -160,7 +160,7 @@ class PgSpoolOps:
                 continue
             try:
                 usage = usage_of(record)
-                _check_usage_values(usage)
+                check_usage_values(usage)
                 row = usage_row(usage, record["request_id"])
             except (ValueError, TypeError, KeyError) as exc:
                 log.error("ledger spool: %s of %s is not a valid settlement (%s): set aside", record["kind"],

@@ -1,7 +1,7 @@
 """The SQLite ledger backend: the SQL of keys, holds, settles, leases and usage; keys stored hashed.
 
 Every operation is a plain function of a connection run by the group-commit writer
-(proxy/ledger/writer.py: one thread, one connection, group commit), with the durability it
+(proxy/ledger/sqlite/writer.py: one thread, one connection, group commit), with the durability it
 needs: READ for reads, HOLD for holds and lease growth (committed without fsync, see there
 why that is safe), SYNC for settles and key changes, LINGER for a settle nobody waits for.
 
@@ -59,21 +59,21 @@ from proxy.ledger.commit_rules import (
 from proxy.ledger.interface import Ledger
 from proxy.ledger.key_rules import presented_key
 from proxy.ledger.schema import (
-    _DEBIT_KEY,
-    _REDUCE_AND_RENEW_LEASE,
-    _REDUCE_LEASE,
+    DEBIT_KEY,
     KEY_COLUMNS as _KEY_COLUMNS,
-    _int,
-    _key_record,
-    _usage_record,
+    REDUCE_AND_RENEW_LEASE,
+    REDUCE_LEASE,
     apply_schema,
+    as_int,
     hash_secret,
+    key_record_of,
     roll_up,
+    usage_record_of,
 )
-from proxy.ledger.sqlite_console import ConsoleOps
-from proxy.ledger.sqlite_keys import KeyOps
-from proxy.ledger.sqlite_usage import record_usage
-from proxy.ledger.writer import Durability, GroupWriter
+from proxy.ledger.sqlite.console import ConsoleOps
+from proxy.ledger.sqlite.keys import KeyOps
+from proxy.ledger.sqlite.usage import record_usage
+from proxy.ledger.sqlite.writer import Durability, GroupWriter
 
 READ, HOLD, SYNC, LINGER = Durability.READ, Durability.HOLD, Durability.SYNC, Durability.LINGER
 
@@ -141,7 +141,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
     @staticmethod
     def _get_key(conn: sqlite3.Connection, key_id: str) -> KeyRecord | None:
         row = conn.execute(f"SELECT {_KEY_COLUMNS} FROM keys WHERE key_id = ?", (key_id,)).fetchone()
-        return _key_record(row) if row else None
+        return key_record_of(row) if row else None
 
     # ------------------------------------------------------------------ the request path
 
@@ -162,7 +162,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         return await self._run(lambda conn: self._available(conn, key_id, time.time())[1], READ)
 
     async def hold(self, request_id: str, key_id: str, amount_micros: int, ttl_s: float) -> Hold:
-        amount = _int(amount_micros, "amount_micros")
+        amount = as_int(amount_micros, "amount_micros")
         ttl = hold_ttl(request_id, ttl_s)
         return await self._run(self._hold_op(request_id, key_id, amount, amount, ttl), HOLD, atomic=True)
 
@@ -266,7 +266,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
                     return None
                 raise
             if debit:
-                conn.execute(_DEBIT_KEY, (debit, key_id))
+                conn.execute(DEBIT_KEY, (debit, key_id))
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
             roll_up(conn, [((request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served,
                              endpoint),
@@ -354,16 +354,16 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             roll_up(conn, [(row, debit) for row, debit in zip(rows, results) if type(debit) is int])
             for key_id, debit in debits.items():
                 if debit:
-                    conn.execute(_DEBIT_KEY, (debit, key_id))
+                    conn.execute(DEBIT_KEY, (debit, key_id))
             lapsed: set[str] = set()
             for lease_id, (total, expires_at, drop) in lease_row_changes(taken, leases, now).items():
                 if drop:
                     conn.execute("DELETE FROM holds WHERE request_id = ?", (lease_id,))
                     continue
                 if expires_at is None:  # the common case: leaves the expiry indexes untouched
-                    done = conn.execute(_REDUCE_LEASE, (total, lease_id, now)).rowcount
+                    done = conn.execute(REDUCE_LEASE, (total, lease_id, now)).rowcount
                 else:
-                    done = conn.execute(_REDUCE_AND_RENEW_LEASE, (total, expires_at, lease_id, now)).rowcount
+                    done = conn.execute(REDUCE_AND_RENEW_LEASE, (total, expires_at, lease_id, now)).rowcount
                 if not done:
                     lapsed.add(lease_id)
             return results, lapsed
@@ -383,7 +383,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         def op(conn: sqlite3.Connection) -> UsageRecord | None:
             row = conn.execute(f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE request_id = ?",
                                (request_id,)).fetchone()
-            return _usage_record(row) if row else None
+            return usage_record_of(row) if row else None
 
         return await self._run(op, READ)
 
@@ -398,7 +398,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
                     f"SELECT {USAGE_RECORD_COLUMNS} FROM usage WHERE key_id = ? ORDER BY seq DESC LIMIT ?",
                     (key_id, limit),
                 )
-            return [_usage_record(r) for r in rows]
+            return [usage_record_of(r) for r in rows]
 
         return await self._run(op, READ)
 

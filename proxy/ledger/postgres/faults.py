@@ -1,14 +1,14 @@
-"""The PostgreSQL ledger's fault state: a mixin of PostgresLedger (proxy/ledger/postgres.py),
+"""The PostgreSQL ledger's fault state: a mixin of PostgresLedger (proxy/ledger/postgres/ledger.py),
 which supplies the connection settings, `stats`, `spool` and `retry_after_s`.
 
-A driver error is classified by proxy/ledger/pg_errors.py. An UNAVAILABLE one is only
+A driver error is classified by proxy/ledger/postgres/errors.py. An UNAVAILABLE one is only
 answered (LedgerUnavailable: 503, the settlement spooled). A FAULT (no retry fixes it) is
 also remembered in `fault` (its cause) until a probe passes: a fresh connection, so a
 rejected password shows, reading every ledger table, so a missing one shows. Meanwhile new
 holds and lease growth are refused at once (503 ledger_fault: what they would reserve could
 not be settled), leases are not spent (proxy/ledger/lease.py), /readyz names the cause, and
 the operator reads one log line when it starts (again each minute while it lasts) and one
-when it ends. Settlements are never refused: they wait in the spool (proxy/ledger/pg_spool.py).
+when it ends. Settlements are never refused: they wait in the spool (proxy/ledger/postgres/spool.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import asyncpg
 
 from proxy.ledger.base import FAULT_EXPLAINED as EXPLAIN, LedgerFault, LedgerUnavailable
-from proxy.ledger.pg_errors import FAULT, Failure, classify, describe
+from proxy.ledger.postgres.errors import FAULT, Failure, classify, describe
 from proxy.ledger.spool import Spool
 
 log = logging.getLogger("proxy.ledger")

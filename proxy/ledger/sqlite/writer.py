@@ -1,6 +1,6 @@
 """The ledger's group-commit writer: one thread, one connection, a durability per operation.
 
-It knows nothing of keys, holds or usage (proxy/ledger/sqlite.py is the SQL); it runs plain
+It knows nothing of keys, holds or usage (proxy/ledger/sqlite/ledger.py is the SQL); it runs plain
 functions of a connection, each with the `Durability` its caller needs, and resolves their
 futures once they are committed that durably.
 

@@ -1,10 +1,10 @@
 """The PostgreSQL ledger's key management: the SQL of each key change, and the key reads.
 
-A mixin of PostgresLedger (proxy/ledger/postgres.py), which supplies `_db` (a pooled
+A mixin of PostgresLedger (proxy/ledger/postgres/ledger.py), which supplies `_db` (a pooled
 connection in a transaction). What a change means (the checks, key_generation) is
 proxy/ledger/key_rules.py's `RuledKeyStore`, shared with the SQLite ledger. A change a cached
 lookup could miss (limits, revoke, rotate) also NOTIFYs every replica in its own transaction
-(proxy/ledger/pg_listen.py). A top-up does not: no cached field depends on it.
+(proxy/ledger/postgres/listen.py). A top-up does not: no cached field depends on it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, cast
 
 from proxy.ledger.base import KeyRecord, UnknownKey
 from proxy.ledger.key_rules import INSERT_COLUMNS, NewKey, RuledKeyStore, check_rotatable, topped_up
-from proxy.ledger.pg_listen import CHANNEL
-from proxy.ledger.schema import KEY_COLUMNS, _key_record
+from proxy.ledger.postgres.listen import CHANNEL
+from proxy.ledger.schema import KEY_COLUMNS, key_record_of
 
 _NOTIFY = f"SELECT pg_notify('{CHANNEL}', $1)"
 _INSERT_KEY = (f"INSERT INTO keys ({', '.join(INSERT_COLUMNS)})"
@@ -26,7 +26,7 @@ _INSERT_TOPUP = "INSERT INTO topups (key_id, micros, created_at) VALUES ($1, $2,
 
 async def _get_key(conn: Any, key_id: str) -> KeyRecord | None:
     row = await conn.fetchrow(f"SELECT {KEY_COLUMNS} FROM keys WHERE key_id = $1", key_id)
-    return _key_record(tuple(row)) if row else None
+    return key_record_of(tuple(row)) if row else None
 
 
 class PgKeyOps(RuledKeyStore):
@@ -41,7 +41,7 @@ class PgKeyOps(RuledKeyStore):
     async def list_keys(self) -> list[KeyRecord]:
         async def op(conn: Any) -> list[KeyRecord]:
             rows = await conn.fetch(f"SELECT {KEY_COLUMNS} FROM keys ORDER BY created_at, key_id")
-            return [_key_record(tuple(r)) for r in rows]
+            return [key_record_of(tuple(r)) for r in rows]
 
         return await self._db(op, transaction=False)
 

@@ -1,10 +1,10 @@
 """The PostgreSQL ledger's usage rows: the row of a UsageRecord, and lease_commit's batch
 (insert exactly once, debit clamped at the balance, take the debits off the lease rows).
-The same contract as proxy/ledger/sqlite_usage.py's record_usage (tests/test_ledger_lease_commit.py
+The same contract as proxy/ledger/sqlite/usage.py's record_usage (tests/test_ledger_lease_commit.py
 checks both against one model), by the same rules (proxy/ledger/commit_rules.py), in
 PostgreSQL: the key rows locked first, in key_id order.
 The hourly sums of the rows inserted here are added by the database itself, in the same
-transaction (the trigger of proxy/ledger/pg_schema.py migration 3): nothing to call.
+transaction (the trigger of proxy/ledger/postgres/schema.py migration 3): nothing to call.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ async def insert_usage_batch(conn: Any, rows: list[Any], lease_ids: list[str]
     """Insert the rows (or their validation errors) in order, each exactly once, debiting
     its cost clamped at what is left of its key's balance. Returns (per row: the debit,
     None if recorded already, or the error; per lease id, the debits of its new rows).
-    `rows` as proxy.ledger.sqlite_usage.record_usage takes them."""
+    `rows` as proxy.ledger.sqlite.usage.record_usage takes them."""
     balances = await _lock_balances(conn, rows)
     results, todo, clamps = plan_batch(rows, balances)
     debits: dict[str, int] = defaultdict(int)

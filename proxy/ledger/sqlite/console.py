@@ -2,7 +2,7 @@
 rows over a time range (paginated by seq), usage totals grouped by key / model / worker /
 day / hour, and a key's spend since a time (budgets).
 
-A mixin of SQLiteLedger (proxy/ledger/sqlite.py), which supplies `_run`. Only SQL lives
+A mixin of SQLiteLedger (proxy/ledger/sqlite/ledger.py), which supplies `_run`. Only SQL lives
 here: what a group, a filter or a range means is proxy/ledger/rollup.py's (shared with the
 PostgreSQL ledger) and the caller's (proxy/ledger/service.py); an audit row's encoding is
 proxy/ledger/key_rules.py's.
@@ -29,7 +29,7 @@ from proxy.ledger.rollup import (
     split_totals,
     usage_filters,
 )
-from proxy.ledger.writer import Durability
+from proxy.ledger.sqlite.writer import Durability
 
 READ = Durability.READ
 

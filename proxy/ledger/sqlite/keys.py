@@ -1,6 +1,6 @@
 """The SQLite ledger's key management: the SQL of each key change, and the key reads.
 
-A mixin of SQLiteLedger (proxy/ledger/sqlite.py), which supplies `_run` (the group-commit
+A mixin of SQLiteLedger (proxy/ledger/sqlite/ledger.py), which supplies `_run` (the group-commit
 writer) and `_get_key`. What a change means (the checks, key_generation) is
 proxy/ledger/key_rules.py's `RuledKeyStore`, shared with the PostgreSQL ledger. Every change
 commits fsync'd (SYNC, the writer's default).
@@ -15,8 +15,8 @@ from typing import Any, cast
 
 from proxy.ledger.base import KeyRecord, UnknownKey
 from proxy.ledger.key_rules import INSERT_COLUMNS, NewKey, RuledKeyStore, check_rotatable, topped_up
-from proxy.ledger.schema import KEY_COLUMNS, _key_record
-from proxy.ledger.writer import Durability
+from proxy.ledger.schema import KEY_COLUMNS, key_record_of
+from proxy.ledger.sqlite.writer import Durability
 
 READ = Durability.READ
 _INSERT_KEY = f"INSERT INTO keys ({', '.join(INSERT_COLUMNS)}) VALUES ({', '.join('?' for _ in INSERT_COLUMNS)})"
@@ -36,7 +36,7 @@ class KeyOps(RuledKeyStore):
     async def list_keys(self) -> list[KeyRecord]:
         def op(conn: sqlite3.Connection) -> list[KeyRecord]:
             rows = conn.execute(f"SELECT {KEY_COLUMNS} FROM keys ORDER BY created_at, key_id")
-            return [_key_record(r) for r in rows]
+            return [key_record_of(r) for r in rows]
 
         return await self._run(op, READ)
 

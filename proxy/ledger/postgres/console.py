@@ -2,9 +2,9 @@
 usage rows over a time range (paginated by seq), usage totals grouped by key / model /
 worker / day / hour, and a key's spend since a time (budgets).
 
-A mixin of PostgresLedger (proxy/ledger/postgres.py), which supplies `_db`. The same answers
-as proxy/ledger/sqlite_console.py, by the same rule (proxy/ledger/rollup.py): totals read the
-hourly sums (usage_hourly, proxy/ledger/pg_schema.py migrations 3 and 4) for the whole UTC hours
+A mixin of PostgresLedger (proxy/ledger/postgres/ledger.py), which supplies `_db`. The same answers
+as proxy/ledger/sqlite/console.py, by the same rule (proxy/ledger/rollup.py): totals read the
+hourly sums (usage_hourly, proxy/ledger/postgres/schema.py migrations 3 and 4) for the whole UTC hours
 of the range and the usage rows for its ragged ends (and for a status filter), over the
 indexes usage_by_time(created_at) and usage_by_key_time(key_id, created_at) INCLUDE
 (debited_micros), all in one REPEATABLE READ snapshot. What a filter selects is rollup.py's too,
