@@ -22,7 +22,7 @@ GROUPS = [
     ("translate + body", ["translate.py", "request.py", "netguard.py"]),
     ("routing + affinity", ["routing.py", "affinity.py", "workers.py"]),
     ("access log + metrics", ["logs.py", "metrics.py", "_output.py"]),
-    ("forwarder + app middleware", ["forwarder.py", "app.py"]),
+    ("responses handler + app middleware", ["responses_handler.py", "app.py"]),
     ("aiohttp server", ["aiohttp/"]),
 ]
 

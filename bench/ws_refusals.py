@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config.load import Config
-from proxy.http.app import LEDGER, build_app
+from proxy.app import LEDGER, build_app
 from proxy.http.parse_errors import ProxyRunner
 from proxy.ledger import KeyLimits
 from proxy.simulator.server import Simulator

@@ -2,7 +2,7 @@
 
     envelope -> auth -> limits -> prepare -> balance -> handler
 
-  envelope  (proxy.http.app) the request id, the one `RequestContext` (proxy.state), the error
+  envelope  (proxy.app) the request id, the one `RequestContext` (proxy.state), the error
             envelope, the access line; it runs the request's unit's chain, `Phases.chain(ctx.unit)`:
             built once per unit of work (proxy.http.units) from the phases that unit declares.
   auth      the key from the headers alone (ctx.key); nothing of the body is read before it.
@@ -13,7 +13,7 @@
   balance   holds the cost on the ledger (ctx.hold) and keeps the translation capped to it
             (ctx.capped, Translation.with_cap: lowered when the balance covers less; the handler
             answers ctx.to_answer()); settles from the handler's report (ctx.report) after it.
-  handler   the route's handler (proxy.http.forwarder for /v1/responses).
+  handler   the route's handler (proxy.http.responses_handler for /v1/responses).
 
 config.yaml chooses WHICH policies run, never their order: each built-in policy's section has
 `enabled` (stateless, auth, limits, tools, balance, notices), so no configuration can put the
@@ -47,7 +47,7 @@ from proxy.config import custom
 from proxy.config.load import Config
 from proxy.config.schema import POINTS, POLICIES
 from proxy.errors import APIError
-from proxy.http.passthrough import SWITCHES
+from proxy.http.passthrough_handler import SWITCHES
 from proxy.http.request import Next, prepare_phase
 from proxy.http.units import AUTH, BALANCE, BODY, LIMITS, PASSTHROUGH, TRANSLATE, UNITS, Unit
 from proxy.state import RequestContext

@@ -58,10 +58,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from proxy import state
-from proxy.config.rules import key_digest
+from proxy.config.cross_checks import key_digest
 from proxy.errors import APIError
 from proxy.http.errors import close_if_unread, error_response, ledger_unavailable
 from proxy.ledger import KeyRecord, LedgerUnavailable
+from proxy.ledger.base import STATIC_PREFIX
 from proxy.protocol.passthrough import ANTHROPIC
 from proxy.runtime.logs import log
 from proxy.state import KEY_CACHE, LEDGER, RequestContext
@@ -69,7 +70,6 @@ from proxy.state import KEY_CACHE, LEDGER, RequestContext
 if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
     from proxy.config.sections import Auth
 
-STATIC_PREFIX = "static:"  # key_id of a static key: "static:<name>"
 DEMO_NAME = "demo"
 
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
@@ -150,10 +150,6 @@ def _credentials(request: web.Request, anthropic: bool) -> list[str] | None:
     return bearer or api_key or []
 
 
-def is_static(record: KeyRecord) -> bool:
-    return record.key_id.startswith(STATIC_PREFIX)
-
-
 def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -174,7 +170,7 @@ async def _refuse(request: web.Request, ctx: RequestContext, call_next, exc: API
 
 
 def _static_keys(entries: Any) -> list[tuple[bytes, KeyRecord]]:
-    """auth.static_keys (checked at load, proxy.config.rules): (digest, record) of each."""
+    """auth.static_keys (checked at load, proxy.config.cross_checks): (digest, record) of each."""
     out: list[tuple[bytes, KeyRecord]] = []
     for i, entry in enumerate(entries):
         given = {"name": entry.name, **({"sha256": entry.sha256} if entry.sha256 is not None else {"key": entry.key})}

@@ -81,10 +81,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from middlewares.auth import is_static
 from proxy import state
 from proxy.errors import APIError
 from proxy.ledger import USAGE_STATUSES, Hold, InsufficientBalance, RequestLedger, UsageRecord
+from proxy.ledger.base import is_static
 from proxy.ledger.lease import Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.service import budget_room

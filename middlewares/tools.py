@@ -50,7 +50,7 @@ def _names(entry: Any) -> str | None:
 
 
 def create(section: Tools, app: web.Application):
-    """config.yaml `tools` (config.tools; checked at load, proxy.config.rules): null is the built-in list."""
+    """config.yaml `tools` (config.tools; checked at load, proxy.config.cross_checks): null is the built-in list."""
     drop = HOSTED_TOOL_TYPES if section.drop is None else frozenset(section.drop)
     refuse = REFUSED_TOOL_TYPES if section.refuse is None else frozenset(section.refuse)
 

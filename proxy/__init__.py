@@ -1,7 +1,7 @@
 """responses-proxy: a stateless OpenAI Responses API in front of chat-completions servers.
 
 Data path: request -> the fixed phases (middlewares/: auth, limits, prepare, balance) ->
-proxy.http.forwarder (handler, the upstream I/O) -> proxy.protocol.rewriter (sans-I/O) -> client.
+proxy.http.responses_handler (handler, the upstream I/O) -> proxy.protocol.rewriter (sans-I/O) -> client.
 docs/DESIGN.md draws the map.
 """
 

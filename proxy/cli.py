@@ -107,7 +107,7 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
     """One serving process: build the app, run it until SIGINT/SIGTERM."""
     from aiohttp import web
 
-    from proxy.http.app import build_app
+    from proxy.app import build_app
     from proxy.runtime.logs import configure
 
     configure(config.server.log_format, config.server.log_level)
@@ -206,7 +206,7 @@ def _config_command(args: argparse.Namespace) -> int:
         return 0
     config = Config.load(args.config)
     _config_dir_on_path(config)
-    from proxy.http.app import build_app
+    from proxy.app import build_app
 
     build_app(config)  # the middleware factories check their sections here; nothing starts
     print(f"{args.config or 'the embedded defaults'}: ok")

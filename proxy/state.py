@@ -121,7 +121,7 @@ def _request_key(name: str, type_name: str) -> web.RequestKey[Any]:
 
 
 # App-wide state. The resources live here, not beside the code that makes them, so that a
-# middleware or an endpoint can read them without importing the app or the forwarder.
+# middleware or an endpoint can read them without importing the app or the handlers.
 CONFIG: web.AppKey[Config] = _app_key("config", "Config")
 LEDGER: web.AppKey[Ledger] = _app_key("ledger", "Ledger")  # proxy.ledger.Ledger, or absent (ledger.backend: none)
 POOL: web.AppKey[WorkerPool] = _app_key("worker_pool", "WorkerPool")
@@ -133,7 +133,7 @@ METRICS = _app_key("metrics", "Metrics")  # proxy.runtime.metrics
 # proxy.upstream.health's active checks
 CHECKER = _app_key("health_checker", "HealthChecker")
 READINESS = _app_key("readiness", "Readiness")  # proxy.upstream.health, answers /readyz
-# config.responses, read by proxy.http.forwarder
+# config.responses, read by proxy.http.responses_handler
 RESPONSE_SETTINGS: web.AppKey[Responses] = _app_key("response_settings", "Responses")
 SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.upstream.models.sampling_defaults
 IMAGE_POLICY: web.AppKey[ImagePolicy] = _app_key("image_policy", "ImagePolicy")  # proxy.policy.netguard
@@ -148,7 +148,7 @@ KEY_CACHE = _app_key("key_cache", "KeyCache")  # middlewares.auth
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
 # middlewares.balance: the ledger work in flight
 SETTLEMENTS = _app_key("settlements", "Settlements")
-ENVELOPE = _app_key("envelope", "Middleware")  # proxy.http.app: the app's one middleware; a turn runs through it
+ENVELOPE = _app_key("envelope", "Middleware")  # proxy.app: the app's one middleware; a turn runs through it
 # middlewares.Phases: auth .. handler, for one request or one turn
 PHASES = _app_key("phases", "Phases")
 # proxy.admin: admin keys, session signer (on the admin sub-app)
@@ -161,7 +161,7 @@ REFUSALS: web.AppKey[Refusals] = _app_key("refusals", "Refusals")  # proxy.runti
 # The embedded upstream's state (proxy.simulator.server): on the simulator's own app, not the proxy's.
 SIM_STATE: web.AppKey[SimState] = _app_key("simulator_state", "SimState")
 
-# Per-request state: one context, created by the envelope (proxy.http.app) and passed explicitly
+# Per-request state: one context, created by the envelope (proxy.app) and passed explicitly
 # to every phase and the handler; it is also on the request under CONTEXT, for aiohttp-shaped
 # code (a custom middleware, an on_response_prepare hook, a route handler).
 CONTEXT: web.RequestKey[RequestContext] = _request_key("context", "RequestContext")
@@ -199,7 +199,7 @@ class RequestContext:
     settling: Any = None
     event_stream: StreamRewriter | None = None  # the handler: the streamed answer's rewriter
     # The response whose headers went out (the last on_response_prepare hook sets it): past
-    # that point an error can no longer become an HTTP status (proxy.http.app._after_start).
+    # that point an error can no longer become an HTTP status (proxy.app._after_start).
     started: web.StreamResponse | None = None
     endpoint: Any = None  # what runs after the last phase: the route's handler(request)
     # The unit of work (proxy.http.units): which phases run. The envelope sets it from the route

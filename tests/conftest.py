@@ -98,7 +98,7 @@ class ProxyHandle:
 
     @property
     def ledger(self):
-        from proxy.http.app import LEDGER
+        from proxy.app import LEDGER
 
         return self.app[LEDGER]
 
@@ -114,7 +114,7 @@ async def sim():
 @pytest.fixture
 async def make_proxy(sim, tmp_path):
     from proxy import state
-    from proxy.http.app import build_app
+    from proxy.app import build_app
     from proxy.http.parse_errors import ProxyRunner
     from proxy.config.load import Config
 

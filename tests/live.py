@@ -39,7 +39,7 @@ class LiveStack:
         from aiohttp import web
 
         from proxy import state
-        from proxy.http.app import build_app
+        from proxy.app import build_app
         from proxy.http.parse_errors import ProxyRunner
         from proxy.config.load import Config
         from proxy.simulator.server import Simulator
@@ -82,7 +82,7 @@ class LiveStack:
 
     async def _ledger_state(self):
         from middlewares.balance import wait_for_settlements
-        from proxy.http.app import LEDGER
+        from proxy.app import LEDGER
 
         await wait_for_settlements(self.app)  # settlement runs after the answer, in its own task
         ledger = self.app[LEDGER]

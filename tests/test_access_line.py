@@ -2,7 +2,7 @@
 cost) and why it failed (the envelope's error code), and never carries a secret.
 
 Real HTTP against a proxy app with a SQLite ledger; the fields are taken where the one
-access-log call hands them over (proxy.http.app.access), so no logging configuration leaks
+access-log call hands them over (proxy.app.access), so no logging configuration leaks
 between tests."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import orjson
 import pytest
 
-import proxy.http.app
+import proxy.app
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
@@ -22,13 +22,13 @@ PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_0
 @pytest.fixture
 def lines(monkeypatch):
     found: list[dict] = []
-    real = proxy.http.app.access
+    real = proxy.app.access
 
     def record(**fields):
         found.append(dict(fields))
         real(**fields)
 
-    monkeypatch.setattr(proxy.http.app, "access", record)
+    monkeypatch.setattr(proxy.app, "access", record)
     return found
 
 

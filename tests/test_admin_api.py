@@ -324,7 +324,7 @@ async def test_admin_openapi_describes_every_route(admin_proxy):
 ])
 def test_bad_admin_sections_stop_start_up(section, message):
     from proxy.config.load import Config, ConfigError
-    from proxy.http.app import build_app
+    from proxy.app import build_app
 
     with pytest.raises(ConfigError, match=message):
         build_app(Config.from_dict({"admin": section}))

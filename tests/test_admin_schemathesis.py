@@ -10,7 +10,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
-from proxy.admin.openapi import openapi_document
+from proxy.admin.admin_openapi import openapi_document
 from tests.live import LiveStack
 
 MAX_EXAMPLES = 25

@@ -474,7 +474,7 @@ async def test_metrics_move(three):
     ({"bogus": 1}, "unknown"),
 ])
 def test_bad_affinity_settings_stop_start_up(section, message, tmp_path):
-    from proxy.http.app import build_app
+    from proxy.app import build_app
 
     with pytest.raises(ConfigError, match=message):  # from the schema check at load time
         build_app(Config.from_dict({"routing": {"affinity": section}, "ledger": {"path": str(tmp_path / "l.db")}}))

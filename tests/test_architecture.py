@@ -95,7 +95,7 @@ AIOHTTP_PRIVATE_ALLOWED = {
     "_send_headers_immediately": "proxy/http/event_stream.py (EventStreamResponse; tests/test_forwarder_writes.py)",
     "_make_server": "proxy/http/parse_errors.py (ProxyRunner; tests/test_hostile.py)",
     "_parser": "proxy/http/parse_errors.py (EnvelopeRequestHandler.bound_heads wraps it; tests/test_edge_bounds.py)",
-    "_eof_sent": "proxy/http/app.py _after_start, proxy/http/turn.py TurnStream (tests/test_stream_integrity.py)",
+    "_eof_sent": "proxy/app.py _after_start, proxy/http/turn.py TurnStream (tests/test_stream_integrity.py)",
     # A socket turn's frames of one upstream read in one transport write: aiohttp's writer has no
     # public batch send. The wire bytes are pinned against its per-frame path, every length class,
     # with and without deflate (tests/test_ws_frames.py); a writer without them takes send_frame.

@@ -87,7 +87,7 @@ MISTAKES = [
     ("reasoning_seal: {ttl_s: 0}\n", "reasoning_seal.ttl_s must be a number > 0, not 0"),
     ("middlewares: {after_prepare: x:y}\n", "middlewares.after_prepare must be a list of"),
     ("pipeline: [auth]\n", "pipeline is no longer a setting"),
-    # the rules across keys (proxy/config/rules.py)
+    # the rules across keys (proxy/config/cross_checks.py)
     ("workers: [{name: a, url: embedded}, {name: a, url: embedded}]\n", "workers[1]: duplicate worker name 'a'"),
     ("workers: [{name: a, url: embedded, api_key: \"k\\r\\n\"}]\n",
      "workers[0].api_key contains the character '\\r': only printable ASCII"),

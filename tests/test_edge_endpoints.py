@@ -1,4 +1,4 @@
-"""The model server's other APIs through the edge (proxy.http.passthrough), with real clients:
+"""The model server's other APIs through the edge (proxy.http.passthrough_handler), with real clients:
 the openai SDK's chat.completions.create (plain, stream, tools), completions.create and
 embeddings.create; each billed from the upstream's usage, on a usage row naming its endpoint."""
 

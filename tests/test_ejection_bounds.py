@@ -106,7 +106,7 @@ async def test_retry_after_without_active_checks_is_the_ejection_left(start_sim,
 
 
 def test_bad_max_ejection_percent_stops_start_up():
-    from proxy.http.app import build_app
+    from proxy.app import build_app
     from proxy.config.load import Config, ConfigError
 
     for bad in (-1, 101, "half"):

@@ -49,7 +49,7 @@ async def test_a_request_leaves_no_cyclic_garbage(sim, make_proxy, script, strea
 
 
 async def test_what_start_up_built_is_out_of_the_collectors_way(sim, make_proxy):
-    """The app, its config, modules and resources are frozen once started (proxy.http.app
+    """The app, its config, modules and resources are frozen once started (proxy.app
     _freeze_heap): a full collection then walks only what requests left, not the whole heap,
     which under a paced stream cost ~20% of the proxy's instructions (bench.instructions)."""
     gc.unfreeze()

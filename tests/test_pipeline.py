@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.http.app import build_app
+from proxy.app import build_app
 from proxy.config.load import Config, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ PUBLIC_ROUTES = {("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens
                  ("HEAD", "/healthz"), ("HEAD", "/openapi.json"), ("HEAD", "/metrics"),
                  ("GET", "/livez"), ("HEAD", "/livez"), ("GET", "/readyz"), ("HEAD", "/readyz"),
                  ("GET", "/v1/key"), ("HEAD", "/v1/key"),  # /v1/key: the caller's own key, guarded by auth
-                 # the model server's other APIs, passed through (proxy.http.passthrough), guarded by auth
+                 # the model server's other APIs, passed through (proxy.http.passthrough_handler), guarded by auth
                  ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/embeddings"),
                  ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")}
 

@@ -264,7 +264,7 @@ async def test_a_gzipped_json_answer_is_refused_not_parsed(make_proxy):
     ("sk-wörker", "workers[0].api_key"),
 ])
 def test_control_characters_in_a_configured_header_stop_start_up(key, where):
-    from proxy.http.app import build_app
+    from proxy.app import build_app
     from proxy.config.load import Config, ConfigError
 
     with pytest.raises(ConfigError) as raised:
@@ -273,7 +273,7 @@ def test_control_characters_in_a_configured_header_stop_start_up(key, where):
 
 
 def test_control_characters_in_a_worker_url_stop_start_up():
-    from proxy.http.app import build_app
+    from proxy.app import build_app
     from proxy.config.load import Config, ConfigError
 
     with pytest.raises(ConfigError, match=r"workers\[1\]\.url"):

@@ -1,5 +1,5 @@
 """proxy.http.upstream_open.open_upstream, the one opening of a worker's answer that
-/v1/responses (proxy.http.forwarder) and the pass-through endpoints (proxy.http.passthrough)
+/v1/responses (proxy.http.responses_handler) and the pass-through endpoints (proxy.http.passthrough_handler)
 share: each failure is mapped as the client must read it, and whatever it raises, the upstream
 connection is given back first (pooled when its answer was read whole, else closed): none is
 left in use. A raw asyncio server plays the worker."""

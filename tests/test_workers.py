@@ -643,7 +643,7 @@ async def test_context_check_lowers_the_proxys_own_cap_for_sglang():
     {"workers": [{"name": "a", "url": "http://x", "timeouts": {"idle": 0}}]},
 ])
 def test_bad_configuration_stops_start_up(overrides):
-    from proxy.http.app import build_app
+    from proxy.app import build_app
     from proxy.config.load import Config, ConfigError
 
     with pytest.raises(ConfigError):

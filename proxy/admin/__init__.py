@@ -4,7 +4,7 @@ on a sub-app mounted under admin.prefix (default /admin) when admin.keys is not 
     proxy/admin/auth.py       admin keys, the signed session cookie, CSRF
     proxy/admin/routes.py     /api/keys, /api/usage, /api/audit (over proxy/ledger/service.py)
     proxy/admin/dashboard.py  the page, its static files, login / logout, /api/overview
-    proxy/admin/openapi.py    /openapi.json of the admin API
+    proxy/admin/admin_openapi.py    /openapi.json of the admin API
     proxy/admin/static/       the dashboard (HTML, JS, CSS) and Chart.js, vendored from npm
                               (scripts/update_chartjs.sh; version and license in static/VENDOR.md)
 
@@ -22,7 +22,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.admin.auth import AdminAuth, guard
-from proxy.config.rules import admin_prefix
+from proxy.config.cross_checks import admin_prefix
 
 if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
     from proxy.config.sections import Admin
@@ -43,7 +43,7 @@ def install(app: web.Application, section: Admin) -> web.Application | None:
     if not section.keys:
         return None
     prefix = admin_prefix(section)
-    from proxy.admin import dashboard, openapi, routes
+    from proxy.admin import admin_openapi, dashboard, routes
 
     auth = AdminAuth(section)
     auth.prefix = prefix
@@ -54,7 +54,7 @@ def install(app: web.Application, section: Admin) -> web.Application | None:
     admin[state.ADMIN] = auth
     routes.add_routes(admin)
     dashboard.add_routes(admin, prefix)
-    admin.router.add_get("/openapi.json", openapi.handler)
+    admin.router.add_get("/openapi.json", admin_openapi.handler)
 
     async def to_page(request: web.Request) -> web.StreamResponse:
         raise web.HTTPFound(prefix + "/")  # the page's relative links need the slash

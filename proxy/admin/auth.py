@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from proxy import state
-from proxy.config.rules import key_digest
+from proxy.config.cross_checks import key_digest
 from proxy.errors import APIError
 from proxy.ledger import SECRET_PREFIX
 
@@ -152,7 +152,7 @@ class AdminAuth:
     """The admin keys and the session signer of one app."""
 
     def __init__(self, section: Admin) -> None:
-        """config.yaml `admin` (config.admin; its keys and secret checked at load, proxy.config.rules)."""
+        """config.yaml `admin` (config.admin; its keys and secret checked at load, proxy.config.cross_checks)."""
         self.keys = [(entry.name, key_digest(_given(entry), f"admin.keys[{i}]", 16))
                      for i, entry in enumerate(section.keys)]
         self.prefix = "/admin"  # set by proxy.admin.install

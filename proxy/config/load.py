@@ -2,7 +2,7 @@
 
 The defaults alone run a working proxy (the built-in simulator as the upstream, the
 SQLite ledger, and, with no file at all, a demo key). The merged result is checked against
-proxy/config/schema.py and the rules across keys (proxy/config/rules.py) before anything
+proxy/config/schema.py and the rules across keys (proxy/config/cross_checks.py) before anything
 starts: an unknown key, a wrong type, a broken rule or an unset `${NAME}` is a ConfigError
 naming the key's path. Then it is read once into the typed settings
 (proxy/config/settings.py): each subsystem gets its section as a frozen object
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from proxy.config import rules, schema, settings
+from proxy.config import cross_checks, schema, settings
 from proxy.config.types import ConfigError, EnvStr
 
 # The embedded configuration: every default of the schema (proxy/config/schema.py).
@@ -93,7 +93,7 @@ class Config(_Typed):
         """Set keys of section `name`, checked as at the load (ConfigError naming the key)."""
         data = {**self.data, name: {**self.data[name], **values}}
         data[name] = schema.SCHEMA.keys[name].type.check(data[name], name)  # SchemaError is a ConfigError
-        rules.check(data)
+        cross_checks.check(data)
         self.data = data
         self._typed(settings.build(data))
 
@@ -118,7 +118,7 @@ class Config(_Typed):
             if overrides:
                 data = _merge(data, _expand_env(overrides))
             data = schema.validate(data)
-            rules.check(data)
+            cross_checks.check(data)
         except schema.SchemaError as exc:
             raise ConfigError(f"{where}{exc}") from None
         return cls(data, file_path)

@@ -13,7 +13,7 @@ all the same. Adding a key is one line in its section below, then `responses-pro
 sections > proxy/config/sections.py` writes the typed settings classes the modules read
 (proxy/config/settings.py builds them; a test fails until they are regenerated), and
 `responses-proxy config reference > config.yaml` the reference. The rules that span keys
-are in proxy/config/rules.py.
+are in proxy/config/cross_checks.py.
 
 Sections of custom middlewares ("package.module:factory", named under `middlewares`) are
 free-form: their factory gets them as written and checks them.

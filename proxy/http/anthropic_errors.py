@@ -2,7 +2,7 @@
 
 Every refusal is made once, as an APIError in the OpenAI envelope (proxy.http.errors); on a unit
 of the Anthropic family (proxy.http.units: MESSAGES, MESSAGES_COUNT) the envelope
-(proxy.http.app) dresses the answer in Anthropic's instead, with the same status and headers,
+(proxy.app) dresses the answer in Anthropic's instead, with the same status and headers,
 so the anthropic SDK raises its own typed errors (AuthenticationError, RateLimitError, ...).
 """
 

@@ -1,5 +1,5 @@
-"""One worker's try at an answer, shared by both forwarding handlers (proxy.http.forwarder,
-proxy.http.passthrough): what it learns on the way (`Attempt`, ended into the request's
+"""One worker's try at an answer, shared by both forwarding handlers (proxy.http.responses_handler,
+proxy.http.passthrough_handler): what it learns on the way (`Attempt`, ended into the request's
 AnswerReport), whether its first read can start an event stream, and how its connection is let go.
 """
 

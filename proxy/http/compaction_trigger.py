@@ -7,7 +7,7 @@ the summary turn of /v1/responses/compact) runs every phase it declares on the c
 body. The translation (proxy.protocol.translate) made it the summary's request: the window, then
 the summary instructions as the last user message, thinking switched off, the proxy's own output
 cap (fitted to the model's window by the context check, proxy.upstream.routing); the balance
-held for it. This handler forwards it (proxy.http.forwarder.forward: the upstream answer read
+held for it. This handler forwards it (proxy.http.responses_handler.forward: the upstream answer read
 whole) and answers, as events (an HTTP event stream, or a transport's turn) or as JSON:
 
     response.created, response.in_progress, response.output_item.added (the compaction item),
@@ -34,7 +34,7 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError
 from proxy.http.event_stream import open_event_stream
-from proxy.http.forwarder import forward
+from proxy.http.responses_handler import forward
 from proxy.http.turn import TurnAnswer, run_turn
 from proxy.http.units import COMPACT_SUMMARY
 from proxy.protocol.compaction import compaction_item, summary_text, take_trigger

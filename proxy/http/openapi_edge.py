@@ -1,4 +1,4 @@
-"""The OpenAPI description of the pass-through endpoints (proxy.http.passthrough), merged into
+"""The OpenAPI description of the pass-through endpoints (proxy.http.passthrough_handler), merged into
 /openapi.json by proxy.http.openapi: /v1/chat/completions, /v1/completions, /v1/embeddings in
 the OpenAI error envelope, /v1/messages and /v1/messages/count_tokens in Anthropic's. The request
 schemas name what the edge reads (the rest of a body goes upstream as sent)."""

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError, bad_request
-from proxy.http.passthrough import passthrough_translate, policy_for
+from proxy.http.passthrough_handler import passthrough_translate, policy_for
 from proxy.http.units import MODELS, SIZES, TRANSLATE, Unit
 from proxy.policy.netguard import check_images
 from proxy.protocol.seal import binding
@@ -317,7 +317,7 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callabl
 
 def _passthrough_step(app: web.Application) -> Callable[[RequestContext, dict[str, Any]], Awaitable[None]]:
     async def translate(ctx: RequestContext, body: dict[str, Any]) -> None:
-        # Another API of the model server: its body rebuilt from what was priced (proxy.http.passthrough).
+        # Another API of the model server: its body rebuilt from what was priced (proxy.http.passthrough_handler).
         ctx.translation = await passthrough_translate(app, ctx, body)  # type: ignore[assignment]  # a Passthrough stands in
 
     return translate

@@ -14,11 +14,12 @@ from typing import Any, NamedTuple
 
 from proxy.http.compact import compact_handler
 from proxy.http.compaction_trigger import answer_trigger
-from proxy.http.endpoints import healthz_handler, input_tokens_handler, livez_handler, models_handler, readyz_handler
-from proxy.http.key_view import key_handler
+from proxy.http.input_tokens import input_tokens_handler
+from proxy.http.keyed_reads import key_handler, models_handler
 from proxy.http.openapi import openapi_handler
-from proxy.http.passthrough import passthrough_handler
-from proxy.http.responses import responses_handler
+from proxy.http.passthrough_handler import passthrough_handler
+from proxy.http.probes import healthz_handler, livez_handler, readyz_handler
+from proxy.http.responses_handler import responses_handler
 from proxy.http.units import (
     AUTH,
     CHAT,
@@ -54,7 +55,7 @@ ROUTES = (
     Route("GET", "/v1/responses", websocket_handler, WS_HANDSHAKE, head=False),
     Route("POST", "/v1/responses/compact", compact_handler, COMPACT),
     Route("POST", "/v1/responses/input_tokens", input_tokens_handler, INPUT_TOKENS),
-    # The model server's other APIs, passed through (proxy.http.passthrough; config `endpoints`).
+    # The model server's other APIs, passed through (proxy.http.passthrough_handler; config `endpoints`).
     Route("POST", "/v1/chat/completions", passthrough_handler, CHAT),
     Route("POST", "/v1/completions", passthrough_handler, COMPLETIONS),
     Route("POST", "/v1/embeddings", passthrough_handler, EMBEDDINGS),

@@ -74,7 +74,7 @@ class TurnStream:
         self.status = 200
         self.headers: CIMultiDict[str] = CIMultiDict(headers or {})
         self.prepared = False
-        # The flag proxy.http.app._after_start reads on an aiohttp response: whole, it stands.
+        # The flag proxy.app._after_start reads on an aiohttp response: whole, it stands.
         self._eof_sent = False
         self._state: dict[Any, Any] = {}
         self._send_lines = send_lines

@@ -54,7 +54,7 @@ class Unit(NamedTuple):
     body_limit: str = BILLED_BODY
     variants: tuple[Unit, ...] = ()
     why: str = ""  # the reason for each phase it skips: the table is read by people too
-    # The pass-through families (proxy.http.passthrough): the body goes upstream as sent; the
+    # The pass-through families (proxy.http.passthrough_handler): the body goes upstream as sent; the
     # translate phase builds a Passthrough instead of a Translation, and runs none of the
     # Responses-only policies (stateless refusals, hosted tools) there. "": a Responses unit.
     family: str = ""
@@ -97,7 +97,7 @@ WS_HANDSHAKE = Unit("GET /v1/responses (WebSocket handshake)", frozenset({AUTH})
                         "per key and in all by proxy.http.websocket")
 KEYED = Unit("keyed read", frozenset({AUTH}), why="no body, no upstream call, nothing billed")
 PUBLIC = Unit("public", NONE, why="probes, /metrics, the API description: no key (the admin console has its own)")
-# The other APIs of the same model servers (proxy.http.passthrough): every phase, but the
+# The other APIs of the same model servers (proxy.http.passthrough_handler): every phase, but the
 # translate phase is theirs (the key's model resolved, the body checked for what billing needs,
 # the image guard on chat content); the Responses-only policies (stateless refusals, hosted
 # tools) do not apply: these APIs have no previous_response_id, store or hosted tools.

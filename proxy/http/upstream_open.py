@@ -1,5 +1,5 @@
-"""Opening an answer from a worker, shared by every forwarding handler (proxy.http.forwarder for
-/v1/responses, proxy.http.passthrough for the other endpoints): the POST, the status, the first
+"""Opening an answer from a worker, shared by every forwarding handler (proxy.http.responses_handler for
+/v1/responses, proxy.http.passthrough_handler for the other endpoints): the POST, the status, the first
 read, and the upstream's failures mapped to what the client is told.
 
 `open_upstream` returns the answer and its first bytes (a stream's first read, or a JSON answer

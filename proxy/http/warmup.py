@@ -12,7 +12,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.http.event_stream import open_event_stream
-from proxy.http.forwarder import response_context
+from proxy.http.responses_handler import response_context
 from proxy.protocol.rewriter import StreamRewriter
 
 # The end of a chat stream that produced nothing: the rewriter's own path to a completed,

@@ -256,3 +256,10 @@ class InsufficientBalance(LedgerError):
         super().__init__(message)
         self.available_micros = available_micros
         self.requested_micros = requested_micros
+
+STATIC_PREFIX = "static:"  # key_id of a static key (auth.static_keys in config.yaml): "static:<name>"
+
+
+def is_static(record: KeyRecord) -> bool:
+    """A key from config.yaml (auth.static_keys), not the ledger: it has no balance to hold."""
+    return record.key_id.startswith(STATIC_PREFIX)

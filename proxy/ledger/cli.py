@@ -269,7 +269,7 @@ def _ledger_section(args: argparse.Namespace, config: Any) -> Any:
 
 
 def _base_dir(args: argparse.Namespace, config: Any) -> Any:
-    """Where a relative ledger path lives: the same rule as the app (proxy/http/app.py), i.e. the
+    """Where a relative ledger path lives: the same rule as the app (proxy/app.py), i.e. the
     config file's directory, else the current directory; an explicit --db is taken as typed."""
     if getattr(args, "db", None):
         return None

@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from proxy.config import settings as config_settings
-from proxy.config.rules import seal_keys
+from proxy.config.cross_checks import seal_keys
 
 if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
     from proxy.config.sections import ReasoningSeal
@@ -102,7 +102,7 @@ class Sealer:
 
 def sealer_from_config(section: ReasoningSeal) -> Sealer | None:
     """config.yaml `reasoning_seal` (config.reasoning_seal) and $RESPONSES_PROXY_SEAL_KEY: the
-    sealer, or None without a key. The keys are checked at load (proxy.config.rules)."""
+    sealer, or None without a key. The keys are checked at load (proxy.config.cross_checks)."""
     keys, active = seal_keys(section.keys, section.active)
     if not keys:
         return None

@@ -31,8 +31,8 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proxy.config.cross_checks import SEAL_ENV, admin_prefix
 from proxy.config.load import Config
-from proxy.config.rules import SEAL_ENV, admin_prefix
 
 SEAL_FILE = "seal.key"
 SESSION_FILE = "admin-session.key"

@@ -5,7 +5,7 @@ omitted in config.yaml), each model's max_model_len (the context window), and th
 (when `dialect: detect`: `owned_by` "vllm" / "sglang", else the Server header). A worker
 that does not answer is retried by every round of the checker.
 
-Probes (proxy/http/endpoints.py). Liveness (`/livez`, `/healthz`) depends on nothing: the process
+Probes (proxy/http/probes.py). Liveness (`/livez`, `/healthz`) depends on nothing: the process
 answers. Readiness (`/readyz`) is `Readiness.verdict`: some worker takes traffic and the
 ledger answers a cheap read within `LEDGER_TIMEOUT_S`. The ledger read is shared by
 concurrent probes and reused for `LEDGER_TTL_S`, so an unauthenticated flood of /readyz

@@ -1,4 +1,4 @@
-"""The pass-through endpoints (proxy/http/passthrough.py) in front of real vLLM 0.32 (CPU): a chat
+"""The pass-through endpoints (proxy/http/passthrough_handler.py) in front of real vLLM 0.32 (CPU): a chat
 completions stream, an embeddings call on a tiny BERT served by a second vLLM (`--runner pooling`)
 and an Anthropic /v1/messages stream (vLLM's own), each billed exactly the upstream's usage x price
 (the ledger's usage row, read by the request id the proxy answered with).

@@ -29,7 +29,7 @@ from proxy.protocol.response import ResponseContext
 from proxy.protocol.rewriter import StreamRewriter
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import Translation
-from proxy.state import CONFIG, POOL, RESPONSE_SETTINGS, SEALER, SESSION, RequestContext
+from proxy.state import CONFIG, CONTEXT, POOL, RESPONSE_SETTINGS, SEALER, SESSION, RequestContext
 from proxy.upstream.routing import check_context_window, parse_provider, request_parameters
 from proxy.upstream.workers import Worker
 
@@ -126,3 +126,12 @@ async def refusal_as_event(request: web.Request, ctx: RequestContext, exc: APIEr
     await response.write(body)
     await response.write_eof()
     return response
+
+
+async def responses_handler(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses after its phases, and every turn that runs as it (a WebSocket
+    `response.create`, the summary turn of /v1/responses/compact): the one Translation is
+    forwarded. A request whose translation made it a compaction's (its input ended with a
+    `compaction_trigger` item) is its unit's declared variant instead, answered by
+    proxy.http.compaction_trigger (proxy.http.routes.VARIANT_HANDLERS)."""
+    return await forward(request, request[CONTEXT])

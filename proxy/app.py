@@ -19,9 +19,9 @@ from proxy.errors import APIError
 from proxy.http.anthropic_errors import dress
 from proxy.http.compact import CompactSettings
 from proxy.http.errors import ERROR_CODE, close_if_unread, error_response, ledger_unavailable
-from proxy.http.forwarder import refusal_as_event
 from proxy.http.parse_errors import HeadLimits
-from proxy.http.passthrough import limits_of
+from proxy.http.passthrough_handler import limits_of
+from proxy.http.responses_handler import refusal_as_event
 from proxy.http.routes import VARIANT_HANDLERS, add_routes, unit_for
 from proxy.http.turn import refuse_other_answers
 from proxy.http.websocket import SocketAdmission

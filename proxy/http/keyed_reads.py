@@ -1,19 +1,23 @@
-"""GET /v1/key: the caller's own key, modelled on OpenRouter's key endpoint: its balance,
-its limits, its spend today and this month (UTC periods, the budgets' own), and nothing
-about any other key. Guarded by the auth middleware like every /v1 route; money in
-integer micro-units, with the same figures in currency units beside them."""
+"""The keyed reads (the unit KEYED: auth, nothing else): GET /v1/models, the models the
+workers serve with their windows, and GET /v1/key, the caller's own key, modelled on
+OpenRouter's key endpoint: its balance, its limits, its spend today and this month (UTC
+periods, the budgets' own), and nothing about any other key. Money in integer micro-units,
+with the same figures in currency units beside them."""
 
 from __future__ import annotations
+
+import time
 
 import orjson
 from aiohttp import web
 
-from middlewares.auth import is_static
 from proxy import state
 from proxy.errors import APIError
+from proxy.ledger.base import is_static
 from proxy.ledger.service import iso, key_summary
 
 _UNIT = 1_000_000
+_STARTED = int(time.time())
 
 
 def _units(micros: int | None) -> float | None:
@@ -46,3 +50,14 @@ async def key_handler(request: web.Request) -> web.Response:
                      "balance": _units(summary["balance_micros"])})
     return web.Response(body=orjson.dumps({"data": data}), content_type="application/json",
                         headers={"Cache-Control": "no-store"})
+
+
+async def models_handler(request: web.Request) -> web.Response:
+    data = []
+    for model, window in sorted(request.app[state.POOL].models().items()):
+        entry = {"id": model, "object": "model", "created": _STARTED, "owned_by": "responses-proxy"}
+        if window:
+            entry["context_window"] = window
+            entry["max_model_len"] = window
+        data.append(entry)
+    return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
