@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 from proxy.ledger.schema import _ROLLUP_BACKFILL
 from proxy.ledger.service import period_starts
-from proxy.ledger.sqlite import SQLiteLedger
+from proxy.ledger.sqlite.ledger import SQLiteLedger
 
 DAY = 86400
 _USAGE_COLUMNS = ("request_id", "key_id", "model", "input_tokens", "cached_tokens", "output_tokens",
@@ -130,7 +130,7 @@ async def run_sqlite(tmp: str, rows: int, now: float, repeat: int) -> tuple[str,
 
 
 async def run_postgres(tmp: str, rows: int, now: float, repeat: int) -> tuple[str, list]:
-    from proxy.ledger.postgres import PostgresLedger
+    from proxy.ledger.postgres.ledger import PostgresLedger
     from tests.pg_server import PgServer
 
     with PgServer() as server:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from proxy.ledger import UsageRecord
 from proxy.ledger.lease import Leases
-from proxy.ledger.sqlite import SQLiteLedger
+from proxy.ledger.sqlite.ledger import SQLiteLedger
 
 
 async def _run(mode: str, requests: int, concurrency: int, db: Path) -> dict[str, float]:

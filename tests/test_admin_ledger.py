@@ -21,7 +21,7 @@ import pytest
 from proxy.ledger import KeyLimits, LedgerError, UsageRecord, open_ledger
 from proxy.ledger.cli import add_key_commands, run_key_command
 from proxy.ledger.service import KeyService, period_starts
-from proxy.ledger.sqlite import SQLiteLedger
+from proxy.ledger.sqlite.ledger import SQLiteLedger
 from tests.conftest import LEDGER_BACKENDS, ledger_section
 
 DAY = 86400

@@ -19,7 +19,7 @@ import pytest
 from proxy.ledger import UsageRecord
 from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.lease_journal import LeaseJournal, recover
-from proxy.ledger.sqlite import SQLiteLedger
+from proxy.ledger.sqlite.ledger import SQLiteLedger
 from tests.conftest import fill, tiny_tmpfs
 
 

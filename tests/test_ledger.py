@@ -32,7 +32,8 @@ from proxy.ledger import (
     UsageRecord,
     open_ledger,
 )
-from proxy.ledger import KeyLimits, key_rules, service, sqlite as ledger_sqlite
+from proxy.ledger import KeyLimits, key_rules, service
+from proxy.ledger.sqlite import ledger as ledger_sqlite
 from proxy.ledger.sqlite.writer import Durability
 from proxy.ledger.pricing import (
     UNLIMITED,

@@ -185,7 +185,7 @@ async def test_key_comparison_is_constant_time_by_construction():
     import inspect
 
     import middlewares.auth as auth
-    from proxy.ledger import sqlite
+    from proxy.ledger.sqlite import ledger as sqlite
 
     assert "compare_digest" in inspect.getsource(auth)
     source = inspect.getsource(sqlite.SQLiteLedger.lookup_key)

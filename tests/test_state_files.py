@@ -14,7 +14,7 @@ import pytest
 
 from proxy.admin.auth import AdminAuth
 from proxy.config.load import Config
-from proxy.ledger.sqlite import SQLiteLedger
+from proxy.ledger.sqlite.ledger import SQLiteLedger
 from proxy.runtime.local_keys import SESSION_FILE, LocalKeyError, ensure
 
 ROOT = Path(__file__).resolve().parent.parent

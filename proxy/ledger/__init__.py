@@ -107,7 +107,7 @@ def open_ledger(section: Any, base_dir: str | Path | None = None) -> Ledger:
             raise LedgerError(str(exc)) from None
     backend = section.backend
     if backend == "sqlite":
-        from proxy.ledger.sqlite import SQLiteLedger
+        from proxy.ledger.sqlite.ledger import SQLiteLedger
 
         return SQLiteLedger(
             resolve_path(section.path, base_dir),
@@ -118,7 +118,7 @@ def open_ledger(section: Any, base_dir: str | Path | None = None) -> Ledger:
             settle_linger_s=section.settle_linger_ms / 1000,
         )
     if backend == "postgres":
-        from proxy.ledger.postgres import PostgresLedger
+        from proxy.ledger.postgres.ledger import PostgresLedger
 
         if not section.dsn:
             raise LedgerError("ledger.backend is postgres but ledger.dsn is empty (is its environment variable set?)")

@@ -296,7 +296,7 @@ def _locate(args: argparse.Namespace, config: Any) -> Any:
     if backend == "none":
         raise LedgerError(f"ledger.backend is none in {_where(args, config)}: there are no keys to manage")
     if backend == "postgres":  # a database server: nothing is made by accident (the schema is migrated)
-        from proxy.ledger.postgres import redact
+        from proxy.ledger.postgres.ledger import redact
 
         print(f"ledger: postgres {redact(section.dsn or '')}", file=sys.stderr, flush=True)
         return section  # its spool_path: relative to the config's folder, as for the server (open_ledger)
