@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import os
 import socket
@@ -149,6 +151,27 @@ async def make_proxy(sim, tmp_path):
     failures = [f for h in handles if h.spec is not None for f in h.spec.failures]
     assert not failures, f"answers outside the Open Responses spec: {failures[:3]}"
 
+
+
+# --------------------------------------------------------------------------- waiting
+
+
+async def eventually(probe, timeout: float = 10.0, *, what: str = "the condition", step: float = 0.02):
+    """Wait for `probe()` (a plain or an async callable) to be truthy; its value. The one way a
+    test waits for something to happen: polled every `step`, bounded by `timeout` only so that
+    a failing test fails instead of hanging (a bound a busy machine never reaches: never a
+    fixed sleep standing for "long enough"). AssertionError with the last value past it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = probe()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() >= deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s (last: {value!r})")
+        await asyncio.sleep(step)
 
 # --------------------------------------------------------------------------- a full file system
 

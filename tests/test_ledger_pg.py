@@ -17,6 +17,7 @@ import pytest
 from proxy.ledger import KeyLimits, LedgerUnavailable, UsageRecord, open_ledger
 from proxy.ledger.postgres.schema import MIGRATIONS, latest_version
 from proxy.ledger.spool import Spool, decode, encode, release_record, settle_record, usage_of
+from tests.conftest import eventually as wait_for
 
 
 def usage_for(request_id: str, key_id: str, cost: int) -> UsageRecord:
@@ -26,15 +27,6 @@ def usage_for(request_id: str, key_id: str, cost: int) -> UsageRecord:
 def pg_section(dsn: str, tmp_path, **extra) -> dict:
     return {"backend": "postgres", "dsn": dsn, "spool_path": str(tmp_path / "spool.jsonl"),
             "connect_timeout_s": 1, "unavailable_retry_after_s": 3, **extra}
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return predicate()
 
 
 # ---------------------------------------------------------------- the spool file (no database)

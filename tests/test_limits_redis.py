@@ -23,6 +23,7 @@ from proxy.config.load import Config
 from proxy.ledger import KeyLimits
 from proxy.runtime.supervisor import _child_config
 from tests.conftest import free_port, sim_input
+from tests.conftest import eventually as until
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny-org/tiny-model"
@@ -123,16 +124,6 @@ async def open_stream(http, proxy: ProxyProcess, key: str, body: dict) -> aiohtt
     assert resp.status == 200, await resp.text()
     await resp.content.readline()
     return resp
-
-
-async def until(probe, timeout: float = 10.0, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await probe()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(step)
 
 
 def codes(results) -> list:

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from proxy.limits.base import GLOBAL, Ask, Refused
 from proxy.limits.redis_backend import RedisCounter, RedisTicket
+from tests.conftest import eventually as until
 
 PREFIX = "t:"
 GLOBAL_ZSET = PREFIX + "conc:global"
@@ -52,16 +53,6 @@ def frozen(server):
         yield
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
-
-
-async def until(probe, timeout: float, step: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await probe()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out; last: {value!r}"
-        await asyncio.sleep(step)
 
 
 async def _holding_exactly(peek, slots: set[str], timeout: float = 2.0) -> None:

@@ -19,6 +19,7 @@ from proxy.ledger.pricing import cost_micros, price_for
 from proxy.protocol.prompt import prompt_bound
 from proxy.protocol.translate import translate_request
 from tests.conftest import only, sim_input, sse_events
+from tests.conftest import eventually as wait_for
 
 # 1 micro per input and output token, 0.1 per cached token: costs are easy to check by hand.
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
@@ -40,17 +41,6 @@ async def call(http, proxy, body=None, *, key="default", headers=None, path="/v1
         if r.headers.get("Content-Type", "").startswith("text/event-stream"):
             return r.status, r.headers, sse_events(raw)
         return r.status, r.headers, orjson.loads(raw) if raw else None
-
-
-async def wait_for(probe, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting")
-        await asyncio.sleep(0.02)
 
 
 async def usage_of(ledger, request_id: str):

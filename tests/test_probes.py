@@ -14,6 +14,7 @@ from proxy import state
 from proxy.upstream import health
 from proxy.state import POOL
 from tests.conftest import free_port, only
+from tests.conftest import eventually as wait_for
 
 FAST = {"connect": 1, "first_byte": 5, "idle": 5, "total": 30}
 
@@ -27,14 +28,6 @@ async def get(proxy, path: str, method: str = "GET") -> tuple[int, dict, bytes]:
     async with aiohttp.ClientSession() as http:
         async with http.request(method, proxy.url + path) as r:
             return r.status, r.headers.copy(), await r.read()
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("path", ["/livez", "/healthz"])

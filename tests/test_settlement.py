@@ -30,21 +30,14 @@ from tests.raw_chat_upstream import ChatUpstream
 from tests.sdk_check import parse_sse
 from tests.test_access_line import lines  # noqa: F401 (the access lines, as the envelope hands them over)
 from tests.test_metrics import scrape, total
+from tests.conftest import eventually
 
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
 MODEL = "tiny-org/tiny-model"
 
 
-async def until(predicate, what: str, rounds: int = 2000):
-    """Wait (event-loop turns, a bound only to fail instead of hanging) for predicate()."""
-    for _ in range(rounds):
-        found = predicate()
-        if asyncio.iscoroutine(found):
-            found = await found
-        if found:
-            return found
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never happened: {what}")
+async def until(predicate, what: str):
+    return await eventually(predicate, 30.0, what=what, step=0.005)
 
 
 def responses_lines(lines: list[dict]) -> list[dict]:

@@ -23,6 +23,7 @@ from proxy.protocol.translate import translate_request
 from proxy.simulator.server import Simulator
 from tests.conftest import free_port, only
 from tests.sdk_check import parse_sse
+from tests.conftest import eventually as wait_for
 
 NO_AUTH = only("stateless")
 FAST = {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}
@@ -98,14 +99,6 @@ def blackhole() -> tuple[str, list[socket.socket]]:
 
 def served_by(*sims: Simulator) -> list[int]:
     return [len(s.requests) for s in sims]
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 # --------------------------------------------------------------------------- provider routing
