@@ -5,13 +5,17 @@ AnswerReport), whether its first read can start an event stream, and how its con
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aiohttp import web
+
 from proxy.errors import APIError
-from proxy.http.upstream_open import Retryable
+from proxy.http.upstream_open import Refine, Retryable, open_upstream
 from proxy.protocol.response import client_usage
-from proxy.state import NO_TOKENS, AnswerReport, Tokens
+from proxy.state import NO_TOKENS, POOL, AnswerReport, Tokens
 from proxy.upstream.client import UpstreamResponse
 from proxy.upstream.workers import Worker
 
@@ -114,3 +118,26 @@ def is_event_stream(content_type: bytes | None, first: bytes) -> bool:
         return False
     head = first.lstrip(b"\r\n")[:6]
     return not head or any(head.startswith(f) or f.startswith(head) for f in _SSE_FIELDS)
+
+
+async def attempt_once(app: Any, attempt: Attempt, url: str, payload: bytes, *, stream: bool,
+                       answer_json: Callable[[bytes], Awaitable[web.StreamResponse]],
+                       answer_stream: Callable[[UpstreamResponse, bytes, float], Awaitable[web.StreamResponse]],
+                       refine: Refine | None = None) -> web.StreamResponse:
+    """One worker's try, whichever handler makes it: the POST sent and its status and first read
+    checked (open_upstream: raises Retryable while another worker may answer), the stream's
+    start checked, the answer made by the handler's `answer_json(body)` or
+    `answer_stream(upstream, first, deadline)`, and the connection given back whatever happens."""
+    worker = attempt.worker
+    deadline = asyncio.get_running_loop().time() + worker.timeouts.total
+    upstream = None
+    attempt.sent()
+    try:
+        upstream, first = await open_upstream(app, worker, url, payload, stream=stream, refine=refine)
+        attempt.opened(app[POOL], upstream, first, stream)
+        if not stream:
+            return await answer_json(first)
+        return await answer_stream(upstream, first, deadline)
+    finally:
+        if upstream is not None:
+            let_go(upstream, stream, attempt.report)

@@ -20,6 +20,7 @@ from proxy.errors import APIError
 from proxy.http.attempt import Attempt
 from proxy.http.upstream_open import AnswerLost, Retryable
 from proxy.protocol.chat_usage import usage_in_tail
+from proxy.protocol.upstream_request import UpstreamRequest
 from proxy.runtime.logs import log
 from proxy.state import CONFIG, POOL, AnswerReport, RequestContext
 from proxy.upstream.affinity import request_key
@@ -27,7 +28,7 @@ from proxy.upstream.routing import choose
 from proxy.upstream.workers import Worker
 
 
-def output_budget(t: Any) -> int | None:
+def output_budget(t: UpstreamRequest) -> int | None:
     """The most output of all a request's answers: the cap per answer x the answers (a
     Translation's one, a pass-through's n, best_of or batch)."""
     cap = t.output_cap
@@ -41,7 +42,7 @@ RunAttempt = Callable[[Attempt, Any], Awaitable[web.StreamResponse]]
 ContextCheck = Callable[[Worker, Any], Awaitable[tuple[str, Any]]]
 
 
-async def failover(request: web.Request, ctx: RequestContext, t: Any, run: RunAttempt, *,
+async def failover(request: web.Request, ctx: RequestContext, t: UpstreamRequest, run: RunAttempt, *,
                    check: ContextCheck | None = None, prefs: Any = None,
                    params: frozenset[str] = frozenset()) -> web.StreamResponse:
     """The answer of the first worker that gives one; ctx.report says how it ended."""

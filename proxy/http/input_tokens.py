@@ -8,7 +8,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError
-from proxy.http.responses_handler import POOL, SESSION
+from proxy.state import POOL, SESSION
 from proxy.upstream.routing import choose, parse_provider, request_parameters
 from proxy.upstream.tokens import TokenCountError, count_tokens
 from proxy.upstream.workers import Worker

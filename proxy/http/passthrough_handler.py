@@ -15,7 +15,6 @@ does not serve that path: another may; else 404 `endpoint_not_served` naming the
 
 from __future__ import annotations
 
-import asyncio
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -25,17 +24,18 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError
 from proxy.http.anthropic_errors import anthropic_type
-from proxy.http.attempt import Attempt, let_go
+from proxy.http.attempt import Attempt, attempt_once
 from proxy.http.event_stream import SSE_HEADERS, EventStreamResponse
 from proxy.http.failover import failover, output_budget
 from proxy.http.read_loop import DISCONNECTED, EOF, TIMEOUT, TOO_LARGE, relay
-from proxy.http.upstream_open import Retryable, open_upstream, upstream_message
+from proxy.http.upstream_open import Retryable, upstream_message
 from proxy.http.watchdog import ReadWatchdog
 from proxy.ledger.usage import as_count
 from proxy.policy.netguard import ImagePolicy, check_images
 from proxy.protocol.chat_usage import SSEScanner, json_output, json_usage
 from proxy.protocol.passthrough import ANTHROPIC, Limits, Passthrough, build
 from proxy.protocol.response import map_usage
+from proxy.upstream.client import UpstreamResponse
 from proxy.upstream.routing import check_context_window
 from proxy.upstream.tokens import TokenCounter
 from proxy.upstream.workers import Worker
@@ -126,20 +126,16 @@ async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Att
                    t: Passthrough) -> web.StreamResponse:
     worker = attempt.worker
     app = request.app
-    deadline = asyncio.get_running_loop().time() + worker.timeouts.total
-    upstream = None
-    attempt.sent()
-    try:
-        upstream, first = await open_upstream(app, worker, worker.endpoint(t.path), orjson.dumps(t.body),
-                                              stream=t.stream,
-                                              refine=lambda status, body: _not_served(worker, t, status, body))
-        attempt.opened(app[state.POOL], upstream, first, t.stream)
-        if not t.stream:
-            return await _json_answer(app, attempt, t, first)
+
+    async def as_json(body: bytes) -> web.StreamResponse:
+        return await _json_answer(app, attempt, t, body)
+
+    async def as_stream(upstream: UpstreamResponse, first: bytes, deadline: float) -> web.StreamResponse:
         return await _stream(request, ctx, attempt, upstream, t, first, deadline)
-    finally:
-        if upstream is not None:
-            let_go(upstream, t.stream, attempt.report)
+
+    return await attempt_once(app, attempt, worker.endpoint(t.path), orjson.dumps(t.body), stream=t.stream,
+                              answer_json=as_json, answer_stream=as_stream,
+                              refine=lambda status, body: _not_served(worker, t, status, body))
 
 
 async def _json_answer(app: web.Application, attempt: Attempt, t: Passthrough, body: bytes) -> web.Response:

@@ -10,7 +10,6 @@ byte, every problem becomes a response.failed event with retry hints.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -18,18 +17,18 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import APIError
-from proxy.http.attempt import Attempt, let_go
+from proxy.http.attempt import Attempt, attempt_once
 from proxy.http.event_stream import SSE_HEADERS
 from proxy.http.failover import failover
 from proxy.http.json_answer import count_usage, json_answer
 from proxy.http.stream_answer import stream_answer
-from proxy.http.upstream_open import open_upstream
 from proxy.protocol.dialects import chat_for
 from proxy.protocol.response import ResponseContext
 from proxy.protocol.rewriter import StreamRewriter
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import Translation
-from proxy.state import CONFIG, CONTEXT, POOL, RESPONSE_SETTINGS, SEALER, SESSION, RequestContext
+from proxy.state import CONFIG, CONTEXT, RESPONSE_SETTINGS, SEALER, SESSION, RequestContext
+from proxy.upstream.client import UpstreamResponse
 from proxy.upstream.routing import check_context_window, parse_provider, request_parameters
 from proxy.upstream.workers import Worker
 
@@ -77,22 +76,19 @@ async def _attempt(request: web.Request, ctx: RequestContext, attempt: Attempt, 
     """One worker's answer; raises _Retryable when nothing reached the client and another may answer."""
     worker = attempt.worker
     app = request.app
-    deadline = asyncio.get_running_loop().time() + worker.timeouts.total
-    payload = orjson.dumps(chat_for(t.chat, worker.dialect, worker.thinking_switch))
-    upstream = None
-    attempt.sent()
-    try:
-        upstream, first = await open_upstream(app, worker, worker.chat_url, payload, stream=t.stream)
-        attempt.opened(app[POOL], upstream, first, t.stream)
-        if not t.stream:
-            answer = json_answer(attempt, rctx, first)
-            if attempt.report is not None and attempt.report.usage is None:
-                await count_usage(app[SESSION], attempt, t, rctx, answer)
-            return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def as_json(body: bytes) -> web.StreamResponse:
+        answer = json_answer(attempt, rctx, body)
+        if attempt.report is not None and attempt.report.usage is None:
+            await count_usage(app[SESSION], attempt, t, rctx, answer)
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def as_stream(upstream: UpstreamResponse, first: bytes, deadline: float) -> web.StreamResponse:
         return await stream_answer(request, ctx, attempt, upstream, rctx, first, deadline)
-    finally:
-        if upstream is not None:
-            let_go(upstream, t.stream, attempt.report)
+
+    payload = orjson.dumps(chat_for(t.chat, worker.dialect, worker.thinking_switch))
+    return await attempt_once(app, attempt, worker.chat_url, payload, stream=t.stream, answer_json=as_json,
+                              answer_stream=as_stream)
 
 
 # Refusals an event-stream-only client must read as an event. Codex sends

@@ -81,14 +81,10 @@ class Passthrough(NamedTuple):
     usage_added: bool = False  # stream_options.include_usage added by the edge: its usage chunk is not passed on
     reserved_output: int | None = None  # the cap (per answer) the hold was sized for (the balance)
     media: bool = False  # the prompt carries images or other media (no byte bound)
-    # The fields of a Translation no pass-through family has (read by shared code with getattr or not at all).
+    # What the affinity key reads of any request (proxy.protocol.upstream_request): no
+    # pass-through family names a cache key or a conversation the edge keys workers by.
     prompt_cache_key: str | None = None
     conversation: str | None = None
-    echo: dict = {}  # noqa: RUF012 - never written: the empty value shared code reads
-    tools: dict = {}  # noqa: RUF012 - never written, as echo
-    include_encrypted_reasoning: bool = False
-    allowed_tools: frozenset[str] | None = None
-    compaction: Any = None
     # prompt_bound(view), computed once at build: the balance and the context check both read it
     # (with_cap and with_max_tokens copy chat with the same messages and tools).
     bound: PromptBound | None = None

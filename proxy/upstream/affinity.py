@@ -36,6 +36,7 @@ import orjson
 
 if TYPE_CHECKING:
     from proxy.config.sections import RoutingAffinity
+    from proxy.protocol.upstream_request import UpstreamRequest
     from proxy.upstream.workers import Route, Worker, WorkerPool
 
 RING_CACHE_SIZE = 128  # rings kept per pool (one per eligible-set signature seen recently)
@@ -75,14 +76,14 @@ def _leading(messages: list) -> tuple[Any, Any]:
     return system, user
 
 
-def request_key(t: Any, settings: RoutingAffinity) -> AffinityKey | None:
+def request_key(t: UpstreamRequest, settings: RoutingAffinity) -> AffinityKey | None:
     """The request's affinity key (None: affinity off, or nothing to key on). `settings` are
     the app's routing.affinity (config.routing.affinity)."""
     if not settings.enabled:
         return None
-    if getattr(t, "prompt_cache_key", None):
+    if t.prompt_cache_key:
         source, tag, data = "prompt_cache_key", b"k\x00", t.prompt_cache_key.encode()
-    elif getattr(t, "conversation", None):
+    elif t.conversation:
         source, tag, data = "conversation", b"c\x00", t.conversation.encode()
     elif settings.hash_messages:
         system, user = _leading(t.chat.get("messages") or [])

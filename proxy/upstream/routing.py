@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
@@ -22,8 +22,11 @@ from proxy.upstream.affinity import pick as pick_by_affinity, pick_on_route
 from proxy.upstream.tokens import TokenCounter
 
 if TYPE_CHECKING:
+    from proxy.protocol.upstream_request import UpstreamRequest
     from proxy.upstream.affinity import AffinityKey
     from proxy.upstream.workers import Route, Worker, WorkerPool
+
+    _R = TypeVar("_R", bound=UpstreamRequest)  # the request checked, and the copy it answers
 
 SORTS = ("load", "latency", "price")
 SORT_ALIASES = {"throughput": "load"}  # OpenRouter's "throughput": the least loaded worker has the most to give
@@ -383,8 +386,8 @@ def _too_long(window: int, prompt: int, wanted: int | None, *, estimated: bool) 
     return APIError(400, message, code="context_length_exceeded", param="max_output_tokens")
 
 
-async def check_context_window(session: aiohttp.ClientSession, worker: Worker, t: Any, client_max: Any,
-                               *, bytes_per_token_floor: float) -> tuple[str, Any]:
+async def check_context_window(session: aiohttp.ClientSession, worker: Worker, t: _R, client_max: Any,
+                               *, bytes_per_token_floor: float) -> tuple[str, _R]:
     """Refuse (400 context_length_exceeded) a request whose prompt + max_output_tokens cannot fit.
 
     Returns what was decided ("no_window", "fits", "counted", "clamped", ...) for tests and logs,
