@@ -106,17 +106,21 @@ async def start(root: Path, tmp: Path) -> tuple[subprocess.Popen, int, str]:
             raise SystemExit((tmp / "proxy.log").read_text()[-2000:])
         if line.startswith(b"demo key: "):
             key = line.decode().split(": ", 1)[1].strip()
+    await until_ok(f"http://127.0.0.1:{port}/v1/models", {"Authorization": f"Bearer {key}"})
+    return proc, port, key
+
+
+async def until_ok(url: str, headers: dict | None = None, tries: int = 400) -> None:
+    """Until GET `url` answers 200 (a server just started), at most `tries` x 50 ms."""
     async with aiohttp.ClientSession() as http:
-        for _ in range(400):
+        for _ in range(tries):
             try:
-                async with http.get(f"http://127.0.0.1:{port}/v1/models",
-                                    headers={"Authorization": f"Bearer {key}"}) as r:
+                async with http.get(url, headers=headers or {}) as r:
                     if r.status == 200:
-                        break
+                        return
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.05)
-    return proc, port, key
 
 
 async def post(port: int, body: bytes, headers: dict) -> int | str:

@@ -1,5 +1,5 @@
 """What a refused key's permessage-deflate flood costs the proxy, against refused HTTP requests:
-the proxy's own CPU (a process of its own, read from /proc), per refused message.
+the proxy's own CPU (a process of its own, its CPU clock), per refused message.
 
     python -m bench.ws_deflate_flood [--messages 120] [--inflated-mb 8]
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import tempfile
 import zlib
 from pathlib import Path
@@ -26,20 +25,10 @@ import aiohttp
 import orjson
 import yaml
 
+from bench.edge import cpu_seconds, free_port, until_ok
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-org/tiny-model"
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
 async def _serve(folder: Path) -> tuple[asyncio.subprocess.Process, str, str]:
@@ -51,7 +40,7 @@ async def _serve(folder: Path) -> tuple[asyncio.subprocess.Process, str, str]:
         "balance": {"demo_balance_micros": 0},
         "websocket": {"max_refused_turns": int(os.environ.get("REFUSED_TURNS", "3"))},
     }))
-    port = _port()
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         str(ROOT / ".venv" / "bin" / "python"), "-m", "proxy", "--config", str(config), "serve", "--demo-key",
         "--port", str(port), cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
@@ -64,15 +53,7 @@ async def _serve(folder: Path) -> tuple[asyncio.subprocess.Process, str, str]:
         if line.startswith(b"demo key: "):
             secret = line.decode().split(": ", 1)[1].strip()
     url = f"http://127.0.0.1:{port}"
-    async with aiohttp.ClientSession() as http:
-        for _ in range(200):
-            try:
-                async with http.get(url + "/healthz") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
+    await until_ok(url + "/healthz")
     return proc, url, secret
 
 
@@ -121,12 +102,12 @@ async def main(messages: int, inflated_mb: int) -> None:
     proc, url, secret = await _serve(Path(tempfile.mkdtemp()))
     try:
         await _http(url, secret, 5)  # warm
-        before = _cpu_s(proc.pid)
+        before = cpu_seconds(proc.pid)
         await _http(url, secret, messages)
-        http_ms = (_cpu_s(proc.pid) - before) / messages * 1000
-        before = _cpu_s(proc.pid)
+        http_ms = (cpu_seconds(proc.pid) - before) / messages * 1000
+        before = cpu_seconds(proc.pid)
         refused, sockets = await _flood(url, secret, messages, inflated_mb)
-        ws_ms = (_cpu_s(proc.pid) - before) / refused * 1000
+        ws_ms = (cpu_seconds(proc.pid) - before) / refused * 1000
         print(f"refused HTTP request: {http_ms:.2f} ms CPU each ({messages})")
         print(f"refused deflate-flood message ({inflated_mb} MB inflated, ~8 KB sent): {ws_ms:.2f} ms CPU each "
               f"({refused} over {sockets} handshakes)")
