@@ -64,6 +64,17 @@ def hourly_sums(inserted: Iterable[tuple[Sequence, int]]) -> list[tuple]:
 SERVED_MODEL_SQL = "COALESCE(served_model, model)"
 # The groups over the usage rows and over usage_hourly that both backends write the same;
 # each adds "day" and "hour" (the UTC bucket's start, Unix seconds) in its own SQL.
+
+# The summed columns of a usage total, in the order both dialects' SELECT lists read them.
+SUMMED = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens", "cost_micros", "debited_micros")
+
+
+def sums_sql(count: str, cast: str = "") -> str:
+    """A total's SELECT list: `count` (the requests), then each summed column as the dialect
+    spells an integer sum of none as 0 (`cast`: PostgreSQL's "::bigint", whose SUM is numeric)."""
+    return ", ".join([count, *(f"COALESCE(SUM({column}), 0){cast}" for column in SUMMED)])
+
+
 GROUP_SQL = {"key": "key_id", "model": SERVED_MODEL_SQL, "worker": "worker"}
 ROLLUP_GROUP_SQL = {"key": "key_id", "model": "model", "worker": "NULLIF(worker, '')", "hour": "hour"}
 

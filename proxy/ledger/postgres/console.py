@@ -27,6 +27,7 @@ from proxy.ledger.rollup import (
     hourly_filters,
     merge_totals,
     split_totals,
+    sums_sql,
     usage_filters,
 )
 
@@ -38,17 +39,8 @@ _GROUP_SQL = {
 assert set(_GROUP_SQL) == set(USAGE_GROUPS)
 # The same groups over usage_hourly.
 _ROLLUP_GROUP_SQL = {**ROLLUP_GROUP_SQL, "day": "hour / 86400 * 86400"}
-_ROLLUP_SUMS = (
-    "COALESCE(SUM(requests), 0)::bigint, COALESCE(SUM(input_tokens), 0)::bigint,"
-    " COALESCE(SUM(cached_tokens), 0)::bigint, COALESCE(SUM(output_tokens), 0)::bigint,"
-    " COALESCE(SUM(reasoning_tokens), 0)::bigint, COALESCE(SUM(cost_micros), 0)::bigint,"
-    " COALESCE(SUM(debited_micros), 0)::bigint"
-)
-_SUMS = (
-    "COUNT(*), COALESCE(SUM(input_tokens), 0)::bigint, COALESCE(SUM(cached_tokens), 0)::bigint,"
-    " COALESCE(SUM(output_tokens), 0)::bigint, COALESCE(SUM(reasoning_tokens), 0)::bigint,"
-    " COALESCE(SUM(cost_micros), 0)::bigint, COALESCE(SUM(debited_micros), 0)::bigint"
-)
+_ROLLUP_SUMS = sums_sql("COALESCE(SUM(requests), 0)::bigint", "::bigint")
+_SUMS = sums_sql("COUNT(*)", "::bigint")
 
 
 def _where(filters: Filters, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:

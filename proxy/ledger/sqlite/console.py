@@ -27,6 +27,7 @@ from proxy.ledger.rollup import (
     hourly_filters,
     merge_totals,
     split_totals,
+    sums_sql,
     usage_filters,
 )
 from proxy.ledger.sqlite.writer import Durability
@@ -42,15 +43,8 @@ _GROUP_SQL = {
 assert set(_GROUP_SQL) == set(USAGE_GROUPS)
 # The same groups over usage_hourly (proxy/ledger/schema.py: ROLLUP).
 _ROLLUP_GROUP_SQL = {**ROLLUP_GROUP_SQL, "day": "CAST(hour / 86400 AS INTEGER) * 86400"}
-_ROLLUP_SUMS = (
-    "COALESCE(SUM(requests), 0), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
-    " COALESCE(SUM(output_tokens), 0), COALESCE(SUM(reasoning_tokens), 0), COALESCE(SUM(cost_micros), 0),"
-    " COALESCE(SUM(debited_micros), 0)"
-)
-_SUMS = (
-    "COUNT(*), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(output_tokens), 0),"
-    " COALESCE(SUM(reasoning_tokens), 0), COALESCE(SUM(cost_micros), 0), COALESCE(SUM(debited_micros), 0)"
-)
+_ROLLUP_SUMS = sums_sql("COALESCE(SUM(requests), 0)")
+_SUMS = sums_sql("COUNT(*)")
 
 
 def _where(filters: Filters, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
