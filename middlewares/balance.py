@@ -89,11 +89,15 @@ from proxy.ledger.lease import Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.service import budget_room
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
+from proxy.protocol.passthrough import Passthrough
 from proxy.protocol.prompt import TEMPLATE_OVERHEAD, prompt_bound
 from proxy.protocol.translate import Translation
 from proxy.runtime.logs import log
 from proxy.state import METRICS, AnswerReport, Bill, RequestContext, Tokens
 from proxy.upstream.tokens import TokenCounter
+
+# What the balance holds for: a Responses request or a pass-through one.
+Priced = Translation | Passthrough
 
 if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
     from proxy.config.sections import Balance
@@ -188,8 +192,8 @@ def _per_answer(price: Price, amount: int, est: int, choices: int) -> int:
     return covered if choices == 1 else covered // choices
 
 
-def _fit_cap(ctx: RequestContext, t: Translation, price: Price, found: Hold, est: int,
-             wanted: int) -> tuple[Hold, Translation]:
+def _fit_cap(ctx: RequestContext, t: Priced, price: Price, found: Hold, est: int,
+             wanted: int) -> tuple[Hold, Priced]:
     """(the hold, `t` with its output held to what `found` covers: a new Translation (with_cap),
     lowered and sent upstream when it covers less than wanted)."""
     cap = min(wanted, _per_answer(price, found.amount_micros, est, t.choices))
@@ -229,8 +233,8 @@ class _Billing:
         window = models.get(t.upstream_model) or models.get(t.model)
         return int(window) if window else self.default_cap
 
-    async def reserve(self, ctx: RequestContext, leases: Leases, key_id: str, t: Translation, price: Price,
-                      est: int, room: int | None = None) -> tuple[Hold, Translation, int]:
+    async def reserve(self, ctx: RequestContext, leases: Leases, key_id: str, t: Priced, price: Price,
+                      est: int, room: int | None = None) -> tuple[Hold, Priced, int]:
         """(the hold, `t` capped to it, the input bound it was sized with). `room`: what the key's
         budgets still allow (None: no budget); the hold, and so the output cap, stays within it."""
         wanted = self.output_cap(t)
@@ -256,9 +260,9 @@ class _Billing:
             return await self.reserve_counted(ctx, leases, key_id, t, capped, price, est, wanted, exc)
         return (*_fit_cap(ctx, capped, price, found, est, wanted), est)
 
-    async def reserve_counted(self, ctx: RequestContext, leases: Leases, key_id: str, t: Translation,
-                              capped: Translation, price: Price, est: int, wanted: int,
-                              exc: InsufficientBalance) -> tuple[Hold, Translation, int]:
+    async def reserve_counted(self, ctx: RequestContext, leases: Leases, key_id: str, t: Priced,
+                              capped: Priced, price: Price, est: int, wanted: int,
+                              exc: InsufficientBalance) -> tuple[Hold, Priced, int]:
         """The bytes bound did not fit: retry with the prompt as a worker counts it, else refuse."""
         # The bound from the prompt's bytes is generous (3-4x on English text): before a
         # refusal, a worker's tokenizer gives the prompt's real size, which may fit. Not

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this m
     from proxy.ledger.base import Hold, KeyRecord
     from proxy.ledger.interface import Ledger
     from proxy.policy.netguard import ImagePolicy
-    from proxy.protocol.passthrough import Limits
+    from proxy.protocol.passthrough import Limits, Passthrough
     from proxy.protocol.rewriter import StreamRewriter
     from proxy.protocol.seal import Sealer
     from proxy.protocol.translate import Translation
@@ -184,14 +184,15 @@ class RequestContext:
     path: str  # the route: /v1/responses, /v1/responses/input_tokens, ...
     key: KeyRecord | None = None  # auth: the caller's key (None: no auth, or not a guarded route)
     body: dict | None = None  # prepare: the parsed body, read once (a turn's from its TURN, proxy.http.turn)
-    translation: Translation | None = None  # prepare: the one translation, as the client asked
+    # prepare: the one translation, as the client asked (a pass-through route's: its Passthrough)
+    translation: Translation | Passthrough | None = None
     notices: list[str] = field(default_factory=list)  # joined into x-token-notice (middlewares.notices)
     report: AnswerReport | None = None  # the handler: its answer, once it ended (None: no worker was chosen)
     tail: Tail | None = None  # the handler: a stream's end, written by the envelope after the phases
     hold: Hold | None = None  # balance: the hold on the ledger
     # balance: the translation with the output cap it held for (Translation.with_cap): lowered,
     # sent upstream and echoed when the balance or a budget covers less than the client asked.
-    capped: Translation | None = None
+    capped: Translation | Passthrough | None = None
     bill: Bill | None = None  # balance: what the answer was charged, once settled
     # balance: the settlement still in flight when the handler was cancelled (the client went
     # away); the envelope writes the access line and the metrics once it is done, so they carry
@@ -206,7 +207,7 @@ class RequestContext:
     # table or the turn; the body phase may refine it to one of its variants.
     unit: Unit = None  # type: ignore[assignment]
 
-    def to_answer(self) -> Translation | None:
+    def to_answer(self) -> Translation | Passthrough | None:
         """The translation the handler answers: the balance's capped copy, when it held."""
         return self.capped if self.capped is not None else self.translation
 

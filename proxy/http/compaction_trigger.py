@@ -40,6 +40,7 @@ from proxy.http.units import COMPACT_SUMMARY
 from proxy.protocol.compaction import compaction_item, summary_text, take_trigger
 from proxy.protocol.continuation import TERMINAL_EVENTS
 from proxy.protocol.seal import binding
+from proxy.protocol.translate import Translation
 from proxy.state import RequestContext, Tail
 
 
@@ -84,7 +85,7 @@ async def _once_more(request: web.Request, ctx: RequestContext) -> tuple[str, di
     body = ctx.body or {}
     items, _ = take_trigger(body.get("input"))
     t = ctx.translation
-    assert t is not None and t.compaction is not None  # a compaction_trigger request: translated with its ask
+    assert isinstance(t, Translation) and t.compaction is not None  # translated with its ask
     ask = t.compaction
     again: dict[str, Any] = {"model": body.get("model"),
                              "input": [*items, {"role": "user", "content": ask.instructions}],

@@ -16,7 +16,7 @@ does not serve that path: another may; else 404 `endpoint_not_served` naming the
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -101,9 +101,8 @@ def _not_served(worker: Worker, t: Passthrough, status: int, body: bytes) -> Ret
 
 async def passthrough_handler(request: web.Request) -> web.StreamResponse:
     ctx = request[state.CONTEXT]
-    # The translate phase put a Passthrough where a Translation goes (RequestContext.translation):
-    # the two share no request type yet (issue 38's one forwarding pipeline makes one).
-    t = cast(Passthrough, ctx.to_answer())
+    t = ctx.to_answer()
+    assert isinstance(t, Passthrough)  # the translate phase ran: a pass-through unit's is a Passthrough
     app = request.app
     floor = app[state.CONFIG].routing.bytes_per_token_floor
 

@@ -22,7 +22,7 @@ from proxy.http.passthrough_handler import passthrough_translate, policy_for
 from proxy.http.units import MODELS, SIZES, TRANSLATE, Unit
 from proxy.policy.netguard import check_images
 from proxy.protocol.seal import binding
-from proxy.protocol.translate import TranslateOptions, translate_request
+from proxy.protocol.translate import TranslateOptions, Translation, translate_request
 from proxy.state import SAMPLING_DEFAULTS, SEALER, RequestContext
 
 if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
@@ -283,7 +283,8 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callabl
                 _check_model(ctx, body, app.get(state.POOL))
             if translate is not None:
                 await translate(ctx, body)
-                if compaction is not None and ctx.translation is not None and ctx.translation.compaction is not None:
+                if compaction is not None and isinstance(t := ctx.translation, Translation) and \
+                        t.compaction is not None:
                     ctx.unit = compaction[0]
                     return await compaction[1](request, ctx)
             return await rest(request, ctx)
@@ -318,7 +319,7 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callabl
 def _passthrough_step(app: web.Application) -> Callable[[RequestContext, dict[str, Any]], Awaitable[None]]:
     async def translate(ctx: RequestContext, body: dict[str, Any]) -> None:
         # Another API of the model server: its body rebuilt from what was priced (proxy.http.passthrough_handler).
-        ctx.translation = await passthrough_translate(app, ctx, body)  # type: ignore[assignment]  # a Passthrough stands in
+        ctx.translation = await passthrough_translate(app, ctx, body)
 
     return translate
 

@@ -53,7 +53,7 @@ def response_context(app: web.Application, ctx: RequestContext, t: Translation) 
 async def forward(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
     """The answer to the request's Translation, from the first worker that gives one."""
     t = ctx.to_answer()
-    assert t is not None  # the translate phase ran: this handler's unit has it
+    assert isinstance(t, Translation)  # the translate phase ran: a Responses unit's is a Translation
     body = ctx.body or {}
     prefs = parse_provider(body.get("provider"))
     app = request.app
@@ -113,7 +113,7 @@ async def refusal_as_event(request: web.Request, ctx: RequestContext, exc: APIEr
     if exc.code not in _STREAMED_REFUSALS or not ctx.unit.refusal_as_event or not _event_stream_only(request, ctx):
         return None
     t = ctx.to_answer()
-    if t is None:
+    if not isinstance(t, Translation):  # not translated yet (a refusal before the body)
         return None
     rewriter = StreamRewriter(response_context(request.app, ctx, t))
     body = rewriter.fail(exc.message, code=exc.code, retry_after_ms=None, should_retry=False, verbatim_code=True)

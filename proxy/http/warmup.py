@@ -14,6 +14,7 @@ from proxy import state
 from proxy.http.event_stream import open_event_stream
 from proxy.http.responses_handler import response_context
 from proxy.protocol.rewriter import StreamRewriter
+from proxy.protocol.translate import Translation
 
 # The end of a chat stream that produced nothing: the rewriter's own path to a completed,
 # empty response (the same events and Response object as any other turn).
@@ -28,7 +29,7 @@ async def warmup_handler(request: web.Request) -> web.StreamResponse:
     answer, encoder = open_event_stream(request)
     await answer.prepare(request)  # before the first event: the transport's say in the headers
     t = ctx.translation
-    assert t is not None  # the translate phase ran: a warm-up declares it (proxy.http.units.WS_WARMUP)
+    assert isinstance(t, Translation)  # the translate phase ran: a warm-up declares it (proxy.http.units.WS_WARMUP)
     rewriter = StreamRewriter(response_context(request.app, ctx, t), encoder=encoder)
     stream = rewriter.start() + rewriter.feed(_NOTHING)
     if not rewriter.done:
