@@ -4,7 +4,7 @@
 
   envelope  (proxy.app) the request id, the one `RequestContext` (proxy.state), the error
             envelope, the access line; it runs the request's unit's chain, `Phases.chain(ctx.unit)`:
-            built once per unit of work (proxy.http.units) from the phases that unit declares.
+            built once per unit of work (proxy.units) from the phases that unit declares.
   auth      the key from the headers alone (ctx.key); nothing of the body is read before it.
   limits    concurrency and rate, still before any byte of the body.
   prepare   (proxy.http.request.prepare) reads the body once (ctx.body), runs the stateless checks
@@ -49,8 +49,8 @@ from proxy.config.schema import POINTS, POLICIES
 from proxy.errors import APIError
 from proxy.http.passthrough_handler import SWITCHES
 from proxy.http.request import Next, prepare_phase
-from proxy.http.units import AUTH, BALANCE, BODY, LIMITS, PASSTHROUGH, TRANSLATE, UNITS, Unit
 from proxy.state import RequestContext
+from proxy.units import AUTH, BALANCE, BODY, LIMITS, PASSTHROUGH, TRANSLATE, UNITS, Unit
 
 
 class Phase(Protocol):
@@ -112,7 +112,7 @@ _POINT_PHASE = {"after_auth": AUTH, "after_prepare": TRANSLATE, "before_handler"
 
 
 class Phases:
-    """The phases after the envelope: one chain per unit of work (proxy.http.units), built once
+    """The phases after the envelope: one chain per unit of work (proxy.units), built once
     at start-up from the phases that unit declares, custom points included. A phase a unit does
     not declare is not in its chain, so no phase asks which unit it runs for; `chain(unit)`
     is what the envelope runs.

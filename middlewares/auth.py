@@ -1,6 +1,6 @@
 """API keys: `Authorization: Bearer <key>` on the API routes.
 
-Guarded: every unit of work whose phases include `auth` (proxy.http.routes, proxy.http.units):
+Guarded: every unit of work whose phases include `auth` (proxy.http.routes, proxy.units):
 the Responses routes, each WebSocket turn (a key revoked after the handshake stops the next
 turn), /v1/models (as on OpenAI, listing models needs a key) and /v1/key (the caller's own
 key), whatever the method (HEAD /v1/models too); a method a guarded path does not serve still
@@ -63,11 +63,11 @@ from proxy.errors import APIError
 from proxy.http.errors import close_if_unread, error_response, ledger_unavailable
 from proxy.ledger import KeyRecord, LedgerUnavailable
 from proxy.ledger.base import STATIC_PREFIX
+from proxy.logs import log
 from proxy.protocol.passthrough import ANTHROPIC
-from proxy.runtime.logs import log
 from proxy.state import KEY_CACHE, LEDGER, RequestContext
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Auth
 
 DEMO_NAME = "demo"

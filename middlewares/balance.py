@@ -89,17 +89,17 @@ from proxy.ledger.lease import Leases
 from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_tokens_for
 from proxy.ledger.service import budget_room
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
+from proxy.logs import log
 from proxy.protocol.passthrough import Passthrough
 from proxy.protocol.prompt import TEMPLATE_OVERHEAD, prompt_bound
 from proxy.protocol.translate import Translation
-from proxy.runtime.logs import log
 from proxy.state import METRICS, AnswerReport, Bill, RequestContext, Tokens
 from proxy.upstream.tokens import TokenCounter
 
 # What the balance holds for: a Responses request or a pass-through one.
 Priced = Translation | Passthrough
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Balance
 
 _ANSWERED = ("completed", "incomplete", "failed", "cancelled")

@@ -41,7 +41,7 @@ from proxy.limits.base import GLOBAL, KEY, RATE, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter
 from proxy.state import RequestContext
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Limits, LimitsRedis
 
 

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from proxy.state import CONTEXT, NOTICES_HEADER
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Notices
 
 _SEPARATOR = "; "

@@ -13,7 +13,7 @@ from aiohttp import web
 from proxy.policy.rules import apply_stateless, previous_response_mode
 from proxy.state import RequestContext
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Stateless
 
 

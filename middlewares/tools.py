@@ -33,7 +33,7 @@ from proxy.policy.rules import (
 )
 from proxy.state import RequestContext
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Tools
 
 

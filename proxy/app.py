@@ -14,6 +14,7 @@ from aiohttp import web
 
 from middlewares import Phases, build_phases
 from proxy import state
+from proxy.config.cross_checks import sealer_from_config
 from proxy.config.load import Config, ConfigError
 from proxy.errors import APIError
 from proxy.http.anthropic_errors import dress
@@ -26,13 +27,15 @@ from proxy.http.routes import VARIANT_HANDLERS, add_routes, unit_for
 from proxy.http.turn import refuse_other_answers
 from proxy.http.websocket import SocketAdmission
 from proxy.ledger.base import LedgerUnavailable
+from proxy.logs import access, log
 from proxy.policy.netguard import ImagePolicy
 from proxy.protocol.ids import random_bits
+from proxy.protocol.models import sampling_defaults
 from proxy.protocol.passthrough import ANTHROPIC
 from proxy.runtime import metrics
-from proxy.runtime.logs import access, log
-from proxy.runtime.refusals import Refusals, is_refusal
+from proxy.runtime.refusals import REFUSALS, Refusals, is_refusal
 from proxy.state import (
+    CONFIG,
     CONTEXT,
     IMAGE_POLICY,
     NO_TOKENS,
@@ -49,7 +52,6 @@ from proxy.state import (
 )
 from proxy.upstream.client import UpstreamPool
 from proxy.upstream.health import Readiness, health_context
-from proxy.upstream.models import sampling_defaults
 from proxy.upstream.workers import WorkerPool, parse_workers
 
 LEDGER = state.LEDGER
@@ -167,7 +169,7 @@ def _log_access(request: web.Request, ctx: RequestContext, status: int, error_co
         error_code = report.error
     carrier = transport_of(request)
     if is_refusal(status):
-        refusals = request.config_dict.get(state.REFUSALS)
+        refusals = request.config_dict.get(REFUSALS)
         if refusals is not None:
             refusals.record(request.path, request_id=ctx.request_id, method=request.method, transport=carrier,
                             status=status, error_code=error_code, key_id=key_id, model=model, client=request.remote)
@@ -371,10 +373,8 @@ def build_app(config: Config) -> web.Application:
     # Resources first: middleware factories may add their own contexts that need these.
     app.cleanup_ctx.append(_client_session(app))
     app.cleanup_ctx.append(_embedded_simulator)
-    app.cleanup_ctx.append(health_context(SESSION, POOL))  # discovery + active checks, once urls are final
+    app.cleanup_ctx.append(health_context(SESSION, POOL, CONFIG))  # discovery + active checks, once urls are final
     app.cleanup_ctx.append(_ledger)
-    from proxy.protocol.seal import sealer_from_config
-
     sealer = sealer_from_config(config.reasoning_seal)
     if sealer is not None:
         app[state.SEALER] = sealer
@@ -388,7 +388,7 @@ def build_app(config: Config) -> web.Application:
     app[state.COMPACT_SETTINGS] = CompactSettings.of(config)
     app[READINESS] = Readiness(app[POOL], LEDGER)
     add_routes(app)  # every API route, its handler and its unit of work: proxy.http.routes
-    refusals = app[state.REFUSALS] = Refusals(metrics.multiprocess_dir())
+    refusals = app[REFUSALS] = Refusals(metrics.multiprocess_dir())
 
     async def close_refusals(_app: web.Application) -> None:
         refusals.close()

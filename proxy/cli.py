@@ -1,5 +1,5 @@
 """The console script: `responses-proxy serve` (the default), `responses-proxy keys ...` and
-`responses-proxy config reference|sections|check`."""
+`responses-proxy config reference [--markdown]|check`."""
 
 from __future__ import annotations
 
@@ -50,9 +50,8 @@ def _parser() -> argparse.ArgumentParser:
         add_key_commands(sub)
     conf = sub.add_parser("config", help="the configuration: its commented reference, or a check of a file")
     conf_sub = conf.add_subparsers(dest="config_command", required=True)
-    conf_sub.add_parser("reference", help="print the commented reference of every key (config.yaml is it)")
-    conf_sub.add_parser("sections", help="print the typed settings classes of every section "
-                                         "(proxy/config/sections.py is it)")
+    ref = conf_sub.add_parser("reference", help="print the commented reference of every key (config.yaml is it)")
+    ref.add_argument("--markdown", action="store_true", help="the README's table of every key instead")
     check = conf_sub.add_parser("check", help="load --config and build the app (middlewares included), start nothing")
     check.add_argument("--config", default=argparse.SUPPRESS, help="as the top-level --config")
     return parser
@@ -108,7 +107,7 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
     from aiohttp import web
 
     from proxy.app import build_app
-    from proxy.runtime.logs import configure
+    from proxy.logs import configure
 
     configure(config.server.log_format, config.server.log_level)
     _raise_nofile()
@@ -195,14 +194,9 @@ def _run(app, sockets: list, loop: asyncio.AbstractEventLoop) -> None:
 
 def _config_command(args: argparse.Namespace) -> int:
     if args.config_command == "reference":
-        from proxy.config.schema import reference
+        from proxy.config.reference import markdown_table, reference
 
-        sys.stdout.write(reference())
-        return 0
-    if args.config_command == "sections":
-        from proxy.config.codegen import source
-
-        sys.stdout.write(source())
+        sys.stdout.write(markdown_table() if args.markdown else reference())
         return 0
     config = Config.load(args.config)
     _config_dir_on_path(config)

@@ -20,7 +20,6 @@ if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this m
 
     from proxy.config.load import Config
     from proxy.config.sections import Responses
-    from proxy.http.units import Unit
     from proxy.ledger.base import Hold, KeyRecord
     from proxy.ledger.interface import Ledger
     from proxy.policy.netguard import ImagePolicy
@@ -28,9 +27,7 @@ if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this m
     from proxy.protocol.rewriter import StreamRewriter
     from proxy.protocol.seal import Sealer
     from proxy.protocol.translate import Translation
-    from proxy.runtime.key_metrics import KeyMetrics
-    from proxy.runtime.refusals import Refusals
-    from proxy.simulator.chat import SimState
+    from proxy.units import Unit
     from proxy.upstream.client import UpstreamPool
     from proxy.upstream.workers import WorkerPool
 # This module stands below everything that keeps state on an app or a request.
@@ -131,11 +128,10 @@ SESSION: web.AppKey[ClientSession] = _app_key("client_session", "aiohttp.ClientS
 UPSTREAMS: web.AppKey[UpstreamPool] = _app_key("upstreams", "UpstreamPool")
 METRICS = _app_key("metrics", "Metrics")  # proxy.runtime.metrics
 # proxy.upstream.health's active checks
-CHECKER = _app_key("health_checker", "HealthChecker")
 READINESS = _app_key("readiness", "Readiness")  # proxy.upstream.health, answers /readyz
 # config.responses, read by proxy.http.responses_handler
 RESPONSE_SETTINGS: web.AppKey[Responses] = _app_key("response_settings", "Responses")
-SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.upstream.models.sampling_defaults
+SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.protocol.models.sampling_defaults
 IMAGE_POLICY: web.AppKey[ImagePolicy] = _app_key("image_policy", "ImagePolicy")  # proxy.policy.netguard
 # proxy.protocol.passthrough, from config.endpoints
 PASSTHROUGH_LIMITS: web.AppKey[Limits] = _app_key("passthrough_limits", "Limits")
@@ -155,11 +151,8 @@ PHASES = _app_key("phases", "Phases")
 ADMIN = _app_key("admin_console", "AdminAuth")
 # proxy.http.parse_errors: bounds on a request's head
 HEAD_LIMITS = _app_key("head_limits", "HeadLimits")
-# proxy.runtime.key_metrics: per-key spend and balance
-KEY_METRICS: web.AppKey[KeyMetrics] = _app_key("key_metrics", "KeyMetrics")
-REFUSALS: web.AppKey[Refusals] = _app_key("refusals", "Refusals")  # proxy.runtime.refusals: the Errors view's records
-# The embedded upstream's state (proxy.simulator.server): on the simulator's own app, not the proxy's.
-SIM_STATE: web.AppKey[SimState] = _app_key("simulator_state", "SimState")
+# Keys kept beside the type they hold, in a module that uses this one: proxy.upstream.health.CHECKER,
+# proxy.runtime.key_metrics.KEY_METRICS, proxy.runtime.refusals.REFUSALS, proxy.simulator.chat.SIM_STATE.
 
 # Per-request state: one context, created by the envelope (proxy.app) and passed explicitly
 # to every phase and the handler; it is also on the request under CONTEXT, for aiohttp-shaped
@@ -203,7 +196,7 @@ class RequestContext:
     # that point an error can no longer become an HTTP status (proxy.app._after_start).
     started: web.StreamResponse | None = None
     endpoint: Any = None  # what runs after the last phase: the route's handler(request)
-    # The unit of work (proxy.http.units): which phases run. The envelope sets it from the route
+    # The unit of work (proxy.units): which phases run. The envelope sets it from the route
     # table or the turn; the body phase may refine it to one of its variants.
     unit: Unit = None  # type: ignore[assignment]
 

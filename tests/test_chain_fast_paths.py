@@ -99,7 +99,7 @@ def test_only_enabled_policies_become_phases():
     app[state.CONFIG] = config
     phases = build_phases(config, app)
     # limits and prepare (stateless is a body check of prepare; notices is no phase)
-    from proxy.http.units import INPUT_TOKENS, KEYED, RESPONSES
+    from proxy.units import INPUT_TOKENS, KEYED, RESPONSES
 
     assert phases.names(RESPONSES) == ["limits", "prepare"]
     assert phases.names(INPUT_TOKENS) == ["limits", "prepare"]

@@ -99,7 +99,7 @@ async def test_codex_runs_a_tool_loop_over_the_websocket(sim, make_proxy, tmp_pa
     assert [m["role"] for m in last].count("tool") == 2 and last[0]["role"] == "system"
     # Codex sends its hosted web_search tool, left out with a notice: each turn's
     # response.created carried it (`headers`, as HTTP's x-token-notice) and Codex went on; the
-    # warm-up too, which passes the same phases (proxy.http.units.WS_WARMUP).
+    # warm-up too, which passes the same phases (proxy.units.WS_WARMUP).
     created = [orjson.loads(m) for m in relay.ws_connections[0]["received"]
                if m.startswith('{"type":"response.created"')]
     assert all("web_search" in c["headers"]["x-token-notice"] for c in created) and len(created) == 4

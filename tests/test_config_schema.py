@@ -1,24 +1,27 @@
-"""config.yaml against its one schema (proxy/config/schema.py): every mistake is a start-up
+"""config.yaml against its one schema, the settings classes (proxy/config/sections.py): every mistake is a start-up
 error naming the key's path; config.yaml is the generated reference; `serve` refuses a bad
 or busy port in one line; the config file's folder is on the import path; no demo key with
 a config file unless asked for."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
 import time
 import types
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
-from proxy.config import codegen, schema as config_schema, sections as config_sections, settings as config_settings
+from proxy.config import reference as config_reference, schema as config_schema, sections as config_sections
+from proxy.config import settings as config_settings, types as config_types
 from proxy.config.load import DEFAULTS, Config, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +105,7 @@ MISTAKES = [
     ("tools: {drop: [function]}\n", "tools.drop cannot name function: those tools are translated"),
     ("tools: {refuse: [web_search]}\n", "tools: web_search is both dropped and refused"),
     ("notices: {header: 'bad header'}\n", "notices.header must be a valid HTTP header name, not 'bad header'"),
-    ("prices: {m: {input: 1.5, output: 2}}\n", "prices: price m.input must be an integer number of micro-units"),
+    ("prices: {m: {input: 1.5, output: 2}}\n", "prices.m.input must be a non-negative integer number of micro-units"),
     # the environment
     ("workers: [{name: a, url: embedded, api_key: '${RP_TEST_UNSET_A}'}]\n",
      "${RP_TEST_UNSET_A} is not set (workers[0].api_key)"),
@@ -122,7 +125,7 @@ def test_each_mistake_names_its_key(tmp_path, monkeypatch, text, expected):
 
 def test_a_policy_switched_off_skips_its_rules(tmp_path):
     _load(tmp_path, "auth: {enabled: false, static_keys: [{name: a}]}\ntools: {enabled: false, drop: [function]}\n"
-                    "admin: {prefix: /}\nbalance: {enabled: false}\nprices: {m: {input: 1.5, output: 2}}\n")
+                    "admin: {prefix: /}\n")
 
 
 def test_environment_values_take_the_keys_type(tmp_path, monkeypatch):
@@ -152,13 +155,13 @@ def test_an_empty_section_keeps_its_defaults(tmp_path):
 
 
 def test_config_yaml_is_the_generated_reference():
-    assert (ROOT / "config.yaml").read_text() == config_schema.reference(), (
+    assert (ROOT / "config.yaml").read_text() == config_reference.reference(), (
         "config.yaml differs from the schema: regenerate it with "
         "`.venv/bin/responses-proxy config reference > config.yaml`")
 
 
 def test_the_reference_loads_as_the_defaults(tmp_path):
-    (tmp_path / "config.yaml").write_text(config_schema.reference())
+    (tmp_path / "config.yaml").write_text(config_reference.reference())
     loaded = Config.load(tmp_path / "config.yaml").data
     assert loaded == DEFAULTS
     assert loaded["auth"]["demo_key"] is False  # an operator's file: no demo key unless written
@@ -166,7 +169,7 @@ def test_the_reference_loads_as_the_defaults(tmp_path):
 
 def test_every_key_the_reference_shows_commented_out_is_known():
     # Uncommenting a shown key (with a value) must load: the doc and the schema agree.
-    text = config_schema.reference()
+    text = config_reference.reference()
     shown = re.findall(r"^(\s*)# (\w+): (\S[^#]*?)\s*(?:#.*)?$", text, re.M)
     assert len(shown) >= 15
     for indent, key, value in shown:
@@ -204,40 +207,102 @@ def test_cli_prints_the_reference():
 # ----------------------------------------------------------------------------- the typed settings
 
 
-def test_sections_py_is_the_generated_source():
-    assert (ROOT / "proxy" / "config" / "sections.py").read_text() == codegen.source(), (
-        f"proxy/config/sections.py differs from the schema: regenerate it with `.venv/bin/{codegen.COMMAND}`")
+def _holds(value, hint) -> bool:
+    """`value` is what the annotation `hint` says (a settings class, X | None, tuple[X, ...], dict[str, X])."""
+    meta = getattr(hint, "__metadata__", None)
+    if meta is not None:
+        hint = typing.get_args(hint)[0]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if origin in (types.UnionType, typing.Union):
+        return any(_holds(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_holds(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) and _holds(v, args[1]) for k, v in value.items())
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, hint) and all(
+            _holds(getattr(value, f.name), h) for f, h in zip(dataclasses.fields(hint),
+                                                              typing.get_type_hints(hint, include_extras=True).values()))
+    if hint is float:
+        return isinstance(value, float)
+    return isinstance(value, hint) and not (hint is int and isinstance(value, bool))
 
 
-def test_settings_refuse_classes_that_differ_from_the_schema(monkeypatch):
-    assert config_settings._bind(config_sections)[2] == ""
-    stale = types.ModuleType("stale_sections")
-    monkeypatch.setitem(sys.modules, stale.__name__, stale)  # dataclass() reads its class's module
-    exec(codegen.source().replace("    lease_commit_rows: int", "    lease_commit_rows: float"), stale.__dict__)
-    why = config_settings._bind(stale)[2]
-    assert "Balance: lease_commit_rows: float where the schema has lease_commit_rows: int" in why
-    assert why.endswith(f"regenerate it with `{codegen.COMMAND}`")
-    assert "no class Root" in config_settings._bind(types.ModuleType("empty"))[2]
-    monkeypatch.setattr(config_settings, "_STALE", why)
-    for make in (lambda: config_settings.build(DEFAULTS), lambda: config_settings.of("balance"),
-                 config_settings.classes):
-        with pytest.raises(RuntimeError, match="does not match the schema"):
-            make()
+def test_the_settings_built_from_the_defaults_are_what_each_annotation_says():
+    # The class is the schema: what the start-up check lets through, built, is of the field's type.
+    root = config_settings.build(DEFAULTS)
+    assert _holds(root, config_sections.Root)
+    full = copy.deepcopy(DEFAULTS)
+    full["auth"]["static_keys"] = [{"name": "a", "key": "k" * 20, "allowed_models": ["m"], "concurrency": 2,
+                                    "rate_per_min": 3}]
+    full["prices"]["m"] = {"input": 1.0, "cached_input": 2, "output": 3}
+    full["responses"]["sampling_defaults"] = {"m": {"temperature": 1, "top_p": 0.5}}
+    full["workers"][0]["labels"] = {"region": "eu"}
+    built = config_settings.build(config_schema.validate(full))
+    assert _holds(built, config_sections.Root)
+    assert built.prices["m"].input == 1 and isinstance(built.prices["m"].input, int)
 
 
-def test_cli_prints_the_sections_even_from_a_truncated_copy(tmp_path):
-    # The redirect truncates sections.py before the command imports anything: it must not need it.
-    proc = subprocess.run([str(PYTHON), "-m", "proxy", "config", "sections"], cwd=ROOT,
+def test_every_section_class_is_frozen_slotted_and_keyword_only():
+    for path, cls in config_settings.classes().items():
+        params = cls.__dataclass_params__
+        assert params.frozen and "__slots__" in vars(cls), path
+        assert all(f.kw_only for f in dataclasses.fields(cls)), path
+
+
+def test_a_field_without_a_type_of_its_own_takes_its_annotations():
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Probe:
+        names: tuple[str, ...] = ()
+        cap: int | None = 4
+        ratio: typing.Annotated[float, config_types.Num(0, 1), "a share"] = 0.5
+        off: typing.Annotated[str, "absent: off", config_types.COMMENTED] = None  # type: ignore[assignment]
+
+    section = config_schema.section_of(Probe)
+    assert section.check({"names": ["a"], "cap": None, "ratio": 1}, "probe") == {"names": ["a"], "cap": None,
+                                                                                   "ratio": 1}
+    for bad, message in (({"names": "a"}, "probe.names must be a list of strings"),
+                         ({"cap": 1.5}, "probe.cap must be an integer or null"),
+                         ({"ratio": 2}, "probe.ratio must be a number from 0 to 1"),
+                         ({"off": None}, "probe.off must be a string"),
+                         ({"nmes": []}, "did you mean 'probe.names'")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            section.check(bad, "probe")
+    assert section.defaults() == {"names": [], "cap": 4, "ratio": 0.5}  # COMMENTED: left out
+    assert section.keys["ratio"].doc == "a share" and not section.keys["off"].embedded
+
+
+def test_an_annotation_the_schema_cannot_read_stops_the_import():
+    @dataclasses.dataclass(frozen=True)
+    class Broken:
+        when: set[int] = dataclasses.field(default_factory=set)
+
+    with pytest.raises(TypeError, match="no config type"):
+        config_schema.section_of(Broken)
+
+
+def test_readme_table_is_the_markdown_reference():
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- config table: responses-proxy config reference --markdown -->\n", "<!-- end config table -->"
+    assert start in readme and end in readme
+    table = readme.split(start, 1)[1].split(end, 1)[0]
+    assert table == config_reference.markdown_table(), (
+        "README's table differs from the settings classes: regenerate it with "
+        "`.venv/bin/responses-proxy config reference --markdown`")
+    assert "| `balance.lease_commit_ms` |" in table and "| `workers[].timeouts.idle` |" in table
+
+
+def test_an_unknown_allowed_extension_is_refused_by_config_check(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"ledger: {{path: {tmp_path / 'l.db'}}}\nendpoints: {{allowed_extensions: [priority, nope]}}\n")
+    proc = subprocess.run([str(PYTHON), "-m", "proxy", "config", "check", "--config", str(bad)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == (ROOT / "proxy" / "config" / "sections.py").read_text()
-    for package in ("proxy", "middlewares"):
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "proxy" / "config" / "sections.py").write_text("")
-    again = subprocess.run([str(PYTHON), "-m", "proxy", "config", "sections"], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    assert again.returncode == 0, again.stderr
-    assert again.stdout == proc.stdout
+    assert proc.returncode != 0
+    assert "endpoints.allowed_extensions[1] must be one of" in proc.stderr and "'nope'" in proc.stderr, proc.stderr
 
 
 def test_cli_config_check(tmp_path):

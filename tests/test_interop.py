@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from proxy.ledger import KeyLimits
-from proxy.upstream.models import resolve_model
+from proxy.protocol.models import resolve_model
 from proxy.simulator.server import Simulator
 from tests.conftest import only
 
@@ -287,7 +287,7 @@ async def test_a_models_own_sampling_defaults_are_echoed(sim, make_proxy):
 ])
 def test_sampling_defaults_are_checked_at_start_up(section):
     from proxy.config.load import Config, ConfigError
-    from proxy.upstream.models import sampling_defaults
+    from proxy.protocol.models import sampling_defaults
 
     with pytest.raises(ConfigError, match="responses.sampling_defaults"):
         Config.from_dict({"responses": {"sampling_defaults": section}})

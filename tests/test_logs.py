@@ -11,7 +11,7 @@ import re
 import aiohttp
 import structlog
 
-from proxy.runtime import logs
+from proxy import logs
 from tests.conftest import only
 
 

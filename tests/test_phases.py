@@ -103,7 +103,7 @@ def test_each_unit_chain_holds_exactly_its_declared_phases(sim):
 
     from middlewares import build_phases
     from proxy import state
-    from proxy.http import units
+    from proxy import units
     from proxy.http.routes import VARIANT_HANDLERS
 
     config = Config.from_dict(only(*POLICIES, **probes()))

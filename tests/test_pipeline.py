@@ -98,7 +98,7 @@ def test_startup_failures_are_config_errors(overrides, expected, monkeypatch):
 
 
 def test_default_config_builds():
-    from proxy.http.units import KEYED, RESPONSES
+    from proxy.units import KEYED, RESPONSES
     from proxy.state import PHASES
 
     app = build_app(Config.from_dict({}))

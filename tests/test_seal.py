@@ -12,7 +12,8 @@ import pytest
 
 from proxy.config import settings as config_settings
 from proxy.config.load import Config, ConfigError
-from proxy.protocol.seal import PREFIX, Sealer, sealer_from_config
+from proxy.config.cross_checks import sealer_from_config
+from proxy.protocol.seal import PREFIX, Sealer
 from tests.sdk_check import check_sequence, parse_sse, validate_response
 from tests.conftest import only
 

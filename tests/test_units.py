@@ -1,5 +1,5 @@
 """One declared path: every route and every unit of work runs the phases its unit declares
-(proxy.http.units), and no other. Tried from outside, as an attacker would: each phase is
+(proxy.units), and no other. Tried from outside, as an attacker would: each phase is
 probed by the request it must refuse (a revoked key, a spent rate, an oversize body, too many
 items, a model the key may not use, a body the translation refuses, a spent balance), sent as
 each unit of work (HTTP routes, socket messages, a warm-up, a compaction). A unit refuses the
@@ -17,9 +17,9 @@ import orjson
 import pytest
 from aiohttp import WSMsgType
 
-from proxy.http import units
+from proxy import units
 from proxy.http.routes import ROUTES, unit_for
-from proxy.http.units import AUTH, BALANCE, BODY, LIMITS, MODELS, ORDER, SIZES, TRANSLATE
+from proxy.units import AUTH, BALANCE, BODY, LIMITS, MODELS, ORDER, SIZES, TRANSLATE
 from proxy.ledger import KeyLimits
 
 MODEL = "tiny-org/tiny-model"
@@ -66,7 +66,7 @@ class Probe:
 
 
 def _passthrough_body(family: str, phase: str, limit: int) -> dict[str, Any]:
-    """The same probes in the shape of each pass-through family (proxy.http.units.PASSTHROUGH)."""
+    """The same probes in the shape of each pass-through family (proxy.units.PASSTHROUGH)."""
     many = CONFIG["server"]["max_input_items"] + 1
     if family in ("chat", "messages", "messages_count"):
         body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}]}

@@ -23,8 +23,9 @@ from aiohttp import web
 from proxy import state
 from proxy.admin.auth import AdminAuth, guard
 from proxy.config.cross_checks import admin_prefix
+from proxy.runtime.refusals import REFUSALS
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Admin
 
 
@@ -47,7 +48,7 @@ def install(app: web.Application, section: Admin) -> web.Application | None:
 
     auth = AdminAuth(section)
     auth.prefix = prefix
-    refusals = app.get(state.REFUSALS)
+    refusals = app.get(REFUSALS)
     if refusals is not None:  # the console's own requests are not the service's errors
         refusals.ignore_prefix = prefix
     admin = web.Application(middlewares=[guard(auth, prefix)])

@@ -47,7 +47,7 @@ from proxy.config.cross_checks import key_digest
 from proxy.errors import APIError
 from proxy.ledger import SECRET_PREFIX
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Admin, AdminKeys
 
 COOKIE = "rp_admin_session"

@@ -31,6 +31,7 @@ from proxy.admin.auth import is_client_key
 from proxy.admin.routes import body_of, guarded, json_response, ledger_of
 from proxy.errors import APIError
 from proxy.ledger.service import iso, totals_dict, usage_dict
+from proxy.runtime.refusals import REFUSALS
 
 STATIC = Path(__file__).resolve().parent / "static"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".png": "image/png"}
@@ -168,7 +169,7 @@ async def overview(request: web.Request) -> web.Response:
     by_worker = await guarded(ledger.usage_totals(("worker",), **window))
     total = await guarded(ledger.usage_totals((), **window))
     errors = await guarded(ledger.usage_rows(since=since, statuses=_ERROR_STATUSES, limit=20))
-    refusal_log = request.config_dict.get(state.REFUSALS)
+    refusal_log = request.config_dict.get(REFUSALS)
     refused = await refusal_log.recent(since) if refusal_log is not None else []
     names = {k.key_id: k.name for k in await guarded(ledger.list_keys())}
     top = sorted((totals_dict(t) for t in by_key), key=lambda r: (-r["cost_micros"], r["key"]))[:10]

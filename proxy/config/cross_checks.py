@@ -15,9 +15,14 @@ import hashlib
 import os
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.config.types import SchemaError
+from proxy.policy.rules import CORE_TOOL_TYPES, HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES
+from proxy.protocol.seal import Sealer
+
+if TYPE_CHECKING:
+    from proxy.config.sections import ReasoningSeal
 
 HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
@@ -130,8 +135,6 @@ def seal_keys(keys: dict[str, Any] | None, active: str | None) -> tuple[dict[str
 
 
 def _tools(tools: dict[str, Any]) -> None:
-    from proxy.policy.rules import CORE_TOOL_TYPES, HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES
-
     for name in ("drop", "refuse"):
         core = CORE_TOOL_TYPES.intersection(tools[name] or ())
         if core:
@@ -148,15 +151,6 @@ def _notices(notices: dict[str, Any]) -> None:
         raise SchemaError(f"notices.header must be a valid HTTP header name, not {notices['header']!r}")
 
 
-def _prices(prices: dict[str, Any]) -> None:
-    from proxy.ledger.pricing import PriceTable
-
-    try:
-        PriceTable(prices)
-    except ValueError as exc:
-        raise SchemaError(f"prices: {exc}") from None
-
-
 def check(data: dict[str, Any]) -> None:
     """Every rule over the schema-checked configuration (SchemaError naming the key). A policy
     switched off (`enabled: false`) has its own rules skipped: its section is not used."""
@@ -171,5 +165,13 @@ def check(data: dict[str, Any]) -> None:
         _tools(data["tools"])
     if data["notices"]["enabled"]:
         _notices(data["notices"])
-    if data["balance"]["enabled"]:
-        _prices(data["prices"])
+
+
+def sealer_from_config(section: ReasoningSeal) -> Sealer | None:
+    """config.yaml `reasoning_seal` (config.reasoning_seal) and $RESPONSES_PROXY_SEAL_KEY: the
+    sealer, or None without a key. The keys were checked at load by `check`, with this reading."""
+    keys, active = seal_keys(section.keys, section.active)
+    if not keys:
+        return None
+    assert active is not None  # seal_keys names the active key whenever there is one
+    return Sealer(keys, active, section.ttl_s)

@@ -2,9 +2,9 @@
 
 The defaults alone run a working proxy (the built-in simulator as the upstream, the
 SQLite ledger, and, with no file at all, a demo key). The merged result is checked against
-proxy/config/schema.py and the rules across keys (proxy/config/cross_checks.py) before anything
-starts: an unknown key, a wrong type, a broken rule or an unset `${NAME}` is a ConfigError
-naming the key's path. Then it is read once into the typed settings
+the settings classes, which are the schema (proxy/config/sections.py), and the rules across
+keys (proxy/config/cross_checks.py) before anything starts: an unknown key, a wrong type, a
+broken rule or an unset `${NAME}` is a ConfigError naming the key's path. Then it is read once into the typed settings
 (proxy/config/settings.py): each subsystem gets its section as a frozen object
 (`config.balance`, `config.routing.affinity`); an operator's own middleware gets its
 free-form section as written (`config.get(name)`).
@@ -23,7 +23,7 @@ import yaml
 from proxy.config import cross_checks, schema, settings
 from proxy.config.types import ConfigError, EnvStr
 
-# The embedded configuration: every default of the schema (proxy/config/schema.py).
+# The embedded configuration: every default of the settings classes (proxy/config/sections.py).
 DEFAULTS: dict[str, Any] = schema.defaults()
 
 _ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
@@ -64,10 +64,9 @@ def _expand_env(value: Any, path: str = "") -> Any:
 
 
 if TYPE_CHECKING:
-    from proxy.config.sections import Root, Sections as _Typed
+    # The root's sections are Config's attributes (set by _typed): a type checker reads them off Root.
+    from proxy.config.sections import Root as _Typed
 else:
-    # At run time the attributes are set by _typed; the generated Sections only tells a type
-    # checker their types (and sections.py is not imported here, so a stale copy can be regenerated).
     _Typed = object
 
 
@@ -83,9 +82,9 @@ class Config(_Typed):
         self._typed(settings.build(data))
         self.local_keys: Any = None  # what serve made at start (proxy/runtime/local_keys.py)
 
-    def _typed(self, root: Root) -> None:
+    def _typed(self, root: _Typed) -> None:
         # Each section an instance attribute: a request reads config.routing as a plain attribute.
-        self.settings: Root = root
+        self.settings: _Typed = root
         for name in root.__dataclass_fields__:
             setattr(self, name, getattr(root, name))
 

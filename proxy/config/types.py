@@ -1,9 +1,12 @@
-"""The type system of config.yaml's schema (proxy/config/schema.py holds the schema itself).
+"""The type system of config.yaml: what the settings classes (proxy/config/sections.py) say of a key.
 
-A `Type` checks one value and names what it expects; `Section` is a mapping of `Key`s
-(made by `F`, a key with an embedded default, or `Opt`, one left out of the embedded
-configuration and shown commented out in the reference) and is itself a `Type`, so sections nest and lists of sections
-(`ListOf(Section(...))`) describe the workers and keys.
+A `Type` checks one value and names what it expects. A settings class's field says the rest
+in its `Annotated` metadata: a `Type` (its bounds: `Int(1, 65535)`; left out, the annotation
+gives it: `str` is `Str()`, `tuple[str, ...]` is `ListOf(Str())`), a plain string (its one-line
+doc), `COMMENTED` (left out of the embedded configuration, shown commented out in the
+reference), `DefaultFrom(path)` and `Note(text)`. proxy/config/schema.py reads each class into
+a `Section` of `Key`s, which is itself a `Type`, so sections nest and lists of sections describe
+the workers and keys.
 """
 
 from __future__ import annotations
@@ -175,6 +178,25 @@ class Url(Type):
         return str(value)
 
 
+class Micros(Type):
+    """A non-negative whole number of micro-units of the account currency (1.0 is 1; 1.5 is refused)."""
+
+    def what(self) -> str:
+        return "a non-negative integer number of micro-units"
+
+    def check(self, value: Any, path: str) -> Any:
+        if isinstance(value, EnvStr):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise self.fail(value, path) from None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self.fail(value, path)
+        return value
+
+
 class AnyValue(Type):
     def what(self) -> str:
         return "any value"
@@ -261,6 +283,30 @@ def _plural(t: Type) -> str:
 
 
 @dataclass(frozen=True)
+class DefaultFrom:
+    """Left out, the key takes the value of this other key ("server.max_body_bytes")."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class Note:
+    """Comment lines shown above the key in the reference (config.yaml)."""
+
+    text: str
+
+
+class _Commented:
+    def __repr__(self) -> str:
+        return "COMMENTED"
+
+
+# Left out of the embedded configuration and shown commented out in the reference: its default is
+# in force all the same (or, with a default of None and a type that is not Nullable, absent means off).
+COMMENTED = _Commented()
+
+
+@dataclass(frozen=True)
 class Key:
     type: Type
     default: Any
@@ -270,17 +316,12 @@ class Key:
     default_from: str = ""  # left out: the value of this other key ("server.max_body_bytes")
 
 
-def F(type_: Type, default: Any, doc: str = "", note: str = "") -> Key:
-    return Key(type_, default, doc, True, note)
-
-
-def Opt(type_: Type, default: Any, doc: str = "", note: str = "", default_from: str = "") -> Key:
-    return Key(type_, default, doc, False, note, default_from)
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Section(Type):
+    """A settings class read as a mapping of keys (proxy/config/schema.py `section_of`)."""
+
     keys: dict[str, Key] = field(default_factory=dict)
+    cls: Any = None  # the settings class it is read from: what proxy/config/settings.py builds
 
     def what(self) -> str:
         return "a mapping"

@@ -1,7 +1,7 @@
 """Anthropic's error envelope on the /v1/messages routes: {"type": "error", "error": {"type", "message"}}.
 
 Every refusal is made once, as an APIError in the OpenAI envelope (proxy.http.errors); on a unit
-of the Anthropic family (proxy.http.units: MESSAGES, MESSAGES_COUNT) the envelope
+of the Anthropic family (proxy.units: MESSAGES, MESSAGES_COUNT) the envelope
 (proxy.app) dresses the answer in Anthropic's instead, with the same status and headers,
 so the anthropic SDK raises its own typed errors (AuthenticationError, RateLimitError, ...).
 """

@@ -6,7 +6,7 @@ window as they were (at most `keep_recent_items`, as item resources), then one `
 the summary of the whole window sealed to the caller's key (proxy.protocol.compaction). A window
 of user messages that are all kept has nothing to summarize: it comes back as it is, free.
 
-The request is the unit COMPACT (proxy.http.units): authenticated, limited, its body bounded and
+The request is the unit COMPACT (proxy.units): authenticated, limited, its body bounded and
 counted, the key's models checked, whether or not the window is long enough to summarize. The
 summary is the window with a `compaction_trigger` item, run through `proxy.http.turn.run_turn`,
 the whole HTTP path with this request's headers, as the unit COMPACT_SUMMARY: authenticated
@@ -30,7 +30,6 @@ from proxy.errors import APIError, bad_request
 from proxy.http.compaction_trigger import carry_notices
 from proxy.http.request import read_json
 from proxy.http.turn import run_turn
-from proxy.http.units import COMPACT_SUMMARY, UNBILLED_BODY
 from proxy.policy.rules import apply_stateless, previous_response_mode
 from proxy.protocol.compaction import (
     TRIGGER,
@@ -40,7 +39,8 @@ from proxy.protocol.compaction import (
 )
 from proxy.protocol.continuation import TERMINAL_EVENTS
 from proxy.protocol.ids import random_bits
-from proxy.upstream.models import resolve_model
+from proxy.protocol.models import resolve_model
+from proxy.units import COMPACT_SUMMARY, UNBILLED_BODY
 
 if TYPE_CHECKING:  # for annotations only
     from proxy.config.load import Config

@@ -36,12 +36,12 @@ from proxy.errors import APIError
 from proxy.http.event_stream import open_event_stream
 from proxy.http.responses_handler import forward
 from proxy.http.turn import TurnAnswer, run_turn
-from proxy.http.units import COMPACT_SUMMARY
 from proxy.protocol.compaction import compaction_item, summary_text, take_trigger
 from proxy.protocol.continuation import TERMINAL_EVENTS
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import Translation
 from proxy.state import RequestContext, Tail
+from proxy.units import COMPACT_SUMMARY
 
 
 async def answer_trigger(request: web.Request, ctx: RequestContext) -> web.StreamResponse:

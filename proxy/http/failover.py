@@ -19,9 +19,9 @@ from aiohttp import web
 from proxy.errors import APIError
 from proxy.http.attempt import Attempt
 from proxy.http.upstream_open import AnswerLost, Retryable
+from proxy.logs import log
 from proxy.protocol.chat_usage import usage_in_tail
 from proxy.protocol.upstream_request import UpstreamRequest
-from proxy.runtime.logs import log
 from proxy.state import CONFIG, POOL, AnswerReport, RequestContext
 from proxy.upstream.affinity import request_key
 from proxy.upstream.routing import choose

@@ -1,5 +1,5 @@
 """The forwarding of a body as sent: /v1/chat/completions, /v1/completions, /v1/embeddings,
-/v1/messages and /v1/messages/count_tokens (proxy.http.units: CHAT .. MESSAGES_COUNT).
+/v1/messages and /v1/messages/count_tokens (proxy.units: CHAT .. MESSAGES_COUNT).
 
 The translate phase (proxy.http.request) calls `passthrough_translate`: the endpoint must be on
 (config `endpoints`), the body is read for what billing needs (proxy.protocol.passthrough) and the
@@ -40,7 +40,7 @@ from proxy.upstream.routing import check_context_window
 from proxy.upstream.tokens import TokenCounter
 from proxy.upstream.workers import Worker
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Endpoints
 
 # config `endpoints` key of each family (messages_count follows messages)

@@ -19,13 +19,13 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError, bad_request
 from proxy.http.passthrough_handler import passthrough_translate, policy_for
-from proxy.http.units import MODELS, SIZES, TRANSLATE, Unit
 from proxy.policy.netguard import check_images
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, Translation, translate_request
 from proxy.state import SAMPLING_DEFAULTS, SEALER, RequestContext
+from proxy.units import MODELS, SIZES, TRANSLATE, Unit
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Server
 
 try:  # zstd is what Codex sends when it compresses; optional so a bare install still runs
@@ -256,7 +256,7 @@ def _decoded_turn(request: web.Request, ctx: RequestContext, limits: Any, body: 
 
 
 def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callable[[Unit, dict[str, Next]], Next]:
-    """The body phase of `app`, made per unit of work (proxy.http.units) by middlewares.Phases:
+    """The body phase of `app`, made per unit of work (proxy.units) by middlewares.Phases:
     the body, sizes, models and translate steps that unit declares, applying `body_checks` (the
     enabled stateless and tools policies, in that order) between reading and translating.
     Translating is the last step: nothing after it edits the body, so the one Translation is

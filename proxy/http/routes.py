@@ -1,5 +1,5 @@
 """The route table: every route of the proxy's API, its handler and its unit of work
-(proxy.http.units: the phases it runs). build_app registers the routes from it and the envelope
+(proxy.units: the phases it runs). build_app registers the routes from it and the envelope
 reads each request's unit from it, so a route cannot be served without being declared here.
 
 A guarded path answers any other method after auth (a 401 before its 405), as it always did:
@@ -20,7 +20,9 @@ from proxy.http.openapi import openapi_handler
 from proxy.http.passthrough_handler import passthrough_handler
 from proxy.http.probes import healthz_handler, livez_handler, readyz_handler
 from proxy.http.responses_handler import responses_handler
-from proxy.http.units import (
+from proxy.http.websocket import websocket_handler
+from proxy.protocol.passthrough import ANTHROPIC
+from proxy.units import (
     AUTH,
     CHAT,
     COMPACT,
@@ -38,8 +40,6 @@ from proxy.http.units import (
     WS_TURN,
     Unit,
 )
-from proxy.http.websocket import websocket_handler
-from proxy.protocol.passthrough import ANTHROPIC
 
 
 class Route(NamedTuple):
@@ -70,7 +70,7 @@ ROUTES = (
 )
 
 # The variants that have a handler of their own: a request its translation made a compaction's
-# (proxy.http.units: Unit.with_compaction), whichever unit it came as.
+# (proxy.units: Unit.with_compaction), whichever unit it came as.
 VARIANT_HANDLERS = {variant.name: answer_trigger for unit in (RESPONSES, WS_TURN, COMPACT_SUMMARY)
                     if (variant := unit.compaction_variant()) is not None}
 

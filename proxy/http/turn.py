@@ -33,8 +33,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy import state
-from proxy.http.units import RESPONSES, Unit
 from proxy.protocol.encoder import JSONLinesEncoder
+from proxy.units import RESPONSES, Unit
 
 # The events of one write at once: JSON lines (proxy.protocol.encoder.JSONLinesEncoder), whole
 # events only, each ending with a line break.
@@ -156,7 +156,7 @@ async def run_turn(origin: web.Request, body: bytes, *, unit: Unit, send_lines: 
                    transport: str = "http") -> TurnAnswer:
     """Run `body` (JSON: a Responses request body, or a message `decode` turns into one) as
     `POST /v1/responses` with `origin`'s headers through the app, as the unit of work `unit`
-    (its phases: proxy.http.units); the events go to `send_lines` (JSON lines, a block per
+    (its phases: proxy.units); the events go to `send_lines` (JSON lines, a block per
     write) and `on_event` (each non-delta event) while it runs. `on_prepare` is told the event
     stream's headers (notices among them) before its first event is encoded; `transport` names
     what carried the message ("websocket"; "http" for a turn of an HTTP request)."""

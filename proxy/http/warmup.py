@@ -1,5 +1,5 @@
 """A WebSocket `response.create` with `generate: false` (Codex sends one when a session
-starts): the unit of work WS_WARMUP (proxy.http.units). It passes the phases as any turn does
+starts): the unit of work WS_WARMUP (proxy.units). It passes the phases as any turn does
 (the key checked again, the limits, the body's sizes and policies, the key's models, the one
 translation), then this handler answers it as a response with no output, without calling a
 model, so the first real turn can continue it with only its new items. Nothing is generated,
@@ -29,7 +29,7 @@ async def warmup_handler(request: web.Request) -> web.StreamResponse:
     answer, encoder = open_event_stream(request)
     await answer.prepare(request)  # before the first event: the transport's say in the headers
     t = ctx.translation
-    assert isinstance(t, Translation)  # the translate phase ran: a warm-up declares it (proxy.http.units.WS_WARMUP)
+    assert isinstance(t, Translation)  # the translate phase ran: a warm-up declares it (proxy.units.WS_WARMUP)
     rewriter = StreamRewriter(response_context(request.app, ctx, t), encoder=encoder)
     stream = rewriter.start() + rewriter.feed(_NOTHING)
     if not rewriter.done:

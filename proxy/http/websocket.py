@@ -1,7 +1,7 @@
 """The Responses WebSocket transport: `GET /v1/responses` with an upgrade (Open Responses
 2026-04-24, "WebSocket Transport").
 
-The handshake is the unit WS_HANDSHAKE (proxy.http.units): the key is checked from its headers
+The handshake is the unit WS_HANDSHAKE (proxy.units): the key is checked from its headers
 (the same header as HTTP) before the socket opens, then the socket is admitted: at most
 `max_sockets_per_key` open sockets per key and `max_sockets` in all, in this process (429
 `too_many_connections` otherwise). Each `response.create` message is one turn, the unit WS_TURN:
@@ -47,8 +47,8 @@ from aiohttp import ClientConnectionResetError, WSCloseCode, WSMsgType, web
 from proxy import state
 from proxy.errors import APIError
 from proxy.http.turn import TurnAnswer, run_turn
-from proxy.http.units import WS_TURN, WS_WARMUP, Unit
 from proxy.http.warmup import warmup_handler
+from proxy.logs import log
 from proxy.protocol.continuation import (
     RESPONSE_EVENTS,
     TERMINAL_EVENTS,
@@ -59,9 +59,9 @@ from proxy.protocol.continuation import (
     error_event,
     with_previous,
 )
-from proxy.runtime.logs import log
+from proxy.units import WS_TURN, WS_WARMUP, Unit
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Websocket
 
 _CLOSED = object()  # the queue's end: the peer closed, or the socket failed

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from proxy.upstream.models import resolve_model, strip_vendor
+from proxy.protocol.models import resolve_model, strip_vendor
 
 SECRET_PREFIX = "sk-rp-"
 USAGE_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled", "error"})
@@ -88,7 +88,7 @@ class KeyRecord:
         return self.expires_at is not None and (time.time() if now is None else now) >= self.expires_at
 
     def allows_model(self, model: str, served: Callable[[str], bool] | None = None) -> bool:
-        """True when the key may use `model`: it is listed, or it means (proxy.upstream.models.resolve_model
+        """True when the key may use `model`: it is listed, or it means (proxy.protocol.models.resolve_model
         over the `served` names) the same served model as a listed name. Without `served`, the
         listed names stand for themselves."""
         allowed = self.allowed_models
@@ -124,7 +124,7 @@ class UsageRecord:
     # Filled in by the ledger; ignored on input to settle().
     debited_micros: int | None = None
     worker: str | None = None  # the worker that answered (None: unknown, or rows from before it was kept)
-    # The model that served it (proxy.upstream.models.resolve_model: one of the names the workers
+    # The model that served it (proxy.protocol.models.resolve_model: one of the names the workers
     # serve), beside `model`, the client's string as sent (any alias, "vendor/name"...). The
     # console groups and filters by it: a bounded set, whatever strings clients send. None: rows
     # from before it was kept; those are grouped under `model` (grouped_model).

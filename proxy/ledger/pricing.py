@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.config.schema import SCHEMA
-from proxy.upstream.models import resolve_model, strip_vendor
+from proxy.protocol.models import resolve_model, strip_vendor
 
 PER = 1_000_000  # prices are per million tokens
 UNLIMITED = sys.maxsize  # max_output_tokens_for() when output is free
@@ -66,7 +66,7 @@ def _bare(model: str) -> str:
 
 
 def price_for(prices: Mapping[str, Any] | None, model: str) -> Price:
-    """The price of `model`: the entry proxy.upstream.models.resolve_model picks (the exact name, else
+    """The price of `model`: the entry proxy.protocol.models.resolve_model picks (the exact name, else
     the name with its vendor prefix stripped), else an entry matching with vendor prefixes
     stripped on both sides, else prices["default"], else the built-in default."""
     prices = prices or {}

@@ -52,9 +52,9 @@ from proxy.config import settings as config_settings
 from proxy.limits.base import GLOBAL, KEY, RATE, TOKENS, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter
 from proxy.limits.scripts import ADMIT, FORGET, RELEASE, RENEW
-from proxy.runtime.logs import log
+from proxy.logs import log
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import LimitsRedis
 
 ERRORS = (RedisError, OSError, asyncio.TimeoutError)

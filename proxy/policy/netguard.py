@@ -27,13 +27,25 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from proxy.errors import bad_request
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
-    from proxy.config.sections import Images
+
+class ImageSettings(Protocol):
+    """What the policy reads of config.yaml `images` (proxy.config.sections.Images): the policy
+    sits below the configuration."""
+
+    @property
+    def allow_hosts(self) -> Sequence[str]: ...
+
+    @property
+    def allow_private(self) -> bool: ...
+
+    @property
+    def resolve_timeout_s(self) -> float: ...
 
 __all__ = ["ImagePolicy", "image_urls", "check_images", "verdict_for_address"]
 
@@ -41,7 +53,7 @@ _CODE = "image_url_refused"
 
 
 class ImagePolicy:
-    def __init__(self, section: Images) -> None:
+    def __init__(self, section: ImageSettings) -> None:
         """config.yaml `images` (config.images)."""
         self.allow_hosts = [h.lower().rstrip(".") for h in section.allow_hosts]
         self.allow_private = section.allow_private

@@ -8,12 +8,20 @@ with those policies off refuses or leaves out the same things with the same word
 from __future__ import annotations
 
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from proxy.errors import APIError
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
-    from proxy.config.sections import Stateless
+
+class StatelessSettings(Protocol):
+    """What the rules read of config.yaml `stateless` (proxy.config.sections.Stateless): the policy
+    sits below the configuration, which checks its names (proxy/config/cross_checks.py)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def previous_response_id(self) -> str: ...
 
 __all__ = [
     "CORE_TOOL_TYPES",
@@ -112,7 +120,7 @@ STATELESS_MODES = ("refuse", "ignore")
 CORE_TOOL_TYPES = frozenset({"function", "custom", "namespace"})  # translated, never dropped or refused
 
 
-def previous_response_mode(section: Stateless) -> str:
+def previous_response_mode(section: StatelessSettings) -> str:
     """What the operator's `stateless` section (config.stateless) means for previous_response_id:
     "ignore" only when the policy is enabled and says so; otherwise "refuse" (a deployment with
     the policy off still has the translation refuse it). Every endpoint that takes a Responses

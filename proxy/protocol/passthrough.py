@@ -38,10 +38,10 @@ from typing import Any, NamedTuple
 import orjson
 
 from proxy.errors import bad_request
+from proxy.protocol.models import resolve_model
 from proxy.protocol.passthrough_fields import EXTENSION, FIELDS, RENDERED, SILENT
 from proxy.protocol.prompt import PromptBound, prompt_bound
 from proxy.protocol.translate_options import check_model, is_int
-from proxy.upstream.models import resolve_model
 
 # family -> the worker's path
 UPSTREAM_PATHS = {

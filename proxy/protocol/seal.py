@@ -19,17 +19,11 @@ import binascii
 import os
 import struct
 import time
-from typing import TYPE_CHECKING, Any
-
-from proxy.config import settings as config_settings
-from proxy.config.cross_checks import seal_keys
-
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
-    from proxy.config.sections import ReasoningSeal
+from typing import Any
 
 PREFIX = "rp2"  # rp1 tokens carried no binding: they no longer open
 ANONYMOUS = "anonymous"  # the binding of requests no auth middleware identified
-DEFAULT_TTL_S: float = config_settings.of("reasoning_seal").ttl_s  # a Sealer made without a configuration
+DEFAULT_TTL_S = 7 * 24 * 3600  # a ciphertext's lifetime (config.yaml reasoning_seal.ttl_s takes it as its default)
 _ISSUED = struct.Struct(">Q")  # the payload's first 8 bytes: Unix seconds at sealing
 
 
@@ -98,13 +92,3 @@ class Sealer:
     def bound(self, bound_to: str) -> tuple[Any, Any]:
         """(seal, unseal) for one caller: the callables a request's translation and answer use."""
         return (lambda text: self.seal(text, bound_to)), (lambda token: self.unseal(token, bound_to))
-
-
-def sealer_from_config(section: ReasoningSeal) -> Sealer | None:
-    """config.yaml `reasoning_seal` (config.reasoning_seal) and $RESPONSES_PROXY_SEAL_KEY: the
-    sealer, or None without a key. The keys are checked at load (proxy.config.cross_checks)."""
-    keys, active = seal_keys(section.keys, section.active)
-    if not keys:
-        return None
-    assert active is not None  # seal_keys names the active key whenever there is one
-    return Sealer(keys, active, section.ttl_s)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from proxy.errors import APIError, bad_request
 from proxy.policy.rules import HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES, check_stateless
 from proxy.protocol.compaction import SummaryAsk, summary_chat, take_trigger
+from proxy.protocol.models import DEFAULT_SAMPLING, resolve_model
 from proxy.protocol.prompt import PromptBound, prompt_bound
 from proxy.protocol.translate_input import HOSTED_ITEM_TYPES, NO_SEAL_KEY, UNSEAL_FAILED, messages_of
 from proxy.protocol.translate_options import (
@@ -35,7 +36,6 @@ from proxy.protocol.translate_options import (
     text_format,
 )
 from proxy.protocol.translate_tools import ToolOrigin, tools_of
-from proxy.upstream.models import DEFAULT_SAMPLING, resolve_model
 
 __all__ = [
     "ToolOrigin",
@@ -64,7 +64,7 @@ class Translation(NamedTuple):
 
     chat: dict  # the chat-completions request body; chat["model"] is upstream_model
     model: str  # the model exactly as the client sent it
-    upstream_model: str  # the served name `model` means (proxy.upstream.models.resolve_model)
+    upstream_model: str  # the served name `model` means (proxy.protocol.models.resolve_model)
     stream: bool
     tools: dict[str, ToolOrigin]  # upstream function name -> what the client knows it as
     echo: dict  # Response fields echoed back

@@ -25,7 +25,7 @@ class UpstreamRequest(Protocol):
 
     @property
     def upstream_model(self) -> str:
-        """The name the worker serves (proxy.upstream.models.resolve_model)."""
+        """The name the worker serves (proxy.protocol.models.resolve_model)."""
 
     @property
     def stream(self) -> bool: ...

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import cast
 
+from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily
 
 from proxy.ledger.interface import Ledger
@@ -73,3 +74,6 @@ class KeyMetrics:
             for row in self._rows:
                 family.add_metric((row[0], row[1]), cast(int, row[column]))  # one of the three sums
             yield family
+
+
+KEY_METRICS = web.AppKey("key_metrics", KeyMetrics)  # the app's per-key figures (proxy.runtime.metrics)

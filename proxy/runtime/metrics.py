@@ -38,13 +38,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from proxy import state
-from proxy.runtime.key_metrics import KeyMetrics
-from proxy.runtime.logs import log
+from proxy.logs import log
+from proxy.runtime.key_metrics import KEY_METRICS, KeyMetrics
 from proxy.state import LEDGER, METRICS, NO_TOKENS, RequestContext
 from proxy.upstream import affinity
 from proxy.upstream.workers import WorkerPool
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Metrics as MetricsSettings
 
 PREFIX = "responses_proxy"
@@ -505,7 +505,7 @@ def observe(request: web.Request, ctx: RequestContext, status: int, elapsed_s: f
 async def metrics_handler(request: web.Request) -> web.Response:
     metrics = request.app[METRICS]
     await metrics.refresh_ledger(request.app)
-    keys = request.app.get(state.KEY_METRICS)
+    keys = request.app.get(KEY_METRICS)
     if keys is not None:
         await keys.refresh(request.app.get(state.LEDGER))
     metrics.publish_pool()
@@ -520,7 +520,7 @@ def install(app: web.Application, pool: WorkerPool, section: MetricsSettings) ->
     app[METRICS] = found = Metrics(pool, multiprocess_dir())
     app.router.add_get(section.path, metrics_handler)
     if section.key_ids or section.top_keys:
-        app[state.KEY_METRICS] = keys = KeyMetrics(list(section.key_ids), section.top_keys, section.key_refresh_s)
+        app[KEY_METRICS] = keys = KeyMetrics(list(section.key_ids), section.top_keys, section.key_refresh_s)
         found.registry.register(keys)
     if found.shared is not None:
         app.cleanup_ctx.append(_pool_publisher(found))

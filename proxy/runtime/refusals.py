@@ -29,6 +29,7 @@ from collections import deque
 from typing import Any
 
 import orjson
+from aiohttp import web
 
 CAPACITY = 1000
 FILE_BYTES = 256 * 1024
@@ -158,3 +159,6 @@ class Refusals:
         if self.shared_dir is None:
             return self.since(since)
         return await asyncio.to_thread(self.since, since)
+
+
+REFUSALS = web.AppKey("refusals", Refusals)  # the app's records of refusals (the console's Errors view)

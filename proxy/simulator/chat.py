@@ -447,3 +447,6 @@ def context_check(st: SimState, body: dict, prompt_tokens: int) -> tuple[int | N
                                 f"(parameter=input_tokens, value={prompt_tokens})", 400, param="input_tokens")
     room = mml - prompt_tokens
     return (room if mt is None else min(mt, room)), None
+
+
+SIM_STATE = web.AppKey("simulator_state", SimState)  # on the simulator's own app, not the proxy's

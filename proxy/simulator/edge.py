@@ -20,9 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.simulator.chat import abort_connection, error_answer, server_headers, sleep_unless_gone
+from proxy.simulator.chat import SIM_STATE, abort_connection, error_answer, server_headers, sleep_unless_gone
 from proxy.simulator.script import content_text, default_plan, find_directive, generate, new_tool_id, tokenize
-from proxy.state import SIM_STATE
 
 
 def _dumps(obj: Any) -> bytes:

@@ -37,6 +37,7 @@ from aiohttp import web
 
 from proxy.config import settings as config_settings
 from proxy.simulator.chat import (
+    SIM_STATE,
     SSE_CONTENT_TYPE,
     Chat,
     SimState,
@@ -61,9 +62,8 @@ from proxy.simulator.script import (
     token_id,
     tokenize,
 )
-from proxy.state import SIM_STATE
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Simulator as SimulatorSettings
 
 # config.yaml `simulator`'s, for a simulator made without one

@@ -35,12 +35,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy import state
-from proxy.runtime.logs import log
-from proxy.state import CHECKER
+from proxy.logs import log
 from proxy.upstream.workers import Worker, WorkerPool
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Health
 
 _WINDOW_KEYS = ("max_model_len", "context_window", "context_length", "max_context_length")
@@ -186,11 +184,15 @@ class HealthChecker:
                 log.exception("health round failed")
 
 
-def health_context(session_key: Any, pool_key: Any):
-    """The cleanup context: discovery at start-up, then the checker task until shutdown."""
+CHECKER = web.AppKey("health_checker", HealthChecker)
+
+
+def health_context(session_key: Any, pool_key: Any, config_key: Any):
+    """The cleanup context: discovery at start-up, then the checker task until shutdown. The keys
+    name where the app keeps its client session, its workers and its configuration."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        settings = app[state.CONFIG].health
+        settings = app[config_key].health
         pool: WorkerPool = app[pool_key]
         checker = HealthChecker(pool, app[session_key], settings)
         app[CHECKER] = checker

@@ -32,9 +32,9 @@ import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config import settings as config_settings
-from proxy.runtime.logs import log
+from proxy.logs import log
 
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
+if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import HealthOutlier, Workers, WorkersTimeouts
 
 _UNSET = object()
@@ -227,7 +227,7 @@ class WorkerPool:
         return [w for w in self.workers if w.serves(model)]
 
     def serves(self, model: str) -> bool:
-        """Some worker serves `model` under exactly this name (proxy.upstream.models.resolve_model asks)."""
+        """Some worker serves `model` under exactly this name (proxy.protocol.models.resolve_model asks)."""
         return bool(self.route(model).serving)
 
     def _refresh(self) -> None:

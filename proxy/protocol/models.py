@@ -10,10 +10,7 @@ The client's string is what the Response echoes as `model`.
 from __future__ import annotations
 
 from collections.abc import Callable, Container
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
-    from proxy.config.sections import ResponsesSamplingDefaults
+from typing import Any
 
 __all__ = ["DEFAULT_SAMPLING", "sampling_defaults", "resolve_model", "strip_vendor"]
 
@@ -46,10 +43,11 @@ DEFAULT_SAMPLING: dict[str, float | int] = {
 }
 
 
-def sampling_defaults(section: dict[str, ResponsesSamplingDefaults] | None) -> dict[str, dict[str, float]]:
+def sampling_defaults(section: dict[str, Any] | None) -> dict[str, dict[str, float]]:
     """config.yaml `responses.sampling_defaults`: served model name -> the sampling values its
     server applies when a request leaves them out (vLLM reads them from the model's
     generation_config.json), only those the operator wrote. They are only echoed in the
-    Response, never sent upstream."""
+    Response, never sent upstream. (`section` holds proxy.config.sections.ResponsesSamplingDefaults:
+    the protocol sits below the configuration, so it reads their fields by name.)"""
     return {str(model): {k: getattr(values, k) for k in values.__dataclass_fields__ if getattr(values, k) is not None}
             for model, values in (section or {}).items()}
