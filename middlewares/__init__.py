@@ -190,3 +190,6 @@ def build_phases(config: Config, app: web.Application, handlers: Mapping[str, Ne
                   if not getattr(config.endpoints, SWITCHES[unit.family])}
     return Phases([(phase, step) for phase, step in head if step is not None], prepare,
                   [(phase, step) for phase, step in tail if step is not None], turned_off, handlers)
+
+
+PHASES = web.AppKey("phases", Phases)  # middlewares.Phases: auth .. handler, for one request or one turn

@@ -65,7 +65,7 @@ from proxy.ledger import KeyRecord, LedgerUnavailable
 from proxy.ledger.base import STATIC_PREFIX
 from proxy.logs import log
 from proxy.protocol.passthrough import ANTHROPIC
-from proxy.state import KEY_CACHE, LEDGER, RequestContext
+from proxy.state import LEDGER, RequestContext
 
 if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Auth
@@ -259,3 +259,6 @@ def create(section: Auth, app: web.Application):
         return await call_next(request, ctx)
 
     return auth
+
+
+KEY_CACHE = web.AppKey("key_cache", KeyCache)  # middlewares.auth

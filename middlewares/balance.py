@@ -93,7 +93,8 @@ from proxy.logs import log
 from proxy.protocol.passthrough import Passthrough
 from proxy.protocol.prompt import TEMPLATE_OVERHEAD, prompt_bound
 from proxy.protocol.translate import Translation
-from proxy.state import METRICS, AnswerReport, Bill, RequestContext, Tokens
+from proxy.runtime.metrics import METRICS
+from proxy.state import AnswerReport, Bill, RequestContext, Tokens
 from proxy.upstream.tokens import TokenCounter
 
 # What the balance holds for: a Responses request or a pass-through one.
@@ -107,7 +108,7 @@ _ANSWERED = ("completed", "incomplete", "failed", "cancelled")
 
 class Settlements:
     """One app's ledger work in flight: the settle tasks (a strong reference each, so none is
-    collected mid-way) and the app's Leases. On the app (state.SETTLEMENTS), so waiting for
+    collected mid-way) and the app's Leases. On the app (SETTLEMENTS), so waiting for
     one app's settlements never waits for, or commits, another app's."""
 
     def __init__(self) -> None:
@@ -131,7 +132,7 @@ class Settlements:
 async def wait_for_settlements(app: web.Application, timeout: float = 30) -> None:
     """Wait for the app's settlements still in flight and commit the queued ones, then give
     back the leases nothing holds (shutdown, and tests that read the ledger)."""
-    settlements = app.get(state.SETTLEMENTS)
+    settlements = app.get(SETTLEMENTS)
     if settlements is not None:
         await settlements.wait(timeout)
     ledger = app.get(state.LEDGER)
@@ -215,7 +216,7 @@ class _Billing:
         self.bytes_per_token = bytes_per_token
         self.lease_settings = lease_settings
         self.accounts: list[Leases] = []  # this app's, made on first use (the ledger opens at startup)
-        self.settlements = app[state.SETTLEMENTS] = Settlements()
+        self.settlements = app[SETTLEMENTS] = Settlements()
 
     def leases_for(self, ledger: RequestLedger) -> Leases:
         accounts = self.accounts
@@ -437,3 +438,6 @@ def create(section: Balance, app: web.Application):
 
     app.on_shutdown.append(billing.drain)
     return balance
+
+
+SETTLEMENTS = web.AppKey("settlements", Settlements)  # middlewares.balance: the ledger work in flight

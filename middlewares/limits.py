@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from proxy import state
 from proxy.errors import APIError
 from proxy.limits.base import GLOBAL, KEY, RATE, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter
+from proxy.runtime.metrics import METRICS
 from proxy.state import RequestContext
 
 if TYPE_CHECKING:  # settings classes, for annotations only
@@ -53,7 +53,7 @@ def _redis_counter(section: LimitsRedis, app: web.Application):
     from proxy.limits.redis_backend import RedisCounter
 
     def report(event: str) -> None:
-        metrics = app.get(state.METRICS)
+        metrics = app.get(METRICS)
         if metrics is not None:
             metrics.limits_redis.inc((event,))
 

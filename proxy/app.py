@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from middlewares import Phases, build_phases
+from middlewares import PHASES, Phases, build_phases
 from proxy import state
 from proxy.config.cross_checks import sealer_from_config
 from proxy.config.load import Config, ConfigError
@@ -20,12 +20,12 @@ from proxy.errors import APIError
 from proxy.http.anthropic_errors import dress
 from proxy.http.compact import CompactSettings
 from proxy.http.errors import ERROR_CODE, close_if_unread, error_response, ledger_unavailable
-from proxy.http.parse_errors import HeadLimits
+from proxy.http.parse_errors import HEAD_LIMITS, HeadLimits
 from proxy.http.passthrough_handler import limits_of
 from proxy.http.responses_handler import refusal_as_event
 from proxy.http.routes import VARIANT_HANDLERS, add_routes, unit_for
-from proxy.http.turn import refuse_other_answers
-from proxy.http.websocket import SocketAdmission
+from proxy.http.turn import TURN, refuse_other_answers
+from proxy.http.websocket import SOCKETS, SocketAdmission
 from proxy.ledger.base import LedgerUnavailable
 from proxy.logs import access, log
 from proxy.policy.netguard import ImagePolicy
@@ -39,19 +39,16 @@ from proxy.state import (
     CONTEXT,
     IMAGE_POLICY,
     NO_TOKENS,
-    PHASES,
     POOL,
-    READINESS,
     RESPONSE_SETTINGS,
     SAMPLING_DEFAULTS,
     SESSION,
-    TURN,
     UPSTREAMS,
     RequestContext,
     Tail,
 )
 from proxy.upstream.client import UpstreamPool
-from proxy.upstream.health import Readiness, health_context
+from proxy.upstream.health import READINESS, Readiness, health_context
 from proxy.upstream.workers import WorkerPool, parse_workers
 
 LEDGER = state.LEDGER
@@ -364,7 +361,7 @@ def build_app(config: Config) -> web.Application:
     })
     app[state.CONFIG] = config
     # The bounds on a whole head (bytes, time): applied by ProxyRunner's connections (parse_errors).
-    app[state.HEAD_LIMITS] = HeadLimits(server.max_header_bytes, server.header_read_timeout_s)
+    app[HEAD_LIMITS] = HeadLimits(server.max_header_bytes, server.header_read_timeout_s)
     app[IMAGE_POLICY] = ImagePolicy(config.images)
     app[state.PASSTHROUGH_LIMITS] = limits_of(config.endpoints)
     app[POOL] = WorkerPool(parse_workers(config.workers), outlier=config.health.outlier)
@@ -384,7 +381,7 @@ def build_app(config: Config) -> web.Application:
     # Before _add_request_id: a turn's foreign answer is refused while it is not started yet.
     app.on_response_prepare.append(refuse_other_answers)
     app.on_response_prepare.append(_add_request_id)
-    app[state.SOCKETS] = SocketAdmission(config.websocket)
+    app[SOCKETS] = SocketAdmission(config.websocket)
     app[state.COMPACT_SETTINGS] = CompactSettings.of(config)
     app[READINESS] = Readiness(app[POOL], LEDGER)
     add_routes(app)  # every API route, its handler and its unit of work: proxy.http.routes

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this module import-light
     from aiohttp import ClientSession
@@ -107,9 +108,8 @@ def _app_key(name: str, type_name: str) -> web.AppKey[Any]:
     # The value's type by name at run time (aiohttp shows it in the key's repr): importing it
     # would make this module depend on every module that keeps state here. The type checker
     # reads each key's annotation instead (web.AppKey[Ledger]: imported for it alone, above).
-    # A key without one holds a type whose module imports this one (tests/test_architecture.py
-    # counts TYPE_CHECKING imports: the annotation would close a cycle): Any for now, until the
-    # key moves beside its type.
+    # A key whose type's module imports this one is defined beside its type instead (listed below),
+    # but COMPACT_SETTINGS (said why there).
     return web.AppKey(name, type_name)  # type: ignore[arg-type]  # a name, not a type: see above
 
 
@@ -126,9 +126,6 @@ POOL: web.AppKey[WorkerPool] = _app_key("worker_pool", "WorkerPool")
 SESSION: web.AppKey[ClientSession] = _app_key("client_session", "aiohttp.ClientSession")
 # the chat POST (proxy.upstream.client: why)
 UPSTREAMS: web.AppKey[UpstreamPool] = _app_key("upstreams", "UpstreamPool")
-METRICS = _app_key("metrics", "Metrics")  # proxy.runtime.metrics
-# proxy.upstream.health's active checks
-READINESS = _app_key("readiness", "Readiness")  # proxy.upstream.health, answers /readyz
 # config.responses, read by proxy.http.responses_handler
 RESPONSE_SETTINGS: web.AppKey[Responses] = _app_key("response_settings", "Responses")
 SAMPLING_DEFAULTS = web.AppKey("sampling_defaults", dict)  # proxy.protocol.models.sampling_defaults
@@ -137,32 +134,24 @@ IMAGE_POLICY: web.AppKey[ImagePolicy] = _app_key("image_policy", "ImagePolicy") 
 PASSTHROUGH_LIMITS: web.AppKey[Limits] = _app_key("passthrough_limits", "Limits")
 # the app's proxy.protocol.seal.Sealer, when seal keys are configured
 SEALER: web.AppKey[Sealer] = _app_key("sealer", "Sealer")
-# proxy.http.websocket: open sockets per key
-SOCKETS = _app_key("socket_admission", "SocketAdmission")
-COMPACT_SETTINGS = _app_key("compact_settings", "CompactSettings")  # proxy.http.compact
-KEY_CACHE = _app_key("key_cache", "KeyCache")  # middlewares.auth
+# proxy.http.compact.CompactSettings: untyped, since its module imports proxy.http.request, which reads
+# the key (beside the class it would close an import cycle; imported here, a climb back up)
+COMPACT_SETTINGS = _app_key("compact_settings", "CompactSettings")
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
-# middlewares.balance: the ledger work in flight
-SETTLEMENTS = _app_key("settlements", "Settlements")
-ENVELOPE = _app_key("envelope", "Middleware")  # proxy.app: the app's one middleware; a turn runs through it
-# middlewares.Phases: auth .. handler, for one request or one turn
-PHASES = _app_key("phases", "Phases")
-# proxy.admin: admin keys, session signer (on the admin sub-app)
-ADMIN = _app_key("admin_console", "AdminAuth")
-# proxy.http.parse_errors: bounds on a request's head
-HEAD_LIMITS = _app_key("head_limits", "HeadLimits")
-# Keys kept beside the type they hold, in a module that uses this one: proxy.upstream.health.CHECKER,
-# proxy.runtime.key_metrics.KEY_METRICS, proxy.runtime.refusals.REFUSALS, proxy.simulator.chat.SIM_STATE.
+ENVELOPE: web.AppKey[Middleware] = web.AppKey("envelope", Middleware)  # proxy.app: the app's one middleware; a turn runs through it
+# Keys kept beside the type they hold, each in a module that uses this one (here the type would be
+# an import back up): proxy.upstream.health.CHECKER, proxy.upstream.health.READINESS,
+# proxy.runtime.metrics.METRICS,
+# proxy.runtime.key_metrics.KEY_METRICS, proxy.runtime.refusals.REFUSALS, proxy.simulator.chat.SIM_STATE,
+# proxy.http.websocket.SOCKETS, proxy.http.parse_errors.HEAD_LIMITS, proxy.http.turn.TURN (a request's),
+# proxy.admin.auth.ADMIN, proxy.admin.auth.ADMIN_SESSION (a request's), middlewares.PHASES,
+# middlewares.auth.KEY_CACHE, middlewares.balance.SETTLEMENTS.
 
 # Per-request state: one context, created by the envelope (proxy.app) and passed explicitly
 # to every phase and the handler; it is also on the request under CONTEXT, for aiohttp-shaped
 # code (a custom middleware, an on_response_prepare hook, a route handler).
 CONTEXT: web.RequestKey[RequestContext] = _request_key("context", "RequestContext")
 ADMIN_ACTOR = web.RequestKey("admin_actor", str)  # proxy.admin: "admin:<name>" of an admin request
-# proxy.admin.auth: the dashboard session, if any
-ADMIN_SESSION = _request_key("admin_session", "Session")
-# proxy.http.turn: a transport's turn (its body in memory, where its event stream goes)
-TURN = _request_key("turn", "Turn")
 
 
 @dataclass(eq=False, slots=True)

@@ -17,11 +17,11 @@ from aiohttp.test_utils import make_mocked_request
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.runtime import metrics as proxy_metrics
 from proxy import state
-from proxy.state import POOL
-from proxy.state import METRICS
 from proxy.config.load import Config
+from proxy.runtime import metrics as proxy_metrics
+from proxy.runtime.metrics import METRICS
+from proxy.state import POOL
 from proxy.upstream.workers import WorkerPool, parse_workers
 from tests.test_workers import NO_AUTH, ask, call, dead_url, settings, start_sim, wait_for, worker  # noqa: F401
 

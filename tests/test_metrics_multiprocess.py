@@ -144,14 +144,13 @@ def _samples(text: str) -> dict:
 def test_the_merged_view_of_one_process_has_the_figures_of_the_plain_one(tmp_path, monkeypatch):
     """The same requests, counted in memory and through the multiprocess files: the same
     series and values (without the _created series multiprocess mode does not keep)."""
-    from aiohttp.test_utils import make_mocked_request
-    from aiohttp import web
-    from prometheus_client import generate_latest
-    from types import SimpleNamespace
 
-    from proxy import state
-    from proxy.runtime import metrics as proxy_metrics
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+    from prometheus_client import generate_latest
+
     from proxy.config.load import Config
+    from proxy.runtime import metrics as proxy_metrics
     from proxy.upstream.workers import WorkerPool, parse_workers
     from tests.test_metrics import SEQUENCE, observed_context
 

@@ -12,14 +12,13 @@ import orjson
 import pytest
 
 import middlewares.balance as balance_mw
+from middlewares.balance import SETTLEMENTS
 from middlewares.notices import header_value, sanitize
-from proxy import state
 from proxy.ledger import KeyLimits
 from proxy.ledger.pricing import cost_micros, price_for
 from proxy.protocol.prompt import prompt_bound
 from proxy.protocol.translate import translate_request
-from tests.conftest import only, sim_input, sse_events
-from tests.conftest import eventually as wait_for
+from tests.conftest import eventually as wait_for, only, sim_input, sse_events
 
 # 1 micro per input and output token, 0.1 per cached token: costs are easy to check by hand.
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
@@ -143,7 +142,7 @@ async def test_auth_cache_revoke_and_limits_in_process_take_effect_at_once(make_
 
 
 async def test_auth_cache_is_bounded_and_never_caches_unknown_keys(make_proxy, http):
-    from proxy.state import KEY_CACHE
+    from middlewares.auth import KEY_CACHE
 
     p = await make_proxy({"auth": {"key_cache_size": 2}})
     cache = p.app[KEY_CACHE]
@@ -632,7 +631,7 @@ async def test_non_stream_request_costs_two_ledger_operations(make_proxy, http):
     ops = p.ledger.stats["ops"]
     status, headers, _ = await call(http, p, key=secret)
     assert status == 200
-    await wait_for(lambda: _true(not p.app[state.SETTLEMENTS].tasks))  # the settle task has finished
+    await wait_for(lambda: _true(not p.app[SETTLEMENTS].tasks))  # the settle task has finished
     assert p.ledger.stats["ops"] - ops == 2  # hold_up_to + settle
     assert await p.ledger.usage(headers["x-request-id"]) is not None
 
@@ -644,7 +643,7 @@ async def test_two_apps_do_not_share_settlements(make_proxy, http):
     two = await make_proxy({"prices": PRICES})
     secret, _ = await one.ledger.create_key("one", balance_micros=1_000_000)
     assert (await call(http, one, key=secret))[0] == 200
-    mine, theirs = one.app[state.SETTLEMENTS], two.app[state.SETTLEMENTS]
+    mine, theirs = one.app[SETTLEMENTS], two.app[SETTLEMENTS]
     assert mine is not theirs and not theirs.tasks and not list(theirs.leases)
     stuck = asyncio.get_running_loop().create_future()
     mine.track(asyncio.ensure_future(stuck))  # ledger work of `one` that never finishes
@@ -717,7 +716,7 @@ async def test_lease_commits_every_lease_commit_ms(make_proxy, http, section, li
     p = await make_proxy({"prices": PRICES, "balance": section})
     status, _, _ = await call(http, p, {"model": MODEL, "input": "hello"})
     assert status == 200
-    (leases,) = [lz for lz in p.app[state.SETTLEMENTS].leases if lz.ledger is p.ledger]
+    (leases,) = [lz for lz in p.app[SETTLEMENTS].leases if lz.ledger is p.ledger]
     assert leases.linger_s == linger
 
 

@@ -98,8 +98,8 @@ def test_startup_failures_are_config_errors(overrides, expected, monkeypatch):
 
 
 def test_default_config_builds():
+    from middlewares import PHASES
     from proxy.units import KEYED, RESPONSES
-    from proxy.state import PHASES
 
     app = build_app(Config.from_dict({}))
     assert len(app.middlewares) == 1  # the envelope; it runs the phases

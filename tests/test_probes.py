@@ -10,11 +10,10 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy import state
-from proxy.upstream import health
 from proxy.state import POOL
-from tests.conftest import free_port, only
-from tests.conftest import eventually as wait_for
+from proxy.upstream import health
+from proxy.upstream.health import READINESS
+from tests.conftest import eventually as wait_for, free_port, only
 
 FAST = {"connect": 1, "first_byte": 5, "idle": 5, "total": 30}
 
@@ -100,7 +99,7 @@ async def test_a_flood_of_readiness_probes_costs_one_ledger_read(sim, make_proxy
 
     monkeypatch.setattr(ledger, "get_key", counted)
     monkeypatch.setattr(health, "LEDGER_TTL_S", 3600.0)
-    proxy.app[state.READINESS]._checked_at = float("-inf")
+    proxy.app[READINESS]._checked_at = float("-inf")
     async with aiohttp.ClientSession() as http:
         async def probe() -> int:
             async with http.get(proxy.url + "/readyz") as r:

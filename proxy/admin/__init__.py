@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from proxy import state
-from proxy.admin.auth import AdminAuth, guard
+from proxy.admin.auth import ADMIN, AdminAuth, guard
 from proxy.config.cross_checks import admin_prefix
 from proxy.runtime.refusals import REFUSALS
 
@@ -52,7 +52,7 @@ def install(app: web.Application, section: Admin) -> web.Application | None:
     if refusals is not None:  # the console's own requests are not the service's errors
         refusals.ignore_prefix = prefix
     admin = web.Application(middlewares=[guard(auth, prefix)])
-    admin[state.ADMIN] = auth
+    admin[ADMIN] = auth
     routes.add_routes(admin)
     dashboard.add_routes(admin, prefix)
     admin.router.add_get("/openapi.json", admin_openapi.handler)

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.admin.auth import ADMIN
 from proxy.ledger.base import USAGE_GROUPS
 from proxy.ledger.service import CREATE_FIELDS, LIMIT_FIELDS, TOTAL_FIELDS, USAGE_FIELDS
 
@@ -170,7 +171,6 @@ def openapi_document(prefix: str = "/admin") -> dict[str, Any]:
 
 
 async def handler(request: web.Request) -> web.Response:
-    from proxy import state
 
-    return web.Response(body=orjson.dumps(openapi_document(request.app[state.ADMIN].prefix)),
+    return web.Response(body=orjson.dumps(openapi_document(request.app[ADMIN].prefix)),
                         content_type="application/json")

@@ -317,7 +317,13 @@ def guard(auth: AdminAuth, prefix: str):
             raise APIError(403, f"A write with the dashboard session needs the {CSRF_HEADER} header "
                            "and, when the browser sends an Origin, this host's.", code="csrf_failed")
         request[state.ADMIN_ACTOR] = "admin:" + session.name
-        request[state.ADMIN_SESSION] = session
+        request[ADMIN_SESSION] = session
         return await handler(request)
 
     return admin_guard
+
+
+ADMIN = web.AppKey("admin_console", AdminAuth)  # proxy.admin: admin keys, session signer (on the admin sub-app)
+
+
+ADMIN_SESSION = web.RequestKey("admin_session", Session)  # proxy.admin.auth: the dashboard session, if any

@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy import state
-from proxy.admin.auth import is_client_key
+from proxy.admin.auth import ADMIN, ADMIN_SESSION, is_client_key
 from proxy.admin.routes import body_of, guarded, json_response, ledger_of
 from proxy.errors import APIError
 from proxy.ledger.service import iso, totals_dict, usage_dict
@@ -103,7 +103,7 @@ def _login_handler(prefix: str):
         key = data.get("key")
         if not isinstance(key, str) or not key or len(key) > 512:
             raise APIError(400, "The body must be {\"key\": \"<admin key>\"}.", code="invalid_value", param="key")
-        auth = request.app[state.ADMIN]
+        auth = request.app[ADMIN]
         name = auth.authenticate(key, request.remote)
         if name is None:
             if await is_client_key(request, key):
@@ -118,8 +118,8 @@ def _login_handler(prefix: str):
 
 
 async def session_info(request: web.Request) -> web.Response:
-    session = request.get(state.ADMIN_SESSION)
-    auth = request.app[state.ADMIN]
+    session = request.get(ADMIN_SESSION)
+    auth = request.app[ADMIN]
     return json_response({"name": request[state.ADMIN_ACTOR].partition(":")[2],
                           "csrf_token": auth.csrf_token(session) if session is not None else None,
                           "expires_at": session.expires_at if session is not None else None})
@@ -128,8 +128,8 @@ async def session_info(request: web.Request) -> web.Response:
 def _logout_handler(prefix: str):
     async def logout(request: web.Request) -> web.Response:
         response = json_response({"logged_out": True})
-        auth = request.app[state.ADMIN]
-        session = request.get(state.ADMIN_SESSION)
+        auth = request.app[ADMIN]
+        session = request.get(ADMIN_SESSION)
         if session is not None:
             auth.log_out(session)
         auth.clear_cookie(response, prefix)

@@ -35,7 +35,7 @@ from proxy import state
 from proxy.errors import APIError
 from proxy.http.event_stream import open_event_stream
 from proxy.http.responses_handler import forward
-from proxy.http.turn import TurnAnswer, run_turn
+from proxy.http.turn import TURN, TurnAnswer, run_turn
 from proxy.protocol.compaction import compaction_item, summary_text, take_trigger
 from proxy.protocol.continuation import TERMINAL_EVENTS
 from proxy.protocol.seal import binding
@@ -62,7 +62,7 @@ async def answer_trigger(request: web.Request, ctx: RequestContext) -> web.Strea
 
 
 async def _answer(request: web.Request, ctx: RequestContext, final: dict[str, Any]) -> web.StreamResponse:
-    turn = request.get(state.TURN)
+    turn = request.get(TURN)
     if turn is None and not (ctx.body or {}).get("stream"):
         return web.Response(body=orjson.dumps(final), content_type="application/json")
     stream, enc = open_event_stream(request)

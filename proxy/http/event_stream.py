@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy import state
+from proxy.http.turn import TURN
 from proxy.protocol.encoder import SSEEncoder
 
 SSE_HEADERS = {
@@ -36,7 +36,7 @@ class EventStreamResponse(web.StreamResponse):
 
 def open_event_stream(request: web.Request) -> tuple[Any, Any]:
     """(the response to prepare and write, the encoder whose bytes it takes) for `request`."""
-    turn = request.get(state.TURN)
+    turn = request.get(TURN)
     if turn is None:
         return EventStreamResponse(status=200, headers=SSE_HEADERS), SSEEncoder()
     return turn.stream(dict(SSE_HEADERS)), turn.encoder()

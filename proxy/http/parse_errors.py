@@ -21,7 +21,7 @@ tests/test_hostile.py::test_a_malformed_request_line_is_a_400_envelope_that_echo
 ::test_only_the_proxys_own_connections_answer_parser_errors_in_the_envelope.
 
 The head bounds (server.max_header_bytes, server.header_read_timeout_s; `HeadLimits`, on the
-app as state.HEAD_LIMITS): aiohttp bounds one header line (max_field_size) and the number of
+app as HEAD_LIMITS): aiohttp bounds one header line (max_field_size) and the number of
 lines (max_headers), so a head may hold max_headers x max_field_size bytes (1 MiB by default)
 and trickle in for as long as keepalive_timeout. `HeadBound` wraps the connection's parser
 (the one private name written: BaseProtocol's `_parser`, in `bound_heads`): every byte the
@@ -44,7 +44,6 @@ from aiohttp import HttpVersion11, web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.streams import EMPTY_PAYLOAD
 
-from proxy import state
 from proxy.errors import APIError
 from proxy.http.errors import error_response
 
@@ -269,8 +268,11 @@ class ProxyRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _EnvelopeServer  # only its protocol factory differs
-        server.head_limits = self.app.get(state.HEAD_LIMITS)  # type: ignore[attr-defined]  # as above
+        server.head_limits = self.app.get(HEAD_LIMITS)  # type: ignore[attr-defined]  # as above
         return server
 
 
 __all__ = ["EnvelopeRequestHandler", "HeadBound", "HeadLimits", "HeadTimeout", "HeadTooLarge", "ProxyRunner"]
+
+
+HEAD_LIMITS = web.AppKey("head_limits", HeadLimits)  # proxy.http.parse_errors: bounds on a request's head

@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from proxy.state import READINESS
+from proxy.upstream.health import READINESS
 
 _NO_STORE = {"Cache-Control": "no-store"}
 _LIVE = orjson.dumps({"status": "ok"})

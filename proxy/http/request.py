@@ -19,6 +19,7 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError, bad_request
 from proxy.http.passthrough_handler import passthrough_translate, policy_for
+from proxy.http.turn import TURN
 from proxy.policy.netguard import check_images
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, Translation, translate_request
@@ -184,7 +185,7 @@ async def _read_raw(request: web.Request, limits: Any, limit: int) -> bytes:
 
 
 async def _read_body(request: web.Request, limits: Any, limit: int) -> dict[str, Any]:
-    turn = request.get(state.TURN)
+    turn = request.get(TURN)
     if turn is not None:  # a transport's turn: its body is in memory, not on the connection
         raw = turn.body
         if len(raw) > limit:
@@ -240,7 +241,7 @@ def _decoded_turn(request: web.Request, ctx: RequestContext, limits: Any, body: 
     """A transport's message -> the request body it stands for (proxy.http.turn.Turn.decode), and
     the unit it asks for: one of the turn's declared variants (a warm-up), with that variant's
     handler and body bound."""
-    turn = request.get(state.TURN)
+    turn = request.get(TURN)
     if turn is None or turn.decode is None:
         return body
     body, asked = turn.decode(body)

@@ -9,7 +9,7 @@ the route's handler, as a request off the wire. A turn is therefore authenticate
 as the HTTP request with these headers and this body.
 
 What differs is only where the bytes are and where the answer goes, both said by the request's
-`state.TURN` (a `Turn`): the prepare phase takes the turn's body from it instead of reading the
+`TURN` (a `Turn`): the prepare phase takes the turn's body from it instead of reading the
 HTTP body (proxy.http.request), and the handler writes its event stream to `Turn.stream()`, a
 `TurnStream`, encoded by `Turn.encoder()` (proxy.http.event_stream): one JSON object per event
 and per line, never SSE. Each write's lines are awaited through `send_lines(block)` as they
@@ -113,7 +113,7 @@ Decode = Callable[[dict[str, Any]], tuple[dict[str, Any], Unit]]
 
 @dataclass
 class Turn:
-    """A request's `state.TURN`: the turn's body, its unit of work, and where its event stream goes."""
+    """A request's `TURN`: the turn's body, its unit of work, and where its event stream goes."""
 
     body: bytes
     unit: Unit = RESPONSES
@@ -137,7 +137,7 @@ class Turn:
 async def refuse_other_answers(request: web.Request, response: web.StreamResponse) -> None:
     """on_response_prepare: a turn's answer is its TurnStream or an unprepared web.Response
     (read by run_turn); a stream of its own would be written onto the origin's connection."""
-    turn = request.get(state.TURN)
+    turn = request.get(TURN)
     if turn is not None and response is not turn.answer and response is not turn.refusal:
         raise RuntimeError("a turn's event stream must be Turn.stream(); another response was prepared")
 
@@ -161,7 +161,7 @@ async def run_turn(origin: web.Request, body: bytes, *, unit: Unit, send_lines: 
     stream's headers (notices among them) before its first event is encoded; `transport` names
     what carried the message ("websocket"; "http" for a turn of an HTTP request)."""
     request = origin.clone(method="POST", rel_url=TURN_PATH, headers=_headers(origin, body))
-    turn = request[state.TURN] = Turn(body, unit, decode, handlers or {}, on_prepare=on_prepare,
+    turn = request[TURN] = Turn(body, unit, decode, handlers or {}, on_prepare=on_prepare,
                                       transport=transport, send_lines=send_lines, on_event=on_event)
     app = request.app
     # The app's one middleware, the envelope (the phases, the error envelope, the access line),
@@ -180,3 +180,6 @@ async def run_turn(origin: web.Request, body: bytes, *, unit: Unit, send_lines: 
     return TurnAnswer(status=response.status, streamed=False,
                       body=bytes(answer) if isinstance(answer, (bytes, bytearray)) else b"",
                       headers=dict(response.headers))
+
+
+TURN = web.RequestKey("turn", Turn)

@@ -159,7 +159,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     if not settings.enabled or not _is_upgrade(request):
         raise APIError(405, f"Method not allowed on this endpoint ({request.method} {request.path}); "
                             "POST a request, or open a WebSocket.")
-    admission = request.app[state.SOCKETS]
+    admission = request.app[SOCKETS]
     key = state.context(request).key
     key_id = key.key_id if key is not None else None
     now = asyncio.get_running_loop().time()
@@ -547,3 +547,6 @@ def _error_of(answer: TurnAnswer, names: tuple[str, ...] = (), remembered: int =
     if headers:
         event["headers"] = headers
     return event
+
+
+SOCKETS = web.AppKey("socket_admission", SocketAdmission)  # proxy.http.websocket: open sockets per key

@@ -40,7 +40,7 @@ from prometheus_client.utils import floatToGoString
 from proxy import state
 from proxy.logs import log
 from proxy.runtime.key_metrics import KEY_METRICS, KeyMetrics
-from proxy.state import LEDGER, METRICS, NO_TOKENS, RequestContext
+from proxy.state import LEDGER, NO_TOKENS, RequestContext
 from proxy.upstream import affinity
 from proxy.upstream.workers import WorkerPool
 
@@ -544,3 +544,5 @@ def _pool_publisher(metrics: Metrics) -> Callable[[web.Application], Any]:
 
     return publisher
 
+
+METRICS = web.AppKey("metrics", Metrics)  # proxy.runtime.metrics

@@ -266,3 +266,6 @@ class Readiness:
         if cause is not None:
             return False, "ledger", cause
         return True, "ready", None
+
+
+READINESS = web.AppKey("readiness", Readiness)  # proxy.upstream.health, answers /readyz
