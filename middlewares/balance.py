@@ -94,7 +94,8 @@ from proxy.protocol.passthrough import Passthrough
 from proxy.protocol.prompt import TEMPLATE_OVERHEAD, prompt_bound
 from proxy.protocol.translate import Translation
 from proxy.runtime.metrics import METRICS
-from proxy.state import AnswerReport, Bill, RequestContext, Tokens
+from proxy.state import Bill, RequestContext
+from proxy.upstream.exchange import AnswerReport, Tokens
 from proxy.upstream.tokens import TokenCounter
 
 # What the balance holds for: a Responses request or a pass-through one.

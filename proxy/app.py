@@ -38,7 +38,6 @@ from proxy.state import (
     CONFIG,
     CONTEXT,
     IMAGE_POLICY,
-    NO_TOKENS,
     POOL,
     RESPONSE_SETTINGS,
     SAMPLING_DEFAULTS,
@@ -48,6 +47,7 @@ from proxy.state import (
     Tail,
 )
 from proxy.upstream.client import UpstreamPool
+from proxy.upstream.exchange import NO_TOKENS
 from proxy.upstream.health import READINESS, Readiness, health_context
 from proxy.upstream.workers import WorkerPool, parse_workers
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from proxy.upstream.exchange import AnswerReport, Tokens
+
 if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this module import-light
     from aiohttp import ClientSession
 
@@ -35,41 +37,8 @@ if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this m
 
 
 # The values the phases hand on are NamedTuples: immutable, and built by one C call (a frozen
-# dataclass's __init__ sets each field through object.__setattr__), once or twice a request.
-class Tokens(NamedTuple):
-    """An answer's token figures: as its Response shows them, or as billed."""
-
-    input: int = 0
-    cached: int = 0
-    output: int = 0
-    reasoning: int = 0
-
-    def as_chat_usage(self) -> dict:
-        """The figures as a chat usage (what the rewriter's response.failed carries)."""
-        return {"prompt_tokens": self.input, "completion_tokens": self.output,
-                "prompt_tokens_details": {"cached_tokens": self.cached},
-                "completion_tokens_details": {"reasoning_tokens": self.reasoning}}
-
-
-NO_TOKENS = Tokens()
-
-
-class AnswerReport(NamedTuple):
-    """What the handler says about its answer, once, when it ends (returned, raised or was
-    cancelled): the balance turns it into the bill, the limits debit its tokens, the envelope
-    logs it. Written by the handler alone (ctx.report), never changed after."""
-
-    status: str  # completed | incomplete | failed | cancelled | error
-    upstream: str | None = None  # the worker the generation was sent to (None: none was)
-    ttfb_ms: float | None = None
-    # The upstream's usage as reported (Responses-shaped, unchecked: proxy.ledger.usage checks
-    # it before billing); None: none was reported.
-    usage: dict | None = None
-    counted_output: int = 0  # output deltas counted (each carried at least one token)
-    output_capped: bool = False  # cut off at the output cap (the worker ignored max_tokens)
-    shown: Tokens = NO_TOKENS  # what the client was shown (the access line's when nothing is billed)
-    error: str | None = None  # the error code of a stream the proxy ended with response.failed
-    count_failed: bool = False  # a worker's tokenizer was asked for the usage and could not say
+# dataclass's __init__ sets each field through object.__setattr__), once or twice a request. An
+# answer's Tokens and AnswerReport are made by the exchange with its worker (proxy.upstream.exchange).
 
 
 class Bill(NamedTuple):
@@ -138,7 +107,8 @@ SEALER: web.AppKey[Sealer] = _app_key("sealer", "Sealer")
 # the key (beside the class it would close an import cycle; imported here, a climb back up)
 COMPACT_SETTINGS = _app_key("compact_settings", "CompactSettings")
 NOTICES_HEADER = web.AppKey("notices_installed", str)  # the header middlewares.notices writes; set once
-ENVELOPE: web.AppKey[Middleware] = web.AppKey("envelope", Middleware)  # proxy.app: the app's one middleware; a turn runs through it
+# proxy.app: the app's one middleware; a turn runs through it
+ENVELOPE: web.AppKey[Middleware] = web.AppKey("envelope", Middleware)
 # Keys kept beside the type they hold, each in a module that uses this one (here the type would be
 # an import back up): proxy.upstream.health.CHECKER, proxy.upstream.health.READINESS,
 # proxy.runtime.metrics.METRICS,

@@ -135,7 +135,7 @@ async def test_choices_and_batches_above_their_bounds_are_refused(make_proxy, ru
 async def test_an_answer_too_large_to_read_is_billed_and_not_retried(make_proxy, rules, http, holds, monkeypatch):
     """logprobs x top_logprobs x ignore_eos make an answer past the read limit: the worker did the
     work, so it is billed (its cap, within the hold), and no second worker is asked to do it again."""
-    from proxy.http import upstream_open
+    from proxy.upstream import exchange as upstream_open
 
     monkeypatch.setattr(upstream_open, "MAX_JSON_BODY", 1024 * 1024)
     proxy = await _proxy(make_proxy, rules, workers=2)
@@ -296,7 +296,7 @@ async def test_a_failed_pass_through_stream_ends_in_the_openai_error_shape(make_
 async def test_a_responses_answer_too_large_to_read_is_billed_and_not_retried(make_proxy, rules, http, holds,
                                                                               monkeypatch):
     """The same opening serves /v1/responses: its answer past the read limit is billed too."""
-    from proxy.http import upstream_open
+    from proxy.upstream import exchange as upstream_open
 
     monkeypatch.setattr(upstream_open, "MAX_JSON_BODY", 64 * 1024)
     rules.words = 100_000

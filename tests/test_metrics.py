@@ -22,6 +22,7 @@ from proxy.config.load import Config
 from proxy.runtime import metrics as proxy_metrics
 from proxy.runtime.metrics import METRICS
 from proxy.state import POOL
+from proxy.upstream.exchange import AnswerReport, Tokens
 from proxy.upstream.workers import WorkerPool, parse_workers
 from tests.test_workers import NO_AUTH, ask, call, dead_url, settings, start_sim, wait_for, worker  # noqa: F401
 
@@ -204,9 +205,9 @@ def observed_context(path: str, model: str | None, fields: dict | None) -> state
     """A finished request's context: its translation's model and the handler's report (`fields`)."""
     report = None
     if fields is not None:
-        tokens = state.Tokens(fields.get("input_tokens", 0), fields.get("cached_tokens", 0),
+        tokens = Tokens(fields.get("input_tokens", 0), fields.get("cached_tokens", 0),
                               fields.get("output_tokens", 0))
-        report = state.AnswerReport(fields["status"], fields.get("upstream"), fields.get("ttfb_ms"), shown=tokens)
+        report = AnswerReport(fields["status"], fields.get("upstream"), fields.get("ttfb_ms"), shown=tokens)
     return state.RequestContext("req_test", "POST", path,
                                 translation=SimpleNamespace(upstream_model=model) if model is not None else None,
                                 report=report)

@@ -1,4 +1,4 @@
-"""proxy.http.upstream_open.open_upstream, the one opening of a worker's answer that
+"""proxy.upstream.exchange.open_upstream, the one opening of a worker's answer that
 /v1/responses (proxy.http.responses_handler) and the pass-through endpoints (proxy.http.passthrough_handler)
 share: each failure is mapped as the client must read it, and whatever it raises, the upstream
 connection is given back first (pooled when its answer was read whole, else closed): none is
@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 
 from proxy import state
-from proxy.http import upstream_open
+from proxy.upstream import exchange as upstream_open
 from proxy.http.errors import APIError
-from proxy.http.upstream_open import AnswerLost, Retryable, open_upstream
+from proxy.upstream.exchange import AnswerLost, Retryable, open_upstream
 from proxy.upstream.client import UpstreamPool
 from proxy.config import settings as config_settings
 from proxy.upstream.workers import Worker, WorkerPool
@@ -75,7 +75,8 @@ async def setup():
 
 
 async def _open(app, worker, *, stream: bool, refine=None):
-    return await open_upstream(app, worker, worker.chat_url, b"{}", stream=stream, refine=refine)
+    return await open_upstream(app[state.UPSTREAMS], app[state.POOL], worker, worker.chat_url, b"{}", stream=stream,
+                               refine=refine)
 
 
 CASES = {

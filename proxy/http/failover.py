@@ -1,5 +1,6 @@
-"""Failover, shared by both forwarding handlers: pick a worker (routing, affinity), run the
-context check on the first, try the answer, and on a failure before anything reached the
+"""Failover, shared by both forwarding handlers: the request's route planned once, then a worker
+taken (proxy.upstream.routing: its provider requirements, affinity, the context check on the
+first), the answer tried, and on a failure before anything reached the
 client try another, up to routing.max_attempts. After the first byte there is no failover:
 the handler ends the answer itself.
 
@@ -17,14 +18,12 @@ from typing import Any
 from aiohttp import web
 
 from proxy.errors import APIError
-from proxy.http.attempt import Attempt
-from proxy.http.upstream_open import AnswerLost, Retryable
 from proxy.logs import log
 from proxy.protocol.chat_usage import usage_in_tail
 from proxy.protocol.upstream_request import UpstreamRequest
-from proxy.state import CONFIG, POOL, AnswerReport, RequestContext
-from proxy.upstream.affinity import request_key
-from proxy.upstream.routing import choose
+from proxy.state import CONFIG, POOL, SESSION, RequestContext
+from proxy.upstream.exchange import AnswerLost, AnswerReport, Attempt, Retryable
+from proxy.upstream.routing import route_plan, take
 from proxy.upstream.workers import Worker
 
 
@@ -37,28 +36,24 @@ def output_budget(t: UpstreamRequest) -> int | None:
 
 # (the attempt, what to send) -> the answer; raises Retryable when another worker may take it
 RunAttempt = Callable[[Attempt, Any], Awaitable[web.StreamResponse]]
-# (the worker, the translation) -> (what was decided, what to send it: a copy with a lower cap, or
-# the same), proxy.upstream.routing.check_context_window's; raises APIError for a prompt that cannot fit
-ContextCheck = Callable[[Worker, Any], Awaitable[tuple[str, Any]]]
 
 
 async def failover(request: web.Request, ctx: RequestContext, t: UpstreamRequest, run: RunAttempt, *,
-                   check: ContextCheck | None = None, prefs: Any = None,
-                   params: frozenset[str] = frozenset()) -> web.StreamResponse:
-    """The answer of the first worker that gives one; ctx.report says how it ended."""
+                   provider: Any = None, client_max: Any = None, check: bool = True) -> web.StreamResponse:
+    """The answer of the first worker that gives one; ctx.report says how it ended. `provider` and
+    `client_max` are the request's own (proxy.upstream.routing.route_plan); `check`: the context
+    check may run on the first worker."""
     app = request.app
     pool = app[POOL]
-    routing = app[CONFIG].routing
-    affinity = request_key(t, routing.affinity)  # prompt-cache affinity (proxy.upstream.affinity)
-    attempts = 1 if prefs is not None and prefs.single_attempt else routing.max_attempts
+    plan = route_plan(t, app[CONFIG].routing, provider=provider, client_max=client_max, check=check)
     tried: list[Worker] = []
     attempt: Attempt | None = None
     last: Retryable | None = None
     ended = "error"  # how the answer ended when no attempt says (it raised)
     try:
-        for _ in range(max(attempts, 1)):
+        for _ in range(plan.attempts):
             try:
-                worker = choose(pool, t.upstream_model, exclude=tried, prefs=prefs, params=params, affinity=affinity)
+                worker, sent = await take(app[SESSION], pool, t, plan, tried)
             except APIError:
                 if last is not None:  # every eligible worker failed before the first byte
                     raise last.final from None
@@ -67,10 +62,7 @@ async def failover(request: web.Request, ctx: RequestContext, t: UpstreamRequest
                 pool.note_failover(last.worker, str(last))
                 log.info("failover", worker=last.worker.name, to=worker.name, reason=str(last),
                          request_id=ctx.request_id)
-            worker.in_flight += 1  # taken before any await: capacity is never over-committed
-            sent = None
             try:
-                sent = (await check(worker, t))[1] if check is not None and not tried and routing.context_check else t
                 tried.append(worker)
                 attempt = Attempt(worker)
                 return await run(attempt, sent)
@@ -79,7 +71,7 @@ async def failover(request: web.Request, ctx: RequestContext, t: UpstreamRequest
             except AnswerLost as lost:
                 # The worker did the work: billed as far as it can be counted (an answer too
                 # large to read ran to its cap, within the hold), never asked of another worker.
-                if attempt is not None and attempt.report is None and sent is not None:
+                if attempt is not None and attempt.report is None:
                     budget = output_budget(sent)
                     # Its usage when its end could be read (vLLM writes it last), else its cap.
                     usage = usage_in_tail(lost.tail) if lost.tail else None

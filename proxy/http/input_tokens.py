@@ -9,7 +9,7 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError
 from proxy.state import POOL, SESSION
-from proxy.upstream.routing import choose, parse_provider, request_parameters
+from proxy.upstream.routing import choose, route_plan
 from proxy.upstream.tokens import TokenCountError, count_tokens
 from proxy.upstream.workers import Worker
 
@@ -27,15 +27,14 @@ async def input_tokens_handler(request: web.Request) -> web.Response:
     ctx = request[state.CONTEXT]  # the prepare phase read and translated the body
     t = ctx.translation
     assert t is not None  # INPUT_TOKENS declares the translate phase
-    body = ctx.body or {}
-    prefs = parse_provider(body.get("provider"))
+    plan = route_plan(t, request.app[state.CONFIG].routing, provider=(ctx.body or {}).get("provider"), check=False)
     pool = request.app[POOL]
     tried: list[Worker] = []
     last: TokenCountError | None = None
-    for _ in range(request.app[state.CONFIG].routing.max_attempts):
+    for _ in range(plan.attempts):
         try:
-            worker = choose(pool, t.upstream_model, exclude=tried, prefs=prefs,
-                            params=request_parameters(t.chat), need_capacity=False)
+            worker = choose(pool, t.upstream_model, exclude=tried, prefs=plan.prefs, params=plan.params,
+                            need_capacity=False)
         except APIError:
             if last is not None:
                 break

@@ -8,11 +8,10 @@ import aiohttp
 import orjson
 
 from proxy.errors import APIError
-from proxy.http.attempt import Attempt
-from proxy.http.upstream_open import Retryable, upstream_message
 from proxy.protocol.response import ResponseContext, client_usage, map_usage
 from proxy.protocol.rewriter import completion_response
 from proxy.protocol.translate import Translation
+from proxy.upstream.exchange import Attempt, Retryable, upstream_message
 from proxy.upstream.tokens import TokenCounter
 
 

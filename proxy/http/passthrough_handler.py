@@ -24,11 +24,9 @@ from aiohttp import web
 from proxy import state
 from proxy.errors import APIError
 from proxy.http.anthropic_errors import anthropic_type
-from proxy.http.attempt import Attempt, attempt_once
 from proxy.http.event_stream import SSE_HEADERS, EventStreamResponse
 from proxy.http.failover import failover, output_budget
 from proxy.http.read_loop import DISCONNECTED, EOF, TIMEOUT, TOO_LARGE, relay
-from proxy.http.upstream_open import Retryable, upstream_message
 from proxy.http.watchdog import ReadWatchdog
 from proxy.ledger.usage import as_count
 from proxy.policy.netguard import ImagePolicy, check_images
@@ -36,7 +34,7 @@ from proxy.protocol.chat_usage import SSEScanner, json_output, json_usage
 from proxy.protocol.passthrough import ANTHROPIC, Limits, Passthrough, build
 from proxy.protocol.response import map_usage
 from proxy.upstream.client import UpstreamResponse
-from proxy.upstream.routing import check_context_window
+from proxy.upstream.exchange import Attempt, Retryable, attempt_once, upstream_message
 from proxy.upstream.tokens import TokenCounter
 from proxy.upstream.workers import Worker
 
@@ -103,22 +101,16 @@ async def passthrough_handler(request: web.Request) -> web.StreamResponse:
     ctx = request[state.CONTEXT]
     t = ctx.to_answer()
     assert isinstance(t, Passthrough)  # the translate phase ran: a pass-through unit's is a Passthrough
-    app = request.app
-    floor = app[state.CONFIG].routing.bytes_per_token_floor
-
-    def fit(worker: Worker, sent: Passthrough) -> Any:
-        # The cap as vLLM takes it on these APIs: lowered to the room the prompt leaves, not
-        # refused (Claude Code asks 32,000 whatever the model's window); a prompt that does
-        # not fit at all is still refused.
-        return check_context_window(app[state.SESSION], worker, sent, None, bytes_per_token_floor=floor)
 
     def attempt(one: Attempt, sent: Passthrough) -> Any:
+        # `sent`: the cap as vLLM takes it on these APIs, lowered to the room the prompt leaves, not
+        # refused (Claude Code asks 32,000 whatever the model's window); a prompt that does not fit
+        # at all is still refused.
         return _attempt(request, ctx, one, sent)
 
     # A batch's prompts each have the window to themselves (the bound is of all of them): vLLM
     # judges each one.
-    checked = "max_tokens" in t.chat and t.prompts == 1
-    return await failover(request, ctx, t, attempt, check=fit if checked else None)
+    return await failover(request, ctx, t, attempt, check="max_tokens" in t.chat and t.prompts == 1)
 
 
 async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Attempt,
@@ -132,7 +124,8 @@ async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Att
     async def as_stream(upstream: UpstreamResponse, first: bytes, deadline: float) -> web.StreamResponse:
         return await _stream(request, ctx, attempt, upstream, t, first, deadline)
 
-    return await attempt_once(app, attempt, worker.endpoint(t.path), orjson.dumps(t.body), stream=t.stream,
+    return await attempt_once(app[state.UPSTREAMS], app[state.POOL], attempt, worker.endpoint(t.path),
+                              orjson.dumps(t.body), stream=t.stream,
                               answer_json=as_json, answer_stream=as_stream,
                               refine=lambda status, body: _not_served(worker, t, status, body))
 

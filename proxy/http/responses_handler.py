@@ -17,7 +17,6 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import APIError
-from proxy.http.attempt import Attempt, attempt_once
 from proxy.http.event_stream import SSE_HEADERS
 from proxy.http.failover import failover
 from proxy.http.json_answer import count_usage, json_answer
@@ -27,10 +26,9 @@ from proxy.protocol.response import ResponseContext
 from proxy.protocol.rewriter import StreamRewriter
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import Translation
-from proxy.state import CONFIG, CONTEXT, RESPONSE_SETTINGS, SEALER, SESSION, RequestContext
+from proxy.state import CONTEXT, POOL, RESPONSE_SETTINGS, SEALER, SESSION, UPSTREAMS, RequestContext
 from proxy.upstream.client import UpstreamResponse
-from proxy.upstream.routing import check_context_window, parse_provider, request_parameters
-from proxy.upstream.workers import Worker
+from proxy.upstream.exchange import Attempt, attempt_once
 
 
 def response_context(app: web.Application, ctx: RequestContext, t: Translation) -> ResponseContext:
@@ -55,20 +53,14 @@ async def forward(request: web.Request, ctx: RequestContext) -> web.StreamRespon
     t = ctx.to_answer()
     assert isinstance(t, Translation)  # the translate phase ran: a Responses unit's is a Translation
     body = ctx.body or {}
-    prefs = parse_provider(body.get("provider"))
-    app = request.app
-    rctx = response_context(app, ctx, t)
-    floor = app[CONFIG].routing.bytes_per_token_floor
-
-    def fit(worker: Worker, sent: Translation) -> Any:
-        # It may lower max_tokens to the room the window leaves: a new Translation.
-        return check_context_window(app[SESSION], worker, sent, body.get("max_output_tokens"),
-                                    bytes_per_token_floor=floor)
+    rctx = response_context(request.app, ctx, t)
 
     def attempt(one: Attempt, sent: Translation) -> Any:
+        # `sent` is `t`, or a copy whose cap the context check lowered to the room the window leaves
         return _attempt(request, ctx, one, sent, rctx)
 
-    return await failover(request, ctx, t, attempt, check=fit, prefs=prefs, params=request_parameters(t.chat))
+    return await failover(request, ctx, t, attempt, provider=body.get("provider"),
+                          client_max=body.get("max_output_tokens"))
 
 
 async def _attempt(request: web.Request, ctx: RequestContext, attempt: Attempt, t: Translation,
@@ -87,8 +79,8 @@ async def _attempt(request: web.Request, ctx: RequestContext, attempt: Attempt, 
         return await stream_answer(request, ctx, attempt, upstream, rctx, first, deadline)
 
     payload = orjson.dumps(chat_for(t.chat, worker.dialect, worker.thinking_switch))
-    return await attempt_once(app, attempt, worker.chat_url, payload, stream=t.stream, answer_json=as_json,
-                              answer_stream=as_stream)
+    return await attempt_once(app[UPSTREAMS], app[POOL], attempt, worker.chat_url, payload, stream=t.stream,
+                              answer_json=as_json, answer_stream=as_stream)
 
 
 # Refusals an event-stream-only client must read as an event. Codex sends

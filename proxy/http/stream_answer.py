@@ -12,14 +12,14 @@ from functools import partial
 
 from aiohttp import web
 
-from proxy.http.attempt import Attempt
 from proxy.http.event_stream import open_event_stream
 from proxy.http.read_loop import DISCONNECTED, EOF, TIMEOUT, TOO_LARGE, relay
 from proxy.http.watchdog import ReadWatchdog
 from proxy.protocol.response import ResponseContext
 from proxy.protocol.rewriter import StreamRewriter
-from proxy.state import POOL, RequestContext, Tail, Tokens
+from proxy.state import POOL, RequestContext, Tail
 from proxy.upstream.client import UpstreamResponse
+from proxy.upstream.exchange import Attempt, Tokens
 
 # A first read this big holds many events (a server that coalesces its chunks, or a client
 # that connected late): its first two events (vLLM: the role, then the first text) are

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 
 from proxy.errors import APIError, bad_request
-from proxy.upstream.affinity import pick as pick_by_affinity, pick_on_route
+from proxy.upstream.affinity import pick as pick_by_affinity, pick_on_route, request_key
 from proxy.upstream.tokens import TokenCounter
 
 if TYPE_CHECKING:
+    from proxy.config.sections import Routing
     from proxy.protocol.upstream_request import UpstreamRequest
     from proxy.upstream.affinity import AffinityKey
     from proxy.upstream.workers import Route, Worker, WorkerPool
@@ -429,3 +430,53 @@ async def check_context_window(session: aiohttp.ClientSession, worker: Worker, t
         return "clamped", t.with_max_tokens(window - count)
     return "counted", t
 
+
+# --------------------------------------------------------------------------- one request's route
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """What a request asks of the workers, read once before the first is picked (both forwarding
+    handlers' failover, proxy.http.failover): the client's provider preferences, the parameters a
+    worker must then support, the prompt-cache affinity key, how many workers may try, and what
+    the context check of the first one needs."""
+
+    prefs: ProviderPrefs | None
+    params: frozenset[str]
+    affinity: AffinityKey | None
+    attempts: int
+    check: bool  # the context check runs on the first worker
+    client_max: Any  # the client's own output cap (max_output_tokens), None when it set none
+    bytes_per_token_floor: float
+
+
+def route_plan(t: UpstreamRequest, settings: Routing, *, provider: Any = None, client_max: Any = None,
+               check: bool = True) -> RoutePlan:
+    """The plan of `t` under config.routing: `provider` is the request's own object (a bad shape is
+    a 400 naming it), `check` whether its context may be checked at all (routing.context_check
+    switches it off for every request)."""
+    prefs = parse_provider(provider)
+    attempts = 1 if prefs is not None and prefs.single_attempt else max(settings.max_attempts, 1)
+    return RoutePlan(prefs, request_parameters(t.chat) if prefs is not None else _NO_PARAMETERS,
+                     request_key(t, settings.affinity), attempts, check and settings.context_check,
+                     client_max, settings.bytes_per_token_floor)
+
+
+async def take(session: aiohttp.ClientSession, pool: WorkerPool, t: _R, plan: RoutePlan,
+               tried: list[Worker]) -> tuple[Worker, _R]:
+    """The next worker for `t` (none of `tried`) with one of its slots taken, and what to send it:
+    on the first worker, the context check's answer (`t`, or a copy with a lower cap). The slot is
+    taken before any await, so capacity is never over-committed; the caller gives it back
+    (`worker.in_flight -= 1`) once the attempt ends. Raises APIError when no worker is left or the
+    prompt cannot fit (the slot then given back here)."""
+    worker = choose(pool, t.upstream_model, exclude=tried, prefs=plan.prefs, params=plan.params,
+                    affinity=plan.affinity)
+    worker.in_flight += 1
+    if not plan.check or tried:
+        return worker, t
+    try:
+        return worker, (await check_context_window(session, worker, t, plan.client_max,
+                                                   bytes_per_token_floor=plan.bytes_per_token_floor))[1]
+    except BaseException:
+        worker.in_flight -= 1
+        raise
