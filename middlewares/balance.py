@@ -90,12 +90,12 @@ from proxy.ledger.pricing import Price, PriceTable, cost_micros, max_output_toke
 from proxy.ledger.service import budget_room
 from proxy.ledger.usage import MAX_AMOUNT, clean_usage
 from proxy.logs import log
+from proxy.protocol.answer_report import AnswerReport, Tokens
 from proxy.protocol.passthrough import Passthrough
 from proxy.protocol.prompt import TEMPLATE_OVERHEAD, prompt_bound
 from proxy.protocol.translate import Translation
 from proxy.runtime.metrics import METRICS
 from proxy.state import Bill, RequestContext
-from proxy.upstream.exchange import AnswerReport, Tokens
 from proxy.upstream.tokens import TokenCounter
 
 # What the balance holds for: a Responses request or a pass-through one.

@@ -29,6 +29,7 @@ from proxy.http.websocket import SOCKETS, SocketAdmission
 from proxy.ledger.base import LedgerUnavailable
 from proxy.logs import access, log
 from proxy.policy.netguard import ImagePolicy
+from proxy.protocol.answer_report import NO_TOKENS
 from proxy.protocol.ids import random_bits
 from proxy.protocol.models import sampling_defaults
 from proxy.protocol.passthrough import ANTHROPIC
@@ -47,7 +48,6 @@ from proxy.state import (
     Tail,
 )
 from proxy.upstream.client import UpstreamPool
-from proxy.upstream.exchange import NO_TOKENS
 from proxy.upstream.health import READINESS, Readiness, health_context
 from proxy.upstream.workers import WorkerPool, parse_workers
 

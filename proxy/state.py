@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from proxy.upstream.exchange import AnswerReport, Tokens
+from proxy.protocol.answer_report import AnswerReport, Tokens
 
 if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this module import-light
     from aiohttp import ClientSession
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this m
 
 # The values the phases hand on are NamedTuples: immutable, and built by one C call (a frozen
 # dataclass's __init__ sets each field through object.__setattr__), once or twice a request. An
-# answer's Tokens and AnswerReport are made by the exchange with its worker (proxy.upstream.exchange).
+# answer's Tokens and AnswerReport are proxy.protocol.answer_report's.
 
 
 class Bill(NamedTuple):

@@ -22,7 +22,7 @@ from proxy.config.load import Config
 from proxy.runtime import metrics as proxy_metrics
 from proxy.runtime.metrics import METRICS
 from proxy.state import POOL
-from proxy.upstream.exchange import AnswerReport, Tokens
+from proxy.protocol.answer_report import AnswerReport, Tokens
 from proxy.upstream.workers import WorkerPool, parse_workers
 from tests.test_workers import NO_AUTH, ask, call, dead_url, settings, start_sim, wait_for, worker  # noqa: F401
 

@@ -936,3 +936,39 @@ def test_another_encoder_gets_the_same_events(name):
     assert rw.start() + rw.feed(BODIES[name]) + rw.finish() == b""
     assert events.events == parse(out)
     sdk_check(events.events)
+
+
+# ---------------------------------------------------------------- the stream's opening
+
+
+def _big_first_read(*, whole: bool) -> bytes:
+    texts = [chunk({"content": f"word{i} "}) for i in range(80)]
+    tail = [chunk(finish="stop", usage=USAGE)] if whole else []
+    return sse(chunk({"role": "assistant", "content": ""}), *texts, *tail, done=whole)
+
+
+def test_a_big_first_read_opens_with_its_first_events_before_the_rest_is_rewritten():
+    first = _big_first_read(whole=False)
+    assert len(first) > 2048
+    rw = StreamRewriter(det(ctx()))
+    opening = rw.opening(first)
+    head, last = next(opening)
+    assert not last
+    seen = rw.output_tokens_seen  # the rest of the read is not rewritten before the head is written
+    assert [e["type"] for e in parse(head)][:3] == ["response.created", "response.in_progress",
+                                                    "response.output_item.added"]
+    assert b"word0 " in head and b"word1 " not in head
+    rest, last = next(opening)
+    assert last and rw.output_tokens_seen > seen and b"word79 " in rest
+    assert next(opening, None) is None
+    # the same bytes as one start and one feed of the whole read
+    assert head + rest == run([first], finish=False)[0]
+
+
+@pytest.mark.parametrize("first", [_big_first_read(whole=True), sse(chunk({"content": "hi"}), done=False)],
+                         ids=["whole_answer", "small_read"])
+def test_a_first_read_that_is_whole_or_small_is_one_write(first):
+    rw = StreamRewriter(det(ctx()))
+    writes = list(rw.opening(first))
+    assert len(writes) == 1 and writes[0][1] is True
+    assert writes[0][0] == run([first], finish=False)[0]

@@ -19,10 +19,11 @@ from aiohttp import web
 
 from proxy.errors import APIError
 from proxy.logs import log
+from proxy.protocol.answer_report import AnswerReport
 from proxy.protocol.chat_usage import usage_in_tail
 from proxy.protocol.upstream_request import UpstreamRequest
 from proxy.state import CONFIG, POOL, SESSION, RequestContext
-from proxy.upstream.exchange import AnswerLost, AnswerReport, Attempt, Retryable
+from proxy.upstream.exchange import AnswerLost, Attempt, Retryable
 from proxy.upstream.routing import route_plan, take
 from proxy.upstream.workers import Worker
 

@@ -15,42 +15,12 @@ from aiohttp import web
 from proxy.http.event_stream import open_event_stream
 from proxy.http.read_loop import DISCONNECTED, EOF, TIMEOUT, TOO_LARGE, relay
 from proxy.http.watchdog import ReadWatchdog
+from proxy.protocol.answer_report import Tokens
 from proxy.protocol.response import ResponseContext
 from proxy.protocol.rewriter import StreamRewriter
 from proxy.state import POOL, RequestContext, Tail
 from proxy.upstream.client import UpstreamResponse
-from proxy.upstream.exchange import Attempt, Tokens
-
-# A first read this big holds many events (a server that coalesces its chunks, or a client
-# that connected late): its first two events (vLLM: the role, then the first text) are
-# rewritten and written on their own, so the first delta does not wait for all the others.
-EARLY_WRITE_BYTES = 2048
-
-
-def _early_cut(first: bytes) -> int:
-    """Where to split a big first read: after its second event; 0: do not split."""
-    if len(first) < EARLY_WRITE_BYTES:
-        return 0
-    end = first.find(b"\n\n", first.find(b"\n\n") + 2)
-    return end + 2 if 0 < end < len(first) - 2 else 0
-
-
-async def _start_stream(request: web.Request, response: web.StreamResponse, rewriter: StreamRewriter,
-                        first: bytes) -> bytes:
-    """Send the headers (with the first events when the first read is big); -> what the next write sends."""
-    await response.prepare(request)
-    pending = rewriter.start()
-    cut = _early_cut(first)
-    if cut:
-        # The first two events rewritten on their own (the rest is then rewritten in bulk,
-        # a TextRun, proxy.protocol.deltas) and, unless this read holds the whole answer,
-        # written on their own: the first delta does not wait for the rest of a big read.
-        pending += rewriter.feed(first[:cut])
-        first = first[cut:]
-        if not first.endswith(b"data: [DONE]\n\n"):
-            await response.write(pending)
-            pending = b""
-    return pending + rewriter.feed(first)
+from proxy.upstream.exchange import Attempt
 
 
 def _failed(rewriter: StreamRewriter, message: str, code: str, tokens: Tokens) -> bytes:
@@ -68,7 +38,10 @@ async def stream_answer(request: web.Request, ctx: RequestContext, attempt: Atte
     dog = ReadWatchdog(worker.timeouts.idle, deadline, rewriter)
     failure: tuple[str, str, bool] | None = None  # (message, code, the proxy's own error code)
     try:
-        pending = await _start_stream(request, response, rewriter, first)
+        await response.prepare(request)
+        for pending, last in rewriter.opening(first):
+            if not last:  # a big first read's first events, ahead of the rest
+                await response.write(pending)
         pending, ended = await relay(upstream.read, response.write, rewriter.feed, rewriter, dog, pending,
                                      partial(request.app[POOL].record_failure, worker, "disconnected mid-stream"))
         if ended == TIMEOUT:

@@ -22,6 +22,7 @@ methods as SSEEncoder) and keeps the rest.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from proxy.protocol.assembler import Assembler
@@ -33,6 +34,18 @@ from proxy.protocol.sse import MAX_LINE, SSEDecoder
 
 __all__ = ["ResponseContext", "StreamRewriter", "response_from_completion", "completion_response", "map_usage",
            "client_usage", "public_message"]
+
+
+# A first read this big holds many events: its first two are written on their own (`opening`).
+EARLY_WRITE_BYTES = 2048
+
+
+def early_cut(first: bytes) -> int:
+    """Where to split a big first read: after its second event; 0: do not split."""
+    if len(first) < EARLY_WRITE_BYTES:
+        return 0
+    end = first.find(b"\n\n", first.find(b"\n\n") + 2)
+    return end + 2 if 0 < end < len(first) - 2 else 0
 
 
 class StreamRewriter:
@@ -82,6 +95,23 @@ class StreamRewriter:
         if dec.overflow and not asm.done:
             asm.fail(f"upstream sent a line longer than {dec.max_line} bytes", "server_error", 1000, True)
         return self._encoder.take()
+
+    def opening(self, first: bytes) -> Iterator[tuple[bytes, bool]]:
+        """The stream's first events for the upstream's first read, as (bytes, last) writes: the
+        last one goes with the next write. A big first read (a server that coalesces its chunks,
+        or a client that connected late) has its first two events (vLLM: the role, then the first
+        text) rewritten and yielded on their own, so the first delta does not wait for the rest
+        to be rewritten; unless that read holds the whole answer (then it is one write)."""
+        pending = self.start()
+        cut = early_cut(first)
+        if cut:
+            # The rest is then rewritten in bulk (a TextRun, proxy.protocol.deltas).
+            pending += self.feed(first[:cut])
+            first = first[cut:]
+            if not first.endswith(b"data: [DONE]\n\n"):
+                yield pending, False
+                pending = b""
+        yield pending + self.feed(first), True
 
     def drain(self) -> bytes:
         """Upstream EOF, before finish(): the events of what the decoder still holds, so the

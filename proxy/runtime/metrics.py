@@ -39,10 +39,10 @@ from prometheus_client.utils import floatToGoString
 
 from proxy import state
 from proxy.logs import log
+from proxy.protocol.answer_report import NO_TOKENS
 from proxy.runtime.key_metrics import KEY_METRICS, KeyMetrics
 from proxy.state import LEDGER, RequestContext
 from proxy.upstream import affinity
-from proxy.upstream.exchange import NO_TOKENS
 from proxy.upstream.workers import WorkerPool
 
 if TYPE_CHECKING:  # settings classes, for annotations only

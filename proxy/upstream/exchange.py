@@ -1,8 +1,8 @@
 """One exchange with a worker, shared by every forwarding handler (proxy.http.responses_handler for
 /v1/responses, proxy.http.passthrough_handler for the other endpoints): the POST, the status, the
 first read, the upstream's failures mapped once to what the client is told, the worker's success or
-failure recorded, the stream's start checked, the connection let go; and the `Attempt` that turns
-how the answer ended into the request's AnswerReport.
+failure recorded, the stream's start checked, the connection let go; and the `Attempt`, timed
+from the POST to the first bytes, that reports how the answer ended (proxy.protocol.answer_report).
 
 `open_upstream` returns the answer and its first bytes (a stream's first read, or a JSON answer
 whole). When it raises, the connection is already given back (pooled when its answer was read
@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
 from proxy.errors import APIError
-from proxy.protocol.response import client_usage
+from proxy.protocol.answer_report import AnswerRecord, AnswerReport
 from proxy.protocol.rewriter import public_message
 from proxy.upstream.client import (
     BadResponse,
@@ -33,46 +33,6 @@ from proxy.upstream.client import (
     UpstreamResponse,
 )
 from proxy.upstream.workers import Worker, WorkerPool
-
-
-# What an exchange reports are NamedTuples: immutable, and built by one C call (a frozen dataclass's
-# __init__ sets each field through object.__setattr__), once or twice a request.
-class Tokens(NamedTuple):
-    """An answer's token figures: as its Response shows them, or as billed."""
-
-    input: int = 0
-    cached: int = 0
-    output: int = 0
-    reasoning: int = 0
-
-    def as_chat_usage(self) -> dict:
-        """The figures as a chat usage (what the rewriter's response.failed carries)."""
-        return {"prompt_tokens": self.input, "completion_tokens": self.output,
-                "prompt_tokens_details": {"cached_tokens": self.cached},
-                "completion_tokens_details": {"reasoning_tokens": self.reasoning}}
-
-
-NO_TOKENS = Tokens()
-
-
-class AnswerReport(NamedTuple):
-    """What the handler says about its answer, once, when it ends (returned, raised or was
-    cancelled): the balance turns it into the bill, the limits debit its tokens, the envelope
-    logs it. Written by the handler alone (ctx.report), never changed after."""
-
-    status: str  # completed | incomplete | failed | cancelled | error
-    upstream: str | None = None  # the worker the generation was sent to (None: none was)
-    ttfb_ms: float | None = None
-    # The upstream's usage as reported (Responses-shaped, unchecked: proxy.ledger.usage checks
-    # it before billing); None: none was reported.
-    usage: dict | None = None
-    counted_output: int = 0  # output deltas counted (each carried at least one token)
-    output_capped: bool = False  # cut off at the output cap (the worker ignored max_tokens)
-    shown: Tokens = NO_TOKENS  # what the client was shown (the access line's when nothing is billed)
-    error: str | None = None  # the error code of a stream the proxy ended with response.failed
-    count_failed: bool = False  # a worker's tokenizer was asked for the usage and could not say
-
-
 
 # A non-stream answer is buffered whole: past this size it is an upstream fault (an endless
 # body), refused instead of held in memory until the total timeout. Error bodies are only
@@ -237,17 +197,17 @@ async def open_upstream(upstreams: UpstreamPool, pool: WorkerPool, worker: Worke
 STREAM_END_GRACE_S = 1.0  # after [DONE], how long the last chunk of a stream may take to keep its connection
 
 
-class Attempt:
-    """One worker's try, filled in by the handler as it goes; `end` makes its report (once the
-    answer ended), which the failover hands on as the request's (ctx.report)."""
+class Attempt(AnswerRecord):
+    """One worker's try, filled in by the handler as it goes: timed from the POST (`sent`) to its
+    first bytes (`opened`, where the worker's success is recorded); `end`, once the answer ended,
+    makes its report (proxy.protocol.answer_report), which the failover hands on as the request's
+    (ctx.report)."""
 
-    __slots__ = ("worker", "sent_at", "ttfb_ms", "report")
+    __slots__ = ("sent_at",)
 
     def __init__(self, worker: Worker) -> None:
-        self.worker = worker
+        super().__init__(worker)
         self.sent_at: float | None = None  # perf_counter() when the generation was sent
-        self.ttfb_ms: float | None = None
-        self.report: AnswerReport | None = None
 
     def sent(self) -> None:
         self.sent_at = time.perf_counter()
@@ -263,32 +223,12 @@ class Attempt:
             check_stream_start(pool, self.worker, upstream, first)
         pool.record_success(self.worker, seconds)
 
-    def end(self, status: str, usage: dict | None = None, counted: int = 0, cap: int | None = None, *,
-            capped: bool = False, shown: dict | None = None, error: str | None = None,
-            count_failed: bool = False) -> AnswerReport:
-        """The answer ended: its report. `usage` is the upstream's (Responses-shaped, unchecked:
-        the balance checks it before billing), `counted` the output deltas counted; `shown`,
-        when the caller has it, is the usage its Response shows (the same figures)."""
-        self.report = AnswerReport(status, self.worker.name, self.ttfb_ms, usage or None, counted, capped,
-                                   shown_tokens(usage, counted, cap, shown), error, count_failed)
-        return self.report
-
     def ended(self, status: str) -> AnswerReport:
-        """The report of an attempt that ended without one (it raised, or was cancelled)."""
+        """The report of an attempt that ended without one (it raised, or was cancelled): the
+        worker named only when the generation was sent to it."""
         if self.report is not None:
             return self.report
         return AnswerReport(status, self.worker.name if self.sent_at is not None else None, self.ttfb_ms)
-
-
-def shown_tokens(usage: dict | None, counted: int, cap: int | None, shown: dict | None = None) -> Tokens:
-    """The figures an answer shows (the access line's and the metrics' when nothing is billed):
-    the reported usage under the same checks as the client's Response, short; else as counted."""
-    if not usage:
-        return Tokens(output=counted) if counted else NO_TOKENS
-    if shown is None:
-        shown = client_usage(usage, cap)
-    return Tokens(shown["input_tokens"], shown["input_tokens_details"]["cached_tokens"],
-                  max(shown["output_tokens"], counted), shown["output_tokens_details"]["reasoning_tokens"])
 
 
 def check_stream_start(pool: Any, worker: Worker, upstream: UpstreamResponse, first: bytes) -> None:
