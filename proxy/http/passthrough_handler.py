@@ -82,8 +82,8 @@ def _dialect_error(family: str, message: str, status: int) -> bytes:
     """A failure after the headers, as an event in the endpoint's own error shape."""
     if family in ANTHROPIC:
         kind = anthropic_type(status)
-        return b"event: error\ndata: " + orjson.dumps({"type": "error", "error": {"type": kind, "message": message}}) \
-            + b"\n\n"
+        error = orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+        return b"event: error\ndata: " + error + b"\n\n"
     code = "upstream_timeout" if status == 504 else "upstream_error"
     return b"data: " + orjson.dumps({"error": {"message": message, "type": "server_error", "param": None,
                                               "code": code}}) + b"\n\ndata: [DONE]\n\n"
