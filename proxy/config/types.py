@@ -64,6 +64,15 @@ class Type:
     def fail(self, value: Any, path: str) -> SchemaError:
         return SchemaError(f"{path} must be {self.what()}, not {_show(value)}")
 
+    def from_environment(self, value: Any, path: str, convert: Any) -> Any:
+        """A value read from `${NAME}` (an EnvStr) converted to a number, else the value as it is."""
+        if not isinstance(value, EnvStr):
+            return value
+        try:
+            return convert(value.strip())
+        except ValueError:
+            raise self.fail(value, path) from None
+
 
 def _bounds(lo: Any, hi: Any, gt: Any) -> str:
     if gt is not None:
@@ -86,11 +95,7 @@ class Int(Type):
         return "an integer" + _bounds(self.lo, self.hi, None)
 
     def check(self, value: Any, path: str) -> Any:
-        if isinstance(value, EnvStr):
-            try:
-                value = int(value.strip())
-            except ValueError:
-                raise self.fail(value, path) from None
+        value = self.from_environment(value, path, int)
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(value, path)
         if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
@@ -108,11 +113,7 @@ class Num(Type):
         return "a number" + _bounds(self.lo, self.hi, self.gt)
 
     def check(self, value: Any, path: str) -> Any:
-        if isinstance(value, EnvStr):
-            try:
-                value = float(value.strip())
-            except ValueError:
-                raise self.fail(value, path) from None
+        value = self.from_environment(value, path, float)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise self.fail(value, path)
         if ((self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi)
@@ -185,11 +186,7 @@ class Micros(Type):
         return "a non-negative integer number of micro-units"
 
     def check(self, value: Any, path: str) -> Any:
-        if isinstance(value, EnvStr):
-            try:
-                value = float(value.strip())
-            except ValueError:
-                raise self.fail(value, path) from None
+        value = self.from_environment(value, path, float)
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
