@@ -50,8 +50,6 @@ from proxy.http.turn import TurnAnswer, run_turn
 from proxy.http.units import WS_TURN, WS_WARMUP, Unit
 from proxy.http.warmup import warmup_handler
 from proxy.protocol.continuation import (
-    RESPONSE_EVENTS,
-    TERMINAL_EVENTS,
     Continuation,
     TurnRefused,
     check_client_event,
@@ -59,6 +57,7 @@ from proxy.protocol.continuation import (
     error_event,
     with_previous,
 )
+from proxy.protocol.events import Event, TerminalEvent, WithHeaders
 from proxy.runtime.logs import log
 
 if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
@@ -364,7 +363,7 @@ class _Connection:
                                                         "message": "The proxy failed to handle this turn."}))
 
     async def _turn(self, message: bytes) -> None:
-        terminal: dict[str, Any] = {}
+        terminal: list[TerminalEvent] = []  # the turn's last event, as written
         carried: dict[str, str] = {}  # the turn's headers, for its first event
         names = self._carried_headers()
         decoded: dict[str, Any] = {}  # what the body phase made of the message, once it ran
@@ -386,15 +385,15 @@ class _Connection:
         def prepared(headers: Any) -> None:
             carried.update(_carried(headers, names))
 
-        def on_event(name: str, fields: dict) -> dict:
-            if name in RESPONSE_EVENTS:
-                fields = with_previous(fields, decoded.get("previous"))
-                if name in TERMINAL_EVENTS:
-                    terminal.update(fields)
+        def on_event(event: Event) -> Event | WithHeaders:
+            event = with_previous(event, decoded.get("previous"))
+            if isinstance(event, TerminalEvent):
+                terminal.append(event)
             if carried:
-                fields = {**fields, "headers": dict(carried)}
+                headed = WithHeaders(event, dict(carried))
                 carried.clear()
-            return fields
+                return headed
+            return event
 
         async def send_lines(block: bytes) -> None:
             await send_messages(self.ws, block)
@@ -431,10 +430,10 @@ class _Connection:
         notice = self.request.app.get(state.NOTICES_HEADER)
         return (notice,) if notice else ()
 
-    def _remember(self, answer: TurnAnswer, terminal: dict[str, Any], body: dict[str, Any],
+    def _remember(self, answer: TurnAnswer, terminal: list[TerminalEvent], body: dict[str, Any],
                   previous: str | None) -> None:
-        response = terminal.get("response")
-        if answer.streamed and isinstance(response, dict) and response.get("status") in ("completed", "incomplete"):
+        response = terminal[-1].response if terminal else None
+        if answer.streamed and response is not None and response.get("status") in ("completed", "incomplete"):
             self.memory.completed(body, response)
         else:
             self.memory.failed(previous)
