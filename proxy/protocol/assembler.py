@@ -42,6 +42,7 @@ from proxy.protocol.deltas import (
     UpstreamError,
     Usage,
 )
+from proxy.protocol.encoder import Encoder
 from proxy.protocol.events import (
     ContentPartAdded,
     ContentPartDone,
@@ -135,7 +136,7 @@ def message_item(item_id: str, status: str, text: str) -> dict:
 
 
 class Assembler:
-    def __init__(self, ctx: ResponseContext, encoder: Any) -> None:
+    def __init__(self, ctx: ResponseContext, encoder: Encoder) -> None:
         self.ctx = ctx
         self.done = False
         self.status = "in_progress"

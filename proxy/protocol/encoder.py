@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import repeat
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import orjson
 
@@ -35,7 +35,18 @@ from proxy.protocol.events import (
     WithHeaders,
 )
 
-__all__ = ["SSEEncoder", "JSONLinesEncoder", "Discard", "OnEvent"]
+__all__ = ["Encoder", "SSEEncoder", "JSONLinesEncoder", "Discard", "OnEvent"]
+
+
+class Encoder(Protocol):
+    """What the assembler writes to (SSEEncoder, JSONLinesEncoder, Discard, a test's own)."""
+
+    def event(self, ev: Event) -> None: ...
+    def delta(self, kind: type[DeltaEvent], item_id: str, output_index: int, text: str) -> None: ...
+    def text_run(self, item_id: str, output_index: int, texts: list[bytes]) -> None: ...
+    def end(self) -> None: ...
+    def take(self) -> bytes: ...
+
 
 # A transport's look at each non-delta event: the event to write (another object, never the
 # assembler's changed in place), or it with the transport's headers.
