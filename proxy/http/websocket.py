@@ -57,7 +57,7 @@ from proxy.protocol.continuation import (
     error_event,
     with_previous,
 )
-from proxy.protocol.events import Event, TerminalEvent, WithHeaders
+from proxy.protocol.events import Event, ResponseEvent, TerminalEvent, WithHeaders
 from proxy.runtime.logs import log
 
 if TYPE_CHECKING:  # settings classes for annotations only (proxy/config/sections.py says why)
@@ -386,9 +386,10 @@ class _Connection:
             carried.update(_carried(headers, names))
 
         def on_event(event: Event) -> Event | WithHeaders:
-            event = with_previous(event, decoded.get("previous"))
-            if isinstance(event, TerminalEvent):
-                terminal.append(event)
+            if isinstance(event, ResponseEvent):  # its response: the id this turn continued
+                event = with_previous(event, decoded.get("previous"))
+                if isinstance(event, TerminalEvent):
+                    terminal.append(event)
             if carried:
                 headed = WithHeaders(event, dict(carried))
                 carried.clear()
