@@ -10,6 +10,7 @@ import pytest
 from proxy.errors import APIError
 from proxy.protocol.compaction import kept_user_messages, take_trigger
 from proxy.protocol.continuation import Continuation, TurnRefused, client_param, parse_client_event, with_previous
+from proxy.protocol.events import OutputItemAdded, ResponseCompleted, ResponseCreated
 
 
 def test_a_continuation_is_the_remembered_context_then_the_new_items():
@@ -54,13 +55,16 @@ def test_client_events_that_are_refused(message, code):
 def test_with_previous_sets_only_the_responses_own_field_on_a_copy():
     text = 'say "previous_response_id":null please'
     response = {"id": "resp_1", "previous_response_id": None, "instructions": text}
-    fields = {"response": response}
-    patched = with_previous(fields, "resp_9")
-    assert patched["response"] == {"id": "resp_1", "previous_response_id": "resp_9", "instructions": text}
-    assert list(patched["response"]) == list(response)  # the field keeps its place
-    assert response["previous_response_id"] is None and fields["response"] is response  # the assembler's, unchanged
-    assert with_previous(fields, None) is fields
-    assert with_previous({"item": {}}, "resp_9") == {"item": {}}
+    for kind in (ResponseCreated, ResponseCompleted):
+        event = kind(response)
+        patched = with_previous(event, "resp_9")
+        assert type(patched) is kind  # the same event type, a copy
+        assert patched.response == {"id": "resp_1", "previous_response_id": "resp_9", "instructions": text}
+        assert list(patched.response) == list(response)  # the field keeps its place
+        assert response["previous_response_id"] is None and event.response is response  # the assembler's, unchanged
+        assert with_previous(event, None) is event
+    item = OutputItemAdded(0, {})
+    assert with_previous(item, "resp_9") is item
 
 
 @pytest.mark.parametrize("param, remembered, told", [

@@ -21,6 +21,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from proxy.protocol import events
 from proxy.protocol.rewriter import ResponseContext, StreamRewriter, map_usage, response_from_completion
 from proxy.protocol.sse import SSEDecoder
 
@@ -901,23 +902,21 @@ class _EventList:
     def __init__(self) -> None:
         self.events: list[dict] = []
 
-    def event(self, event_type: str, fields: dict) -> None:
-        self.events.append({"type": event_type, "sequence_number": len(self.events), **orjson.loads(
-            orjson.dumps(fields))})
+    def event(self, ev: events.Event) -> None:
+        self.events.append({"type": ev.type, "sequence_number": len(self.events), **orjson.loads(
+            orjson.dumps(dataclasses.asdict(ev)))})  # type: ignore[call-overload]
 
-    def delta(self, event_type: str, item_id: str, output_index: int, text: str) -> None:
-        fields = {"item_id": item_id, "output_index": output_index}
-        if event_type == "response.output_text.delta":
-            fields.update(content_index=0, delta=text, logprobs=[])
-        elif event_type == "response.reasoning_summary_text.delta":
-            fields.update(summary_index=0, delta=text)
+    def delta(self, kind: type, item_id: str, output_index: int, text: str) -> None:
+        if kind is events.OutputTextDelta:
+            self.event(events.OutputTextDelta(item_id, output_index, 0, text))
+        elif kind is events.ReasoningSummaryTextDelta:
+            self.event(events.ReasoningSummaryTextDelta(item_id, output_index, 0, text))
         else:
-            fields["delta"] = text
-        self.event(event_type, fields)
+            self.event(kind(item_id, output_index, text))
 
     def text_run(self, item_id: str, output_index: int, texts: list[bytes]) -> None:
         for text in texts:
-            self.delta("response.output_text.delta", item_id, output_index, text.decode())
+            self.delta(events.OutputTextDelta, item_id, output_index, text.decode())
 
     def end(self) -> None:
         pass

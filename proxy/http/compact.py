@@ -37,7 +37,7 @@ from proxy.protocol.compaction import (
     compaction_of,
     kept_user_messages,
 )
-from proxy.protocol.continuation import TERMINAL_EVENTS
+from proxy.protocol.events import Event, TerminalEvent
 from proxy.protocol.ids import random_bits
 from proxy.protocol.models import resolve_model
 from proxy.units import COMPACT_SUMMARY, UNBILLED_BODY
@@ -100,12 +100,12 @@ def _summary_turn(body: dict[str, Any], window: list[Any]) -> dict[str, Any]:
 
 async def _summarize(request: web.Request, body: dict[str, Any], window: list[Any]) -> dict[str, Any] | web.Response:
     """-> the summary turn's final Response object, or the refusal to pass on as it is."""
-    terminal: dict[str, Any] = {}
+    terminal: list[TerminalEvent] = []  # the turn's last event
 
-    def on_event(name: str, fields: dict) -> dict:
-        if name in TERMINAL_EVENTS:
-            terminal.update(fields)
-        return fields
+    def on_event(event: Event) -> Event:
+        if isinstance(event, TerminalEvent):
+            terminal.append(event)
+        return event
 
     answer = await run_turn(request, orjson.dumps(_summary_turn(body, window)), unit=COMPACT_SUMMARY,
                             on_event=on_event)
@@ -113,7 +113,7 @@ async def _summarize(request: web.Request, body: dict[str, Any], window: list[An
     if not answer.streamed:
         headers = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after", "x-should-retry")}
         return web.Response(status=answer.status, body=answer.body, content_type="application/json", headers=headers)
-    response = terminal.get("response")
+    response = terminal[-1].response if terminal else None
     if not isinstance(response, dict) or response.get("status") != "completed" or compaction_of(response) is None:
         error = (response or {}).get("error") or {}
         raise APIError(502, f"The summary could not be written: {error.get('message') or 'the model failed'}",

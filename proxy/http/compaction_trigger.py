@@ -37,7 +37,15 @@ from proxy.http.event_stream import open_event_stream
 from proxy.http.responses_handler import forward
 from proxy.http.turn import TURN, TurnAnswer, run_turn
 from proxy.protocol.compaction import compaction_item, summary_text, take_trigger
-from proxy.protocol.continuation import TERMINAL_EVENTS
+from proxy.protocol.events import (
+    Event,
+    OutputItemAdded,
+    OutputItemDone,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseInProgress,
+    TerminalEvent,
+)
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import Translation
 from proxy.state import RequestContext, Tail
@@ -69,11 +77,11 @@ async def _answer(request: web.Request, ctx: RequestContext, final: dict[str, An
     await stream.prepare(request)  # before the first event: the transport's say in the headers
     started = {**final, "status": "in_progress", "output": [], "usage": None, "completed_at": None}
     item = final["output"][0]
-    enc.event("response.created", {"response": started})
-    enc.event("response.in_progress", {"response": started})
-    enc.event("response.output_item.added", {"output_index": 0, "item": item})
-    enc.event("response.output_item.done", {"output_index": 0, "item": item})
-    enc.event("response.completed", {"response": final})
+    enc.event(ResponseCreated(started))
+    enc.event(ResponseInProgress(started))
+    enc.event(OutputItemAdded(0, item))
+    enc.event(OutputItemDone(0, item))
+    enc.event(ResponseCompleted(final))
     enc.end()
     ctx.tail = Tail(stream, enc.take(), True)  # written once the answer is billed (proxy.state.Tail)
     return stream
@@ -93,18 +101,18 @@ async def _once_more(request: web.Request, ctx: RequestContext) -> tuple[str, di
     for name in ("instructions", "prompt_cache_key"):
         if body.get(name) is not None:
             again[name] = body[name]
-    terminal: dict[str, Any] = {}
+    terminal: list[TerminalEvent] = []  # the turn's last event
 
-    def on_event(name: str, fields: dict) -> dict:
-        if name in TERMINAL_EVENTS:
-            terminal.update(fields)
-        return fields
+    def on_event(event: Event) -> Event:
+        if isinstance(event, TerminalEvent):
+            terminal.append(event)
+        return event
 
     answer = await run_turn(request, orjson.dumps(again), unit=COMPACT_SUMMARY, on_event=on_event)
     carry_notices(request, answer)
     if not answer.streamed:
         raise refusal(answer)
-    response = terminal.get("response")
+    response = terminal[-1].response if terminal else None
     if not isinstance(response, dict) or response.get("status") not in ("completed", "incomplete"):
         error = (response or {}).get("error") or {}
         raise APIError(502, f"The summary could not be written: {error.get('message') or 'the model failed'}",

@@ -33,14 +33,15 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy import state
-from proxy.protocol.encoder import JSONLinesEncoder
+from proxy.protocol.encoder import JSONLinesEncoder, OnEvent
 from proxy.units import RESPONSES, Unit
 
 # The events of one write at once: JSON lines (proxy.protocol.encoder.JSONLinesEncoder), whole
 # events only, each ending with a line break.
 SendLines = Callable[[bytes], Awaitable[None]]
-# A non-delta event as the encoder writes it: (event type, its fields) -> the fields to write.
-OnEvent = Callable[[str, dict], dict]
+# OnEvent (proxy.protocol.encoder): a non-delta event (proxy.protocol.events) as the encoder is
+# about to write it -> the event to write (the same, a copy, or it with the transport's headers).
+
 # Told the answer's headers once the app's response hooks set them, before the first event.
 OnPrepare = Callable[[CIMultiDict[str]], None]
 

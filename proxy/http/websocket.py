@@ -50,8 +50,6 @@ from proxy.http.turn import TurnAnswer, run_turn
 from proxy.http.warmup import warmup_handler
 from proxy.logs import log
 from proxy.protocol.continuation import (
-    RESPONSE_EVENTS,
-    TERMINAL_EVENTS,
     Continuation,
     TurnRefused,
     check_client_event,
@@ -59,6 +57,7 @@ from proxy.protocol.continuation import (
     error_event,
     with_previous,
 )
+from proxy.protocol.events import Event, ResponseEvent, TerminalEvent, WithHeaders
 from proxy.units import WS_TURN, WS_WARMUP, Unit
 
 if TYPE_CHECKING:  # settings classes, for annotations only
@@ -364,7 +363,7 @@ class _Connection:
                                                         "message": "The proxy failed to handle this turn."}))
 
     async def _turn(self, message: bytes) -> None:
-        terminal: dict[str, Any] = {}
+        terminal: list[TerminalEvent] = []  # the turn's last event, as written
         carried: dict[str, str] = {}  # the turn's headers, for its first event
         names = self._carried_headers()
         decoded: dict[str, Any] = {}  # what the body phase made of the message, once it ran
@@ -386,15 +385,16 @@ class _Connection:
         def prepared(headers: Any) -> None:
             carried.update(_carried(headers, names))
 
-        def on_event(name: str, fields: dict) -> dict:
-            if name in RESPONSE_EVENTS:
-                fields = with_previous(fields, decoded.get("previous"))
-                if name in TERMINAL_EVENTS:
-                    terminal.update(fields)
+        def on_event(event: Event) -> Event | WithHeaders:
+            if isinstance(event, ResponseEvent):  # its response: the id this turn continued
+                event = with_previous(event, decoded.get("previous"))
+                if isinstance(event, TerminalEvent):
+                    terminal.append(event)
             if carried:
-                fields = {**fields, "headers": dict(carried)}
+                headed = WithHeaders(event, dict(carried))
                 carried.clear()
-            return fields
+                return headed
+            return event
 
         async def send_lines(block: bytes) -> None:
             await send_messages(self.ws, block)
@@ -431,10 +431,10 @@ class _Connection:
         notice = self.request.app.get(state.NOTICES_HEADER)
         return (notice,) if notice else ()
 
-    def _remember(self, answer: TurnAnswer, terminal: dict[str, Any], body: dict[str, Any],
+    def _remember(self, answer: TurnAnswer, terminal: list[TerminalEvent], body: dict[str, Any],
                   previous: str | None) -> None:
-        response = terminal.get("response")
-        if answer.streamed and isinstance(response, dict) and response.get("status") in ("completed", "incomplete"):
+        response = terminal[-1].response if terminal else None
+        if answer.streamed and response is not None and response.get("status") in ("completed", "incomplete"):
             self.memory.completed(body, response)
         else:
             self.memory.failed(previous)
@@ -472,11 +472,17 @@ def _frame_heads(lengths: list[int]) -> list[bytes]:
 
 async def send_messages(ws: web.WebSocketResponse, block: bytes) -> None:
     """The events of one write (JSON lines, proxy.protocol.encoder.JSONLinesEncoder), one text
-    frame each: in one transport write when the frames are neither compressed nor masked (the
-    headers and the join run in C, whatever the number of events), else one send_frame each."""
+    frame each. One event (a read of one delta: the usual stream) goes by aiohttp's public
+    send_frame; several in one transport write when the frames are neither compressed nor
+    masked (the headers and the join run in C, whatever the number of events), else one
+    send_frame each. Measured (bench.instructions, see _plain_writer): a read of one event costs
+    ~8k Ir less by send_frame than by the batch; a read of 100 costs ~690k Ir more by it."""
     messages = block.split(b"\n")
     if messages[-1] == b"":
         messages.pop()
+    if len(messages) == 1:
+        await ws.send_frame(messages[0], WSMsgType.TEXT)
+        return
     if not messages:
         return
     writer = _plain_writer(ws) if BATCH_FRAMES else None
@@ -490,9 +496,21 @@ async def send_messages(ws: web.WebSocketResponse, block: bytes) -> None:
 
 def _plain_writer(ws: web.WebSocketResponse) -> Any:
     """aiohttp's WebSocketWriter of `ws` when its frames can be built here (neither compressed
-    nor masked: a server's without permessage-deflate), else None. aiohttp has no public batch
-    send: the private names read here are listed in tests/test_architecture.py and the bytes
-    they write pinned against send_frame's by tests/test_ws_frames.py."""
+    nor masked: a server's without permessage-deflate), else None. aiohttp (3.14) has no public
+    batch send: the private names read here and in _write_frames are listed in
+    tests/test_architecture.py, each pinned on the installed aiohttp by
+    tests/test_ws_frames.py (test_aiohttps_private_names_are_as_the_batch_writer_reads_them:
+    an aiohttp that renames or reshapes one fails it), and the bytes they write pinned against
+    send_frame's there too.
+
+    Why not the public API: one `ws.send_frame` per event (BATCH_FRAMES = False) measured
+    against this batch, `python -m bench.instructions --only proxy --ws-only --no-edge
+    --no-deflate --parallel 1`, Ir per socket turn (the same tree but for the flag):
+        coalesced turn (100 deltas in one upstream read)  batch 2,500,031  send_frame 3,195,405 (+27.8%)
+        one delta per read                                 batch 8,911,569  send_frame 8,141,937 (-8.6%)
+    (repeated: 3,186,396 and 8,068,994). So a write of one event takes send_frame
+    (send_messages; with it the paced turn measured 7,998,268) and only a write of several
+    takes the batch, whose public alternative costs +27.8%."""
     writer = ws._writer
     if writer is None or writer.compress or writer.use_mask or not hasattr(writer, "_output_size"):
         return None
@@ -501,7 +519,11 @@ def _plain_writer(ws: web.WebSocketResponse) -> Any:
 
 async def _write_frames(writer: Any, frames: bytes) -> None:
     """Whole frames in one transport write, with aiohttp's writer's checks and flow control:
-    once its output passes its limit, wait for a paused transport to drain."""
+    once its output passes its limit, wait for a paused transport to drain. The private names,
+    each what WebSocketWriter.send_frame reads for the same step (the cost of calling that
+    instead, per frame: _plain_writer): `_closing` (closed by ws.close), `_output_size` and
+    `_limit` (its count of bytes since the last drain check), the protocol's `_paused` and
+    `_drain_helper()` (the wait for a paused transport; aiohttp has no public awaitable)."""
     if writer._closing:
         raise ClientConnectionResetError("Cannot write to closing transport")
     transport = writer.transport

@@ -1,6 +1,7 @@
 """Delta events -> Responses events: the state machine of output items (sans-I/O).
 
-    asm = Assembler(ctx, encoder)      # encoder: SSEEncoder, or Discard for the final response only
+    asm = Assembler(ctx, encoder)      # encoder: SSEEncoder, or Discard for the final response only;
+                                       # it is handed proxy.protocol.events objects
     asm.start()                        # response.created + response.in_progress
     asm.feed(events)                   # proxy.protocol.deltas events, in order
     asm.fail(message, code=...)        # a timeout / reset after the headers went out
@@ -41,7 +42,29 @@ from proxy.protocol.deltas import (
     UpstreamError,
     Usage,
 )
-from proxy.protocol.encoder import ARGUMENTS_DELTA, REASONING_DELTA, TEXT_DELTA
+from proxy.protocol.encoder import Encoder
+from proxy.protocol.events import (
+    ContentPartAdded,
+    ContentPartDone,
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputTextDelta,
+    OutputTextDone,
+    ReasoningSummaryPartAdded,
+    ReasoningSummaryPartDone,
+    ReasoningSummaryTextDelta,
+    ReasoningSummaryTextDone,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseFailed,
+    ResponseIncomplete,
+    ResponseInProgress,
+    TerminalEvent,
+)
 from proxy.protocol.response import (
     ERROR_CODES,
     ResponseContext,
@@ -54,7 +77,7 @@ from proxy.protocol.response import (
 
 __all__ = ["INCOMPLETE_REASONS", "Assembler", "message_item"]
 
-_TERMINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete"}
+_TERMINAL_EVENT: dict[str, type[TerminalEvent]] = {"completed": ResponseCompleted, "incomplete": ResponseIncomplete}
 # finish_reason -> the response's incomplete_details.reason (any other ends it completed)
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
 _INCOMPLETE = INCOMPLETE_REASONS
@@ -113,7 +136,7 @@ def message_item(item_id: str, status: str, text: str) -> dict:
 
 
 class Assembler:
-    def __init__(self, ctx: ResponseContext, encoder: Any) -> None:
+    def __init__(self, ctx: ResponseContext, encoder: Encoder) -> None:
         self.ctx = ctx
         self.done = False
         self.status = "in_progress"
@@ -155,8 +178,8 @@ class Assembler:
     # ------------------------------------------------------------------ input
     def start(self) -> None:
         base = self._base
-        self._enc.event("response.created", {"response": base})
-        self._enc.event("response.in_progress", {"response": base})
+        self._enc.event(ResponseCreated(base))
+        self._enc.event(ResponseInProgress(base))
 
     def feed(self, events: Iterable[Any]) -> None:
         on = _ON
@@ -218,12 +241,10 @@ class Assembler:
             it = self._reasoning = _Item("reasoning", "rs_" + self.ctx.ids())
             self._announce(it, {"type": "reasoning", "id": it.id, "summary": [], "status": "in_progress"})
             if self._clear:
-                self._enc.event("response.reasoning_summary_part.added", {
-                    "item_id": it.id, "output_index": it.index, "summary_index": 0,
-                    "part": {"type": "summary_text", "text": ""}})
+                self._enc.event(ReasoningSummaryPartAdded(it.id, it.index, 0, {"type": "summary_text", "text": ""}))
         it.parts.append(ev.text)
         if self._clear:
-            self._enc.delta(REASONING_DELTA, it.id, it.index, ev.text)
+            self._enc.delta(ReasoningSummaryTextDelta, it.id, it.index, ev.text)
 
     def _text(self, ev: Text) -> None:
         if self.finish_reason is not None:
@@ -232,7 +253,7 @@ class Assembler:
         if it is None or self._reasoning is not None:
             it = self._open_message()
         it.parts.append(ev.text)
-        self._enc.delta(TEXT_DELTA, it.id, it.index, ev.text)
+        self._enc.delta(OutputTextDelta, it.id, it.index, ev.text)
 
     def _text_run(self, ev: TextRun) -> None:
         """Each text one output token, as that many OUTPUT_TOKEN + Text."""
@@ -257,9 +278,8 @@ class Assembler:
             it = self._message = _Item("message", "msg_" + self.ctx.ids())
             self._announce(it, {"type": "message", "id": it.id, "status": "in_progress", "role": "assistant",
                                 "content": []})
-            self._enc.event("response.content_part.added", {
-                "item_id": it.id, "output_index": it.index, "content_index": 0,
-                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+            self._enc.event(ContentPartAdded(it.id, it.index, 0, {"type": "output_text", "text": "", "annotations": [],
+                                                                  "logprobs": []}))
         return it
 
     def _tool_fragment(self, ev: ToolCallFragment) -> None:
@@ -274,7 +294,7 @@ class Assembler:
             if ev.name:
                 self._announce_call(call, ev.name)
         elif args and call.kind == "function_call":
-            self._enc.delta(ARGUMENTS_DELTA, call.id, call.index, args)
+            self._enc.delta(FunctionCallArgumentsDelta, call.id, call.index, args)
 
     def _call_for(self, ev: ToolCallFragment) -> _Item:
         """The call a fragment belongs to (a new one when it starts one)."""
@@ -318,13 +338,13 @@ class Assembler:
             added["namespace"] = ns
         self._announce(call, added)
         if call.parts and call.kind == "function_call":  # arguments that came before the name
-            self._enc.delta(ARGUMENTS_DELTA, call.id, call.index, call.text())
+            self._enc.delta(FunctionCallArgumentsDelta, call.id, call.index, call.text())
 
     def _announce(self, item: _Item, added: dict) -> None:
         item.index = len(self._items)
         item.announced = True
         self._items.append(item)
-        self._enc.event("response.output_item.added", {"output_index": item.index, "item": added})
+        self._enc.event(OutputItemAdded(item.index, added))
 
     def _finish(self, ev: Finish) -> None:
         if self.finish_reason is not None:
@@ -376,12 +396,9 @@ class Assembler:
             final["encrypted_content"] = self.ctx.seal(text)
         enc = self._enc
         if self._clear:
-            enc.event("response.reasoning_summary_text.done", {
-                "item_id": it.id, "output_index": it.index, "summary_index": 0, "text": text})
-            enc.event("response.reasoning_summary_part.done", {
-                "item_id": it.id, "output_index": it.index, "summary_index": 0,
-                "part": {"type": "summary_text", "text": text}})
-        enc.event("response.output_item.done", {"output_index": it.index, "item": final})
+            enc.event(ReasoningSummaryTextDone(it.id, it.index, 0, text))
+            enc.event(ReasoningSummaryPartDone(it.id, it.index, 0, {"type": "summary_text", "text": text}))
+        enc.event(OutputItemDone(it.index, final))
 
     def _reasoning_final(self, it: _Item, status: str) -> dict:
         return {"type": "reasoning", "id": it.id,
@@ -397,11 +414,9 @@ class Assembler:
         it.final = final = self._message_final(it, status)
         part = final["content"][0]
         enc = self._enc
-        enc.event("response.output_text.done", {
-            "item_id": it.id, "output_index": it.index, "content_index": 0, "text": part["text"], "logprobs": []})
-        enc.event("response.content_part.done", {
-            "item_id": it.id, "output_index": it.index, "content_index": 0, "part": part})
-        enc.event("response.output_item.done", {"output_index": it.index, "item": final})
+        enc.event(OutputTextDone(it.id, it.index, 0, part["text"]))
+        enc.event(ContentPartDone(it.id, it.index, 0, part))
+        enc.event(OutputItemDone(it.index, final))
 
     def _call_final(self, call: _Item, status: str) -> dict:
         args = call.text()
@@ -422,14 +437,11 @@ class Assembler:
         enc = self._enc
         if call.kind == "custom_tool_call":
             if final["input"]:
-                enc.event("response.custom_tool_call_input.delta", {
-                    "item_id": call.id, "output_index": call.index, "delta": final["input"]})
-            enc.event("response.custom_tool_call_input.done", {
-                "item_id": call.id, "output_index": call.index, "input": final["input"]})
+                enc.event(CustomToolCallInputDelta(call.id, call.index, final["input"]))
+            enc.event(CustomToolCallInputDone(call.id, call.index, final["input"]))
         else:
-            enc.event("response.function_call_arguments.done", {
-                "item_id": call.id, "output_index": call.index, "arguments": final["arguments"]})
-        enc.event("response.output_item.done", {"output_index": call.index, "item": final})
+            enc.event(FunctionCallArgumentsDone(call.id, call.index, final["arguments"]))
+        enc.event(OutputItemDone(call.index, final))
 
     # ------------------------------------------------------------------ the end
     def _terminal(self, status: str, *, incomplete: dict | None = None, error: dict | None = None,
@@ -458,7 +470,7 @@ class Assembler:
         self.response = r
         self.status = status
         self.done = True
-        self._enc.event(_TERMINAL_EVENT.get(status, "response.failed"), {"response": r})
+        self._enc.event(_TERMINAL_EVENT.get(status, ResponseFailed)(r))
         self._enc.end()
 
 

@@ -18,17 +18,12 @@ import orjson
 
 from proxy.errors import default_code
 from proxy.protocol.compaction import without_trigger
+from proxy.protocol.events import Event, ResponseEvent
 
 # HTTP/SSE transport fields the spec forbids in a WebSocket `response.create`. A value that
 # asks for what the socket does anyway (stream: true, background: false) is let through:
 # Codex sends `stream: true`.
 _TRANSPORT_FIELDS = {"stream": True, "stream_options": None, "background": False}
-# The events whose `response` object names the response being created.
-RESPONSE_EVENTS = frozenset({
-    "response.created", "response.queued", "response.in_progress",
-    "response.completed", "response.incomplete", "response.failed",
-})
-TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 class TurnRefused(Exception):
@@ -147,11 +142,11 @@ class Continuation:
         self.last_id, self.context = None, []
 
 
-def with_previous(fields: dict[str, Any], previous: str | None) -> dict[str, Any]:
-    """A response event's fields with its response's `previous_response_id` set to the id the
-    turn continued (the HTTP path always leaves it null): copies, the event's own dicts are
-    the assembler's."""
-    response = fields.get("response")
-    if previous is None or not isinstance(response, dict):
-        return fields
-    return {**fields, "response": {**response, "previous_response_id": previous}}
+def with_previous(event: Event, previous: str | None) -> Event:
+    """An event whose `response` object names the response being created (a ResponseEvent),
+    with that response's `previous_response_id` set to the id the turn continued (the HTTP
+    path always leaves it null): a copy, the event and its dicts are the assembler's. Any
+    other event as it is."""
+    if previous is None or not isinstance(event, ResponseEvent):
+        return event
+    return event.__class__({**event.response, "previous_response_id": previous})

@@ -1,40 +1,62 @@
 """Responses events -> SSE bytes: the only place that numbers events and writes bytes (sans-I/O).
 
-The assembler hands each event over as its type and its fields (a dict in the SDK's field
-order, without `type` and `sequence_number`); the encoder writes
+The assembler hands over each event as an object of its type (proxy.protocol.events: its
+`type`, its fields in the spec's order as its `__dict__`); the encoder writes
 
     event: <type>\\ndata: {"type":<type>,"sequence_number":<n>,<fields>}\\n\\n
 
 byte for byte what orjson.dumps writes for the whole event dict. The per-token delta events
-come with their item instead of a dict and are written from a byte template per item (the
-constant parts built once), runs of plain text deltas with one join. After the terminal
-event comes the spec's literal `data: [DONE]`.
+come as their class (OutputTextDelta, ReasoningSummaryTextDelta, FunctionCallArgumentsDelta)
+and their item instead of an object, and are written from a byte template per item (the
+constant parts built once), runs of plain text deltas with one join: the same bytes as the
+event object would be (tests/test_events.py). After the terminal event comes the spec's
+literal `data: [DONE]`.
 
 `JSONLinesEncoder` writes the same events as one JSON object per line, nothing else (no
 `event:` line, no `[DONE]`): a message transport (a WebSocket turn) sends each line as a
 message with no parsing (a line break inside JSON is always escaped). It may pass each
 non-delta event through `on_event` first (what a transport adds to them: the turn's
-previous_response_id, its headers on the first event)."""
+previous_response_id, its headers on the first event as a `WithHeaders`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import repeat
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import orjson
 
-__all__ = ["SSEEncoder", "JSONLinesEncoder", "Discard", "TEXT_DELTA", "REASONING_DELTA", "ARGUMENTS_DELTA"]
+from proxy.protocol.events import (
+    DeltaEvent,
+    Event,
+    FunctionCallArgumentsDelta,
+    OutputTextDelta,
+    ReasoningSummaryTextDelta,
+    WithHeaders,
+)
 
-TEXT_DELTA = "response.output_text.delta"
-REASONING_DELTA = "response.reasoning_summary_text.delta"
-ARGUMENTS_DELTA = "response.function_call_arguments.delta"
+__all__ = ["Encoder", "SSEEncoder", "JSONLinesEncoder", "Discard", "OnEvent"]
+
+
+class Encoder(Protocol):
+    """What the assembler writes to (SSEEncoder, JSONLinesEncoder, Discard, a test's own)."""
+
+    def event(self, ev: Event) -> None: ...
+    def delta(self, kind: type[DeltaEvent], item_id: str, output_index: int, text: str) -> None: ...
+    def text_run(self, item_id: str, output_index: int, texts: list[bytes]) -> None: ...
+    def end(self) -> None: ...
+    def take(self) -> bytes: ...
+
+
+# A transport's look at each non-delta event: the event to write (another object, never the
+# assembler's changed in place), or it with the transport's headers.
+OnEvent = Callable[[Event], "Event | WithHeaders"]
 
 # The fields of each delta event around its `delta`: % (JSON item id, output_index), then the rest.
-_DELTA_FIELDS = {
-    TEXT_DELTA: (b',"item_id":%s,"output_index":%d,"content_index":0,"delta":', b',"logprobs":[]}\n\n'),
-    REASONING_DELTA: (b',"item_id":%s,"output_index":%d,"summary_index":0,"delta":', b"}\n\n"),
-    ARGUMENTS_DELTA: (b',"item_id":%s,"output_index":%d,"delta":', b"}\n\n"),
+_DELTA_FIELDS: dict[type[DeltaEvent], tuple[bytes, bytes]] = {
+    OutputTextDelta: (b',"item_id":%s,"output_index":%d,"content_index":0,"delta":', b',"logprobs":[]}\n\n'),
+    ReasoningSummaryTextDelta: (b',"item_id":%s,"output_index":%d,"summary_index":0,"delta":', b"}\n\n"),
+    FunctionCallArgumentsDelta: (b',"item_id":%s,"output_index":%d,"delta":', b"}\n\n"),
 }
 _SEQ = tuple(b"%d" % i for i in range(8192))  # sequence_number digits, precomputed
 _NSEQ = len(_SEQ)
@@ -51,7 +73,7 @@ class SSEEncoder:
     # event around its text, what ends an event, and what ends the stream.
     _HEADS: ClassVar[dict[str, bytes]] = {}
     _HEAD = staticmethod(_head)
-    _DELTA_FIELDS: ClassVar[dict[str, tuple[bytes, bytes]]] = _DELTA_FIELDS
+    _DELTA_FIELDS: ClassVar[dict[type[DeltaEvent], tuple[bytes, bytes]]] = _DELTA_FIELDS
     _END = b"\n\n"
     _DONE = b"data: [DONE]\n\n"
 
@@ -61,25 +83,37 @@ class SSEEncoder:
         # item id -> its delta events' template (an item streams one kind of delta)
         self._templates: dict[str, tuple[bytes, bytes, bytes]] = {}
 
-    def event(self, event_type: str, fields: dict) -> None:
+    def event(self, ev: Event) -> None:
+        """One event (proxy.protocol.events): its head, its number, its fields as orjson writes them."""
+        event_type = ev.type
         head = self._HEADS.get(event_type)
         if head is None:
             head = self._HEADS[event_type] = self._HEAD(event_type)
         seq = self.seq
         self.seq = seq + 1
         self._out.append(b"%s%s,%s%s" % (head, _SEQ[seq] if seq < _NSEQ else b"%d" % seq,
-                                         orjson.dumps(fields)[1:], self._END))
+                                         orjson.dumps(ev.__dict__)[1:], self._END))
 
-    def delta(self, event_type: str, item_id: str, output_index: int, text: str) -> None:
-        """One delta event (TEXT_DELTA, REASONING_DELTA or ARGUMENTS_DELTA) of an item."""
-        tpl = self._templates.get(item_id) or self._template(event_type, item_id, output_index)
+    def _write(self, event_type: str, fields: bytes) -> None:
+        """An event of that type whose fields are the JSON object `fields` (at least one field)."""
+        head = self._HEADS.get(event_type)
+        if head is None:
+            head = self._HEADS[event_type] = self._HEAD(event_type)
+        seq = self.seq
+        self.seq = seq + 1
+        self._out.append(b"%s%s,%s%s" % (head, _SEQ[seq] if seq < _NSEQ else b"%d" % seq, fields[1:], self._END))
+
+    def delta(self, kind: type[DeltaEvent], item_id: str, output_index: int, text: str) -> None:
+        """One delta event of an item: `kind` is OutputTextDelta, ReasoningSummaryTextDelta or
+        FunctionCallArgumentsDelta, written as that event would be, from the item's template."""
+        tpl = self._templates.get(item_id) or self._template(kind, item_id, output_index)
         seq = self.seq
         self.seq = seq + 1
         self._out.extend((tpl[0], _SEQ[seq] if seq < _NSEQ else b"%d" % seq, tpl[1], orjson.dumps(text), tpl[2]))
 
     def text_run(self, item_id: str, output_index: int, texts: list[bytes]) -> None:
-        """A text delta event per string, each a plain JSON string body (written as is)."""
-        head, mid, end = self._templates.get(item_id) or self._template(TEXT_DELTA, item_id, output_index)
+        """An OutputTextDelta event per string, each a plain JSON string body (written as is)."""
+        head, mid, end = self._templates.get(item_id) or self._template(OutputTextDelta, item_id, output_index)
         n = len(texts)
         seq = self.seq
         seqs = _SEQ[seq:seq + n] if seq + n <= _NSEQ else [b"%d" % i for i in range(seq, seq + n)]
@@ -107,34 +141,41 @@ class SSEEncoder:
         self._out = []
         return b"".join(out)
 
-    def _template(self, event_type: str, item_id: str, output_index: int) -> tuple[bytes, bytes, bytes]:
-        mid, tail = self._DELTA_FIELDS[event_type]
+    def _template(self, kind: type[DeltaEvent], item_id: str, output_index: int) -> tuple[bytes, bytes, bytes]:
+        mid, tail = self._DELTA_FIELDS[kind]
+        event_type = kind.type
         head = self._HEADS.get(event_type) or self._HEADS.setdefault(event_type, self._HEAD(event_type))
         tpl = self._templates[item_id] = (head, mid % (orjson.dumps(item_id), output_index), tail)
         return tpl
 
 
 class JSONLinesEncoder(SSEEncoder):
-    """The same events, one JSON object per line; `on_event(type, fields) -> fields` sees each
-    non-delta event first (and may return other fields: a copy, never the assembler's dict
-    changed in place)."""
+    """The same events, one JSON object per line; `on_event(event)` sees each non-delta event
+    first and returns the one to write (the same, another, or it `WithHeaders`)."""
 
     __slots__ = ("_on_event",)
     _HEADS: ClassVar[dict[str, bytes]] = {}
     _HEAD = staticmethod(lambda event_type: b'{"type":%s,"sequence_number":' % orjson.dumps(event_type))
-    _DELTA_FIELDS: ClassVar[dict[str, tuple[bytes, bytes]]] = {
-        name: (mid, tail[:-2] + b"\n") for name, (mid, tail) in _DELTA_FIELDS.items()}
+    _DELTA_FIELDS: ClassVar[dict[type[DeltaEvent], tuple[bytes, bytes]]] = {
+        kind: (mid, tail[:-2] + b"\n") for kind, (mid, tail) in _DELTA_FIELDS.items()}
     _END = b"\n"
     _DONE = b""
 
-    def __init__(self, on_event: Callable[[str, dict], dict] | None = None) -> None:
+    def __init__(self, on_event: OnEvent | None = None) -> None:
         super().__init__()
         self._on_event = on_event
 
-    def event(self, event_type: str, fields: dict) -> None:
-        if self._on_event is not None:
-            fields = self._on_event(event_type, fields)
-        super().event(event_type, fields)
+    def event(self, ev: Event) -> None:
+        if self._on_event is None:
+            super().event(ev)
+            return
+        seen = self._on_event(ev)
+        if isinstance(seen, WithHeaders):  # the event's fields, then the transport's headers
+            inner = seen.event
+            self._write(inner.type, b'%s,"headers":%s}' % (orjson.dumps(inner.__dict__)[:-1],
+                                                          orjson.dumps(seen.headers)))
+        else:
+            self._write(seen.type, orjson.dumps(seen.__dict__))
 
 
 class Discard:
@@ -142,10 +183,10 @@ class Discard:
 
     __slots__ = ()
 
-    def event(self, event_type: str, fields: dict) -> None:
+    def event(self, ev: Event) -> None:
         pass
 
-    def delta(self, event_type: str, item_id: str, output_index: int, text: str) -> None:
+    def delta(self, kind: type[DeltaEvent], item_id: str, output_index: int, text: str) -> None:
         pass
 
     def text_run(self, item_id: str, output_index: int, texts: list[bytes]) -> None:

@@ -16,8 +16,9 @@ every call returns b"". Inside, four stages, each its own module:
 
 `response_from_completion` is the non-stream answer: the completion's message as one delta,
 through the same assembler, with an encoder that writes nothing; the Response object is the
-one the equivalent stream ends with. Another transport passes its own encoder (same four
-methods as SSEEncoder) and keeps the rest.
+one the equivalent stream ends with. Another transport passes its own encoder (an
+encoder.Encoder: the methods of SSEEncoder, handed proxy.protocol.events objects) and keeps
+the rest.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from proxy.protocol.assembler import Assembler
 from proxy.protocol.deltas import ChunkParser, completion_events
-from proxy.protocol.encoder import Discard, SSEEncoder
+from proxy.protocol.encoder import Discard, Encoder, SSEEncoder
 from proxy.protocol.plain_answer import plain_response
 from proxy.protocol.response import ResponseContext, client_usage, map_usage, public_message
 from proxy.protocol.sse import MAX_LINE, SSEDecoder
@@ -57,11 +58,11 @@ class StreamRewriter:
     __slots__ = ("ctx", "_decoder", "_parser", "_encoder", "_asm", "_started")
 
     def __init__(self, ctx: ResponseContext, *, max_line: int = MAX_LINE, runs: bool = True,
-                 encoder: Any = None) -> None:
+                 encoder: Encoder | None = None) -> None:
         self.ctx = ctx
         self._decoder = SSEDecoder(max_line)
         self._parser = ChunkParser(runs=runs)
-        self._encoder = encoder if encoder is not None else SSEEncoder()
+        self._encoder: Encoder = encoder if encoder is not None else SSEEncoder()
         self._asm = Assembler(ctx, self._encoder)
         self._started = False
 
