@@ -18,7 +18,8 @@ _ERR = {"$ref": "#/components/schemas/ErrorEnvelope"}
 _MEANINGS = {
     400: "Invalid input (a field of the wrong type or out of range, unknown fields, bad JSON).",
     401: "No admin key or dashboard session, or an invalid one.",
-    403: "A client API key was presented (admin keys only), or a session write without X-CSRF-Token.",
+    403: "A client API key was presented (admin keys only), a session write without X-CSRF-Token, or a "
+         "write by a viewer's key (insufficient_role).",
     404: "No such key.",
     409: "The ledger refused the change (e.g. rotating a revoked key).",
     413: "The body is larger than 64 KiB.",

@@ -1,7 +1,10 @@
 """Who may use the admin API: admin keys from config (never client keys), and the
 dashboard's session cookie.
 
-  * `Authorization: Bearer <admin key>`: any admin route. A client key (ledger or static)
+  * Each admin key has a role (admin.keys[].role): `admin` may use every route, `viewer` only
+    reads (a write, other than logging out, is a 403 `insufficient_role`), whether it comes
+    with the key or with a session made by it.
+  * `Authorization: Bearer <admin key>`: any admin route its role allows. A client key (ledger or static)
     there is a 403 `client_key_not_allowed`; anything else, or nothing, a 401.
   * The session cookie, set by POST <prefix>/login with an admin key: a signed, expiring
     token `base64(payload).base64(hmac)`, payload {"n": admin name, "e": expiry, "s": a
@@ -155,6 +158,7 @@ class AdminAuth:
         """config.yaml `admin` (config.admin; its keys and secret checked at load, proxy.config.cross_checks)."""
         self.keys = [(entry.name, key_digest(_given(entry), f"admin.keys[{i}]", 16))
                      for i, entry in enumerate(section.keys)]
+        self.roles = {entry.name: entry.role for entry in section.keys}  # admin.keys[].role
         self.prefix = "/admin"  # set by proxy.admin.install
         self.logged_out: dict[str, float] = {}  # session id -> its expiry: refused until then
         self.ttl = section.session_ttl_s
@@ -188,6 +192,11 @@ class AdminAuth:
         if name is None:
             self.throttle.failed(address)
         return name
+
+    def role(self, name: str) -> str:
+        """The role of the admin key named `name` (a session's too: read from the configuration at
+        each request, so a key made a viewer is one on its next request)."""
+        return self.roles.get(name, "viewer")
 
     # ------------------------------------------------------------------ sessions
 
@@ -295,6 +304,22 @@ async def is_client_key(request: web.Request, token: str) -> bool:
     return ledger is not None and await ledger.lookup_key(token) is not None
 
 
+# Writes every role may make: ending one's own session.
+_ANY_ROLE_WRITES = ("/api/logout",)
+
+
+def forbidden_role(name: str, role: str) -> APIError:
+    return APIError(403, f"The admin key {name!r} is a {role}: it may read, not change anything.",
+                    code="insufficient_role")
+
+
+def _allowed(auth: AdminAuth, name: str, request: web.Request, rel: str) -> None:
+    """A viewer's write (any method but GET/HEAD/OPTIONS) is a 403, before its handler runs."""
+    role = auth.role(name)
+    if role != "admin" and request.method not in SAFE_METHODS and rel not in _ANY_ROLE_WRITES:
+        raise forbidden_role(name, role)
+
+
 def guard(auth: AdminAuth, prefix: str):
     @web.middleware
     async def admin_guard(request: web.Request, handler):
@@ -307,6 +332,7 @@ def guard(auth: AdminAuth, prefix: str):
             if name is None:
                 raise forbidden_client_key() if await is_client_key(request, token) else unauthorized(
                     "Invalid admin key.")
+            _allowed(auth, name, request, rel)
             request[state.ADMIN_ACTOR] = "admin:" + name
             return await handler(request)
         session = auth.verify(request.cookies.get(COOKIE))
@@ -316,6 +342,7 @@ def guard(auth: AdminAuth, prefix: str):
                 auth.csrf_ok(session, request.headers.get(CSRF_HEADER)) and _same_origin(request)):
             raise APIError(403, f"A write with the dashboard session needs the {CSRF_HEADER} header "
                            "and, when the browser sends an Origin, this host's.", code="csrf_failed")
+        _allowed(auth, session.name, request, rel)
         request[state.ADMIN_ACTOR] = "admin:" + session.name
         request[ADMIN_SESSION] = session
         return await handler(request)

@@ -47,6 +47,8 @@ from proxy.protocol.seal import DEFAULT_TTL_S
 POS_INT = Int(lo=1)
 POS_NUM = Num(gt=0)
 
+# What an admin key may do (proxy.admin.auth): everything, or read only.
+ADMIN_ROLES = ("admin", "viewer")
 # The built-in policies (middlewares/<name>.py), each switched by its section's `enabled`.
 POLICIES = ("stateless", "auth", "limits", "tools", "balance", "notices")
 ENABLED_DOC = "false: this policy does not run"
@@ -393,6 +395,7 @@ class AdminKeys:
     name: Annotated[str, Str(nonempty=True), "unique; the audit log names it (admin:<name>)"]
     sha256: Annotated[str | None, Str(), "hex sha256 of the admin key (one of sha256 or key)", COMMENTED] = None
     key: Annotated[str | None, Str(), "the admin key itself, e.g. ${ADMIN_KEY}", COMMENTED] = None
+    role: Annotated[str, Str(choices=ADMIN_ROLES), "admin: every admin route; viewer: reads only (a write is a 403)"] = "admin"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
