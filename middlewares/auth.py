@@ -34,7 +34,8 @@ memory or evict real ones; each costs one indexed read, as before). Consequences
     path reads it (the balance middleware asks the ledger).
 
 Every failure (missing header, another scheme, unknown, revoked or expired key) is the same 401
-`invalid_api_key`, whose message never repeats what was sent. Two Authorization headers
+`invalid_api_key`, whose message never repeats what was sent; a revoked or an expired key is
+told so (only the holder of its secret could present it). Two Authorization headers
 are a 400 `duplicate_header` (which one counts would depend on the software reading them).
 A key limited to some models gets 403 `model_not_allowed` for the others (checked by the
 prepare phase, once the body is read). The caller's `KeyRecord` is the context's `key` for
@@ -46,6 +47,7 @@ Static keys have no ledger account: the balance middleware does not bill them
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import hmac
 import re
@@ -253,12 +255,22 @@ def create(section: Auth, app: web.Application):
                     if record is not None and not record.revoked:
                         cache.put(digest, record, generation)
         if record is None or record.revoked or (record.expires_at is not None and record.expired()):
-            return await _refuse(request, ctx, call_next, _unauthorized(
-                "Incorrect API key provided, or the key was revoked."))
+            return await _refuse(request, ctx, call_next, _unauthorized(_why_refused(record)))
         ctx.key = record
         return await call_next(request, ctx)
 
     return auth
+
+
+def _why_refused(record: KeyRecord | None) -> str:
+    """What a refused key is told: only the holder of its secret gets this far, so a revoked or
+    expired key is told which (and since when); an unknown one learns nothing."""
+    if record is None:
+        return "Incorrect API key provided."
+    if record.revoked:
+        return "This API key was revoked."
+    when = datetime.datetime.fromtimestamp(record.expires_at or 0, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"This API key expired at {when}."
 
 
 KEY_CACHE = web.AppKey("key_cache", KeyCache)  # middlewares.auth

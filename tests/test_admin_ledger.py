@@ -235,9 +235,9 @@ async def test_expired_and_rotated_secrets_stop_working(ledger):
     new_secret, _ = await ledger.rotate_key(record.key_id)
     assert await ledger.lookup_key(secret) is None and await ledger.lookup_key(new_secret) is not None
     await ledger.set_limits(record.key_id, KeyLimits(expires_at=time.time() - 1))
-    assert await ledger.lookup_key(new_secret) is None
+    assert (await ledger.lookup_key(new_secret)).expired()  # found, to be refused
     await ledger.set_limits(record.key_id, KeyLimits(expires_at=None))
-    assert await ledger.lookup_key(new_secret) is not None
+    assert not (await ledger.lookup_key(new_secret)).expired()
 
 
 async def test_a_ledger_from_before_the_console_is_migrated(tmp_path):
@@ -607,3 +607,34 @@ async def test_a_ledger_from_before_served_model_is_migrated(tmp_path):
         assert sums == rows
     finally:
         conn.close()
+
+
+async def test_a_budget_too_small_for_the_next_hold_says_what_is_left(make_proxy):
+    # A budget of 1 micro-unit: not spent, but less than any hold (the input and one output token).
+    proxy = await make_proxy({})
+    secret, _ = await proxy.ledger.create_key("tiny-budget", 50_000_000, limits=KeyLimits(daily_budget_micros=1))
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(proxy.url + "/v1/responses", json={"model": "tiny-org/tiny-model", "input": "Hi."},
+                         headers={"Authorization": f"Bearer {secret}"})
+        error = (await r.json())["error"]
+    assert r.status == 402 and error["code"] == "budget_exceeded"
+    assert "has 1 micro-units left, less than this request's smallest hold" in error["message"], error
+    assert "is spent" not in error["message"]
+
+
+async def test_a_refused_key_is_told_why_and_an_unknown_one_nothing(make_proxy):
+    import datetime
+
+    proxy = await make_proxy({})
+    expired_at = time.time() - 60
+    expired, _ = await proxy.ledger.create_key("old", 1_000_000, limits=KeyLimits(expires_at=expired_at))
+    revoked, record = await proxy.ledger.create_key("gone", 1_000_000)
+    await proxy.ledger.revoke(record.key_id)
+    when = datetime.datetime.fromtimestamp(expired_at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    async with aiohttp.ClientSession() as s:
+        for secret, message in ((expired, f"This API key expired at {when}."),
+                                (revoked, "This API key was revoked."),
+                                (revoked[:-4] + "zzzz", "Incorrect API key provided.")):
+            r = await s.get(proxy.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"})
+            error = (await r.json())["error"]
+            assert r.status == 401 and error["code"] == "invalid_api_key" and error["message"] == message

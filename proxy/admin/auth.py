@@ -297,7 +297,7 @@ _OPEN = ("/", "/login", "/openapi.json")  # the page, the login, the API descrip
 
 
 async def is_client_key(request: web.Request, token: str) -> bool:
-    """A key the public API would take: its prefix, or the ledger knows it."""
+    """A client key: its prefix, or the ledger knows it (revoked or expired too)."""
     if token.startswith(SECRET_PREFIX):
         return True
     ledger = request.config_dict.get(state.LEDGER)
