@@ -295,10 +295,22 @@ def test_keys_cli_goes_through_the_service(tmp_path, capsys):
     code, out = _cli(db, "rotate", key_id, "--json", capsys=capsys)
     assert code == 0 and json.loads(out)["secret"] != secret
     code, out = _cli(db, "audit", "--json", capsys=capsys)
-    actions = [json.loads(line)["action"] for line in out.splitlines()]
-    assert actions == ["key.rotate", "key.update", "key.create"]
-    assert all(json.loads(line)["actor"].startswith("cli") for line in out.splitlines())
+    audit = json.loads(out)  # one JSON document, an array, as `list --json` and `usage --format json`
+    assert [e["action"] for e in audit] == ["key.rotate", "key.update", "key.create"]
+    assert all(e["actor"].startswith("cli") for e in audit)
     assert secret not in out
+    for listing in (["list"], ["usage", "--format", "json"]):
+        code, out = _cli(db, *listing, *(["--json"] if listing == ["list"] else []), capsys=capsys)
+        assert code == 0 and isinstance(json.loads(out), list), listing
+    code, out = _cli(db, "show", key_id, capsys=capsys)
+    shown = dict(line.split(": ", 1) for line in out.splitlines())
+    assert "None" not in out and shown["allowed_models"] == "every model" and shown["concurrency"] == "no limit"
+    assert shown["tokens_per_min"] == "no limit" and shown["expires"] == "2999-01-01T00:00:00Z"
+    code, _ = _cli(db, "revoke", key_id, capsys=capsys)
+    code, out = _cli(db, "topup", key_id, "--usd", "5", capsys=capsys)
+    assert code != 0  # a revoked key takes no top-up
+    code, out = _cli(db, "show", key_id, "--json", capsys=capsys)
+    assert json.loads(out)["balance_micros"] == created["balance_micros"]
     code, out = _cli(db, "usage", "--group-by", "key,day", "--format", "csv", capsys=capsys)
     assert code == 0 and list(csv.reader(io.StringIO(out)))[0][:2] == ["key", "day"]
     with pytest.raises(SystemExit):

@@ -228,10 +228,20 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
 _money = usd  # every amount a person reads is in dollars (proxy.ledger.service.usd); JSON keeps micros
 
 
+# What a `keys show` field that is not set means, by name (a limit not set is no limit).
+_UNSET_MEANS = {"allowed_models": "every model", "expires_at": "never", "expires": "never",
+                "daily_budget_micros": "no budget", "monthly_budget_micros": "no budget"}
+
+
 def _show_line(name: str, value: Any) -> str:
-    """A `keys show` line: an amount in dollars, its micros beside it."""
+    """A `keys show` line: an amount in dollars, its micros beside it; a field that is not set
+    says what that means; a list as its items."""
+    if value is None:
+        return f"{name.removesuffix('_micros')}: {_UNSET_MEANS.get(name, 'no limit')}"
     if name.endswith("_micros") and isinstance(value, int) and not isinstance(value, bool):
         return f"{name.removesuffix('_micros')}: {_money(value)} ({value} micros)"
+    if isinstance(value, (list, tuple)):
+        return f"{name}: {', '.join(map(str, value)) or '(none)'}"
     return f"{name}: {value}"
 
 
@@ -421,13 +431,14 @@ async def _command(service: KeyService, args: argparse.Namespace, out: Any) -> N
     elif cmd == "usage":
         await _usage(service.ledger, args, out)
     elif cmd == "audit":
-        entries = await service.ledger.list_audit(key_id=args.key, limit=args.limit)
-        for e in entries:
-            line = {"seq": e.seq, "created": iso(e.created_at), "actor": e.actor, "action": e.action,
+        entries = [{"seq": e.seq, "created": iso(e.created_at), "actor": e.actor, "action": e.action,
                     "key_id": e.key_id, "details": e.details}
-            print(json.dumps(line) if as_json else
-                  f"{line['created']} {e.actor:<16} {e.action:<12} {e.key_id or '-':<20} {json.dumps(e.details)}",
-                  file=out)
+                   for e in await service.ledger.list_audit(key_id=args.key, limit=args.limit)]
+        if as_json:  # one JSON document per command, an array for a listing (list, usage, audit)
+            print(json.dumps(entries), file=out)
+        for e in () if as_json else entries:
+            print(f"{e['created']} {e['actor']:<16} {e['action']:<12} {e['key_id'] or '-':<20} "
+                  f"{json.dumps(e['details'])}", file=out)
 
 
 def _spool_lines(spool: Any, as_json: bool, out: Any) -> int:

@@ -31,6 +31,7 @@ from proxy.ledger.base import (
     USAGE_GROUPS,
     KeyLimits,
     KeyRecord,
+    LedgerError,
     UnknownKey,
     UsageRecord,
     UsageTotals,
@@ -194,6 +195,8 @@ class KeyService:
     async def top_up(self, key_id: str, micros: Any) -> int:
         if isinstance(micros, bool) or not isinstance(micros, int) or abs(micros) > MAX_AMOUNT:
             raise ValueError("micros must be an integer (negative corrects the balance)")
+        if (await self.get(key_id)).revoked:  # money put on a key nobody can use is money lost to the operator
+            raise LedgerError(f"key {key_id} is revoked: a top-up would never be spent")
         balance = await self.ledger.top_up(key_id, micros)
         await self._audit("key.topup", key_id, {"micros": micros, "balance_micros": balance})
         return balance
