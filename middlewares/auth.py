@@ -65,14 +65,13 @@ from proxy.errors import APIError
 from proxy.http.errors import close_if_unread, error_response, ledger_unavailable
 from proxy.ledger import KeyRecord, LedgerUnavailable
 from proxy.ledger.base import STATIC_PREFIX
+from proxy.ledger.service import new_demo_key
 from proxy.logs import log
 from proxy.protocol.passthrough import ANTHROPIC
 from proxy.state import LEDGER, RequestContext
 
 if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Auth
-
-DEMO_NAME = "demo"
 
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
 
@@ -192,10 +191,7 @@ def _demo_key_ctx(balance_micros: int):
             log.warning("demo key not created: no ledger (ledger.backend is none)")
             yield
             return
-        for record in await ledger.list_keys():
-            if record.name == DEMO_NAME and not record.revoked:
-                await ledger.revoke(record.key_id)
-        secret, _record = await ledger.create_key(DEMO_NAME, balance_micros=balance_micros)
+        secret = await new_demo_key(ledger, balance_micros)
         app[state.DEMO_KEY] = secret
         # The one place a secret is ever printed: stdout, once, for the operator.
         print(f"demo key: {secret}", file=sys.stdout, flush=True)

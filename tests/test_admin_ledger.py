@@ -650,3 +650,17 @@ async def test_a_refused_key_is_told_why_and_an_unknown_one_nothing(make_proxy):
             r = await s.get(proxy.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"})
             error = (await r.json())["error"]
             assert r.status == 401 and error["code"] == "invalid_api_key" and error["message"] == message
+
+
+async def test_the_demo_keys_creation_and_its_predecessors_revocation_are_audited(tmp_path):
+    from proxy.ledger.service import DEMO_ACTOR, new_demo_key
+
+    ledger = open_ledger({"path": str(tmp_path / "demo.db")})
+    async with ledger:
+        first = await new_demo_key(ledger, 1_000)
+        second = await new_demo_key(ledger, 2_000)
+        old, new = await ledger.lookup_key(first), await ledger.lookup_key(second)
+        assert old.revoked and not new.revoked and new.balance_micros == 2_000
+        audit = [(e.actor, e.action, e.key_id) for e in await ledger.list_audit(limit=10)]
+    assert audit == [(DEMO_ACTOR, "key.create", new.key_id), (DEMO_ACTOR, "key.revoke", old.key_id),
+                     (DEMO_ACTOR, "key.create", old.key_id)]

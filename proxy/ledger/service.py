@@ -345,3 +345,18 @@ def to_csv(rows: list[dict[str, Any]], columns: Iterable[str]) -> str:
 
 __all__ = ["KeyService", "KeyLimits", "parse_limits", "UsageQuery", "key_dict", "key_summary", "budget_room",
            "usage_dict", "totals_dict", "to_csv", "parse_time", "period_starts", "iso", "UNSET"]
+
+
+DEMO_NAME = "demo"  # the demo key's name (serve --demo-key, make run)
+DEMO_ACTOR = "system:demo-key"  # who the audit log says made it
+
+
+async def new_demo_key(ledger: Ledger, balance_micros: int) -> str:
+    """The demo key made anew at start (its secret, to print once): the last one revoked, both
+    changes audited like any other."""
+    service = KeyService(ledger, DEMO_ACTOR)
+    for record in await ledger.list_keys():
+        if record.name == DEMO_NAME and not record.revoked:
+            await service.revoke(record.key_id)
+    secret, _ = await service.create({"name": DEMO_NAME, "balance_micros": balance_micros})
+    return secret
