@@ -408,3 +408,31 @@ def test_an_admin_key_role_is_admin_or_viewer():
 
     with pytest.raises(ConfigError, match=r"admin.keys\[0\].role must be one of admin, viewer"):
         build_app(Config.from_dict({"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY, "role": "owner"}]}}))
+
+
+async def test_money_in_dollars_and_expiry_from_now(admin_proxy):
+    p = admin_proxy
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(p.url + "/admin/api/keys", headers=_h(), json={
+            "name": "dollars", "balance_usd": "12.50", "daily_budget_usd": "1,000.25", "expires_at": "30d"})
+        assert r.status == 201, await r.text()
+        key = (await r.json())["key"]
+        assert key["balance_micros"] == 12_500_000 and key["daily_budget_micros"] == 1_000_250_000
+        assert abs(key["expires_at"] - (time.time() + 30 * 86400)) < 120
+        r = await s.post(p.url + f"/admin/api/keys/{key['key_id']}/topup", headers=_h(), json={"usd": "-0.5"})
+        assert r.status == 200 and (await r.json())["balance_micros"] == 12_000_000
+        r = await s.patch(p.url + f"/admin/api/keys/{key['key_id']}", headers=_h(),
+                          json={"monthly_budget_usd": 30, "daily_budget_usd": None, "expires_at": "2w"})
+        key = (await r.json())["key"]
+        assert key["monthly_budget_micros"] == 30_000_000 and key["daily_budget_micros"] is None
+        assert abs(key["expires_at"] - (time.time() + 14 * 86400)) < 120
+        for bad in ({"name": "x", "balance_usd": "1,50"}, {"name": "x", "balance_usd": "0.0000001"},
+                    {"name": "x", "balance_usd": "-1"}, {"name": "x", "balance_usd": "1", "balance_micros": 5},
+                    {"name": "x", "expires_at": "30y"}):
+            r = await s.post(p.url + "/admin/api/keys", headers=_h(), json=bad)
+            assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_value", bad
+        r = await s.post(p.url + f"/admin/api/keys/{key['key_id']}/topup", headers=_h(), json={"usd": "abc"})
+        assert r.status == 400
+        await s.post(p.url + f"/admin/api/keys/{key['key_id']}/revoke", headers=_h())
+        r = await s.post(p.url + f"/admin/api/keys/{key['key_id']}/topup", headers=_h(), json={"usd": "5"})
+        assert r.status == 409 and "revoked" in (await r.json())["error"]["message"]

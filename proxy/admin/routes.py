@@ -33,6 +33,7 @@ from proxy.ledger.service import (
     bounded_int,
     iso,
     key_dict,
+    micros_of_usd,
     parse_time,
     to_csv,
     totals_dict,
@@ -114,10 +115,15 @@ async def update_key(request: web.Request) -> web.Response:
 
 async def top_up(request: web.Request) -> web.Response:
     data = await body_of(request)
-    if set(data) != {"micros"}:
-        raise APIError(400, "The body must be {\"micros\": N}.", code="invalid_value", param="micros")
+    if set(data) not in ({"micros"}, {"usd"}):
+        raise APIError(400, "The body must be {\"micros\": N} or {\"usd\": \"1.50\"}.", code="invalid_value",
+                       param="micros")
     key_id = request.match_info["key_id"]
-    balance = await guarded(service(request).top_up(key_id, data["micros"]))
+    try:
+        micros = data["micros"] if "micros" in data else micros_of_usd(data["usd"], "usd", signed=True)
+    except ValueError as exc:
+        raise APIError(400, str(exc)[:500], code="invalid_value", param="usd") from None
+    balance = await guarded(service(request).top_up(key_id, micros))
     return json_response({"key_id": key_id, "balance_micros": balance})
 
 
