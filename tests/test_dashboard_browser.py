@@ -249,3 +249,32 @@ async def test_the_errors_view_says_no_errors_when_there_are_none(make_proxy):
             assert await page.text_content("#errors-summary") == ""
         finally:
             await browser.close()
+
+
+@pytest.mark.parametrize("width", [420, 1400])
+async def test_the_login_page_shows_only_the_form_and_no_view_overflows_a_phone(make_proxy, width):
+    proxy = await make_proxy({"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY}]}, "auth": {"demo_key": True}})
+    await proxy.openai().responses.create(model="tiny-org/tiny-model", input="hello", max_output_tokens=8)
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                           args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = await browser.new_page(viewport={"width": width, "height": 900})
+            await page.goto(proxy.url + "/admin")
+            await page.wait_for_selector("#login-form", state="visible")
+            # logged out: the range selector and Log out are not shown ([hidden] wins over #controls' flex)
+            assert await page.is_hidden("#controls") and await page.is_hidden("#nav")
+            await page.fill("#admin-key", ADMIN_KEY)
+            await page.click("#login-button")
+            await page.wait_for_selector("body[data-loaded]")
+            assert await page.is_visible("#controls")
+            for view in ("spend", "tokens", "workers", "keys", "errors"):
+                button = page.locator(f"nav button[data-view={view}]")
+                if await button.count():
+                    await button.click()
+                    await page.wait_for_selector(f"#view-{view}:not([hidden])")
+                widest = await page.evaluate("document.documentElement.scrollWidth")
+                await page.screenshot(path=str(ARTEFACTS / f"dashboard-{view}-{width}.png"), full_page=True)
+                assert widest <= width, (view, widest)  # nothing pushes the page wider than the screen
+        finally:
+            await browser.close()
