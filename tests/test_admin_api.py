@@ -436,3 +436,15 @@ async def test_money_in_dollars_and_expiry_from_now(admin_proxy):
         await s.post(p.url + f"/admin/api/keys/{key['key_id']}/revoke", headers=_h())
         r = await s.post(p.url + f"/admin/api/keys/{key['key_id']}/topup", headers=_h(), json={"usd": "5"})
         assert r.status == 409 and "revoked" in (await r.json())["error"]["message"]
+
+
+async def test_allowed_models_naming_a_model_no_worker_serves_says_so(admin_proxy):
+    p = admin_proxy
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(p.url + "/admin/api/keys", headers=_h(),
+                         json={"name": "typo", "allowed_models": ["tiny-org/tiny-model", "tiny-org/tiny-modle"]})
+        answer = await r.json()
+        assert r.status == 201 and answer["warnings"] == ["allowed_models: no worker serves 'tiny-org/tiny-modle' now"]
+        r = await s.patch(p.url + f"/admin/api/keys/{answer['key']['key_id']}", headers=_h(),
+                          json={"allowed_models": ["vendor/tiny-org/tiny-model"]})  # a vendor prefix resolves
+        assert r.status == 200 and "warnings" not in await r.json()
