@@ -150,6 +150,18 @@ def _paths() -> dict[str, Any]:
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["key"], "properties": {"key": {"type": "string"}}}}}},
             "responses": {**_ok("Logged in: the CSRF token"), **_errors(400, 401, 403, 413, 415)}}},
+        "/login-options": {"get": {
+            "operationId": "loginOptions", "summary": "What the login page offers: single sign-on's label, or null",
+            "security": [], "responses": {**_ok("The options")}}},
+        "/oidc/login": {"get": {
+            "operationId": "oidcLogin", "summary": "Single sign-on: a redirect to the provider (PKCE, state, nonce)",
+            "security": [], "responses": {"302": {"description": "To the provider, or back to the login page "
+                                                                  "with ?sso_error= saying why not"}}}},
+        "/oidc/callback": {"get": {
+            "operationId": "oidcCallback", "summary": "The provider's return: the code exchanged, the ID token "
+                                                      "checked, the session cookie set",
+            "security": [], "responses": {"302": {"description": "Into the console, or back to the login page "
+                                                                  "with ?sso_error= saying why not"}}}},
     }
 
 

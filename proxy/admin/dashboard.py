@@ -121,7 +121,8 @@ async def session_info(request: web.Request) -> web.Response:
     session = request.get(ADMIN_SESSION)
     auth = request.app[ADMIN]
     name = request[state.ADMIN_ACTOR].partition(":")[2]
-    return json_response({"name": name, "role": auth.role(name),
+    role = auth.role_of(session) if session is not None else auth.role(name)
+    return json_response({"name": name, "role": role, "via": session.via if session is not None else "key",
                           "csrf_token": auth.csrf_token(session) if session is not None else None,
                           "expires_at": session.expires_at if session is not None else None})
 

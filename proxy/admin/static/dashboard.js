@@ -38,11 +38,24 @@
 
   async function start() {
     const session = await api("/api/session");
-    if (session.status !== 200) { show(false); return; }
+    if (session.status !== 200) { show(false); await loginOptions(); return; }
     state.csrf = session.body.csrf_token;
-    $("who").textContent = "admin: " + session.body.name;
+    $("who").textContent = session.body.role + ": " + session.body.name;
     show(true);
     await load();
+  }
+
+  // Single sign-on, when the operator configured it: a link to the provider; and why the last
+  // sign-on was refused, when the provider's return was (the server says it in ?sso_error=).
+  async function loginOptions() {
+    const refused = new URLSearchParams(location.search).get("sso_error");
+    if (refused) $("login-error").textContent = "Single sign-on refused: " + refused;
+    const options = await api("/login-options");
+    const oidc = options.status === 200 && options.body ? options.body.oidc : null;
+    if (!oidc) return;
+    $("sso").textContent = oidc.label;
+    $("sso").href = oidc.url;
+    $("sso-box").hidden = false;
   }
 
   async function login(event) {
