@@ -34,7 +34,8 @@ memory or evict real ones; each costs one indexed read, as before). Consequences
     path reads it (the balance middleware asks the ledger).
 
 Every failure (missing header, another scheme, unknown, revoked or expired key) is the same 401
-`invalid_api_key`, whose message never repeats what was sent. Two Authorization headers
+`invalid_api_key`, whose message never repeats what was sent; a revoked or an expired key is
+told so (only the holder of its secret could present it). Two Authorization headers
 are a 400 `duplicate_header` (which one counts would depend on the software reading them).
 A key limited to some models gets 403 `model_not_allowed` for the others (checked by the
 prepare phase, once the body is read). The caller's `KeyRecord` is the context's `key` for
@@ -46,6 +47,7 @@ Static keys have no ledger account: the balance middleware does not bill them
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import hmac
 import re
@@ -63,14 +65,13 @@ from proxy.errors import APIError
 from proxy.http.errors import close_if_unread, error_response, ledger_unavailable
 from proxy.ledger import KeyRecord, LedgerUnavailable
 from proxy.ledger.base import STATIC_PREFIX
+from proxy.ledger.service import new_demo_key
 from proxy.logs import log
 from proxy.protocol.passthrough import ANTHROPIC
 from proxy.state import LEDGER, RequestContext
 
 if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Auth
-
-DEMO_NAME = "demo"
 
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII without spaces
 
@@ -190,10 +191,7 @@ def _demo_key_ctx(balance_micros: int):
             log.warning("demo key not created: no ledger (ledger.backend is none)")
             yield
             return
-        for record in await ledger.list_keys():
-            if record.name == DEMO_NAME and not record.revoked:
-                await ledger.revoke(record.key_id)
-        secret, _record = await ledger.create_key(DEMO_NAME, balance_micros=balance_micros)
+        secret = await new_demo_key(ledger, balance_micros)
         app[state.DEMO_KEY] = secret
         # The one place a secret is ever printed: stdout, once, for the operator.
         print(f"demo key: {secret}", file=sys.stdout, flush=True)
@@ -253,12 +251,22 @@ def create(section: Auth, app: web.Application):
                     if record is not None and not record.revoked:
                         cache.put(digest, record, generation)
         if record is None or record.revoked or (record.expires_at is not None and record.expired()):
-            return await _refuse(request, ctx, call_next, _unauthorized(
-                "Incorrect API key provided, or the key was revoked."))
+            return await _refuse(request, ctx, call_next, _unauthorized(_why_refused(record)))
         ctx.key = record
         return await call_next(request, ctx)
 
     return auth
+
+
+def _why_refused(record: KeyRecord | None) -> str:
+    """What a refused key is told: only the holder of its secret gets this far, so a revoked or
+    expired key is told which (and since when); an unknown one learns nothing."""
+    if record is None:
+        return "Incorrect API key provided."
+    if record.revoked:
+        return "This API key was revoked."
+    when = datetime.datetime.fromtimestamp(record.expires_at or 0, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"This API key expired at {when}."
 
 
 KEY_CACHE = web.AppKey("key_cache", KeyCache)  # middlewares.auth

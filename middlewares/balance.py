@@ -150,6 +150,15 @@ def _loggable(usage: Any) -> Any:
     return text[:500]
 
 
+def _budget_refusal(room: int, least: int) -> str:
+    """Why a key's budget refuses a request: spent, or too little left for its smallest hold."""
+    resets = "it resets at the start of the next UTC day or month"
+    if room <= 0:
+        return f"This API key's daily or monthly budget is spent; {resets}."
+    return (f"This API key's daily or monthly budget has {room} micro-units left, less than this request's "
+            f"smallest hold ({least} micro-units: its input and one output token); {resets}.")
+
+
 def _insufficient(message: str) -> APIError:
     return APIError(402, message, code="insufficient_quota", type="insufficient_quota")
 
@@ -248,8 +257,7 @@ class _Billing:
         capped = t
         if room is not None:
             if room < least:
-                raise APIError(402, "This API key's daily or monthly budget is spent; it resets at the start of "
-                               "the next UTC day or month.", code="budget_exceeded", type="insufficient_quota")
+                raise APIError(402, _budget_refusal(room, least), code="budget_exceeded", type="insufficient_quota")
             fits = _per_answer(price, room, est, choices)  # >= 1: room covers `least`
             if fits < wanted:
                 wanted = fits

@@ -362,3 +362,89 @@ async def test_dashboard_page_loads_only_its_own_files(admin_proxy):
         assert (await s.get(p.url + "/admin/static/..%2fauth.py")).status == 404
         assert (await s.get(p.url + "/admin/static/../auth.py")).status in (401, 404)  # the client resolves ..
         assert (await s.get(p.url + "/admin/static/VENDOR.md")).status == 404  # only the page's own kinds
+
+
+VIEWER_KEY = "adm-viewer-0123456789abcdef"
+_WRITES = [("POST", "/admin/api/keys", {"name": "x"}), ("PATCH", "/admin/api/keys/{id}", {"name": "y"}),
+           ("POST", "/admin/api/keys/{id}/topup", {"amount_micros": 5}), ("POST", "/admin/api/keys/{id}/revoke", {}),
+           ("POST", "/admin/api/keys/{id}/rotate", {})]
+
+
+async def test_a_viewer_reads_and_every_write_of_its_is_a_403_that_changes_nothing(make_proxy):
+    cfg = _admin_config()
+    cfg["admin"]["keys"].append({"name": "finance", "key": VIEWER_KEY, "role": "viewer"})
+    p = await make_proxy(cfg)
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(p.url + "/admin/api/keys", json={"name": "kept", "balance_micros": 100}, headers=_h())
+        assert r.status == 201  # an admin key (no role: admin) writes
+        key_id = (await r.json())["key"]["key_id"]
+        before = await (await s.get(p.url + f"/admin/api/keys/{key_id}", headers=_h())).json()
+        audit = await p.ledger.list_audit(key_id=key_id)
+        for method, path, body in _WRITES:  # with the key itself
+            r = await s.request(method, p.url + path.format(id=key_id), json=body, headers=_h(VIEWER_KEY))
+            error = (await r.json())["error"]
+            assert r.status == 403 and error["code"] == "insufficient_role", (path, error)
+        for read in ("/admin/api/keys", f"/admin/api/keys/{key_id}", "/admin/api/usage", "/admin/api/audit"):
+            assert (await s.get(p.url + read, headers=_h(VIEWER_KEY))).status == 200, read
+    jar = aiohttp.CookieJar(unsafe=True)
+    async with aiohttp.ClientSession(cookie_jar=jar) as s:  # with a session made by it
+        login = await (await s.post(p.url + "/admin/login", json={"key": VIEWER_KEY})).json()
+        assert login["role"] == "viewer"
+        csrf = {"X-CSRF-Token": login["csrf_token"], "Origin": p.url}
+        assert (await (await s.get(p.url + "/admin/api/session")).json())["role"] == "viewer"
+        for method, path, body in _WRITES:
+            r = await s.request(method, p.url + path.format(id=key_id), json=body, headers=csrf)
+            assert r.status == 403 and (await r.json())["error"]["code"] == "insufficient_role", path
+        assert (await s.post(p.url + "/admin/api/logout", headers=csrf)).status == 200  # its own session ends
+    async with aiohttp.ClientSession() as s:
+        after = await (await s.get(p.url + f"/admin/api/keys/{key_id}", headers=_h())).json()
+    assert after == before and await p.ledger.list_audit(key_id=key_id) == audit
+    assert [k.name for k in await p.ledger.list_keys() if k.name == "x"] == []  # the viewer's create made none
+
+
+def test_an_admin_key_role_is_admin_or_viewer():
+    from proxy.app import build_app
+    from proxy.config.load import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=r"admin.keys\[0\].role must be one of admin, viewer"):
+        build_app(Config.from_dict({"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY, "role": "owner"}]}}))
+
+
+async def test_money_in_dollars_and_expiry_from_now(admin_proxy):
+    p = admin_proxy
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(p.url + "/admin/api/keys", headers=_h(), json={
+            "name": "dollars", "balance_usd": "12.50", "daily_budget_usd": "1,000.25", "expires_at": "30d"})
+        assert r.status == 201, await r.text()
+        key = (await r.json())["key"]
+        assert key["balance_micros"] == 12_500_000 and key["daily_budget_micros"] == 1_000_250_000
+        assert abs(key["expires_at"] - (time.time() + 30 * 86400)) < 120
+        r = await s.post(p.url + f"/admin/api/keys/{key['key_id']}/topup", headers=_h(), json={"usd": "-0.5"})
+        assert r.status == 200 and (await r.json())["balance_micros"] == 12_000_000
+        r = await s.patch(p.url + f"/admin/api/keys/{key['key_id']}", headers=_h(),
+                          json={"monthly_budget_usd": 30, "daily_budget_usd": None, "expires_at": "2w"})
+        key = (await r.json())["key"]
+        assert key["monthly_budget_micros"] == 30_000_000 and key["daily_budget_micros"] is None
+        assert abs(key["expires_at"] - (time.time() + 14 * 86400)) < 120
+        for bad in ({"name": "x", "balance_usd": "1,50"}, {"name": "x", "balance_usd": "0.0000001"},
+                    {"name": "x", "balance_usd": "-1"}, {"name": "x", "balance_usd": "1", "balance_micros": 5},
+                    {"name": "x", "expires_at": "30y"}):
+            r = await s.post(p.url + "/admin/api/keys", headers=_h(), json=bad)
+            assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_value", bad
+        r = await s.post(p.url + f"/admin/api/keys/{key['key_id']}/topup", headers=_h(), json={"usd": "abc"})
+        assert r.status == 400
+        await s.post(p.url + f"/admin/api/keys/{key['key_id']}/revoke", headers=_h())
+        r = await s.post(p.url + f"/admin/api/keys/{key['key_id']}/topup", headers=_h(), json={"usd": "5"})
+        assert r.status == 409 and "revoked" in (await r.json())["error"]["message"]
+
+
+async def test_allowed_models_naming_a_model_no_worker_serves_says_so(admin_proxy):
+    p = admin_proxy
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(p.url + "/admin/api/keys", headers=_h(),
+                         json={"name": "typo", "allowed_models": ["tiny-org/tiny-model", "tiny-org/tiny-modle"]})
+        answer = await r.json()
+        assert r.status == 201 and answer["warnings"] == ["allowed_models: no worker serves 'tiny-org/tiny-modle' now"]
+        r = await s.patch(p.url + f"/admin/api/keys/{answer['key']['key_id']}", headers=_h(),
+                          json={"allowed_models": ["vendor/tiny-org/tiny-model"]})  # a vendor prefix resolves
+        assert r.status == 200 and "warnings" not in await r.json()

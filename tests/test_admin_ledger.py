@@ -235,9 +235,9 @@ async def test_expired_and_rotated_secrets_stop_working(ledger):
     new_secret, _ = await ledger.rotate_key(record.key_id)
     assert await ledger.lookup_key(secret) is None and await ledger.lookup_key(new_secret) is not None
     await ledger.set_limits(record.key_id, KeyLimits(expires_at=time.time() - 1))
-    assert await ledger.lookup_key(new_secret) is None
+    assert (await ledger.lookup_key(new_secret)).expired()  # found, to be refused
     await ledger.set_limits(record.key_id, KeyLimits(expires_at=None))
-    assert await ledger.lookup_key(new_secret) is not None
+    assert not (await ledger.lookup_key(new_secret)).expired()
 
 
 async def test_a_ledger_from_before_the_console_is_migrated(tmp_path):
@@ -295,10 +295,22 @@ def test_keys_cli_goes_through_the_service(tmp_path, capsys):
     code, out = _cli(db, "rotate", key_id, "--json", capsys=capsys)
     assert code == 0 and json.loads(out)["secret"] != secret
     code, out = _cli(db, "audit", "--json", capsys=capsys)
-    actions = [json.loads(line)["action"] for line in out.splitlines()]
-    assert actions == ["key.rotate", "key.update", "key.create"]
-    assert all(json.loads(line)["actor"].startswith("cli") for line in out.splitlines())
+    audit = json.loads(out)  # one JSON document, an array, as `list --json` and `usage --format json`
+    assert [e["action"] for e in audit] == ["key.rotate", "key.update", "key.create"]
+    assert all(e["actor"].startswith("cli") for e in audit)
     assert secret not in out
+    for listing in (["list"], ["usage", "--format", "json"]):
+        code, out = _cli(db, *listing, *(["--json"] if listing == ["list"] else []), capsys=capsys)
+        assert code == 0 and isinstance(json.loads(out), list), listing
+    code, out = _cli(db, "show", key_id, capsys=capsys)
+    shown = dict(line.split(": ", 1) for line in out.splitlines())
+    assert "None" not in out and shown["allowed_models"] == "every model" and shown["concurrency"] == "no limit"
+    assert shown["tokens_per_min"] == "no limit" and shown["expires"] == "2999-01-01T00:00:00Z"
+    code, _ = _cli(db, "revoke", key_id, capsys=capsys)
+    code, out = _cli(db, "topup", key_id, "--usd", "5", capsys=capsys)
+    assert code != 0  # a revoked key takes no top-up
+    code, out = _cli(db, "show", key_id, "--json", capsys=capsys)
+    assert json.loads(out)["balance_micros"] == created["balance_micros"]
     code, out = _cli(db, "usage", "--group-by", "key,day", "--format", "csv", capsys=capsys)
     assert code == 0 and list(csv.reader(io.StringIO(out)))[0][:2] == ["key", "day"]
     with pytest.raises(SystemExit):
@@ -607,3 +619,48 @@ async def test_a_ledger_from_before_served_model_is_migrated(tmp_path):
         assert sums == rows
     finally:
         conn.close()
+
+
+async def test_a_budget_too_small_for_the_next_hold_says_what_is_left(make_proxy):
+    # A budget of 1 micro-unit: not spent, but less than any hold (the input and one output token).
+    proxy = await make_proxy({})
+    secret, _ = await proxy.ledger.create_key("tiny-budget", 50_000_000, limits=KeyLimits(daily_budget_micros=1))
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(proxy.url + "/v1/responses", json={"model": "tiny-org/tiny-model", "input": "Hi."},
+                         headers={"Authorization": f"Bearer {secret}"})
+        error = (await r.json())["error"]
+    assert r.status == 402 and error["code"] == "budget_exceeded"
+    assert "has 1 micro-units left, less than this request's smallest hold" in error["message"], error
+    assert "is spent" not in error["message"]
+
+
+async def test_a_refused_key_is_told_why_and_an_unknown_one_nothing(make_proxy):
+    import datetime
+
+    proxy = await make_proxy({})
+    expired_at = time.time() - 60
+    expired, _ = await proxy.ledger.create_key("old", 1_000_000, limits=KeyLimits(expires_at=expired_at))
+    revoked, record = await proxy.ledger.create_key("gone", 1_000_000)
+    await proxy.ledger.revoke(record.key_id)
+    when = datetime.datetime.fromtimestamp(expired_at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    async with aiohttp.ClientSession() as s:
+        for secret, message in ((expired, f"This API key expired at {when}."),
+                                (revoked, "This API key was revoked."),
+                                (revoked[:-4] + "zzzz", "Incorrect API key provided.")):
+            r = await s.get(proxy.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"})
+            error = (await r.json())["error"]
+            assert r.status == 401 and error["code"] == "invalid_api_key" and error["message"] == message
+
+
+async def test_the_demo_keys_creation_and_its_predecessors_revocation_are_audited(tmp_path):
+    from proxy.ledger.service import DEMO_ACTOR, new_demo_key
+
+    ledger = open_ledger({"path": str(tmp_path / "demo.db")})
+    async with ledger:
+        first = await new_demo_key(ledger, 1_000)
+        second = await new_demo_key(ledger, 2_000)
+        old, new = await ledger.lookup_key(first), await ledger.lookup_key(second)
+        assert old.revoked and not new.revoked and new.balance_micros == 2_000
+        audit = [(e.actor, e.action, e.key_id) for e in await ledger.list_audit(limit=10)]
+    assert audit == [(DEMO_ACTOR, "key.create", new.key_id), (DEMO_ACTOR, "key.revoke", old.key_id),
+                     (DEMO_ACTOR, "key.create", old.key_id)]

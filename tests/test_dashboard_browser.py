@@ -10,6 +10,7 @@ DASHBOARD_SCREENSHOT_DOCS=1 the spend view is also written to docs/dashboard.png
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from pathlib import Path
@@ -247,5 +248,112 @@ async def test_the_errors_view_says_no_errors_when_there_are_none(make_proxy):
             assert "no errors" in (await page.text_content("#errors-empty")).lower()
             assert await page.is_visible("#errors-empty") and await page.is_hidden("#errors-table")
             assert await page.text_content("#errors-summary") == ""
+        finally:
+            await browser.close()
+
+
+@pytest.mark.parametrize("width", [420, 1400])
+async def test_the_login_page_shows_only_the_form_and_no_view_overflows_a_phone(make_proxy, width):
+    proxy = await make_proxy({"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY}]}, "auth": {"demo_key": True}})
+    await proxy.openai().responses.create(model="tiny-org/tiny-model", input="hello", max_output_tokens=8)
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                           args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = await browser.new_page(viewport={"width": width, "height": 900})
+            await page.goto(proxy.url + "/admin")
+            await page.wait_for_selector("#login-form", state="visible")
+            # logged out: the range selector and Log out are not shown ([hidden] wins over #controls' flex)
+            assert await page.is_hidden("#controls") and await page.is_hidden("#nav")
+            await page.fill("#admin-key", ADMIN_KEY)
+            await page.click("#login-button")
+            await page.wait_for_selector("body[data-loaded]")
+            assert await page.is_visible("#controls")
+            for view in ("spend", "tokens", "workers", "keys", "errors"):
+                button = page.locator(f"nav button[data-view={view}]")
+                if await button.count():
+                    await button.click()
+                    await page.wait_for_selector(f"#view-{view}:not([hidden])")
+                widest = await page.evaluate("document.documentElement.scrollWidth")
+                await page.screenshot(path=str(ARTEFACTS / f"dashboard-{view}-{width}.png"), full_page=True)
+                assert widest <= width, (view, widest)  # nothing pushes the page wider than the screen
+        finally:
+            await browser.close()
+
+
+VIEWER_KEY = "adm-browser-viewer-0123456789"
+
+
+async def test_a_key_made_in_the_console_is_in_keys_list_and_managed_there(make_proxy, tmp_path):
+    """Create (dollars, models, budget, expiry from now), top up, rotate and revoke from the
+    console's Manage keys view; the CLI's `keys list` sees each change; a viewer gets no control."""
+    import json
+    import subprocess
+    import sys
+
+    proxy = await make_proxy({"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY},
+                                                 {"name": "finance", "key": VIEWER_KEY, "role": "viewer"}]},
+                              "auth": {"demo_key": True}})
+    db = str(tmp_path / "ledger.db")
+
+    def keys_list() -> list[dict]:
+        out = subprocess.run([sys.executable, "-m", "proxy", "keys", "--db", db, "list", "--json"],
+                             capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                           args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = await browser.new_page(viewport={"width": 1300, "height": 900})
+            page.on("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+            await page.goto(proxy.url + "/admin")
+            await page.fill("#admin-key", ADMIN_KEY)
+            await page.click("#login-button")
+            await page.wait_for_selector("body[data-loaded]")
+            await page.click("nav button[data-view=manage]")
+            await page.wait_for_selector("body[data-keys-loaded]")
+            await page.fill("#new-name", "made-in-the-console")
+            await page.fill("#new-balance", "12.50")
+            await page.fill("#new-models", "tiny-org/tiny-model")
+            await page.fill("#new-daily", "2")
+            await page.fill("#new-expires", "30d")
+            await page.click("#create-button")
+            await playwright_api.expect(page.locator("#manage-message")).to_contain_text("Created made-in-the-console")
+            secret = await page.text_content("#secret")
+            assert secret.startswith("sk-rp-")
+            (made,) = [k for k in keys_list() if k["name"] == "made-in-the-console"]
+            assert made["balance_micros"] == 12_500_000 and made["daily_budget_micros"] == 2_000_000
+            assert made["allowed_models"] == ["tiny-org/tiny-model"] and made["expires"] is not None
+            assert (await proxy.ledger.lookup_key(secret)).key_id == made["key_id"]
+            row = page.locator(f"tr[data-key-id={made['key_id']}]")
+            await row.locator("input").fill("7.5")
+            await row.locator("button[data-action=top-up]").click()
+            await playwright_api.expect(page.locator("#manage-message")).to_contain_text("balance $20.00")
+            await page.locator(f"tr[data-key-id={made['key_id']}] button[data-action=rotate]").click()
+            await playwright_api.expect(page.locator("#manage-message")).to_contain_text("new secret made")
+            rotated = await page.text_content("#secret")
+            assert rotated != secret and (await proxy.ledger.lookup_key(rotated)).key_id == made["key_id"]
+            await page.locator(f"tr[data-key-id={made['key_id']}] button[data-action=revoke]").click()
+            await playwright_api.expect(page.locator("#manage-message")).to_contain_text("revoked")
+            (after,) = [k for k in keys_list() if k["key_id"] == made["key_id"]]
+            assert after["revoked"] is True and after["balance_micros"] == 20_000_000
+            await page.screenshot(path=str(ARTEFACTS / "dashboard-manage-1300.png"), full_page=True)
+            audit = [(e.action, e.actor) for e in await proxy.ledger.list_audit(key_id=made["key_id"])]
+            assert audit == [("key.revoke", "admin:ops"), ("key.rotate", "admin:ops"), ("key.topup", "admin:ops"),
+                             ("key.create", "admin:ops")]
+
+            viewer = await browser.new_page(viewport={"width": 420, "height": 900})
+            await viewer.goto(proxy.url + "/admin")
+            await viewer.fill("#admin-key", VIEWER_KEY)
+            await viewer.click("#login-button")
+            await viewer.wait_for_selector("body[data-loaded]")
+            await viewer.click("nav button[data-view=manage]")
+            await viewer.wait_for_selector("body[data-keys-loaded]")
+            assert await viewer.is_hidden("#create-form")
+            assert await viewer.locator("td.actions:visible").count() == 0
+            assert await viewer.evaluate("document.documentElement.scrollWidth") <= 420
+            await viewer.screenshot(path=str(ARTEFACTS / "dashboard-manage-viewer-420.png"), full_page=True)
         finally:
             await browser.close()

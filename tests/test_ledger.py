@@ -107,7 +107,7 @@ async def test_create_lookup_revoke(ledger, tmp_path):
     assert other.allowed_models is None and other.balance_micros == 0
 
     await ledger.revoke(record.key_id)
-    assert await ledger.lookup_key(secret) is None
+    assert (await ledger.lookup_key(secret)).revoked is True  # found, to be refused (auth says why)
     assert (await ledger.get_key(record.key_id)).revoked is True
     assert (await ledger.lookup_key(other_secret)).key_id == other.key_id
     assert [k.key_id for k in await ledger.list_keys()] == [record.key_id, other.key_id]
@@ -827,7 +827,7 @@ async def test_cli_end_to_end(tmp_path):
     assert revoked.returncode == 0
     led = open_ledger({"path": str(db)})
     async with led:
-        assert await led.lookup_key(secret) is None
+        assert (await led.lookup_key(secret)).revoked is True
     every_output = "".join(p.stdout + p.stderr for p in (listed, listed_json, topped, limited, usage, missing, revoked))
     assert secret[8:] not in every_output
 

@@ -33,18 +33,25 @@ def console_off_hint(request: web.Request) -> str:
     """For a 404 under admin.prefix when no console is mounted: why, in one sentence."""
     section = request.config_dict[state.CONFIG].admin
     prefix = admin_prefix(section)
-    if section.keys or not (request.path == prefix or request.path.startswith(prefix + "/")):
+    if console_on(section) or not (request.path == prefix or request.path.startswith(prefix + "/")):
         return ""
     return (" The operator's console is off: no admin.keys are configured (README \"Operator's console\"; "
             "make run prints a demo admin key).")
 
 
+def console_on(section: Admin) -> bool:
+    """The console is mounted: admin keys are configured, or single sign-on (config.admin)."""
+    return bool(section.keys or section.oidc.issuer)
+
+
 def install(app: web.Application, section: Admin) -> web.Application | None:
-    """Mount the console on `app` when admin keys are configured (config.admin); the sub-app, or None."""
-    if not section.keys:
+    """Mount the console on `app` when admin keys or single sign-on are configured (config.admin);
+    the sub-app, or None."""
+    if not console_on(section):
         return None
     prefix = admin_prefix(section)
-    from proxy.admin import admin_openapi, dashboard, routes
+    from proxy.admin import admin_openapi, dashboard, oidc, routes
+    from proxy.admin.oidc import OidcLogin
 
     auth = AdminAuth(section)
     auth.prefix = prefix
@@ -55,6 +62,7 @@ def install(app: web.Application, section: Admin) -> web.Application | None:
     admin[ADMIN] = auth
     routes.add_routes(admin)
     dashboard.add_routes(admin, prefix)
+    oidc.add_routes(admin, OidcLogin(section.oidc, auth, prefix) if section.oidc.issuer else None, prefix)
     admin.router.add_get("/openapi.json", admin_openapi.handler)
 
     async def to_page(request: web.Request) -> web.StreamResponse:

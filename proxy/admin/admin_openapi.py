@@ -12,13 +12,14 @@ from aiohttp import web
 
 from proxy.admin.auth import ADMIN
 from proxy.ledger.base import USAGE_GROUPS
-from proxy.ledger.service import CREATE_FIELDS, LIMIT_FIELDS, TOTAL_FIELDS, USAGE_FIELDS
+from proxy.ledger.service import CREATE_FIELDS, LIMIT_FIELDS, TOTAL_FIELDS, UPDATE_FIELDS, USAGE_FIELDS
 
 _ERR = {"$ref": "#/components/schemas/ErrorEnvelope"}
 _MEANINGS = {
     400: "Invalid input (a field of the wrong type or out of range, unknown fields, bad JSON).",
     401: "No admin key or dashboard session, or an invalid one.",
-    403: "A client API key was presented (admin keys only), or a session write without X-CSRF-Token.",
+    403: "A client API key was presented (admin keys only), a session write without X-CSRF-Token, or a "
+         "write by a viewer's key (insufficient_role).",
     404: "No such key.",
     409: "The ledger refused the change (e.g. rotating a revoked key).",
     413: "The body is larger than 64 KiB.",
@@ -65,12 +66,17 @@ _LIMITS: dict[str, Any] = {
                        "minItems": 1, "description": "null: every model"},
     "concurrency": _INT_OR_NULL, "rate_per_min": _INT_OR_NULL, "tokens_per_min": _INT_OR_NULL,
     "daily_budget_micros": _INT_OR_NULL, "monthly_budget_micros": _INT_OR_NULL,
-    "expires_at": {"type": ["number", "string", "null"], "description": "Unix seconds or ISO 8601; null: never"},
+    "expires_at": {"type": ["number", "string", "null"],
+                   "description": "Unix seconds, ISO 8601, or from now (30d, 12h, 2w); null: never"},
 }
 assert set(_LIMITS) == set(LIMIT_FIELDS)
+_USD = {"type": ["string", "number"], "description": "dollars, e.g. \"1.50\" (instead of the micros field)"}
+_USD_OR_NULL = {"type": ["string", "number", "null"], "description": "dollars, e.g. \"25\"; null clears"}
+_UPDATE: dict[str, Any] = {**_LIMITS, "daily_budget_usd": _USD_OR_NULL, "monthly_budget_usd": _USD_OR_NULL}
+assert set(_UPDATE) == set(UPDATE_FIELDS)
 _CREATE: dict[str, Any] = {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
     "name": {"type": "string", "minLength": 1, "maxLength": 200},
-    "balance_micros": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}, **_LIMITS}}
+    "balance_micros": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}, "balance_usd": _USD, **_UPDATE}}
 assert set(_CREATE["properties"]) == set(CREATE_FIELDS)
 _KEY = {"type": "object", "required": ["key_id", "name", "prefix", "balance_micros", "revoked"]}
 _SECRET = {"type": "object", "required": ["secret", "key"], "properties": {
@@ -95,13 +101,13 @@ def _paths() -> dict[str, Any]:
             "patch": {"operationId": "updateKey", "summary": "Change limits, models, budgets, expiry (null clears)",
                       "requestBody": {"required": True, "content": {"application/json": {"schema": {
                           "type": "object", "additionalProperties": False, "minProperties": 1,
-                          "properties": _LIMITS}}}},
+                          "properties": _UPDATE}}}},
                       "responses": {**_ok("The key"), **key_write}}},
         "/api/keys/{key_id}/topup": {"parameters": [_KEY_ID], "post": {
             "operationId": "topUpKey", "summary": "Add to the balance (negative corrects; never below 0)",
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                "type": "object", "required": ["micros"], "additionalProperties": False,
-                "properties": {"micros": {"type": "integer"}}}}}},
+                "type": "object", "additionalProperties": False, "minProperties": 1, "maxProperties": 1,
+                "properties": {"micros": {"type": "integer"}, "usd": _USD}}}}},
             "responses": {**_ok("The new balance"), **key_write}}},
         "/api/keys/{key_id}/revoke": {"parameters": [_KEY_ID], "post": {
             "operationId": "revokeKey", "summary": "Revoke a key (effective at once in this process)",
@@ -144,6 +150,18 @@ def _paths() -> dict[str, Any]:
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["key"], "properties": {"key": {"type": "string"}}}}}},
             "responses": {**_ok("Logged in: the CSRF token"), **_errors(400, 401, 403, 413, 415)}}},
+        "/login-options": {"get": {
+            "operationId": "loginOptions", "summary": "What the login page offers: single sign-on's label, or null",
+            "security": [], "responses": {**_ok("The options")}}},
+        "/oidc/login": {"get": {
+            "operationId": "oidcLogin", "summary": "Single sign-on: a redirect to the provider (PKCE, state, nonce)",
+            "security": [], "responses": {"302": {"description": "To the provider, or back to the login page "
+                                                                  "with ?sso_error= saying why not"}}}},
+        "/oidc/callback": {"get": {
+            "operationId": "oidcCallback", "summary": "The provider's return: the code exchanged, the ID token "
+                                                      "checked, the session cookie set",
+            "security": [], "responses": {"302": {"description": "Into the console, or back to the login page "
+                                                                  "with ?sso_error= saying why not"}}}},
     }
 
 

@@ -1,7 +1,10 @@
 """Who may use the admin API: admin keys from config (never client keys), and the
 dashboard's session cookie.
 
-  * `Authorization: Bearer <admin key>`: any admin route. A client key (ledger or static)
+  * Each admin key has a role (admin.keys[].role): `admin` may use every route, `viewer` only
+    reads (a write, other than logging out, is a 403 `insufficient_role`), whether it comes
+    with the key or with a session made by it.
+  * `Authorization: Bearer <admin key>`: any admin route its role allows. A client key (ledger or static)
     there is a 403 `client_key_not_allowed`; anything else, or nothing, a 401.
   * The session cookie, set by POST <prefix>/login with an admin key: a signed, expiring
     token `base64(payload).base64(hmac)`, payload {"n": admin name, "e": expiry, "s": a
@@ -54,6 +57,7 @@ COOKIE = "rp_admin_session"
 CSRF_HEADER = "X-CSRF-Token"
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_OIDC_SESSION = b"\0oidc"  # what a single sign-on session's signature covers besides its payload
 
 
 def _b64(data: bytes) -> str:
@@ -146,6 +150,15 @@ class Session:
     name: str
     expires_at: float
     sid: str
+    # "key": made by logging in with an admin key (its role read from the configuration at each
+    # request); "oidc": by single sign-on (proxy.admin.oidc), its role mapped from the claims at login
+    via: str = "key"
+    role: str = ""
+
+    @property
+    def actor(self) -> str:
+        """Who the audit log says acted: admin:<key name>, or oidc:<the person's name claim>."""
+        return ("oidc:" if self.via == "oidc" else "admin:") + self.name
 
 
 class AdminAuth:
@@ -155,6 +168,8 @@ class AdminAuth:
         """config.yaml `admin` (config.admin; its keys and secret checked at load, proxy.config.cross_checks)."""
         self.keys = [(entry.name, key_digest(_given(entry), f"admin.keys[{i}]", 16))
                      for i, entry in enumerate(section.keys)]
+        self.roles = {entry.name: entry.role for entry in section.keys}  # admin.keys[].role
+        self.oidc = bool(section.oidc.issuer)  # single sign-on's sessions are taken only while it is on
         self.prefix = "/admin"  # set by proxy.admin.install
         self.logged_out: dict[str, float] = {}  # session id -> its expiry: refused until then
         self.ttl = section.session_ttl_s
@@ -189,10 +204,26 @@ class AdminAuth:
             self.throttle.failed(address)
         return name
 
+    def role_of(self, session: Session) -> str:
+        """A session's role: single sign-on's from its claims at login, a key's from the configuration."""
+        return session.role if session.via == "oidc" else self.role(session.name)
+
+    def role(self, name: str) -> str:
+        """The role of the admin key named `name` (a session's too: read from the configuration at
+        each request, so a key made a viewer is one on its next request)."""
+        return self.roles.get(name, "viewer")
+
     # ------------------------------------------------------------------ sessions
 
     def _mac(self, data: bytes) -> bytes:
         return hmac.new(self._signing, data, hashlib.sha256).digest()
+
+    def sign(self, purpose: bytes, data: bytes) -> str:
+        """`data` signed for one purpose (another module's short-lived token: single sign-on's flow)."""
+        return _b64(self._mac(purpose + b"\0" + data))
+
+    def signed(self, purpose: bytes, data: bytes, signature: str) -> bool:
+        return hmac.compare_digest(signature.encode(), self.sign(purpose, data).encode())
 
     def _key_of(self, name: str) -> bytes | None:
         return next((hashed for entry, hashed in self.keys if entry == name), None)
@@ -203,8 +234,16 @@ class AdminAuth:
         hashed = self._key_of(name)
         return None if hashed is None else self._mac(payload + b"\0key\0" + hashed)
 
-    def issue(self, name: str, now: float | None = None) -> tuple[str, Session]:
-        session = Session(name, (time.time() if now is None else now) + self.ttl, secrets.token_urlsafe(16))
+    def issue(self, name: str, now: float | None = None, *, oidc_role: str | None = None) -> tuple[str, Session]:
+        """A session cookie for the admin key `name`, or, with `oidc_role`, for the person `name`
+        single sign-on let in with that role (bound to the signing key alone: no admin key made it)."""
+        expires = (time.time() if now is None else now) + self.ttl
+        if oidc_role is not None:
+            session = Session(name, expires, secrets.token_urlsafe(16), "oidc", oidc_role)
+            payload = json.dumps({"n": name, "e": expires, "s": session.sid, "v": "oidc", "r": oidc_role},
+                                 separators=(",", ":")).encode()
+            return f"{_b64(payload)}.{_b64(self._mac(payload + _OIDC_SESSION))}", session
+        session = Session(name, expires, secrets.token_urlsafe(16))
         payload = json.dumps({"n": session.name, "e": session.expires_at, "s": session.sid},
                              separators=(",", ":")).encode()
         mac = self._session_mac(payload, name)
@@ -220,15 +259,19 @@ class AdminAuth:
         try:
             payload = _unb64(body)
             data = json.loads(payload)
-            session = Session(str(data["n"]), float(data["e"]), str(data["s"]))
-            expected = self._session_mac(payload, session.name)
+            if data.get("v") == "oidc":
+                session = Session(str(data["n"]), float(data["e"]), str(data["s"]), "oidc", str(data["r"]))
+                expected: bytes | None = self._mac(payload + _OIDC_SESSION) if self.oidc else None
+            else:
+                session = Session(str(data["n"]), float(data["e"]), str(data["s"]))
+                expected = self._session_mac(payload, session.name)
             if expected is None or not hmac.compare_digest(_unb64(mac), expected):
-                return None  # forged, or made with a key no longer configured under its name
+                return None  # forged, made with a key no longer configured under its name, or SSO turned off
         except (ValueError, KeyError, TypeError):
             return None
         if session.expires_at <= (time.time() if now is None else now):
             return None
-        if session.name not in {name for name, _ in self.keys}:
+        if session.via == "key" and session.name not in {name for name, _ in self.keys}:
             return None  # the admin key was removed from the config since
         if session.sid in self.logged_out:
             return None
@@ -284,15 +327,31 @@ def bearer(request: web.Request) -> str | None:
     return token
 
 
-_OPEN = ("/", "/login", "/openapi.json")  # the page, the login, the API description
+# the page, the login (with a key, or by single sign-on and its return), the API description
+_OPEN = ("/", "/login", "/login-options", "/oidc/login", "/oidc/callback", "/openapi.json")
 
 
 async def is_client_key(request: web.Request, token: str) -> bool:
-    """A key the public API would take: its prefix, or the ledger knows it."""
+    """A client key: its prefix, or the ledger knows it (revoked or expired too)."""
     if token.startswith(SECRET_PREFIX):
         return True
     ledger = request.config_dict.get(state.LEDGER)
     return ledger is not None and await ledger.lookup_key(token) is not None
+
+
+# Writes every role may make: ending one's own session.
+_ANY_ROLE_WRITES = ("/api/logout",)
+
+
+def forbidden_role(name: str, role: str) -> APIError:
+    return APIError(403, f"{name!r} is a {role}: it may read, not change anything.",
+                    code="insufficient_role")
+
+
+def _allowed(role: str, name: str, request: web.Request, rel: str) -> None:
+    """A viewer's write (any method but GET/HEAD/OPTIONS) is a 403, before its handler runs."""
+    if role != "admin" and request.method not in SAFE_METHODS and rel not in _ANY_ROLE_WRITES:
+        raise forbidden_role(name, role)
 
 
 def guard(auth: AdminAuth, prefix: str):
@@ -307,6 +366,7 @@ def guard(auth: AdminAuth, prefix: str):
             if name is None:
                 raise forbidden_client_key() if await is_client_key(request, token) else unauthorized(
                     "Invalid admin key.")
+            _allowed(auth.role(name), name, request, rel)
             request[state.ADMIN_ACTOR] = "admin:" + name
             return await handler(request)
         session = auth.verify(request.cookies.get(COOKIE))
@@ -316,7 +376,8 @@ def guard(auth: AdminAuth, prefix: str):
                 auth.csrf_ok(session, request.headers.get(CSRF_HEADER)) and _same_origin(request)):
             raise APIError(403, f"A write with the dashboard session needs the {CSRF_HEADER} header "
                            "and, when the browser sends an Origin, this host's.", code="csrf_failed")
-        request[state.ADMIN_ACTOR] = "admin:" + session.name
+        _allowed(auth.role_of(session), session.name, request, rel)
+        request[state.ADMIN_ACTOR] = session.actor
         request[ADMIN_SESSION] = session
         return await handler(request)
 

@@ -110,7 +110,7 @@ def _login_handler(prefix: str):
                 raise APIError(403, "Client API keys cannot log in to the dashboard.", code="client_key_not_allowed")
             raise APIError(401, "Invalid admin key.", code="invalid_admin_key")
         token, session = auth.issue(name)
-        response = json_response({"name": name, "csrf_token": auth.csrf_token(session),
+        response = json_response({"name": name, "role": auth.role(name), "csrf_token": auth.csrf_token(session),
                                   "expires_at": session.expires_at})
         auth.set_cookie(response, token, prefix)
         return response
@@ -120,7 +120,9 @@ def _login_handler(prefix: str):
 async def session_info(request: web.Request) -> web.Response:
     session = request.get(ADMIN_SESSION)
     auth = request.app[ADMIN]
-    return json_response({"name": request[state.ADMIN_ACTOR].partition(":")[2],
+    name = request[state.ADMIN_ACTOR].partition(":")[2]
+    role = auth.role_of(session) if session is not None else auth.role(name)
+    return json_response({"name": name, "role": role, "via": session.via if session is not None else "key",
                           "csrf_token": auth.csrf_token(session) if session is not None else None,
                           "expires_at": session.expires_at if session is not None else None})
 

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.errors import APIError
-from proxy.ledger import Ledger, LedgerError, UnknownKey
+from proxy.ledger import KeyRecord, Ledger, LedgerError, UnknownKey
 from proxy.ledger.service import (
     TOTAL_FIELDS,
     USAGE_FIELDS,
@@ -33,11 +33,13 @@ from proxy.ledger.service import (
     bounded_int,
     iso,
     key_dict,
+    micros_of_usd,
     parse_time,
     to_csv,
     totals_dict,
     usage_dict,
 )
+from proxy.protocol.models import resolve_model
 
 MAX_BODY = 64 * 1024
 
@@ -93,10 +95,25 @@ async def list_keys(request: web.Request) -> web.Response:
     return json_response({"object": "list", "data": [key_dict(r) for r in records]})
 
 
+def unserved_models(request: web.Request, record: KeyRecord) -> list[str]:
+    """The warnings of a key whose allowed_models names a model no worker serves now (taken all
+    the same: a worker may serve it later, but an operator who mistyped a name is told)."""
+    pool = request.config_dict.get(state.POOL)
+    if pool is None or record.allowed_models is None:
+        return []
+    return [f"allowed_models: no worker serves {model!r} now" for model in record.allowed_models
+            if resolve_model(model, pool.serves) is None]
+
+
+def _with_warnings(answer: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+    return {**answer, "warnings": warnings} if warnings else answer
+
+
 async def create_key(request: web.Request) -> web.Response:
     data = await body_of(request)
     secret, record = await guarded(service(request).create(data))
-    return json_response({"secret": secret, "key": key_dict(record)}, status=201)
+    return json_response(_with_warnings({"secret": secret, "key": key_dict(record)}, unserved_models(request, record)),
+                         status=201)
 
 
 async def show_key(request: web.Request) -> web.Response:
@@ -109,15 +126,20 @@ async def show_key(request: web.Request) -> web.Response:
 async def update_key(request: web.Request) -> web.Response:
     data = await body_of(request)
     record = await guarded(service(request).update(request.match_info["key_id"], data))
-    return json_response({"key": key_dict(record)})
+    return json_response(_with_warnings({"key": key_dict(record)}, unserved_models(request, record)))
 
 
 async def top_up(request: web.Request) -> web.Response:
     data = await body_of(request)
-    if set(data) != {"micros"}:
-        raise APIError(400, "The body must be {\"micros\": N}.", code="invalid_value", param="micros")
+    if set(data) not in ({"micros"}, {"usd"}):
+        raise APIError(400, "The body must be {\"micros\": N} or {\"usd\": \"1.50\"}.", code="invalid_value",
+                       param="micros")
     key_id = request.match_info["key_id"]
-    balance = await guarded(service(request).top_up(key_id, data["micros"]))
+    try:
+        micros = data["micros"] if "micros" in data else micros_of_usd(data["usd"], "usd", signed=True)
+    except ValueError as exc:
+        raise APIError(400, str(exc)[:500], code="invalid_value", param="usd") from None
+    balance = await guarded(service(request).top_up(key_id, micros))
     return json_response({"key_id": key_id, "balance_micros": balance})
 
 

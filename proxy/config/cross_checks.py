@@ -88,9 +88,16 @@ def _named_keys(entries: Iterable[dict[str, Any]], where: str, what: str, min_ke
 
 
 def _admin(admin: dict[str, Any]) -> None:
-    if not admin["keys"]:  # no console: nothing else of the section is used
+    oidc = admin.get("oidc") or {}
+    if not admin["keys"] and not oidc.get("issuer"):  # no console: nothing else of the section is used
         return
     _named_keys(admin["keys"], "admin.keys", "admin key", min_key=16)
+    if oidc.get("issuer"):
+        if not oidc.get("client_id"):
+            raise SchemaError("admin.oidc.client_id is needed with admin.oidc.issuer")
+        if not oidc.get("roles"):
+            raise SchemaError("admin.oidc.roles must map at least one claim value to a role (admin or viewer): "
+                              "without one nobody could sign in")
     secret = admin.get("session_secret")
     if secret is not None and len(secret) < 16:
         raise SchemaError("admin.session_secret must be at least 16 characters (is its variable set?)")

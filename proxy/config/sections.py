@@ -47,6 +47,8 @@ from proxy.protocol.seal import DEFAULT_TTL_S
 POS_INT = Int(lo=1)
 POS_NUM = Num(gt=0)
 
+# What an admin key may do (proxy.admin.auth): everything, or read only.
+ADMIN_ROLES = ("admin", "viewer")
 # The built-in policies (middlewares/<name>.py), each switched by its section's `enabled`.
 POLICIES = ("stateless", "auth", "limits", "tools", "balance", "notices")
 ENABLED_DOC = "false: this policy does not run"
@@ -393,13 +395,30 @@ class AdminKeys:
     name: Annotated[str, Str(nonempty=True), "unique; the audit log names it (admin:<name>)"]
     sha256: Annotated[str | None, Str(), "hex sha256 of the admin key (one of sha256 or key)", COMMENTED] = None
     key: Annotated[str | None, Str(), "the admin key itself, e.g. ${ADMIN_KEY}", COMMENTED] = None
+    role: Annotated[str, Str(choices=ADMIN_ROLES), "admin: every admin route; viewer: reads only (a write is a 403)"] = "admin"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdminOidc:
+    """The `admin.oidc` section."""
+
+    issuer: Annotated[str | None, Nullable(Url(example="https://login.example.com")), "the OpenID Connect provider (its /.well-known/openid-configuration); null: no single sign-on"] = None
+    client_id: Annotated[str, "the console's client id at the provider"] = ""
+    client_secret: Annotated[str | None, "e.g. ${OIDC_CLIENT_SECRET}; null: a public client (PKCE alone)"] = None
+    redirect_url: Annotated[str | None, Nullable(Url()), "<this host>/admin/oidc/callback as the browser reaches it (behind TLS: its https:// URL); null: from the request", COMMENTED] = None
+    scopes: Annotated[str, Str(nonempty=True), "asked of the provider"] = "openid email profile"
+    name_claim: Annotated[str, Str(nonempty=True), "the claim that names the person (the audit log's oidc:<name>)"] = "email"
+    roles_claim: Annotated[str, Str(nonempty=True), "the claim whose values (a string or a list) map to roles"] = "groups"
+    roles: Annotated[dict[str, str], MapOf(Str(choices=ADMIN_ROLES)), "claim value -> role, e.g. {proxy-admins: admin, finance: viewer}; several: the widest; none: refused"] = field(default_factory=dict)
+    label: Annotated[str, Str(nonempty=True), "the login page's button"] = "Sign in with single sign-on"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Admin:
     """The `admin` section."""
 
-    keys: Annotated[tuple[AdminKeys, ...], "admin keys (never client keys); none: no admin API, no dashboard"] = ()
+    keys: Annotated[tuple[AdminKeys, ...], "admin keys (never client keys); none and no oidc: no admin API, no dashboard"] = ()
+    oidc: Annotated[AdminOidc, "single sign-on for the dashboard (OpenID Connect, authorization code + PKCE); admin keys keep working"] = field(default_factory=AdminOidc)
     prefix: Annotated[str, Str(nonempty=True), "the admin API, its OpenAPI and the dashboard live under it"] = "/admin"
     session_ttl_s: Annotated[int, Int(60, 604800), "a dashboard login lasts this long"] = 28800
     session_secret: Annotated[str | None, "signs dashboard sessions, e.g. ${ADMIN_SESSION_SECRET}; unset: made at first start beside a SQLite ledger (admin-session.key), shared by every process; a PostgreSQL ledger: random per process", COMMENTED] = None

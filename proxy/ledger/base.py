@@ -79,7 +79,7 @@ class KeyRecord:
     revoked: bool
     created_at: float
     # Added by the operator's console (issue 18); defaults keep older callers working.
-    expires_at: float | None = None  # Unix time after which lookup_key no longer finds it
+    expires_at: float | None = None  # Unix time after which the key is refused
     tokens_per_min: int | None = None  # input + output tokens per minute (middlewares/limits.py)
     daily_budget_micros: int | None = None  # spend per UTC day, on top of the balance
     monthly_budget_micros: int | None = None  # spend per UTC calendar month

@@ -4,7 +4,8 @@
 
     responses-proxy keys create NAME [--balance MICROS | --balance-usd 1.50] [--models a,b]
                                      [--concurrency N] [--rate N] [--tpm N]
-                                     [--daily-budget MICROS] [--monthly-budget MICROS] [--expires WHEN]
+                                     [--daily-budget MICROS | --daily-budget-usd AMOUNT] [--monthly-budget ...]
+                                     [--expires WHEN | --expires 30d]
     responses-proxy keys list
     responses-proxy keys show KEY_ID
     responses-proxy keys topup KEY_ID (MICROS | --usd AMOUNT)   (negative corrects)
@@ -41,10 +42,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import re
 import sys
 from collections.abc import Sequence
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,8 @@ from proxy.ledger.service import (
     UsageQuery,
     iso,
     key_dict,
-    parse_time,
+    micros_of_usd,
+    parse_expiry,
     to_csv,
     totals_dict,
     usage_dict,
@@ -66,27 +66,13 @@ from proxy.ledger.service import (
 )
 from proxy.ledger.usage import MAX_AMOUNT
 
-MICROS = 1_000_000
-_DOLLARS = re.compile(r"[+-]?\$?(\d{1,3}(,\d{3})+|\d{1,3}(_\d{3})+|\d+)(\.\d+)?|[+-]?\$?\.\d+")
-
 
 def _usd_amount(text: str, signed: bool) -> int:
     """An amount in dollars ("1.50", "$1.50", "-0.25" when `signed`) -> micro-dollars, exactly."""
-    # One decimal point; thousands separators (',' or '_') only between groups of three digits:
-    # "1,50" is no amount (a decimal comma read as a separator credited $150).
-    if _DOLLARS.fullmatch(text.strip()) is None:
-        raise argparse.ArgumentTypeError(f"not an amount of dollars: {text!r} (e.g. 1.50, 1,250.00 or -0.25)")
     try:
-        value = Decimal(text.strip().replace("$", "", 1).replace(",", "").replace("_", "")) * MICROS
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"not an amount of dollars: {text!r}") from None
-    if not value.is_finite() or value != value.to_integral_value():
-        raise argparse.ArgumentTypeError(f"{text!r} is finer than a micro-dollar (at most 6 decimals)")
-    if value < 0 and not signed:
-        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
-    if abs(value) > MAX_AMOUNT:
-        raise argparse.ArgumentTypeError(f"{text!r} is out of range: at most {usd(MAX_AMOUNT)}")
-    return int(value)
+        return micros_of_usd(text, "amount", signed=signed)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _usd(text: str) -> int:
@@ -144,7 +130,7 @@ def _models(text: str) -> list[str] | None:
 
 def _when(text: str) -> float | None:
     try:
-        return parse_time(text, "time")
+        return parse_expiry(text, "time")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -175,9 +161,14 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     create.add_argument("--concurrency", type=_positive, default=None, metavar="N")
     create.add_argument("--rate", type=_positive, default=None, metavar="N", help="requests per minute")
     create.add_argument("--tpm", type=_positive, default=None, metavar="N", help="tokens per minute")
-    create.add_argument("--daily-budget", dest="daily_budget", type=_positive, default=None, metavar="MICROS")
-    create.add_argument("--monthly-budget", dest="monthly_budget", type=_positive, default=None, metavar="MICROS")
-    create.add_argument("--expires", type=_when, default=None, metavar="WHEN", help="Unix seconds or ISO 8601")
+    for period in ("daily", "monthly"):
+        budget = create.add_mutually_exclusive_group()
+        budget.add_argument(f"--{period}-budget", dest=f"{period}_budget", type=_positive, default=None,
+                            metavar="MICROS")
+        budget.add_argument(f"--{period}-budget-usd", dest=f"{period}_budget", type=_usd, metavar="AMOUNT",
+                            help="in dollars, e.g. 25")
+    create.add_argument("--expires", type=_when, default=None, metavar="WHEN",
+                        help="Unix seconds, ISO 8601, or from now: 30d, 12h, 2w")
 
     sub.add_parser("list", parents=[json_flag], help="list keys (never the secrets)")
 
@@ -193,8 +184,11 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     limits.add_argument("--concurrency", type=_limit, default=UNSET, metavar="N|none")
     limits.add_argument("--rate", type=_limit, default=UNSET, metavar="N|none")
     limits.add_argument("--tpm", type=_limit, default=UNSET, metavar="N|none", help="tokens per minute")
-    limits.add_argument("--daily-budget", dest="daily_budget", type=_limit, default=UNSET, metavar="MICROS|none")
-    limits.add_argument("--monthly-budget", dest="monthly_budget", type=_limit, default=UNSET, metavar="MICROS|none")
+    for period in ("daily", "monthly"):
+        budget = limits.add_mutually_exclusive_group()
+        budget.add_argument(f"--{period}-budget", dest=f"{period}_budget", type=_limit, default=UNSET,
+                            metavar="MICROS|none")
+        budget.add_argument(f"--{period}-budget-usd", dest=f"{period}_budget", type=_usd, metavar="AMOUNT")
     limits.add_argument("--expires", type=_when_or_none, default=UNSET, metavar="WHEN|none")
 
     show = sub.add_parser("show", parents=[json_flag], help="a key, its spend today and this month")
@@ -228,10 +222,20 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
 _money = usd  # every amount a person reads is in dollars (proxy.ledger.service.usd); JSON keeps micros
 
 
+# What a `keys show` field that is not set means, by name (a limit not set is no limit).
+_UNSET_MEANS = {"allowed_models": "every model", "expires_at": "never", "expires": "never",
+                "daily_budget_micros": "no budget", "monthly_budget_micros": "no budget"}
+
+
 def _show_line(name: str, value: Any) -> str:
-    """A `keys show` line: an amount in dollars, its micros beside it."""
+    """A `keys show` line: an amount in dollars, its micros beside it; a field that is not set
+    says what that means; a list as its items."""
+    if value is None:
+        return f"{name.removesuffix('_micros')}: {_UNSET_MEANS.get(name, 'no limit')}"
     if name.endswith("_micros") and isinstance(value, int) and not isinstance(value, bool):
         return f"{name.removesuffix('_micros')}: {_money(value)} ({value} micros)"
+    if isinstance(value, (list, tuple)):
+        return f"{name}: {', '.join(map(str, value)) or '(none)'}"
     return f"{name}: {value}"
 
 
@@ -421,13 +425,14 @@ async def _command(service: KeyService, args: argparse.Namespace, out: Any) -> N
     elif cmd == "usage":
         await _usage(service.ledger, args, out)
     elif cmd == "audit":
-        entries = await service.ledger.list_audit(key_id=args.key, limit=args.limit)
-        for e in entries:
-            line = {"seq": e.seq, "created": iso(e.created_at), "actor": e.actor, "action": e.action,
+        entries = [{"seq": e.seq, "created": iso(e.created_at), "actor": e.actor, "action": e.action,
                     "key_id": e.key_id, "details": e.details}
-            print(json.dumps(line) if as_json else
-                  f"{line['created']} {e.actor:<16} {e.action:<12} {e.key_id or '-':<20} {json.dumps(e.details)}",
-                  file=out)
+                   for e in await service.ledger.list_audit(key_id=args.key, limit=args.limit)]
+        if as_json:  # one JSON document per command, an array for a listing (list, usage, audit)
+            print(json.dumps(entries), file=out)
+        for e in () if as_json else entries:
+            print(f"{e['created']} {e['actor']:<16} {e['action']:<12} {e['key_id'] or '-':<20} "
+                  f"{json.dumps(e['details'])}", file=out)
 
 
 def _spool_lines(spool: Any, as_json: bool, out: Any) -> int:

@@ -59,7 +59,8 @@ class RequestLedger(abc.ABC):
 
     @abc.abstractmethod
     async def lookup_key(self, secret: str) -> KeyRecord | None:
-        """The key for a presented secret; None for unknown, revoked or expired keys."""
+        """The key for a presented secret, a revoked or expired one included (the caller refuses
+        those, telling why); None for a secret no key has."""
 
     @abc.abstractmethod
     async def available(self, key_id: str) -> int:
@@ -186,7 +187,7 @@ class KeyStore(abc.ABC):
 
     @abc.abstractmethod
     async def revoke(self, key_id: str) -> None:
-        """Revoke a key (lookup_key returns None for it from now on). Bumps key_generation."""
+        """Revoke a key (lookup_key finds it revoked from now on). Bumps key_generation."""
 
     @abc.abstractmethod
     async def rotate_key(self, key_id: str) -> tuple[str, KeyRecord]:

@@ -118,13 +118,13 @@ def check_rotatable(key_id: str, revoked: Any) -> None:
 def presented_key(digest: bytes, row: Any) -> KeyRecord | None:
     """The key a presented secret (its `digest`) finds: `row` is (secret_sha256, *KEY_COLUMNS)
     found by the digest, or None. The index finds the row; the decision is a constant-time
-    compare of the hashes, done on both the found and the not-found path. None for a revoked
-    or expired key."""
+    compare of the hashes, done on both the found and the not-found path. A revoked or expired
+    key is found too (`revoked`, `expired()`): the caller refuses it, and can tell the holder of
+    its secret why."""
     stored = bytes(row[0]) if row else DUMMY_HASH
     if not hmac.compare_digest(stored, digest) or row is None:
         return None
-    record = key_record_of(tuple(row)[1:])
-    return None if record.revoked or record.expired() else record
+    return key_record_of(tuple(row)[1:])
 
 
 # The audit table's columns as both backends read them (audit_entry); they insert the rest.

@@ -19,10 +19,12 @@ from __future__ import annotations
 import calendar
 import csv
 import io
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import asdict
 from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from proxy.ledger.base import (
@@ -31,6 +33,7 @@ from proxy.ledger.base import (
     USAGE_GROUPS,
     KeyLimits,
     KeyRecord,
+    LedgerError,
     UnknownKey,
     UsageRecord,
     UsageTotals,
@@ -40,7 +43,55 @@ from proxy.ledger.usage import MAX_AMOUNT
 
 # The fields a key's limits are set with (create and update take them all): KeyLimits'.
 LIMIT_FIELDS = KEY_LIMIT_FIELDS
-CREATE_FIELDS = ("name", "balance_micros", *LIMIT_FIELDS)
+# Money a person types may come in dollars: each of these stands for its micros field (not both).
+USD_FIELDS = {"balance_usd": "balance_micros", "daily_budget_usd": "daily_budget_micros",
+              "monthly_budget_usd": "monthly_budget_micros"}
+UPDATE_FIELDS = (*LIMIT_FIELDS, "daily_budget_usd", "monthly_budget_usd")
+CREATE_FIELDS = ("name", "balance_micros", "balance_usd", *UPDATE_FIELDS)
+_DOLLARS = re.compile(r"[+-]?\$?(\d{1,3}(,\d{3})+|\d{1,3}(_\d{3})+|\d+)(\.\d+)?|[+-]?\$?\.\d+")
+_DURATION = re.compile(r"\+?(\d{1,6})([smhdw])")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def micros_of_usd(value: Any, what: str, *, signed: bool = False) -> int:
+    """An amount of dollars ("1.50", "$1,250.00", 1.5; "-0.25" when `signed`) as micro-dollars,
+    exactly; ValueError naming `what` otherwise. Thousands separators (',' or '_') only between
+    groups of three digits: "1,50" is no amount (a decimal comma read as a separator credits $150)."""
+    text = str(value).strip() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
+    if _DOLLARS.fullmatch(text) is None:
+        raise ValueError(f"{what} must be an amount of dollars (e.g. 1.50, 1,250.00 or -0.25), not {text[:40]!r}")
+    try:
+        amount = Decimal(text.replace("$", "", 1).replace(",", "").replace("_", "")) * 1_000_000
+    except InvalidOperation:
+        raise ValueError(f"{what} must be an amount of dollars, not {text[:40]!r}") from None
+    if not amount.is_finite() or amount != amount.to_integral_value():
+        raise ValueError(f"{what} {text!r} is finer than a micro-dollar (at most 6 decimals)")
+    if amount < 0 and not signed:
+        raise ValueError(f"{what} {text!r} must not be negative")
+    if abs(amount) > MAX_AMOUNT:
+        raise ValueError(f"{what} {text!r} is out of range: at most {usd(MAX_AMOUNT)}")
+    return int(amount)
+
+
+def in_micros(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with each dollar field (USD_FIELDS) as its micros field; both given is a ValueError."""
+    if not any(name in data for name in USD_FIELDS):
+        return data
+    out = dict(data)
+    for name, micros in USD_FIELDS.items():
+        if name in out:
+            if micros in out:
+                raise ValueError(f"give {name} or {micros}, not both")
+            value = out.pop(name)
+            out[micros] = None if value is None else micros_of_usd(value, name)
+    return out
+
+
+def parse_expiry(value: Any, what: str = "expires_at", now: float | None = None) -> float | None:
+    """When a key expires: a time (parse_time), or a time from now ("30d", "12h", "+90m", "2w")."""
+    if isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
+        return (time.time() if now is None else now) + int(match.group(1)) * _SECONDS[match.group(2)]
+    return parse_time(value, what)
 MAX_PAGE = 1000
 
 
@@ -141,7 +192,7 @@ def parse_limits(data: dict[str, Any]) -> KeyLimits:
         if name == "allowed_models":
             out[name] = _models(value)
         elif name == "expires_at":
-            out[name] = parse_time(value, name)
+            out[name] = parse_expiry(value, name)
         else:
             out[name] = _opt_int(value, name)
     return KeyLimits(**out)
@@ -169,7 +220,7 @@ class KeyService:
         await self.ledger.append_audit(self.actor, action, key_id, details)
 
     async def create(self, data: dict[str, Any]) -> tuple[str, KeyRecord]:
-        data = _fields(data, CREATE_FIELDS)
+        data = in_micros(_fields(data, CREATE_FIELDS))
         name = data.get("name")
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise ValueError("name must be a non-empty string of at most 200 characters")
@@ -194,12 +245,14 @@ class KeyService:
     async def top_up(self, key_id: str, micros: Any) -> int:
         if isinstance(micros, bool) or not isinstance(micros, int) or abs(micros) > MAX_AMOUNT:
             raise ValueError("micros must be an integer (negative corrects the balance)")
+        if (await self.get(key_id)).revoked:  # money put on a key nobody can use is money lost to the operator
+            raise LedgerError(f"key {key_id} is revoked: a top-up would never be spent")
         balance = await self.ledger.top_up(key_id, micros)
         await self._audit("key.topup", key_id, {"micros": micros, "balance_micros": balance})
         return balance
 
     async def update(self, key_id: str, data: dict[str, Any]) -> KeyRecord:
-        limits = parse_limits(_fields(data, LIMIT_FIELDS))
+        limits = parse_limits(in_micros(_fields(data, UPDATE_FIELDS)))
         changes = limits.given()
         if not changes:
             raise ValueError(f"nothing to change: give one of {', '.join(LIMIT_FIELDS)}")
@@ -342,3 +395,18 @@ def to_csv(rows: list[dict[str, Any]], columns: Iterable[str]) -> str:
 
 __all__ = ["KeyService", "KeyLimits", "parse_limits", "UsageQuery", "key_dict", "key_summary", "budget_room",
            "usage_dict", "totals_dict", "to_csv", "parse_time", "period_starts", "iso", "UNSET"]
+
+
+DEMO_NAME = "demo"  # the demo key's name (serve --demo-key, make run)
+DEMO_ACTOR = "system:demo-key"  # who the audit log says made it
+
+
+async def new_demo_key(ledger: Ledger, balance_micros: int) -> str:
+    """The demo key made anew at start (its secret, to print once): the last one revoked, both
+    changes audited like any other."""
+    service = KeyService(ledger, DEMO_ACTOR)
+    for record in await ledger.list_keys():
+        if record.name == DEMO_NAME and not record.revoked:
+            await service.revoke(record.key_id)
+    secret, _ = await service.create({"name": DEMO_NAME, "balance_micros": balance_micros})
+    return secret

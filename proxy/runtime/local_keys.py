@@ -168,7 +168,7 @@ def ensure(config: Config) -> LocalKeys:
         out.demo_admin_key = DEMO_ADMIN_PREFIX + secrets.token_urlsafe(24)
         digest = hashlib.sha256(out.demo_admin_key.encode()).hexdigest()
         config.update("admin", keys=[{"name": DEMO_ADMIN_NAME, "sha256": digest}])
-    want_session = bool(config.admin.keys) and not config.admin.session_secret
+    want_session = bool(config.admin.keys or config.admin.oidc.issuer) and not config.admin.session_secret
     if config.admin.session_secret:
         out.session_shared = True
     if out.folder is None:

@@ -49,6 +49,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 async def _create_demo_key(config: Config) -> None:
     """What middlewares/auth.py does at start, done once for all the children."""
     from proxy.ledger import open_ledger
+    from proxy.ledger.service import new_demo_key
 
     section = config.ledger
     if section.backend == "none":
@@ -57,10 +58,7 @@ async def _create_demo_key(config: Config) -> None:
     ledger = open_ledger(section, base_dir=base)
     await ledger.start()
     try:
-        for record in await ledger.list_keys():
-            if record.name == "demo" and not record.revoked:
-                await ledger.revoke(record.key_id)
-        secret, _ = await ledger.create_key("demo", balance_micros=config.balance.demo_balance_micros)
+        secret = await new_demo_key(ledger, config.balance.demo_balance_micros)
         print(f"demo key: {secret}", file=sys.stdout, flush=True)
     finally:
         await ledger.close()

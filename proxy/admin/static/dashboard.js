@@ -38,11 +38,27 @@
 
   async function start() {
     const session = await api("/api/session");
-    if (session.status !== 200) { show(false); return; }
+    if (session.status !== 200) { show(false); await loginOptions(); return; }
     state.csrf = session.body.csrf_token;
-    $("who").textContent = "admin: " + session.body.name;
+    $("who").textContent = session.body.role + ": " + session.body.name;
+    state.role = session.body.role;
+    // A viewer is shown no writing control (the server refuses its writes all the same).
+    document.querySelectorAll(".writes").forEach((el) => { el.hidden = state.role !== "admin"; });
     show(true);
     await load();
+  }
+
+  // Single sign-on, when the operator configured it: a link to the provider; and why the last
+  // sign-on was refused, when the provider's return was (the server says it in ?sso_error=).
+  async function loginOptions() {
+    const refused = new URLSearchParams(location.search).get("sso_error");
+    if (refused) $("login-error").textContent = "Single sign-on refused: " + refused;
+    const options = await api("/login-options");
+    const oidc = options.status === 200 && options.body ? options.body.oidc : null;
+    if (!oidc) return;
+    $("sso").textContent = oidc.label;
+    $("sso").href = oidc.url;
+    $("sso-box").hidden = false;
   }
 
   async function login(event) {
@@ -179,15 +195,104 @@
     render(result.body);
   }
 
+  // ------------------------------------------------------------------ managing keys
+
+  function say(text, bad) {
+    $("manage-message").textContent = text;
+    $("manage-message").style.color = bad ? "var(--bad)" : "var(--ok)";
+  }
+
+  function failure(result) {
+    return (result.body && result.body.error && result.body.error.message) || ("HTTP " + result.status);
+  }
+
+  function showSecret(secret) {
+    $("secret").textContent = secret;
+    $("secret-box").hidden = false;
+  }
+
+  async function keyAction(key, action, body) {
+    const result = await api("/api/keys/" + encodeURIComponent(key.key_id) + "/" + action, {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body || {}) });
+    if (result.status !== 200) { say(key.name + ": " + failure(result), true); return; }
+    if (action === "rotate") showSecret(result.body.secret);
+    say(key.name + ": " + (action === "topup" ? "balance " + money(result.body.balance_micros)
+                                                  : action === "rotate" ? "new secret made" : "revoked"), false);
+    await loadKeys();
+  }
+
+  function actions(key) {
+    const td = document.createElement("td");
+    td.className = "writes actions";
+    td.hidden = state.role !== "admin";
+    if (key.revoked) return td;
+    const amount = document.createElement("input");
+    amount.placeholder = "$";
+    amount.size = 6;
+    amount.setAttribute("aria-label", "top-up amount in dollars for " + key.name);
+    const button = (label, handler) => {
+      const b = document.createElement("button");
+      b.type = "button";
+      b.textContent = label;
+      b.dataset.action = label.toLowerCase().replace(" ", "-");
+      b.addEventListener("click", handler);
+      td.appendChild(b);
+    };
+    td.appendChild(amount);
+    button("Top up", () => keyAction(key, "topup", { usd: amount.value.trim() }));
+    button("Rotate", () => { if (confirm("A new secret for " + key.name + "? The old one stops working.")) keyAction(key, "rotate"); });
+    button("Revoke", () => { if (confirm("Revoke " + key.name + "? It cannot be undone.")) keyAction(key, "revoke"); });
+    return td;
+  }
+
+  async function loadKeys() {
+    const result = await api("/api/keys");
+    if (result.status !== 200) return;
+    const body = $("manage-table").querySelector("tbody");
+    body.replaceChildren();
+    result.body.data.forEach((k) => {
+      const tr = document.createElement("tr");
+      tr.dataset.keyId = k.key_id;
+      [[k.key_id, "text"], [k.name, "text"], [money(k.balance_micros)],
+       [k.allowed_models ? k.allowed_models.join(", ") : "every model", "text"],
+       [money(k.daily_budget_micros) + " / " + money(k.monthly_budget_micros)],
+       [k.expires || "never", "text"], [k.revoked ? "revoked" : (k.expired ? "expired" : "active"), "text"],
+      ].forEach(([value, cls]) => tr.appendChild(cell(value, cls)));
+      tr.appendChild(actions(k));
+      body.appendChild(tr);
+    });
+    document.body.dataset.keysLoaded = String(Date.now());
+  }
+
+  async function createKey(event) {
+    event.preventDefault();
+    const data = { name: $("new-name").value.trim() };
+    const optional = [["new-balance", "balance_usd"], ["new-daily", "daily_budget_usd"],
+                      ["new-monthly", "monthly_budget_usd"], ["new-expires", "expires_at"]];
+    optional.forEach(([id, field]) => { const v = $(id).value.trim(); if (v) data[field] = v; });
+    const models = $("new-models").value.split(",").map((m) => m.trim()).filter(Boolean);
+    if (models.length) data.allowed_models = models;
+    const result = await api("/api/keys", { method: "POST", headers: { "Content-Type": "application/json" },
+                                            body: JSON.stringify(data) });
+    if (result.status !== 201) { say(failure(result), true); return; }
+    showSecret(result.body.secret);
+    say("Created " + result.body.key.name + " (" + result.body.key.key_id + ")" +
+        (result.body.warnings ? "; " + result.body.warnings.join("; ") : ""), false);
+    $("create-form").reset();
+    await loadKeys();
+  }
+
   function select(view) {
     state.view = view;
     document.querySelectorAll("#nav button").forEach((b) => b.classList.toggle("active", b.dataset.view === view));
     document.querySelectorAll(".view").forEach((v) => { v.hidden = v.id !== "view-" + view; });
     Object.values(state.charts).forEach((c) => c.resize());
+    if (view === "manage") loadKeys();
   }
 
   document.addEventListener("DOMContentLoaded", () => {
     $("login-form").addEventListener("submit", login);
+    $("create-form").addEventListener("submit", createKey);
     $("logout").addEventListener("click", logout);
     $("refresh").addEventListener("click", load);
     $("range").addEventListener("change", load);
