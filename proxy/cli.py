@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import sys
+from collections.abc import Callable
 
 from proxy.config.load import Config, ConfigError, default_config
 from proxy.config.serving import listen
@@ -102,7 +103,8 @@ def _raise_nofile() -> None:
         pass
 
 
-def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False, announce: bool = True) -> int:
+def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False, announce: bool = True,
+               on_ready: Callable[[], None] | None = None) -> int:
     """One serving process: build the app, run it until SIGINT/SIGTERM."""
     from aiohttp import web
 
@@ -132,6 +134,8 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
 
             announce_admin_key(config, host, port)
             print(f"responses-proxy listening on http://{host}:{port}", flush=True)
+        if on_ready is not None:  # a --workers child: its supervisor says "listening" once every child is
+            on_ready()
 
     app.on_startup.append(ready)
     from proxy.ledger import LedgerError, LedgerFault
