@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
         add_key_commands = None  # type: ignore[assignment]  # checked below
     if add_key_commands is not None:
         add_key_commands(sub)
+    migrate = sub.add_parser("migrate", help="bring the ledger's schema up to this release (a deployment's "
+                                             "migration job; serve also does it when it must)")
+    migrate.add_argument("--config", default=argparse.SUPPRESS, help="as the top-level --config")
     conf = sub.add_parser("config", help="the configuration: its commented reference, or a check of a file")
     conf_sub = conf.add_subparsers(dest="config_command", required=True)
     ref = conf_sub.add_parser("reference", help="print the commented reference of every key (config.yaml is it)")
@@ -211,6 +214,17 @@ def _config_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _migrate(config: Config) -> int:
+    from proxy.ledger import LedgerError, migrate_ledger
+
+    try:
+        print(asyncio.run(migrate_ledger(config.ledger, config.path.parent if config.path else None)), flush=True)
+    except (LedgerError, OSError) as exc:
+        print(f"responses-proxy: migrate: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -218,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return _config_command(args)
         config = Config.load(args.config)
+        if args.command == "migrate":
+            return _migrate(config)
         if args.command in (None, "serve"):
             if args.command is None:
                 args.host = args.port = args.workers = None
