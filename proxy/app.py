@@ -142,6 +142,12 @@ def envelope(phases: Phases):
     return envelope_and_access_log
 
 
+def outcome_of(status: int) -> str:
+    """The outcome of a request no answer reported on: refused or failed before any answer
+    (4xx, 5xx) is "error", anything else answered is "completed" (README "Logs")."""
+    return "error" if status >= 400 else "completed"
+
+
 def transport_of(request: web.Request) -> str:
     """What carried the request: "websocket" for a socket's handshake and each of its turns,
     "http" for the rest (a compaction's summary turn included: its request came over HTTP)."""
@@ -157,7 +163,8 @@ def _log_access(request: web.Request, ctx: RequestContext, status: int, error_co
     report = ctx.report
     if ended is None and report is not None:
         ended = report.status
-    metrics.observe(request, ctx, status, elapsed_s, ended)
+    outcome = ended if ended is not None else outcome_of(status)
+    metrics.observe(request, ctx, status, elapsed_s, outcome)
     translation = ctx.translation
     model = translation.model if translation is not None else None
     latency_ms = round(elapsed_s * 1000, 2)
@@ -173,7 +180,7 @@ def _log_access(request: web.Request, ctx: RequestContext, status: int, error_co
     if ended is None:
         access(request_id=ctx.request_id, method=request.method, path=request.path, client=request.remote,
                transport=carrier, key_id=key_id, model=model, status=status, error_code=error_code,
-               latency_ms=latency_ms)
+               latency_ms=latency_ms, outcome=outcome)
         return
     tokens = ctx.tokens() or NO_TOKENS
     bill = ctx.bill

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import sys
+from collections.abc import Callable
 
 from proxy.config.load import Config, ConfigError, default_config
 from proxy.config.serving import listen
@@ -48,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
         add_key_commands = None  # type: ignore[assignment]  # checked below
     if add_key_commands is not None:
         add_key_commands(sub)
+    migrate = sub.add_parser("migrate", help="bring the ledger's schema up to this release (a deployment's "
+                                             "migration job; serve also does it when it must)")
+    migrate.add_argument("--config", default=argparse.SUPPRESS, help="as the top-level --config")
     conf = sub.add_parser("config", help="the configuration: its commented reference, or a check of a file")
     conf_sub = conf.add_subparsers(dest="config_command", required=True)
     ref = conf_sub.add_parser("reference", help="print the commented reference of every key (config.yaml is it)")
@@ -102,7 +106,8 @@ def _raise_nofile() -> None:
         pass
 
 
-def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False, announce: bool = True) -> int:
+def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False, announce: bool = True,
+               on_ready: Callable[[], None] | None = None) -> int:
     """One serving process: build the app, run it until SIGINT/SIGTERM."""
     from aiohttp import web
 
@@ -132,6 +137,8 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
 
             announce_admin_key(config, host, port)
             print(f"responses-proxy listening on http://{host}:{port}", flush=True)
+        if on_ready is not None:  # a --workers child: its supervisor says "listening" once every child is
+            on_ready()
 
     app.on_startup.append(ready)
     from proxy.ledger import LedgerError, LedgerFault
@@ -207,6 +214,17 @@ def _config_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _migrate(config: Config) -> int:
+    from proxy.ledger import LedgerError, migrate_ledger
+
+    try:
+        print(asyncio.run(migrate_ledger(config.ledger, config.path.parent if config.path else None)), flush=True)
+    except (LedgerError, OSError) as exc:
+        print(f"responses-proxy: migrate: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -214,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return _config_command(args)
         config = Config.load(args.config)
+        if args.command == "migrate":
+            return _migrate(config)
         if args.command in (None, "serve"):
             if args.command is None:
                 args.host = args.port = args.workers = None

@@ -138,3 +138,17 @@ async def test_every_line_names_the_transport_that_carried_the_request(make_prox
     assert sorted(f["status"] for f in over_socket) == [101, 200, 400]  # the handshake, then the two turns
     assert {f["transport"] for f in over_socket} == {"websocket"}
     assert all("transport" in f for f in lines)
+
+
+async def test_every_access_line_has_an_outcome_a_refusal_error(make_proxy, http, lines):
+    p = await make_proxy({"prices": PRICES})
+    secret, _ = await p.ledger.create_key("broke", balance_micros=0)
+    refused = [await post(http, p, "sk-rp-" + "x" * 30, {"model": "m", "input": "hi"}),  # 401
+               await post(http, p, secret, {"model": "tiny-org/tiny-model", "input": "hi"})]  # 402
+    assert [status for status, _ in refused] == [401, 402]
+    for _, request_id in refused:
+        assert line_of(lines, request_id)["outcome"] == "error"
+    async with http.get(p.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"}) as r:
+        assert r.status == 200
+        answered = r.headers["x-request-id"]
+    assert line_of(lines, answered)["outcome"] == "completed"

@@ -18,6 +18,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import state
+from proxy.app import outcome_of
 from proxy.config.load import Config
 from proxy.runtime import metrics as proxy_metrics
 from proxy.runtime.metrics import METRICS
@@ -105,7 +106,7 @@ async def test_input_tokens_count_nothing_toward_usage(sim, make_proxy):
     assert status == 200 and body["input_tokens"] > 0
     _, samples = await scrape(proxy)
     assert value(samples, "responses_proxy_requests_total", endpoint="input_tokens", model="tiny-org/tiny-model",
-                 status="200", outcome="") == 1
+                 status="200", outcome="completed") == 1
     assert total(samples, "responses_proxy_input_tokens_total") == 0
 
 
@@ -222,7 +223,8 @@ def _observed_app(module) -> tuple[web.Application, Any]:
     for path, model, status, seconds, outcome in SEQUENCE:
         request = make_mocked_request("POST", path, app=app)
         ctx = observed_context(path, model, outcome)
-        module.observe(request, ctx, status, seconds, ctx.report.status if ctx.report is not None else None)
+        # the outcome as the envelope gives it (proxy.app): the report's, else error / completed by the status
+        module.observe(request, ctx, status, seconds, ctx.report.status if ctx.report is not None else outcome_of(status))
     found.holds.set(3)
     return app, found
 

@@ -31,6 +31,7 @@ Secrets never appear in logs, exception messages or reprs; they are stored as sh
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -79,6 +80,7 @@ __all__ = [
     "KeyLimits",
     "UNSET",
     "open_ledger",
+    "migrate_ledger",
     "SECRET_PREFIX",
 ]
 
@@ -132,3 +134,43 @@ def open_ledger(section: Any, base_dir: str | Path | None = None) -> Ledger:
             unavailable_retry_after_s=float(section.unavailable_retry_after_s),
         )
     raise LedgerError(f"unknown ledger backend {backend!r} (known: sqlite, postgres)")
+
+
+async def migrate_ledger(section: Any, base_dir: str | Path | None = None) -> str:
+    """Bring the ledger config.yaml names up to this release's schema, and nothing else (no
+    listener, no spool, no sweep): what `responses-proxy migrate` and a deployment's migration
+    job run, so replicas starting together never race on it (their own start finds it current).
+    -> one line saying what it did. LedgerError for a schema newer than this release knows."""
+    if section.backend == "sqlite":
+        import sqlite3
+
+        from proxy.ledger.schema import SQLITE_SCHEMA_VERSION, apply_schema
+
+        path = resolve_path(section.path, base_dir)
+
+        def run() -> None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(path, timeout=section.busy_timeout_ms / 1000)
+            try:
+                apply_schema(conn)
+                conn.commit()
+            finally:
+                conn.close()
+
+        await asyncio.to_thread(run)
+        return f"ledger (sqlite) at {path}: schema at version {SQLITE_SCHEMA_VERSION}"
+    if section.backend == "postgres":
+        import asyncpg
+
+        from proxy.ledger.postgres.schema import latest_version, migrate
+
+        if not section.dsn:
+            raise LedgerError("ledger.backend is postgres but ledger.dsn is empty (is its environment variable set?)")
+        conn = await asyncpg.connect(section.dsn, timeout=section.connect_timeout_s)
+        try:
+            applied = await migrate(conn)
+        finally:
+            await conn.close()
+        done = f"applied {', '.join(map(str, applied))}" if applied else "nothing to apply"
+        return f"ledger (postgres): schema at version {latest_version()} ({done})"
+    raise LedgerError(f"ledger.backend is {section.backend}: there is no ledger to migrate")

@@ -11,7 +11,7 @@ import secrets
 import sqlite3
 from typing import Any
 
-from proxy.ledger.base import SECRET_PREFIX, USAGE_STATUSES, KeyRecord, UsageRecord
+from proxy.ledger.base import SECRET_PREFIX, USAGE_STATUSES, KeyRecord, LedgerError, UsageRecord
 from proxy.ledger.rollup import hourly_sums
 from proxy.ledger.usage import MAX_AMOUNT
 
@@ -150,9 +150,19 @@ def roll_up(conn: sqlite3.Connection, inserted: list[tuple[tuple, int]]) -> None
     conn.executemany(_ROLLUP_ADD, hourly_sums(inserted))
 
 
+# The SQLite schema's version, kept in PRAGMA user_version: a release that changes the schema in a
+# way an older one cannot read raises it, and an older release then refuses the file.
+SQLITE_SCHEMA_VERSION = 1
+
+
 def apply_schema(conn: sqlite3.Connection) -> None:
     """Create the tables, add the columns an older ledger lacks, then the indexes and the
-    hourly rollup (filled from the usage rows when it is new)."""
+    hourly rollup (filled from the usage rows when it is new). A file a newer release made
+    is refused (LedgerError) before anything is changed."""
+    found = conn.execute("PRAGMA user_version").fetchone()[0]
+    if found > SQLITE_SCHEMA_VERSION:
+        raise LedgerError(f"the ledger's schema is at version {found}, newer than this release knows "
+                          f"({SQLITE_SCHEMA_VERSION}): run the release that made it (or a newer one)")
     conn.executescript(SCHEMA)
     for table, column, kind in _ADDED_COLUMNS:
         present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
@@ -166,6 +176,8 @@ def apply_schema(conn: sqlite3.Connection) -> None:
         # One transaction: the table and the sums of the rows already there; a process that
         # raced this one to it filled it already (OR IGNORE), and adds its own rows since.
         conn.executescript(f"BEGIN IMMEDIATE; {ROLLUP} {_ROLLUP_BACKFILL}; COMMIT;")
+    if found < SQLITE_SCHEMA_VERSION:
+        conn.execute(f"PRAGMA user_version = {SQLITE_SCHEMA_VERSION}")  # a constant, not input
 
 
 

@@ -448,7 +448,7 @@ class Metrics:
         endpoint = _ENDPOINTS.get(ctx.path, "other")
         model = self.model_label(ctx)
         billed = endpoint in _BILLED
-        self.requests.inc((endpoint, model, str(status), ended if ended is not None and billed else ""))
+        self.requests.inc((endpoint, model, str(status), ended or ""))
         self.latency.observe((endpoint, model), elapsed_s)
         report = ctx.report
         if report is None or not billed:
@@ -492,8 +492,8 @@ class Metrics:
 
 
 def observe(request: web.Request, ctx: RequestContext, status: int, elapsed_s: float, ended: str | None) -> None:
-    """The one hook: called by the envelope when a request is done (`ended`: how its answer
-    ended, None: there was none). Never raises."""
+    """The one hook: called by the envelope when a request is done (`ended`: its outcome, how
+    its answer ended or "error" / "completed" for one no answer reported on). Never raises."""
     metrics = request.app.get(METRICS)
     if metrics is None:
         return

@@ -33,6 +33,7 @@ import asyncio
 import glob
 import math
 import os
+import select
 import shutil
 import signal
 import sys
@@ -120,11 +121,27 @@ def supervise(config: Config, host: str, port: int, workers: int,
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
+def _await_ready(ready_fd: int, workers: int) -> bool:
+    """Whether every child said it is ready (its sockets listening, its app started) before any
+    exited: each writes one byte on the pipe. A child that exits first ends the wait (its exit is
+    seen, not reaped, so the wait loop below still reports it)."""
+    said = 0
+    while said < workers:
+        readable, _, _ = select.select([ready_fd], [], [], 0.2)
+        if readable:
+            data = os.read(ready_fd, 64)
+            if not data:  # every write end closed: the children are gone
+                return False
+            said += len(data)
+        elif os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return False
+    return True
+
+
 def _run_children(config: Config, host: str, port: int, workers: int, serve_one: Callable[..., int],
                   metrics_dir: str) -> int:
-    print(f"responses-proxy listening on http://{host}:{port} ({workers} processes)", flush=True)
-
     children: dict[int, int] = {}
+    ready_fd, said_fd = os.pipe()
     stopping = False
 
     def forward(signum: int, _frame: Any) -> None:
@@ -145,9 +162,11 @@ def _run_children(config: Config, host: str, port: int, workers: int, serve_one:
                 signal.signal(sig, signal.SIG_DFL)
             os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only; it forwards once
             os.environ["RESPONSES_PROXY_WORKER"] = str(index)
+            os.close(ready_fd)
             code = 1
             try:
-                code = serve_one(config, host, port, reuse_port=True, announce=False)
+                code = serve_one(config, host, port, reuse_port=True, announce=False,
+                                 on_ready=lambda: os.write(said_fd, b"r"))
             except BaseException as exc:  # report and leave with a code, never return into the parent's code
                 if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     print(f"responses-proxy worker {index}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -156,6 +175,12 @@ def _run_children(config: Config, host: str, port: int, workers: int, serve_one:
                 sys.stderr.flush()
                 os._exit(code)
         children[pid] = index
+    os.close(said_fd)
+    # "listening" means listening: printed once every child accepts, never before (a script that
+    # waits for the line may connect at once).
+    if _await_ready(ready_fd, workers):
+        print(f"responses-proxy listening on http://{host}:{port} ({workers} processes)", flush=True)
+    os.close(ready_fd)
 
     exit_code = 0
     while children:

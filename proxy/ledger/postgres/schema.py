@@ -40,8 +40,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from proxy.ledger.base import LedgerError
+
 # An arbitrary, fixed 64-bit key: "every ledger migration" across every replica.
 MIGRATION_LOCK = 0x7270_6C65_6467_6572  # "rpledger"
+
+
+class SchemaTooNew(LedgerError):
+    """The ledger's schema was made by a newer release than this one."""
 
 # usage_hourly's sums (migration 3): the groups of proxy/ledger/rollup.py, in SQL.
 _SUMS = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens", "cost_micros", "debited_micros")
@@ -213,6 +219,11 @@ async def migrate(conn: Any, migrations: tuple[tuple[int, str, str], ...] = MIGR
     """Apply the migrations `conn`'s database lacks, in order; returns the versions this call
     applied (none when another replica got there first)."""
     applied: list[int] = []
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
+        await conn.execute(_BOOKKEEPING)
+        newest = await conn.fetchval("SELECT max(version) FROM schema_migrations")
+    check_known(newest, latest_version(migrations))
     for version, name, sql in migrations:
         async with conn.transaction():
             # Held to the end of this transaction; also serialises the bookkeeping table's
@@ -226,6 +237,13 @@ async def migrate(conn: Any, migrations: tuple[tuple[int, str, str], ...] = MIGR
                                version, name, time.time())
             applied.append(version)
     return applied
+
+
+def check_known(found: int | None, known: int) -> None:
+    """A database migrated by a newer release is refused: this one would not know its tables."""
+    if found is not None and found > known:
+        raise SchemaTooNew(f"the ledger's schema is at version {found}, newer than this release knows ({known}): "
+                           "run the release that migrated it (or a newer one)")
 
 
 def latest_version(migrations: tuple[tuple[int, str, str], ...] = MIGRATIONS) -> int:
