@@ -56,6 +56,22 @@ def _details(usage: dict, name: str) -> dict:
     return found if isinstance(found, dict) else {}
 
 
+def _detail_count(usage: dict, details: str, name: str, fixes: list[str], *, most: int, above: str,
+                  when_above: int) -> int:
+    """A count inside a usage's details object (cached_tokens, reasoning_tokens): absent is 0,
+    an invalid one is 0 (fix `<name>_invalid`), one above `most` is `when_above` (fix `above`).
+    The two details differ in what an excess means, so the caller says what replaces it."""
+    raw = _details(usage, details).get(name)
+    count = 0 if raw is None else as_count(raw)
+    if count is None:
+        fixes.append(f"{name}_invalid")
+        return 0
+    if count > most:
+        fixes.append(above)
+        return when_above
+    return count
+
+
 def clean_usage(reported: Any, *, counted_output: int, input_fallback: int, input_bound: int | None,
                 output_cap: int | None, price: Price, hold_micros: int | None) -> BilledUsage:
     """The usage to bill. `reported`: the Responses-shaped usage the upstream reported (None:
@@ -80,14 +96,8 @@ def clean_usage(reported: Any, *, counted_output: int, input_fallback: int, inpu
         elif input_bound is not None and input_tokens > input_bound:
             fixes.append("input_tokens_above_bound")
             input_tokens = input_bound
-        raw_cached = _details(reported, "input_tokens_details").get("cached_tokens")
-        cached = 0 if raw_cached is None else as_count(raw_cached)
-        if cached is None:
-            fixes.append("cached_tokens_invalid")
-            cached = 0
-        elif cached > input_tokens:
-            fixes.append("cached_tokens_above_input")
-            cached = 0
+        cached = _detail_count(reported, "input_tokens_details", "cached_tokens", fixes,
+                               most=input_tokens, above="cached_tokens_above_input", when_above=0)
         output = as_count(reported.get("output_tokens"))
         if output is None:
             fixes.append("output_tokens_invalid")
@@ -98,14 +108,8 @@ def clean_usage(reported: Any, *, counted_output: int, input_fallback: int, inpu
         if output_cap is not None and output > output_cap:
             fixes.append("output_tokens_above_cap")
             output = output_cap
-        raw_rs = _details(reported, "output_tokens_details").get("reasoning_tokens")
-        reasoning = 0 if raw_rs is None else as_count(raw_rs)
-        if reasoning is None:
-            fixes.append("reasoning_tokens_invalid")
-            reasoning = 0
-        elif reasoning > output:
-            fixes.append("reasoning_tokens_above_output")
-            reasoning = output
+        reasoning = _detail_count(reported, "output_tokens_details", "reasoning_tokens", fixes,
+                                  most=output, above="reasoning_tokens_above_output", when_above=output)
     else:
         input_tokens, cached, output, reasoning = fallback, 0, counted, 0
     cost = cost_micros(price, input_tokens, cached, output)
