@@ -56,6 +56,26 @@ def _details(usage: dict, name: str) -> dict:
     return found if isinstance(found, dict) else {}
 
 
+def _reported_count(usage: dict, name: str, fixes: list[str], *, when_invalid: int, least: int | None = None,
+                    most: int | None, above: str) -> int:
+    """A top-level count of a usage (input_tokens, output_tokens): an invalid one is
+    `when_invalid` (fix `<name>_invalid`), one below `least` is `least` (fix
+    `<name>_below_counted`), one above `most` is `most` (fix `above`). The callers' defaults
+    already lie within `most` (the fallback within the bound, the counted output within the
+    cap), so only a reported count is checked against it."""
+    count = as_count(usage.get(name))
+    if count is None:
+        fixes.append(f"{name}_invalid")
+        return when_invalid
+    if least is not None and count < least:
+        fixes.append(f"{name}_below_counted")
+        return least
+    if most is not None and count > most:
+        fixes.append(above)
+        return most
+    return count
+
+
 def _detail_count(usage: dict, details: str, name: str, fixes: list[str], *, most: int, above: str,
                   when_above: int) -> int:
     """A count inside a usage's details object (cached_tokens, reasoning_tokens): absent is 0,
@@ -88,26 +108,12 @@ def clean_usage(reported: Any, *, counted_output: int, input_fallback: int, inpu
     if input_bound is not None and fallback > input_bound:
         fallback = input_bound
     if isinstance(reported, dict):
-        raw_in = reported.get("input_tokens")
-        input_tokens = as_count(raw_in)
-        if input_tokens is None:
-            fixes.append("input_tokens_invalid")
-            input_tokens = fallback
-        elif input_bound is not None and input_tokens > input_bound:
-            fixes.append("input_tokens_above_bound")
-            input_tokens = input_bound
+        input_tokens = _reported_count(reported, "input_tokens", fixes, when_invalid=fallback,
+                                       most=input_bound, above="input_tokens_above_bound")
         cached = _detail_count(reported, "input_tokens_details", "cached_tokens", fixes,
                                most=input_tokens, above="cached_tokens_above_input", when_above=0)
-        output = as_count(reported.get("output_tokens"))
-        if output is None:
-            fixes.append("output_tokens_invalid")
-            output = counted
-        elif output < counted:
-            fixes.append("output_tokens_below_counted")
-            output = counted
-        if output_cap is not None and output > output_cap:
-            fixes.append("output_tokens_above_cap")
-            output = output_cap
+        output = _reported_count(reported, "output_tokens", fixes, when_invalid=counted, least=counted,
+                                 most=output_cap, above="output_tokens_above_cap")
         reasoning = _detail_count(reported, "output_tokens_details", "reasoning_tokens", fixes,
                                   most=output, above="reasoning_tokens_above_output", when_above=output)
     else:
