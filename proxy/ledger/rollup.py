@@ -134,6 +134,20 @@ def split_totals(since: float | None, until: float | None,
 Where = Callable[[Filters, "tuple[str, ...] | None"], tuple[str, list[Any]]]
 
 
+def where_sql(filters: Filters, statuses: tuple[str, ...] | None, *, mark: Callable[[int], str],
+              status_in: Callable[[tuple[str, ...], int], tuple[str, list[Any]]]) -> tuple[str, list[Any]]:
+    """The WHERE clause of `filters` and of a status filter, and its parameters, as a dialect
+    spells them: `mark(n)` the n-th parameter's placeholder, `status_in(statuses, n)` the status
+    clause whose parameters start at the n-th and those parameters."""
+    clauses = [f"{clause} {mark(i + 1)}" for i, (clause, _) in enumerate(filters)]
+    params: list[Any] = [value for _, value in filters]
+    if statuses:
+        clause, values = status_in(statuses, len(params) + 1)
+        clauses.append(clause)
+        params.extend(values)
+    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
 class TotalsDialect(NamedTuple):
     """The totals queries as one backend spells them; the queries themselves are made once
     (`totals_queries`)."""

@@ -19,16 +19,13 @@ from typing import Any
 
 from proxy.ledger.base import USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
 from proxy.ledger.key_rules import AUDIT_COLUMNS, AUDIT_INSERT_COLUMNS, audit_entry, audit_values
-from proxy.ledger.rollup import Filters, merge_totals, totals_dialect, totals_queries, usage_filters
+from proxy.ledger.rollup import Filters, merge_totals, totals_dialect, totals_queries, usage_filters, where_sql
 
 
 def _where(filters: Filters, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
-    clauses = [f"{clause} ${i + 1}" for i, (clause, _) in enumerate(filters)]
-    params: list[Any] = [value for _, value in filters]
-    if statuses:
-        params.append(list(statuses))
-        clauses.append(f"status = ANY(${len(params)}::text[])")
-    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+    # Numbered placeholders; the statuses as one text[] parameter.
+    return where_sql(filters, statuses, mark=lambda n: f"${n}",
+                     status_in=lambda given, n: (f"status = ANY(${n}::text[])", [list(given)]))
 
 
 _TOTALS = totals_dialect(day="(floor(created_at / 86400) * 86400)::bigint",

@@ -19,18 +19,15 @@ from typing import Any, cast
 
 from proxy.ledger.base import USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
 from proxy.ledger.key_rules import AUDIT_COLUMNS, AUDIT_INSERT_COLUMNS, audit_entry, audit_values
-from proxy.ledger.rollup import Filters, merge_totals, totals_dialect, totals_queries, usage_filters
+from proxy.ledger.rollup import Filters, merge_totals, totals_dialect, totals_queries, usage_filters, where_sql
 from proxy.ledger.sqlite.writer import Durability
 
 READ = Durability.READ
 
 def _where(filters: Filters, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
-    clauses = [f"{clause} ?" for clause, _ in filters]
-    params = [value for _, value in filters]
-    if statuses:
-        clauses.append(f"status IN ({', '.join('?' for _ in statuses)})")
-        params.extend(statuses)
-    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+    # "?" placeholders; SQLite has no arrays, so one placeholder a status.
+    return where_sql(filters, statuses, mark=lambda n: "?",
+                     status_in=lambda given, n: (f"status IN ({', '.join('?' for _ in given)})", list(given)))
 
 
 _TOTALS = totals_dialect(day="CAST(created_at / 86400 AS INTEGER) * 86400",
