@@ -26,7 +26,6 @@ from proxy import state
 from proxy.errors import APIError
 from proxy.ledger import Ledger, LedgerError, UnknownKey
 from proxy.ledger.service import (
-    TOTAL_FIELDS,
     USAGE_FIELDS,
     KeyService,
     UsageQuery,
@@ -35,7 +34,6 @@ from proxy.ledger.service import (
     key_dict,
     parse_time,
     to_csv,
-    totals_dict,
     usage_dict,
 )
 
@@ -158,9 +156,9 @@ async def usage_rows(request: web.Request) -> web.Response:
 
 async def usage_totals(request: web.Request) -> web.Response:
     query = _query(request)
-    rows = [totals_dict(t) for t in await guarded(query.totals(ledger_of(request)))]
+    rows = await guarded(query.total_rows(ledger_of(request)))
     if query.format == "csv":
-        return _csv(to_csv(rows, (*query.group_by, *TOTAL_FIELDS)), "usage-totals")
+        return _csv(to_csv(rows, query.total_columns), "usage-totals")
     return json_response({"object": "list", "group_by": list(query.group_by), "since": iso(query.since),
                           "until": iso(query.until), "data": rows})
 
