@@ -26,7 +26,6 @@ from proxy import state
 from proxy.errors import APIError
 from proxy.ledger import KeyRecord, Ledger, LedgerError, UnknownKey
 from proxy.ledger.service import (
-    TOTAL_FIELDS,
     USAGE_FIELDS,
     KeyService,
     UsageQuery,
@@ -36,7 +35,6 @@ from proxy.ledger.service import (
     micros_of_usd,
     parse_time,
     to_csv,
-    totals_dict,
     usage_dict,
 )
 from proxy.protocol.models import resolve_model
@@ -180,9 +178,9 @@ async def usage_rows(request: web.Request) -> web.Response:
 
 async def usage_totals(request: web.Request) -> web.Response:
     query = _query(request)
-    rows = [totals_dict(t) for t in await guarded(query.totals(ledger_of(request)))]
+    rows = await guarded(query.total_rows(ledger_of(request)))
     if query.format == "csv":
-        return _csv(to_csv(rows, (*query.group_by, *TOTAL_FIELDS)), "usage-totals")
+        return _csv(to_csv(rows, query.total_columns), "usage-totals")
     return json_response({"object": "list", "group_by": list(query.group_by), "since": iso(query.since),
                           "until": iso(query.until), "data": rows})
 

@@ -51,7 +51,6 @@ from proxy.config import settings as config_settings
 from proxy.ledger import UNSET, ConsoleReads, KeyRecord, LedgerError, open_ledger, resolve_path
 from proxy.ledger.postgres.spool import PgSpoolOps
 from proxy.ledger.service import (
-    TOTAL_FIELDS,
     USAGE_FIELDS,
     KeyService,
     UsageQuery,
@@ -60,7 +59,6 @@ from proxy.ledger.service import (
     micros_of_usd,
     parse_expiry,
     to_csv,
-    totals_dict,
     usage_dict,
     usd,
 )
@@ -350,8 +348,8 @@ async def _usage(ledger: ConsoleReads, args: argparse.Namespace, out: Any) -> No
     query = UsageQuery({"since": args.since, "until": args.until, "key_id": args.key, "model": args.model,
                         "group_by": args.group_by or "", "limit": max(1, min(args.limit or 1, 1000))})
     if query.group_by:
-        rows = [totals_dict(t) for t in await query.totals(ledger)]
-        columns = [*query.group_by, *TOTAL_FIELDS]
+        rows = await query.total_rows(ledger)
+        columns = list(query.total_columns)
     else:
         page, _ = await query.rows(ledger)
         rows = [usage_dict(r) for _, r in page][:args.limit]

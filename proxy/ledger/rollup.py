@@ -22,8 +22,8 @@ postgres/console.py hold the rest of the SQL.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 from proxy.ledger.base import USAGE_GROUPS, UsageTotals
 
@@ -127,6 +127,73 @@ def split_totals(since: float | None, until: float | None,
                  statuses: tuple[str, ...] | None) -> tuple[list[Rows], Hours | None]:
     """split_hours, except that a status filter reads every row of the range (no sums)."""
     return ([(since, until)], None) if statuses else split_hours(since, until)
+
+
+# A backend's WHERE builder: (filters, statuses or None) -> (" WHERE ..." or "", its parameters),
+# with the dialect's placeholders.
+Where = Callable[[Filters, "tuple[str, ...] | None"], tuple[str, list[Any]]]
+
+
+def where_sql(filters: Filters, statuses: tuple[str, ...] | None, *, mark: Callable[[int], str],
+              status_in: Callable[[tuple[str, ...], int], tuple[str, list[Any]]]) -> tuple[str, list[Any]]:
+    """The WHERE clause of `filters` and of a status filter, and its parameters, as a dialect
+    spells them: `mark(n)` the n-th parameter's placeholder, `status_in(statuses, n)` the status
+    clause whose parameters start at the n-th and those parameters."""
+    clauses = [f"{clause} {mark(i + 1)}" for i, (clause, _) in enumerate(filters)]
+    params: list[Any] = [value for _, value in filters]
+    if statuses:
+        clause, values = status_in(statuses, len(params) + 1)
+        clauses.append(clause)
+        params.extend(values)
+    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+class TotalsDialect(NamedTuple):
+    """The totals queries as one backend spells them; the queries themselves are made once
+    (`totals_queries`)."""
+
+    group_sql: dict[str, str]  # each group's expression over the usage rows
+    rollup_group_sql: dict[str, str]  # the same over usage_hourly
+    sums: str  # the SELECT list of a total over the rows
+    rollup_sums: str  # the same over usage_hourly (its requests summed, not counted)
+    where: Where
+
+
+def totals_dialect(*, day: str, hour: str, rollup_day: str, cast: str, where: Where) -> TotalsDialect:
+    """A backend's TotalsDialect from what differs between the dialects: the UTC day and hour
+    (bucket start, Unix seconds) of a row's created_at, the day of an hourly sum's hour, the
+    integer cast of a sum (PostgreSQL's SUM of BIGINT is numeric: "::bigint"; SQLite's: ""),
+    and the WHERE builder (its placeholders)."""
+    group_sql = {**GROUP_SQL, "day": day, "hour": hour}
+    assert set(group_sql) == set(USAGE_GROUPS)
+    return TotalsDialect(group_sql, {**ROLLUP_GROUP_SQL, "day": rollup_day}, sums_sql("COUNT(*)", cast),
+                         sums_sql(f"COALESCE(SUM(requests), 0){cast}", cast), where)
+
+
+def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], sums: str, table: str,
+                where: str) -> str:
+    exprs = [columns[g] for g in group_by]
+    grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(exprs)))}" if exprs else ""
+    return f"SELECT {', '.join([*exprs, sums])} FROM {table}{where}{grouping}"
+
+
+def totals_queries(dialect: TotalsDialect, group_by: tuple[str, ...], since: float | None, until: float | None,
+                   key_id: str | None, model: str | None,
+                   statuses: tuple[str, ...] | None) -> list[tuple[str, list[Any]]]:
+    """The (sql, params) whose rows merge_totals adds up into the usage totals asked for. Whole
+    hours come from the hourly sums; the ragged ends of the range, and any status filter (the
+    sums do not keep statuses), from the rows."""
+    check_group_by(group_by)
+    raw, whole = split_totals(since, until, statuses)
+    queries = []
+    for lo, hi in raw:
+        where, params = dialect.where(usage_filters(lo, hi, key_id, model), statuses)
+        queries.append((_totals_sql(group_by, dialect.group_sql, dialect.sums, "usage", where), params))
+    if whole is not None:
+        where, params = dialect.where(hourly_filters(whole, key_id, model), None)
+        queries.append((_totals_sql(group_by, dialect.rollup_group_sql, dialect.rollup_sums, "usage_hourly", where),
+                        params))
+    return queries
 
 
 def merge_totals(group_by: tuple[str, ...], parts: Iterable[Iterable[Sequence]]) -> list[UsageTotals]:

@@ -356,6 +356,16 @@ class UsageQuery:
         return await ledger.usage_totals(self.group_by, since=self.since, until=self.until,
                                          key_id=self.key_id, model=self.model)
 
+    async def total_rows(self, ledger: ConsoleReads) -> list[dict[str, Any]]:
+        """The totals as the console shows them (JSON, CSV, a table): one dict each, keyed by
+        `total_columns`."""
+        return [totals_dict(t) for t in await self.totals(ledger)]
+
+    @property
+    def total_columns(self) -> tuple[str, ...]:
+        """A total row's columns in their order: the groups, then the sums."""
+        return (*self.group_by, *TOTAL_FIELDS)
+
 
 def bounded_int(value: Any, what: str, default: Any, lo: int, hi: int) -> Any:
     if value is None or value == "":

@@ -56,6 +56,42 @@ def _details(usage: dict, name: str) -> dict:
     return found if isinstance(found, dict) else {}
 
 
+def _reported_count(usage: dict, name: str, fixes: list[str], *, when_invalid: int, least: int | None = None,
+                    most: int | None, above: str) -> int:
+    """A top-level count of a usage (input_tokens, output_tokens): an invalid one is
+    `when_invalid` (fix `<name>_invalid`), one below `least` is `least` (fix
+    `<name>_below_counted`), one above `most` is `most` (fix `above`). The callers' defaults
+    already lie within `most` (the fallback within the bound, the counted output within the
+    cap), so only a reported count is checked against it."""
+    count = as_count(usage.get(name))
+    if count is None:
+        fixes.append(f"{name}_invalid")
+        return when_invalid
+    if least is not None and count < least:
+        fixes.append(f"{name}_below_counted")
+        return least
+    if most is not None and count > most:
+        fixes.append(above)
+        return most
+    return count
+
+
+def _detail_count(usage: dict, details: str, name: str, fixes: list[str], *, most: int, above: str,
+                  when_above: int) -> int:
+    """A count inside a usage's details object (cached_tokens, reasoning_tokens): absent is 0,
+    an invalid one is 0 (fix `<name>_invalid`), one above `most` is `when_above` (fix `above`).
+    The two details differ in what an excess means, so the caller says what replaces it."""
+    raw = _details(usage, details).get(name)
+    count = 0 if raw is None else as_count(raw)
+    if count is None:
+        fixes.append(f"{name}_invalid")
+        return 0
+    if count > most:
+        fixes.append(above)
+        return when_above
+    return count
+
+
 def clean_usage(reported: Any, *, counted_output: int, input_fallback: int, input_bound: int | None,
                 output_cap: int | None, price: Price, hold_micros: int | None) -> BilledUsage:
     """The usage to bill. `reported`: the Responses-shaped usage the upstream reported (None:
@@ -72,40 +108,14 @@ def clean_usage(reported: Any, *, counted_output: int, input_fallback: int, inpu
     if input_bound is not None and fallback > input_bound:
         fallback = input_bound
     if isinstance(reported, dict):
-        raw_in = reported.get("input_tokens")
-        input_tokens = as_count(raw_in)
-        if input_tokens is None:
-            fixes.append("input_tokens_invalid")
-            input_tokens = fallback
-        elif input_bound is not None and input_tokens > input_bound:
-            fixes.append("input_tokens_above_bound")
-            input_tokens = input_bound
-        raw_cached = _details(reported, "input_tokens_details").get("cached_tokens")
-        cached = 0 if raw_cached is None else as_count(raw_cached)
-        if cached is None:
-            fixes.append("cached_tokens_invalid")
-            cached = 0
-        elif cached > input_tokens:
-            fixes.append("cached_tokens_above_input")
-            cached = 0
-        output = as_count(reported.get("output_tokens"))
-        if output is None:
-            fixes.append("output_tokens_invalid")
-            output = counted
-        elif output < counted:
-            fixes.append("output_tokens_below_counted")
-            output = counted
-        if output_cap is not None and output > output_cap:
-            fixes.append("output_tokens_above_cap")
-            output = output_cap
-        raw_rs = _details(reported, "output_tokens_details").get("reasoning_tokens")
-        reasoning = 0 if raw_rs is None else as_count(raw_rs)
-        if reasoning is None:
-            fixes.append("reasoning_tokens_invalid")
-            reasoning = 0
-        elif reasoning > output:
-            fixes.append("reasoning_tokens_above_output")
-            reasoning = output
+        input_tokens = _reported_count(reported, "input_tokens", fixes, when_invalid=fallback,
+                                       most=input_bound, above="input_tokens_above_bound")
+        cached = _detail_count(reported, "input_tokens_details", "cached_tokens", fixes,
+                               most=input_tokens, above="cached_tokens_above_input", when_above=0)
+        output = _reported_count(reported, "output_tokens", fixes, when_invalid=counted, least=counted,
+                                 most=output_cap, above="output_tokens_above_cap")
+        reasoning = _detail_count(reported, "output_tokens_details", "reasoning_tokens", fixes,
+                                  most=output, above="reasoning_tokens_above_output", when_above=output)
     else:
         input_tokens, cached, output, reasoning = fallback, 0, counted, 0
     cost = cost_micros(price, input_tokens, cached, output)

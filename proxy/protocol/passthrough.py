@@ -41,7 +41,7 @@ from proxy.errors import bad_request
 from proxy.protocol.models import resolve_model
 from proxy.protocol.passthrough_fields import EXTENSION, FIELDS, RENDERED, SILENT
 from proxy.protocol.prompt import PromptBound, prompt_bound
-from proxy.protocol.translate_options import check_model, is_int
+from proxy.protocol.translate_options import check_model, is_int, output_cap_of
 
 # family -> the worker's path
 UPSTREAM_PATHS = {
@@ -130,12 +130,7 @@ class Passthrough(NamedTuple):
     @property
     def output_cap(self) -> int | None:
         """The most output one answer may have: the cap sent, within the cap held for."""
-        sent = self.chat.get("max_tokens")
-        sent = sent if type(sent) is int and sent >= 1 else None
-        reserved = self.reserved_output
-        if reserved is None:
-            return sent
-        return reserved if sent is None or reserved < sent else sent
+        return output_cap_of(self.chat, self.reserved_output)
 
 
 def _positive(body: dict, name: str) -> int | None:

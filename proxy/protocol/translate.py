@@ -31,6 +31,7 @@ from proxy.protocol.translate_options import (
     echo_fields,
     field_notices,
     is_int,
+    output_cap_of,
     reasoning_of,
     scalars,
     text_format,
@@ -121,12 +122,7 @@ class Translation(NamedTuple):
     def output_cap(self) -> int | None:
         """The most output deltas the client may be sent (and billed): the max_tokens sent
         upstream, or the cap reserved for when none was sent, whichever is lower."""
-        sent = self.chat.get("max_tokens")
-        sent = sent if type(sent) is int and sent >= 1 else None
-        reserved = self.reserved_output
-        if reserved is None:
-            return sent
-        return reserved if sent is None or reserved < sent else sent
+        return output_cap_of(self.chat, self.reserved_output)
 
 
 def translate_request(body: Any, options: TranslateOptions | None = None) -> Translation:

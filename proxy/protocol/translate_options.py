@@ -65,6 +65,17 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def output_cap_of(chat: dict, reserved: int | None) -> int | None:
+    """The most output one answer may have (and be billed for): the chat body's max_tokens as
+    sent upstream, or the cap reserved for when none was sent, whichever is lower. Both
+    requests a worker answers (a translation, a pass-through) bound their output so."""
+    sent = chat.get("max_tokens")
+    sent = sent if type(sent) is int and sent >= 1 else None
+    if reserved is None:
+        return sent
+    return reserved if sent is None or reserved < sent else sent
+
+
 def is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 

@@ -17,46 +17,20 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from proxy.ledger.base import USAGE_GROUPS, USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
+from proxy.ledger.base import USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
 from proxy.ledger.key_rules import AUDIT_COLUMNS, AUDIT_INSERT_COLUMNS, audit_entry, audit_values
-from proxy.ledger.rollup import (
-    GROUP_SQL,
-    ROLLUP_GROUP_SQL,
-    Filters,
-    check_group_by,
-    hourly_filters,
-    merge_totals,
-    split_totals,
-    sums_sql,
-    usage_filters,
-)
-
-_GROUP_SQL = {
-    **GROUP_SQL,
-    "day": "(floor(created_at / 86400) * 86400)::bigint",
-    "hour": "(floor(created_at / 3600) * 3600)::bigint",
-}
-assert set(_GROUP_SQL) == set(USAGE_GROUPS)
-# The same groups over usage_hourly.
-_ROLLUP_GROUP_SQL = {**ROLLUP_GROUP_SQL, "day": "hour / 86400 * 86400"}
-_ROLLUP_SUMS = sums_sql("COALESCE(SUM(requests), 0)::bigint", "::bigint")
-_SUMS = sums_sql("COUNT(*)", "::bigint")
+from proxy.ledger.rollup import Filters, merge_totals, totals_dialect, totals_queries, usage_filters, where_sql
 
 
 def _where(filters: Filters, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
-    clauses = [f"{clause} ${i + 1}" for i, (clause, _) in enumerate(filters)]
-    params: list[Any] = [value for _, value in filters]
-    if statuses:
-        params.append(list(statuses))
-        clauses.append(f"status = ANY(${len(params)}::text[])")
-    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+    # Numbered placeholders; the statuses as one text[] parameter.
+    return where_sql(filters, statuses, mark=lambda n: f"${n}",
+                     status_in=lambda given, n: (f"status = ANY(${n}::text[])", [list(given)]))
 
 
-def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], sums: str, table: str, where: str,
-                params: list) -> tuple[str, list]:
-    exprs = [columns[g] for g in group_by]
-    grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(exprs)))}" if exprs else ""
-    return f"SELECT {', '.join([*exprs, sums])} FROM {table}{where}{grouping}", params
+_TOTALS = totals_dialect(day="(floor(created_at / 86400) * 86400)::bigint",
+                         hour="(floor(created_at / 3600) * 3600)::bigint",
+                         rollup_day="hour / 86400 * 86400", cast="::bigint", where=_where)
 
 
 class PgConsoleOps:
@@ -102,13 +76,7 @@ class PgConsoleOps:
     async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,
                            until: float | None = None, key_id: str | None = None,
                            model: str | None = None, statuses: tuple[str, ...] | None = None) -> list[UsageTotals]:
-        check_group_by(group_by)
-        raw, whole = split_totals(since, until, statuses)
-        queries = [_totals_sql(group_by, _GROUP_SQL, _SUMS, "usage",
-                               *_where(usage_filters(lo, hi, key_id, model), statuses)) for lo, hi in raw]
-        if whole is not None:
-            queries.append(_totals_sql(group_by, _ROLLUP_GROUP_SQL, _ROLLUP_SUMS, "usage_hourly",
-                                       *_where(hourly_filters(whole, key_id, model))))
+        queries = totals_queries(_TOTALS, group_by, since, until, key_id, model, statuses)
 
         async def op(conn: Any) -> list[UsageTotals]:
             if len(queries) == 1:  # one statement is one snapshot already

@@ -17,51 +17,22 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
-from proxy.ledger.base import USAGE_GROUPS, USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
+from proxy.ledger.base import USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
 from proxy.ledger.key_rules import AUDIT_COLUMNS, AUDIT_INSERT_COLUMNS, audit_entry, audit_values
-from proxy.ledger.rollup import (
-    GROUP_SQL,
-    ROLLUP_GROUP_SQL,
-    Filters,
-    check_group_by,
-    hourly_filters,
-    merge_totals,
-    split_totals,
-    sums_sql,
-    usage_filters,
-)
+from proxy.ledger.rollup import Filters, merge_totals, totals_dialect, totals_queries, usage_filters, where_sql
 from proxy.ledger.sqlite.writer import Durability
 
 READ = Durability.READ
 
-# Each group's SQL expression; "day" and "hour" are the UTC bucket's start in Unix seconds.
-_GROUP_SQL = {
-    **GROUP_SQL,
-    "day": "CAST(created_at / 86400 AS INTEGER) * 86400",
-    "hour": "CAST(created_at / 3600 AS INTEGER) * 3600",
-}
-assert set(_GROUP_SQL) == set(USAGE_GROUPS)
-# The same groups over usage_hourly (proxy/ledger/schema.py: ROLLUP).
-_ROLLUP_GROUP_SQL = {**ROLLUP_GROUP_SQL, "day": "CAST(hour / 86400 AS INTEGER) * 86400"}
-_ROLLUP_SUMS = sums_sql("COALESCE(SUM(requests), 0)")
-_SUMS = sums_sql("COUNT(*)")
-
-
 def _where(filters: Filters, statuses: tuple[str, ...] | None = None) -> tuple[str, list[Any]]:
-    clauses = [f"{clause} ?" for clause, _ in filters]
-    params = [value for _, value in filters]
-    if statuses:
-        clauses.append(f"status IN ({', '.join('?' for _ in statuses)})")
-        params.extend(statuses)
-    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+    # "?" placeholders; SQLite has no arrays, so one placeholder a status.
+    return where_sql(filters, statuses, mark=lambda n: "?",
+                     status_in=lambda given, n: (f"status IN ({', '.join('?' for _ in given)})", list(given)))
 
 
-def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], table: str, where: str, params: list,
-                rolled: bool = False) -> tuple[str, list]:
-    exprs = [columns[g] for g in group_by]
-    select = ", ".join([*exprs, _ROLLUP_SUMS if rolled else _SUMS])
-    grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(exprs)))}" if exprs else ""
-    return f"SELECT {select} FROM {table}{where}{grouping}", params
+_TOTALS = totals_dialect(day="CAST(created_at / 86400 AS INTEGER) * 86400",
+                         hour="CAST(created_at / 3600 AS INTEGER) * 3600",
+                         rollup_day="CAST(hour / 86400 AS INTEGER) * 86400", cast="", where=_where)
 
 
 class ConsoleOps:
@@ -106,15 +77,7 @@ class ConsoleOps:
     async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,
                            until: float | None = None, key_id: str | None = None,
                            model: str | None = None, statuses: tuple[str, ...] | None = None) -> list[UsageTotals]:
-        check_group_by(group_by)
-        # Whole hours come from the hourly sums; the ragged ends of the range, and any
-        # status filter (the sums do not keep statuses), from the rows (proxy/ledger/rollup.py).
-        raw, whole = split_totals(since, until, statuses)
-        queries = [_totals_sql(group_by, _GROUP_SQL, "usage", *_where(usage_filters(lo, hi, key_id, model), statuses))
-                   for lo, hi in raw]
-        if whole is not None:
-            queries.append(_totals_sql(group_by, _ROLLUP_GROUP_SQL, "usage_hourly",
-                                       *_where(hourly_filters(whole, key_id, model)), rolled=True))
+        queries = totals_queries(_TOTALS, group_by, since, until, key_id, model, statuses)
 
         def op(conn: sqlite3.Connection) -> list[UsageTotals]:
             return merge_totals(group_by, (conn.execute(sql, params) for sql, params in queries))
