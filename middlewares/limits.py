@@ -50,14 +50,14 @@ def _seconds_header(retry_after_s: float) -> str:
 
 
 def _redis_counter(section: LimitsRedis, app: web.Application):
-    from proxy.limits.redis_backend import RedisCounter
+    from proxy.limits.redis_backend import SHARED_COUNTER, RedisCounter
 
     def report(event: str) -> None:
         metrics = app.get(METRICS)
         if metrics is not None:
             metrics.limits_redis.inc((event,))
 
-    counter = RedisCounter(section, report)
+    counter = app[SHARED_COUNTER] = RedisCounter(section, report)
 
     async def running(_app: web.Application):
         async with counter.running():

@@ -34,6 +34,7 @@ from proxy.protocol.ids import random_bits
 from proxy.protocol.models import sampling_defaults
 from proxy.protocol.passthrough import ANTHROPIC
 from proxy.runtime import metrics
+from proxy.runtime.alerts import alerts_context
 from proxy.runtime.refusals import REFUSALS, Refusals, is_refusal
 from proxy.state import (
     CONFIG,
@@ -379,6 +380,7 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_embedded_simulator)
     app.cleanup_ctx.append(health_context(SESSION, POOL, CONFIG))  # discovery + active checks, once urls are final
     app.cleanup_ctx.append(_ledger)
+    app.cleanup_ctx.append(alerts_context(config.alerts, SESSION))  # after the ledger: it reads it
     sealer = sealer_from_config(config.reasoning_seal)
     if sealer is not None:
         app[state.SEALER] = sealer

@@ -138,6 +138,9 @@ def _paths() -> dict[str, Any]:
             "responses": {**_ok("Totals, series, workers, top keys, recent errors; errors: refusals (from the "
                                 "access records) and failed answers, error_counts, errors_scope"),
                           **_errors(400, 401, 403, 503)}}},
+        "/api/alerts": {"get": {
+            "operationId": "alerts", "summary": "Alerts: the conditions active now, the last notices, deliveries",
+            "responses": {**_ok("Active, recent, sent, failed, dropped, queued"), **_errors(401, 403)}}},
         "/api/session": {"get": {
             "operationId": "session", "summary": "Who is logged in, and the CSRF token of the session",
             "responses": {**_ok("The session"), **_errors(401, 403)}}},

@@ -38,6 +38,7 @@ from proxy.ledger.service import (
     usage_dict,
 )
 from proxy.protocol.models import resolve_model
+from proxy.runtime.alerts import ALERTS
 
 MAX_BODY = 64 * 1024
 
@@ -203,10 +204,18 @@ async def audit(request: web.Request) -> web.Response:
     return json_response({"object": "list", "data": data, "next_cursor": next_cursor, "has_more": more})
 
 
+async def alerts(request: web.Request) -> web.Response:
+    """The active conditions, the last notices and the delivery counts (proxy/runtime/alerts.py)."""
+    found = request.config_dict.get(ALERTS)
+    return json_response(found.view() if found is not None else {"active": [], "recent": [], "sent": {},
+                                                                 "failed": {}, "dropped": 0, "queued": 0})
+
+
 def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_get("/api/keys", list_keys)
     r.add_post("/api/keys", create_key)
+    r.add_get("/api/alerts", alerts)
     r.add_get("/api/keys/{key_id}", show_key)
     r.add_patch("/api/keys/{key_id}", update_key)
     r.add_post("/api/keys/{key_id}/topup", top_up)

@@ -168,6 +168,10 @@ def check(data: dict[str, Any]) -> None:
     seal_keys(seal["keys"], seal["active"])
     if data["auth"]["enabled"]:
         _named_keys(data["auth"]["static_keys"], "auth.static_keys", "static key")
+    hooks = [hook["name"] for hook in data["alerts"]["webhooks"]]
+    for i, name in enumerate(hooks):
+        if name in hooks[:i]:
+            raise SchemaError(f"alerts.webhooks[{i}]: duplicate webhook name {name!r}")
     if data["tools"]["enabled"]:
         _tools(data["tools"])
     if data["notices"]["enabled"]:

@@ -428,6 +428,31 @@ class Admin:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AlertsWebhooks:
+    """The `alerts.webhooks[]` section."""
+
+    name: Annotated[str, Str(nonempty=True), "unique; the metrics and the console count by it"]
+    url: Annotated[str, Url(example="https://hooks.slack.com/services/..."), "where each notice is POSTed"]
+    format: Annotated[str, Str(choices=("json", "slack")), "json: the notice as an object; slack: an incoming-webhook text"] = "json"
+    secret: Annotated[str | None, "signs each body (X-Responses-Proxy-Signature: sha256=HMAC of \"<timestamp>.<body>\"), e.g. ${ALERT_SECRET}; null: unsigned"] = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Alerts:
+    """The `alerts` section."""
+
+    webhooks: Annotated[tuple[AlertsWebhooks, ...], "where notices go; none: alerts are only logged and shown in the console"] = ()
+    check_interval_s: Annotated[float, POS_NUM, "how often the conditions are looked at (off the request path)"] = 15
+    reminder_s: Annotated[float, POS_NUM, "a condition that lasts is told again this often"] = 3600
+    budget_thresholds: Annotated[tuple[float, ...], ListOf(Num(gt=0, hi=1)), "shares of a key's daily or monthly budget spent that alert (once each per period)"] = (0.8, 1.0)
+    balance_below_micros: Annotated[int | None, Nullable(Int(lo=0)), "a key's balance under this alerts; null: never"] = None
+    spool_backlog_bytes: Annotated[int, POS_INT, "the settlement spool waiting past this many bytes alerts (PostgreSQL ledger)"] = 1024 * 1024
+    retries: Annotated[int, Int(0, 20), "deliveries tried again after a failure (a 5xx, a 429, no answer)"] = 5
+    backoff_s: Annotated[float, POS_NUM, "the first wait before a retry; doubled each time"] = 1
+    max_backoff_s: Annotated[float, POS_NUM, "the longest wait between two tries"] = 60
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Prices:
     """The `prices[]` section."""
 
@@ -519,6 +544,12 @@ The operator's console (README "Operator's console"): /admin/api/... (keys, usag
 audit), /admin/openapi.json, and the dashboard at /admin/. Admin keys are separate from
 client keys: a client key gets 403 there, no key 401.""")
     ] = field(default_factory=Admin)
+    alerts: Annotated[
+        Alerts, Note("""\
+Alerts (README "Alerts"): a key's budget or balance, a worker ejected and back, a model no worker
+serves, the ledger's fault and its end, the spool's backlog, Redis down; told to webhooks, never
+on a request's path.""")
+    ] = field(default_factory=Alerts)
     prices: Annotated[
         dict[str, Prices], Note("""\
 Per million tokens, in integer micro-units of the account currency (1 unit = 1,000,000),

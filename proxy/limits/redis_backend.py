@@ -44,6 +44,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
+from aiohttp import web
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -275,3 +276,6 @@ class RedisCounter:
                 with contextlib.suppress(Exception):
                     await self.sync(False)
             await self.client.aclose()
+
+
+SHARED_COUNTER = web.AppKey("limits_shared_counter", RedisCounter)  # limits.backend: redis (alerts read .down)
