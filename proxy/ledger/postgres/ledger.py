@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from proxy.config import settings as config_settings
+from proxy.ledger import commit_rules  # the rules both backends commit by
 from proxy.ledger.base import (
     USAGE_RECORD_COLUMNS,
     DuplicateRequest,
@@ -64,17 +65,6 @@ from proxy.ledger.base import (
     LedgerUnavailable,
     UnknownKey,
     UsageRecord,
-)
-from proxy.ledger.commit_rules import (
-    check_settle,
-    checked_rows,
-    hold_range,
-    hold_ttl,
-    lease_grant,
-    lease_grow_args,
-    note_debits,
-    settle_debit,
-    usage_row,
 )
 from proxy.ledger.interface import Ledger
 from proxy.ledger.key_rules import presented_key
@@ -350,14 +340,14 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
                          *, lease_return: tuple[str, int] | None = None) -> Hold:
         """`lease_return` as SQLiteLedger.hold_up_to: that much of a lease goes back first, in
         the same transaction, kept even when the hold is refused."""
-        low, high = hold_range(min_micros, max_micros)
+        low, high = commit_rules.hold_range(min_micros, max_micros)
         if lease_return is not None and lease_return[1] <= 0:
             lease_return = None
         return await self._hold(request_id, key_id, low, high, ttl_s, lease_return)
 
     async def _hold(self, request_id: str, key_id: str, low: int, high: int, ttl_s: float,
                     lease_return: tuple[str, int] | None) -> Hold:
-        ttl = hold_ttl(request_id, ttl_s)
+        ttl = commit_rules.hold_ttl(request_id, ttl_s)
         self._refuse_if_faulty()
 
         lease_id, give_back = lease_return if lease_return is not None else (None, 0)
@@ -390,7 +380,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         raise DuplicateRequest(request_id)
 
     async def _settle_db(self, request_id: str, usage: UsageRecord) -> int | None:
-        row = usage_row(usage, request_id)
+        row = commit_rules.usage_row(usage, request_id)
 
         async def op(conn: asyncpg.Connection) -> int | None:
             balance = await conn.fetchval(_LOCK_KEY, usage.key_id)
@@ -401,7 +391,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
                 return None
             if balance is None:
                 raise UnknownKey(usage.key_id)
-            debit = settle_debit(usage.cost_micros, balance, held)
+            debit = commit_rules.settle_debit(usage.cost_micros, balance, held)
             status = await conn.execute(
                 f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
                 " $13, $14) ON CONFLICT (request_id) DO NOTHING", *row[:8], debit, *row[9:])
@@ -416,7 +406,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         return await self._db(op)
 
     async def settle(self, request_id: str, usage: UsageRecord, *, linger: bool = True) -> bool:
-        check_settle(request_id, usage)
+        commit_rules.check_settle(request_id, usage)
         try:
             debited = await self._settle_db(request_id, usage)
         except Exception as exc:  # whatever the reason, a settlement is never dropped
@@ -484,7 +474,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
                          share: int = 2) -> tuple[int, bool]:
         """As SQLiteLedger.lease_grow: add min(max, available // share) (available without
         the lease itself) to the lease row, push its expiry; nothing below min_micros."""
-        low, high, ttl, share = lease_grow_args(min_micros, max_micros, ttl_s, share)
+        low, high, ttl, share = commit_rules.lease_grow_args(min_micros, max_micros, ttl_s, share)
         self._refuse_if_faulty()
 
         async def op(conn: asyncpg.Connection) -> tuple[int, bool]:
@@ -496,7 +486,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
                 "SELECT (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds WHERE key_id = $1"
                 " AND expires_at > $2 AND request_id <> $3),"
                 " (SELECT amount_micros FROM holds WHERE request_id = $3 AND expires_at > $2)", key_id, now, lease_id)
-            grant = lease_grant(balance - others - (own or 0), low, high, share)
+            grant = commit_rules.lease_grant(balance - others - (own or 0), low, high, share)
             if own is None:  # absent, or expired (then it counts for nothing: start afresh)
                 if not grant:
                     await conn.execute("DELETE FROM holds WHERE request_id = $1", lease_id)
@@ -520,7 +510,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         """As SQLiteLedger.lease_commit, in one transaction. When the database cannot be
         reached, each valid row is spooled (with its lease id) and answered as debited at
         its cost: its replay debits it (clamped) and takes it off the lease row."""
-        rows = checked_rows(usages)
+        rows = commit_rules.checked_rows(usages)
         try:
             return await self._lease_commit_db(usages, leases, rows)
         except Exception as exc:
@@ -549,7 +539,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
             return results, lapsed
 
         results, lapsed = await self._db(op)
-        note_debits(usages, results)
+        commit_rules.note_debits(usages, results)
         return results, lapsed
 
     # ------------------------------------------------------------------ tests and tools

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.config import settings as config_settings
+from proxy.ledger import commit_rules  # the rules both backends commit by
 from proxy.ledger.base import (
     USAGE_RECORD_COLUMNS,
     DuplicateRequest,
@@ -44,17 +45,6 @@ from proxy.ledger.base import (
     LedgerError,
     UnknownKey,
     UsageRecord,
-)
-from proxy.ledger.commit_rules import (
-    check_settle,
-    checked_rows,
-    hold_range,
-    hold_ttl,
-    lease_grant,
-    lease_grow_args,
-    lease_row_changes,
-    note_debits,
-    settle_debit,
 )
 from proxy.ledger.interface import Ledger
 from proxy.ledger.key_rules import presented_key
@@ -163,7 +153,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
 
     async def hold(self, request_id: str, key_id: str, amount_micros: int, ttl_s: float) -> Hold:
         amount = as_int(amount_micros, "amount_micros")
-        ttl = hold_ttl(request_id, ttl_s)
+        ttl = commit_rules.hold_ttl(request_id, ttl_s)
         return await self._run(self._hold_op(request_id, key_id, amount, amount, ttl), HOLD, atomic=True)
 
     async def hold_up_to(
@@ -173,8 +163,8 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         """`lease_return` = (lease id, micros): first give that much of a lease back (its
         amount, never below 0), in the same transaction, kept even when the hold is refused
         (proxy/ledger/lease.py: a request its process's lease cannot cover)."""
-        low, high = hold_range(min_micros, max_micros)
-        ttl = hold_ttl(request_id, ttl_s)
+        low, high = commit_rules.hold_range(min_micros, max_micros)
+        ttl = commit_rules.hold_ttl(request_id, ttl_s)
         if lease_return is None or lease_return[1] <= 0:
             return await self._run(self._hold_op(request_id, key_id, low, high, ttl), HOLD, atomic=True)
         result = await self._run(self._hold_op(request_id, key_id, low, high, ttl, lease_return), HOLD)
@@ -232,7 +222,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         return op
 
     async def settle(self, request_id: str, usage: UsageRecord, *, linger: bool = True) -> bool:
-        check_settle(request_id, usage)
+        commit_rules.check_settle(request_id, usage)
         counts = (usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens)
         cost = usage.cost_micros
         key_id, model, status = usage.key_id, str(usage.model), usage.status
@@ -252,7 +242,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
                 return None
             if balance is None:
                 raise UnknownKey(key_id)
-            debit = settle_debit(cost, balance, held)
+            debit = commit_rules.settle_debit(cost, balance, held)
             try:
                 # The exactly-once guarantee: UNIQUE(request_id), in this same transaction.
                 conn.execute(
@@ -297,7 +287,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         missing) and push its expiry to now + ttl_s; nothing when that is below min_micros.
         available excludes the lease itself. Returns (granted, whether the row was still
         there unexpired before). Commits without fsync, like every hold."""
-        low, high, ttl, share = lease_grow_args(min_micros, max_micros, ttl_s, share)
+        low, high, ttl, share = commit_rules.lease_grow_args(min_micros, max_micros, ttl_s, share)
 
         def op(conn: sqlite3.Connection) -> tuple[int, bool]:
             now = time.time()
@@ -311,7 +301,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             if row is None:
                 raise UnknownKey(key_id)
             own = row[2]
-            grant = lease_grant(row[0] - row[1] - (own or 0), low, high, share)
+            grant = commit_rules.lease_grant(row[0] - row[1] - (own or 0), low, high, share)
             if own is None:  # absent, or expired (then it counts for nothing: start afresh)
                 if not grant:
                     conn.execute("DELETE FROM holds WHERE request_id = ?", (lease_id,))
@@ -345,7 +335,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         the lease ids whose row had expired or vanished)."""
         # Validated here, on the event loop, into ready-made usage rows (debited = cost),
         # so that the writer thread only looks up the balances and inserts.
-        rows: list[Any] = checked_rows(usages)  # as record_usage takes them
+        rows: list[Any] = commit_rules.checked_rows(usages)  # as record_usage takes them
         lease_ids = [lease_id for lease_id, _ in usages]
 
         def op(conn: sqlite3.Connection) -> tuple[list, set[str]]:
@@ -356,7 +346,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
                 if debit:
                     conn.execute(DEBIT_KEY, (debit, key_id))
             lapsed: set[str] = set()
-            for lease_id, (total, expires_at, drop) in lease_row_changes(taken, leases, now).items():
+            for lease_id, (total, expires_at, drop) in commit_rules.lease_row_changes(taken, leases, now).items():
                 if drop:
                     conn.execute("DELETE FROM holds WHERE request_id = ?", (lease_id,))
                     continue
@@ -369,7 +359,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             return results, lapsed
 
         results, lapsed = await self._run(op)
-        note_debits(usages, results)
+        commit_rules.note_debits(usages, results)
         return results, lapsed
 
     async def expire_holds(self, now: float | None = None) -> int:
