@@ -59,11 +59,11 @@ def micros_of_usd(value: Any, what: str, *, signed: bool = False) -> int:
     groups of three digits: "1,50" is no amount (a decimal comma read as a separator credits $150)."""
     text = str(value).strip() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
     if _DOLLARS.fullmatch(text) is None:
-        raise ValueError(f"{what} must be an amount of dollars (e.g. 1.50, 1,250.00 or -0.25), not {text[:40]!r}")
+        raise ValueError(f"{what}: not an amount of dollars: {text[:40]!r} (e.g. 1.50, 1,250.00 or -0.25)")
     try:
         amount = Decimal(text.replace("$", "", 1).replace(",", "").replace("_", "")) * 1_000_000
     except InvalidOperation:
-        raise ValueError(f"{what} must be an amount of dollars, not {text[:40]!r}") from None
+        raise ValueError(f"{what}: not an amount of dollars: {text[:40]!r}") from None
     if not amount.is_finite() or amount != amount.to_integral_value():
         raise ValueError(f"{what} {text!r} is finer than a micro-dollar (at most 6 decimals)")
     if amount < 0 and not signed:
