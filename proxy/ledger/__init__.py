@@ -145,13 +145,17 @@ async def migrate_ledger(section: Any, base_dir: str | Path | None = None) -> st
         import sqlite3
 
         from proxy.ledger.schema import SQLITE_SCHEMA_VERSION, apply_schema
+        from proxy.ledger.sqlite.writer import private_files
 
         path = resolve_path(section.path, base_dir)
 
         def run() -> None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            private_files(Path(path))  # made 0600 (and its folder 0700) before SQLite opens it, as the ledger does
             conn = sqlite3.connect(path, timeout=section.busy_timeout_ms / 1000)
             try:
+                # WAL as the ledger opens it: switching a file's journal mode takes it whole, so it
+                # is done here once, not by N processes opening it at once
+                conn.execute("PRAGMA journal_mode = WAL")
                 apply_schema(conn)
                 conn.commit()
             finally:

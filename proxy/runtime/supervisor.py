@@ -106,6 +106,16 @@ def supervise(config: Config, host: str, port: int, workers: int,
     except OSError as exc:
         print(f"responses-proxy: {listen_error(host, port, exc)}", file=sys.stderr, flush=True)
         return 2
+    # The ledger's schema made once, here, before any child opens it: N processes creating a new
+    # SQLite file at once race on its schema ("database is locked").
+    if config.ledger.backend != "none":
+        from proxy.ledger import LedgerError, migrate_ledger
+
+        try:
+            asyncio.run(migrate_ledger(config.ledger, config.path.parent if config.path else None))
+        except (LedgerError, OSError) as exc:
+            print(f"responses-proxy: cannot start: {exc}", file=sys.stderr, flush=True)
+            return 2
     if config.auth.enabled and config.auth.demo_key:
         asyncio.run(_create_demo_key(config))
         config.update("auth", demo_key=False)  # the children must not create (and revoke) their own
@@ -164,9 +174,15 @@ def _run_children(config: Config, host: str, port: int, workers: int, serve_one:
             os.environ["RESPONSES_PROXY_WORKER"] = str(index)
             os.close(ready_fd)
             code = 1
+
+            def ready() -> None:
+                try:
+                    os.write(said_fd, b"r")
+                except OSError:  # the supervisor stopped waiting (another child failed): it stops this one too
+                    pass
+
             try:
-                code = serve_one(config, host, port, reuse_port=True, announce=False,
-                                 on_ready=lambda: os.write(said_fd, b"r"))
+                code = serve_one(config, host, port, reuse_port=True, announce=False, on_ready=ready)
             except BaseException as exc:  # report and leave with a code, never return into the parent's code
                 if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     print(f"responses-proxy worker {index}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

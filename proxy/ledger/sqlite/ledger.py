@@ -34,8 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import proxy.ledger.commit_rules as commit_rules  # the rules both backends commit by
 from proxy.config import settings as config_settings
-from proxy.ledger import commit_rules  # the rules both backends commit by
 from proxy.ledger.base import (
     USAGE_RECORD_COLUMNS,
     DuplicateRequest,

@@ -119,7 +119,7 @@ def _resolve_all(items: Sequence[tuple[asyncio.Future, Any, BaseException | None
             future.set_result(result)
 
 
-def _private_files(path: Path) -> None:
+def private_files(path: Path) -> None:
     """The ledger (key names, hashes, balances, usage) readable by its owner alone: made 0600
     before SQLite opens it (its -wal and -shm files take the database file's mode), and an
     older one's files tightened."""
@@ -224,7 +224,7 @@ class GroupWriter:
 
     def _connect(self) -> sqlite3.Connection:
         if self.path != ":memory:":
-            _private_files(Path(self.path))
+            private_files(Path(self.path))
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
         if self.path != ":memory:":
