@@ -448,3 +448,49 @@ async def test_allowed_models_naming_a_model_no_worker_serves_says_so(admin_prox
         r = await s.patch(p.url + f"/admin/api/keys/{answer['key']['key_id']}", headers=_h(),
                           json={"allowed_models": ["vendor/tiny-org/tiny-model"]})  # a vendor prefix resolves
         assert r.status == 200 and "warnings" not in await r.json()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_the_request_browser_lists_exactly_the_ledgers_rows_for_a_filter(make_proxy, request, tmp_path, backend):
+    from tests.conftest import ledger_section
+
+    p = await make_proxy({**_admin_config(), "ledger": ledger_section(backend, request, tmp_path)})
+    one, first = await p.ledger.create_key("one", 10_000_000)
+    two, _ = await p.ledger.create_key("two", 10_000_000)
+    async with aiohttp.ClientSession() as s:
+        for secret, path, body in ((one, "/v1/responses", {"model": "tiny-org/tiny-model", "input": "hi",
+                                                           "max_output_tokens": 8}),
+                                   (one, "/v1/chat/completions", {"model": "tiny-org/tiny-model", "max_tokens": 8,
+                                                                  "messages": [{"role": "user", "content": "hi"}]}),
+                                   (two, "/v1/responses", {"model": "tiny-org/tiny-model", "input": "yo",
+                                                           "max_output_tokens": 8}),
+                                   (one, "/v1/chat/completions", {"model": "tiny-org/tiny-model", "max_tokens": 8,
+                                                                  "messages": [{"role": "user", "content": "again"}]})):
+            r = await s.post(p.url + path, json=body, headers={"Authorization": f"Bearer {secret}"})
+            assert r.status == 200, await r.text()
+        from middlewares.balance import wait_for_settlements
+
+        await wait_for_settlements(p.app)
+        want = [row for _, row in await p.ledger.usage_rows(key_id=first.key_id, limit=100)
+                if (row.endpoint or "/v1/responses") == "/v1/chat/completions"]
+        assert len(want) == 2
+        got, cursor = [], None
+        while True:  # a page of one at a time: the cursor walks them all
+            query = {"key_id": first.key_id, "endpoint": "/v1/chat/completions", "status": "completed", "limit": "1"}
+            if cursor is not None:
+                query["cursor"] = str(cursor)
+            r = await s.get(p.url + "/admin/api/requests", params=query, headers=_h())
+            assert r.status == 200, await r.text()
+            page = await r.json()
+            got += page["data"]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert [g["request_id"] for g in got] == [w.request_id for w in want]
+        assert all(g["endpoint"] == "/v1/chat/completions" and g["key_name"] == "one" for g in got)
+        assert [g["cost_micros"] for g in got] == [w.cost_micros for w in want]
+        everything = await (await s.get(p.url + "/admin/api/requests", headers=_h())).json()
+        assert len(everything["data"]) == 4 and everything["next_cursor"] is None
+        for bad in ({"status": "done"}, {"limit": "0"}, {"since": "yesterday"}):
+            r = await s.get(p.url + "/admin/api/requests", params=bad, headers=_h())
+            assert r.status == 400, bad

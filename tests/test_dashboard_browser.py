@@ -357,3 +357,37 @@ async def test_a_key_made_in_the_console_is_in_keys_list_and_managed_there(make_
             await viewer.screenshot(path=str(ARTEFACTS / "dashboard-manage-viewer-420.png"), full_page=True)
         finally:
             await browser.close()
+
+
+async def test_the_request_browser_view_shows_the_ledgers_rows_for_its_filters(make_proxy):
+    proxy = await make_proxy({"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY}]}, "auth": {"demo_key": True}})
+    client = proxy.openai()
+    for i in range(3):
+        await client.responses.create(model="tiny-org/tiny-model", input=f"hello {i}", max_output_tokens=8)
+    await client.chat.completions.create(model="tiny-org/tiny-model", max_tokens=8,
+                                         messages=[{"role": "user", "content": "hi"}])
+    from middlewares.balance import wait_for_settlements
+
+    await wait_for_settlements(proxy.app)
+    rows = [r for _, r in await proxy.ledger.usage_rows(limit=100)]
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                           args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = await browser.new_page(viewport={"width": 1300, "height": 900})
+            await page.goto(proxy.url + "/admin")
+            await page.fill("#admin-key", ADMIN_KEY)
+            await page.click("#login-button")
+            await page.wait_for_selector("body[data-loaded]")
+            await page.click("nav button[data-view=requests]")
+            await page.wait_for_selector("body[data-requests-loaded]")
+            assert [c[1] for c in await _cells(page, "requests-table")] == [r.request_id for r in rows]
+            await page.select_option("#req-endpoint", "/v1/chat/completions")
+            loaded = await page.get_attribute("body", "data-requests-loaded")
+            await page.click("#req-apply")
+            await playwright_api.expect(page.locator("body")).not_to_have_attribute("data-requests-loaded", loaded)
+            chat = [r.request_id for r in rows if r.endpoint == "/v1/chat/completions"]
+            assert [c[1] for c in await _cells(page, "requests-table")] == chat and len(chat) == 1
+            await page.screenshot(path=str(ARTEFACTS / "dashboard-requests-1300.png"), full_page=True)
+        finally:
+            await browser.close()

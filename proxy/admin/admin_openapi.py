@@ -141,6 +141,14 @@ def _paths() -> dict[str, Any]:
         "/api/alerts": {"get": {
             "operationId": "alerts", "summary": "Alerts: the conditions active now, the last notices, deliveries",
             "responses": {**_ok("Active, recent, sent, failed, dropped, queued"), **_errors(401, 403)}}},
+        "/api/requests": {"get": {
+            "operationId": "requests", "summary": "One row per request, newest first, from the ledger (paginated)",
+            "parameters": [*_RANGE, _query("model", {"type": "string"}, "one served model"),
+                           _query("endpoint", {"type": "string"}, "one API path, e.g. /v1/chat/completions"),
+                           _query("status", {"type": "string"}, "completed, incomplete, failed, cancelled, error; "
+                                                                "several comma-separated"), *_PAGE],
+            "responses": {**_ok("Rows: time, request, key, model, endpoint, worker, tokens, cost, status; "
+                                "next_cursor", _LIST), **_errors(400, 401, 403, 503)}}},
         "/api/session": {"get": {
             "operationId": "session", "summary": "Who is logged in, and the CSRF token of the session",
             "responses": {**_ok("The session"), **_errors(401, 403)}}},

@@ -204,6 +204,18 @@ async def audit(request: web.Request) -> web.Response:
     return json_response({"object": "list", "data": data, "next_cursor": next_cursor, "has_more": more})
 
 
+async def requests_browser(request: web.Request) -> web.Response:
+    """One row per request, newest first, from the ledger's usage rows (not a copy): filters
+    key_id, model (the served one), endpoint, status (one or several, comma-separated), since,
+    until; a page of `limit`, the next from `cursor`."""
+    query = _query(request)
+    page, cursor = await guarded(query.rows(ledger_of(request)))
+    names = {r.key_id: r.name for r in await guarded(service(request).list())} if page else {}
+    data = [{**usage_dict(record), "endpoint": record.endpoint or "/v1/responses",
+             "key_name": names.get(record.key_id)} for _, record in page]
+    return json_response({"object": "list", "data": data, "next_cursor": cursor})
+
+
 async def alerts(request: web.Request) -> web.Response:
     """The active conditions, the last notices and the delivery counts (proxy/runtime/alerts.py)."""
     found = request.config_dict.get(ALERTS)
@@ -215,6 +227,7 @@ def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_get("/api/keys", list_keys)
     r.add_post("/api/keys", create_key)
+    r.add_get("/api/requests", requests_browser)
     r.add_get("/api/alerts", alerts)
     r.add_get("/api/keys/{key_id}", show_key)
     r.add_patch("/api/keys/{key_id}", update_key)

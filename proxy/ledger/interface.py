@@ -223,10 +223,12 @@ class ConsoleReads(abc.ABC):
     async def usage_rows(self, *, since: float | None = None, until: float | None = None,
                          key_id: str | None = None, model: str | None = None,
                          before_seq: int | None = None, limit: int = 100,
-                         statuses: tuple[str, ...] | None = None) -> list[tuple[int, UsageRecord]]:
+                         statuses: tuple[str, ...] | None = None,
+                         endpoint: str | None = None) -> list[tuple[int, UsageRecord]]:
         """Usage records as (seq, record), newest first: created_at in [since, until),
-        optionally of one key, one model (the served model: UsageRecord.grouped_model) and
-        some statuses, seq < before_seq (the next page's cursor)."""
+        optionally of one key, one model (the served model: UsageRecord.grouped_model), one
+        endpoint (the API path; rows from before it was kept count as /v1/responses) and some
+        statuses, seq < before_seq (the next page's cursor)."""
 
     @abc.abstractmethod
     async def usage_totals(self, group_by: tuple[str, ...], *, since: float | None = None,

@@ -81,13 +81,17 @@ ROLLUP_GROUP_SQL = {"key": "key_id", "model": "model", "worker": "NULLIF(worker,
 Filters = list[tuple[str, Any]]  # (an SQL expression and its comparison, the value): the backend adds its placeholder
 
 
+# A row from before the endpoint was kept was a Responses request (UsageRecord.endpoint).
+ENDPOINT_SQL = "COALESCE(endpoint, '/v1/responses')"
+
+
 def usage_filters(since: float | None, until: float | None, key_id: str | None, model: str | None,
-                  before_seq: int | None = None) -> Filters:
+                  before_seq: int | None = None, endpoint: str | None = None) -> Filters:
     """The usage rows' filters given (None: not filtered): created_at in [since, until), one
-    key, one model (the served one), seq < before_seq (a page's cursor)."""
+    key, one model (the served one), one endpoint (the API path), seq < before_seq (a page's cursor)."""
     given = (("key_id =", key_id), ("created_at >=", None if since is None else float(since)),
              ("created_at <", None if until is None else float(until)), (f"{SERVED_MODEL_SQL} =", model),
-             ("seq <", None if before_seq is None else int(before_seq)))
+             (f"{ENDPOINT_SQL} =", endpoint), ("seq <", None if before_seq is None else int(before_seq)))
     return [(clause, value) for clause, value in given if value is not None]
 
 

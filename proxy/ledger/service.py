@@ -31,6 +31,7 @@ from proxy.ledger.base import (
     KEY_LIMIT_FIELDS,
     UNSET,
     USAGE_GROUPS,
+    USAGE_STATUSES,
     KeyLimits,
     KeyRecord,
     LedgerError,
@@ -330,6 +331,13 @@ class UsageQuery:
             raise ValueError("until must be after since")
         self.key_id = params.get("key_id") or None
         self.model = params.get("model") or None
+        self.endpoint = params.get("endpoint") or None
+        raw_statuses = params.get("status") or ""
+        self.statuses = tuple(s.strip() for s in (raw_statuses.split(",") if isinstance(raw_statuses, str)
+                                                  else raw_statuses) if s.strip()) or None
+        unknown = [s for s in self.statuses or () if s not in USAGE_STATUSES]
+        if unknown:
+            raise ValueError(f"status must be among {', '.join(sorted(USAGE_STATUSES))}, not {unknown[0][:40]!r}")
         self.format = (params.get("format") or "json").lower()
         if self.format not in ("json", "csv"):
             raise ValueError("format must be json or csv")
@@ -347,7 +355,8 @@ class UsageQuery:
     async def rows(self, ledger: ConsoleReads) -> tuple[list[tuple[int, UsageRecord]], int | None]:
         """A page of rows, newest first, and the cursor of the next page (None: last page)."""
         found = await ledger.usage_rows(since=self.since, until=self.until, key_id=self.key_id, model=self.model,
-                                        before_seq=self.cursor, limit=self.limit + 1)
+                                        before_seq=self.cursor, limit=self.limit + 1, statuses=self.statuses,
+                                        endpoint=self.endpoint)
         more = len(found) > self.limit
         found = found[:self.limit]
         return found, (found[-1][0] if more and found else None)

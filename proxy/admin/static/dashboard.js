@@ -282,17 +282,44 @@
     await loadKeys();
   }
 
+  // ------------------------------------------------------------------ the request browser
+
+  async function loadRequests(more) {
+    const params = new URLSearchParams({ limit: "50" });
+    [["req-key", "key_id"], ["req-model", "model"], ["req-endpoint", "endpoint"], ["req-status", "status"]]
+      .forEach(([id, name]) => { const v = $(id).value.trim(); if (v) params.set(name, v); });
+    if (more && state.requestsCursor) params.set("cursor", String(state.requestsCursor));
+    const result = await api("/api/requests?" + params.toString());
+    if (result.status !== 200) return;
+    const body = $("requests-table").querySelector("tbody");
+    if (!more) body.replaceChildren();
+    result.body.data.forEach((r) => {
+      const tr = document.createElement("tr");
+      [[r.created, "text"], [r.request_id, "text"], [r.key_name ? r.key_name + " (" + r.key_id + ")" : r.key_id, "text"],
+       [r.served_model || r.model, "text"], [r.endpoint, "text"], [r.worker || "-", "text"],
+       [int(r.input_tokens)], [int(r.output_tokens)], [money(r.cost_micros)], [r.status, "text"],
+      ].forEach(([value, cls]) => tr.appendChild(cell(value, cls)));
+      body.appendChild(tr);
+    });
+    state.requestsCursor = result.body.next_cursor;
+    $("req-older").hidden = !state.requestsCursor;
+    document.body.dataset.requestsLoaded = String(Date.now());
+  }
+
   function select(view) {
     state.view = view;
     document.querySelectorAll("#nav button").forEach((b) => b.classList.toggle("active", b.dataset.view === view));
     document.querySelectorAll(".view").forEach((v) => { v.hidden = v.id !== "view-" + view; });
     Object.values(state.charts).forEach((c) => c.resize());
     if (view === "manage") loadKeys();
+    if (view === "requests") loadRequests(false);
   }
 
   document.addEventListener("DOMContentLoaded", () => {
     $("login-form").addEventListener("submit", login);
     $("create-form").addEventListener("submit", createKey);
+    $("requests-form").addEventListener("submit", (e) => { e.preventDefault(); loadRequests(false); });
+    $("req-older").addEventListener("click", () => loadRequests(true));
     $("logout").addEventListener("click", logout);
     $("refresh").addEventListener("click", load);
     $("range").addEventListener("change", load);

@@ -63,8 +63,9 @@ class PgConsoleOps:
     async def usage_rows(self, *, since: float | None = None, until: float | None = None,
                          key_id: str | None = None, model: str | None = None,
                          before_seq: int | None = None, limit: int = 100,
-                         statuses: tuple[str, ...] | None = None) -> list[tuple[int, UsageRecord]]:
-        where, params = _where(usage_filters(since, until, key_id, model, before_seq), statuses)
+                         statuses: tuple[str, ...] | None = None,
+                         endpoint: str | None = None) -> list[tuple[int, UsageRecord]]:
+        where, params = _where(usage_filters(since, until, key_id, model, before_seq, endpoint), statuses)
 
         async def op(conn: Any) -> list[tuple[int, UsageRecord]]:
             rows = await conn.fetch(f"SELECT {USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC"

@@ -64,8 +64,9 @@ class ConsoleOps:
     async def usage_rows(self, *, since: float | None = None, until: float | None = None,
                          key_id: str | None = None, model: str | None = None,
                          before_seq: int | None = None, limit: int = 100,
-                         statuses: tuple[str, ...] | None = None) -> list[tuple[int, UsageRecord]]:
-        where, params = _where(usage_filters(since, until, key_id, model, before_seq), statuses)
+                         statuses: tuple[str, ...] | None = None,
+                         endpoint: str | None = None) -> list[tuple[int, UsageRecord]]:
+        where, params = _where(usage_filters(since, until, key_id, model, before_seq, endpoint), statuses)
 
         def op(conn: sqlite3.Connection) -> list[tuple[int, UsageRecord]]:
             rows = conn.execute(f"SELECT {USAGE_ROW_COLUMNS} FROM usage{where} ORDER BY seq DESC LIMIT ?",
