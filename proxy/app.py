@@ -380,7 +380,8 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_embedded_simulator)
     app.cleanup_ctx.append(health_context(SESSION, POOL, CONFIG))  # discovery + active checks, once urls are final
     app.cleanup_ctx.append(_ledger)
-    app.cleanup_ctx.append(alerts_context(config.alerts, SESSION))  # after the ledger: it reads it
+    if config.alerts.webhooks:  # no webhook, nobody to tell: no task looking (and none in a benchmark's counts)
+        app.cleanup_ctx.append(alerts_context(config.alerts, SESSION))  # after the ledger: it reads it
     sealer = sealer_from_config(config.reasoning_seal)
     if sealer is not None:
         app[state.SEALER] = sealer

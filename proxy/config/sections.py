@@ -441,7 +441,7 @@ class AlertsWebhooks:
 class Alerts:
     """The `alerts` section."""
 
-    webhooks: Annotated[tuple[AlertsWebhooks, ...], "where notices go; none: alerts are only logged and shown in the console"] = ()
+    webhooks: Annotated[tuple[AlertsWebhooks, ...], "where notices go; none: no alerts (nothing looks)"] = ()
     check_interval_s: Annotated[float, POS_NUM, "how often the conditions are looked at (off the request path)"] = 15
     reminder_s: Annotated[float, POS_NUM, "a condition that lasts is told again this often"] = 3600
     budget_thresholds: Annotated[tuple[float, ...], ListOf(Num(gt=0, hi=1)), "shares of a key's daily or monthly budget spent that alert (once each per period)"] = (0.8, 1.0)

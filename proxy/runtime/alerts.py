@@ -1,8 +1,8 @@
 """Alerts: what an operator must hear about before a client does, sent to webhooks, never on a
 request's path.
 
-Every `alerts.check_interval_s` the process looks at what it already knows (`observe`): a key's
-budget (daily, monthly) past one of `alerts.budget_thresholds`, a key's balance under
+With a webhook configured (`alerts.webhooks`), every `alerts.check_interval_s` the process looks
+at what it already knows: a key's budget (daily, monthly) past one of `alerts.budget_thresholds`, a key's balance under
 `alerts.balance_below_micros`, a worker ejected, a model no worker serves, the ledger in a fault
 state, its settlement spool past `alerts.spool_backlog_bytes`, the Redis limits backend
 unreachable. `AlertBook` (sans-I/O: conditions and a clock in, notices out) turns the set of
