@@ -33,7 +33,7 @@ POLICIES = ("stateless", "auth", "limits", "tools", "balance", "notices")
 
 def only(*names: str, **points: list) -> dict[str, Any]:
     """Config overrides: only the built-in policies `names` run (the others get `enabled: false`),
-    and custom middlewares at named points, e.g. only("stateless", after_auth=["tests.custom_mw:create"])."""
+    and custom middlewares at named points, e.g. only("stateless", after_auth=["tests.support.custom_mw:create"])."""
     unknown = set(names) - set(POLICIES)
     assert not unknown, f"not built-in policies: {unknown}"
     out: dict[str, Any] = {name: {"enabled": name in names} for name in POLICIES}
@@ -49,7 +49,7 @@ def sim_input(**script) -> str:
 
 def sse_events(raw: bytes) -> list[dict]:
     """The events of a Responses stream, parsed; the spec's terminal "data: [DONE]" is no
-    event (tests/test_interop.py checks it is there)."""
+    event (tests/clients/test_interop.py checks it is there)."""
     return [orjson.loads(line[6:]) for line in raw.split(b"\n")
             if line.startswith(b"data: ") and line != b"data: [DONE]"]
 
@@ -83,14 +83,14 @@ class ProxyHandle:
     def base_url(self) -> str:
         return self.url + "/v1"
 
-    spec: Any = None  # tests.sdk_check.SpecLog of the clients from openai()
+    spec: Any = None  # tests.support.sdk_check.SpecLog of the clients from openai()
 
     def openai(self, api_key: str | None = None, **kwargs: Any):
         """An openai client whose every Response and event is also judged by the Open Responses
-        spec (tests/sdk_check.py, SpecCheckingTransport)."""
+        spec (tests/support/sdk_check.py, SpecCheckingTransport)."""
         import openai
 
-        from tests.sdk_check import SpecCheckingTransport, SpecLog
+        from tests.support.sdk_check import SpecCheckingTransport, SpecLog
 
         if self.spec is None:
             self.spec = SpecLog()
@@ -208,9 +208,9 @@ def fill(folder: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    """One throwaway redis-server for the session (tests/redis_server.py). A missing
+    """One throwaway redis-server for the session (tests/support/redis_server.py). A missing
     redis-server fails the tests that use it: CI installs it."""
-    from tests.redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
@@ -239,9 +239,9 @@ def limits_backend(request) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def pg_server():
-    """One throwaway PostgreSQL cluster for the session (tests/pg_server.py). Missing
+    """One throwaway PostgreSQL cluster for the session (tests/support/pg_server.py). Missing
     binaries FAIL the tests that need it (CI installs them): PgUnavailable is an error."""
-    from tests.pg_server import PgServer
+    from tests.support.pg_server import PgServer
 
     server = PgServer()
     server.start()

@@ -92,14 +92,14 @@ def test_every_app_and_request_key_is_defined_in_proxy_state():
 # aiohttp's private names the product touches, each where no public hook exists, said so in a
 # comment there and pinned by the tests named there. A new one needs the same, or public API.
 AIOHTTP_PRIVATE_ALLOWED = {
-    "_send_headers_immediately": "proxy/http/event_stream.py (EventStreamResponse; tests/test_forwarder_writes.py)",
-    "_make_server": "proxy/http/parse_errors.py (ProxyRunner; tests/test_hostile.py)",
-    "_parser": "proxy/http/parse_errors.py (EnvelopeRequestHandler.bound_heads wraps it; tests/test_edge_bounds.py)",
-    "_eof_sent": "proxy/app.py _after_start, proxy/http/turn.py TurnStream (tests/test_stream_integrity.py)",
+    "_send_headers_immediately": "proxy/http/event_stream.py (EventStreamResponse; tests/http/test_forwarder_writes.py)",
+    "_make_server": "proxy/http/parse_errors.py (ProxyRunner; tests/integration/test_hostile.py)",
+    "_parser": "proxy/http/parse_errors.py (EnvelopeRequestHandler.bound_heads wraps it; tests/integration/test_edge_bounds.py)",
+    "_eof_sent": "proxy/app.py _after_start, proxy/http/turn.py TurnStream (tests/http/test_stream_integrity.py)",
     # A socket turn's frames of one upstream read in one transport write: aiohttp's writer has no
     # public batch send. The wire bytes are pinned against its per-frame path, every length class,
-    # with and without deflate (tests/test_ws_frames.py); a writer without them takes send_frame.
-    **{name: "proxy/http/websocket.py _plain_writer, _write_frames (tests/test_ws_frames.py)"
+    # with and without deflate (tests/http/test_ws_frames.py); a writer without them takes send_frame.
+    **{name: "proxy/http/websocket.py _plain_writer, _write_frames (tests/http/test_ws_frames.py)"
        for name in ("_writer", "_output_size", "_closing", "_limit", "_paused", "_drain_helper")},
 }
 

@@ -4,7 +4,7 @@ Every `Section` of the schema gets a frozen class whose fields are its keys, in 
 by its path (`balance` -> Balance, `routing.affinity` -> RoutingAffinity, `workers[]` ->
 Workers, the root -> Root). The classes are source, not made at import, so a type checker
 sees `config.balance.lease_commit_ms` as a float. `responses-proxy config sections` prints the
-module; tests/test_config_schema.py keeps the checked-in one equal to it, and
+module; tests/config/test_schema.py keeps the checked-in one equal to it, and
 proxy/config/settings.py refuses to build settings from classes that differ from the schema.
 
 This module imports the schema alone (never sections.py or settings.py), so the command still
@@ -89,7 +89,7 @@ HEADER = f'''\
 """The typed settings of config.yaml: one frozen class per section of the schema.
 
 Generated from proxy/config/schema.py by `{COMMAND}`
-(proxy/config/codegen.py); edit the schema, not this file. tests/test_config_schema.py keeps
+(proxy/config/codegen.py); edit the schema, not this file. tests/config/test_schema.py keeps
 the two equal, and proxy/config/settings.py refuses to build settings from a stale copy.
 A field's comment is its key's doc in the schema. Other modules import these classes for
 annotations only (under TYPE_CHECKING), so the command that regenerates this file runs while

@@ -5,7 +5,7 @@ Three things come from it, so they cannot disagree:
   * the start-up check of the merged file (`validate`): an unknown key at any depth names
     its path and the nearest known key, a wrong type names its path and the expected type;
   * the commented reference (`reference()`), which is config.yaml itself
-    (`responses-proxy config reference`; tests/test_config_schema.py keeps them equal).
+    (`responses-proxy config reference`; tests/config/test_schema.py keeps them equal).
 
 `F(type, default, doc)` is a key with an embedded default. `Opt(type, default, doc)` is a
 key shown commented out in the reference and left out of DEFAULTS; its default is in force

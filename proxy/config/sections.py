@@ -1,7 +1,7 @@
 """The typed settings of config.yaml: one frozen class per section of the schema.
 
 Generated from proxy/config/schema.py by `responses-proxy config sections > proxy/config/sections.py`
-(proxy/config/codegen.py); edit the schema, not this file. tests/test_config_schema.py keeps
+(proxy/config/codegen.py); edit the schema, not this file. tests/config/test_schema.py keeps
 the two equal, and proxy/config/settings.py refuses to build settings from a stale copy.
 A field's comment is its key's doc in the schema. Other modules import these classes for
 annotations only (under TYPE_CHECKING), so the command that regenerates this file runs while

@@ -441,7 +441,7 @@ class _Connection:
 
 
 # Whether a turn's events of one write go out together (send_messages); False: one send_frame
-# per event, the general path tests/test_ws_frames.py compares it with.
+# per event, the general path tests/http/test_ws_frames.py compares it with.
 BATCH_FRAMES = True
 _HEAD2 = struct.Struct("!BBH").pack  # 126, then a 16-bit length
 _HEAD3 = struct.Struct("!BBQ").pack  # 127, then a 64-bit length
@@ -492,7 +492,7 @@ def _plain_writer(ws: web.WebSocketResponse) -> Any:
     """aiohttp's WebSocketWriter of `ws` when its frames can be built here (neither compressed
     nor masked: a server's without permessage-deflate), else None. aiohttp has no public batch
     send: the private names read here are listed in tests/test_architecture.py and the bytes
-    they write pinned against send_frame's by tests/test_ws_frames.py."""
+    they write pinned against send_frame's by tests/http/test_ws_frames.py."""
     writer = ws._writer
     if writer is None or writer.compress or writer.use_mask or not hasattr(writer, "_output_size"):
         return None
