@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -172,6 +173,33 @@ async def eventually(probe, timeout: float = 10.0, *, what: str = "the condition
         if loop.time() >= deadline:
             raise AssertionError(f"{what} did not happen within {timeout} s (last: {value!r})")
         await asyncio.sleep(step)
+
+
+def unchanged_for(read, seconds: float):
+    """A probe for `eventually`: true once `read()` has kept one value for `seconds` (a stall,
+    which only time without progress shows: what a test of backpressure waits for)."""
+    last: list = [object(), 0.0]
+
+    def probe() -> bool:
+        value, now = read(), time.monotonic()
+        if value != last[0]:
+            last[:] = [value, now]
+        return now - last[1] >= seconds
+    return probe
+
+
+def eventually_sync(probe, timeout: float = 10.0, *, what: str = "the condition", step: float = 0.02):
+    """`eventually` for code without an event loop (a test that drives a process from a plain
+    function): `probe()` polled every `step` until truthy; its value, or AssertionError past
+    `timeout` with the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s (last: {value!r})")
+        time.sleep(step)
 
 # --------------------------------------------------------------------------- a full file system
 

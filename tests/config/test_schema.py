@@ -20,6 +20,7 @@ import yaml
 
 from proxy.config import codegen, schema as config_schema, sections as config_sections, settings as config_settings
 from proxy.config.load import DEFAULTS, Config, ConfigError
+from tests.conftest import eventually_sync
 from tests.support.paths import REPO as ROOT
 
 PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -341,17 +342,16 @@ class Server:
     def wait_ready(self) -> None:
         import urllib.request
 
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"serve exited: {self.proc.stderr.read()[-2000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/healthz", timeout=2) as r:
-                    if r.status == 200:
-                        return
+                    return r.status == 200
             except OSError:
-                time.sleep(0.05)
-        raise AssertionError("serve did not become ready")
+                return False
+
+        eventually_sync(ready, 60, what="serve ready")
 
     def stop(self) -> tuple[str, str]:
         self.proc.terminate()

@@ -40,7 +40,7 @@ import pytest
 
 from proxy.ledger.spool import decode
 from tests.support.cluster import Cluster, Replica, create_keys, keys_cli, merged, replica_config
-from tests.conftest import fill, tiny_tmpfs
+from tests.conftest import eventually, fill, tiny_tmpfs
 from tests.support.fault_load import Findings, Load, check_answers, summary
 from tests.support.pg_server import PgServer
 
@@ -88,7 +88,7 @@ async def under_load(cluster: Cluster, fault: Step, repair: Step, *, during_s: f
     load = Load(cluster, clients=clients)
     load.start()
     try:
-        await asyncio.sleep(before_s)
+        await asyncio.sleep(before_s)  # not a wait: the phases of the load (see the docstring)
         load.t_fault = time.monotonic()
         try:
             await fault()
@@ -126,12 +126,18 @@ async def served_are_billed(cluster: Cluster, load: Load, within_s: float) -> No
 
 async def spools_empty(cluster: Cluster, within_s: float = 10) -> None:
     """Every replica's spool replayed to its end (releases and hang-ups' settlements too)."""
-    deadline = time.monotonic() + within_s
-    for replica in cluster.replicas:
-        while left := pending_spool(replica):
-            assert time.monotonic() < deadline, \
-                f"replica {replica.index}: {len(left)} records left in its spool, e.g. {left[:2]}"
-            await asyncio.sleep(0.25)
+    left: dict[int, list] = {}
+
+    def replayed() -> bool:
+        left.clear()
+        left.update((replica.index, records) for replica in cluster.replicas if (records := pending_spool(replica)))
+        return not left
+
+    try:
+        await eventually(replayed, within_s, what="every spool replayed", step=0.25)
+    except AssertionError:
+        index, records = next(iter(left.items()))
+        raise AssertionError(f"replica {index}: {len(records)} records left in its spool, e.g. {records[:2]}") from None
 
 
 def logs_clean(cluster: Cluster) -> None:
@@ -179,12 +185,16 @@ async def until_ready_is(replicas: list[Replica], status: int, body: dict | None
     """Every replica's /readyz answers `status` (and exactly `body` when given) within `within_s`."""
     deadline = time.monotonic() + within_s
     for replica in replicas:
-        while True:
-            got = await readyz(replica)
-            if got[0] == status and (body is None or got[1] == body):
-                break
-            assert time.monotonic() < deadline, f"replica {replica.index} /readyz: {got}, want {status} {body}"
-            await asyncio.sleep(0.2)
+        got: list = []
+
+        async def answers() -> bool:
+            got[:] = [await readyz(replica)]
+            return got[0][0] == status and (body is None or got[0][1] == body)
+
+        try:
+            await eventually(answers, max(0.0, deadline - time.monotonic()), what="/readyz", step=0.2)
+        except AssertionError:
+            raise AssertionError(f"replica {replica.index} /readyz: {got[0]}, want {status} {body}") from None
 
 
 # ----------------------------------------------------------------------------- PostgreSQL: outages
@@ -239,11 +249,11 @@ async def test_postgres_frozen_then_a_replica_sigkilled_bills_every_answer_serve
         load = Load(cluster, clients=24)
         load.start()
         try:
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(1.5)  # not a wait: load before the fault
             load.t_fault = time.monotonic()
             await asyncio.to_thread(pg_server.freeze)
             try:
-                await asyncio.sleep(3)
+                await asyncio.sleep(3)  # not a wait: the freeze lasts 3 s before the kill
                 load.down.add(victim.index)
                 await victim.kill()
             finally:
@@ -251,7 +261,7 @@ async def test_postgres_frozen_then_a_replica_sigkilled_bills_every_answer_serve
                 load.t_repair = time.monotonic()
             await victim.start()  # replays the spool and recovers the journal it left, before serving
             load.down.discard(victim.index)
-            await asyncio.sleep(2)
+            await asyncio.sleep(2)  # not a wait: load after the repair
         finally:
             await load.finish()
         print("frozen 3 s, then a replica SIGKILLed:", summary(load.outcomes))
@@ -294,7 +304,7 @@ async def test_a_spool_on_a_full_disk_under_load_settles_with_the_database(pg_ds
             load = Load(cluster, clients=16)
             load.start()
             try:
-                await asyncio.sleep(4)
+                await asyncio.sleep(4)  # not a wait: 4 s of load served on the full disk
                 await until_ready_is([full], 503, {"status": "not_ready", "reason": "ledger", "cause": "spool_full"},
                                      10)
             finally:
@@ -375,13 +385,10 @@ async def test_a_changed_password_is_a_ledger_fault_until_repaired(app_pg, redis
 
 async def spool_waiting(replicas: list[Replica], within_s: float) -> tuple[Replica, list[dict]]:
     """The first replica with records in its spool, and those records."""
-    deadline = time.monotonic() + within_s
-    while True:
-        for replica in replicas:
-            if records := pending_spool(replica):
-                return replica, records
-        assert time.monotonic() < deadline, "no settlement was spooled during the fault"
-        await asyncio.sleep(0.1)
+    def spooled() -> tuple[Replica, list[dict]] | None:
+        return next(((replica, records) for replica in replicas if (records := pending_spool(replica))), None)
+
+    return await eventually(spooled, within_s, what="a settlement spooled during the fault", step=0.1)
 
 
 async def spool_cli_lists(holder: Replica, records: list[dict]) -> None:
@@ -418,7 +425,7 @@ async def test_a_renamed_usage_table_is_a_ledger_fault_and_the_spool_keeps_every
         load = Load(cluster, clients=24)
         load.start()
         try:
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(1.5)  # not a wait: load before the fault
             load.t_fault = time.monotonic()
             try:
                 await asyncio.to_thread(pg_server.psql, "SET lock_timeout = '10s';"
@@ -426,7 +433,7 @@ async def test_a_renamed_usage_table_is_a_ledger_fault_and_the_spool_keeps_every
                 await findings.check("/readyz during the fault", until_ready_is, cluster.replicas, 503,
                                      {"status": "not_ready", "reason": "ledger", "cause": "schema_missing"}, within_s=5)
                 found = await findings.check("settlements spooled", spool_waiting, cluster.replicas, within_s=5)
-                await asyncio.sleep(max(0.0, load.t_fault + 5 - time.monotonic()))
+                await asyncio.sleep(max(0.0, load.t_fault + 5 - time.monotonic()))  # not a wait: the fault lasts 5 s
                 await load.finish()
                 if found:
                     holder = found[0]
@@ -469,7 +476,7 @@ async def test_too_few_database_connections_for_the_pools(app_pg, redis_db, sim,
             try:
                 hogs.append(await asyncpg.connect(dsn, timeout=2))
             except asyncpg.exceptions.TooManyConnectionsError:
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # not a wait: retried until a slot frees, within the second
 
     async def give_back() -> None:
         await asyncio.gather(*(conn.close() for conn in hogs), return_exceptions=True)
@@ -514,10 +521,8 @@ def live_slots(redis_server, key: str) -> int:
 
 
 async def no_phantom_slots(redis_server, key: str, thawed: float, within_s: float) -> None:
-    while (left := live_slots(redis_server, key)) > 0:
-        assert time.monotonic() < thawed + within_s, \
-            f"{left} slots left in {key} {time.monotonic() - thawed:.1f} s after SIGCONT, the load ended"
-        await asyncio.sleep(0.1)
+    await eventually(lambda: live_slots(redis_server, key) == 0, max(0.0, thawed + within_s - time.monotonic()),
+                     what=f"no slot left in {key} after SIGCONT, the load ended", step=0.1)
     print(f"global slots 0 {time.monotonic() - thawed:.1f} s after SIGCONT")
 
 

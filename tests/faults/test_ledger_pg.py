@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -26,6 +25,11 @@ from proxy.ledger.spool import settle_record
 from tests.support.live import free_port
 from tests.ledger.test_postgres import pg_section, usage_for, wait_for
 from tests.support.paths import REPO as ROOT
+
+
+async def ready(session, proxy) -> bool:
+    async with session.get(proxy.url + "/readyz") as r:
+        return r.status == 200
 
 MODEL = "tiny-org/tiny-model"
 
@@ -235,7 +239,7 @@ async def test_leases_are_not_spent_while_the_ledger_has_a_fault(pg_dsn, tmp_pat
         for i in range(20):  # busy: the key gets a lease
             hold = await leases.hold_up_to(f"l-{i}", key.key_id, 10, 100)
             leases.finish(hold, usage_for(f"l-{i}", key.key_id, 10))
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # not a wait: paced traffic, busy enough for a lease
         await leases.flush()
         served = leases.stats["lease_holds"]
         last = await leases.hold_up_to("l-last", key.key_id, 10, 100)
@@ -291,10 +295,7 @@ async def test_through_the_proxy_a_fault_is_503_ledger_fault_and_readyz_names_it
                                                                   "cause": "schema_missing"}
         finally:
             await psql(pg_server, "ALTER TABLE usage_gone RENAME TO usage", db)
-        deadline = time.monotonic() + 10
-        while (await s.get(proxy.url + "/readyz")).status != 200:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.2)
+        await wait_for(lambda: ready(s, proxy), 10.0, what="/readyz 200 after the repair")
         again = await s.post(proxy.url + "/v1/responses", json=body, headers=auth)
         assert again.status == 200
     assert await wait_for(lambda: not proxy.ledger.spool.pending(), 10.0)
@@ -326,10 +327,7 @@ async def test_over_the_websocket_the_handshake_and_a_turn_get_503_and_an_error_
                 assert events[-1]["error"]["code"] == "ledger_fault"
             finally:
                 await psql(pg_server, "ALTER TABLE usage_gone RENAME TO usage", db)
-            deadline = time.monotonic() + 10
-            while (await s.get(proxy.url + "/readyz")).status != 200:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.2)
+            await wait_for(lambda: ready(s, proxy), 10.0, what="/readyz 200")
             assert (await turn(ws, body))[-1]["type"] in ("response.completed", "response.incomplete")
         await asyncio.to_thread(pg_server.stop)
         try:

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import time
 
 import pytest
 import redis.asyncio as aioredis
@@ -57,14 +56,16 @@ def frozen(server):
 
 async def _holding_exactly(peek, slots: set[str], timeout: float = 2.0) -> None:
     """Within `timeout` the global and the key's ZSET hold exactly `slots` (0: now)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        now = await peek()
-        if now == (slots, slots):
-            return
-        if time.monotonic() >= deadline:
-            pytest.fail(f"the ZSETs hold {now}; the live slots: {slots}")
-        await asyncio.sleep(0.02)
+    seen: list = []
+
+    async def holding() -> bool:
+        seen[:] = [await peek()]
+        return seen[0] == (slots, slots)
+
+    try:
+        await until(holding, timeout, what=f"the ZSETs holding exactly the live slots {slots}")
+    except AssertionError:
+        pytest.fail(f"the ZSETs hold {seen[0]}; the live slots: {slots}")
 
 
 async def test_after_a_freeze_redis_holds_only_the_live_requests_slots(redis_db, peek):
@@ -88,14 +89,12 @@ async def test_after_a_freeze_redis_holds_only_the_live_requests_slots(redis_db,
             await counter.release(ended, 7)  # Redis is down: not sent now
             await counter.release(fallback, 7)
             await counter.renew()  # times out; its RENEW of both slots runs when Redis resumes
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # not a wait: Redis stays frozen a while longer
         with pytest.raises(asyncio.CancelledError):
             await cancelled
         await _holding_exactly(peek, {live.slot})
-        for _ in range(200):  # the cleanup is in Redis; its reply ends the outage here a moment later
-            if not counter.down:
-                break
-            await asyncio.sleep(0.01)
+        # the cleanup is in Redis; its reply ends the outage here a moment later
+        await until(lambda: not counter.down, what="the outage over for the counter")
         more = [await counter.admit(ASK) for _ in range(3)]  # the global limit of 3: one is live
         assert [type(t) for t in more] == [RedisTicket, RedisTicket, Refused] and more[2].scope == GLOBAL
         for ticket in (live, *more[:2]):

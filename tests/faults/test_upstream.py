@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from proxy.state import UPSTREAMS
-from tests.conftest import free_port
+from tests.conftest import eventually, free_port
 from tests.support.sdk_check import parse_sse
 
 pytestmark = pytest.mark.slow
@@ -79,13 +79,21 @@ def resources(proxy) -> dict[str, int]:
     }
 
 
+def quiet(proxy, sim, before: dict) -> bool:
+    """Nothing in flight upstream, and the proxy back to `before`'s tasks and descriptors."""
+    after = resources(proxy)
+    return (sim.in_flight == 0 and after["acquired"] == 0 and after["tasks"] <= before["tasks"]
+            and after["fds"] <= before["fds"] + 4)
+
+
 async def settled(proxy, request_id: str, expect: str | None) -> None:
     """No open hold is left; the request has a usage row of status `expect` (None: released)."""
     ledger = proxy.ledger
-    deadline = time.monotonic() + 5
-    while await ledger.holds():
-        assert time.monotonic() < deadline, await ledger.holds()
-        await asyncio.sleep(0.02)
+
+    async def no_hold() -> bool:
+        return not await ledger.holds()
+
+    await eventually(no_hold, 5, what="no open hold")
     usage = await ledger.usage(request_id)
     if expect is None:
         assert usage is None, usage
@@ -129,7 +137,7 @@ async def test_stream_faults_fail_cleanly_and_settle(sim, make_proxy):
             injected += 1
             await settled(proxy, headers["x-request-id"], "failed")
             assert response["id"] == "resp_" + headers["x-request-id"].removeprefix("req_")
-    await asyncio.sleep(0.3)
+    await eventually(lambda: quiet(proxy, sim, before), what="the faulted streams' resources given back")
     after = resources(proxy)
     assert sim.in_flight == 0
     assert after["acquired"] == 0, after
@@ -154,7 +162,8 @@ async def test_faults_before_the_headers_answer_in_the_envelope(sim, make_proxy,
             error = assert_envelope(status, data, allowed | {503})
             assert error["code"], (name, error)
             await settled(proxy, headers["x-request-id"], None)  # released: nothing was produced
-    await asyncio.sleep(0.8)  # the stalled upstream requests notice the closed connection
+    # the stalled upstream requests notice the closed connection
+    await eventually(lambda: quiet(proxy, sim, before), what="the stalled upstream requests ended")
     after = resources(proxy)
     assert sim.in_flight == 0
     assert after["acquired"] == 0, after
@@ -175,7 +184,7 @@ async def test_non_stream_mid_answer_faults(sim, make_proxy):
         assert_envelope(status, data, allowed)
         assert time.monotonic() - started < 10
         await settled(proxy, headers["x-request-id"], billed)
-    await asyncio.sleep(0.3)
+    await eventually(lambda: sim.in_flight == 0, what="the upstream requests ended")
     assert sim.in_flight == 0
 
 
@@ -226,5 +235,5 @@ async def test_endless_non_stream_body_is_cut_off_not_buffered(sim, make_proxy):
         # a 200 whose body never ends is work the worker started: billed within the hold; an error
         # page is not
         await settled(proxy, headers["x-request-id"], billed)
-    await asyncio.sleep(0.3)
+    await eventually(lambda: sim.in_flight == 0, what="the upstream requests ended")
     assert sim.in_flight == 0

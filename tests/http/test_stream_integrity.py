@@ -138,7 +138,7 @@ async def test_a_broken_upstream_chunk_mid_stream_ends_with_response_failed(make
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                      + b"%x\r\n%s\r\n" % (len(events[0]), events[0]))
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the first event reaches the client on its own
         writer.write(b"zz-not-a-chunk-size\r\nHTTP/1.1 500 Internal Server Error\r\n\r\n")
         return "close"
 
@@ -287,7 +287,6 @@ def test_cli_refuses_a_key_from_the_environment_with_its_trailing_newline(tmp_pa
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     config = tmp_path / "config.yaml"
     config.write_text("workers:\n  - {name: gpu-a, url: 'http://127.0.0.1:9', models: [m], api_key: '${GPU_KEY}'}\n"

@@ -18,6 +18,7 @@ from proxy.http.upstream_open import AnswerLost, Retryable, open_upstream
 from proxy.upstream.client import UpstreamPool
 from proxy.config import settings as config_settings
 from proxy.upstream.workers import Worker, WorkerPool
+from tests.conftest import eventually
 
 JSON_500 = b'{"error": {"message": "boom"}}'
 
@@ -100,7 +101,7 @@ async def test_what_it_raises_gives_the_connection_back(setup, monkeypatch, case
         await _open(app, worker, stream=stream)
     error = caught.value.final if isinstance(caught.value, Retryable) else caught.value
     assert error.status == status
-    await asyncio.sleep(0)  # a closed transport leaves at the next loop turn
+    await asyncio.sleep(0)  # not a wait: one loop turn, the one a closed transport needs to leave the pool
     assert upstreams.stats() == {"in_use": 0, "idle": 1 if pooled else 0}
 
 
@@ -118,10 +119,7 @@ async def test_a_cancelled_opening_gives_the_connection_back(setup):
     raw, app, worker, upstreams = setup
     raw.script.append(None)  # headers, then nothing: the first read waits
     task = asyncio.ensure_future(_open(app, worker, stream=True))
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if upstreams.stats()["in_use"]:
-            break
+    await eventually(lambda: upstreams.stats()["in_use"], what="the upstream connection in use")
     assert upstreams.stats()["in_use"] == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -4,8 +4,6 @@ and simulator. Every event is judged by the spec's published types and the SDK's
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import orjson
 import pytest
@@ -14,6 +12,7 @@ from openai.types.responses.responses_server_event import ResponseWsError
 from openresponses_types import types as spec_types
 
 from proxy.ledger import KeyLimits
+from tests.conftest import eventually, unchanged_for
 from tests.support.sdk_check import check_sequence, normalise, parse_sse, validate_spec_ws_error
 
 MODEL = "tiny-org/tiny-model"
@@ -195,12 +194,7 @@ async def test_turns_wait_in_order_one_in_flight(sim, make_proxy, http):
 
 
 async def _usage(ledger, key_id: str) -> list:
-    for _ in range(200):
-        rows = await ledger.list_usage(key_id)
-        if rows:
-            return rows
-        await asyncio.sleep(0.01)
-    return []
+    return await eventually(lambda: ledger.list_usage(key_id), what=f"a usage row of {key_id}")
 
 
 async def test_a_turn_is_billed_exactly_as_the_http_request(sim, make_proxy, http):
@@ -250,10 +244,7 @@ async def test_a_vanished_client_cancels_its_turn_and_is_billed(sim, make_proxy,
     await ws.close()
     (usage,) = await _usage(proxy.ledger, record.key_id)
     assert usage.status == "cancelled" and 3 <= usage.output_tokens < 200 and usage.cost_micros > 0
-    for _ in range(200):
-        if sim.cancelled:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: sim.cancelled, what="the upstream request cancelled")
     assert sim.cancelled == 1 and sim.in_flight == 0
     assert (await proxy.ledger.get_key(record.key_id)).balance_micros == 1_000_000 - usage.cost_micros
 
@@ -305,17 +296,11 @@ async def test_a_slow_reader_stalls_the_upstream(make_proxy, http):
         async with http.ws_connect(ws_url(proxy), headers=auth(proxy.api_key), max_msg_size=0) as ws:
             await ws.send_str(orjson.dumps({"type": "response.create", "model": MODEL, "input": "a lot"}).decode())
             assert orjson.loads((await ws.receive()).data)["type"] == "response.created"
-            last, still = -1, 0
-            for _ in range(100):  # the client reads nothing now: wait until the upstream stops
-                await asyncio.sleep(0.1)
-                if upstream.written == last:
-                    still += 1
-                    if still >= 10:
-                        break
-                else:
-                    last, still = upstream.written, 0
+            # the client reads nothing now: wait until the upstream stops (no progress for 1 s)
+            await eventually(unchanged_for(lambda: upstream.written, 1.0),
+                             what="the upstream's writes to stop while the client reads nothing")
             total = CHUNKS * (len(TEXT) + 150)
-            assert still >= 10 and not upstream.finished and upstream.written < total / 2, (upstream.written, total)
+            assert not upstream.finished and upstream.written < total / 2, (upstream.written, total)
             events = await until_terminal(ws)  # reading again: the rest arrives
         assert events[-1]["type"] in ("response.completed", "response.incomplete") and upstream.finished
 

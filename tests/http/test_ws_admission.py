@@ -14,6 +14,7 @@ import pytest
 from aiohttp import WSMsgType
 
 from proxy.ledger import KeyLimits
+from tests.conftest import eventually
 
 MODEL = "tiny-org/tiny-model"
 
@@ -58,8 +59,15 @@ async def test_sockets_are_bounded_per_key_and_in_all(make_proxy):
         except aiohttp.WSServerHandshakeError as exc:
             assert exc.status == 429
         await mine[0].close()
-        await asyncio.sleep(0.1)
-        again = await http.ws_connect(proxy.url + "/v1/responses", headers=_auth(one))  # a closed one frees its place
+
+        async def admitted():
+            try:
+                return await http.ws_connect(proxy.url + "/v1/responses", headers=_auth(one))
+            except aiohttp.WSServerHandshakeError as exc:
+                assert exc.status == 429
+                return None
+
+        again = await eventually(admitted, what="the closed socket's place freed")  # a closed one frees its place
         for ws in (*mine, *theirs, again):
             await ws.close()
 
@@ -113,12 +121,9 @@ async def test_a_close_frame_cancels_the_turn_in_flight_and_drops_the_queued_one
         for _ in range(queued):
             await ws.send_bytes(_create())
         await ws.close()  # the close frame; the TCP connection stays until the server answers it
-    for _ in range(50):
-        if sim.state.cancelled >= 1:
-            break
-        await asyncio.sleep(0.05)
+    await eventually(lambda: sim.state.cancelled >= 1, what="the turn in flight cancelled by the close")
     assert sim.state.cancelled == 1, "the turn in flight ran on after the close"
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # not a wait: the time a queued turn would need to reach the model, if it ran
     assert len(sim.requests) == 1, "a queued turn reached the model after the close"
 
 
@@ -188,7 +193,7 @@ async def test_a_socket_whose_turns_keep_being_refused_is_closed_and_its_key_not
             await http.ws_connect(proxy.url + "/v1/responses", headers=_auth(secret), compress=15)
         assert refused.value.status == (429 if why == "rate" else 402)
         assert int(refused.value.headers["Retry-After"]) >= 1
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(0.6)  # not a wait: time passes, past the refusal's window
         async with http.ws_connect(proxy.url + "/v1/responses", headers=_auth(secret), compress=15) as ws:
             assert not ws.compress  # refused a moment ago: no compression to amplify
         async with http.ws_connect(proxy.url + "/v1/responses", headers=_auth(proxy.api_key), compress=15) as ws:

@@ -10,13 +10,13 @@ import signal
 import socket
 import sqlite3
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
 import orjson
 import pytest
 import yaml
+from tests.conftest import eventually
 from tests.support.paths import REPO as ROOT
 
 PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -54,14 +54,14 @@ class ProxyProcess:
                 if line.startswith(b"demo key: "):
                     self.demo_key = line.decode().split(": ", 1)[1].strip()
             async with aiohttp.ClientSession() as http:
-                while True:
+                async def healthy() -> bool:
                     try:
                         async with http.get(self.url + "/healthz") as r:
-                            if r.status == 200:
-                                break
+                            return r.status == 200
                     except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.05)
+                        return False
+
+                await eventually(healthy, 60, what="the proxy healthy")
         return self
 
     async def stop(self, sig: int) -> None:
@@ -107,10 +107,7 @@ async def test_sigkill_mid_stream_then_restart(tmp_path):
                     await r.read()
                     settled.append(r.headers["x-request-id"])
             # settle runs right after the last byte: wait until all three are in the file
-            deadline = time.monotonic() + 10
-            while len(_db(db, "SELECT request_id FROM usage")) < 3:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+            await eventually(lambda: len(_db(db, "SELECT request_id FROM usage")) >= 3, what="three usage rows")
 
             slow_body = {"model": "tiny-org/tiny-model", "stream": True, "max_output_tokens": 500,
                          "input": "SIM:" + json.dumps({"text": " ".join(["word"] * 300), "delay": 0.1})}
@@ -147,10 +144,7 @@ async def test_sigkill_mid_stream_then_restart(tmp_path):
                 assert r.status == 401  # the restart replaced the demo key
 
         # the holds expire (ttl 2 s) and the restarted proxy's sweeper drops them
-        deadline = time.monotonic() + 10
-        while _db(db, "SELECT request_id FROM holds"):
-            assert time.monotonic() < deadline, "holds were not released after their ttl"
-            await asyncio.sleep(0.1)
+        await eventually(lambda: not _db(db, "SELECT request_id FROM holds"), what="the holds released after their ttl")
         await second.stop(signal.SIGTERM)
 
         usage = {row[0]: row for row in _db(db, "SELECT request_id, key_id, cost_micros, debited_micros, status"

@@ -6,7 +6,6 @@ The simulator is scripted per request (sim.script) and records what it received
 
 from __future__ import annotations
 
-import asyncio
 
 import aiohttp
 import openai
@@ -14,7 +13,7 @@ import orjson
 import pytest
 
 from tests.support.sdk_check import check_sequence, normalise, parse_sse, validate_response, validate_sdk_response
-from tests.conftest import only
+from tests.conftest import eventually, only
 
 NO_AUTH = only("stateless")
 
@@ -204,10 +203,7 @@ async def test_client_disconnect_cancels_upstream(sim, make_proxy):
         while b"response.output_text.delta" not in seen:
             seen += await resp.content.readany()
         resp.close()  # vanish mid-stream
-    for _ in range(100):
-        if sim.cancelled:
-            break
-        await asyncio.sleep(0.05)
+    await eventually(lambda: sim.cancelled, what="the upstream request cancelled")
     assert sim.cancelled == 1
     assert sim.in_flight == 0
 

@@ -126,7 +126,7 @@ async def test_a_head_trickled_a_byte_at_a_time_is_cut_at_the_timeout(make_proxy
             for byte in b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"s" * 1000:
                 writer.write(bytes([byte]))
                 await writer.drain()
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.2)  # a head that trickles a byte at a time
         except (ConnectionError, OSError):
             pass
 
@@ -158,7 +158,7 @@ async def test_a_slow_body_and_a_websocket_outlive_the_head_timeout(make_proxy):
     async def slow_body():
         for part in (body[:10], body[10:20], body[20:]):
             yield part
-            await asyncio.sleep(0.85)
+            await asyncio.sleep(0.85)  # a body that trickles, each gap under the read timeout
 
     async with aiohttp.ClientSession() as s:
         r = await s.post(p.url + "/v1/responses", data=slow_body(),
@@ -167,7 +167,7 @@ async def test_a_slow_body_and_a_websocket_outlive_the_head_timeout(make_proxy):
         assert (await r.json())["object"] == "response"
 
         async with s.ws_connect(p.url.replace("http", "ws") + "/v1/responses", headers=auth) as ws:
-            await asyncio.sleep(2.5)
+            await asyncio.sleep(2.5)  # an idle socket, past keepalive_timeout
             await ws.send_str(orjson.dumps({"type": "response.create", "model": "tiny-org/tiny-model",
                                             "input": "hello", "max_output_tokens": 4}).decode())
             async with asyncio.timeout(30):

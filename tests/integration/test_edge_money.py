@@ -14,6 +14,7 @@ import pytest
 
 from middlewares.balance import wait_for_settlements
 from proxy.ledger import KeyLimits
+from tests.conftest import eventually
 from tests.integration.test_money import record_holds
 
 MODEL = "tiny-org/tiny-model"
@@ -104,7 +105,11 @@ async def test_a_client_that_hangs_up_mid_stream_is_billed_within_the_hold(make_
     async with http.post(proxy.url + path, json=body, headers={"x-api-key": secret}) as resp:
         await resp.content.readany()
         resp.close()
-    await asyncio.sleep(0.3)
+
+    async def billed():
+        return [r for r in await proxy.ledger.list_usage() if r.key_id == record.key_id]
+
+    await eventually(billed, what="the hung-up request billed")
     await _check(proxy, record.key_id, path, holds)
     rows = [r for r in await proxy.ledger.list_usage() if r.key_id == record.key_id]
     assert len(rows) == 1 and rows[0].status in ("cancelled", "completed")
@@ -123,7 +128,10 @@ async def test_a_client_that_hangs_up_before_a_json_answer_is_billed_within_the_
         async with http.post(proxy.url + path, json=body, headers={"x-api-key": secret},
                              timeout=aiohttp.ClientTimeout(total=0.3)) as resp:
             await resp.read()
-    await asyncio.sleep(1.2)  # the upstream answers meanwhile, to nobody
+    async def given_back() -> bool:  # the upstream answers meanwhile, to nobody
+        return sim.in_flight == 0 and await proxy.ledger.holds(record.key_id) == []
+
+    await eventually(given_back, what="the upstream's answer ended and the hold given back")
     assert len(holds) == 1  # the request was held for
     await _check(proxy, record.key_id, path, holds)
 
@@ -169,9 +177,11 @@ async def test_audit_over_the_edge_under_hostile_concurrent_load(make_proxy, sim
         sim.state.queue.clear()
         sim.script(*[_AUDIT_SCRIPTS[i % len(_AUDIT_SCRIPTS)] for i in range(3 * 28)])
         await asyncio.gather(*(one(secret, i) for secret, _, _ in keys for i in range(28)))
-    await wait_for_settlements(proxy.app)
-    await asyncio.sleep(0.3)
-    await wait_for_settlements(proxy.app)
+    async def settled() -> bool:  # a hung-up stream's settlement may start after a first wait
+        await wait_for_settlements(proxy.app)
+        return sim.in_flight == 0 and await proxy.ledger.holds() == []
+
+    await eventually(settled, what="every request settled")
     paths = {_body(f, s)[0] for f, s in cases}
     for secret, key_id, initial in keys:
         final = (await proxy.ledger.get_key(key_id)).balance_micros

@@ -12,14 +12,13 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import eventually_sync, free_port
 from tests.support.paths import REPO
 
 SEAL_KEY = "q0LhY3qRmPBqz9yB7d1bqk0bZbn3oVh0vE4b7bq7Sxw="  # base64 of 32 bytes
@@ -62,15 +61,14 @@ class Served:
             raise
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             try:
                 with urllib.request.urlopen(self.url + "/readyz", timeout=2) as r:
-                    if r.status == 200:
-                        return
+                    return r.status == 200
             except OSError:
-                time.sleep(0.05)
-        raise AssertionError("serve did not become ready")
+                return False
+
+        eventually_sync(ready, 60, what="serve ready")
 
     def line(self, prefix: str) -> str | None:
         found = [line for line in self.lines if line.startswith(prefix)]
@@ -225,12 +223,8 @@ def test_workers_share_one_session_secret(tmp_path):
     served = Served(tmp_path, "--workers", "2", config=tmp_path / "config.yaml")
     try:
         admin_key = ADMIN_KEY
-        for _ in range(1200):
-            if _listening_children(served.proc.pid, served.port) == 2:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the two serving processes did not both listen")
+        eventually_sync(lambda: _listening_children(served.proc.pid, served.port) == 2, 60,
+                        what="both serving processes listening")
         cookie = _login(served.url, admin_key)
         statuses = [call(served.url + "/admin/api/session", headers={"Cookie": cookie, "Connection": "close"})[0]
                     for _ in range(12)]  # urllib: a new connection each, spread over both processes

@@ -26,6 +26,7 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
+from tests.conftest import eventually
 from tests.support.cluster import Cluster, Replica, completed, create_keys, hang_up, keys_cli, replica_config, send
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -68,7 +69,7 @@ async def test_200_mixed_requests_on_4_replicas_never_overdraw_nor_pass_the_glob
                 return status, headers, raw
             assert "Retry-After" in headers
             refused[0] += 1
-            await asyncio.sleep(0.02 + (i % 7) * 0.01)
+            await asyncio.sleep(0.02 + (i % 7) * 0.01)  # not a wait: a refused client backs off
 
     async with aiohttp.ClientSession() as http:
         results = await asyncio.gather(*(client(http, i) for i in range(200)))
@@ -83,7 +84,7 @@ async def test_200_mixed_requests_on_4_replicas_never_overdraw_nor_pass_the_glob
     # The limit holds across the replicas at the upstream: never 9 chats at once.
     assert cluster.sim.peak_in_flight <= GLOBAL_LIMIT
     assert cluster.sim.peak_in_flight == GLOBAL_LIMIT
-    await asyncio.sleep(0.5)  # settlements of the last answers
+    await cluster.wait_billed([h["x-request-id"] for s, h, _ in results if s == 200])  # the last answers' too
     await cluster.audit()
     key_id, _, initial = cluster.keys["poor"]
     spent = initial - (await cluster.query("SELECT balance_micros FROM keys WHERE key_id=$1", key_id))[0][0]
@@ -116,10 +117,10 @@ async def test_a_sigkilled_replica_leaves_nothing_charged_twice_and_the_others_k
 
     async with aiohttp.ClientSession() as http:
         tasks = [asyncio.create_task(load(cluster.replicas[i % REPLICAS], http, i)) for i in range(12)]
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.5)  # not a wait: the load runs before the kill...
         await victim.kill()
         killed.set()
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(2.0)  # ...and after it, on the other replicas
         stop.set()
         await asyncio.gather(*tasks)
     # The others kept serving (429s are fine: the killed replica's slots count until they expire).
@@ -127,11 +128,11 @@ async def test_a_sigkilled_replica_leaves_nothing_charged_twice_and_the_others_k
     assert set(after_kill) <= {200, 429}
     # Its holds expire (hold_ttl_s 3, swept by the live replicas) and its Redis slots too:
     # 8 requests at once are admitted again.
-    deadline = time.monotonic() + 20
-    while await cluster.open_holds():
-        assert time.monotonic() < deadline, "the killed replica's holds never expired"
-        await asyncio.sleep(0.25)
-    await asyncio.sleep(3.5)  # slot_ttl_s
+    async def no_hold() -> bool:
+        return not await cluster.open_holds()
+
+    await eventually(no_hold, 20, what="the killed replica's holds expired", step=0.25)
+    await asyncio.sleep(3.5)  # not a wait: slot_ttl_s passes, and the killed replica's slots expire
     slow = {"text": "x", "delay": 1.0}
     async with aiohttp.ClientSession() as http:
         results = await asyncio.gather(*(send(http, others[i % 3], rich, False, slow) for i in range(GLOBAL_LIMIT)))
@@ -160,11 +161,11 @@ async def test_postgres_down_for_10s_gives_503s_and_loses_no_settlement(cluster,
             status, headers, raw = await send(http, cluster.replicas[i % REPLICAS], rich, stream=False)
             during.append((status, headers))
             i += 1
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # not a wait: newcomers paced through the outage
 
     async with aiohttp.ClientSession() as http:
         tasks = [asyncio.create_task(running(http, i)) for i in range(GLOBAL_LIMIT)]
-        await asyncio.sleep(0.8)  # they hold and stream
+        await asyncio.sleep(0.8)  # not a wait: they hold and stream when the database stops
         await asyncio.to_thread(pg_server.stop)
         down.set()
         t_stop = time.monotonic()
@@ -178,7 +179,7 @@ async def test_postgres_down_for_10s_gives_503s_and_loses_no_settlement(cluster,
         await comers
         # Their settlements wait in the replicas' spools (written before each answer ended).
         waiting = {r["request_id"] for replica in cluster.replicas for r in spool_records(replica)}
-        await asyncio.sleep(max(0.0, 10 - (time.monotonic() - t_stop)))
+        await asyncio.sleep(max(0.0, 10 - (time.monotonic() - t_stop)))  # not a wait: the outage lasts 10 s
         await asyncio.to_thread(pg_server.start)
     # Every request that was running finished for its client.
     assert len(done) == GLOBAL_LIMIT
@@ -187,13 +188,7 @@ async def test_postgres_down_for_10s_gives_503s_and_loses_no_settlement(cluster,
     assert {s for s, _ in during} == {503}, sorted({s for s, _ in during})
     assert all("Retry-After" in h for _, h in during)
     # The spool is replayed: every answered request has its usage row, once.
-    deadline = time.monotonic() + 30
-    while True:
-        rows = await cluster.query("SELECT request_id FROM usage WHERE request_id = ANY($1::text[])", done)
-        if len(rows) == len(done):
-            break
-        assert time.monotonic() < deadline, f"{len(done) - len(rows)} settlements never reached the ledger"
-        await asyncio.sleep(0.25)
+    await cluster.wait_billed(done, within_s=30)
     await cluster.audit()
     print(f"{len(done)} requests ran through the outage; {len(waiting)} settlements waited in the spools")
     assert set(done) <= waiting  # their settlements really went through the spool
@@ -204,10 +199,12 @@ async def test_postgres_down_for_10s_gives_503s_and_loses_no_settlement(cluster,
     try:
         async with aiohttp.ClientSession() as http:
             for replica in cluster.replicas + [late]:
-                deadline = time.monotonic() + 10
-                while (status := (await send(http, replica, rich, stream=False))[0]) != 200:
-                    assert status == 503 and time.monotonic() < deadline, status
-                    await asyncio.sleep(0.2)
+                async def serves() -> bool:
+                    status = (await send(http, replica, rich, stream=False))[0]
+                    assert status in (200, 503), status
+                    return status == 200
+
+                await eventually(serves, 10, what=f"replica {replica.index} serving again", step=0.2)
     finally:
         await late.stop()
 
@@ -226,14 +223,11 @@ async def test_redis_down_fails_closed_then_recovers_without_a_restart(cluster, 
                 assert set(error) >= {"message", "type", "param", "code"}
         finally:
             await asyncio.to_thread(redis_server.start)
-        deadline = time.monotonic() + 15
         for replica in cluster.replicas:
-            while True:
-                status, _, raw = await send(http, replica, rich, False)
-                if status == 200:
-                    break
-                assert time.monotonic() < deadline, raw[:300]
-                await asyncio.sleep(0.2)
+            async def serves() -> bool:
+                return (await send(http, replica, rich, False))[0] == 200
+
+            await eventually(serves, 15, what=f"replica {replica.index} serving again", step=0.2)
     await cluster.audit()
 
 
@@ -241,13 +235,13 @@ async def until_every_replica(cluster: Cluster, secret: str, want: int, within_s
     """Seconds until every replica answers `want` to the key (all asked in each round)."""
     t0 = time.monotonic()
     async with aiohttp.ClientSession() as http:
-        while True:
+        async def answered() -> list[int] | None:
             statuses = [s for s, _, _ in await asyncio.gather(
                 *(send(http, r, secret, False, {"text": "x"}) for r in cluster.replicas))]
-            if statuses == [want] * len(cluster.replicas):
-                return time.monotonic() - t0
-            assert time.monotonic() - t0 < within_s, statuses
-            await asyncio.sleep(0.05)
+            return None if statuses != [want] * len(cluster.replicas) else statuses
+
+        await eventually(answered, within_s, what=f"every replica answering {want}", step=0.05)
+        return time.monotonic() - t0
 
 
 async def test_a_limit_change_and_a_revocation_reach_every_replica_at_once(cluster):

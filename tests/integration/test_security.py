@@ -15,6 +15,7 @@ from aiohttp import web
 
 from proxy.config import settings as config_settings
 from proxy.policy.netguard import ImagePolicy, check_images, verdict_for_address
+from tests.conftest import eventually
 
 PUBLIC_ROUTES = {("POST", "/v1/responses"), ("POST", "/v1/responses/input_tokens"), ("GET", "/v1/models"),
                  ("GET", "/v1/responses"), ("POST", "/v1/responses/compact"),  # the WebSocket upgrade; compaction
@@ -77,7 +78,7 @@ async def test_dns_resolution_does_not_block_the_loop(monkeypatch):
     loop = asyncio.get_running_loop()
 
     async def slow(host, port, **kw):
-        await asyncio.sleep(5)
+        await asyncio.sleep(5)  # a resolver that hangs
         return []
 
     monkeypatch.setattr(loop, "getaddrinfo", slow)
@@ -170,9 +171,16 @@ async def test_api_keys_hashed_at_rest_and_never_logged(sim, make_proxy, tmp_pat
         async with aiohttp.ClientSession() as http:
             async with http.get(proxy.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
                 await r.read()
-    await asyncio.sleep(0.2)
-    captured = capsys.readouterr()
-    logs = captured.out + captured.err
+    seen: list[str] = []
+
+    def logged() -> bool:  # the access lines of the six requests
+        captured = capsys.readouterr()
+        seen.append(captured.out + captured.err)
+        text = "".join(seen)
+        return text.count("/v1/models") >= 3 and text.count("/v1/responses") >= 3
+
+    await eventually(logged, what="the six requests' access lines")
+    logs = "".join(seen)
     assert "request" in logs  # the access log was captured
     for key in (proxy.api_key, secret, "sk-rp-not-a-real-key"):
         assert key not in logs

@@ -135,7 +135,7 @@ async def test_resets_around_many_holds_leave_none_open(make_proxy, lines):
         reader, writer = await raw_post(p, secret, {"model": MODEL, "input": f"hello {i}", "stream": True,
                                                     "max_output_tokens": 20})
         for _ in range(i % 7):
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # not a wait: reset at a different moment of the request each time
         reset(writer)
     await until(lambda: len(responses_lines(lines)) >= 60, "an access line per request")
     await assert_books_balance(p)

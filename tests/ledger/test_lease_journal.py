@@ -20,7 +20,7 @@ from proxy.ledger import UsageRecord
 from proxy.ledger.lease import LeaseHold, Leases
 from proxy.ledger.lease_journal import LeaseJournal, recover
 from proxy.ledger.sqlite.ledger import SQLiteLedger
-from tests.conftest import fill, tiny_tmpfs
+from tests.conftest import eventually, fill, tiny_tmpfs
 
 
 @pytest.fixture
@@ -41,14 +41,14 @@ async def _leased(ledger, journal: str = "fsync", **kw) -> tuple[Leases, str]:
     _, key = await ledger.create_key("busy", 10_000_000)
     leases = Leases(ledger, hold_ttl_s=60, min_rate=1, idle_s=3600, linger_s=3600, commit_rows=1_000_000,
                     journal=journal, **kw)
-    for _ in range(100):
-        hold = await leases.hold_up_to(f"warm-{_}", key.key_id, 1, 1000)
+    warm = iter(range(1_000_000))
+
+    async def leased() -> bool:
+        hold = await leases.hold_up_to(f"warm-{next(warm)}", key.key_id, 1, 1000)
         leases.finish(hold, None)
-        if isinstance(hold, LeaseHold):
-            break
-        await asyncio.sleep(0.01)
-    else:
-        pytest.fail("the key was never leased")
+        return isinstance(hold, LeaseHold)
+
+    await eventually(leased, what="the key leased")
     return leases, key.key_id
 
 

@@ -43,7 +43,7 @@ from proxy.ledger.pricing import (
     price_for,
 )
 
-from tests.conftest import LEDGER_BACKENDS, ledger_section
+from tests.conftest import LEDGER_BACKENDS, eventually, ledger_section
 from tests.support.paths import REPO
 
 SECRET_RE = re.compile(r"sk-rp-[A-Za-z0-9_-]{32}")
@@ -413,8 +413,9 @@ async def test_holds_commit_at_hold_synchronous_and_the_rest_at_synchronous(ledg
             return level[conn.execute("PRAGMA synchronous").fetchone()[0]]
         return fn
 
-    blocker = asyncio.ensure_future(ledger._run(lambda conn: gate.wait(10)))
-    await asyncio.sleep(0.05)
+    parked = threading.Event()
+    blocker = asyncio.ensure_future(ledger._run(lambda conn: parked.set() or gate.wait(10)))
+    await eventually(parked.is_set, what="the writer thread parked inside the blocker")
     tasks = [asyncio.ensure_future(c) for c in (
         ledger._run(probe("slow-write")),
         ledger._run(probe("hold-like"), Durability.HOLD),
@@ -422,7 +423,7 @@ async def test_holds_commit_at_hold_synchronous_and_the_rest_at_synchronous(ledg
         ledger.settle("s-1", usage_for("s-1", key.key_id, 10)),
         ledger._run(probe("read"), Durability.READ),
     )]
-    await asyncio.sleep(0.05)  # all queued behind the blocker: one batch
+    await eventually(lambda: ledger._writer._queue.qsize() >= len(tasks), what="all queued behind the blocker: one batch")
     gate.set()
     slow, fast, hold, settled, read = await asyncio.gather(*tasks)
     await blocker
@@ -453,7 +454,7 @@ async def test_settles_linger_for_company_but_never_hold_anything_up(tmp_path):
         groups = led.stats["groups"]
         settles = [asyncio.ensure_future(led.settle(f"l-{i}", usage_for(f"l-{i}", key.key_id, 10)))
                    for i in range(2)]
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # not a wait: time passes, and the settles linger (nothing is to happen)
         assert not any(t.done() for t in settles)  # lingering: nothing committed yet
         t0 = time.monotonic()
         hold = await led.hold_up_to("other", key.key_id, 1, 50, ttl_s=60)  # not held up by them
@@ -464,7 +465,7 @@ async def test_settles_linger_for_company_but_never_hold_anything_up(tmp_path):
         assert all(t.done() and t.result() for t in settles)
         assert led.stats["groups"] - groups == 3  # the hold's, the read's, ONE for both settles + top-up
         late = asyncio.ensure_future(led.settle("l-2", usage_for("l-2", key.key_id, 10)))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # not a wait: time passes, and the late settle lingers
         assert not late.done()
     finally:
         await led.close()  # flushes the lingering settle
@@ -503,7 +504,7 @@ async def test_hold_expiry(ledger):
     assert await ledger.available(key.key_id) == 100
     with pytest.raises(InsufficientBalance):
         await ledger.hold("x", key.key_id, 500, ttl_s=60)
-    await asyncio.sleep(1.1)
+    await asyncio.sleep(1.1)  # not a wait: the short hold's ttl passes
     assert await ledger.available(key.key_id) == 800  # an expired hold no longer counts...
     assert {h.request_id for h in await ledger.holds()} == {"short", "long"}  # ...though still a row
     assert await ledger.expire_holds() == 1
@@ -524,8 +525,9 @@ async def test_one_failing_operation_does_not_fail_its_group(ledger):
         conn.execute("INSERT INTO holds VALUES ('partial', ?, 1, 9e18)", (key.key_id,))
         raise RuntimeError("boom")
 
-    blocker = asyncio.ensure_future(ledger._run(lambda conn: gate.wait(10)))
-    await asyncio.sleep(0.05)  # the writer thread is now parked inside the blocker
+    parked = threading.Event()
+    blocker = asyncio.ensure_future(ledger._run(lambda conn: parked.set() or gate.wait(10)))
+    await eventually(parked.is_set, what="the writer thread parked inside the blocker")
     ops = [
         ledger.hold("ok-1", key.key_id, 100, ttl_s=60),
         ledger.hold("bad-1", "key_missing", 100, ttl_s=60),
@@ -536,7 +538,7 @@ async def test_one_failing_operation_does_not_fail_its_group(ledger):
         ledger._run(half_done),
     ]
     tasks = [asyncio.ensure_future(op) for op in ops]
-    await asyncio.sleep(0.05)  # every op is queued behind the blocker
+    await eventually(lambda: ledger._writer._queue.qsize() >= len(ops), what="every op queued behind the blocker")
     groups_before = ledger.stats["groups"]
     gate.set()
     results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -955,10 +957,10 @@ async def test_leased_rows_commit_by_count_as_well_as_by_time(ledger):
     assert leases.stats["commits"] == leased // 10  # started as the tenth row came
     assert len(leases._queue) == leased % 10  # the rest waits for the next ten (or the hour)
     want = 400 - leased % 10  # the exact path's rows and the committed leased ones
-    for _ in range(200):  # the commits the count started,, to their end (a busy PostgreSQL is slower)
-        if len(await ledger.list_usage(key.key_id, limit=10_000)) >= want:
-            break
-        await asyncio.sleep(0.05)
+    async def committed():  # the commits the count started, to their end (a busy PostgreSQL is slower)
+        return len(await ledger.list_usage(key.key_id, limit=10_000)) >= want
+
+    await eventually(committed, what=f"{want} usage rows committed")
     assert len(await ledger.list_usage(key.key_id, limit=10_000)) == want
     await leases.flush()
     assert len(await ledger.list_usage(key.key_id, limit=10_000)) == 400
@@ -1095,7 +1097,7 @@ async def test_lease_expiry_after_sigkill_releases_the_reservation(tmp_path, bac
         assert len(rows) == 1 and rows[0].request_id.startswith("lease:")  # the dead process's lease
         assert rows[0].amount_micros >= 5 * 1000  # it still covers the requests that were in flight
         assert await led.available(key.key_id) == balance - rows[0].amount_micros
-        await asyncio.sleep(max(0.0, rows[0].expires_at - time.time()) + 0.05)
+        await asyncio.sleep(max(0.0, rows[0].expires_at - time.time()) + 0.05)  # not a wait: the lease's expiry passes
         assert await led.available(key.key_id) == balance  # expired: it reserves nothing any more
         assert await led.expire_holds() == 1
         assert await led.holds() == []

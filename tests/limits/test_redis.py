@@ -44,16 +44,15 @@ class ProxyProcess:
                                      cwd=str(tmp), env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     async def ready(self, http: aiohttp.ClientSession) -> None:
-        for _ in range(600):
+        async def up() -> bool:
             assert self.proc.poll() is None, f"proxy exited: {Path(self.log.name).read_text()[-2000:]}"
             try:
                 async with http.get(self.url + "/livez") as r:
-                    if r.status < 500:
-                        return
+                    return r.status < 500
             except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-        raise AssertionError("the proxy did not start")
+                return False
+
+        await until(up, 30, what="the proxy started")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -175,7 +174,7 @@ async def test_slots_are_renewed_while_a_request_runs_and_expire_when_its_proces
     a, c = await launch("a"), await launch("c")
     key, _ = await ledger.create_key("one", balance_micros=100_000_000, limits=KeyLimits(concurrency=1))
     long = await open_stream(http, a, key, slow(seconds=TTL * 2.5, words=40))
-    await asyncio.sleep(TTL * 1.5)  # past the slot's first expiry: only the heartbeat keeps it
+    await asyncio.sleep(TTL * 1.5)  # not a wait: past the slot's first expiry, only the heartbeat keeps it
     assert (await post(http, c, key))[0] == 429
     await long.read()
     long.release()

@@ -124,7 +124,7 @@ async def test_auth_cache_revoke_elsewhere_takes_effect_within_the_ttl(make_prox
     status = (await call(http, p, key=secret, path="/v1/models", method="GET"))[0]
     if time.monotonic() - cached_at < ttl * 0.8:
         assert status == 200  # still cached: this process has not seen the revoke yet
-    await asyncio.sleep(max(0.0, cached_at + ttl + 0.05 - time.monotonic()))
+    await asyncio.sleep(max(0.0, cached_at + ttl + 0.05 - time.monotonic()))  # not a wait: the cache's ttl passes
     status, _, body = await call(http, p, key=secret, path="/v1/models", method="GET")
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     status, _, _ = await call(http, p, key=secret)

@@ -7,13 +7,13 @@ between tests."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import orjson
 import pytest
 
 import proxy.app
+from tests.conftest import eventually
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
 PRICES = {"default": {"input": 1_000_000, "cached_input": 100_000, "output": 1_000_000}}
@@ -128,10 +128,8 @@ async def test_every_line_names_the_transport_that_carried_the_request(make_prox
             await ws.send_str(orjson.dumps(message).decode())
             while orjson.loads((await ws.receive(timeout=30)).data)["type"] not in TERMINAL:
                 pass
-    for _ in range(200):  # the handshake's line is written when the server has closed the socket
-        if any(f["status"] == 101 for f in lines[before:]):
-            break
-        await asyncio.sleep(0.01)
+    # the handshake's line is written when the server has closed the socket
+    await eventually(lambda: any(f["status"] == 101 for f in lines[before:]), what="the handshake's access line")
     for request_id in (answered, unknown, refused):
         assert line_of(lines, request_id)["transport"] == "http"
     over_socket = lines[before:]

@@ -3,7 +3,6 @@ the same fields, in the same order, as structlog's JSONRenderer would write."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -12,7 +11,7 @@ import aiohttp
 import structlog
 
 from proxy.runtime import logs
-from tests.conftest import only
+from tests.conftest import eventually, only
 
 
 def test_json_access_line_has_the_structlog_fields(capsys):
@@ -109,7 +108,13 @@ async def _json_lines_of_two_requests(make_proxy, monkeypatch, mode: str, then=N
                 body = {"model": "tiny-org/tiny-model", "input": "hello", "max_output_tokens": 8, "stream": stream}
                 async with http.post(proxy.url + "/v1/responses", json=body) as r:
                     await r.read()
-        await asyncio.sleep(0.2)  # the access lines of answers aiohttp finishes after the handler
+
+        def both_logged() -> bool:  # the access lines of answers aiohttp finishes after the handler
+            logs._flush_access()
+            return sum('"event":"request"' in line.replace(" ", "") for write in err.writes
+                       for line in write.splitlines()) >= 2
+
+        await eventually(both_logged, what="the two requests' access lines")
         if then is not None:
             then()
         logs._flush_access()

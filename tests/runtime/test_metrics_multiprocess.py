@@ -9,13 +9,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import eventually, eventually_sync, free_port
 from tests.support.paths import REPO
 
 REQUESTS = 24
@@ -78,12 +77,8 @@ def two_processes(tmp_path):
             if "listening on" in line:
                 break
         assert key, "no demo key printed"
-        for _ in range(1200):  # both children listening, so the kernel spreads connections over both
-            if _listening_children(proc.pid, port) == 2:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the two serving processes did not both listen")
+        # both children listening, so the kernel spreads connections over both
+        eventually_sync(lambda: _listening_children(proc.pid, port) == 2, 60, what="both serving processes listening")
         yield f"http://127.0.0.1:{port}", key, tmp
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -100,15 +95,14 @@ def two_processes(tmp_path):
 async def test_every_scrape_counts_every_process_requests(two_processes):
     url, key, tmp = two_processes
     auth = {"Authorization": f"Bearer {key}"}
-    for _ in range(1200):  # the children bind their sockets after the supervisor's "listening on"
+    async def models():  # the children bind their sockets after the supervisor's "listening on"
         try:
             status, body = await _fresh("GET", url + "/v1/models", headers=auth)
         except aiohttp.ClientConnectionError:
-            status = 0
-        if status == 200:
-            break
-        await asyncio.sleep(0.05)
-    model = orjson.loads(body)["data"][0]["id"]
+            return None
+        return body if status == 200 else None
+
+    model = orjson.loads(await eventually(models, 60, what="GET /v1/models answered"))["data"][0]["id"]
 
     body = orjson.dumps({"model": model, "input": "hello", "max_output_tokens": 8})
     results = await asyncio.gather(*(_fresh("POST", url + "/v1/responses", data=body,

@@ -112,9 +112,8 @@ async def test_every_process_of_serve_workers_2_lists_every_refusal(tmp_path):
     import signal
     import subprocess
     import sys
-    from pathlib import Path
 
-    from tests.conftest import free_port
+    from tests.conftest import eventually, free_port
     from tests.runtime.test_metrics_multiprocess import _fresh, _listening_children
 
     repo = REPO
@@ -132,12 +131,7 @@ async def test_every_process_of_serve_workers_2_lists_every_refusal(tmp_path):
         for line in proc.stdout:
             if "listening on" in line:
                 break
-        for _ in range(1200):
-            if _listening_children(proc.pid, port) == 2:
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError("the two serving processes did not both listen")
+        await eventually(lambda: _listening_children(proc.pid, port) == 2, 60, what="both serving processes listening")
         statuses = [(await _fresh("GET", url + "/v1/nothing"))[0] for _ in range(12)]
         statuses += [(await _fresh("GET", url + "/v1/models", headers={"Authorization": "Bearer sk-rp-no"}))[0]
                      for _ in range(6)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import socket
@@ -16,6 +15,7 @@ import pytest
 
 from proxy.simulator.server import Simulator, create_app
 from proxy.simulator.script import example_value, split_pieces, tokenize
+from tests.conftest import eventually
 from tests.support.paths import REPO, SHARED
 
 FIXTURES = SHARED / "fixtures" / "vllm-0.32-cpu"
@@ -503,10 +503,7 @@ async def test_stall_then_disconnect_is_counted_cancelled(sim, http):
             seen += await r.content.readany()
         assert sim.in_flight == 1
         r.close()  # drop the connection mid-stream
-    for _ in range(100):
-        if sim.cancelled:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: sim.cancelled, what="the stalled stream counted cancelled")
     assert sim.cancelled == 1 and sim.in_flight == 0
 
 
@@ -515,10 +512,7 @@ async def test_disconnect_during_slow_stream_is_cancelled(sim, http):
     async with http.post(sim.url + "/v1/chat/completions", json=req(**STREAM)) as r:
         await r.content.readany()
         r.close()
-    for _ in range(100):
-        if sim.cancelled and not sim.in_flight:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: sim.cancelled and not sim.in_flight, what="the slow stream counted cancelled")
     assert (sim.cancelled, sim.in_flight) == (1, 0)
 
 
@@ -668,15 +662,14 @@ async def test_cli_serves(http):
                             cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        for _ in range(100):
+        async def models():
             try:
                 async with http.get(f"http://127.0.0.1:{port}/v1/models") as r:
-                    data = await r.json()
-                break
+                    return await r.json()
             except aiohttp.ClientConnectionError:
-                await asyncio.sleep(0.05)
-        else:
-            pytest.fail("simulator CLI did not come up")
+                return None
+
+        data = await eventually(models, what="the simulator CLI up")
         assert data["data"][0]["owned_by"] == "sglang" and data["data"][0]["max_model_len"] == 1000
     finally:
         proc.terminate()

@@ -29,6 +29,7 @@ import orjson
 import yaml
 from multidict import CIMultiDict
 
+from tests.conftest import eventually
 from tests.support.live import free_port
 from tests.support.paths import REPO as ROOT
 
@@ -89,17 +90,18 @@ class Replica:
         self.proc = await asyncio.create_subprocess_exec(*self._argv(), cwd=ROOT, stdout=log, stderr=log)
         log.close()
         async with aiohttp.ClientSession() as http:
-            deadline = time.monotonic() + 60
-            while True:
+            async def up() -> bool:
                 assert self.proc.returncode is None, self.log()[-3000:]
-                assert time.monotonic() < deadline, self.log()[-3000:]
                 try:
                     async with http.get(self.url + ("/readyz" if ready else "/livez")) as r:
-                        if r.status == 200:
-                            return
+                        return r.status == 200
                 except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
+                    return False
+
+            try:
+                await eventually(up, 60, what=f"replica {self.index} up")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {self.log()[-3000:]}") from None
 
     async def run_to_exit(self, within_s: float) -> tuple[int | None, str]:
         """Start the process expecting it to exit by itself: (its exit code, its stderr).
@@ -200,21 +202,25 @@ class Cluster:
     async def wait_billed(self, request_ids: list[str], within_s: float = 30) -> float:
         """Seconds until every id has its usage row (the spools replay meanwhile)."""
         t0 = time.monotonic()
-        while missing := await self.unbilled(request_ids):
-            assert time.monotonic() - t0 < within_s, \
-                f"{len(missing)} of {len(request_ids)} served requests never billed, e.g. {missing[:5]}"
-            await asyncio.sleep(0.25)
+        missing: list[str] = []
+
+        async def billed() -> bool:
+            missing[:] = await self.unbilled(request_ids)
+            return not missing
+
+        try:
+            await eventually(billed, within_s, what="every served request billed", step=0.25)
+        except AssertionError:
+            raise AssertionError(f"{len(missing)} of {len(request_ids)} served requests never billed, "
+                                 f"e.g. {missing[:5]}") from None
         return time.monotonic() - t0
 
     async def wait_no_expired_holds(self, within_s: float) -> None:
         """No hold row past its expiry (holds.expires_at is time.time() seconds), within `within_s`."""
-        deadline = time.monotonic() + within_s
-        while True:
-            left = (await self.query("SELECT COUNT(*) FROM holds WHERE expires_at < $1", time.time()))[0][0]
-            if not left:
-                return
-            assert time.monotonic() < deadline, f"{left} hold rows left past their expiry"
-            await asyncio.sleep(0.25)
+        async def none_left() -> bool:
+            return not (await self.query("SELECT COUNT(*) FROM holds WHERE expires_at < $1", time.time()))[0][0]
+
+        await eventually(none_left, within_s, what="no hold row left past its expiry", step=0.25)
 
 
 def replica_config(sim_url: str, dsn: str, redis_url: str, prefix: str, *, patient: bool = False,

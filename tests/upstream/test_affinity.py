@@ -25,7 +25,7 @@ from proxy.ledger.pricing import Price, cost_micros
 from proxy.upstream.routing import parse_provider, select
 from proxy.simulator.server import Simulator
 from proxy.upstream.workers import Worker, WorkerPool
-from tests.conftest import free_port, only
+from tests.conftest import eventually, free_port, only
 
 NO_AUTH = only("stateless")
 FAST = {"connect": 2, "first_byte": 10, "idle": 10, "total": 60}
@@ -406,11 +406,7 @@ async def test_cached_tokens_are_reported_and_billed_at_the_cached_price(three):
         assert status == 200, resp
         history += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": words(50, f"t{turn}")}]
         request_id = resp_headers["x-request-id"]
-        for _ in range(100):
-            row = await proxy.ledger.usage(request_id)
-            if row is not None:
-                break
-            await asyncio.sleep(0.02)
+        row = await eventually(lambda: proxy.ledger.usage(request_id), what=f"the usage row of {request_id}")
         usage_rows.append((resp["usage"], row))
     assert sorted(counts(sims)) == [0, 0, 2]  # both turns on one simulator
     (first, first_row), (second, second_row) = usage_rows

@@ -10,6 +10,7 @@ from multidict import CIMultiDict
 
 from proxy.upstream import client as up
 from proxy.upstream.client import BadResponse, ConnectFailed, ConnectTimeout, Disconnected, UpstreamPool
+from tests.conftest import eventually
 
 HEADERS = CIMultiDict({"Content-Type": "application/json", "Authorization": "Bearer up-key"})
 
@@ -186,12 +187,8 @@ async def test_unread_body_pauses_the_socket_and_reading_resumes_it():
         pool = UpstreamPool()
         resp = await pool.post(srv.url, HEADERS, b"{}", connect_timeout=5)
         conn = resp._conn
-        for _ in range(200):
-            if conn.paused:
-                break
-            await asyncio.sleep(0.01)
-        assert conn.paused, "the socket was never paused"
-        await asyncio.sleep(0.05)
+        await eventually(lambda: conn.paused, what="the socket paused")
+        await asyncio.sleep(0.05)  # not a wait: time for more bytes to arrive, were the socket still read
         assert conn.buffered < 2 * up.HIGH_WATER  # not the whole body: the socket stopped
         assert await resp.read_capped(len(body) + 1) == body  # and reading resumed it
         resp.release()
@@ -203,14 +200,13 @@ async def test_close_abandons_the_answer_and_the_connection():
         pool = UpstreamPool()
         resp = await pool.post(srv.url, HEADERS, b"{}", connect_timeout=5)
         resp.close()
-        await asyncio.sleep(0.01)
-        assert pool.stats() == {"in_use": 0, "idle": 0}
+        await eventually(lambda: pool.stats() == {"in_use": 0, "idle": 0}, what="the closed connection out of the pool")
         await pool.close()
 
 
 async def test_deadline_passes_while_waiting_for_the_answer():
     async def silent(writer):
-        await asyncio.sleep(1)
+        await asyncio.sleep(1)  # a silent upstream: the deadline passes meanwhile
         return "close"
 
     async with RawServer([silent]) as srv:
@@ -243,10 +239,7 @@ async def test_a_stream_over_at_done_keeps_its_connection_when_the_last_chunk_fo
         assert not resp.at_eof()
         resp.release_when_complete(5)
         assert pool.stats() == {"in_use": 1, "idle": 0}
-        for _ in range(100):
-            if pool.stats()["idle"]:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: pool.stats()["idle"], what="the connection back in the pool")
         assert pool.stats() == {"in_use": 0, "idle": 1}
         resp = await pool.post(srv.url, HEADERS, b"{}", connect_timeout=5)
         assert await resp.read_capped(10) == b"{}"
@@ -258,7 +251,7 @@ async def test_a_stream_over_at_done_keeps_its_connection_when_the_last_chunk_fo
 async def test_a_stream_whose_framing_never_ends_is_closed_after_the_grace():
     async def never_ends(writer):
         await stream_up_to_done(writer)
-        await asyncio.sleep(2)
+        await asyncio.sleep(2)  # the framing never ends within the grace
         return "close"
 
     async with RawServer([never_ends]) as srv:
@@ -266,8 +259,7 @@ async def test_a_stream_whose_framing_never_ends_is_closed_after_the_grace():
         resp = await pool.post(srv.url, HEADERS, b"{}", connect_timeout=5)
         assert await resp.read() == b"data: [DONE]\n\n"
         resp.release_when_complete(0.05)
-        await asyncio.sleep(0.2)
-        assert pool.stats() == {"in_use": 0, "idle": 0}
+        await eventually(lambda: pool.stats() == {"in_use": 0, "idle": 0}, what="the connection closed after the grace")
         await pool.close()
 
 

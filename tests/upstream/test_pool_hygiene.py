@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from proxy.state import UPSTREAMS
+from tests.conftest import eventually
 from tests.support.raw_chat_upstream import ChatUpstream, answer_for, json_answer, completion, sse_answer
 
 FAKE_TEXT = "LEAKED-answer-meant-for-nobody"
@@ -35,12 +36,9 @@ async def start(make_proxy, upstream: ChatUpstream):
     return await make_proxy({"health": {"enabled": False}}, workers=[upstream.worker()])
 
 
-async def wait_idle_closed(proxy, timeout: float = 2.0) -> None:
-    """Until the pool has no idle connection (or timeout: the old code never closes one)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while proxy.app[UPSTREAMS].stats()["idle"] and loop.time() < end:
-        await asyncio.sleep(0.01)
+async def wait_idle_closed(proxy) -> None:
+    """Until the pool has no idle connection (the old code never closed one)."""
+    await eventually(lambda: not proxy.app[UPSTREAMS].stats()["idle"], what="the idle connection closed")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -143,11 +141,7 @@ async def test_pool_unit_idle_data_marks_the_connection_dead():
         assert pool.stats() == {"in_use": 0, "idle": 1}
         writers[0].write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nXX")
         await writers[0].drain()
-        for _ in range(100):
-            if not pool.stats()["idle"]:
-                break
-            await asyncio.sleep(0.01)
-        assert pool.stats()["idle"] == 0
+        await eventually(lambda: pool.stats()["idle"] == 0, what="the connection that got stray bytes closed")
         answer = await pool.post(url, headers, b"{}", connect_timeout=2)
         assert orjson.loads(await answer.read_capped(1000)) == {"n": 2}
         answer.release()
@@ -165,7 +159,7 @@ async def test_interim_1xx_answers_are_skipped(make_proxy, stream):
         await asyncio.sleep(0.05)  # the interim answer is read on its own
         writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # and the early hints on their own
         writer.write(answer_for(chat))
         return True
 

@@ -277,7 +277,7 @@ async def test_passive_ejection_and_readmission_after_an_active_check(start_sim,
     assert served_by(a, b) == [2, 3]
     # The worker goes down: the ejection time passes, but no check passes -> still out.
     await a.stop()
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # not a wait: the ejection time passes (nothing is to happen)
     assert wa.ejected and not wa.available
     # Back up on the same port: the next passing check re-admits it.
     a2 = await start_sim(port=port)
