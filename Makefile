@@ -43,7 +43,7 @@ lint: $(STAMP)
 
 # Faults injected into real PostgreSQL and Redis under load, then the audit (~5 minutes).
 test-faults: test-deps $(STAMP)
-	$(BIN)/python -m pytest -q -m faults tests/faults/test_backends.py
+	$(BIN)/python -m pytest -q -m faults tests/faults
 
 # The Open Responses compliance suite against `make run`'s setup (also in `make test`): the
 # vendored copy (tests/openresponses/), or OPENRESPONSES_DIR=<a checkout of openresponses/openresponses>
