@@ -43,13 +43,13 @@ lint: $(STAMP)
 
 # Faults injected into real PostgreSQL and Redis under load, then the audit (~5 minutes).
 test-faults: test-deps $(STAMP)
-	$(BIN)/python -m pytest -q -m faults tests/test_backend_faults.py
+	$(BIN)/python -m pytest -q -m faults tests/faults
 
 # The Open Responses compliance suite against `make run`'s setup (also in `make test`): the
 # vendored copy (tests/openresponses/), or OPENRESPONSES_DIR=<a checkout of openresponses/openresponses>
 # (Bun and zod from npm, into .cache/compliance).
 compliance: test-deps $(STAMP)
-	$(BIN)/python -m pytest -q -rs tests/test_compliance.py
+	$(BIN)/python -m pytest -q -rs tests/clients/test_compliance.py
 
 test-vllm: $(STAMP)
 	bash scripts/vllm_tier/run.sh

@@ -5,10 +5,10 @@ proxy/ledger/postgres/schema.py) holding --rows usage rows spread over 30 days, 
 them carrying most of the traffic), 8 models and 4 workers, then times through the ledger
 object (SQLiteLedger's writer thread, PostgresLedger's pool: as the admin API calls them) the
 reads the admin API and the dashboard make. The same rows on both backends (one seed).
-PostgreSQL is a throwaway local cluster (tests/pg_server.py: loopback, fsync off,
+PostgreSQL is a throwaway local cluster (tests/support/pg_server.py: loopback, fsync off,
 shared_buffers 32 MB), bulk-loaded with COPY. Prints a Markdown table for bench/results.md
 ("Design measurements"). Not part of `make test` (building takes a while);
-tests/test_admin_ledger.py checks that the same reads use the indexes and the sums.
+tests/ledger/test_console.py checks that the same reads use the indexes and the sums.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ async def run_sqlite(tmp: str, rows: int, now: float, repeat: int) -> tuple[str,
 
 async def run_postgres(tmp: str, rows: int, now: float, repeat: int) -> tuple[str, list]:
     from proxy.ledger.postgres.ledger import PostgresLedger
-    from tests.pg_server import PgServer
+    from tests.support.pg_server import PgServer
 
     with PgServer() as server:
         _, dsn = server.create_database("bench")

@@ -19,7 +19,7 @@ Measured after a warm-up: per request the total time (sent -> last byte) and the
 byte (sent -> first body bytes); printed per pair: requests, errors, p50 / p90 / p99 / max of
 each, for all requests and for the own-key and hot-key ones apart; then PG+Redis p99 / SQLite
 p99 (the target: within 2x). The PostgreSQL and redis-server are throwaway local servers
-(bench/backing.py: tests/pg_server.py, fsync off, as the output says; redis-server without
+(bench/backing.py: tests/support/pg_server.py, fsync off, as the output says; redis-server without
 persistence). Nothing is pinned unless --proxy-core N: the proxy alone on core N, the
 simulator, the servers and the clients on the others. About 55 s with the defaults. With
 --out, the table replaces the "### Backends p99" part of that file (bench/results.md), as

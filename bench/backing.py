@@ -1,6 +1,6 @@
 """The servers behind the proxy's shared backends, for `python -m bench`'s backend rows: a
-throwaway PostgreSQL (tests/pg_server.py: initdb into a temp dir, loopback, fsync off) for
-`ledger.backend: postgres` and a redis-server (tests/redis_server.py: no persistence) for
+throwaway PostgreSQL (tests/support/pg_server.py: initdb into a temp dir, loopback, fsync off) for
+`ledger.backend: postgres` and a redis-server (tests/support/redis_server.py: no persistence) for
 `limits.backend: redis`, each pinned to a core once started, with its CPU time.
 
 The CPU of a server is what the proxy's requests cost outside the proxy: for PostgreSQL the
@@ -82,8 +82,8 @@ class Backing:
 
     def __enter__(self) -> "Backing":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from tests.pg_server import PgServer
-        from tests.redis_server import RedisServer
+        from tests.support.pg_server import PgServer
+        from tests.support.redis_server import RedisServer
 
         try:
             self.pg = PgServer()  # its own temp dir (one the postgres user can enter)

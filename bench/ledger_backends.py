@@ -8,7 +8,7 @@ Each pair is what the balance middleware does for one request on the exact path
 default: holds and settles in memory, usage rows committed in batches). Columns:
 `proxy CPU/pair` = the benchmark process (event loop, SQLite's writer thread, asyncpg);
 `db CPU/pair` = the PostgreSQL server's processes (0 for SQLite: it runs in the process).
-The PostgreSQL cluster is a throwaway one (tests/pg_server.py: fsync off, so the figures are
+The PostgreSQL cluster is a throwaway one (tests/support/pg_server.py: fsync off, so the figures are
 CPU and round trips, not disk). With --out, the table replaces the "### Ledger backends"
 part of that file (bench/results.md's kept section); `make bench` runs it.
 """
@@ -84,7 +84,7 @@ async def one_round(section: dict, mode: str, requests: int, concurrency: int, d
 
 
 def measure(args: argparse.Namespace) -> list[str]:
-    from tests.pg_server import PgServer
+    from tests.support.pg_server import PgServer
 
     lines = [f"| backend | mode | c | hold+settle pairs/s | proxy CPU/pair us | db CPU/pair us |",
              "|---|---|--:|--:|--:|--:|"]

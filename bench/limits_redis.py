@@ -1,7 +1,7 @@
 """`python -m bench.limits_redis`: what `limits.backend: redis` adds per request over memory.
 
 One admission and one release per request (what middlewares/limits.py does), against the
-in-memory counter and against a throwaway redis-server on loopback (tests/redis_server.py),
+in-memory counter and against a throwaway redis-server on loopback (tests/support/redis_server.py),
 with a key that has a concurrency, a rate and a tokens-per-minute limit (the longest script
 path). Sequential (c=1: the latency one request sees) and 16 at once (c=16). CPU is this
 process's (time.process_time) and the redis-server's (/proc/<pid>/stat), per request.
@@ -18,7 +18,7 @@ import time
 from proxy.limits.base import Ask
 from proxy.limits.memory import MemoryCounter
 from proxy.limits.redis_backend import RedisCounter
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
 
 ASK = Ask("key_bench", 1024, 64, 10**9, 10**9)
 TICK = os.sysconf("SC_CLK_TCK")

@@ -234,7 +234,7 @@ async def _after_start(request: web.Request, ctx: RequestContext, response: web.
     log.error("error after the answer started", request_id=ctx.request_id,
               error=f"{type(exc).__name__}: {exc}", exc_info=exc)
     # aiohttp has no public "the body was ended" flag (prepared stays True after write_eof): the
-    # attribute its StreamResponse sets is read, as TurnStream sets it (tests/test_stream_integrity.py
+    # attribute its StreamResponse sets is read, as TurnStream sets it (tests/http/test_stream_integrity.py
     # raise_after pins that a whole answer stands).
     if getattr(response, "_eof_sent", False):
         return response, None  # whole before the error: it stands

@@ -7,7 +7,7 @@ transports give their turns theirs (proxy.http.turn.Turn.unit); the envelope put
 request's context (`ctx.unit`) and runs that unit's chain (middlewares.Phases), built once at
 start-up from the phases the unit declares here: a phase not declared is not in the chain, so
 no phase asks which unit it serves and no phase keeps a list of paths. A new route or message
-type runs exactly what its unit declares, and tests/test_units.py sends each unit every
+type runs exactly what its unit declares, and tests/http/test_units.py sends each unit every
 phase's refusal to prove it.
 
 The phases, in their fixed order (middlewares/__init__.py):

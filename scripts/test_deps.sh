@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make test-deps` (run by `make test` and by .ci/run): the servers and tools the suite starts
 # on loopback, from Debian's packages when missing. Nothing is installed when all are there.
-#   chromium      tests/test_dashboard_browser.py (Playwright drives it; no browser download)
+#   chromium      tests/admin/test_dashboard_browser.py (Playwright drives it; no browser download)
 #   postgresql    the postgres ledger backend and the scale-out tests (initdb into a temp dir)
 #   redis-server  the redis limits backend
 #   npm           Codex CLI, Claude Code, the Vercel AI SDK and the Open Responses suite, installed from npm

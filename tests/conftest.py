@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ POLICIES = ("stateless", "auth", "limits", "tools", "balance", "notices")
 
 def only(*names: str, **points: list) -> dict[str, Any]:
     """Config overrides: only the built-in policies `names` run (the others get `enabled: false`),
-    and custom middlewares at named points, e.g. only("stateless", after_auth=["tests.custom_mw:create"])."""
+    and custom middlewares at named points, e.g. only("stateless", after_auth=["tests.support.custom_mw:create"])."""
     unknown = set(names) - set(POLICIES)
     assert not unknown, f"not built-in policies: {unknown}"
     out: dict[str, Any] = {name: {"enabled": name in names} for name in POLICIES}
@@ -49,7 +50,7 @@ def sim_input(**script) -> str:
 
 def sse_events(raw: bytes) -> list[dict]:
     """The events of a Responses stream, parsed; the spec's terminal "data: [DONE]" is no
-    event (tests/test_interop.py checks it is there)."""
+    event (tests/clients/test_interop.py checks it is there)."""
     return [orjson.loads(line[6:]) for line in raw.split(b"\n")
             if line.startswith(b"data: ") and line != b"data: [DONE]"]
 
@@ -83,14 +84,14 @@ class ProxyHandle:
     def base_url(self) -> str:
         return self.url + "/v1"
 
-    spec: Any = None  # tests.sdk_check.SpecLog of the clients from openai()
+    spec: Any = None  # tests.support.sdk_check.SpecLog of the clients from openai()
 
     def openai(self, api_key: str | None = None, **kwargs: Any):
         """An openai client whose every Response and event is also judged by the Open Responses
-        spec (tests/sdk_check.py, SpecCheckingTransport)."""
+        spec (tests/support/sdk_check.py, SpecCheckingTransport)."""
         import openai
 
-        from tests.sdk_check import SpecCheckingTransport, SpecLog
+        from tests.support.sdk_check import SpecCheckingTransport, SpecLog
 
         if self.spec is None:
             self.spec = SpecLog()
@@ -173,6 +174,33 @@ async def eventually(probe, timeout: float = 10.0, *, what: str = "the condition
             raise AssertionError(f"{what} did not happen within {timeout} s (last: {value!r})")
         await asyncio.sleep(step)
 
+
+def unchanged_for(read, seconds: float):
+    """A probe for `eventually`: true once `read()` has kept one value for `seconds` (a stall,
+    which only time without progress shows: what a test of backpressure waits for)."""
+    last: list = [object(), 0.0]
+
+    def probe() -> bool:
+        value, now = read(), time.monotonic()
+        if value != last[0]:
+            last[:] = [value, now]
+        return now - last[1] >= seconds
+    return probe
+
+
+def eventually_sync(probe, timeout: float = 10.0, *, what: str = "the condition", step: float = 0.02):
+    """`eventually` for code without an event loop (a test that drives a process from a plain
+    function): `probe()` polled every `step` until truthy; its value, or AssertionError past
+    `timeout` with the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s (last: {value!r})")
+        time.sleep(step)
+
 # --------------------------------------------------------------------------- a full file system
 
 @contextmanager
@@ -208,9 +236,9 @@ def fill(folder: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    """One throwaway redis-server for the session (tests/redis_server.py). A missing
+    """One throwaway redis-server for the session (tests/support/redis_server.py). A missing
     redis-server fails the tests that use it: CI installs it."""
-    from tests.redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
@@ -239,9 +267,9 @@ def limits_backend(request) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def pg_server():
-    """One throwaway PostgreSQL cluster for the session (tests/pg_server.py). Missing
+    """One throwaway PostgreSQL cluster for the session (tests/support/pg_server.py). Missing
     binaries FAIL the tests that need it (CI installs them): PgUnavailable is an error."""
-    from tests.pg_server import PgServer
+    from tests.support.pg_server import PgServer
 
     server = PgServer()
     server.start()

@@ -105,16 +105,16 @@ def test_every_app_and_request_key_is_in_proxy_state_or_beside_its_type():
 # aiohttp's private names the product touches, each where no public hook exists, said so in a
 # comment there and pinned by the tests named there. A new one needs the same, or public API.
 AIOHTTP_PRIVATE_ALLOWED = {
-    "_send_headers_immediately": "proxy/http/event_stream.py (EventStreamResponse; tests/test_forwarder_writes.py)",
-    "_make_server": "proxy/http/parse_errors.py (ProxyRunner; tests/test_hostile.py)",
-    "_parser": "proxy/http/parse_errors.py (EnvelopeRequestHandler.bound_heads wraps it; tests/test_edge_bounds.py)",
-    "_eof_sent": "proxy/app.py _after_start, proxy/http/turn.py TurnStream (tests/test_stream_integrity.py)",
+    "_send_headers_immediately": "proxy/http/event_stream.py (EventStreamResponse; tests/http/test_forwarder_writes.py)",
+    "_make_server": "proxy/http/parse_errors.py (ProxyRunner; tests/integration/test_hostile.py)",
+    "_parser": "proxy/http/parse_errors.py (EnvelopeRequestHandler.bound_heads wraps it; tests/integration/test_edge_bounds.py)",
+    "_eof_sent": "proxy/app.py _after_start, proxy/http/turn.py TurnStream (tests/http/test_stream_integrity.py)",
     # A socket turn's frames of one upstream read (several events) in one transport write: aiohttp's
     # writer has no public batch send, and one public send_frame per event measured +27.8% Ir per
     # coalesced turn (the numbers and the command: websocket._plain_writer). Each name is pinned on
     # the installed aiohttp, and the wire bytes against its per-frame path, every length class, with
-    # and without deflate (tests/test_ws_frames.py); a writer without them takes send_frame.
-    **{name: "proxy/http/websocket.py _plain_writer, _write_frames (tests/test_ws_frames.py)"
+    # and without deflate (tests/http/test_ws_frames.py); a writer without them takes send_frame.
+    **{name: "proxy/http/websocket.py _plain_writer, _write_frames (tests/http/test_ws_frames.py)"
        for name in ("_writer", "_output_size", "_closing", "_limit", "_paused", "_drain_helper")},
 }
 

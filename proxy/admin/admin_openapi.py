@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 description of the admin API, served at <prefix>/openapi.json (like the
 public one at /openapi.json). Paths are relative to the admin prefix (servers: [{url: prefix}]).
-tests/test_admin_api.py checks that every route of the admin sub-app is described and that
+tests/admin/test_api.py checks that every route of the admin sub-app is described and that
 the live answers match it (schemathesis, against a real proxy with an admin key)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `reference()` is config.yaml itself: every key at its default with its doc, the COMMENTED ones
 commented out, each section's note above it (`responses-proxy config reference`).
 `markdown_table()` is the README's "Every key" table (`responses-proxy config reference
---markdown`). tests/config/test_reference.py keeps both equal to what is checked in.
+--markdown`). tests/config/test_schema.py keeps both equal to what is checked in.
 """
 
 from __future__ import annotations

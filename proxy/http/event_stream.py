@@ -29,7 +29,7 @@ class EventStreamResponse(web.StreamResponse):
     # aiohttp has no public switch for this: StreamResponse takes no "send headers with the
     # first write" argument and web.Response buffers the whole body, so the class attribute
     # web.Response itself sets is set here. Should aiohttp rename it, the answer stays right
-    # and only the sends double: tests/test_forwarder_writes.py pins the sends
+    # and only the sends double: tests/http/test_forwarder_writes.py pins the sends
     # (test_a_whole_coalesced_answer_is_one_send, ...headers_with_the_first_events...).
     _send_headers_immediately = False
 

@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 description of the proxy's public endpoints, served at GET /openapi.json.
 
-It is the contract the schemathesis run (tests/test_schemathesis.py) holds the live proxy
+It is the contract the schemathesis run (tests/http/test_schemathesis.py) holds the live proxy
 to: every documented status answers in the error envelope, nothing else is answered.
 """
 

@@ -16,7 +16,7 @@ request-handler class or protocol factory. So `ProxyRunner` implements BaseRunne
 app's web.Server as usual and making its connections `EnvelopeRequestHandler`s: the subclass
 adds no state (`__slots__ = ()`) and only replaces the public `handle_error`,
 `connection_made`, `connection_lost` and `finish_response`. Pinned by
-tests/test_hostile.py::test_a_malformed_request_line_is_a_400_envelope_that_echoes_nothing,
+tests/integration/test_hostile.py::test_a_malformed_request_line_is_a_400_envelope_that_echoes_nothing,
 ::test_limits_answer_clear_4xx (431) and
 ::test_only_the_proxys_own_connections_answer_parser_errors_in_the_envelope.
 
@@ -31,7 +31,7 @@ answers a parser exception as it answers a malformed request (in order, behind a
 in flight, then closes), and `handle_error` here makes them a 431 and a 408 envelope. The
 count and the timer stop when the parser emits the request (its body, a WebSocket after an
 upgrade, are never counted or timed) and start again for the next request on the connection.
-Pinned by tests/test_edge_bounds.py.
+Pinned by tests/integration/test_edge_bounds.py.
 """
 
 from __future__ import annotations

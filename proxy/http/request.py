@@ -102,7 +102,7 @@ def _unzstd(raw: bytes, cap: int) -> bytes:
 
 # Content-Encoding -> decoder(raw, cap): returns the decoded body, or its first `cap` bytes
 # when it is longer, and never holds more than `cap` decoded bytes at any time. A decoder
-# added here must keep that bound (tests/test_body_bombs.py sends each one a bomb).
+# added here must keep that bound (tests/http/test_body_bombs.py sends each one a bomb).
 DECODERS = {
     "gzip": _inflate(16 + zlib.MAX_WBITS, members=True),
     "x-gzip": _inflate(16 + zlib.MAX_WBITS, members=True),  # RFC 9110 8.4.1.3: the same as gzip

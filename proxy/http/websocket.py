@@ -441,7 +441,7 @@ class _Connection:
 
 
 # Whether a turn's events of one write go out together (send_messages); False: one send_frame
-# per event, the general path tests/test_ws_frames.py compares it with.
+# per event, the general path tests/http/test_ws_frames.py compares it with.
 BATCH_FRAMES = True
 _HEAD2 = struct.Struct("!BBH").pack  # 126, then a 16-bit length
 _HEAD3 = struct.Struct("!BBQ").pack  # 127, then a 64-bit length
@@ -499,7 +499,7 @@ def _plain_writer(ws: web.WebSocketResponse) -> Any:
     nor masked: a server's without permessage-deflate), else None. aiohttp (3.14) has no public
     batch send: the private names read here and in _write_frames are listed in
     tests/test_architecture.py, each pinned on the installed aiohttp by
-    tests/test_ws_frames.py (test_aiohttps_private_names_are_as_the_batch_writer_reads_them:
+    tests/http/test_ws_frames.py (test_aiohttps_private_names_are_as_the_batch_writer_reads_them:
     an aiohttp that renames or reshapes one fails it), and the bytes they write pinned against
     send_frame's there too.
 

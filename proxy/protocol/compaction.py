@@ -35,7 +35,7 @@ from proxy.protocol.ids import random_bits
 _TAG = "compaction\x00"
 SUMMARY_HEADER = "Summary of the conversation so far (compacted):\n\n"
 # proxy.protocol.seal's token prefix (seal.PREFIX + "."; importing it would close an import
-# cycle through proxy.state; tests/test_compact.py checks they agree).
+# cycle through proxy.state; tests/http/test_compact.py checks they agree).
 SEAL_FORMAT = "rp2."
 TRIGGER = "compaction_trigger"
 

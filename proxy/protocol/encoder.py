@@ -9,7 +9,7 @@ byte for byte what orjson.dumps writes for the whole event dict. The per-token d
 come as their class (OutputTextDelta, ReasoningSummaryTextDelta, FunctionCallArgumentsDelta)
 and their item instead of an object, and are written from a byte template per item (the
 constant parts built once), runs of plain text deltas with one join: the same bytes as the
-event object would be (tests/test_events.py). After the terminal event comes the spec's
+event object would be (tests/protocol/test_events.py). After the terminal event comes the spec's
 literal `data: [DONE]`.
 
 `JSONLinesEncoder` writes the same events as one JSON object per line, nothing else (no

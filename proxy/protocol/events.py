@@ -9,7 +9,7 @@ attribute, the spec's string) and holds the event's fields in the spec's order, 
     {"type":<type>,"sequence_number":<n>, ...orjson.dumps(event.__dict__) without its "{"}
 
 which is, byte for byte, orjson.dumps of the whole event dict the spec names
-(tests/test_events.py holds every class to it).
+(tests/protocol/test_events.py holds every class to it).
 
 Fields that are always the same on this proxy's events (`content_index`, `summary_index`: one
 part per item; `logprobs`: none) have defaults; `logprobs` is the empty tuple, which JSON

@@ -4,7 +4,7 @@ Nearly every non-stream completion is that shape, and running it through the ass
 message as one delta, through the item state machine with an encoder that writes nothing)
 costs more than the rest of the answer's translation. `plain_response` builds the same
 Response for it and answers None for anything else, which then takes the general path
-(proxy.protocol.rewriter.completion_response). tests/test_rewriter_fastpath.py checks the
+(proxy.protocol.rewriter.completion_response). tests/protocol/test_rewriter_fastpath.py checks the
 two give the same dict, key order included, over generated completions on both sides of
 every condition below.
 """

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.sdk_check import validate_sdk_compaction
+from tests.support.sdk_check import validate_sdk_compaction
 from tests.vllm.conftest import MODEL, SCRIPTED_CONTENT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.clients.ai_sdk import ensure_ai_sdk, run_ai_sdk
-from tests.sdk_check import validate_spec_response
+from tests.support.sdk_check import validate_spec_response
 from tests.vllm.conftest import MODEL, SCRIPTED_CONTENT
 from tests.vllm.test_responses import TOOLS, _check_envelope, _check_function_call
 

@@ -6,7 +6,7 @@ one fixed key), so replicas starting at once queue on it: the first applies migr
 and records it, the others then find N recorded and skip it. Migration N is applied once,
 atomically (PostgreSQL's DDL is transactional: a failed migration leaves nothing behind).
 The statements are deliberately plain CREATEs (no IF NOT EXISTS): applying one twice
-would fail loudly, which is what tests/test_ledger_pg.py's "4 replicas start at once" checks.
+would fail loudly, which is what tests/ledger/test_postgres.py's "4 replicas start at once" checks.
 
 Tables match the SQLite ledger's (proxy/ledger/schema.py) column for column, so records
 and checks are shared; money is BIGINT micro-units, times are DOUBLE PRECISION Unix

@@ -1,6 +1,6 @@
 """The PostgreSQL ledger's usage rows: the row of a UsageRecord, and lease_commit's batch
 (insert exactly once, debit clamped at the balance, take the debits off the lease rows).
-The same contract as proxy/ledger/sqlite/usage.py's record_usage (tests/test_ledger_lease_commit.py
+The same contract as proxy/ledger/sqlite/usage.py's record_usage (tests/ledger/test_lease_commit.py
 checks both against one model), by the same rules (proxy/ledger/commit_rules.py), in
 PostgreSQL: the key rows locked first, in key_id order.
 The hourly sums of the rows inserted here are added by the database itself, in the same

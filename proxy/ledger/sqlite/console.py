@@ -7,7 +7,7 @@ here: what a group, a filter or a range means is proxy/ledger/rollup.py's (share
 PostgreSQL ledger) and the caller's (proxy/ledger/service.py); an audit row's encoding is
 proxy/ledger/key_rules.py's.
 The ranges use the indexes usage_by_time(created_at) and usage_by_key_time(key_id,
-created_at) (proxy/ledger/schema.py; tests/test_admin_ledger.py checks the query plans).
+created_at) (proxy/ledger/schema.py; tests/ledger/test_console.py checks the query plans).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The SQLite ledger's usage rows: lease_commit's batch inserted exactly once, each debit
 clamped at what is left of its key's balance. The same contract as proxy/ledger/postgres/usage.py
-(tests/test_ledger_lease_commit.py checks both against one model), by the same rules
+(tests/ledger/test_lease_commit.py checks both against one model), by the same rules
 (proxy/ledger/commit_rules.py: the row, which rows go in, the clamp); run by the writer
 thread (proxy/ledger/sqlite/ledger.py lease_commit).
 """

@@ -1,5 +1,5 @@
 // The Vercel AI SDK's Open Responses provider against the proxy: a plain answer, a stream and a
-// two-step tool loop. Prints one JSON object (what each scenario got) for tests/test_ai_sdk.py.
+// two-step tool loop. Prints one JSON object (what each scenario got) for tests/clients/test_ai_sdk.py.
 //
 //   PROXY_URL=http://127.0.0.1:8080 API_KEY=sk-... MODEL=tiny-org/tiny-model node run.mjs
 import { createOpenResponses } from '@ai-sdk/open-responses';

@@ -1,0 +1,146 @@
+"""Single sign-on for the console against a real OpenID Connect provider: panva's oidc-provider
+(npm), started on loopback by the test, driven by Debian's Chromium through Playwright. The
+provider's development login takes any user name; alice is in proxy-admins, bob in finance,
+carol in no group (tests/admin/oidc_provider.mjs)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.clients.npm import npm_install
+from tests.conftest import eventually, free_port
+from tests.support.paths import REPO
+
+playwright_api = pytest.importorskip("playwright.async_api")
+
+CACHE = Path(os.environ.get("OIDC_PROVIDER_CACHE_DIR", REPO / ".cache" / "oidc-provider"))
+CHROMIUM = os.environ.get("CHROMIUM_PATH") or shutil.which("chromium") or "/usr/bin/chromium"
+ADMIN_KEY = "adm-sso-0123456789abcdef"
+CLIENT_ID, CLIENT_SECRET = "proxy-console", "a-test-client-secret"
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists() or shutil.which("node") is None,
+                                reason="needs Debian's chromium and node (make test-deps installs them)")
+
+
+class ProviderUnavailable(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def provider_dir() -> Path:
+    if not (CACHE / "node_modules" / "oidc-provider").is_dir():
+        try:
+            npm_install(CACHE, "oidc-provider@9", 300, ProviderUnavailable)
+        except ProviderUnavailable as exc:
+            pytest.skip(str(exc))
+    shutil.copy(Path(__file__).resolve().parent / "oidc_provider.mjs", CACHE / "provider.mjs")
+    return CACHE
+
+
+@pytest.fixture
+async def console(make_proxy, provider_dir):
+    """(the proxy, the provider's URL): the console with an admin key and single sign-on."""
+    port = free_port()
+    issuer = f"http://127.0.0.1:{port}"
+    proxy = await make_proxy({"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY}], "oidc": {
+        "issuer": issuer, "client_id": CLIENT_ID, "client_secret": CLIENT_SECRET,
+        "roles": {"proxy-admins": "admin", "finance": "viewer"}}}})
+    node = subprocess.Popen(["node", "provider.mjs", str(port), proxy.url + "/admin/oidc/callback", CLIENT_ID,
+                             CLIENT_SECRET], cwd=provider_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def up() -> bool:
+                try:
+                    async with s.get(issuer + "/.well-known/openid-configuration") as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return node.poll() is None and False
+            await eventually(up, 30, what="the OpenID provider answering")
+        yield proxy, issuer
+    finally:
+        node.terminate()
+        try:
+            node.wait(10)
+        except subprocess.TimeoutExpired:
+            node.kill()
+        if sys.exc_info()[0] is not None and node.stdout is not None:
+            print(node.stdout.read().decode(errors="replace")[-3000:])
+
+
+async def _sign_on(page, proxy, login: str) -> None:
+    await page.goto(proxy.url + "/admin/")
+    await page.wait_for_selector("#sso", state="visible")
+    await page.click("#sso")
+    await page.wait_for_selector("input[name=login]")  # the provider's own login page
+    await page.fill("input[name=login]", login)
+    await page.fill("input[name=password]", "any password")
+    await page.click("button[type=submit]")
+
+
+async def test_sign_on_lands_in_the_console_with_the_role_its_claims_map_to(console):
+    proxy, _ = console
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                           args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            for login, role in (("alice", "admin"), ("bob", "viewer")):
+                context = await browser.new_context(viewport={"width": 1200, "height": 800})
+                page = await context.new_page()
+                await _sign_on(page, proxy, login)
+                await page.wait_for_selector("body[data-loaded]")
+                assert await page.text_content("#who") == f"{role}: {login}@example.com"
+                session = await page.evaluate("fetch('api/session').then(r => r.json())")
+                assert session["role"] == role and session["via"] == "oidc"
+                # a write from the page, with the session's CSRF token: the role decides
+                made = await page.evaluate("""async (csrf) => {
+                    const r = await fetch('api/keys', {method: 'POST', headers: {'Content-Type': 'application/json',
+                        'X-CSRF-Token': csrf}, body: JSON.stringify({name: 'made-by-sso'})});
+                    return [r.status, await r.json()];
+                }""", session["csrf_token"])
+                if role == "admin":
+                    assert made[0] == 201
+                    audit = await proxy.ledger.list_audit(key_id=made[1]["key"]["key_id"])
+                    assert audit[0].actor == "oidc:alice@example.com"
+                else:
+                    assert made[0] == 403 and made[1]["error"]["code"] == "insufficient_role"
+                await page.screenshot(path=str(REPO / "test-artifacts" / f"console-sso-{login}.png"))
+                await context.close()
+        finally:
+            await browser.close()
+
+
+async def test_a_person_whose_claims_map_to_no_role_is_sent_back_refused(console):
+    proxy, _ = console
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                           args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = await browser.new_page()
+            await _sign_on(page, proxy, "carol")
+            await playwright_api.expect(page.locator("#login-error")).to_contain_text("has no role here")
+            assert (await page.evaluate("fetch('api/session').then(r => r.status)")) == 401
+        finally:
+            await browser.close()
+
+
+async def test_a_callback_that_this_browser_did_not_start_is_refused(console):
+    proxy, _ = console
+    async with aiohttp.ClientSession() as s:  # a forged return: a code and a state, no flow cookie
+        r = await s.get(proxy.url + "/admin/oidc/callback?code=abc&state=xyz", allow_redirects=False)
+        assert r.status == 302 and "sso_error=" in r.headers["Location"]
+        assert "rp_admin_session" not in r.headers.get("Set-Cookie", "")
+        r = await s.get(proxy.url + "/admin/api/keys")
+        assert r.status == 401
+        # the admin key still works beside single sign-on
+        r = await s.get(proxy.url + "/admin/api/keys", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert r.status == 200
+        r = await s.get(proxy.url + "/admin/login-options")
+        assert (await r.json())["oidc"]["url"] == "/admin/oidc/login"
