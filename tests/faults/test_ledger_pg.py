@@ -290,9 +290,9 @@ async def test_through_the_proxy_a_fault_is_503_ledger_fault_and_readyz_names_it
                 assert error["code"] == "ledger_fault" and "tables" in error["message"]
                 assert set(error) == {"message", "type", "param", "code"} and "Retry-After" in refused.headers
                 assert "usage_gone" not in error["message"] and "127.0.0.1" not in error["message"]
-            ready = await s.get(proxy.url + "/readyz")
-            assert ready.status == 503 and await ready.json() == {"status": "not_ready", "reason": "ledger",
-                                                                  "cause": "schema_missing"}
+            readyz = await s.get(proxy.url + "/readyz")
+            assert readyz.status == 503 and await readyz.json() == {"status": "not_ready", "reason": "ledger",
+                                                                    "cause": "schema_missing"}
         finally:
             await psql(pg_server, "ALTER TABLE usage_gone RENAME TO usage", db)
         await wait_for(lambda: ready(s, proxy), 10.0, what="/readyz 200 after the repair")
