@@ -85,6 +85,11 @@ _LIST = {"type": "object", "required": ["object", "data"]}
 
 
 def _paths() -> dict[str, Any]:
+    return {**_key_paths(), **_console_paths()}
+
+
+def _key_paths() -> dict[str, Any]:
+    """The keys' routes: list, create, show, change, top up, revoke, rotate."""
     key_write = _errors(400, 401, 403, 404, 409, 413)
     return {
         "/api/keys": {
@@ -115,6 +120,12 @@ def _paths() -> dict[str, Any]:
         "/api/keys/{key_id}/rotate": {"parameters": [_KEY_ID], "post": {
             "operationId": "rotateKey", "summary": "A new secret for the same key and balance",
             "responses": {**_ok("The key and its new secret", _SECRET), **key_write}}},
+    }
+
+
+def _console_paths() -> dict[str, Any]:
+    """The reads of usage, audit and the dashboard, the session and the sign-ons."""
+    return {
         "/api/usage": {"get": {
             "operationId": "usageRows", "summary": "Usage rows, newest first, paginated",
             "parameters": [*_RANGE, _query("model", {"type": "string"}, "one served model (rows from before"
