@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -380,7 +381,9 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_embedded_simulator)
     app.cleanup_ctx.append(health_context(SESSION, POOL, CONFIG))  # discovery + active checks, once urls are final
     app.cleanup_ctx.append(_ledger)
-    if config.alerts.webhooks:  # no webhook, nobody to tell: no task looking (and none in a benchmark's counts)
+    # No webhook, nobody to tell: no task looking (and none in a benchmark's counts). Under --workers N
+    # the first process alone looks, so a notice goes out once per replica, not once per process.
+    if config.alerts.webhooks and os.environ.get("RESPONSES_PROXY_WORKER", "0") == "0":
         app.cleanup_ctx.append(alerts_context(config.alerts, SESSION))  # after the ledger: it reads it
     sealer = sealer_from_config(config.reasoning_seal)
     if sealer is not None:

@@ -89,7 +89,7 @@ def _local_keys(config: Config, workers: int) -> None:
     made = config.local_keys = ensure(config)
     for warning in made.warnings:
         print(f"responses-proxy: warning: {warning}", file=sys.stderr, flush=True)
-    if workers > 1 and (config.admin.keys or config.admin.oidc.issuer) and not made.session_shared:
+    if workers > 1 and config.admin.keys and not made.session_shared:
         print(f"responses-proxy: warning: {workers} processes and no admin.session_secret they can share: a "
               "dashboard login is valid on one process only (set admin.session_secret)", file=sys.stderr, flush=True)
 

@@ -44,6 +44,12 @@ _FLOW = b"oidc-flow"
 _ROLE_ORDER = ("viewer", "admin")  # the widest of several mapped roles wins
 _ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 _TIMEOUT = aiohttp.ClientTimeout(total=10)
+# The authorization endpoint's error codes (OAuth 2.0 4.1.2.1, OpenID Connect Core 3.1.2.6)
+_PROVIDER_ERRORS = frozenset({"invalid_request", "unauthorized_client", "access_denied", "unsupported_response_type",
+                              "invalid_scope", "server_error", "temporarily_unavailable", "interaction_required",
+                              "login_required", "account_selection_required", "consent_required",
+                              "invalid_request_uri", "invalid_request_object", "request_not_supported",
+                              "request_uri_not_supported", "registration_not_supported"})
 _METADATA_TTL_S = 3600
 
 
@@ -132,8 +138,9 @@ class OidcLogin:
 
     async def callback(self, request: web.Request) -> web.StreamResponse:
         try:
-            if "error" in request.query:
-                raise SignOnRefused(f"the provider refused: {request.query['error'][:80]}")
+            if "error" in request.query:  # shown on the login page: only a code the spec defines, never the text sent
+                code = request.query["error"]
+                raise SignOnRefused(f"the provider refused ({code if code in _PROVIDER_ERRORS else 'an error'})")
             flow = self._flow(request)
             claims = await self._claims(request, flow)
             name, role = self.person(claims)
@@ -182,8 +189,8 @@ class OidcLogin:
         values = claims.get(self.section.roles_claim)
         values = [values] if isinstance(values, str) else values if isinstance(values, list) else []
         roles = {self.section.roles[v] for v in values if isinstance(v, str) and v in self.section.roles}
-        if not roles:
-            raise SignOnRefused(f"{str(name)[:120]} has no role here (admin.oidc.roles maps none of its "
+        if not roles:  # the person is not named: a refusal goes into a URL and a log line
+            raise SignOnRefused(f"this account has no role here (admin.oidc.roles maps none of its "
                                 f"{self.section.roles_claim})")
         return str(name)[:200], max(roles, key=_ROLE_ORDER.index)
 

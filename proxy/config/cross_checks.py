@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from proxy.config.types import SchemaError
 from proxy.policy.rules import CORE_TOOL_TYPES, HOSTED_TOOL_TYPES, REFUSED_TOOL_TYPES
@@ -95,6 +96,10 @@ def _admin(admin: dict[str, Any]) -> None:
     if oidc.get("issuer"):
         if not oidc.get("client_id"):
             raise SchemaError("admin.oidc.client_id is needed with admin.oidc.issuer")
+        issuer = urlsplit(str(oidc["issuer"]))
+        if issuer.scheme != "https" and issuer.hostname not in ("127.0.0.1", "localhost", "::1"):
+            raise SchemaError("admin.oidc.issuer must be https:// (its signing keys are fetched from it; over plain "
+                              "http anyone on the path could sign tokens), but on this machine (127.0.0.1)")
         if not oidc.get("roles"):
             raise SchemaError("admin.oidc.roles must map at least one claim value to a role (admin or viewer): "
                               "without one nobody could sign in")

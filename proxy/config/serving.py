@@ -58,7 +58,18 @@ def listen(config: Config, host: str | None, port_arg: str | None, workers_arg: 
     workers = resolve_workers(workers_arg if workers_arg is not None else server.workers)
     if workers > 1:
         _one_simulator_port(config, workers)
+        _one_signing_secret(config, workers)
     return host, found, workers
+
+
+def _one_signing_secret(config: Config, workers: int) -> None:
+    """Single sign-on's return lands on any process: one that did not sign its flow refuses it. A
+    SQLite ledger's folder holds the secret every process shares (admin-session.key); a PostgreSQL
+    ledger's processes each make their own unless admin.session_secret is set."""
+    admin = config.admin
+    if admin.oidc.issuer and not admin.session_secret and config.ledger.backend != "sqlite":
+        raise ConfigError(f"{workers} processes and no admin.session_secret they can share: single sign-on "
+                          "(admin.oidc) needs one (set admin.session_secret)")
 
 
 def _one_simulator_port(config: Config, workers: int) -> None:

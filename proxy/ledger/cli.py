@@ -58,6 +58,7 @@ from proxy.ledger.service import (
     key_dict,
     micros_of_usd,
     parse_expiry,
+    parse_time,
     to_csv,
     usage_dict,
     usd,
@@ -127,14 +128,23 @@ def _models(text: str) -> list[str] | None:
 
 
 def _when(text: str) -> float | None:
+    """A point in time for a report (--since, --until): Unix seconds or ISO 8601."""
     try:
-        return parse_expiry(text, "time")
+        return parse_time(text, "time")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _expiry(text: str) -> float | None:
+    """When a key expires (--expires): a future time, or from now (30d, 12h, 2w)."""
+    try:
+        return parse_expiry(text, "--expires")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _when_or_none(text: str) -> float | None:
-    return None if text.lower() in ("none", "never", "off", "-") else _when(text)
+    return None if text.lower() in ("none", "never", "off", "-") else _expiry(text)
 
 
 def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
@@ -165,7 +175,7 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
                             metavar="MICROS")
         budget.add_argument(f"--{period}-budget-usd", dest=f"{period}_budget", type=_usd, metavar="AMOUNT",
                             help="in dollars, e.g. 25")
-    create.add_argument("--expires", type=_when, default=None, metavar="WHEN",
+    create.add_argument("--expires", type=_expiry, default=None, metavar="WHEN",
                         help="Unix seconds, ISO 8601, or from now: 30d, 12h, 2w")
 
     sub.add_parser("list", parents=[json_flag], help="list keys (never the secrets)")

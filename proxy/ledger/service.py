@@ -51,6 +51,7 @@ UPDATE_FIELDS = (*LIMIT_FIELDS, "daily_budget_usd", "monthly_budget_usd")
 CREATE_FIELDS = ("name", "balance_micros", "balance_usd", *UPDATE_FIELDS)
 _DOLLARS = re.compile(r"[+-]?\$?(\d{1,3}(,\d{3})+|\d{1,3}(_\d{3})+|\d+)(\.\d+)?|[+-]?\$?\.\d+")
 _DURATION = re.compile(r"\+?(\d{1,6})([smhdw])")
+_YEAR_2000 = 946_684_800.0
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -89,10 +90,19 @@ def in_micros(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_expiry(value: Any, what: str = "expires_at", now: float | None = None) -> float | None:
-    """When a key expires: a time (parse_time), or a time from now ("30d", "12h", "+90m", "2w")."""
+    """When a key expires: a time (parse_time), or a time from now ("30d", "12h", "+90m", "2w").
+    A time before 2000 is refused (a forgotten unit, "30", is Unix second 30 and would expire the
+    key at once; a recent past time expires it now, on purpose), and so is one past parse_time's
+    range (year 5138: it could not be shown)."""
     if isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
-        return (time.time() if now is None else now) + int(match.group(1)) * _SECONDS[match.group(2)]
-    return parse_time(value, what)
+        when = (time.time() if now is None else now) + int(match.group(1)) * _SECONDS[match.group(2)]
+        if when >= 1e11:
+            raise ValueError(f"{what} {value.strip()!r} is out of range")
+        return when
+    at = parse_time(value, what)
+    if at is not None and at < _YEAR_2000:
+        raise ValueError(f"{what} {str(value)[:40]!r} is before 2000: a time from now needs its unit (30d, 12h, 2w)")
+    return at
 MAX_PAGE = 1000
 
 
@@ -246,7 +256,7 @@ class KeyService:
     async def top_up(self, key_id: str, micros: Any) -> int:
         if isinstance(micros, bool) or not isinstance(micros, int) or abs(micros) > MAX_AMOUNT:
             raise ValueError("micros must be an integer (negative corrects the balance)")
-        if (await self.get(key_id)).revoked:  # money put on a key nobody can use is money lost to the operator
+        if micros > 0 and (await self.get(key_id)).revoked:  # money nobody can spend; a correction (< 0) stays
             raise LedgerError(f"key {key_id} is revoked: a top-up would never be spent")
         balance = await self.ledger.top_up(key_id, micros)
         await self._audit("key.topup", key_id, {"micros": micros, "balance_micros": balance})

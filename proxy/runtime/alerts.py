@@ -189,8 +189,9 @@ class AlertCenter:
         self.section = section
         self.book = AlertBook(section.reminder_s)
         self.clock = clock
-        self.queue: deque[tuple[AlertsWebhooks, Notice]] = deque(maxlen=QUEUE_SIZE)
-        self.wake = asyncio.Event()
+        # one queue and one sender per webhook: a dead one never holds the others' notices back
+        self.queues: dict[str, deque[Notice]] = {hook.name: deque(maxlen=QUEUE_SIZE) for hook in section.webhooks}
+        self.wakes: dict[str, asyncio.Event] = {hook.name: asyncio.Event() for hook in section.webhooks}
         self.sent: dict[str, int] = {}
         self.failed: dict[str, int] = {}
         self.dropped = 0
@@ -202,11 +203,12 @@ class AlertCenter:
             self.recent.appendleft(notice.as_json())
             log.warning("alert", state=notice.state, kind=notice.condition.kind, summary=notice.condition.summary)
             for hook in self.section.webhooks:
-                if len(self.queue) == self.queue.maxlen:
+                queue = self.queues[hook.name]
+                if len(queue) == queue.maxlen:  # the oldest is dropped: never delivered, so counted as failed
                     self.dropped += 1
-                self.queue.append((hook, notice))
-        if notices:
-            self.wake.set()
+                    self.failed[hook.name] = self.failed.get(hook.name, 0) + 1
+                queue.append(notice)
+                self.wakes[hook.name].set()
 
     async def check(self, app: web.Application) -> list[Notice]:
         from proxy import state
@@ -252,20 +254,20 @@ class AlertCenter:
         log.warning("alert not delivered", webhook=hook.name, kind=notice.condition.kind)
         return False
 
-    async def sender(self, session: aiohttp.ClientSession) -> None:
+    async def sender(self, session: aiohttp.ClientSession, hook: AlertsWebhooks) -> None:
+        queue, wake = self.queues[hook.name], self.wakes[hook.name]
         while True:
-            while not self.queue:
-                self.wake.clear()
-                await self.wake.wait()
-            hook, notice = self.queue.popleft()
-            await self.deliver(session, hook, notice)
+            while not queue:
+                wake.clear()
+                await wake.wait()
+            await self.deliver(session, hook, queue.popleft())
 
     def view(self) -> dict[str, Any]:
         """What the console shows: the active conditions, the last notices, the counts."""
         return {"active": [{"key": c.key, "kind": c.kind, "summary": c.summary, "severity": c.severity,
                             "since_told": told} for c, told in self.book.active.values()],
                 "recent": list(self.recent), "sent": dict(self.sent), "failed": dict(self.failed),
-                "dropped": self.dropped, "queued": len(self.queue)}
+                "dropped": self.dropped, "queued": sum(len(q) for q in self.queues.values())}
 
 
 class AlertsCollector:
@@ -283,7 +285,8 @@ class AlertsCollector:
         sent = CounterMetricFamily("responses_proxy_alerts_sent", "Alert notices delivered, by webhook.",
                                    labels=["webhook"])
         failed = CounterMetricFamily("responses_proxy_alerts_failed",
-                                     "Alert notices not delivered after every retry (or dropped), by webhook.",
+                                     "Alert notices not delivered: given up after every retry, or dropped from a "
+                                     "full queue; by webhook.",
                                      labels=["webhook"])
         for hook in self.alerts.section.webhooks:
             sent.add_metric([hook.name], self.alerts.sent.get(hook.name, 0))
@@ -314,7 +317,8 @@ def alerts_context(section: AlertsSettings, session_key: Any) -> Callable[[web.A
                 except Exception:  # alerts must never stop the process
                     log.exception("alerts: a check failed")
 
-        tasks = [asyncio.create_task(checker()), asyncio.create_task(alerts.sender(app[session_key]))]
+        tasks = [asyncio.create_task(checker())]
+        tasks += [asyncio.create_task(alerts.sender(app[session_key], hook)) for hook in section.webhooks]
         yield
         for task in tasks:
             task.cancel()

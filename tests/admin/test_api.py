@@ -428,7 +428,8 @@ async def test_money_in_dollars_and_expiry_from_now(admin_proxy):
         assert abs(key["expires_at"] - (time.time() + 14 * 86400)) < 120
         for bad in ({"name": "x", "balance_usd": "1,50"}, {"name": "x", "balance_usd": "0.0000001"},
                     {"name": "x", "balance_usd": "-1"}, {"name": "x", "balance_usd": "1", "balance_micros": 5},
-                    {"name": "x", "expires_at": "30y"}):
+                    {"name": "x", "expires_at": "30y"}, {"name": "x", "expires_at": "999999w"},
+                    {"name": "x", "expires_at": "30"}):
             r = await s.post(p.url + "/admin/api/keys", headers=_h(), json=bad)
             assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_value", bad
         r = await s.post(p.url + f"/admin/api/keys/{key['key_id']}/topup", headers=_h(), json={"usd": "abc"})

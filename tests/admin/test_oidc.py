@@ -126,6 +126,7 @@ async def test_a_person_whose_claims_map_to_no_role_is_sent_back_refused(console
             page = await browser.new_page()
             await _sign_on(page, proxy, "carol")
             await playwright_api.expect(page.locator("#login-error")).to_contain_text("has no role here")
+            assert "carol" not in await page.text_content("#login-error") and "carol" not in page.url
             assert (await page.evaluate("fetch('api/session').then(r => r.status)")) == 401
         finally:
             await browser.close()
@@ -144,3 +145,34 @@ async def test_a_callback_that_this_browser_did_not_start_is_refused(console):
         assert r.status == 200
         r = await s.get(proxy.url + "/admin/login-options")
         assert (await r.json())["oidc"]["url"] == "/admin/oidc/login"
+
+
+async def test_the_login_page_shows_only_a_code_the_spec_defines_from_the_provider(console):
+    proxy, _ = console
+    async with aiohttp.ClientSession() as s:
+        for sent, shown in (("access_denied", "access_denied"), ("Your account is locked, call +1 555", "an error")):
+            r = await s.get(proxy.url + "/admin/oidc/callback", params={"error": sent}, allow_redirects=False)
+            location = r.headers["Location"]
+            assert r.status == 302 and "locked" not in location
+            assert shown.replace(" ", "%20") in location, location
+
+
+def test_an_issuer_over_plain_http_is_refused_but_on_this_machine():
+    from proxy.config.load import Config, ConfigError
+
+    oidc = {"client_id": CLIENT_ID, "roles": {"admins": "admin"}}
+    with pytest.raises(ConfigError, match="admin.oidc.issuer must be https://"):
+        Config.from_dict({"admin": {"oidc": {**oidc, "issuer": "http://login.example.com"}}})
+    for issuer in ("https://login.example.com", "http://127.0.0.1:9999"):
+        Config.from_dict({"admin": {"oidc": {**oidc, "issuer": issuer}}})
+
+
+def test_serve_with_workers_and_sign_on_needs_a_shared_session_secret(pg_dsn, tmp_path):
+    # a PostgreSQL ledger makes no session secret on disk: each process would sign its own flows
+    config = tmp_path / "config.yaml"
+    config.write_text(f"ledger: {{backend: postgres, dsn: '{pg_dsn}', spool_path: {tmp_path / 'spool.jsonl'}}}\n"
+                      "admin: {oidc: {issuer: 'https://login.example.com', client_id: c, roles: {a: admin}}}\n")
+    proc = subprocess.run([sys.executable, "-m", "proxy", "--config", str(config), "serve", "--port", str(free_port()),
+                           "--workers", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "single sign-on (admin.oidc) needs one" in proc.stderr, proc.stderr
+    assert "listening" not in proc.stdout

@@ -664,3 +664,16 @@ async def test_the_demo_keys_creation_and_its_predecessors_revocation_are_audite
         audit = [(e.actor, e.action, e.key_id) for e in await ledger.list_audit(limit=10)]
     assert audit == [(DEMO_ACTOR, "key.create", new.key_id), (DEMO_ACTOR, "key.revoke", old.key_id),
                      (DEMO_ACTOR, "key.create", old.key_id)]
+
+
+def test_a_reports_since_is_a_time_and_an_expiry_needs_a_unit_or_a_plausible_time(tmp_path, capsys):
+    db = str(tmp_path / "cli.db")
+    for bad in ("30", "999999w"):
+        with pytest.raises(SystemExit):
+            _cli(db, "create", "k", "--expires", bad, capsys=capsys)
+    code, out = _cli(db, "create", "k", "--expires", "2w", "--json", capsys=capsys)
+    assert code == 0 and 13 * 86400 < json.loads(out)["expires_at"] - time.time() <= 14 * 86400
+    with pytest.raises(SystemExit):  # "7d" is no point in time: refused, not read as a week from now
+        _cli(db, "usage", "--since", "7d", capsys=capsys)
+    code, out = _cli(db, "usage", "--since", "2026-01-01", "--format", "json", capsys=capsys)
+    assert code == 0 and json.loads(out) == []
