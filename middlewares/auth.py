@@ -77,15 +77,16 @@ _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # a bearer token is printable ASCII with
 
 
 class KeyCache:
-    """Successful ledger lookups by sha256 of the secret: TTL'd, LRU-bounded, dropped
-    wholesale when the ledger's key_generation moves on. No negative entries."""
+    """Successful ledger lookups by sha256 of the secret, each (the key, its levels' records):
+    TTL'd, LRU-bounded, dropped wholesale when the ledger's key_generation moves on (a change to
+    a key or a level). No negative entries."""
 
     __slots__ = ("ttl", "size", "_entries", "_generation", "hits", "misses")
 
     def __init__(self, ttl_s: float, size: int) -> None:
         self.ttl = ttl_s
         self.size = size if ttl_s > 0 else 0
-        self._entries: OrderedDict[bytes, tuple[KeyRecord, float]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[tuple[KeyRecord, tuple], float]] = OrderedDict()
         self._generation = 0
         self.hits = 0
         self.misses = 0
@@ -96,7 +97,7 @@ class KeyCache:
     def __repr__(self) -> str:  # never the digests
         return f"KeyCache(ttl_s={self.ttl}, size={self.size}, entries={len(self._entries)})"
 
-    def get(self, digest: bytes, generation: int) -> KeyRecord | None:
+    def get(self, digest: bytes, generation: int) -> tuple[KeyRecord, tuple] | None:
         if generation != self._generation:
             self._entries.clear()
             self._generation = generation
@@ -113,7 +114,7 @@ class KeyCache:
         self.hits += 1
         return entry[0]
 
-    def put(self, digest: bytes, record: KeyRecord, generation: int) -> None:
+    def put(self, digest: bytes, record: tuple[KeyRecord, tuple], generation: int) -> None:
         """`generation`: the ledger's key_generation read BEFORE the lookup that found
         `record`, so a revoke that committed meanwhile makes this entry stale at once."""
         if self.size <= 0 or generation != self._generation:
@@ -238,35 +239,70 @@ def create(section: Auth, app: web.Application):
                 "Malformed Authorization header: expected 'Authorization: Bearer <key>'."))
         digest = hashlib.sha256(secret.encode()).digest()  # ASCII: checked by _TOKEN above
         record = match_static(digest) if statics else None
+        levels: tuple = ()
         if record is None:
             ledger = app.get(LEDGER)  # this middleware's app: the one whose keys it checks
             if ledger is not None:
                 generation = ledger.key_generation
-                record = cache.get(digest, generation)
-                if record is None:
+                found = cache.get(digest, generation)
+                if found is None:
                     try:
                         record = await ledger.lookup_key(secret)
+                        if record is not None and record.levels:
+                            levels = await _levels_of(ledger, record)
                     except LedgerUnavailable as exc:  # 503 + Retry-After, from the headers alone
                         return await _refuse(request, ctx, call_next, ledger_unavailable(exc))
                     if record is not None and not record.revoked:
-                        cache.put(digest, record, generation)
-        if record is None or record.revoked or (record.expires_at is not None and record.expired()):
+                        cache.put(digest, (record, levels), generation)
+                else:
+                    record, levels = found
+        if record is None or record.revoked or (record.expires_at is not None and record.expired()) or (
+                record.presented_previous and _grace_over(record)):
             return await _refuse(request, ctx, call_next, _unauthorized(_why_refused(record)))
+        if record.blocked or (levels and any(level.blocked for level in levels)):
+            return await _refuse(request, ctx, call_next, _blocked(record, levels))
         ctx.key = record
+        ctx.levels = levels
         return await call_next(request, ctx)
 
     return auth
 
 
+def _when(seconds: float | None) -> str:
+    return datetime.datetime.fromtimestamp(seconds or 0, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _grace_over(record: KeyRecord) -> bool:
+    """A rotated key's previous secret past its grace (checked at every request, cached or not)."""
+    return record.grace_until is None or time.time() >= record.grace_until
+
+
+async def _levels_of(ledger: Any, record: KeyRecord) -> tuple:
+    """The key's levels' records, top down (org, team, user), for the checks of every request."""
+    found = {level.level_id: level for level in await ledger.get_levels(record.levels)}
+    return tuple(found[level_id] for level_id in record.levels if level_id in found)
+
+
+def _blocked(record: KeyRecord, levels: tuple) -> APIError:
+    if record.blocked:
+        return APIError(403, "This API key is blocked: ask its owner to unblock it.", code="key_blocked",
+                        type="permission_error")
+    level = next(level for level in levels if level.blocked)
+    return APIError(403, f"This API key's {level.kind} ({level.name[:64]}) is blocked.", code="key_blocked",
+                    type="permission_error")
+
+
 def _why_refused(record: KeyRecord | None) -> str:
-    """What a refused key is told: only the holder of its secret gets this far, so a revoked or
-    expired key is told which (and since when); an unknown one learns nothing."""
+    """What a refused key is told: only the holder of its secret gets this far, so a revoked,
+    expired or rotated key is told which (and since when); an unknown one learns nothing."""
     if record is None:
         return "Incorrect API key provided."
     if record.revoked:
         return "This API key was revoked."
-    when = datetime.datetime.fromtimestamp(record.expires_at or 0, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return f"This API key expired at {when}."
+    if record.presented_previous and _grace_over(record):
+        return (f"This API key was rotated: its previous secret stopped working at {_when(record.grace_until)}; "
+                "use the new one.")
+    return f"This API key expired at {_when(record.expires_at)}."
 
 
 KEY_CACHE = web.AppKey("key_cache", KeyCache)  # middlewares.auth

@@ -67,6 +67,37 @@ def _redis_counter(section: LimitsRedis, app: web.Application):
     return counter
 
 
+class LevelLimits:
+    """The limits of the levels above a key (proxy/ledger/levels.py: a team's rate, tokens per
+    minute, concurrency), each level counted as a key is, in a counter of their own (this
+    process's: a level's limits are per process, as the memory backend's are). Only requests of
+    keys under a level with limits come here."""
+
+    def __init__(self) -> None:
+        self.counter = MemoryCounter()
+
+    def admit(self, levels: tuple) -> tuple[list[Ask], APIError | None]:
+        """The tickets taken, or none and the refusal of the first level that refuses."""
+        taken: list[Ask] = []
+        for level in levels:
+            if not level.has_limits():
+                continue
+            ask = Ask(level.level_id, None, level.concurrency, level.rate_per_min, level.tokens_per_min)
+            ticket = self.counter.admit_now(ask)
+            if isinstance(ticket, Refused):
+                self.release(taken, None)
+                refusal = _refusal(ticket, ask, "1")
+                refusal.message = refusal.message.replace("this API key", f"this key's {level.kind}").replace(
+                    "This API key", f"This key's {level.kind}")
+                return [], refusal
+            taken.append(ticket)
+        return taken, None
+
+    def release(self, tickets: list[Ask], used_tokens: int | None) -> None:
+        for ticket in tickets:
+            self.counter.release_now(ticket, used_tokens)
+
+
 def _refusal(refused: Refused, ask: Ask, retry_header: str) -> APIError:
     if refused.scope == GLOBAL:
         return APIError(429, "The proxy is at its concurrency limit; retry shortly.",
@@ -92,6 +123,7 @@ def create(section: Limits, app: web.Application):
     counter = _redis_counter(section.redis, app)
     unavailable_header = _seconds_header(section.redis.retry_after_s)
     admit, release = counter.admit, counter.release
+    levels = LevelLimits()
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
         ask = _ask(ctx, global_limit, key_default)
@@ -103,9 +135,24 @@ def create(section: Limits, app: web.Application):
                            code="limits_unavailable", headers={"Retry-After": unavailable_header}) from None
         if ticket.__class__ is Refused:
             raise _refusal(ticket, ask, retry_header)
+        if ctx.levels:
+            return await _with_levels(request, ctx, call_next, levels, release, ticket)
         return await _with_early_release(request, ctx, call_next, release, ticket)
 
     return limits
+
+
+async def _with_levels(request: web.Request, ctx: RequestContext, call_next, levels: LevelLimits, release,
+                       ticket) -> web.StreamResponse:
+    """The key admitted: its levels' limits next; every ticket given back when the handler returns."""
+    taken, refusal = levels.admit(ctx.levels)
+    if refusal is not None:
+        await release(ticket, None)
+        raise refusal
+    try:
+        return await _with_early_release(request, ctx, call_next, release, ticket)
+    finally:
+        levels.release(taken, _spent(ctx))
 
 
 def _ask(ctx: RequestContext, global_limit: int | None, key_default: int | None) -> Ask:
@@ -120,16 +167,25 @@ def _in_process(counter: MemoryCounter, global_limit: int | None, key_default: i
     """The phase over this process's own counters: no I/O, so admit and release are plain
     calls, made before the handler and when it returns."""
     admit, release = counter.admit_now, counter.release_now
+    levels = LevelLimits()
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
         ask = _ask(ctx, global_limit, key_default)
         ticket = admit(ask)
         if isinstance(ticket, Refused):
             raise _refusal(ticket, ask, retry_header)
+        taken: list[Ask] = []
+        if ctx.levels:
+            taken, refusal = levels.admit(ctx.levels)
+            if refusal is not None:
+                release(ticket, None)
+                raise refusal
         try:
             return await call_next(request, ctx)
         finally:
             release(ticket, _spent(ctx))
+            if taken:
+                levels.release(taken, _spent(ctx))
 
     return limits
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # for annotations only (never evaluated here), to keep this m
     from proxy.config.sections import Responses
     from proxy.ledger.base import Hold, KeyRecord
     from proxy.ledger.interface import Ledger
+    from proxy.ledger.scope import Scope
     from proxy.policy.netguard import ImagePolicy
     from proxy.protocol.passthrough import Limits, Passthrough
     from proxy.protocol.rewriter import StreamRewriter
@@ -123,6 +124,8 @@ ENVELOPE: web.AppKey[Middleware] = web.AppKey("envelope", Middleware)
 # code (a custom middleware, an on_response_prepare hook, a route handler).
 CONTEXT: web.RequestKey[RequestContext] = _request_key("context", "RequestContext")
 ADMIN_ACTOR = web.RequestKey("admin_actor", str)  # proxy.admin: "admin:<name>" of an admin request
+# proxy.admin.auth: what the calling admin may see and change (proxy.ledger.scope.Scope)
+ADMIN_SCOPE: web.RequestKey[Scope] = _request_key("admin_scope", "Scope")
 
 
 @dataclass(eq=False, slots=True)
@@ -136,6 +139,8 @@ class RequestContext:
     method: str  # the request's, or "POST" for a turn of another transport
     path: str  # the route: /v1/responses, /v1/responses/input_tokens, ...
     key: KeyRecord | None = None  # auth: the caller's key (None: no auth, or not a guarded route)
+    # auth: the records of the levels above the key (proxy/ledger/levels.py), top down; () for most keys
+    levels: tuple = ()
     body: dict | None = None  # prepare: the parsed body, read once (a turn's from its TURN, proxy.http.turn)
     # prepare: the one translation, as the client asked (a pass-through route's: its Passthrough)
     translation: Translation | Passthrough | None = None

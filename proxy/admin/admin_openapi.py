@@ -54,6 +54,7 @@ _RANGE = [
     _query("since", _TIME, "Unix seconds or ISO 8601 (UTC unless a zone is given); inclusive"),
     _query("until", _TIME, "Unix seconds or ISO 8601; exclusive"),
     _query("key_id", {"type": "string", "maxLength": 64}, "one key"),
+    _query("team_id", {"type": "string", "maxLength": 64}, "the keys of one team (or user_id, org_id)"),
 ]
 _PAGE = [
     _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "rows per page (default 100)"),
@@ -68,6 +69,10 @@ _LIMITS: dict[str, Any] = {
     "daily_budget_micros": _INT_OR_NULL, "monthly_budget_micros": _INT_OR_NULL,
     "expires_at": {"type": ["number", "string", "null"],
                    "description": "Unix seconds, ISO 8601, or from now (30d, 12h, 2w); null: never"},
+    "blocked": {"type": "boolean", "description": "refused (403) until unblocked"},
+    "tags": {"type": ["array", "null"], "items": {"type": "string", "minLength": 1, "maxLength": 64},
+             "maxItems": 32},
+    "metadata": {"type": ["object", "null"], "description": "the operator's own, at most 4 KiB of JSON"},
 }
 assert set(_LIMITS) == set(LIMIT_FIELDS)
 _USD = {"type": ["string", "number"], "description": "dollars, e.g. \"1.50\" (instead of the micros field)"}
@@ -76,7 +81,10 @@ _UPDATE: dict[str, Any] = {**_LIMITS, "daily_budget_usd": _USD_OR_NULL, "monthly
 assert set(_UPDATE) == set(UPDATE_FIELDS)
 _CREATE: dict[str, Any] = {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
     "name": {"type": "string", "minLength": 1, "maxLength": 200},
-    "balance_micros": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}, "balance_usd": _USD, **_UPDATE}}
+    "balance_micros": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}, "balance_usd": _USD,
+    "team_id": {"type": "string", "description": "the team it sits under (fixed); no balance: the team's purse"},
+    "user_id": {"type": "string", "description": "the user it sits under (their team follows; fixed)"},
+    **_UPDATE}}
 assert set(_CREATE["properties"]) == set(CREATE_FIELDS)
 _KEY = {"type": "object", "required": ["key_id", "name", "prefix", "balance_micros", "revoked"]}
 _SECRET = {"type": "object", "required": ["secret", "key"], "properties": {
@@ -85,7 +93,65 @@ _LIST = {"type": "object", "required": ["object", "data"]}
 
 
 def _paths() -> dict[str, Any]:
-    return {**_key_paths(), **_console_paths()}
+    return {**_key_paths(), **_key_lifecycle_paths(), **_level_paths(), **_console_paths()}
+
+
+def _key_lifecycle_paths() -> dict[str, Any]:
+    """Block, unblock (delete is the key's DELETE)."""
+    key_write = _errors(400, 401, 403, 404, 409, 413)
+    return {
+        "/api/keys/{key_id}/block": {"parameters": [_KEY_ID], "post": {
+            "operationId": "blockKey", "summary": "Refuse the key (403 key_blocked) until it is unblocked",
+            "responses": {**_ok("The key"), **key_write}}},
+        "/api/keys/{key_id}/unblock": {"parameters": [_KEY_ID], "post": {
+            "operationId": "unblockKey", "summary": "Take a blocked key back", "responses": {
+                **_ok("The key"), **key_write}}},
+    }
+
+
+_LEVEL_ID = {"name": "level_id", "in": "path", "required": True, "schema": {"type": "string", "maxLength": 64}}
+_LEVEL_FIELDS: dict[str, Any] = {
+    "name": {"type": "string", "minLength": 1, "maxLength": 200},
+    "budget_micros": _INT_OR_NULL, "budget_usd": _USD_OR_NULL,
+    "budget_period": {"type": ["string", "null"], "description": "daily, weekly, monthly, or a length: 12h, 14d"},
+    "budget_reset": {"type": "string", "description": "the clock periods follow: a UTC offset, +00:00"},
+    "allowed_models": {"type": ["array", "null"], "items": {"type": "string"},
+                       "description": "null: every model; a name ending in * matches a prefix"},
+    "concurrency": _INT_OR_NULL, "rate_per_min": _INT_OR_NULL, "tokens_per_min": _INT_OR_NULL,
+    "blocked": {"type": "boolean"}, "tags": _LIMITS["tags"], "metadata": _LIMITS["metadata"]}
+
+
+def _level_paths() -> dict[str, Any]:
+    """Organisations, teams and users: shaped like keys (list, create, show, change, top up)."""
+    write = _errors(400, 401, 403, 404, 409, 413)
+    out: dict[str, Any] = {}
+    for kind, noun in (("org", "organisation"), ("team", "team"), ("user", "user")):
+        create = {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+            **_LEVEL_FIELDS, "parent_id": {"type": ["string", "null"], "description": "a team's org, a user's team"},
+            "balance_micros": {"type": ["integer", "null"], "minimum": 0}, "balance_usd": _USD_OR_NULL}}
+        out[f"/api/{kind}s"] = {
+            "get": {"operationId": f"list{kind.title()}s", "summary": f"Every {noun} (parent_id: under one)",
+                    "parameters": [_query("parent_id", {"type": "string"}, "only those under it")],
+                    "responses": {**_ok(f"The {noun}s", _LIST), **_errors(401, 403, 503)}},
+            "post": {"operationId": f"create{kind.title()}", "summary": f"Create a {noun}",
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": create}}},
+                     "responses": {**_ok(f"The {noun}", status=201), **write}}}
+        out[f"/api/{kind}s/{{level_id}}"] = {
+            "parameters": [_LEVEL_ID],
+            "get": {"operationId": f"show{kind.title()}", "summary": f"A {noun}, what it holds and may still hold",
+                    "responses": {**_ok(f"The {noun}"), **_errors(401, 403, 404, 503)}},
+            "patch": {"operationId": f"update{kind.title()}", "summary": "Change its budget, limits, models",
+                      "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                          "type": "object", "additionalProperties": False, "minProperties": 1,
+                          "properties": _LEVEL_FIELDS}}}},
+                      "responses": {**_ok(f"The {noun}"), **write}}}
+        out[f"/api/{kind}s/{{level_id}}/topup"] = {"parameters": [_LEVEL_ID], "post": {
+            "operationId": f"topUp{kind.title()}", "summary": "Add to its balance (negative corrects)",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "additionalProperties": False, "minProperties": 1, "maxProperties": 1,
+                "properties": {"micros": {"type": "integer"}, "usd": _USD}}}}},
+            "responses": {**_ok("The new balance"), **write}}}
+    return out
 
 
 def _key_paths() -> dict[str, Any]:
@@ -103,6 +169,9 @@ def _key_paths() -> dict[str, Any]:
             "parameters": [_KEY_ID],
             "get": {"operationId": "showKey", "summary": "A key, its balance, spend today and this month",
                     "responses": {**_ok("The key"), **_errors(401, 403, 404, 503)}},
+            "delete": {"operationId": "deleteKey", "summary": "Revoke for good and leave out of the list "
+                                                              "(its usage and audit stay)",
+                       "responses": {**_ok("Deleted"), **_errors(401, 403, 404, 409)}},
             "patch": {"operationId": "updateKey", "summary": "Change limits, models, budgets, expiry (null clears)",
                       "requestBody": {"required": True, "content": {"application/json": {"schema": {
                           "type": "object", "additionalProperties": False, "minProperties": 1,
@@ -118,7 +187,11 @@ def _key_paths() -> dict[str, Any]:
             "operationId": "revokeKey", "summary": "Revoke a key (effective at once in this process)",
             "responses": {**_ok("Revoked"), **key_write}}},
         "/api/keys/{key_id}/rotate": {"parameters": [_KEY_ID], "post": {
-            "operationId": "rotateKey", "summary": "A new secret for the same key and balance",
+            "operationId": "rotateKey", "summary": "A new secret for the same key and balance; the old one "
+                                                   "works for `grace` more (none: stops at once)",
+            "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                "type": "object", "additionalProperties": False, "properties": {"grace": {
+                    "type": ["string", "number"], "description": "seconds or 30m, 12h, 7d (at most 90 days)"}}}}}},
             "responses": {**_ok("The key and its new secret", _SECRET), **key_write}}},
     }
 

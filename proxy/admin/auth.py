@@ -49,6 +49,7 @@ from proxy import state
 from proxy.config.cross_checks import key_digest
 from proxy.errors import APIError
 from proxy.ledger import SECRET_PREFIX
+from proxy.ledger.scope import EVERYTHING, Scope
 
 if TYPE_CHECKING:  # settings classes, for annotations only
     from proxy.config.sections import Admin, AdminKeys
@@ -154,6 +155,7 @@ class Session:
     # request); "oidc": by single sign-on (proxy.admin.oidc), its role mapped from the claims at login
     via: str = "key"
     role: str = ""
+    teams: tuple[str, ...] = ()  # a team_admin's teams, by single sign-on (a key's: the configuration's)
 
     @property
     def actor(self) -> str:
@@ -169,6 +171,7 @@ class AdminAuth:
         self.keys = [(entry.name, key_digest(_given(entry), f"admin.keys[{i}]", 16))
                      for i, entry in enumerate(section.keys)]
         self.roles = {entry.name: entry.role for entry in section.keys}  # admin.keys[].role
+        self.teams = {entry.name: frozenset(entry.teams) for entry in section.keys}  # a team_admin's
         self.oidc = bool(section.oidc.issuer)  # single sign-on's sessions are taken only while it is on
         self.prefix = "/admin"  # set by proxy.admin.install
         self.logged_out: dict[str, float] = {}  # session id -> its expiry: refused until then
@@ -208,6 +211,15 @@ class AdminAuth:
         """A session's role: single sign-on's from its claims at login, a key's from the configuration."""
         return session.role if session.via == "oidc" else self.role(session.name)
 
+    def scope_of(self, name: str, role: str, session: Session | None = None) -> Scope:
+        """What an admin may see and change (proxy/ledger/scope.py): a team_admin its teams (a
+        key's from the configuration, single sign-on's from the claims at login), else everything."""
+        if role != "team_admin":
+            return EVERYTHING
+        teams = frozenset(session.teams) if session is not None and session.via == "oidc" else self.teams.get(
+            name, frozenset())
+        return Scope(teams, who=repr(name))
+
     def role(self, name: str) -> str:
         """The role of the admin key named `name` (a session's too: read from the configuration at
         each request, so a key made a viewer is one on its next request)."""
@@ -234,14 +246,16 @@ class AdminAuth:
         hashed = self._key_of(name)
         return None if hashed is None else self._mac(payload + b"\0key\0" + hashed)
 
-    def issue(self, name: str, now: float | None = None, *, oidc_role: str | None = None) -> tuple[str, Session]:
+    def issue(self, name: str, now: float | None = None, *, oidc_role: str | None = None,
+              oidc_teams: tuple[str, ...] = ()) -> tuple[str, Session]:
         """A session cookie for the admin key `name`, or, with `oidc_role`, for the person `name`
-        single sign-on let in with that role (bound to the signing key alone: no admin key made it)."""
+        single sign-on let in with that role (and, a team_admin, those teams; bound to the signing
+        key alone: no admin key made it)."""
         expires = (time.time() if now is None else now) + self.ttl
         if oidc_role is not None:
-            session = Session(name, expires, secrets.token_urlsafe(16), "oidc", oidc_role)
-            payload = json.dumps({"n": name, "e": expires, "s": session.sid, "v": "oidc", "r": oidc_role},
-                                 separators=(",", ":")).encode()
+            session = Session(name, expires, secrets.token_urlsafe(16), "oidc", oidc_role, tuple(oidc_teams))
+            payload = json.dumps({"n": name, "e": expires, "s": session.sid, "v": "oidc", "r": oidc_role,
+                                  "t": list(oidc_teams)}, separators=(",", ":")).encode()
             return f"{_b64(payload)}.{_b64(self._mac(payload + _OIDC_SESSION))}", session
         session = Session(name, expires, secrets.token_urlsafe(16))
         payload = json.dumps({"n": session.name, "e": session.expires_at, "s": session.sid},
@@ -260,7 +274,8 @@ class AdminAuth:
             payload = _unb64(body)
             data = json.loads(payload)
             if data.get("v") == "oidc":
-                session = Session(str(data["n"]), float(data["e"]), str(data["s"]), "oidc", str(data["r"]))
+                session = Session(str(data["n"]), float(data["e"]), str(data["s"]), "oidc", str(data["r"]),
+                                  tuple(str(t) for t in data.get("t", ())))
                 expected: bytes | None = self._mac(payload + _OIDC_SESSION) if self.oidc else None
             else:
                 session = Session(str(data["n"]), float(data["e"]), str(data["s"]))
@@ -344,14 +359,23 @@ _ANY_ROLE_WRITES = ("/api/logout",)
 
 
 def forbidden_role(name: str, role: str) -> APIError:
-    return APIError(403, f"{name!r} is a {role}: it may read, not change anything.",
-                    code="insufficient_role")
+    what = ("may change its teams' keys and users, nothing else" if role == "team_admin"
+            else "may read, not change anything")
+    return APIError(403, f"{name!r} is a {role}: it {what}.", code="insufficient_role")
+
+
+# What a team_admin may write: its teams' keys and users (the service checks which, proxy/ledger/scope.py).
+_TEAM_ADMIN_WRITES = ("/api/keys", "/api/users")
 
 
 def _allowed(role: str, name: str, request: web.Request, rel: str) -> None:
-    """A viewer's write (any method but GET/HEAD/OPTIONS) is a 403, before its handler runs."""
-    if role != "admin" and request.method not in SAFE_METHODS and rel not in _ANY_ROLE_WRITES:
-        raise forbidden_role(name, role)
+    """A viewer's write (any method but GET/HEAD/OPTIONS) is a 403, before its handler runs; a
+    team_admin's, but to keys and users (whose service asks its scope)."""
+    if role == "admin" or request.method in SAFE_METHODS or rel in _ANY_ROLE_WRITES:
+        return
+    if role == "team_admin" and rel.startswith(_TEAM_ADMIN_WRITES):
+        return
+    raise forbidden_role(name, role)
 
 
 def guard(auth: AdminAuth, prefix: str):
@@ -366,8 +390,10 @@ def guard(auth: AdminAuth, prefix: str):
             if name is None:
                 raise forbidden_client_key() if await is_client_key(request, token) else unauthorized(
                     "Invalid admin key.")
-            _allowed(auth.role(name), name, request, rel)
+            role = auth.role(name)
+            _allowed(role, name, request, rel)
             request[state.ADMIN_ACTOR] = "admin:" + name
+            request[state.ADMIN_SCOPE] = auth.scope_of(name, role)
             return await handler(request)
         session = auth.verify(request.cookies.get(COOKIE))
         if session is None:
@@ -376,9 +402,11 @@ def guard(auth: AdminAuth, prefix: str):
                 auth.csrf_ok(session, request.headers.get(CSRF_HEADER)) and _same_origin(request)):
             raise APIError(403, f"A write with the dashboard session needs the {CSRF_HEADER} header "
                            "and, when the browser sends an Origin, this host's.", code="csrf_failed")
-        _allowed(auth.role_of(session), session.name, request, rel)
+        role = auth.role_of(session)
+        _allowed(role, session.name, request, rel)
         request[state.ADMIN_ACTOR] = session.actor
         request[ADMIN_SESSION] = session
+        request[state.ADMIN_SCOPE] = auth.scope_of(session.name, role, session)
         return await handler(request)
 
     return admin_guard

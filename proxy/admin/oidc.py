@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # settings classes, for annotations only
 FLOW_COOKIE = "rp_admin_sso"
 FLOW_TTL_S = 600  # the time a person has at the provider's login page
 _FLOW = b"oidc-flow"
-_ROLE_ORDER = ("viewer", "admin")  # the widest of several mapped roles wins
+_ROLE_ORDER = ("viewer", "team_admin", "admin")  # the widest of several mapped roles wins
 _ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 _TIMEOUT = aiohttp.ClientTimeout(total=10)
 # The authorization endpoint's error codes (OAuth 2.0 4.1.2.1, OpenID Connect Core 3.1.2.6)
@@ -144,12 +144,15 @@ class OidcLogin:
             flow = self._flow(request)
             claims = await self._claims(request, flow)
             name, role = self.person(claims)
+            teams = self.teams(claims) if role == "team_admin" else ()
+            if role == "team_admin" and not teams:
+                raise SignOnRefused(f"a team_admin needs a team ({self.section.teams_claim} names none)")
         except SignOnRefused as exc:
             raise self.refused(str(exc)) from None
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, jwt.PyJWTError) as exc:
             raise self.refused(f"the provider's answer could not be checked ({_why(exc)})") from None
-        token, _ = self.auth.issue(name, oidc_role=role)
-        log.info("admin signed on", admin=f"oidc:{name}", role=role)
+        token, _ = self.auth.issue(name, oidc_role=role, oidc_teams=teams)
+        log.info("admin signed on", admin=f"oidc:{name}", role=role, teams=list(teams))
         response = web.HTTPFound(self.prefix + "/")
         self.auth.set_cookie(response, token, self.prefix)
         response.del_cookie(FLOW_COOKIE, path=self.prefix + "/oidc")
@@ -182,6 +185,12 @@ class OidcLogin:
         if not secrets.compare_digest(str(claims.get("nonce", "")), flow["nonce"]):
             raise SignOnRefused("the ID token is not for this sign-on (its nonce differs)")
         return claims
+
+    def teams(self, claims: dict[str, Any]) -> tuple[str, ...]:
+        """A team_admin's teams: the team ids its teams claim names (admin.oidc.teams_claim)."""
+        values = claims.get(self.section.teams_claim)
+        values = [values] if isinstance(values, str) else values if isinstance(values, list) else []
+        return tuple(sorted({v for v in values if isinstance(v, str) and v.startswith("team_")}))[:64]
 
     def person(self, claims: dict[str, Any]) -> tuple[str, str]:
         """(who, their role) from the ID token's claims; SignOnRefused when no value maps to a role."""

@@ -93,6 +93,10 @@ def _admin(admin: dict[str, Any]) -> None:
     if not admin["keys"] and not oidc.get("issuer"):  # no console: nothing else of the section is used
         return
     _named_keys(admin["keys"], "admin.keys", "admin key", min_key=16)
+    for i, entry in enumerate(admin["keys"]):
+        if (entry.get("role") == "team_admin") != bool(entry.get("teams")):
+            raise SchemaError(f"admin.keys[{i}].teams: a team_admin needs its teams (team ids), and only a "
+                              "team_admin has teams")
     if oidc.get("issuer"):
         if not oidc.get("client_id"):
             raise SchemaError("admin.oidc.client_id is needed with admin.oidc.issuer")
@@ -101,8 +105,8 @@ def _admin(admin: dict[str, Any]) -> None:
             raise SchemaError("admin.oidc.issuer must be https:// (its signing keys are fetched from it; over plain "
                               "http anyone on the path could sign tokens), but on this machine (127.0.0.1)")
         if not oidc.get("roles"):
-            raise SchemaError("admin.oidc.roles must map at least one claim value to a role (admin or viewer): "
-                              "without one nobody could sign in")
+            raise SchemaError("admin.oidc.roles must map at least one claim value to a role (admin, viewer or "
+                              "team_admin): without one nobody could sign in")
     secret = admin.get("session_secret")
     if secret is not None and len(secret) < 16:
         raise SchemaError("admin.session_secret must be at least 16 characters (is its variable set?)")

@@ -48,7 +48,7 @@ POS_INT = Int(lo=1)
 POS_NUM = Num(gt=0)
 
 # What an admin key may do (proxy.admin.auth): everything, or read only.
-ADMIN_ROLES = ("admin", "viewer")
+ADMIN_ROLES = ("admin", "viewer", "team_admin")
 # The built-in policies (middlewares/<name>.py), each switched by its section's `enabled`.
 POLICIES = ("stateless", "auth", "limits", "tools", "balance", "notices")
 ENABLED_DOC = "false: this policy does not run"
@@ -395,7 +395,8 @@ class AdminKeys:
     name: Annotated[str, Str(nonempty=True), "unique; the audit log names it (admin:<name>)"]
     sha256: Annotated[str | None, Str(), "hex sha256 of the admin key (one of sha256 or key)", COMMENTED] = None
     key: Annotated[str | None, Str(), "the admin key itself, e.g. ${ADMIN_KEY}", COMMENTED] = None
-    role: Annotated[str, Str(choices=ADMIN_ROLES), "admin: every admin route; viewer: reads only (a write is a 403)"] = "admin"
+    role: Annotated[str, Str(choices=ADMIN_ROLES), "admin: every admin route; viewer: reads only (a write is a 403); team_admin: the keys and users of `teams`, within the team's money"] = "admin"
+    teams: Annotated[tuple[str, ...], ListOf(Str(nonempty=True)), "a team_admin's teams (team ids)", COMMENTED] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -410,6 +411,7 @@ class AdminOidc:
     name_claim: Annotated[str, Str(nonempty=True), "the claim that names the person (the audit log's oidc:<name>)"] = "email"
     roles_claim: Annotated[str, Str(nonempty=True), "the claim whose values (a string or a list) map to roles"] = "groups"
     roles: Annotated[dict[str, str], MapOf(Str(choices=ADMIN_ROLES)), "claim value -> role, e.g. {proxy-admins: admin, finance: viewer}; several: the widest; none: refused"] = field(default_factory=dict)
+    teams_claim: Annotated[str, Str(nonempty=True), "a team_admin's teams: the claim whose values (a string or a list) are team ids", COMMENTED] = "teams"
     label: Annotated[str, Str(nonempty=True), "the login page's button"] = "Sign in with single sign-on"
 
 

@@ -20,6 +20,7 @@ from proxy import state
 from proxy.errors import APIError, bad_request
 from proxy.http.passthrough_handler import passthrough_translate, policy_for
 from proxy.http.turn import TURN
+from proxy.ledger.base import models_allow
 from proxy.policy.netguard import check_images
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import TranslateOptions, Translation, translate_request
@@ -220,12 +221,19 @@ Next = Callable[[web.Request, RequestContext], Awaitable[web.StreamResponse]]
 def _check_model(ctx: RequestContext, body: dict[str, Any], pool: Any) -> None:
     """A key limited to some models (auth) may use only those: 403 for the others."""
     key = ctx.key
-    if key is None or key.allowed_models is None:
+    if key is None or (key.allowed_models is None and not ctx.levels):
         return
     model = body.get("model")
-    if isinstance(model, str) and not key.allows_model(model, pool.serves if pool is not None else None):
+    if not isinstance(model, str):
+        return
+    served = pool.serves if pool is not None else None
+    if not key.allows_model(model, served):
         raise APIError(403, f"This API key may not use the model '{model[:128]}'.",
                        code="model_not_allowed", param="model")
+    for level in ctx.levels:  # every level above the key must allow it too
+        if level.allowed_models is not None and not models_allow(level.allowed_models, model, served):
+            raise APIError(403, f"This API key's {level.kind} ({level.name[:64]}) may not use the model "
+                           f"'{model[:128]}'.", code="model_not_allowed", param="model")
 
 
 def _check_sizes(body: dict[str, Any], limits: Any, items: str = "input") -> None:

@@ -54,6 +54,9 @@ class KeyLimits:
     daily_budget_micros: int | _Unset | None = UNSET  # spend per UTC day
     monthly_budget_micros: int | _Unset | None = UNSET  # spend per UTC calendar month
     expires_at: float | _Unset | None = UNSET  # Unix time; None: never
+    blocked: bool | _Unset | None = UNSET  # refused until unblocked
+    tags: Sequence[str] | _Unset | None = UNSET
+    metadata: dict[str, Any] | _Unset | None = UNSET
 
     def given(self) -> dict[str, Any]:
         """The fields given (not UNSET) by name, in field order: what set_limits changes and
@@ -87,17 +90,41 @@ class KeyRecord:
     def expired(self, now: float | None = None) -> bool:
         return self.expires_at is not None and (time.time() if now is None else now) >= self.expires_at
 
+    # Added by the organisation (issue 39); defaults keep older callers working.
+    org_id: str | None = None  # the levels above the key (proxy/ledger/levels.py), fixed at creation
+    team_id: str | None = None
+    user_id: str | None = None
+    own_balance: bool = True  # False: the key has no purse of its own; its levels' pay
+    blocked: bool = False  # refused until unblocked (a revoke is for good)
+    tags: tuple[str, ...] = ()
+    metadata: dict[str, Any] | None = None
+    grace_until: float | None = None  # a rotated key's previous secret works until then
+    presented_previous: bool = False  # lookup_key found it by that previous secret
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        """The key's level ids, top down (org, team, user)."""
+        return tuple(level for level in (self.org_id, self.team_id, self.user_id) if level is not None)
+
     def allows_model(self, model: str, served: Callable[[str], bool] | None = None) -> bool:
-        """True when the key may use `model`: it is listed, or it means (proxy.protocol.models.resolve_model
-        over the `served` names) the same served model as a listed name. Without `served`, the
-        listed names stand for themselves."""
+        """True when the key may use `model` (models_allow over its allowed_models)."""
         allowed = self.allowed_models
-        if allowed is None or model in allowed:
-            return True
-        if served is None:  # a listed "vendor/name" means "name", as it would if "vendor/name" were not served
-            return resolve_model(model, allowed) is not None or any(strip_vendor(m) == model for m in allowed)
-        target = resolve_model(model, served)
-        return target is not None and any(resolve_model(m, served) == target for m in allowed)
+        return allowed is None or model in allowed or models_allow(allowed, model, served)
+
+
+def models_allow(allowed: Sequence[str] | None, model: str, served: Callable[[str], bool] | None = None) -> bool:
+    """True when `allowed` (None: every model) admits `model`: it is listed, or it means
+    (proxy.protocol.models.resolve_model over the `served` names) the same served model as a
+    listed name, or a listed pattern ending in '*' ("qwen/*") matches it. Without `served`, the
+    listed names stand for themselves. Keys and levels (proxy/ledger/levels.py) share it."""
+    if allowed is None or model in allowed:
+        return True
+    if any(m.endswith("*") and model.startswith(m[:-1]) for m in allowed):
+        return True
+    if served is None:  # a listed "vendor/name" means "name", as it would if "vendor/name" were not served
+        return resolve_model(model, allowed) is not None or any(strip_vendor(m) == model for m in allowed)
+    target = resolve_model(model, served)
+    return target is not None and any(resolve_model(m, served) == target for m in allowed)
 
 
 @dataclass
@@ -152,7 +179,7 @@ def page_limit(limit: int) -> int:
 
 
 # The dimensions usage_totals groups by. "day" and "hour" are UTC buckets (their start, Unix time).
-USAGE_GROUPS = ("key", "model", "worker", "day", "hour")
+USAGE_GROUPS = ("key", "model", "worker", "day", "hour", "team", "user", "org")
 
 
 @dataclass(frozen=True)

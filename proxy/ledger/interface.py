@@ -28,6 +28,7 @@ from proxy.ledger.base import (
     UsageRecord,
     UsageTotals,
 )
+from proxy.ledger.level_store import LevelStore
 
 __all__ = ["RequestLedger", "KeyStore", "ConsoleReads", "Ledger"]
 
@@ -163,10 +164,12 @@ class KeyStore(abc.ABC):
 
     @abc.abstractmethod
     async def create_key(
-        self, name: str, balance_micros: int = 0, limits: KeyLimits = NO_LIMITS
+        self, name: str, balance_micros: int = 0, limits: KeyLimits = NO_LIMITS,
+        placement: dict[str, Any] | None = None,
     ) -> tuple[str, KeyRecord]:
         """A new key; returns the secret (shown once, never stored) and the record. A limit
-        left UNSET in `limits` is None (no limit)."""
+        left UNSET in `limits` is None (no limit). `placement`: the levels it sits under
+        (LevelStore.placement's columns) and own_balance (False: its levels pay)."""
 
     @abc.abstractmethod
     async def get_key(self, key_id: str) -> KeyRecord | None:
@@ -190,10 +193,16 @@ class KeyStore(abc.ABC):
         """Revoke a key (lookup_key finds it revoked from now on). Bumps key_generation."""
 
     @abc.abstractmethod
-    async def rotate_key(self, key_id: str) -> tuple[str, KeyRecord]:
+    async def rotate_key(self, key_id: str, grace_s: float = 0.0) -> tuple[str, KeyRecord]:
         """A new secret for the same key (same id, balance, limits, usage); the old secret
-        stops working at once (lookup_key). Returns the new secret, shown once. UnknownKey;
+        stops working when `grace_s` seconds have passed (0: at once; lookup_key finds it
+        meanwhile, marked presented_previous). Returns the new secret, shown once. UnknownKey;
         LedgerError for a revoked key. Bumps key_generation."""
+
+    @abc.abstractmethod
+    async def delete_key(self, key_id: str) -> None:
+        """Revoke the key for good and leave it out of list_keys (its rows stay). Bumps
+        key_generation."""
 
     @abc.abstractmethod
     async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
@@ -241,7 +250,7 @@ class ConsoleReads(abc.ABC):
         client's unbounded string."""
 
 
-class Ledger(RequestLedger, KeyStore, ConsoleReads):
+class Ledger(RequestLedger, KeyStore, LevelStore, ConsoleReads):
     """The whole ledger: what a backend implements and what open_ledger returns."""
 
     @abc.abstractmethod

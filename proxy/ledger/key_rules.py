@@ -11,6 +11,7 @@ SQL of each change (the `_write_*` methods), so the backends differ in SQL and d
 from __future__ import annotations
 
 import abc
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -19,15 +20,18 @@ from typing import Any, NamedTuple
 
 from proxy.ledger.base import NO_LIMITS, AuditEntry, KeyLimits, KeyRecord, LedgerError, UnknownKey
 from proxy.ledger.interface import KeyStore
+from proxy.ledger.levels import check_metadata, check_tags
 from proxy.ledger.schema import as_int, hash_secret, key_record_of, models_json, new_secret, opt_limit
 from proxy.ledger.usage import MAX_AMOUNT
 
 # The limit columns of a key, in the order the backends' INSERT lists them after the balance.
 LIMIT_COLUMNS = ("allowed_models", "concurrency", "rate_per_min", "expires_at", "tokens_per_min",
-                 "daily_budget_micros", "monthly_budget_micros")
+                 "daily_budget_micros", "monthly_budget_micros", "blocked", "tags", "metadata")
+# Where a new key sits (proxy/ledger/levels.py) and whether it has a purse of its own: fixed at creation.
+PLACEMENT_COLUMNS = ("org_id", "team_id", "user_id", "own_balance")
 # Every column of a new key's row, in the order of NewKey.row().
 INSERT_COLUMNS = ("key_id", "name", "prefix", "secret_sha256", "balance_micros", *LIMIT_COLUMNS,
-                  "revoked", "created_at")
+                  *PLACEMENT_COLUMNS, "revoked", "created_at")
 PREFIX_CHARS = 12  # the secret's first characters kept for display ("sk-rp-" + 6)
 
 # Compared against when a presented secret matches no row, so both paths do the same work.
@@ -56,7 +60,16 @@ _CHECKS = {
     "tokens_per_min": opt_limit,
     "daily_budget_micros": opt_budget,
     "monthly_budget_micros": opt_budget,
+    "blocked": lambda value, what: False if value is None else _flag(value, what),
+    "tags": lambda value, _what: check_tags(value),
+    "metadata": lambda value, _what: check_metadata(value),
 }
+
+
+def _flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be true or false")
+    return value
 
 
 class NewKey(NamedTuple):
@@ -68,6 +81,7 @@ class NewKey(NamedTuple):
     name: str
     balance: int
     limits: tuple  # the LIMIT_COLUMNS values
+    placement: tuple = (None, None, None, True)  # the PLACEMENT_COLUMNS values
 
     @property
     def prefix(self) -> str:
@@ -75,19 +89,24 @@ class NewKey(NamedTuple):
 
     def row(self, now: float) -> tuple:
         """The keys row, in INSERT_COLUMNS order."""
-        return (self.key_id, self.name, self.prefix, self.digest, self.balance, *self.limits, False, now)
+        return (self.key_id, self.name, self.prefix, self.digest, self.balance, *self.limits, *self.placement,
+                False, now)
 
 
-def new_key(name: Any, balance_micros: Any, limits: KeyLimits) -> NewKey:
+def new_key(name: Any, balance_micros: Any, limits: KeyLimits, placement: dict[str, Any] | None = None) -> NewKey:
     """A key to create: its name, balance and limits checked (a limit UNSET is None), a fresh
-    id and secret."""
+    id and secret. `placement`: its level columns (LevelStore.placement) and own_balance."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError("a key needs a name")
     balance = as_int(balance_micros, "balance_micros")
     given = limits.given()
     values = tuple(_CHECKS[c](given.get(c), c) for c in LIMIT_COLUMNS)
+    place = placement or {}
+    where = (place.get("org_id"), place.get("team_id"), place.get("user_id"), bool(place.get("own_balance", True)))
+    if not where[3] and where[:3] == (None, None, None):
+        raise ValueError("a key without a balance of its own must sit under a team or a user")
     secret = new_secret()
-    return NewKey("key_" + secrets.token_hex(8), secret, hash_secret(secret), name.strip(), balance, values)
+    return NewKey("key_" + secrets.token_hex(8), secret, hash_secret(secret), name.strip(), balance, values, where)
 
 
 def limit_changes(limits: KeyLimits) -> dict[str, Any]:
@@ -127,6 +146,14 @@ def presented_key(digest: bytes, row: Any) -> KeyRecord | None:
     return key_record_of(tuple(row)[1:])
 
 
+def previous_key(digest: bytes, row: Any) -> KeyRecord | None:
+    """The key whose previous secret (a rotation's, kept for its grace) a presented one is:
+    `row` is (prev_secret_sha256, *KEY_COLUMNS) found by the digest, or None. Marked
+    presented_previous: the caller refuses it once grace_until has passed, saying why."""
+    found = presented_key(digest, row)
+    return None if found is None else dataclasses.replace(found, presented_previous=True)
+
+
 # The audit table's columns as both backends read them (audit_entry); they insert the rest.
 AUDIT_COLUMNS = "seq, created_at, actor, action, key_id, details"
 AUDIT_INSERT_COLUMNS = "created_at, actor, action, key_id, details"
@@ -148,9 +175,9 @@ class RuledKeyStore(KeyStore):
     each one transaction). A change a cached lookup could miss (limits, revoke, rotate) bumps
     key_generation after it, also on error: a cache flush is always safe."""
 
-    async def create_key(self, name: str, balance_micros: int = 0,
-                         limits: KeyLimits = NO_LIMITS) -> tuple[str, KeyRecord]:
-        key = new_key(name, balance_micros, limits)
+    async def create_key(self, name: str, balance_micros: int = 0, limits: KeyLimits = NO_LIMITS,
+                         placement: dict[str, Any] | None = None) -> tuple[str, KeyRecord]:
+        key = new_key(name, balance_micros, limits, placement)
         return key.secret, await self._write_new_key(key)
 
     async def top_up(self, key_id: str, micros: int) -> int:
@@ -169,10 +196,21 @@ class RuledKeyStore(KeyStore):
         finally:
             self.key_generation += 1  # after the commit: caches filled before it are stale
 
-    async def rotate_key(self, key_id: str) -> tuple[str, KeyRecord]:
+    async def rotate_key(self, key_id: str, grace_s: float = 0.0) -> tuple[str, KeyRecord]:
         secret = new_secret()
+        grace = float(grace_s)
+        if not 0 <= grace <= 90 * 86400:
+            raise ValueError("grace_s must be between 0 and 90 days")
         try:
-            return secret, await self._write_secret(key_id, secret[:PREFIX_CHARS], hash_secret(secret))
+            return secret, await self._write_secret(key_id, secret[:PREFIX_CHARS], hash_secret(secret), grace)
+        finally:
+            self.key_generation += 1
+
+    async def delete_key(self, key_id: str) -> None:
+        """Delete a key: revoked for good and left out of list_keys; its usage rows and audit
+        entries stay (both are append-only), so reports still add up."""
+        try:
+            await self._write_deleted(key_id)
         finally:
             self.key_generation += 1
 
@@ -194,5 +232,10 @@ class RuledKeyStore(KeyStore):
         """Mark the key revoked; UnknownKey."""
 
     @abc.abstractmethod
-    async def _write_secret(self, key_id: str, prefix: str, digest: bytes) -> KeyRecord:
-        """Replace the key's secret (check_rotatable first, under the row's lock); the record."""
+    async def _write_secret(self, key_id: str, prefix: str, digest: bytes, grace_s: float) -> KeyRecord:
+        """Replace the key's secret (check_rotatable first, under the row's lock), the old one
+        kept as the previous secret for `grace_s` seconds (0: none); the record."""
+
+    @abc.abstractmethod
+    async def _write_deleted(self, key_id: str) -> None:
+        """Mark the key revoked and deleted; UnknownKey."""

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from proxy.ledger.base import USAGE_GROUPS, UsageTotals
+from proxy.ledger.levels import KEY_COLUMN, kind_of
 
 HOUR = 3600
 # Positions in a usage row as both backends insert it (sqlite/usage.py _INSERT_USAGE, postgres/usage.py
@@ -75,8 +76,21 @@ def sums_sql(count: str, cast: str = "") -> str:
     return ", ".join([count, *(f"COALESCE(SUM({column}), 0){cast}" for column in SUMMED)])
 
 
-GROUP_SQL = {"key": "key_id", "model": SERVED_MODEL_SQL, "worker": "worker"}
-ROLLUP_GROUP_SQL = {"key": "key_id", "model": "model", "worker": "NULLIF(worker, '')", "hour": "hour"}
+# A key's levels (proxy/ledger/levels.py) are on its row and never change: a row's team is its
+# key's. Grouped by one, the rows are read joined to their keys (_totals_sql).
+LEVEL_GROUP_SQL = dict(KEY_COLUMN)
+GROUP_SQL = {"key": "key_id", "model": SERVED_MODEL_SQL, "worker": "worker", **LEVEL_GROUP_SQL}
+ROLLUP_GROUP_SQL = {"key": "key_id", "model": "model", "worker": "NULLIF(worker, '')", "hour": "hour",
+                    **LEVEL_GROUP_SQL}
+
+
+def _whose(key_id: str | None) -> tuple[str, str | None]:
+    """The filter of one key, or of every key under a level when `key_id` names one ("team_...",
+    "user_...", "org_...": UsageQuery's team_id / user_id / org_id)."""
+    kind = kind_of(key_id) if key_id is not None else None
+    if kind is None:
+        return "key_id =", key_id
+    return f"key_id IN (SELECT key_id FROM keys WHERE {KEY_COLUMN[kind]} = %s)", key_id
 
 Filters = list[tuple[str, Any]]  # (an SQL expression and its comparison, the value): the backend adds its placeholder
 
@@ -89,7 +103,7 @@ def usage_filters(since: float | None, until: float | None, key_id: str | None, 
                   before_seq: int | None = None, endpoint: str | None = None) -> Filters:
     """The usage rows' filters given (None: not filtered): created_at in [since, until), one
     key, one model (the served one), one endpoint (the API path), seq < before_seq (a page's cursor)."""
-    given = (("key_id =", key_id), ("created_at >=", None if since is None else float(since)),
+    given = (_whose(key_id), ("created_at >=", None if since is None else float(since)),
              ("created_at <", None if until is None else float(until)), (f"{SERVED_MODEL_SQL} =", model),
              (f"{ENDPOINT_SQL} =", endpoint), ("seq <", None if before_seq is None else int(before_seq)))
     return [(clause, value) for clause, value in given if value is not None]
@@ -97,7 +111,7 @@ def usage_filters(since: float | None, until: float | None, key_id: str | None, 
 
 def hourly_filters(hours: Hours, key_id: str | None, model: str | None) -> Filters:
     """The hourly sums' filters given: one key, one model, the hours [first, end)."""
-    given = (("key_id =", key_id), ("model =", model), ("hour >=", hours[0]), ("hour <", hours[1]))
+    given = (_whose(key_id), ("model =", model), ("hour >=", hours[0]), ("hour <", hours[1]))
     return [(clause, value) for clause, value in given if value is not None]
 
 
@@ -143,7 +157,8 @@ def where_sql(filters: Filters, statuses: tuple[str, ...] | None, *, mark: Calla
     """The WHERE clause of `filters` and of a status filter, and its parameters, as a dialect
     spells them: `mark(n)` the n-th parameter's placeholder, `status_in(statuses, n)` the status
     clause whose parameters start at the n-th and those parameters."""
-    clauses = [f"{clause} {mark(i + 1)}" for i, (clause, _) in enumerate(filters)]
+    clauses = [clause.replace("%s", mark(i + 1)) if "%s" in clause else f"{clause} {mark(i + 1)}"
+               for i, (clause, _) in enumerate(filters)]
     params: list[Any] = [value for _, value in filters]
     if statuses:
         clause, values = status_in(statuses, len(params) + 1)
@@ -178,7 +193,11 @@ def _totals_sql(group_by: tuple[str, ...], columns: dict[str, str], sums: str, t
                 where: str) -> str:
     exprs = [columns[g] for g in group_by]
     grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(exprs)))}" if exprs else ""
-    return f"SELECT {', '.join([*exprs, sums])} FROM {table}{where}{grouping}"
+    source = table
+    if any(g in LEVEL_GROUP_SQL for g in group_by):  # the same rows, each with its key's levels
+        source = (f"(SELECT t.*, k.org_id, k.team_id, k.user_id FROM {table} t"
+                  f" LEFT JOIN keys k ON k.key_id = t.key_id) AS {table}")
+    return f"SELECT {', '.join([*exprs, sums])} FROM {source}{where}{grouping}"
 
 
 def totals_queries(dialect: TotalsDialect, group_by: tuple[str, ...], since: float | None, until: float | None,

@@ -69,7 +69,35 @@ CREATE TABLE IF NOT EXISTS topups (
     micros          INTEGER NOT NULL,
     created_at      REAL NOT NULL
 );
--- Every change to a key (the operator's console): who, what, when. Never a secret.
+-- The levels above keys (proxy/ledger/levels.py): organisations, teams, users.
+CREATE TABLE IF NOT EXISTS levels (
+    level_id        TEXT PRIMARY KEY,
+    kind            TEXT NOT NULL CHECK (kind IN ('org', 'team', 'user')),
+    name            TEXT NOT NULL,
+    parent_id       TEXT REFERENCES levels(level_id),
+    balance_micros  INTEGER CHECK (balance_micros >= 0),   -- NULL: no purse of its own
+    budget_micros   INTEGER,
+    budget_period   TEXT,
+    budget_reset    TEXT NOT NULL DEFAULT '+00:00',
+    period_spent    INTEGER NOT NULL DEFAULT 0,
+    period_end      REAL,
+    allowed_models  TEXT,
+    concurrency     INTEGER,
+    rate_per_min    INTEGER,
+    tokens_per_min  INTEGER,
+    blocked         INTEGER NOT NULL DEFAULT 0,
+    tags            TEXT,
+    metadata        TEXT,
+    created_at      REAL NOT NULL
+);
+-- Every credit of a level's balance: balance == sum(level_topups) - the debits of its keys' rows.
+CREATE TABLE IF NOT EXISTS level_topups (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+    level_id        TEXT NOT NULL REFERENCES levels(level_id),
+    micros          INTEGER NOT NULL,
+    created_at      REAL NOT NULL
+);
+-- Every change to a key or a level (the operator's console): who, what, when. Never a secret.
 CREATE TABLE IF NOT EXISTS audit (
     seq             INTEGER PRIMARY KEY AUTOINCREMENT,
     created_at      REAL NOT NULL,
@@ -93,6 +121,17 @@ _ADDED_COLUMNS = (
     ("usage", "worker", "TEXT"),
     ("usage", "served_model", "TEXT"),
     ("usage", "endpoint", "TEXT"),
+    # the organisation (issue 39): a key's levels, its lifecycle, a rotated secret's grace
+    ("keys", "org_id", "TEXT"),
+    ("keys", "team_id", "TEXT"),
+    ("keys", "user_id", "TEXT"),
+    ("keys", "own_balance", "INTEGER NOT NULL DEFAULT 1"),
+    ("keys", "blocked", "INTEGER NOT NULL DEFAULT 0"),
+    ("keys", "tags", "TEXT"),
+    ("keys", "metadata", "TEXT"),
+    ("keys", "prev_secret_sha256", "BLOB"),
+    ("keys", "prev_secret_until", "REAL"),
+    ("keys", "deleted", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 # The time-range reads of the console and of budgets: by time over all keys, by key then
@@ -102,6 +141,11 @@ CREATE INDEX IF NOT EXISTS usage_by_time ON usage(created_at);
 CREATE INDEX IF NOT EXISTS usage_by_key_time ON usage(key_id, created_at, debited_micros);
 CREATE INDEX IF NOT EXISTS audit_by_key ON audit(key_id, seq);
 CREATE INDEX IF NOT EXISTS audit_by_time ON audit(created_at);
+CREATE INDEX IF NOT EXISTS keys_by_org ON keys(org_id) WHERE org_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS keys_by_team ON keys(team_id) WHERE team_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS keys_by_user ON keys(user_id) WHERE user_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS keys_by_prev_secret ON keys(prev_secret_sha256) WHERE prev_secret_sha256 IS NOT NULL;
+CREATE INDEX IF NOT EXISTS levels_by_parent ON levels(parent_id);
 """
 
 # Usage summed per UTC hour, key, served model (the client's string for rows without one) and
@@ -152,7 +196,7 @@ def roll_up(conn: sqlite3.Connection, inserted: list[tuple[tuple, int]]) -> None
 
 # The SQLite schema's version, kept in PRAGMA user_version: a release that changes the schema in a
 # way an older one cannot read raises it, and an older release then refuses the file.
-SQLITE_SCHEMA_VERSION = 1
+SQLITE_SCHEMA_VERSION = 2  # 2: levels (an older release would not bound their keys)
 
 
 def apply_schema(conn: sqlite3.Connection) -> None:
@@ -183,8 +227,12 @@ def apply_schema(conn: sqlite3.Connection) -> None:
 
 KEY_COLUMNS = (
     "key_id, name, prefix, balance_micros, allowed_models, concurrency, rate_per_min, revoked, created_at,"
-    " expires_at, tokens_per_min, daily_budget_micros, monthly_budget_micros"
+    " expires_at, tokens_per_min, daily_budget_micros, monthly_budget_micros,"
+    " org_id, team_id, user_id, own_balance, blocked, tags, metadata, prev_secret_until"
 )
+# What a hold or a settle reads of a key besides its balance: whether it has a purse of its
+# own and its levels (proxy/ledger/levels.py); all NULL / true: the key stands alone.
+KEY_CHAIN_COLUMNS = "own_balance, org_id, team_id, user_id"
 
 
 def hash_secret(secret: str) -> bytes:
@@ -213,6 +261,14 @@ def key_record_of(row: tuple) -> KeyRecord:
         tokens_per_min=row[10],
         daily_budget_micros=row[11],
         monthly_budget_micros=row[12],
+        org_id=row[13],
+        team_id=row[14],
+        user_id=row[15],
+        own_balance=bool(row[16]),
+        blocked=bool(row[17]),
+        tags=tuple(json.loads(row[18])) if row[18] else (),
+        metadata=json.loads(row[19]) if row[19] else None,
+        grace_until=row[20],
     )
 
 

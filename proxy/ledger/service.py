@@ -40,6 +40,7 @@ from proxy.ledger.base import (
     UsageTotals,
 )
 from proxy.ledger.interface import ConsoleReads, Ledger, RequestLedger
+from proxy.ledger.scope import EVERYTHING, Scope
 from proxy.ledger.usage import MAX_AMOUNT
 
 # The fields a key's limits are set with (create and update take them all): KeyLimits'.
@@ -48,7 +49,9 @@ LIMIT_FIELDS = KEY_LIMIT_FIELDS
 USD_FIELDS = {"balance_usd": "balance_micros", "daily_budget_usd": "daily_budget_micros",
               "monthly_budget_usd": "monthly_budget_micros"}
 UPDATE_FIELDS = (*LIMIT_FIELDS, "daily_budget_usd", "monthly_budget_usd")
-CREATE_FIELDS = ("name", "balance_micros", "balance_usd", *UPDATE_FIELDS)
+# Where a new key sits (proxy/ledger/levels.py); fixed once it is made.
+PLACE_FIELDS = ("team_id", "user_id")
+CREATE_FIELDS = ("name", "balance_micros", "balance_usd", *PLACE_FIELDS, *UPDATE_FIELDS)
 _DOLLARS = re.compile(r"[+-]?\$?(\d{1,3}(,\d{3})+|\d{1,3}(_\d{3})+|\d+)(\.\d+)?|[+-]?\$?\.\d+")
 _DURATION = re.compile(r"\+?(\d{1,6})([smhdw])")
 _YEAR_2000 = 946_684_800.0
@@ -87,6 +90,18 @@ def in_micros(data: dict[str, Any]) -> dict[str, Any]:
             value = out.pop(name)
             out[micros] = None if value is None else micros_of_usd(value, name)
     return out
+
+
+def parse_duration(value: Any, what: str) -> float:
+    """A length of time: seconds (a number) or "90s", "30m", "12h", "7d", "2w"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 90 * 86400:
+        return float(value)
+    if isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
+        seconds = int(match.group(1)) * _SECONDS[match.group(2)]
+        if seconds <= 90 * 86400:
+            return float(seconds)
+    raise ValueError(f"{what} must be seconds or a length such as 30m, 12h, 7d (at most 90 days), "
+                     f"not {str(value)[:40]!r}")
 
 
 def parse_expiry(value: Any, what: str = "expires_at", now: float | None = None) -> float | None:
@@ -204,6 +219,8 @@ def parse_limits(data: dict[str, Any]) -> KeyLimits:
             out[name] = _models(value)
         elif name == "expires_at":
             out[name] = parse_expiry(value, name)
+        elif name in ("blocked", "tags", "metadata"):
+            out[name] = value  # checked by the ledger's key rules (proxy/ledger/key_rules.py)
         else:
             out[name] = _opt_int(value, name)
     return KeyLimits(**out)
@@ -223,9 +240,10 @@ class KeyService:
     It takes the whole Ledger: the changes and their audit are the KeyStore's, a key's summary
     reads the balance and spend as the request path does (RequestLedger)."""
 
-    def __init__(self, ledger: Ledger, actor: str) -> None:
+    def __init__(self, ledger: Ledger, actor: str, scope: Scope = EVERYTHING) -> None:
         self.ledger = ledger
         self.actor = actor
+        self.scope = scope  # what this admin may see and change (proxy/ledger/scope.py)
 
     async def _audit(self, action: str, key_id: str | None, details: dict[str, Any]) -> None:
         await self.ledger.append_audit(self.actor, action, key_id, details)
@@ -239,23 +257,35 @@ class KeyService:
         if isinstance(balance, bool) or not isinstance(balance, int) or not 0 <= balance <= MAX_AMOUNT:
             raise ValueError("balance_micros must be a non-negative integer")
         limits = parse_limits(data)
-        secret, record = await self.ledger.create_key(name, balance, limits)
+        placement = await self.ledger.placement(data.get("team_id"), data.get("user_id"))
+        under = placement["team_id"] or placement["user_id"]
+        if not self.scope.everything:
+            if placement["team_id"] not in (self.scope.teams or ()):
+                raise ValueError("team_id or user_id: a team admin creates keys under their own teams")
+            if balance:
+                self.scope.require_everything("a key's own balance (money beside the team's)")
+        # A key under a level without a balance of its own draws on its levels' purse.
+        placement["own_balance"] = not under or "balance_micros" in data
+        secret, record = await self.ledger.create_key(name, balance, limits, placement)
+        where = {k: v for k, v in placement.items() if v is not None and k != "own_balance"}
         await self._audit("key.create", record.key_id, {"name": record.name, "balance_micros": balance,
-                                                        "prefix": record.prefix, **limits.given()})
+                                                        "prefix": record.prefix, **where, **limits.given()})
         return secret, record
 
     async def get(self, key_id: str) -> KeyRecord:
         record = await self.ledger.get_key(key_id)
         if record is None:
             raise UnknownKey(key_id)
-        return record
+        return self.scope.require_key(record)
 
     async def list(self) -> list[KeyRecord]:
-        return await self.ledger.list_keys()
+        return [r for r in await self.ledger.list_keys() if self.scope.key_visible(r)]
 
     async def top_up(self, key_id: str, micros: Any) -> int:
         if isinstance(micros, bool) or not isinstance(micros, int) or abs(micros) > MAX_AMOUNT:
             raise ValueError("micros must be an integer (negative corrects the balance)")
+        await self.get(key_id)
+        self.scope.require_everything("a top-up")
         if micros > 0 and (await self.get(key_id)).revoked:  # money nobody can spend; a correction (< 0) stays
             raise LedgerError(f"key {key_id} is revoked: a top-up would never be spent")
         balance = await self.ledger.top_up(key_id, micros)
@@ -263,21 +293,42 @@ class KeyService:
         return balance
 
     async def update(self, key_id: str, data: dict[str, Any]) -> KeyRecord:
-        limits = parse_limits(in_micros(_fields(data, UPDATE_FIELDS)))
+        given = in_micros(_fields(data, (*UPDATE_FIELDS, *PLACE_FIELDS)))
+        moved = [name for name in PLACE_FIELDS if name in given]
+        if moved:
+            raise ValueError(f"{moved[0]} cannot be changed: a key stays where it was made (create a new key)")
+        limits = parse_limits(given)
         changes = limits.given()
         if not changes:
             raise ValueError(f"nothing to change: give one of {', '.join(LIMIT_FIELDS)}")
+        await self.get(key_id)
         record = await self.ledger.set_limits(key_id, limits)
         await self._audit("key.update", key_id, changes)
         return record
 
+    async def set_blocked(self, key_id: str, blocked: bool) -> KeyRecord:
+        """Block (refused, 403, until unblocked) or unblock a key."""
+        await self.get(key_id)
+        record = await self.ledger.set_limits(key_id, KeyLimits(blocked=blocked))
+        await self._audit("key.block" if blocked else "key.unblock", key_id, {})
+        return record
+
     async def revoke(self, key_id: str) -> None:
+        await self.get(key_id)
         await self.ledger.revoke(key_id)
         await self._audit("key.revoke", key_id, {})
 
-    async def rotate(self, key_id: str) -> tuple[str, KeyRecord]:
-        secret, record = await self.ledger.rotate_key(key_id)
-        await self._audit("key.rotate", key_id, {"prefix": record.prefix})
+    async def delete(self, key_id: str) -> None:
+        await self.get(key_id)
+        await self.ledger.delete_key(key_id)
+        await self._audit("key.delete", key_id, {})
+
+    async def rotate(self, key_id: str, grace: Any = None) -> tuple[str, KeyRecord]:
+        """A new secret; the old one keeps working for `grace` ("1h", "30m", seconds; none: 0)."""
+        grace_s = parse_duration(grace, "grace") if grace not in (None, "", 0) else 0.0
+        await self.get(key_id)
+        secret, record = await self.ledger.rotate_key(key_id, grace_s)
+        await self._audit("key.rotate", key_id, {"prefix": record.prefix, "grace_s": grace_s})
         return secret, record
 
     async def summary(self, record: KeyRecord, now: float | None = None) -> dict[str, Any]:
@@ -340,6 +391,16 @@ class UsageQuery:
         if self.since is not None and self.until is not None and self.until <= self.since:
             raise ValueError("until must be after since")
         self.key_id = params.get("key_id") or None
+        # One level's keys (team_id, user_id or org_id): the ledger's filters take a level id where
+        # a key id goes (proxy/ledger/rollup.py).
+        levels = [(name, params[name]) for name in ("team_id", "user_id", "org_id") if params.get(name)]
+        if len(levels) > 1 or (levels and self.key_id):
+            raise ValueError("filter by one of key_id, team_id, user_id, org_id")
+        if levels:
+            name, value = levels[0]
+            if not isinstance(value, str) or not value.startswith(name[:-3] + "_"):
+                raise ValueError(f"{name} must be a {name[:-3]} id ({name[:-3]}_...)")
+            self.key_id = value
         self.model = params.get("model") or None
         self.endpoint = params.get("endpoint") or None
         raw_statuses = params.get("status") or ""

@@ -40,7 +40,7 @@ class PgKeyOps(RuledKeyStore):
 
     async def list_keys(self) -> list[KeyRecord]:
         async def op(conn: Any) -> list[KeyRecord]:
-            rows = await conn.fetch(f"SELECT {KEY_COLUMNS} FROM keys ORDER BY created_at, key_id")
+            rows = await conn.fetch(f"SELECT {KEY_COLUMNS} FROM keys WHERE NOT deleted ORDER BY created_at, key_id")
             return [key_record_of(tuple(r)) for r in rows]
 
         return await self._db(op, transaction=False)
@@ -90,13 +90,26 @@ class PgKeyOps(RuledKeyStore):
 
         await self._db(op)
 
-    async def _write_secret(self, key_id: str, prefix: str, digest: bytes) -> KeyRecord:
+    async def _write_secret(self, key_id: str, prefix: str, digest: bytes, grace_s: float) -> KeyRecord:
         async def op(conn: Any) -> KeyRecord:
             revoked = await conn.fetchval("SELECT revoked FROM keys WHERE key_id = $1 FOR UPDATE", key_id)
             check_rotatable(key_id, revoked)
-            await conn.execute("UPDATE keys SET secret_sha256 = $1, prefix = $2 WHERE key_id = $3",
-                               digest, prefix, key_id)
+            # The old secret stays findable as the previous one until the grace ends (none: gone now).
+            await conn.execute("UPDATE keys SET prev_secret_sha256 = CASE WHEN $4 > 0 THEN secret_sha256 END,"
+                               " prev_secret_until = CASE WHEN $4 > 0 THEN $5::float8 END,"
+                               " secret_sha256 = $1, prefix = $2 WHERE key_id = $3",
+                               digest, prefix, key_id, grace_s, time.time() + grace_s)
             await conn.execute(_NOTIFY, key_id)
             return cast(KeyRecord, await _get_key(conn, key_id))  # written just above
 
         return await self._db(op)
+
+    async def _write_deleted(self, key_id: str) -> None:
+        async def op(conn: Any) -> None:
+            status = await conn.execute("UPDATE keys SET revoked = TRUE, deleted = TRUE, prev_secret_sha256 = NULL"
+                                        " WHERE key_id = $1", key_id)
+            if status.endswith(" 0"):
+                raise UnknownKey(key_id)
+            await conn.execute(_NOTIFY, key_id)
+
+        await self._db(op)

@@ -67,17 +67,20 @@ from proxy.ledger.base import (
     UsageRecord,
 )
 from proxy.ledger.interface import Ledger
-from proxy.ledger.key_rules import presented_key
+from proxy.ledger.key_rules import presented_key, previous_key
+from proxy.ledger.levels import chain_room
 from proxy.ledger.postgres.console import PgConsoleOps
 from proxy.ledger.postgres.errors import FAULT, RETRY, classify, describe
 from proxy.ledger.postgres.faults import PgFaults
 from proxy.ledger.postgres.keys import KEY_COLUMNS, PgKeyOps
+from proxy.ledger.postgres.levels import PgLevelOps, chain_of_row, debit_levels, levels_balance, lock_levels, purses
 from proxy.ledger.postgres.listen import KeyListener
 from proxy.ledger.postgres.schema import migrate
 from proxy.ledger.postgres.spool import PgSpoolOps
 from proxy.ledger.postgres.usage import USAGE_COLUMNS, insert_usage_batch, lease_changes
-from proxy.ledger.schema import as_int, hash_secret
+from proxy.ledger.schema import KEY_CHAIN_COLUMNS, as_int, hash_secret
 from proxy.ledger.spool import Spool, release_record, settle_record
+from proxy.ledger.usage import MAX_AMOUNT
 
 log = logging.getLogger("proxy.ledger")
 
@@ -113,6 +116,7 @@ def _quiet_asyncpg() -> None:
 _DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger opened without one
 
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
+_LOCK_KEY_CHAIN = f"SELECT balance_micros, {KEY_CHAIN_COLUMNS} FROM keys WHERE key_id = $1 FOR UPDATE"
 _HOLD = "SELECT outcome, amount FROM ledger_hold($1, $2, $3, $4, $5, $6, $7, $8)"
 TOMBSTONE_S = 900.0  # how long a released request's tombstone stands in the way of its late hold
 
@@ -126,7 +130,7 @@ def redact(dsn: str) -> str:
         return "?"
 
 
-class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
+class PostgresLedger(PgKeyOps, PgLevelOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
     supports_leases = True
 
     def __init__(self, dsn: str, *, pool_min: int = _DEFAULTS.pool_min, pool_max: int = _DEFAULTS.pool_max,
@@ -313,24 +317,35 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
             return None
 
         async def op(conn: asyncpg.Connection) -> Any:
-            return await conn.fetchrow(f"SELECT secret_sha256, {KEY_COLUMNS} FROM keys WHERE secret_sha256 = $1",
-                                       digest)
+            row = await conn.fetchrow(f"SELECT secret_sha256, {KEY_COLUMNS} FROM keys WHERE secret_sha256 = $1",
+                                      digest)
+            found = presented_key(digest, row)
+            if found is None:  # a rotated key's previous secret, during its grace (and after: told why)
+                row = await conn.fetchrow(f"SELECT prev_secret_sha256, {KEY_COLUMNS} FROM keys"
+                                          " WHERE prev_secret_sha256 = $1", digest)
+                found = previous_key(digest, row) if row else None
+            return found
 
-        return presented_key(digest, await self._db(op, transaction=False))
+        return await self._db(op, transaction=False)
 
     async def available(self, key_id: str) -> int:
         await self.settled()  # a client asking after its answer sees it settled
 
         async def op(conn: asyncpg.Connection) -> int:
+            now = time.time()
             row = await conn.fetchrow(
                 "SELECT balance_micros, (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds"
-                " WHERE holds.key_id = keys.key_id AND expires_at > $2) FROM keys WHERE key_id = $1",
-                key_id, time.time())
+                f" WHERE holds.key_id = keys.key_id AND expires_at > $2), {KEY_CHAIN_COLUMNS}"
+                " FROM keys WHERE key_id = $1", key_id, now)
             if row is None:
                 raise UnknownKey(key_id)
-            return row[0] - row[1]
+            chain = chain_of_row(*tuple(row)[2:])
+            if chain is None:
+                return row[0] - row[1]
+            locked = await lock_levels(conn, chain[1])  # a read: the locks end with it
+            return chain_room(row[0] - row[1] if chain[0] else None, await purses(conn, locked, chain[1], now))[0]
 
-        return await self._db(op, transaction=False)
+        return await self._db(op)
 
     async def hold(self, request_id: str, key_id: str, amount_micros: int, ttl_s: float) -> Hold:
         amount = as_int(amount_micros, "amount_micros")
@@ -359,8 +374,13 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
             return tuple(await conn.fetchrow(_HOLD, request_id, key_id, low, high, now, ttl, lease_id,
                                              int(give_back)))
 
+        async def chained(conn: asyncpg.Connection) -> tuple[str, int | None]:
+            return await self._hold_chained(conn, request_id, key_id, low, high, now, ttl, lease_id, int(give_back))
+
         try:
             outcome, amount = await self._db(op, transaction=False)
+            if outcome == "levels":  # a key under levels: the proxy's own transaction
+                outcome, amount = await self._db(chained)
         except LedgerUnavailable:
             # The hold may have committed and only its reply been lost: it is released when
             # the database answers again (releasing one never made changes nothing). Not a
@@ -379,27 +399,63 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
             raise UnknownKey(key_id)
         raise DuplicateRequest(request_id)
 
+    @staticmethod
+    async def _hold_chained(conn: asyncpg.Connection, request_id: str, key_id: str, low: int, high: int,
+                            now: float, ttl: float, lease_id: str | None, give_back: int) -> tuple[str, int | None]:
+        """ledger_hold for a key under levels (proxy/ledger/levels.py), in the caller's
+        transaction: the key's row locked, then its levels' (proxy/ledger/postgres/levels.py);
+        the outcome and amount as ledger_hold answers them."""
+        row = await conn.fetchrow(_LOCK_KEY_CHAIN, key_id)
+        if lease_id is not None:  # a lease's free part goes back first, kept even when refused
+            await conn.execute("UPDATE holds SET amount_micros = GREATEST(0, amount_micros - $1)"
+                               " WHERE request_id = $2", give_back, lease_id)
+        if row is None:
+            return "unknown_key", None
+        own, levels = chain_of_row(*tuple(row)[1:]) or (True, ())
+        locked = await lock_levels(conn, levels)
+        held, settled = await conn.fetchrow(
+            "SELECT (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds WHERE key_id = $1 AND expires_at > $2),"
+            " EXISTS (SELECT 1 FROM usage WHERE request_id = $3)", key_id, now, request_id)
+        if settled:
+            return "duplicate", None
+        room, _ = chain_room(row[0] - held if own else None, await purses(conn, locked, levels, now))
+        if room < low:
+            return "insufficient", max(room, 0)
+        amount = min(room, high)
+        status = await conn.execute("INSERT INTO holds (request_id, key_id, amount_micros, expires_at)"
+                                    " VALUES ($1, $2, $3, $4) ON CONFLICT (request_id) DO NOTHING",
+                                    request_id, key_id, amount, now + ttl)
+        return ("duplicate", None) if status.endswith(" 0") else ("held", amount)
+
     async def _settle_db(self, request_id: str, usage: UsageRecord) -> int | None:
         row = commit_rules.usage_row(usage, request_id)
 
         async def op(conn: asyncpg.Connection) -> int | None:
-            balance = await conn.fetchval(_LOCK_KEY, usage.key_id)
+            key = await conn.fetchrow(_LOCK_KEY_CHAIN, usage.key_id)
+            chain = chain_of_row(*tuple(key)[1:]) if key is not None else None
+            locked = await lock_levels(conn, chain[1]) if chain is not None else {}
             settled, held = await conn.fetchrow(
                 "SELECT EXISTS (SELECT 1 FROM usage WHERE request_id = $1),"
                 " (SELECT amount_micros FROM holds WHERE request_id = $1)", request_id)
             if settled:
                 return None
-            if balance is None:
+            if key is None:
                 raise UnknownKey(usage.key_id)
+            own = chain is None or chain[0]
+            balance = key[0] if own else MAX_AMOUNT
+            if chain is not None:  # the smallest balance on the way bounds the debit (never a budget)
+                balance = min(balance, levels_balance(locked, chain[1]))
             debit = commit_rules.settle_debit(usage.cost_micros, balance, held)
             status = await conn.execute(
                 f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
                 " $13, $14) ON CONFLICT (request_id) DO NOTHING", *row[:8], debit, *row[9:])
             if status.endswith(" 0"):
                 return None
-            if debit:
+            if debit and own:
                 await conn.execute("UPDATE keys SET balance_micros = balance_micros - $1 WHERE key_id = $2",
                                    debit, usage.key_id)
+            if chain is not None:
+                await debit_levels(conn, locked, chain[1], debit, time.time())
             await conn.execute("DELETE FROM holds WHERE request_id = $1", request_id)
             return debit
 
@@ -478,15 +534,21 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
         self._refuse_if_faulty()
 
         async def op(conn: asyncpg.Connection) -> tuple[int, bool]:
-            balance = await conn.fetchval(_LOCK_KEY, key_id)
-            if balance is None:
+            key = await conn.fetchrow(_LOCK_KEY_CHAIN, key_id)
+            if key is None:
                 raise UnknownKey(key_id)
+            chain = chain_of_row(*tuple(key)[1:])
+            locked = await lock_levels(conn, chain[1]) if chain is not None else {}
             now = time.time()
             others, own = await conn.fetchrow(
                 "SELECT (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds WHERE key_id = $1"
                 " AND expires_at > $2 AND request_id <> $3),"
                 " (SELECT amount_micros FROM holds WHERE request_id = $3 AND expires_at > $2)", key_id, now, lease_id)
-            grant = commit_rules.lease_grant(balance - others - (own or 0), low, high, share)
+            available = key[0] - others - (own or 0)
+            if chain is not None:  # the levels' room (this lease counted as held, as above)
+                available = chain_room(available if chain[0] else None,
+                                       await purses(conn, locked, chain[1], now))[0]
+            grant = commit_rules.lease_grant(available, low, high, share)
             if own is None:  # absent, or expired (then it counts for nothing: start afresh)
                 if not grant:
                     await conn.execute("DELETE FROM holds WHERE request_id = $1", lease_id)
@@ -566,7 +628,7 @@ class PostgresLedger(PgKeyOps, PgConsoleOps, PgSpoolOps, PgFaults, Ledger):
                 "SELECT k.key_id, k.balance_micros,"
                 " (SELECT COALESCE(SUM(micros), 0) FROM topups t WHERE t.key_id = k.key_id)::bigint"
                 " - (SELECT COALESCE(SUM(debited_micros), 0) FROM usage u WHERE u.key_id = k.key_id)::bigint"
-                " FROM keys k ORDER BY k.key_id")
+                " FROM keys k WHERE k.own_balance ORDER BY k.key_id")
             return [tuple(r) for r in found]
 
         return await self._db(op, transaction=False)

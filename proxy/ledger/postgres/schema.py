@@ -33,6 +33,9 @@ on the request's path to its first byte: the same statements in the same order.
 Migration 6 adds usage.endpoint, the API path a row was billed for (/v1/responses,
 /v1/chat/completions, /v1/messages, ...; NULL: rows from before it was kept, all Responses).
 Nullable without a default: a change of the catalog only. The hourly sums are not split by it.
+Migration 7 adds the levels above keys (proxy/ledger/levels.py: organisations, teams, users, their
+top-ups), a key's levels and lifecycle columns (blocked, tags, metadata, a rotated secret's grace,
+deleted), and makes ledger_hold hand a key under levels to the proxy's own transaction.
 """
 
 from __future__ import annotations
@@ -203,6 +206,85 @@ END $$;
 """),  # noqa: E501 - a migration's text is what the databases ran: never reflowed
     (6, "usage.endpoint: the API path a row was billed for", """
 ALTER TABLE usage ADD COLUMN endpoint TEXT;
+"""),
+    (7, "levels: organisations, teams and users above keys; key lifecycle", """
+CREATE TABLE levels (
+    level_id        TEXT PRIMARY KEY,
+    kind            TEXT NOT NULL CHECK (kind IN ('org', 'team', 'user')),
+    name            TEXT NOT NULL,
+    parent_id       TEXT REFERENCES levels(level_id),
+    balance_micros  BIGINT CHECK (balance_micros >= 0),
+    budget_micros   BIGINT,
+    budget_period   TEXT,
+    budget_reset    TEXT NOT NULL DEFAULT '+00:00',
+    period_spent    BIGINT NOT NULL DEFAULT 0,
+    period_end      DOUBLE PRECISION,
+    allowed_models  TEXT,
+    concurrency     INTEGER,
+    rate_per_min    INTEGER,
+    tokens_per_min  INTEGER,
+    blocked         BOOLEAN NOT NULL DEFAULT FALSE,
+    tags            TEXT,
+    metadata        TEXT,
+    created_at      DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX levels_by_parent ON levels(parent_id);
+CREATE TABLE level_topups (
+    seq             BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    level_id        TEXT NOT NULL REFERENCES levels(level_id),
+    micros          BIGINT NOT NULL,
+    created_at      DOUBLE PRECISION NOT NULL
+);
+ALTER TABLE keys ADD COLUMN org_id TEXT REFERENCES levels(level_id),
+    ADD COLUMN team_id TEXT REFERENCES levels(level_id), ADD COLUMN user_id TEXT REFERENCES levels(level_id),
+    ADD COLUMN own_balance BOOLEAN NOT NULL DEFAULT TRUE,
+    ADD COLUMN blocked BOOLEAN NOT NULL DEFAULT FALSE, ADD COLUMN tags TEXT, ADD COLUMN metadata TEXT,
+    ADD COLUMN prev_secret_sha256 BYTEA, ADD COLUMN prev_secret_until DOUBLE PRECISION,
+    ADD COLUMN deleted BOOLEAN NOT NULL DEFAULT FALSE;
+CREATE INDEX keys_by_org ON keys(org_id) WHERE org_id IS NOT NULL;
+CREATE INDEX keys_by_team ON keys(team_id) WHERE team_id IS NOT NULL;
+CREATE INDEX keys_by_user ON keys(user_id) WHERE user_id IS NOT NULL;
+CREATE INDEX keys_by_prev_secret ON keys(prev_secret_sha256) WHERE prev_secret_sha256 IS NOT NULL;
+-- A key under levels is held by the proxy's own transaction (proxy/ledger/postgres/levels.py):
+-- this function says so ('levels') before it changes anything.
+CREATE OR REPLACE FUNCTION ledger_hold(p_request_id TEXT, p_key_id TEXT, p_low BIGINT, p_high BIGINT,
+                            p_now DOUBLE PRECISION, p_ttl DOUBLE PRECISION, p_lease_id TEXT, p_lease_return BIGINT,
+                            OUT outcome TEXT, OUT amount BIGINT)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_balance BIGINT;
+    v_chained BOOLEAN;
+    v_held BIGINT;
+    v_settled BOOLEAN;
+BEGIN
+    SELECT balance_micros, (NOT own_balance OR org_id IS NOT NULL OR team_id IS NOT NULL OR user_id IS NOT NULL)
+        INTO v_balance, v_chained FROM keys WHERE key_id = p_key_id FOR UPDATE;
+    IF v_chained THEN
+        outcome := 'levels'; RETURN;
+    END IF;
+    IF p_lease_id IS NOT NULL THEN  -- a lease's free part goes back first, kept even when refused
+        UPDATE holds SET amount_micros = GREATEST(0, amount_micros - p_lease_return) WHERE request_id = p_lease_id;
+    END IF;
+    IF v_balance IS NULL THEN
+        outcome := 'unknown_key'; RETURN;
+    END IF;
+    SELECT COALESCE(SUM(h.amount_micros), 0)::BIGINT INTO v_held FROM holds h
+        WHERE h.key_id = p_key_id AND h.expires_at > p_now;
+    SELECT EXISTS (SELECT 1 FROM usage u WHERE u.request_id = p_request_id) INTO v_settled;
+    IF v_settled THEN
+        outcome := 'duplicate'; RETURN;
+    END IF;
+    IF v_balance - v_held < p_low THEN
+        outcome := 'insufficient'; amount := GREATEST(v_balance - v_held, 0); RETURN;
+    END IF;
+    amount := LEAST(v_balance - v_held, p_high);
+    INSERT INTO holds (request_id, key_id, amount_micros, expires_at)
+        VALUES (p_request_id, p_key_id, amount, p_now + p_ttl) ON CONFLICT (request_id) DO NOTHING;
+    IF NOT FOUND THEN
+        outcome := 'duplicate'; amount := NULL; RETURN;
+    END IF;
+    outcome := 'held';
+END $$;
 """),
 )
 

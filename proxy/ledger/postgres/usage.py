@@ -9,11 +9,15 @@ transaction (the trigger of proxy/ledger/postgres/schema.py migration 3): nothin
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any
 
 from proxy.ledger.base import UnknownKey
 from proxy.ledger.commit_rules import COST, DEBITED, lease_row_changes, plan_batch, settle_debit
+from proxy.ledger.postgres.levels import chain_of_row, debit_levels, levels_balance, lock_levels
+from proxy.ledger.schema import KEY_CHAIN_COLUMNS
+from proxy.ledger.usage import MAX_AMOUNT
 
 USAGE_COLUMNS = ("request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
                  " cost_micros, debited_micros, status, created_at, worker, served_model, endpoint")
@@ -29,13 +33,39 @@ _INSERT_MANY = (f"INSERT INTO usage ({USAGE_COLUMNS}) SELECT * FROM unnest("
 _DEBIT_KEY = "UPDATE keys SET balance_micros = balance_micros - $1 WHERE key_id = $2"
 
 
-async def _lock_balances(conn: Any, rows: list) -> dict[str, int]:
+class _Purses:
+    """The money a batch moves: its keys' rows locked (key_id order), then their levels' (level_id
+    order, proxy/ledger/postgres/levels.py). `balances`: each key's own balance; `chains`: the keys
+    under levels (or without a purse of their own), (own purse?, level ids)."""
+
+    def __init__(self, balances: dict[str, int], chains: dict[str, tuple[bool, tuple[str, ...]]],
+                 levels: dict[str, tuple]) -> None:
+        self.balances, self.chains, self.levels = balances, chains, levels
+
+    def room(self, key_id: str) -> int:
+        """The most the key's next debit may be: the smallest balance on its way."""
+        own, level_ids = self.chains.get(key_id, (True, ()))
+        return min(self.balances[key_id] if own else MAX_AMOUNT, levels_balance(self.levels, level_ids))
+
+    async def debit(self, conn: Any, key_id: str, debit: int, debits: dict[str, int], now: float) -> None:
+        """Count `debit` against the key (its own purse: into `debits`, applied by the caller) and
+        take it off its levels now."""
+        own, level_ids = self.chains.get(key_id, (True, ()))
+        if own:
+            self.balances[key_id] -= debit
+            debits[key_id] += debit
+        await debit_levels(conn, self.levels, level_ids, debit, now)
+
+
+async def _lock_balances(conn: Any, rows: list) -> _Purses:
     key_ids = sorted({row[1] for row in rows if type(row) is tuple})
     if not key_ids:
-        return {}
-    locked = await conn.fetch("SELECT key_id, balance_micros FROM keys WHERE key_id = ANY($1::text[])"
-                              " ORDER BY key_id FOR UPDATE", key_ids)
-    return {r[0]: r[1] for r in locked}
+        return _Purses({}, {}, {})
+    locked = await conn.fetch(f"SELECT key_id, balance_micros, {KEY_CHAIN_COLUMNS} FROM keys"
+                              " WHERE key_id = ANY($1::text[]) ORDER BY key_id FOR UPDATE", key_ids)
+    chains = {r[0]: chain for r in locked if (chain := chain_of_row(*tuple(r)[2:])) is not None}
+    levels = await lock_levels(conn, (level for _, ids in chains.values() for level in ids))
+    return _Purses({r[0]: r[1] for r in locked}, chains, levels)
 
 
 async def insert_usage_batch(conn: Any, rows: list[Any], lease_ids: list[str]
@@ -44,11 +74,23 @@ async def insert_usage_batch(conn: Any, rows: list[Any], lease_ids: list[str]
     its cost clamped at what is left of its key's balance. Returns (per row: the debit,
     None if recorded already, or the error; per lease id, the debits of its new rows).
     `rows` as proxy.ledger.sqlite.usage.record_usage takes them."""
-    balances = await _lock_balances(conn, rows)
+    purses = await _lock_balances(conn, rows)
+    balances = purses.balances
     results, todo, clamps = plan_batch(rows, balances)
     debits: dict[str, int] = defaultdict(int)
     taken: dict[str, int] = defaultdict(int)
-    if todo and not clamps:
+    if purses.chains:  # keys under levels: one row at a time, each level debited as it goes
+        now = time.time()
+        for i in todo:
+            row = rows[i]
+            debit = settle_debit(row[_COST], purses.room(row[1]), None)
+            status = await conn.execute(_INSERT_ONE, *row[:_DEBITED], debit, *row[_DEBITED + 1:])
+            if status.endswith(" 0"):
+                continue
+            await purses.debit(conn, row[1], debit, debits, now)
+            results[i] = debit
+            taken[lease_ids[i]] += debit
+    elif todo and not clamps:
         # Nothing clamps, whichever rows turn out to be new: one statement for the batch.
         columns = [list(col) for col in zip(*(rows[i] for i in todo))]
         fresh = {r[0] for r in await conn.fetch(_INSERT_MANY, *columns)}
@@ -87,12 +129,14 @@ async def settle_batch(conn: Any, rows: list[tuple]) -> list[int | BaseException
     What PostgresLedger.settle does for one row, for a batch: the same locks first (the
     keys, in key_id order), then one read of the holds and the rows recorded, one insert."""
     results: list[int | BaseException | None] = [None] * len(rows)
-    balances = await _lock_balances(conn, rows)
+    purses = await _lock_balances(conn, rows)
+    balances = purses.balances
     ids = [row[0] for row in rows]
     held = {r[0]: r[1] for r in await conn.fetch(_HELD, ids)}
     known = {r[0] for r in await conn.fetch(_KNOWN, ids)}
     fresh: list[tuple] = []
     where: list[int] = []
+    now = time.time()
     for i, row in enumerate(rows):
         request_id, key_id = row[0], row[1]
         if key_id not in balances:
@@ -101,8 +145,8 @@ async def settle_batch(conn: Any, rows: list[tuple]) -> list[int | BaseException
         if request_id in known:
             continue
         known.add(request_id)
-        debit = settle_debit(row[_COST], balances[key_id], held.get(request_id))
-        balances[key_id] -= debit
+        debit = settle_debit(row[_COST], purses.room(key_id), held.get(request_id))
+        await purses.debit(conn, key_id, debit, defaultdict(int), now)  # the keys' own: counted below
         fresh.append(row[:_DEBITED] + (debit,) + row[_DEBITED + 1:])
         where.append(i)
     debits: dict[str, int] = defaultdict(int)
@@ -111,7 +155,8 @@ async def settle_batch(conn: Any, rows: list[tuple]) -> list[int | BaseException
         for i, row in zip(where, fresh):
             if row[0] in inserted:  # always, under the key locks every insert takes
                 results[i] = row[_DEBITED]
-                debits[row[1]] += row[_DEBITED]
+                if purses.chains.get(row[1], (True,))[0]:  # a purse of its own (the levels: debited above)
+                    debits[row[1]] += row[_DEBITED]
     for key_id in sorted(debits):
         if debits[key_id]:
             await conn.execute(_DEBIT_KEY, debits[key_id], key_id)

@@ -35,7 +35,7 @@ class KeyOps(RuledKeyStore):
 
     async def list_keys(self) -> list[KeyRecord]:
         def op(conn: sqlite3.Connection) -> list[KeyRecord]:
-            rows = conn.execute(f"SELECT {KEY_COLUMNS} FROM keys ORDER BY created_at, key_id")
+            rows = conn.execute(f"SELECT {KEY_COLUMNS} FROM keys WHERE NOT deleted ORDER BY created_at, key_id")
             return [key_record_of(r) for r in rows]
 
         return await self._run(op, READ)
@@ -81,11 +81,22 @@ class KeyOps(RuledKeyStore):
 
         await self._run(op)
 
-    async def _write_secret(self, key_id: str, prefix: str, digest: bytes) -> KeyRecord:
+    async def _write_secret(self, key_id: str, prefix: str, digest: bytes, grace_s: float) -> KeyRecord:
         def op(conn: sqlite3.Connection) -> KeyRecord:
             row = conn.execute("SELECT revoked FROM keys WHERE key_id = ?", (key_id,)).fetchone()
             check_rotatable(key_id, row[0] if row else None)
-            conn.execute("UPDATE keys SET secret_sha256 = ?, prefix = ? WHERE key_id = ?", (digest, prefix, key_id))
+            # The old secret stays findable as the previous one until the grace ends (none: gone now).
+            conn.execute("UPDATE keys SET prev_secret_sha256 = CASE WHEN ? > 0 THEN secret_sha256 END,"
+                         " prev_secret_until = CASE WHEN ? > 0 THEN ? END, secret_sha256 = ?, prefix = ?"
+                         " WHERE key_id = ?", (grace_s, grace_s, time.time() + grace_s, digest, prefix, key_id))
             return cast(KeyRecord, self._get_key(conn, key_id))  # written just above
 
         return await self._run(op)
+
+    async def _write_deleted(self, key_id: str) -> None:
+        def op(conn: sqlite3.Connection) -> None:
+            if conn.execute("UPDATE keys SET revoked = 1, deleted = 1, prev_secret_sha256 = NULL WHERE key_id = ?",
+                            (key_id,)).rowcount == 0:
+                raise UnknownKey(key_id)
+
+        await self._run(op)

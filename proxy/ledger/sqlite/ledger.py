@@ -47,9 +47,11 @@ from proxy.ledger.base import (
     UsageRecord,
 )
 from proxy.ledger.interface import Ledger
-from proxy.ledger.key_rules import presented_key
+from proxy.ledger.key_rules import presented_key, previous_key
+from proxy.ledger.levels import chain_room
 from proxy.ledger.schema import (
     DEBIT_KEY,
+    KEY_CHAIN_COLUMNS,
     KEY_COLUMNS as _KEY_COLUMNS,
     REDUCE_AND_RENEW_LEASE,
     REDUCE_LEASE,
@@ -62,8 +64,10 @@ from proxy.ledger.schema import (
 )
 from proxy.ledger.sqlite.console import ConsoleOps
 from proxy.ledger.sqlite.keys import KeyOps
+from proxy.ledger.sqlite.levels import LevelOps, debit_levels, levels_balance, purses
 from proxy.ledger.sqlite.usage import record_usage
 from proxy.ledger.sqlite.writer import Durability, GroupWriter
+from proxy.ledger.usage import MAX_AMOUNT
 
 READ, HOLD, SYNC, LINGER = Durability.READ, Durability.HOLD, Durability.SYNC, Durability.LINGER
 
@@ -74,7 +78,7 @@ _DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger
 
 
 
-class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
+class SQLiteLedger(KeyOps, LevelOps, ConsoleOps, Ledger):
     def __init__(
         self,
         path: str | Path,
@@ -118,15 +122,18 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
 
     @staticmethod
     def _available(conn: sqlite3.Connection, key_id: str, now: float) -> tuple[int, int]:
-        """(balance, available) for a key; UnknownKey if missing."""
+        """(balance, available) for a key, its levels' room included; UnknownKey if missing."""
         row = conn.execute(
             "SELECT balance_micros, (SELECT COALESCE(SUM(amount_micros), 0) FROM holds"
-            " WHERE holds.key_id = keys.key_id AND expires_at > ?) FROM keys WHERE key_id = ?",
+            f" WHERE holds.key_id = keys.key_id AND expires_at > ?), {KEY_CHAIN_COLUMNS} FROM keys WHERE key_id = ?",
             (now, key_id),
         ).fetchone()
         if row is None:
             raise UnknownKey(key_id)
-        return row[0], row[0] - row[1]
+        available = row[0] - row[1]
+        if row[3] or row[4] or row[5] or not row[2]:  # levels above it (proxy/ledger/levels.py)
+            available = chain_room(available if row[2] else None, purses(conn, row[3:6], now))[0]
+        return row[0], available
 
     @staticmethod
     def _get_key(conn: sqlite3.Connection, key_id: str) -> KeyRecord | None:
@@ -144,7 +151,12 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             row = conn.execute(
                 f"SELECT secret_sha256, {_KEY_COLUMNS} FROM keys WHERE secret_sha256 = ?", (digest,)
             ).fetchone()
-            return presented_key(digest, row)
+            found = presented_key(digest, row)
+            if found is None:  # a rotated key's previous secret, during its grace (and after: told why)
+                row = conn.execute(f"SELECT prev_secret_sha256, {_KEY_COLUMNS} FROM keys"
+                                   " WHERE prev_secret_sha256 = ?", (digest,)).fetchone()
+                found = previous_key(digest, row) if row else None
+            return found
 
         return await self._run(op, READ)
 
@@ -198,7 +210,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             row = conn.execute(
                 "SELECT balance_micros, (SELECT COALESCE(SUM(amount_micros), 0) FROM holds"
                 " WHERE holds.key_id = keys.key_id AND expires_at > ?),"
-                " EXISTS (SELECT 1 FROM usage WHERE request_id = ?) FROM keys WHERE key_id = ?",
+                f" EXISTS (SELECT 1 FROM usage WHERE request_id = ?), {KEY_CHAIN_COLUMNS} FROM keys WHERE key_id = ?",
                 (now, request_id, key_id),
             ).fetchone()
             if row is None:
@@ -206,6 +218,8 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             if row[2]:
                 raise DuplicateRequest(request_id)
             available = row[0] - row[1]
+            if row[4] or row[5] or row[6] or not row[3]:  # every level above the key must admit it
+                available = chain_room(available if row[3] else None, purses(conn, row[4:7], now))[0]
             if available < low:
                 raise InsufficientBalance(max(available, 0), low)
             amount = min(available, high)
@@ -232,16 +246,19 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
         endpoint = None if usage.endpoint is None else str(usage.endpoint)
 
         def op(conn: sqlite3.Connection) -> int | None:
-            settled, balance, held = conn.execute(
+            settled, held, balance, own, *levels = conn.execute(
                 "SELECT EXISTS (SELECT 1 FROM usage WHERE request_id = ?),"
-                " (SELECT balance_micros FROM keys WHERE key_id = ?),"
-                " (SELECT amount_micros FROM holds WHERE request_id = ?)",
-                (request_id, key_id, request_id),
-            ).fetchone()
+                " (SELECT amount_micros FROM holds WHERE request_id = ?),"
+                f" balance_micros, {KEY_CHAIN_COLUMNS} FROM keys WHERE key_id = ?",
+                (request_id, request_id, key_id),
+            ).fetchone() or (False, None, None, 1, None, None, None)
             if settled:
                 return None
             if balance is None:
                 raise UnknownKey(key_id)
+            chained = not own or levels != [None, None, None]
+            if chained:  # the smallest balance on the way bounds the debit (never a budget)
+                balance = min(balance if own else MAX_AMOUNT, levels_balance(conn, levels))
             debit = commit_rules.settle_debit(cost, balance, held)
             try:
                 # The exactly-once guarantee: UNIQUE(request_id), in this same transaction.
@@ -255,8 +272,10 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
                 if conn.execute("SELECT 1 FROM usage WHERE request_id = ?", (request_id,)).fetchone():
                     return None
                 raise
-            if debit:
+            if debit and own:
                 conn.execute(DEBIT_KEY, (debit, key_id))
+            if chained:
+                debit_levels(conn, levels, debit, time.time())
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
             roll_up(conn, [((request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served,
                              endpoint),
@@ -294,14 +313,18 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             row = conn.execute(
                 "SELECT balance_micros, (SELECT COALESCE(SUM(amount_micros), 0) FROM holds"
                 " WHERE holds.key_id = keys.key_id AND expires_at > ? AND request_id != ?),"
-                " (SELECT amount_micros FROM holds WHERE request_id = ? AND expires_at > ?)"
-                " FROM keys WHERE key_id = ?",
+                " (SELECT amount_micros FROM holds WHERE request_id = ? AND expires_at > ?),"
+                f" {KEY_CHAIN_COLUMNS} FROM keys WHERE key_id = ?",
                 (now, lease_id, lease_id, now, key_id),
             ).fetchone()
             if row is None:
                 raise UnknownKey(key_id)
             own = row[2]
-            grant = commit_rules.lease_grant(row[0] - row[1] - (own or 0), low, high, share)
+            available = row[0] - row[1] - (own or 0)
+            if row[4] or row[5] or row[6] or not row[3]:  # the levels' room (this lease counted as held, as above)
+                available = chain_room(available if row[3] else None,
+                                       purses(conn, row[4:7], now))[0]
+            grant = commit_rules.lease_grant(available, low, high, share)
             if own is None:  # absent, or expired (then it counts for nothing: start afresh)
                 if not grant:
                     conn.execute("DELETE FROM holds WHERE request_id = ?", (lease_id,))
@@ -342,7 +365,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
             now = time.time()
             results, debits, taken = record_usage(conn, rows, lease_ids)
             roll_up(conn, [(row, debit) for row, debit in zip(rows, results) if type(debit) is int])
-            for key_id, debit in debits.items():
+            for key_id, debit in debits.items():  # keys with a purse of their own (record_usage)
                 if debit:
                     conn.execute(DEBIT_KEY, (debit, key_id))
             lapsed: set[str] = set()
@@ -411,7 +434,7 @@ class SQLiteLedger(KeyOps, ConsoleOps, Ledger):
                     "SELECT k.key_id, k.balance_micros,"
                     " (SELECT COALESCE(SUM(micros), 0) FROM topups t WHERE t.key_id = k.key_id)"
                     " - (SELECT COALESCE(SUM(debited_micros), 0) FROM usage u WHERE u.key_id = k.key_id)"
-                    " FROM keys k ORDER BY k.key_id"
+                    " FROM keys k WHERE k.own_balance ORDER BY k.key_id"
                 )
             )
 

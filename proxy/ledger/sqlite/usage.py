@@ -8,12 +8,16 @@ thread (proxy/ledger/sqlite/ledger.py lease_commit).
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections import defaultdict
 from typing import Any, cast
 
 from proxy.ledger.commit_rules import COST, DEBITED, plan_batch, settle_debit
+from proxy.ledger.schema import KEY_CHAIN_COLUMNS
+from proxy.ledger.sqlite.levels import debit_levels, levels_balance
+from proxy.ledger.usage import MAX_AMOUNT
 
-_KEY_BALANCE = "SELECT balance_micros FROM keys WHERE key_id = ?"
+_KEY_BALANCE = f"SELECT balance_micros, {KEY_CHAIN_COLUMNS} FROM keys WHERE key_id = ?"
 _INSERT_USAGE = (
     "INSERT OR IGNORE INTO usage (request_id, key_id, model, input_tokens, cached_tokens,"
     " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at, worker, served_model,"
@@ -31,13 +35,19 @@ def record_usage(
     key; per lease id of an inserted row, its debits). `rows` are checked_rows'; which go in
     and whether a debit clamps is commit_rules.plan_batch's rule, shared with PostgreSQL."""
     balances: dict[str, int | None] = {}
+    chains: dict[str, tuple] = {}  # keys with levels above them (or no purse of their own)
     for row in rows:
         if type(row) is tuple and row[1] not in balances:
             found = conn.execute(_KEY_BALANCE, (row[1],)).fetchone()
             balances[row[1]] = found[0] if found else None
+            if found and (not found[1] or found[2:] != (None, None, None)):
+                chains[row[1]] = (bool(found[1]), found[2:])
     results, todo, clamps = plan_batch(rows, balances)
     debits: dict[str, int] = defaultdict(int)
     taken: dict[str, int] = defaultdict(int)
+    if chains:
+        _record_chained(conn, rows, lease_ids, todo, balances, chains, results, debits, taken)
+        return results, debits, taken
     if not clamps:
         # No clamping, whichever rows turn out to be recorded already: every debit is
         # its cost, which the rows already say. One executemany for all of them.
@@ -79,3 +89,29 @@ def _insert_unclamped(conn: sqlite3.Connection, rows: list, todo: list[int]) -> 
             fresh.discard(request_id)  # twice in this batch: only the first was inserted
             done.append(i)
     return done
+
+
+def _record_chained(conn: sqlite3.Connection, rows: list, lease_ids: list[str], todo: list[int],
+                    balances: dict[str, int | None], chains: dict[str, tuple], results: list,
+                    debits: dict[str, int], taken: dict[str, int]) -> None:
+    """A batch with keys under levels (proxy/ledger/levels.py): one row at a time, each debit
+    clamped at the smallest balance on its way (the key's own when it has one, each level's as
+    it is now, after the rows before it) and taken off its levels at once; `debits` keeps the
+    keys' own purses' only (the caller takes those off the keys)."""
+    now = time.time()
+    for i in todo:
+        row = rows[i]
+        key_id = row[1]
+        own, levels = chains.get(key_id, (True, (None, None, None)))
+        balance = cast(int, balances[key_id]) if own else MAX_AMOUNT
+        if levels != (None, None, None):
+            balance = min(balance, levels_balance(conn, levels))
+        debit = settle_debit(row[COST], balance, None)
+        if not conn.execute(_INSERT_USAGE, (*row[:DEBITED], debit, *row[DEBITED + 1:])).rowcount:
+            continue  # recorded already: None
+        if own:
+            balances[key_id] = cast(int, balances[key_id]) - debit
+            debits[key_id] += debit
+        debit_levels(conn, levels, debit, now)
+        results[i] = debit
+        taken[lease_ids[i]] += debit
