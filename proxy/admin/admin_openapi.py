@@ -128,6 +128,8 @@ def _level_paths() -> dict[str, Any]:
     for kind, noun in (("org", "organisation"), ("team", "team"), ("user", "user")):
         create = {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
             **_LEVEL_FIELDS, "parent_id": {"type": ["string", "null"], "description": "a team's org, a user's team"},
+            "level_id": {"type": "string", "pattern": f"^{kind}_[a-z0-9_-]{{1,48}}$",
+                         "description": "its id (none: one is made), e.g. for admin.keys[].teams"},
             "balance_micros": {"type": ["integer", "null"], "minimum": 0}, "balance_usd": _USD_OR_NULL}}
         out[f"/api/{kind}s"] = {
             "get": {"operationId": f"list{kind.title()}s", "summary": f"Every {noun} (parent_id: under one)",

@@ -22,8 +22,9 @@ from proxy.ledger.service import iso, micros_of_usd
 
 # Dollars a person types, each for its micros field (not both).
 LEVEL_USD_FIELDS = {"balance_usd": "balance_micros", "budget_usd": "budget_micros"}
-CREATE_LEVEL_FIELDS = (*LEVEL_FIELDS, *LEVEL_USD_FIELDS)
-UPDATE_LEVEL_FIELDS = tuple(f for f in CREATE_LEVEL_FIELDS if f not in ("parent_id", "balance_micros", "balance_usd"))
+CREATE_LEVEL_FIELDS = ("level_id", *LEVEL_FIELDS, *LEVEL_USD_FIELDS)
+UPDATE_LEVEL_FIELDS = tuple(f for f in CREATE_LEVEL_FIELDS
+                            if f not in ("level_id", "parent_id", "balance_micros", "balance_usd"))
 # What a team admin may change of a user in their team (never money, never where it sits).
 TEAM_ADMIN_FIELDS = ("name", "budget_micros", "budget_usd", "budget_period", "budget_reset", "allowed_models",
                      "concurrency", "rate_per_min", "tokens_per_min", "blocked", "tags", "metadata")

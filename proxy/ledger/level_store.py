@@ -8,11 +8,12 @@ caches levels beside keys (middlewares/auth.py) and drops both on a change.
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Callable
 from typing import Any
 
 from proxy.ledger.base import UnknownKey
-from proxy.ledger.levels import KINDS, LevelRecord, check_parent, key_chain, level_columns
+from proxy.ledger.levels import KINDS, LevelRecord, check_parent, key_chain, level_columns, new_level_id
 from proxy.ledger.schema import as_int
 from proxy.ledger.usage import MAX_AMOUNT
 
@@ -36,13 +37,21 @@ class LevelStore(abc.ABC):
         """A new level of `kind` with the given fields (LEVEL_FIELDS); ValueError naming a bad one."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}")
+        fields = dict(fields)
+        level_id = fields.pop("level_id", None)
+        if level_id is None:
+            level_id = new_level_id(kind)
+        elif not isinstance(level_id, str) or not re.fullmatch(rf"{kind}_[a-z0-9_-]{{1,48}}", level_id):
+            raise ValueError(f"level_id must be '{kind}_' and 1 to 48 of a-z 0-9 _ - (none: one is made)")
+        elif await self.get_level(level_id) is not None:
+            raise ValueError(f"level_id {level_id!r} is taken")
         columns = level_columns(fields, creating=True)
         parent_id = fields.get("parent_id")
         parent = await self.get_level(parent_id) if isinstance(parent_id, str) else None
         if parent_id is not None and not isinstance(parent_id, str):
             raise ValueError("parent_id must be a level id")
         check_parent(kind, parent, parent_id)
-        return await self._write_new_level(kind, parent_id, columns)
+        return await self._write_new_level(level_id, kind, parent_id, columns)
 
     async def update_level(self, level_id: str, fields: dict[str, Any]) -> LevelRecord:
         columns = level_columns(fields, creating=False)
@@ -103,7 +112,8 @@ class LevelStore(abc.ABC):
         return columns
 
     @abc.abstractmethod
-    async def _write_new_level(self, kind: str, parent_id: str | None, columns: dict[str, Any]) -> LevelRecord:
+    async def _write_new_level(self, level_id: str, kind: str, parent_id: str | None,
+                               columns: dict[str, Any]) -> LevelRecord:
         """Insert the level (and its first top-up for a balance); the record."""
 
     @abc.abstractmethod

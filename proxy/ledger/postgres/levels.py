@@ -23,7 +23,6 @@ from proxy.ledger.levels import (
     debit_changes,
     kind_of,
     level_record_of,
-    new_level_id,
     spent_now,
 )
 from proxy.ledger.postgres.listen import CHANNEL
@@ -115,9 +114,8 @@ class PgLevelOps:
             transaction=False)
         return [level_record_of(r) for r in rows]
 
-    async def _write_new_level(self, kind: str, parent_id: str | None, columns: dict[str, Any]) -> LevelRecord:
-        level_id = new_level_id(kind)
-
+    async def _write_new_level(self, level_id: str, kind: str, parent_id: str | None,
+                               columns: dict[str, Any]) -> LevelRecord:
         async def op(conn: Any) -> LevelRecord:
             now = time.time()
             names = ["level_id", "kind", "parent_id", "created_at", *columns]

@@ -20,7 +20,6 @@ from proxy.ledger.levels import (
     debit_changes,
     kind_of,
     level_record_of,
-    new_level_id,
     spent_now,
 )
 from proxy.ledger.sqlite.writer import Durability
@@ -112,9 +111,8 @@ class LevelOps:
 
         return await self._run(op, READ)
 
-    async def _write_new_level(self, kind: str, parent_id: str | None, columns: dict[str, Any]) -> LevelRecord:
-        level_id = new_level_id(kind)
-
+    async def _write_new_level(self, level_id: str, kind: str, parent_id: str | None,
+                               columns: dict[str, Any]) -> LevelRecord:
         def op(conn: sqlite3.Connection) -> LevelRecord:
             now = time.time()
             names = ["level_id", "kind", "parent_id", "created_at", *columns]
