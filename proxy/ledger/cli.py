@@ -49,6 +49,8 @@ from typing import Any
 
 from proxy.config import settings as config_settings
 from proxy.ledger import UNSET, ConsoleReads, KeyRecord, LedgerError, open_ledger, resolve_path
+from proxy.ledger.level_cli import add_level_commands, run_level_command
+from proxy.ledger.level_service import LevelService
 from proxy.ledger.postgres.spool import PgSpoolOps
 from proxy.ledger.service import (
     USAGE_FIELDS,
@@ -177,6 +179,8 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
                             help="in dollars, e.g. 25")
     create.add_argument("--expires", type=_expiry, default=None, metavar="WHEN",
                         help="Unix seconds, ISO 8601, or from now: 30d, 12h, 2w")
+    create.add_argument("--team", default=None, metavar="TEAM_ID", help="under a team (no balance: the team pays)")
+    create.add_argument("--user", default=None, metavar="USER_ID", help="under a user (their team follows)")
 
     sub.add_parser("list", parents=[json_flag], help="list keys (never the secrets)")
 
@@ -204,6 +208,8 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
 
     rotate = sub.add_parser("rotate", parents=[json_flag], help="a new secret for a key (printed once)")
     rotate.add_argument("key_id")
+    rotate.add_argument("--grace", default=None, metavar="30m|12h|SECONDS",
+                        help="the old secret keeps working this long (default: it stops at once)")
 
     audit = sub.add_parser("audit", parents=[json_flag], help="the audit log of key changes")
     audit.add_argument("--key", dest="key", default=None, metavar="KEY_ID")
@@ -224,6 +230,10 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     usage.add_argument("--until", type=_when, default=None, metavar="T")
     usage.add_argument("--group-by", dest="group_by", default=None, metavar="key,model,worker,day|hour")
     usage.add_argument("--format", dest="format", choices=("table", "json", "csv"), default=None)
+    for name, what in (("block", "refuse a key (403) until it is unblocked"), ("unblock", "take a blocked key back"),
+                       ("delete", "revoke a key for good and leave it out of the list (its usage stays)")):
+        sub.add_parser(name, parents=[json_flag], help=what).add_argument("key_id")
+    add_level_commands(subparsers, json_flag)
     return keys
 
 
@@ -317,7 +327,7 @@ def _locate(args: argparse.Namespace, config: Any) -> Any:
         path = str(Path(path).resolve())
     print(f"ledger: {path}", file=sys.stderr, flush=True)
     if path != ":memory:" and not Path(path).exists():
-        if args.keys_command != "create":
+        if "create" not in (getattr(args, "keys_command", None), getattr(args, "level_command", None)):
             raise LedgerError(f"no ledger at {path} (config: {_where(args, config)}); {_HOW}")
         if getattr(config, "path", None) is None and not getattr(args, "db", None) and not Path(path).parent.is_dir():
             raise LedgerError(f"no ledger at {path} and no directory {Path(path).parent} to make one in "
@@ -349,7 +359,12 @@ def _print_secret(secret: str, record: KeyRecord, as_json: bool, out: Any) -> No
         return
     print(f"key_id:  {record.key_id}", file=out)
     print(f"secret:  {secret}", file=out)
-    print(f"balance: {_money(record.balance_micros)} ({record.balance_micros} micros)", file=out)
+    if record.own_balance:
+        print(f"balance: {_money(record.balance_micros)} ({record.balance_micros} micros)", file=out)
+    else:
+        print(f"balance: the purse of {record.user_id or record.team_id}'s levels", file=out)
+    if record.grace_until is not None:
+        print(f"the previous secret works until {iso(record.grace_until)}", file=out)
     print("The secret is shown once and is not stored; keep it now.", file=out)
 
 
@@ -396,9 +411,17 @@ async def _command(service: KeyService, args: argparse.Namespace, out: Any) -> N
     as_json = getattr(args, "json", False)
     if cmd == "create":
         balance = args.balance_usd if args.balance_usd is not None else args.balance
-        secret, record = await service.create({"name": args.name, "balance_micros": balance,
-                                               **_limits_of(args, None)})
+        place = {name: value for name, value in (("team_id", args.team), ("user_id", args.user)) if value}
+        money = {"balance_micros": balance} if balance or not place else {}  # under a level: its purse pays
+        secret, record = await service.create({"name": args.name, **money, **place, **_limits_of(args, None)})
         _print_secret(secret, record, as_json, out)
+    elif cmd in ("block", "unblock"):
+        record = await service.set_blocked(args.key_id, cmd == "block")
+        print(json.dumps(_key_dict(record)) if as_json else f"{args.key_id}: {cmd}ed", file=out)
+    elif cmd == "delete":
+        await service.delete(args.key_id)
+        print(json.dumps({"key_id": args.key_id, "deleted": True}) if as_json else f"{args.key_id}: deleted",
+              file=out)
     elif cmd == "list":
         records = await service.list()
         if as_json:
@@ -428,7 +451,7 @@ async def _command(service: KeyService, args: argparse.Namespace, out: Any) -> N
         print(json.dumps({"key_id": args.key_id, "revoked": True}) if as_json else f"{args.key_id}: revoked",
               file=out)
     elif cmd == "rotate":
-        secret, record = await service.rotate(args.key_id)
+        secret, record = await service.rotate(args.key_id, args.grace)
         _print_secret(secret, record, as_json, out)
     elif cmd == "usage":
         await _usage(service.ledger, args, out)
@@ -484,12 +507,15 @@ async def _spool(args: argparse.Namespace, config: Any, out: Any) -> int:
 
 
 async def _run(args: argparse.Namespace, config: Any, out: Any) -> int:
-    if args.keys_command == "spool":
+    if getattr(args, "keys_command", None) == "spool":
         return await _spool(args, config, out)
     ledger = open_ledger(_locate(args, config), base_dir=_base_dir(args, config))
     await ledger.start()
     try:
-        await _command(KeyService(ledger, _actor()), args, out)
+        if getattr(args, "level_kind", None):
+            await run_level_command(LevelService(ledger, _actor()), args, out)
+        else:
+            await _command(KeyService(ledger, _actor()), args, out)
         return 0
     finally:
         await ledger.close()

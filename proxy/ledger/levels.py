@@ -126,12 +126,14 @@ def check_period(value: Any) -> str | None:
 
 
 def check_reset(value: Any) -> str:
-    """The clock budgets reset on: a UTC offset "+HH:MM" / "-HH:MM" (None: UTC)."""
+    """The clock budgets reset on: a UTC offset "+HH:MM" / "-HH:MM", also written "UTC-08:00" (None: UTC)."""
     if value is None:
         return "+00:00"
+    if isinstance(value, str) and value.upper().startswith("UTC"):  # "UTC-08:00": no leading '-' for a shell's flags
+        value = value[3:] or "+00:00"
     match = _OFFSET.fullmatch(value) if isinstance(value, str) else None
     if match is None or int(match[2]) > 14 or int(match[3]) > 59:
-        raise ValueError(f"budget_reset must be a UTC offset such as '+00:00' or '-08:00', not {value!r}")
+        raise ValueError(f"budget_reset must be a UTC offset such as '+00:00' or 'UTC-08:00', not {value!r}")
     return value
 
 
