@@ -257,7 +257,7 @@ class KeyService:
         if isinstance(balance, bool) or not isinstance(balance, int) or not 0 <= balance <= MAX_AMOUNT:
             raise ValueError("balance_micros must be a non-negative integer")
         limits = parse_limits(data)
-        placement = await self.ledger.placement(data.get("team_id"), data.get("user_id"))
+        placement: dict[str, Any] = dict(await self.ledger.placement(data.get("team_id"), data.get("user_id")))
         under = placement["team_id"] or placement["user_id"]
         if not self.scope.everything:
             if placement["team_id"] not in (self.scope.teams or ()):

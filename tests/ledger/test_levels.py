@@ -10,8 +10,7 @@ import itertools
 from datetime import UTC, datetime
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from proxy.ledger import InsufficientBalance, UsageRecord
 from proxy.ledger.levels import Purse, chain_balance, chain_room, debit_changes, level_room, period_bounds

@@ -246,17 +246,18 @@ class SQLiteLedger(KeyOps, LevelOps, ConsoleOps, Ledger):
         endpoint = None if usage.endpoint is None else str(usage.endpoint)
 
         def op(conn: sqlite3.Connection) -> int | None:
-            settled, held, balance, own, *levels = conn.execute(
+            settled, held, balance, own, *chain = conn.execute(
                 "SELECT EXISTS (SELECT 1 FROM usage WHERE request_id = ?),"
                 " (SELECT amount_micros FROM holds WHERE request_id = ?),"
                 f" balance_micros, {KEY_CHAIN_COLUMNS} FROM keys WHERE key_id = ?",
                 (request_id, request_id, key_id),
             ).fetchone() or (False, None, None, 1, None, None, None)
+            levels = tuple(chain)
             if settled:
                 return None
             if balance is None:
                 raise UnknownKey(key_id)
-            chained = not own or levels != [None, None, None]
+            chained = not own or levels != (None, None, None)
             if chained:  # the smallest balance on the way bounds the debit (never a budget)
                 balance = min(balance if own else MAX_AMOUNT, levels_balance(conn, levels))
             debit = commit_rules.settle_debit(cost, balance, held)
