@@ -28,7 +28,7 @@ from aiohttp import web
 
 from proxy import state
 from proxy.admin.auth import ADMIN, ADMIN_SESSION, is_client_key
-from proxy.admin.routes import body_of, guarded, json_response, ledger_of
+from proxy.admin.routes import body_of, guarded, json_response, ledger_of, scope_of, service
 from proxy.errors import APIError
 from proxy.ledger.service import iso, totals_dict, usage_dict
 from proxy.runtime.refusals import REFUSALS
@@ -122,7 +122,9 @@ async def session_info(request: web.Request) -> web.Response:
     auth = request.app[ADMIN]
     name = request[state.ADMIN_ACTOR].partition(":")[2]
     role = auth.role_of(session) if session is not None else auth.role(name)
-    return json_response({"name": name, "role": role, "via": session.via if session is not None else "key",
+    teams = sorted(auth.scope_of(name, role, session).teams or ())
+    return json_response({"name": name, "role": role, "teams": teams,
+                          "via": session.via if session is not None else "key",
                           "csrf_token": auth.csrf_token(session) if session is not None else None,
                           "expires_at": session.expires_at if session is not None else None})
 
@@ -165,15 +167,24 @@ async def overview(request: web.Request) -> web.Response:
     until = time.time()
     since = until - span
     window: dict[str, Any] = {"since": since}
+    scope = scope_of(request)
+    if not scope.everything:  # a team admin's figures are their team's (proxy/ledger/scope.py)
+        teams = sorted(scope.teams or ())
+        team = request.query.get("team_id") or (teams[0] if teams else "team_")
+        if team not in teams:
+            raise APIError(404, f"No team with id {team[:64]!r}.", code="team_not_found", param="team_id")
+        window["key_id"] = team  # the ledger's filters take a level where a key goes
     by_key_time = await guarded(ledger.usage_totals((bucket, "key"), **window))
     by_model_time = await guarded(ledger.usage_totals((bucket, "model"), **window))
     by_key = await guarded(ledger.usage_totals(("key",), **window))
     by_worker = await guarded(ledger.usage_totals(("worker",), **window))
     total = await guarded(ledger.usage_totals((), **window))
-    errors = await guarded(ledger.usage_rows(since=since, statuses=_ERROR_STATUSES, limit=20))
+    errors = await guarded(ledger.usage_rows(statuses=_ERROR_STATUSES, limit=20, **window))
     refusal_log = request.config_dict.get(REFUSALS)
     refused = await refusal_log.recent(since) if refusal_log is not None else []
-    names = {k.key_id: k.name for k in await guarded(ledger.list_keys())}
+    names = {k.key_id: k.name for k in await guarded(service(request).list())}
+    if not scope.everything:
+        refused = [r for r in refused if r.get("key_id") in names]
     top = sorted((totals_dict(t) for t in by_key), key=lambda r: (-r["cost_micros"], r["key"]))[:10]
     for row in top:
         row["name"] = names.get(row["key"], "")

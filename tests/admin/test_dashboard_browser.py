@@ -270,7 +270,7 @@ async def test_the_login_page_shows_only_the_form_and_no_view_overflows_a_phone(
             await page.click("#login-button")
             await page.wait_for_selector("body[data-loaded]")
             assert await page.is_visible("#controls")
-            for view in ("spend", "tokens", "workers", "keys", "errors"):
+            for view in ("spend", "tokens", "workers", "keys", "errors", "requests", "manage", "teams"):
                 button = page.locator(f"nav button[data-view={view}]")
                 if await button.count():
                     await button.click()
@@ -390,5 +390,97 @@ async def test_the_request_browser_view_shows_the_ledgers_rows_for_its_filters(m
             chat = [r.request_id for r in rows if r.endpoint == "/v1/chat/completions"]
             assert [c[1] for c in await _cells(page, "requests-table")] == chat and len(chat) == 1
             await page.screenshot(path=str(ARTEFACTS / "dashboard-requests-1300.png"), full_page=True)
+        finally:
+            await browser.close()
+
+
+LEAD_KEY = "adm-browser-lead-0123456789"
+
+
+async def test_a_team_made_in_the_console_pays_for_a_key_made_there_and_its_lead_sees_only_it(make_proxy, tmp_path):
+    """The Teams view: the owner makes an organisation's team with a purse and a budget, then a
+    key under it in Manage keys; the CLI's `teams list` and `keys list` see both; the team's
+    lead (a team_admin) sees their team only, no control that moves money, and makes a user.
+    Screenshots at desktop and phone widths, nothing wider than the screen."""
+    import json
+    import subprocess
+    import sys
+
+    proxy = await make_proxy({"admin": {"keys": [
+        {"name": "ops", "key": ADMIN_KEY},
+        {"name": "lead", "key": LEAD_KEY, "role": "team_admin", "teams": ["team_console"]}]},
+        "auth": {"demo_key": True}})
+    await proxy.ledger.create_level("org", {"level_id": "org_acme", "name": "Acme", "balance_micros": 10**9})
+    await proxy.ledger.create_level("team", {"level_id": "team_other", "name": "other", "parent_id": "org_acme"})
+    db = str(tmp_path / "ledger.db")
+
+    def cli(*args: str) -> list[dict]:
+        out = subprocess.run([sys.executable, "-m", "proxy", args[0], "--db", db, *args[1:], "--json"],
+                             capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    async def log_in(page, key: str) -> None:
+        await page.goto(proxy.url + "/admin")
+        await page.fill("#admin-key", key)
+        await page.click("#login-button")
+        await page.wait_for_selector("body[data-loaded]")
+
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                           args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = await browser.new_page(viewport={"width": 1300, "height": 900})
+            page.on("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+            await log_in(page, ADMIN_KEY)
+            await page.click("nav button[data-view=teams]")
+            await page.wait_for_selector("body[data-teams-loaded]")
+            await page.fill("#team-name", "console team")
+            await page.fill("#team-id", "team_console")
+            await page.select_option("#team-org", "org_acme")
+            await page.fill("#team-balance", "40")
+            await page.fill("#team-budget", "25")
+            await page.select_option("#team-period", "weekly")
+            await page.click("#team-create")
+            await playwright_api.expect(page.locator("#teams-message")).to_contain_text("Created console team")
+            (team,) = [t for t in cli("teams", "list") if t["level_id"] == "team_console"]
+            assert (team["parent_id"], team["balance_micros"], team["budget_micros"], team["budget_period"]) == (
+                "org_acme", 40_000_000, 25_000_000, "weekly")
+            await page.click("nav button[data-view=manage]")
+            await page.wait_for_selector("body[data-keys-loaded]")
+            await page.fill("#new-name", "team-key")
+            await page.select_option("#new-team", "team_console")
+            await page.click("#create-button")
+            await playwright_api.expect(page.locator("#manage-message")).to_contain_text("Created team-key")
+            secret = await page.text_content("#secret")
+            (made,) = [k for k in cli("keys", "list") if k["name"] == "team-key"]
+            assert made["team_id"] == "team_console" and made["own_balance"] is False
+            await proxy.openai(api_key=secret).responses.create(model="tiny-org/tiny-model", input="hi",
+                                                               max_output_tokens=8)
+            await page.click("nav button[data-view=teams]")
+            await page.wait_for_selector("body[data-teams-loaded]")
+            row = await page.locator("tr[data-level-id=team_console]").text_content()
+            assert "$40.00" not in row  # the request's debit came off the team's purse
+            await page.screenshot(path=str(ARTEFACTS / "dashboard-teams-1300.png"), full_page=True)
+
+            lead = await browser.new_page(viewport={"width": 420, "height": 900})
+            await log_in(lead, LEAD_KEY)
+            await lead.click("nav button[data-view=teams]")
+            await lead.wait_for_selector("body[data-teams-loaded]")
+            assert [r[0] for r in await _cells(lead, "teams-table")] == ["team_console"]
+            assert await lead.is_hidden("#team-form") and await lead.locator("td.actions:visible").count() == 0
+            assert await lead.is_visible("#user-form")
+            await lead.fill("#user-name", "ann")
+            await lead.click("#user-create")
+            await playwright_api.expect(lead.locator("#teams-message")).to_contain_text("Created ann")
+            assert [u["parent_id"] for u in cli("users", "list")] == ["team_console"]
+            await lead.click("nav button[data-view=manage]")
+            await lead.wait_for_selector("body[data-keys-loaded]")
+            assert [r[0] for r in await _cells(lead, "manage-table")] == [made["key_id"]]
+            assert await lead.is_hidden("#new-balance")
+            for view in ("teams", "manage"):
+                await lead.click(f"nav button[data-view={view}]")
+                assert await lead.evaluate("document.documentElement.scrollWidth") <= 420, view
+                await lead.screenshot(path=str(ARTEFACTS / f"dashboard-{view}-team-admin-420.png"), full_page=True)
         finally:
             await browser.close()

@@ -42,8 +42,10 @@
     state.csrf = session.body.csrf_token;
     $("who").textContent = session.body.role + ": " + session.body.name;
     state.role = session.body.role;
-    // A viewer is shown no writing control (the server refuses its writes all the same).
-    document.querySelectorAll(".writes").forEach((el) => { el.hidden = state.role !== "admin"; });
+    // A viewer is shown no writing control, a team admin none that moves money (the server
+    // refuses those writes all the same).
+    document.querySelectorAll(".writes").forEach((el) => { el.hidden = !canWrite(); });
+    document.querySelectorAll(".money").forEach((el) => { el.hidden = state.role !== "admin"; });
     show(true);
     await load();
   }
@@ -206,25 +208,30 @@
     return (result.body && result.body.error && result.body.error.message) || ("HTTP " + result.status);
   }
 
+  function canWrite() { return state.role === "admin" || state.role === "team_admin"; }
+
   function showSecret(secret) {
     $("secret").textContent = secret;
     $("secret-box").hidden = false;
   }
 
+  const DONE = { rotate: "new secret made", revoke: "revoked", block: "blocked", unblock: "unblocked",
+                 "delete": "deleted" };
+
   async function keyAction(key, action, body) {
-    const result = await api("/api/keys/" + encodeURIComponent(key.key_id) + "/" + action, {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body || {}) });
+    const path = "/api/keys/" + encodeURIComponent(key.key_id) + (action === "delete" ? "" : "/" + action);
+    const result = await api(path, { method: action === "delete" ? "DELETE" : "POST",
+      headers: { "Content-Type": "application/json" }, body: JSON.stringify(body || {}) });
     if (result.status !== 200) { say(key.name + ": " + failure(result), true); return; }
     if (action === "rotate") showSecret(result.body.secret);
-    say(key.name + ": " + (action === "topup" ? "balance " + money(result.body.balance_micros)
-                                                  : action === "rotate" ? "new secret made" : "revoked"), false);
+    say(key.name + ": " + (action === "topup" ? "balance " + money(result.body.balance_micros) : DONE[action]), false);
     await loadKeys();
   }
 
   function actions(key) {
     const td = document.createElement("td");
     td.className = "writes actions";
-    td.hidden = state.role !== "admin";
+    td.hidden = !canWrite();
     if (key.revoked) return td;
     const amount = document.createElement("input");
     amount.placeholder = "$";
@@ -238,10 +245,19 @@
       b.addEventListener("click", handler);
       td.appendChild(b);
     };
-    td.appendChild(amount);
-    button("Top up", () => keyAction(key, "topup", { usd: amount.value.trim() }));
-    button("Rotate", () => { if (confirm("A new secret for " + key.name + "? The old one stops working.")) keyAction(key, "rotate"); });
+    if (state.role === "admin" && key.own_balance) {
+      td.appendChild(amount);
+      button("Top up", () => keyAction(key, "topup", { usd: amount.value.trim() }));
+    }
+    const grace = document.createElement("select");
+    grace.setAttribute("aria-label", "how long the old secret of " + key.name + " keeps working");
+    [["0", "old secret stops now"], ["1h", "old works 1 hour"], ["24h", "old works 1 day"], ["7d", "old works 7 days"]]
+      .forEach(([value, label]) => { const o = document.createElement("option"); o.value = value; o.textContent = label; grace.appendChild(o); });
+    td.appendChild(grace);
+    button("Rotate", () => { if (confirm("A new secret for " + key.name + "?")) keyAction(key, "rotate", grace.value === "0" ? {} : { grace: grace.value }); });
+    button(key.blocked ? "Unblock" : "Block", () => keyAction(key, key.blocked ? "unblock" : "block"));
     button("Revoke", () => { if (confirm("Revoke " + key.name + "? It cannot be undone.")) keyAction(key, "revoke"); });
+    button("Delete", () => { if (confirm("Delete " + key.name + "? It is revoked and leaves this list; its usage stays.")) keyAction(key, "delete"); });
     return td;
   }
 
@@ -253,10 +269,12 @@
     result.body.data.forEach((k) => {
       const tr = document.createElement("tr");
       tr.dataset.keyId = k.key_id;
-      [[k.key_id, "text"], [k.name, "text"], [money(k.balance_micros)],
+      [[k.key_id, "text"], [k.name, "text"], [k.user_id || k.team_id || "-", "text"],
+       [k.own_balance ? money(k.balance_micros) : "the team's"],
        [k.allowed_models ? k.allowed_models.join(", ") : "every model", "text"],
        [money(k.daily_budget_micros) + " / " + money(k.monthly_budget_micros)],
-       [k.expires || "never", "text"], [k.revoked ? "revoked" : (k.expired ? "expired" : "active"), "text"],
+       [k.expires || "never", "text"],
+       [k.revoked ? "revoked" : (k.expired ? "expired" : (k.blocked ? "blocked" : "active")), "text"],
       ].forEach(([value, cls]) => tr.appendChild(cell(value, cls)));
       tr.appendChild(actions(k));
       body.appendChild(tr);
@@ -270,6 +288,8 @@
     const optional = [["new-balance", "balance_usd"], ["new-daily", "daily_budget_usd"],
                       ["new-monthly", "monthly_budget_usd"], ["new-expires", "expires_at"]];
     optional.forEach(([id, field]) => { const v = $(id).value.trim(); if (v) data[field] = v; });
+    if ($("new-user").value) data.user_id = $("new-user").value;
+    else if ($("new-team").value) data.team_id = $("new-team").value;
     const models = $("new-models").value.split(",").map((m) => m.trim()).filter(Boolean);
     if (models.length) data.allowed_models = models;
     const result = await api("/api/keys", { method: "POST", headers: { "Content-Type": "application/json" },
@@ -286,7 +306,8 @@
 
   async function loadRequests(more) {
     const params = new URLSearchParams({ limit: "50" });
-    [["req-key", "key_id"], ["req-model", "model"], ["req-endpoint", "endpoint"], ["req-status", "status"]]
+    [["req-key", "key_id"], ["req-team", "team_id"], ["req-model", "model"], ["req-endpoint", "endpoint"],
+     ["req-status", "status"]]
       .forEach(([id, name]) => { const v = $(id).value.trim(); if (v) params.set(name, v); });
     if (more && state.requestsCursor) params.set("cursor", String(state.requestsCursor));
     const result = await api("/api/requests?" + params.toString());
@@ -296,7 +317,7 @@
     result.body.data.forEach((r) => {
       const tr = document.createElement("tr");
       [[r.created, "text"], [r.request_id, "text"], [r.key_name ? r.key_name + " (" + r.key_id + ")" : r.key_id, "text"],
-       [r.served_model || r.model, "text"], [r.endpoint, "text"], [r.worker || "-", "text"],
+       [r.team_id || "-", "text"], [r.served_model || r.model, "text"], [r.endpoint, "text"], [r.worker || "-", "text"],
        [int(r.input_tokens)], [int(r.output_tokens)], [money(r.cost_micros)], [r.status, "text"],
       ].forEach(([value, cls]) => tr.appendChild(cell(value, cls)));
       body.appendChild(tr);
@@ -306,18 +327,111 @@
     document.body.dataset.requestsLoaded = String(Date.now());
   }
 
+  // ------------------------------------------------------------------ teams and users
+
+  function options(selectId, levels, none) {
+    const select = $(selectId);
+    const kept = select.value;
+    select.replaceChildren();
+    if (none) { const o = document.createElement("option"); o.value = ""; o.textContent = none; select.appendChild(o); }
+    levels.forEach((lv) => { const o = document.createElement("option"); o.value = lv.level_id; o.textContent = lv.name + " (" + lv.level_id + ")"; select.appendChild(o); });
+    if ([...select.options].some((o) => o.value === kept)) select.value = kept;  // else the first stays chosen
+  }
+
+  function budget(lv) { return lv.budget_micros === null ? "none" : money(lv.budget_micros) + " / " + lv.budget_period; }
+
+  async function levelAction(kind, lv, body, path, method) {
+    const result = await api("/api/" + kind + "s/" + encodeURIComponent(lv.level_id) + (path || ""), {
+      method: method || "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+    $("teams-message").textContent = lv.name + ": " + (result.status === 200 ? "done" : failure(result));
+    $("teams-message").style.color = result.status === 200 ? "var(--ok)" : "var(--bad)";
+    await loadTeams();
+  }
+
+  function teamActions(team) {
+    const td = document.createElement("td");
+    td.className = "writes money actions";
+    td.hidden = state.role !== "admin";
+    const amount = document.createElement("input");
+    amount.placeholder = "$";
+    amount.size = 6;
+    amount.setAttribute("aria-label", "amount in dollars for " + team.name);
+    td.appendChild(amount);
+    [["Top up", () => levelAction("team", team, { usd: amount.value.trim() }, "/topup")],
+     ["Set budget", () => levelAction("team", team, { budget_usd: amount.value.trim() || null,
+                                                      budget_period: team.budget_period || "monthly" }, "", "PATCH")],
+     [team.blocked ? "Unblock" : "Block", () => levelAction("team", team, { blocked: !team.blocked }, "", "PATCH")],
+    ].forEach(([label, handler]) => {
+      const b = document.createElement("button");
+      b.type = "button"; b.textContent = label; b.dataset.action = label.toLowerCase().replace(" ", "-");
+      b.addEventListener("click", handler); td.appendChild(b);
+    });
+    return td;
+  }
+
+  async function loadTeams() {
+    const [orgs, teams, users] = await Promise.all(["orgs", "teams", "users"].map((k) => api("/api/" + k)));
+    if (teams.status !== 200) return;
+    state.teams = teams.body.data;
+    options("team-org", orgs.status === 200 ? orgs.body.data : [], "none");
+    options("user-team", state.teams, null);
+    options("new-team", state.teams, state.role === "admin" ? "none" : null);  // a team admin's keys are their team's
+    options("new-user", users.status === 200 ? users.body.data : [], "none");
+    const tbody = $("teams-table").querySelector("tbody");
+    tbody.replaceChildren();
+    state.teams.forEach((t) => {
+      const tr = document.createElement("tr");
+      tr.dataset.levelId = t.level_id;
+      [[t.level_id, "text"], [t.name, "text"], [t.parent_id || "-", "text"],
+       [t.balance_micros === null ? "none" : money(t.balance_micros)], [budget(t), "text"],
+       [money(t.spent_this_period_micros)], [t.period_end || "-", "text"], [t.blocked ? "blocked" : "active", "text"],
+      ].forEach(([value, cls]) => tr.appendChild(cell(value, cls)));
+      tr.appendChild(teamActions(t));
+      tbody.appendChild(tr);
+    });
+    const ubody = $("users-table").querySelector("tbody");
+    ubody.replaceChildren();
+    (users.status === 200 ? users.body.data : []).forEach((u) => {
+      const tr = document.createElement("tr");
+      [[u.level_id, "text"], [u.name, "text"], [u.parent_id || "-", "text"], [budget(u), "text"],
+       [money(u.spent_this_period_micros)], [u.period_end || "-", "text"],
+      ].forEach(([value, cls]) => tr.appendChild(cell(value, cls)));
+      ubody.appendChild(tr);
+    });
+    document.body.dataset.teamsLoaded = String(Date.now());
+  }
+
+  async function createLevel(event, kind, fields) {
+    event.preventDefault();
+    const data = {};
+    fields.forEach(([id, field]) => { const v = $(id).value.trim(); if (v) data[field] = v; });
+    if (data.budget_usd === undefined) delete data.budget_period;
+    const result = await api("/api/" + kind + "s", { method: "POST", headers: { "Content-Type": "application/json" },
+                                                     body: JSON.stringify(data) });
+    $("teams-message").textContent = result.status === 201 ? "Created " + result.body[kind].name + " (" + result.body[kind].level_id + ")" : failure(result);
+    $("teams-message").style.color = result.status === 201 ? "var(--ok)" : "var(--bad)";
+    if (result.status === 201) event.target.reset();
+    await loadTeams();
+  }
+
   function select(view) {
     state.view = view;
     document.querySelectorAll("#nav button").forEach((b) => b.classList.toggle("active", b.dataset.view === view));
     document.querySelectorAll(".view").forEach((v) => { v.hidden = v.id !== "view-" + view; });
     Object.values(state.charts).forEach((c) => c.resize());
-    if (view === "manage") loadKeys();
+    if (view === "manage") { loadTeams(); loadKeys(); }
+    if (view === "teams") loadTeams();
     if (view === "requests") loadRequests(false);
   }
 
   document.addEventListener("DOMContentLoaded", () => {
     $("login-form").addEventListener("submit", login);
     $("create-form").addEventListener("submit", createKey);
+    $("team-form").addEventListener("submit", (e) => createLevel(e, "team", [
+      ["team-name", "name"], ["team-id", "level_id"], ["team-org", "parent_id"], ["team-balance", "balance_usd"],
+      ["team-budget", "budget_usd"], ["team-period", "budget_period"]]));
+    $("user-form").addEventListener("submit", (e) => createLevel(e, "user", [
+      ["user-name", "name"], ["user-team", "parent_id"], ["user-budget", "budget_usd"], ["user-period", "budget_period"]]));
     $("requests-form").addEventListener("submit", (e) => { e.preventDefault(); loadRequests(false); });
     $("req-older").addEventListener("click", () => loadRequests(true));
     $("logout").addEventListener("click", logout);
