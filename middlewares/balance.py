@@ -159,6 +159,18 @@ def _budget_refusal(room: int, least: int) -> str:
             f"smallest hold ({least} micro-units: its input and one output token); {resets}.")
 
 
+def _whose_room(ctx: RequestContext, exc: InsufficientBalance) -> str:
+    """" (the team ml's balance or budget this period)" when a level above the key was the
+    bound (proxy/ledger/levels.py), else nothing: the key's holder learns which purse ran out."""
+    level = next((lv for lv in ctx.levels if lv.level_id == exc.level), None) if exc.level else None
+    if level is None:
+        return ""
+    what = " and ".join(part for part, there in (("balance", level.balance_micros is not None),
+                                                 (f"{level.budget_period} budget", level.budget_micros is not None))
+                        if there)
+    return f" (the {level.kind} {level.name[:64]!r}'s {what or 'room'}, shared by its keys)"
+
+
 def _insufficient(message: str) -> APIError:
     return APIError(402, message, code="insufficient_quota", type="insufficient_quota")
 
@@ -291,10 +303,11 @@ class _Billing:
             else:
                 return (*_fit_cap(ctx, capped, price, found, counted, wanted), counted)
             est = counted
+        whose = _whose_room(ctx, exc)
         if exc.available_micros < cost_micros(price, est, 0, 0):
-            raise _insufficient("The available balance does not cover the input of this request. "
+            raise _insufficient(f"The available balance{whose} does not cover the input of this request. "
                                 "Top up the key or send a shorter input.") from None
-        raise _insufficient("The available balance does not cover any output for this request.") from None
+        raise _insufficient(f"The available balance{whose} does not cover any output for this request.") from None
 
     def counter(self) -> TokenCounter:
         return TokenCounter(self.app.get(state.SESSION), self.app.get(state.POOL))

@@ -283,6 +283,7 @@ class InsufficientBalance(LedgerError):
         super().__init__(message)
         self.available_micros = available_micros
         self.requested_micros = requested_micros
+        self.level: str | None = None  # the level above the key whose room was the smallest (levels.py)
 
 STATIC_PREFIX = "static:"  # key_id of a static key (auth.static_keys in config.yaml): "static:<name>"
 

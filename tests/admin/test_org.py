@@ -198,3 +198,16 @@ async def test_the_request_browser_lists_exactly_the_ledgers_rows_of_a_team(org_
     assert [row["request_id"] for row in lead] == truth  # a team admin's default: their team
     assert {row["team_id"] for row in listed} == {"team_ml"}
     assert {t["team"]: t["debited_micros"] for t in totals} == by_team
+
+
+async def test_a_spent_team_budget_is_a_402_that_names_the_team(org_proxy):
+    url = org_proxy.url
+    async with aiohttp.ClientSession() as s:
+        await _org(s, url)
+        await _json(await s.patch(url + "/admin/api/teams/team_ml", headers=_h(), json={"budget_micros": 3}), 200)
+        created = await _key(s, url, team_id="team_ml")
+        r = await s.post(url + "/v1/responses", headers={"Authorization": f"Bearer {created['secret']}"},
+                         json={"model": "tiny-org/tiny-model", "input": "hello", "max_output_tokens": 8})
+        body = await r.json()
+        assert r.status == 402, body
+        assert "team 'ml'" in body["error"]["message"] and "daily budget" in body["error"]["message"]

@@ -393,8 +393,10 @@ class PostgresLedger(PgKeyOps, PgLevelOps, PgConsoleOps, PgSpoolOps, PgFaults, L
             raise
         if outcome == "held":
             return Hold(request_id, key_id, amount, now + ttl)
-        if outcome == "insufficient":
-            raise InsufficientBalance(amount, low)
+        if outcome.startswith("insufficient"):
+            refused = InsufficientBalance(amount, low)
+            refused.level = outcome.partition(":")[2] or None  # a level's room was the smallest
+            raise refused
         if outcome == "unknown_key":
             raise UnknownKey(key_id)
         raise DuplicateRequest(request_id)
@@ -418,9 +420,9 @@ class PostgresLedger(PgKeyOps, PgLevelOps, PgConsoleOps, PgSpoolOps, PgFaults, L
             " EXISTS (SELECT 1 FROM usage WHERE request_id = $3)", key_id, now, request_id)
         if settled:
             return "duplicate", None
-        room, _ = chain_room(row[0] - held if own else None, await purses(conn, locked, levels, now))
+        room, binding = chain_room(row[0] - held if own else None, await purses(conn, locked, levels, now))
         if room < low:
-            return "insufficient", max(room, 0)
+            return f"insufficient:{binding or ''}", max(room, 0)
         amount = min(room, high)
         status = await conn.execute("INSERT INTO holds (request_id, key_id, amount_micros, expires_at)"
                                     " VALUES ($1, $2, $3, $4) ON CONFLICT (request_id) DO NOTHING",

@@ -217,11 +217,13 @@ class SQLiteLedger(KeyOps, LevelOps, ConsoleOps, Ledger):
                 raise UnknownKey(key_id)
             if row[2]:
                 raise DuplicateRequest(request_id)
-            available = row[0] - row[1]
+            available, binding = row[0] - row[1], None
             if row[4] or row[5] or row[6] or not row[3]:  # every level above the key must admit it
-                available = chain_room(available if row[3] else None, purses(conn, row[4:7], now))[0]
+                available, binding = chain_room(available if row[3] else None, purses(conn, row[4:7], now))
             if available < low:
-                raise InsufficientBalance(max(available, 0), low)
+                refused = InsufficientBalance(max(available, 0), low)
+                refused.level = binding
+                raise refused
             amount = min(available, high)
             expires_at = now + ttl
             try:
