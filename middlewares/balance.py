@@ -75,6 +75,7 @@ its usage row committed (fsync'd) within lease_commit_ms after the answer ended.
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -353,7 +354,8 @@ class _Billing:
             request_id=hold.request_id, key_id=hold.key_id, model=t.model,
             input_tokens=billed.input_tokens, cached_tokens=billed.cached_tokens, output_tokens=billed.output_tokens,
             reasoning_tokens=billed.reasoning_tokens, cost_micros=billed.cost_micros, status=status,
-            worker=report.upstream, served_model=t.upstream_model, endpoint=ctx.path,
+            worker=report.upstream, served_model=t.upstream_model, endpoint=ctx.path, transport=ctx.transport,
+            latency_ms=round((time.perf_counter() - ctx.started_at) * 1000, 1),
         )
 
     def finish(self, ctx: RequestContext, leases: Leases, hold: Hold, t: Any, price: Price, est: int,

@@ -79,10 +79,11 @@ def envelope(phases: Phases):
 
     @web.middleware
     async def envelope_and_access_log(request: web.Request, handler) -> web.StreamResponse:
-        ctx = request[CONTEXT] = RequestContext(new_request_id(), request.method, request.path, endpoint=handler)
+        started = time.perf_counter()
+        ctx = request[CONTEXT] = RequestContext(new_request_id(), request.method, request.path, endpoint=handler,
+                                                transport=transport_of(request), started_at=started)
         turn = request.get(TURN)
         ctx.unit = unit_for(request.method, request.path) if turn is None else turn.unit
-        started = time.perf_counter()
         status = 500
         error_code: str | None = None
         ended: str | None = None  # how the answer ended, when the envelope decided it (else ctx.report's)

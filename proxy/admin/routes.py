@@ -284,7 +284,8 @@ async def requests_browser(request: web.Request) -> web.Response:
         key = keys.get(record.key_id)
         data.append({**usage_dict(record), "endpoint": record.endpoint or "/v1/responses",
                      "key_name": key.name if key else None, "team_id": key.team_id if key else None,
-                     "user_id": key.user_id if key else None})
+                     "user_id": key.user_id if key else None, "transport": record.transport,
+                     "latency_ms": record.latency_ms})
     return json_response({"object": "list", "data": data, "next_cursor": cursor})
 
 

@@ -159,6 +159,10 @@ class UsageRecord:
     # The API path the request came in on (/v1/responses, /v1/chat/completions, /v1/messages, ...);
     # None: rows from before it was kept (all of them Responses).
     endpoint: str | None = None
+    # What carried it (http | websocket) and how long it took, from its arrival to its settlement
+    # (the end of its answer), in ms; None: rows from before they were kept.
+    transport: str | None = None
+    latency_ms: float | None = None
 
     @property
     def grouped_model(self) -> str:

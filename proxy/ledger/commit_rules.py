@@ -7,7 +7,7 @@ the backends hold the SQL.
 A usage row, in the INSERT order of both backends (sqlite/usage.py _INSERT_USAGE, postgres/usage.py
 USAGE_COLUMNS; rollup.py reads the same positions): request_id, key_id, model, input_tokens,
 cached_tokens, output_tokens, reasoning_tokens, cost_micros, debited_micros, status,
-created_at, worker, served_model, endpoint.
+created_at, worker, served_model, endpoint, transport, latency_ms.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def usage_row(usage: UsageRecord, request_id: str | None = None) -> tuple:
             usage.output_tokens, usage.reasoning_tokens, cost, cost, usage.status, float(usage.created_at),
             None if usage.worker is None else str(usage.worker),
             None if usage.served_model is None else str(usage.served_model),
-            None if usage.endpoint is None else str(usage.endpoint))
+            None if usage.endpoint is None else str(usage.endpoint),
+            None if usage.transport is None else str(usage.transport),
+            None if usage.latency_ms is None else float(usage.latency_ms))
 
 
 def checked_rows(usages: list[tuple[str, UsageRecord]]) -> list[tuple | ValueError]:

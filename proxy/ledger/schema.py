@@ -55,7 +55,9 @@ CREATE TABLE IF NOT EXISTS usage (
     created_at       REAL NOT NULL,
     worker           TEXT,
     served_model     TEXT,            -- what resolve_model chose; NULL: rows from before it was kept
-    endpoint         TEXT             -- the API path (/v1/chat/completions, ...); NULL: rows from before it was kept
+    endpoint         TEXT,            -- the API path (/v1/chat/completions, ...); NULL: rows from before it was kept
+    transport        TEXT,            -- http | websocket; NULL: rows from before it was kept
+    latency_ms       REAL             -- arrival to settlement; NULL: rows from before it was kept
 );
 CREATE INDEX IF NOT EXISTS usage_by_key ON usage(key_id, seq);
 CREATE TRIGGER IF NOT EXISTS usage_no_update BEFORE UPDATE ON usage
@@ -132,6 +134,8 @@ _ADDED_COLUMNS = (
     ("keys", "prev_secret_sha256", "BLOB"),
     ("keys", "prev_secret_until", "REAL"),
     ("keys", "deleted", "INTEGER NOT NULL DEFAULT 0"),
+    ("usage", "transport", "TEXT"),
+    ("usage", "latency_ms", "REAL"),
 )
 
 # The time-range reads of the console and of budgets: by time over all keys, by key then

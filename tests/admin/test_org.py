@@ -197,6 +197,7 @@ async def test_the_request_browser_lists_exactly_the_ledgers_rows_of_a_team(org_
     assert [row["request_id"] for row in listed] == truth
     assert [row["request_id"] for row in lead] == truth  # a team admin's default: their team
     assert {row["team_id"] for row in listed} == {"team_ml"}
+    assert all(row["transport"] == "http" and 0 < row["latency_ms"] < 60_000 for row in listed)
     assert {t["team"]: t["debited_micros"] for t in totals} == by_team
 
 

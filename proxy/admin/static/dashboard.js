@@ -317,8 +317,10 @@
     result.body.data.forEach((r) => {
       const tr = document.createElement("tr");
       [[r.created, "text"], [r.request_id, "text"], [r.key_name ? r.key_name + " (" + r.key_id + ")" : r.key_id, "text"],
-       [r.team_id || "-", "text"], [r.served_model || r.model, "text"], [r.endpoint, "text"], [r.worker || "-", "text"],
+       [r.team_id || "-", "text"], [r.served_model || r.model, "text"], [r.endpoint, "text"],
+       [r.transport || "-", "text"], [r.worker || "-", "text"],
        [int(r.input_tokens)], [int(r.output_tokens)], [money(r.cost_micros)], [r.status, "text"],
+       [r.latency_ms === null || r.latency_ms === undefined ? "-" : String(r.latency_ms)],
       ].forEach(([value, cls]) => tr.appendChild(cell(value, cls)));
       body.appendChild(tr);
     });

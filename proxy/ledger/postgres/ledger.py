@@ -449,8 +449,8 @@ class PostgresLedger(PgKeyOps, PgLevelOps, PgConsoleOps, PgSpoolOps, PgFaults, L
                 balance = min(balance, levels_balance(locked, chain[1]))
             debit = commit_rules.settle_debit(usage.cost_micros, balance, held)
             status = await conn.execute(
-                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
-                " $13, $14) ON CONFLICT (request_id) DO NOTHING", *row[:8], debit, *row[9:])
+                f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ({', '.join(f'${i + 1}' for i in range(len(row)))})"
+                " ON CONFLICT (request_id) DO NOTHING", *row[:8], debit, *row[9:])
             if status.endswith(" 0"):
                 return None
             if debit and own:

@@ -245,6 +245,8 @@ CREATE INDEX keys_by_org ON keys(org_id) WHERE org_id IS NOT NULL;
 CREATE INDEX keys_by_team ON keys(team_id) WHERE team_id IS NOT NULL;
 CREATE INDEX keys_by_user ON keys(user_id) WHERE user_id IS NOT NULL;
 CREATE INDEX keys_by_prev_secret ON keys(prev_secret_sha256) WHERE prev_secret_sha256 IS NOT NULL;
+-- The request browser's transport and latency of each row (NULL: rows from before they were kept).
+ALTER TABLE usage ADD COLUMN transport TEXT, ADD COLUMN latency_ms DOUBLE PRECISION;
 -- A key under levels is held by the proxy's own transaction (proxy/ledger/postgres/levels.py):
 -- this function says so ('levels') before it changes anything.
 CREATE OR REPLACE FUNCTION ledger_hold(p_request_id TEXT, p_key_id TEXT, p_low BIGINT, p_high BIGINT,

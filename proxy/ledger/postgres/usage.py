@@ -20,12 +20,13 @@ from proxy.ledger.schema import KEY_CHAIN_COLUMNS
 from proxy.ledger.usage import MAX_AMOUNT
 
 USAGE_COLUMNS = ("request_id, key_id, model, input_tokens, cached_tokens, output_tokens, reasoning_tokens,"
-                 " cost_micros, debited_micros, status, created_at, worker, served_model, endpoint")
+                 " cost_micros, debited_micros, status, created_at, worker, served_model, endpoint, transport,"
+                 " latency_ms")
 _COST, _DEBITED = COST, DEBITED  # positions in a usage row (proxy/ledger/commit_rules.py)
 _TYPES = ("text", "text", "text", "bigint", "bigint", "bigint", "bigint", "bigint", "bigint", "text",
-          "float8", "text", "text", "text")
-_INSERT_ONE = (f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
-               " $13, $14) ON CONFLICT (request_id) DO NOTHING")
+          "float8", "text", "text", "text", "text", "float8")
+_INSERT_ONE = (f"INSERT INTO usage ({USAGE_COLUMNS}) VALUES ({', '.join(f'${i + 1}' for i in range(len(_TYPES)))})"
+               " ON CONFLICT (request_id) DO NOTHING")
 # The whole batch in one statement: one array per column; RETURNING says which rows were new.
 _INSERT_MANY = (f"INSERT INTO usage ({USAGE_COLUMNS}) SELECT * FROM unnest("
                 + ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(_TYPES))

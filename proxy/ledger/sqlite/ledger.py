@@ -246,6 +246,8 @@ class SQLiteLedger(KeyOps, LevelOps, ConsoleOps, Ledger):
         worker = None if usage.worker is None else str(usage.worker)
         served = usage.served_model
         endpoint = None if usage.endpoint is None else str(usage.endpoint)
+        carried = None if usage.transport is None else str(usage.transport)
+        latency = None if usage.latency_ms is None else float(usage.latency_ms)
 
         def op(conn: sqlite3.Connection) -> int | None:
             settled, held, balance, own, *chain = conn.execute(
@@ -268,8 +270,9 @@ class SQLiteLedger(KeyOps, LevelOps, ConsoleOps, Ledger):
                 conn.execute(
                     "INSERT INTO usage (request_id, key_id, model, input_tokens, cached_tokens, output_tokens,"
                     " reasoning_tokens, cost_micros, debited_micros, status, created_at, worker, served_model,"
-                    " endpoint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served, endpoint),
+                    " endpoint, transport, latency_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served, endpoint,
+                     carried, latency),
                 )
             except sqlite3.IntegrityError:
                 if conn.execute("SELECT 1 FROM usage WHERE request_id = ?", (request_id,)).fetchone():
@@ -281,7 +284,7 @@ class SQLiteLedger(KeyOps, LevelOps, ConsoleOps, Ledger):
                 debit_levels(conn, levels, debit, time.time())
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
             roll_up(conn, [((request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served,
-                             endpoint),
+                             endpoint, carried, latency),
                             debit)])
             return debit
 

@@ -21,7 +21,7 @@ _KEY_BALANCE = f"SELECT balance_micros, {KEY_CHAIN_COLUMNS} FROM keys WHERE key_
 _INSERT_USAGE = (
     "INSERT OR IGNORE INTO usage (request_id, key_id, model, input_tokens, cached_tokens,"
     " output_tokens, reasoning_tokens, cost_micros, debited_micros, status, created_at, worker, served_model,"
-    " endpoint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " endpoint, transport, latency_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _NEWEST_USAGE = "SELECT request_id FROM usage ORDER BY seq DESC LIMIT ?"
 
