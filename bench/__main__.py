@@ -205,7 +205,17 @@ async def _create_key(db: str | dict) -> str:
     ledger = open_ledger({"path": db} if isinstance(db, str) else db)
     await ledger.start()
     try:
-        secret, _ = await ledger.create_key("bench", balance_micros=10**15, limits=KeyLimits(concurrency=100_000))
+        if os.environ.get("BENCH_KEY_LEVELS"):  # the key under an organisation, a team and a user (issue 39)
+            org = await ledger.create_level("org", {"name": "bench-org", "balance_micros": 10**15})
+            team = await ledger.create_level("team", {"name": "bench-team", "parent_id": org.level_id,
+                                                      "budget_micros": 10**14, "budget_period": "daily",
+                                                      "rate_per_min": 10**9})
+            user = await ledger.create_level("user", {"name": "bench-user", "parent_id": team.level_id})
+            place = {**await ledger.placement(None, user.level_id), "own_balance": False}
+            secret, _ = await ledger.create_key("bench", 0, limits=KeyLimits(concurrency=100_000), placement=place)
+        else:
+            secret, _ = await ledger.create_key("bench", balance_micros=10**15,
+                                                limits=KeyLimits(concurrency=100_000))
     finally:
         await ledger.close()
     return secret
