@@ -178,6 +178,7 @@ async def overview(request: web.Request) -> web.Response:
     by_model_time = await guarded(ledger.usage_totals((bucket, "model"), **window))
     by_key = await guarded(ledger.usage_totals(("key",), **window))
     by_worker = await guarded(ledger.usage_totals(("worker",), **window))
+    by_endpoint = await guarded(ledger.usage_totals(("endpoint",), **window))
     total = await guarded(ledger.usage_totals((), **window))
     errors = await guarded(ledger.usage_rows(statuses=_ERROR_STATUSES, limit=20, **window))
     refusal_log = request.config_dict.get(REFUSALS)
@@ -198,6 +199,7 @@ async def overview(request: web.Request) -> web.Response:
                    "by_model": [totals_dict(t) for t in by_model_time]},
         "key_names": names,
         "workers": _workers(request, {str(t.group["worker"]): totals_dict(t) for t in by_worker}),
+        "endpoints": [totals_dict(t) for t in by_endpoint],
         "top_keys": top,
         "recent_errors": failed,
         "errors": _error_rows(refused, failed),

@@ -183,7 +183,7 @@ def page_limit(limit: int) -> int:
 
 
 # The dimensions usage_totals groups by. "day" and "hour" are UTC buckets (their start, Unix time).
-USAGE_GROUPS = ("key", "model", "worker", "day", "hour", "team", "user", "org")
+USAGE_GROUPS = ("key", "model", "worker", "day", "hour", "team", "user", "org", "endpoint")
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     usage.add_argument("--model", default=None, metavar="MODEL", help="one served model")
     usage.add_argument("--since", type=_when, default=None, metavar="T")
     usage.add_argument("--until", type=_when, default=None, metavar="T")
-    usage.add_argument("--group-by", dest="group_by", default=None, metavar="key,model,worker,day|hour")
+    usage.add_argument("--group-by", dest="group_by", default=None, metavar="key,model,worker,endpoint,team,day|hour")
     usage.add_argument("--format", dest="format", choices=("table", "json", "csv"), default=None)
     for name, what in (("block", "refuse a key (403) until it is unblocked"), ("unblock", "take a blocked key back"),
                        ("delete", "revoke a key for good and leave it out of the list (its usage stays)")):

@@ -76,12 +76,17 @@ def sums_sql(count: str, cast: str = "") -> str:
     return ", ".join([count, *(f"COALESCE(SUM({column}), 0){cast}" for column in SUMMED)])
 
 
+# A row from before the endpoint was kept was a Responses request (UsageRecord.endpoint).
+ENDPOINT_SQL = "COALESCE(endpoint, '/v1/responses')"
 # A key's levels (proxy/ledger/levels.py) are on its row and never change: a row's team is its
 # key's. Grouped by one, the rows are read joined to their keys (_totals_sql).
 LEVEL_GROUP_SQL = dict(KEY_COLUMN)
-GROUP_SQL = {"key": "key_id", "model": SERVED_MODEL_SQL, "worker": "worker", **LEVEL_GROUP_SQL}
+GROUP_SQL = {"key": "key_id", "model": SERVED_MODEL_SQL, "worker": "worker", **LEVEL_GROUP_SQL,
+             "endpoint": ENDPOINT_SQL}
+# The hourly sums keep no endpoint: grouped by it, totals read the rows (ROWS_ONLY).
 ROLLUP_GROUP_SQL = {"key": "key_id", "model": "model", "worker": "NULLIF(worker, '')", "hour": "hour",
-                    **LEVEL_GROUP_SQL}
+                    **LEVEL_GROUP_SQL, "endpoint": "NULL"}
+ROWS_ONLY = frozenset({"endpoint"})
 
 
 def _whose(key_id: str | None) -> tuple[str, str | None]:
@@ -95,8 +100,6 @@ def _whose(key_id: str | None) -> tuple[str, str | None]:
 Filters = list[tuple[str, Any]]  # (an SQL expression and its comparison, the value): the backend adds its placeholder
 
 
-# A row from before the endpoint was kept was a Responses request (UsageRecord.endpoint).
-ENDPOINT_SQL = "COALESCE(endpoint, '/v1/responses')"
 
 
 def usage_filters(since: float | None, until: float | None, key_id: str | None, model: str | None,
@@ -141,10 +144,10 @@ def split_hours(since: float | None, until: float | None) -> tuple[list[Rows], H
     return raw, (lo, hi)
 
 
-def split_totals(since: float | None, until: float | None,
-                 statuses: tuple[str, ...] | None) -> tuple[list[Rows], Hours | None]:
-    """split_hours, except that a status filter reads every row of the range (no sums)."""
-    return ([(since, until)], None) if statuses else split_hours(since, until)
+def split_totals(since: float | None, until: float | None, rows_only: object) -> tuple[list[Rows], Hours | None]:
+    """split_hours, except that a status filter, or a group the sums do not keep (endpoint),
+    reads every row of the range (no sums): `rows_only` is truthy then."""
+    return ([(since, until)], None) if rows_only else split_hours(since, until)
 
 
 # A backend's WHERE builder: (filters, statuses or None) -> (" WHERE ..." or "", its parameters),
@@ -207,7 +210,7 @@ def totals_queries(dialect: TotalsDialect, group_by: tuple[str, ...], since: flo
     hours come from the hourly sums; the ragged ends of the range, and any status filter (the
     sums do not keep statuses), from the rows."""
     check_group_by(group_by)
-    raw, whole = split_totals(since, until, statuses)
+    raw, whole = split_totals(since, until, statuses or ROWS_ONLY.intersection(group_by))
     queries = []
     for lo, hi in raw:
         where, params = dialect.where(usage_filters(lo, hi, key_id, model), statuses)

@@ -2,7 +2,8 @@
 request's path.
 
 With a webhook configured (`alerts.webhooks`), every `alerts.check_interval_s` the process looks
-at what it already knows: a key's budget (daily, monthly) past one of `alerts.budget_thresholds`, a key's balance under
+at what it already knows: a key's (or an organisation's, a team's, a user's) budget past one of
+`alerts.budget_thresholds`, a key's (or a level's) balance under
 `alerts.balance_below_micros`, a worker ejected, a model no worker serves, the ledger in a fault
 state, its settlement spool past `alerts.spool_backlog_bytes`, the Redis limits backend
 unreachable. `AlertBook` (sans-I/O: conditions and a clock in, notices out) turns the set of
@@ -129,6 +130,37 @@ async def key_conditions(ledger: Any, section: AlertsSettings, now: float) -> li
     return found
 
 
+async def level_conditions(ledger: Any, section: AlertsSettings, now: float) -> list[Condition]:
+    """The same for organisations, teams and users (proxy/ledger/levels.py): a level's budget
+    past a threshold in its period (keyed by the period's end, so the next period arms it
+    again), a level's balance under the floor."""
+    from proxy.ledger.levels import period_bounds
+
+    found: list[Condition] = []
+    for level in await ledger.list_levels():
+        what = f"{level.kind} {level.name} ({level.level_id})"
+        if (section.balance_below_micros is not None and level.balance_micros is not None
+                and level.balance_micros < section.balance_below_micros):
+            found.append(Condition(
+                f"balance:{level.level_id}", "balance",
+                f"{what}: balance {level.balance_micros} micros, under {section.balance_below_micros}",
+                {level.kind + "_id": level.level_id, "balance_micros": level.balance_micros}))
+        if not level.budget_micros or level.budget_period is None:
+            continue
+        spent = level.spent(now)
+        crossed = [t for t in section.budget_thresholds if spent >= level.budget_micros * t]
+        if crossed:
+            threshold = max(crossed)
+            _, end = period_bounds(level.budget_period, level.budget_reset, now)
+            found.append(Condition(
+                f"budget:{level.level_id}:{level.budget_period}:{end:.0f}:{threshold:g}", "budget",
+                f"{what}: {spent / level.budget_micros:.0%} of its {level.budget_period} budget spent",
+                {level.kind + "_id": level.level_id, "period": level.budget_period, "spent_micros": spent,
+                 "budget_micros": level.budget_micros, "threshold": threshold},
+                "critical" if threshold >= 1 else "warning"))
+    return found
+
+
 def pool_conditions(pool: Any) -> list[Condition]:
     found = [Condition(f"worker_ejected:{w.name}", "worker_ejected", f"worker {w.name} is ejected",
                        {"worker": w.name}) for w in pool.workers if w.ejected]
@@ -221,6 +253,7 @@ class AlertCenter:
             conditions += ledger_conditions(ledger, self.section)
             try:
                 conditions += await key_conditions(ledger, self.section, now)
+                conditions += await level_conditions(ledger, self.section, now)
             except Exception as exc:  # a ledger away: its fault is the condition, not a crash here
                 log.info("alerts: the keys could not be read", error=f"{type(exc).__name__}: {exc}")
         conditions += limits_conditions(app.get(SHARED_COUNTER))

@@ -129,7 +129,9 @@ async def test_totals_equal_the_rows_for_random_ranges_filters_and_groupings(led
     import random
 
     rng = random.Random(1618)
-    keys = [(await ledger.create_key(f"k{i}", 10**9))[1].key_id for i in range(2)]
+    team = await ledger.create_level("team", {"name": "t"})
+    keys = [(await ledger.create_key("k0", 10**9))[1].key_id,  # the second key sits under a team
+            (await ledger.create_key("k1", 10**9, placement={"team_id": team.level_id}))[1].key_id]
     base = 1_764_547_200.0
     edges = [base + h * 3600 + d for h in range(0, 50, 7) for d in (0.0, -0.001, 0.001)]
     rows = []
@@ -139,6 +141,7 @@ async def test_totals_equal_the_rows_for_random_ranges_filters_and_groupings(led
                    worker=rng.choice(["w1", "w2", None]), cost=rng.randint(0, 900))
         u.input_tokens, u.cached_tokens = rng.randint(0, 5000), rng.randint(0, 50)
         u.output_tokens, u.reasoning_tokens = rng.randint(0, 700), rng.randint(0, 9)
+        u.endpoint = rng.choice(["/v1/responses", "/v1/chat/completions", None])  # None: a row from before
         if rng.random() < 0.6:  # an alias ("vendor7/m2") of the served model
             u.served_model, u.model = u.model, f"vendor{rng.randint(0, 40)}/{u.model}"
         if n % 3:  # a lease's batch commit, or one settle
@@ -153,7 +156,8 @@ async def test_totals_equal_the_rows_for_random_ranges_filters_and_groupings(led
         if since is not None and until is not None and until < since:
             since, until = until, since
         key_id, model = rng.choice([None, keys[0]]), rng.choice([None, None, "m2"])
-        group_by = tuple(rng.sample(["key", "model", "worker", rng.choice(["day", "hour"])], rng.randint(0, 4)))
+        group_by = tuple(rng.sample(["key", "model", "worker", "endpoint", "team", rng.choice(["day", "hour"])],
+                                    rng.randint(0, 4)))
         found = await ledger.usage_totals(group_by, since=since, until=until, key_id=key_id, model=model)
         expected: dict[tuple, list[int]] = {}
         for u in rows:
@@ -161,7 +165,9 @@ async def test_totals_equal_the_rows_for_random_ranges_filters_and_groupings(led
                     or (key_id and u.key_id != key_id) or (model and u.grouped_model != model)):
                 continue
             values = {"key": u.key_id, "model": u.grouped_model, "worker": u.worker,
-                      "day": int(u.created_at // DAY * DAY), "hour": int(u.created_at // 3600 * 3600)}
+                      "day": int(u.created_at // DAY * DAY), "hour": int(u.created_at // 3600 * 3600),
+                      "endpoint": u.endpoint or "/v1/responses",
+                      "team": team.level_id if u.key_id == keys[1] else None}
             sums = expected.setdefault(tuple(values[g] for g in group_by), [0] * 7)
             for i, v in enumerate((1, u.input_tokens, u.cached_tokens, u.output_tokens, u.reasoning_tokens,
                                    u.cost_micros, u.cost_micros)):

@@ -105,6 +105,27 @@ async def test_a_budget_crossing_is_one_signed_webhook_and_a_worker_ejected_and_
     assert alerts.sent["ops"] == len(got) and not alerts.failed
 
 
+async def test_a_teams_budget_crossing_is_one_webhook_with_the_team(make_proxy, receiver):
+    url, got, _ = receiver
+    proxy = await make_proxy({"alerts": {"webhooks": [{"name": "ops", "url": url, "secret": SECRET}],
+                                         "check_interval_s": 0.1, "reminder_s": 3600}})
+    alerts = proxy.app[ALERTS]
+    team = await proxy.ledger.create_level("team", {"name": "ml", "balance_micros": 10_000, "budget_micros": 1_000,
+                                                    "budget_period": "weekly"})
+    place = {**await proxy.ledger.placement(team.level_id, None), "own_balance": False}
+    _, record = await proxy.ledger.create_key("member", 0, placement=place)
+    await proxy.ledger.hold("req_team", record.key_id, 900, 60)
+    await proxy.ledger.settle("req_team", UsageRecord("req_team", record.key_id, "tiny-org/tiny-model", 10, 0, 5, 0,
+                                                      900, "completed"))
+    await eventually(lambda: any(json.loads(g["body"])["kind"] == "budget" for g in got), 30, what="the team's alert")
+    checks = alerts.checks
+    await eventually(lambda: alerts.checks >= checks + 5, 30, what="five more checks")
+    budget = [json.loads(g["body"]) for g in got if json.loads(g["body"])["kind"] == "budget"]
+    assert len(budget) == 1
+    assert budget[0]["details"]["team_id"] == team.level_id and budget[0]["details"]["threshold"] == 0.8
+    assert "team ml" in budget[0]["summary"] and "weekly" in budget[0]["summary"]
+
+
 async def test_a_failed_delivery_is_retried_with_backoff_and_counted_when_it_never_lands(make_proxy, receiver):
     url, got, failing = receiver
     proxy = await make_proxy({"alerts": {"webhooks": [{"name": "ops", "url": url, "format": "slack"},

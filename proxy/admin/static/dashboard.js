@@ -167,6 +167,10 @@
       [(k) => k.key, "text"], [(k) => k.name, "text"], [(k) => int(k.requests)], [(k) => int(k.input_tokens)],
       [(k) => int(k.cached_tokens)], [(k) => int(k.output_tokens)], [(k) => money(k.cost_micros)],
     ]);
+    fill("endpoints-table", d.endpoints || [], [
+      [(e) => e.endpoint, "text"], [(e) => int(e.requests)], [(e) => int(e.input_tokens)],
+      [(e) => int(e.output_tokens)], [(e) => money(e.cost_micros)],
+    ]);
     renderErrors(d);
     document.body.dataset.loaded = String(Date.now());
   }
