@@ -80,9 +80,10 @@ def envelope(phases: Phases):
     @web.middleware
     async def envelope_and_access_log(request: web.Request, handler) -> web.StreamResponse:
         started = time.perf_counter()
-        ctx = request[CONTEXT] = RequestContext(new_request_id(), request.method, request.path, endpoint=handler,
-                                                transport=transport_of(request), started_at=started)
         turn = request.get(TURN)
+        ctx = request[CONTEXT] = RequestContext(
+            new_request_id(), request.method, request.path, endpoint=handler, started_at=started,
+            transport=turn.transport if turn is not None else _carrier(request))
         ctx.unit = unit_for(request.method, request.path) if turn is None else turn.unit
         status = 500
         error_code: str | None = None
@@ -151,12 +152,10 @@ def outcome_of(status: int) -> str:
     return "error" if status >= 400 else "completed"
 
 
-def transport_of(request: web.Request) -> str:
-    """What carried the request: "websocket" for a socket's handshake and each of its turns,
-    "http" for the rest (a compaction's summary turn included: its request came over HTTP)."""
-    turn = request.get(TURN)
-    if turn is not None:
-        return turn.transport
+def _carrier(request: web.Request) -> str:
+    """What carried a request that is no socket's turn (a turn says its own): "websocket" for a
+    socket's handshake, "http" for the rest (a compaction's summary turn included: its request
+    came over HTTP)."""
     return "websocket" if request.headers.get("Upgrade", "").lower() == "websocket" else "http"
 
 
@@ -174,7 +173,7 @@ def _log_access(request: web.Request, ctx: RequestContext, status: int, error_co
     key_id = ctx.key.key_id if ctx.key is not None else None
     if error_code is None and report is not None:
         error_code = report.error
-    carrier = transport_of(request)
+    carrier = ctx.transport  # the envelope's: the turn's, else _carrier
     if is_refusal(status):
         refusals = request.config_dict.get(REFUSALS)
         if refusals is not None:

@@ -138,7 +138,7 @@ class RequestContext:
     request_id: str
     method: str  # the request's, or "POST" for a turn of another transport
     path: str  # the route: /v1/responses, /v1/responses/input_tokens, ...
-    transport: str = "http"  # what carried it: http | websocket (proxy.app.transport_of)
+    transport: str = "http"  # what carried it: http | websocket (the envelope's, proxy.app)
     started_at: float = 0.0  # time.perf_counter() at its arrival (the envelope's)
     key: KeyRecord | None = None  # auth: the caller's key (None: no auth, or not a guarded route)
     # auth: the records of the levels above the key (proxy/ledger/levels.py), top down; () for most keys

@@ -457,7 +457,7 @@ class PostgresLedger(PgKeyOps, PgLevelOps, PgConsoleOps, PgSpoolOps, PgFaults, L
                 await conn.execute("UPDATE keys SET balance_micros = balance_micros - $1 WHERE key_id = $2",
                                    debit, usage.key_id)
             if chain is not None:
-                await debit_levels(conn, locked, chain[1], debit, time.time())
+                await debit_levels(conn, locked, dict.fromkeys(chain[1], debit), time.time())
             await conn.execute("DELETE FROM holds WHERE request_id = $1", request_id)
             return debit
 

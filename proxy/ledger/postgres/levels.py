@@ -67,26 +67,23 @@ async def purses(conn: Any, locked: dict[str, tuple], levels: tuple[str, ...], n
     return out
 
 
-def levels_balance(locked: dict[str, tuple], levels: tuple[str, ...]) -> int:
+def levels_balance(locked: dict[str, tuple], levels: tuple[str, ...], pending: dict[str, int] | None = None) -> int:
+    """The smallest balance left among the levels (`pending`: debits not written yet)."""
     smallest = MAX_AMOUNT
     for level_id in levels:
         balance = locked[level_id][1]
-        if balance is not None and balance < smallest:
-            smallest = balance
+        if balance is not None:
+            smallest = min(smallest, balance - (pending.get(level_id, 0) if pending else 0))
     return smallest
 
 
-async def debit_levels(conn: Any, locked: dict[str, tuple], levels: tuple[str, ...], debit: int,
-                       now: float) -> None:
-    """Take `debit` off each level (balance, this period's spend); `locked` follows the change."""
-    if not debit:
-        return
-    for level_id in levels:
-        balance, spent, end = debit_changes(locked[level_id], debit, now)
-        await conn.execute("UPDATE levels SET balance_micros = $1, period_spent = $2, period_end = $3"
-                           " WHERE level_id = $4", balance, spent, end, level_id)
-        row = locked[level_id]
-        locked[level_id] = (row[0], balance, row[2], row[3], row[4], spent, end)
+async def debit_levels(conn: Any, locked: dict[str, tuple], debits: dict[str, int], now: float) -> None:
+    """Take each level's debits off it (balance, this period's spend), in one round trip: a
+    transaction's settles write each level once, however many rows it has."""
+    changes = [(*debit_changes(locked[level_id], debit, now), level_id) for level_id, debit in debits.items() if debit]
+    if changes:
+        await conn.executemany("UPDATE levels SET balance_micros = $1, period_spent = $2, period_end = $3"
+                               " WHERE level_id = $4", changes)
 
 
 class PgLevelOps:

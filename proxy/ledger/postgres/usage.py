@@ -42,20 +42,27 @@ class _Purses:
     def __init__(self, balances: dict[str, int], chains: dict[str, tuple[bool, tuple[str, ...]]],
                  levels: dict[str, tuple]) -> None:
         self.balances, self.chains, self.levels = balances, chains, levels
+        self.pending: dict[str, int] = defaultdict(int)  # the levels' debits, written by flush()
 
     def room(self, key_id: str) -> int:
         """The most the key's next debit may be: the smallest balance on its way."""
         own, level_ids = self.chains.get(key_id, (True, ()))
-        return min(self.balances[key_id] if own else MAX_AMOUNT, levels_balance(self.levels, level_ids))
+        return min(self.balances[key_id] if own else MAX_AMOUNT, levels_balance(self.levels, level_ids, self.pending))
 
-    async def debit(self, conn: Any, key_id: str, debit: int, debits: dict[str, int], now: float) -> None:
+    def debit(self, key_id: str, debit: int, debits: dict[str, int]) -> None:
         """Count `debit` against the key (its own purse: into `debits`, applied by the caller) and
-        take it off its levels now."""
+        its levels (written by flush)."""
         own, level_ids = self.chains.get(key_id, (True, ()))
         if own:
             self.balances[key_id] -= debit
             debits[key_id] += debit
-        await debit_levels(conn, self.levels, level_ids, debit, now)
+        for level_id in level_ids:
+            self.pending[level_id] += debit
+
+    async def flush(self, conn: Any) -> None:
+        """Write the levels' debits: each level once."""
+        if self.pending:
+            await debit_levels(conn, self.levels, self.pending, time.time())
 
 
 async def _lock_balances(conn: Any, rows: list) -> _Purses:
@@ -80,17 +87,17 @@ async def insert_usage_batch(conn: Any, rows: list[Any], lease_ids: list[str]
     results, todo, clamps = plan_batch(rows, balances)
     debits: dict[str, int] = defaultdict(int)
     taken: dict[str, int] = defaultdict(int)
-    if purses.chains:  # keys under levels: one row at a time, each level debited as it goes
-        now = time.time()
+    if purses.chains:  # keys under levels: one row at a time, each clamped at what the levels have left
         for i in todo:
             row = rows[i]
             debit = settle_debit(row[_COST], purses.room(row[1]), None)
             status = await conn.execute(_INSERT_ONE, *row[:_DEBITED], debit, *row[_DEBITED + 1:])
             if status.endswith(" 0"):
                 continue
-            await purses.debit(conn, row[1], debit, debits, now)
+            purses.debit(row[1], debit, debits)
             results[i] = debit
             taken[lease_ids[i]] += debit
+        await purses.flush(conn)
     elif todo and not clamps:
         # Nothing clamps, whichever rows turn out to be new: one statement for the batch.
         columns = [list(col) for col in zip(*(rows[i] for i in todo))]
@@ -137,7 +144,6 @@ async def settle_batch(conn: Any, rows: list[tuple]) -> list[int | BaseException
     known = {r[0] for r in await conn.fetch(_KNOWN, ids)}
     fresh: list[tuple] = []
     where: list[int] = []
-    now = time.time()
     for i, row in enumerate(rows):
         request_id, key_id = row[0], row[1]
         if key_id not in balances:
@@ -147,7 +153,7 @@ async def settle_batch(conn: Any, rows: list[tuple]) -> list[int | BaseException
             continue
         known.add(request_id)
         debit = settle_debit(row[_COST], purses.room(key_id), held.get(request_id))
-        await purses.debit(conn, key_id, debit, defaultdict(int), now)  # the keys' own: counted below
+        purses.debit(key_id, debit, defaultdict(int))  # the keys' own: counted below
         fresh.append(row[:_DEBITED] + (debit,) + row[_DEBITED + 1:])
         where.append(i)
     debits: dict[str, int] = defaultdict(int)
@@ -156,11 +162,12 @@ async def settle_batch(conn: Any, rows: list[tuple]) -> list[int | BaseException
         for i, row in zip(where, fresh):
             if row[0] in inserted:  # always, under the key locks every insert takes
                 results[i] = row[_DEBITED]
-                if purses.chains.get(row[1], (True,))[0]:  # a purse of its own (the levels: debited above)
+                if purses.chains.get(row[1], (True,))[0]:  # a purse of its own (the levels: flushed below)
                     debits[row[1]] += row[_DEBITED]
     for key_id in sorted(debits):
         if debits[key_id]:
             await conn.execute(_DEBIT_KEY, debits[key_id], key_id)
+    await purses.flush(conn)
     await conn.execute("DELETE FROM holds WHERE request_id = ANY($1::text[])",
                        [row[0] for row in rows if row[1] in balances])
     return results

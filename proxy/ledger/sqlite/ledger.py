@@ -64,7 +64,7 @@ from proxy.ledger.schema import (
 )
 from proxy.ledger.sqlite.console import ConsoleOps
 from proxy.ledger.sqlite.keys import KeyOps
-from proxy.ledger.sqlite.levels import LevelOps, debit_levels, levels_balance, purses
+from proxy.ledger.sqlite.levels import LevelDebits, LevelOps, purses
 from proxy.ledger.sqlite.usage import record_usage
 from proxy.ledger.sqlite.writer import Durability, GroupWriter
 from proxy.ledger.usage import MAX_AMOUNT
@@ -261,9 +261,9 @@ class SQLiteLedger(KeyOps, LevelOps, ConsoleOps, Ledger):
                 return None
             if balance is None:
                 raise UnknownKey(key_id)
-            chained = not own or levels != (None, None, None)
-            if chained:  # the smallest balance on the way bounds the debit (never a budget)
-                balance = min(balance if own else MAX_AMOUNT, levels_balance(conn, levels))
+            chained = LevelDebits() if not own or levels != (None, None, None) else None
+            if chained is not None:  # the smallest balance on the way bounds the debit (never a budget)
+                balance = min(balance if own else MAX_AMOUNT, chained.balance(conn, levels))
             debit = commit_rules.settle_debit(cost, balance, held)
             try:
                 # The exactly-once guarantee: UNIQUE(request_id), in this same transaction.
@@ -280,8 +280,9 @@ class SQLiteLedger(KeyOps, LevelOps, ConsoleOps, Ledger):
                 raise
             if debit and own:
                 conn.execute(DEBIT_KEY, (debit, key_id))
-            if chained:
-                debit_levels(conn, levels, debit, time.time())
+            if chained is not None:
+                chained.add(levels, debit)
+                chained.apply(conn, time.time())
             conn.execute("DELETE FROM holds WHERE request_id = ?", (request_id,))
             roll_up(conn, [((request_id, key_id, model, *counts, cost, debit, status, created_at, worker, served,
                              endpoint, carried, latency),

@@ -1,5 +1,5 @@
 """The SQLite ledger's levels (proxy/ledger/levels.py): the money of a key's levels read and
-debited inside a hold's or a settle's transaction (`purses`, `debit_levels`), and the level
+debited inside a hold's or a settle's transaction (`purses`, `LevelDebits`), and the level
 store (LevelOps, a mixin of SQLiteLedger). Every write runs on the one writer thread under
 BEGIN IMMEDIATE, so a level's check and its hold cannot interleave with another key's.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,51 +29,66 @@ from proxy.ledger.usage import MAX_AMOUNT
 READ = Durability.READ
 
 _MONEY = ("SELECT level_id, balance_micros, budget_micros, budget_period, budget_reset, period_spent, period_end"
-          " FROM levels WHERE level_id = ?")
+          " FROM levels WHERE level_id IN (?, ?, ?)")  # a key has at most three levels (NULL matches none)
 # The open holds of every key under a level, by the key column of its kind (an index each).
 _HELD = {kind: ("SELECT COALESCE(SUM(h.amount_micros), 0) FROM keys k JOIN holds h ON h.key_id = k.key_id"
                 f" WHERE k.{column} = ? AND h.expires_at > ? AND h.request_id != ?")
          for kind, column in KEY_COLUMN.items()}
+_DEBIT = "UPDATE levels SET balance_micros = ?, period_spent = ?, period_end = ? WHERE level_id = ?"
 _INSERT_TOPUP = "INSERT INTO level_topups (level_id, micros, created_at) VALUES (?, ?, ?)"
 
 
+def money_rows(conn: sqlite3.Connection, levels: tuple[str | None, ...]) -> dict[str, tuple]:
+    """The money columns of a key's levels (None entries skipped), by id: one statement."""
+    wanted = [level_id for level_id in levels if level_id is not None]
+    found = {row[0]: tuple(row) for row in conn.execute(_MONEY, (*wanted, None, None, None)[:3])}
+    if len(found) != len(set(wanted)):
+        raise LedgerError(f"levels {sorted(set(wanted) - set(found))} of a key are missing")
+    return found
+
+
 def purses(conn: sqlite3.Connection, levels: tuple[str | None, ...], now: float, exclude: str = "") -> list[Purse]:
-    """The money of each level in `levels` (None entries skipped), `exclude` (a lease being
-    grown) left out of what is held."""
+    """The money of each level in `levels`, with the open holds of the keys under it (`exclude`,
+    a hold row, left out)."""
+    rows = money_rows(conn, levels)
     out = []
-    for level_id in levels:
-        if level_id is None:
-            continue
-        row = conn.execute(_MONEY, (level_id,)).fetchone()
-        if row is None:
-            raise LedgerError(f"level {level_id!r} of a key is missing")
+    for level_id, row in rows.items():
         held = conn.execute(_HELD[kind_of(level_id) or "team"], (level_id, now, exclude)).fetchone()[0]
         out.append(Purse(level_id, row[1], row[2], spent_now(row[5], row[6], now), held))
     return out
 
 
-def debit_levels(conn: sqlite3.Connection, levels: tuple[str | None, ...], debit: int, now: float) -> None:
-    """Take `debit` off each level's balance and count it in its budget's period."""
-    if not debit:
-        return
-    for level_id in levels:
-        if level_id is None:
-            continue
-        row = conn.execute(_MONEY, (level_id,)).fetchone()
-        balance, spent, end = debit_changes(tuple(row), debit, now)
-        conn.execute("UPDATE levels SET balance_micros = ?, period_spent = ?, period_end = ? WHERE level_id = ?",
-                     (balance, spent, end, level_id))
+class LevelDebits:
+    """The debits of one transaction's settles on the levels of their keys: each level's row read
+    once, each debit clamped at what the levels have left after the ones before it (in memory),
+    and every level written once at the end (`apply`), however many rows the transaction has."""
 
+    __slots__ = ("rows", "debits")
 
-def levels_balance(conn: sqlite3.Connection, levels: tuple[str | None, ...]) -> int:
-    """The smallest balance among the levels (MAX_AMOUNT: none has one)."""
-    smallest = MAX_AMOUNT
-    for level_id in levels:
-        if level_id is not None:
-            row = conn.execute("SELECT balance_micros FROM levels WHERE level_id = ?", (level_id,)).fetchone()
-            if row is not None and row[0] is not None and row[0] < smallest:
-                smallest = row[0]
-    return smallest
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple] = {}
+        self.debits: dict[str, int] = defaultdict(int)
+
+    def balance(self, conn: sqlite3.Connection, levels: tuple[str | None, ...]) -> int:
+        """The smallest balance left among the levels (MAX_AMOUNT: none has one)."""
+        if any(level_id not in self.rows for level_id in levels if level_id is not None):
+            self.rows.update(money_rows(conn, levels))
+        smallest = MAX_AMOUNT
+        for level_id in levels:
+            if level_id is not None and self.rows[level_id][1] is not None:
+                smallest = min(smallest, self.rows[level_id][1] - self.debits[level_id])
+        return smallest
+
+    def add(self, levels: tuple[str | None, ...], debit: int) -> None:
+        for level_id in levels:
+            if level_id is not None:
+                self.debits[level_id] += debit
+
+    def apply(self, conn: sqlite3.Connection, now: float) -> None:
+        changes = [(*debit_changes(self.rows[level_id], debit, now), level_id)
+                   for level_id, debit in self.debits.items() if debit]
+        if changes:
+            conn.executemany(_DEBIT, changes)
 
 
 class LevelOps:

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from proxy.ledger.commit_rules import COST, DEBITED, plan_batch, settle_debit
 from proxy.ledger.schema import KEY_CHAIN_COLUMNS
-from proxy.ledger.sqlite.levels import debit_levels, levels_balance
+from proxy.ledger.sqlite.levels import LevelDebits
 from proxy.ledger.usage import MAX_AMOUNT
 
 _KEY_BALANCE = f"SELECT balance_micros, {KEY_CHAIN_COLUMNS} FROM keys WHERE key_id = ?"
@@ -96,22 +96,23 @@ def _record_chained(conn: sqlite3.Connection, rows: list, lease_ids: list[str], 
                     debits: dict[str, int], taken: dict[str, int]) -> None:
     """A batch with keys under levels (proxy/ledger/levels.py): one row at a time, each debit
     clamped at the smallest balance on its way (the key's own when it has one, each level's as
-    it is now, after the rows before it) and taken off its levels at once; `debits` keeps the
+    it is after the rows before it), the levels written once at the end; `debits` keeps the
     keys' own purses' only (the caller takes those off the keys)."""
-    now = time.time()
+    on_levels = LevelDebits()  # each level read once, written once
     for i in todo:
         row = rows[i]
         key_id = row[1]
         own, levels = chains.get(key_id, (True, (None, None, None)))
         balance = cast(int, balances[key_id]) if own else MAX_AMOUNT
         if levels != (None, None, None):
-            balance = min(balance, levels_balance(conn, levels))
+            balance = min(balance, on_levels.balance(conn, levels))
         debit = settle_debit(row[COST], balance, None)
         if not conn.execute(_INSERT_USAGE, (*row[:DEBITED], debit, *row[DEBITED + 1:])).rowcount:
             continue  # recorded already: None
         if own:
             balances[key_id] = cast(int, balances[key_id]) - debit
             debits[key_id] += debit
-        debit_levels(conn, levels, debit, now)
+        on_levels.add(levels, debit)
         results[i] = debit
         taken[lease_ids[i]] += debit
+    on_levels.apply(conn, time.time())
