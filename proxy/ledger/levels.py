@@ -167,6 +167,15 @@ def period_bounds(period: str, reset: str, now: float) -> tuple[float, float]:
     return float(start_s), float(start_s + length)
 
 
+def new_clock(current: tuple[str | None, str], columns: dict[str, object]) -> bool:
+    """Whether a change of a level's columns moves its budget's clock (the period or its reset):
+    then its period starts anew. The same values again (a console saving every field) do not:
+    the spend counted this period stays, or an edit would be a way round the budget."""
+    period, reset = current
+    return (("budget_period" in columns and columns["budget_period"] != period)
+            or ("budget_reset" in columns and columns["budget_reset"] != reset))
+
+
 def spent_now(period_spent: int, period_end: float | None, now: float) -> int:
     """What a level spent in the current period: its counter while the period it counts for
     lasts, else nothing (the counter is reset by the next debit)."""

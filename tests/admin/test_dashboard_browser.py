@@ -457,10 +457,26 @@ async def test_a_team_made_in_the_console_pays_for_a_key_made_there_and_its_lead
             assert made["team_id"] == "team_console" and made["own_balance"] is False
             await proxy.openai(api_key=secret).responses.create(model="tiny-org/tiny-model", input="hi",
                                                                max_output_tokens=8)
+            key_row = page.locator(f"tr[data-key-id={made['key_id']}]")
+            await key_row.locator("button[data-action=edit]").click()
+            await page.fill("#ke-rate", "120")
+            await page.fill("#ke-tags", "laptop,ann")
+            await page.click("#key-edit-save")
+            await playwright_api.expect(page.locator("#manage-message")).to_contain_text("team-key: changed")
+            (changed,) = [k for k in cli("keys", "list") if k["key_id"] == made["key_id"]]
+            assert changed["rate_per_min"] == 120 and changed["tags"] == ["ann", "laptop"]
             await page.click("nav button[data-view=teams]")
             await page.wait_for_selector("body[data-teams-loaded]")
             row = await page.locator("tr[data-level-id=team_console]").text_content()
             assert "$40.00" not in row  # the request's debit came off the team's purse
+            await page.locator("tr[data-level-id=team_console] button[data-action=edit]").click()
+            await page.fill("#le-tpm", "50000")
+            await page.fill("#le-models", "tiny-org/*")
+            await page.click("#level-edit-save")
+            await playwright_api.expect(page.locator("#teams-message")).to_contain_text("console team: done")
+            (team,) = [t for t in cli("teams", "list") if t["level_id"] == "team_console"]
+            assert team["tokens_per_min"] == 50000 and team["allowed_models"] == ["tiny-org/*"]
+            assert team["budget_micros"] == 25_000_000 and team["budget_period"] == "weekly"  # untouched
             await page.screenshot(path=str(ARTEFACTS / "dashboard-teams-1300.png"), full_page=True)
 
             lead = await browser.new_page(viewport={"width": 420, "height": 900})

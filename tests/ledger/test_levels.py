@@ -99,6 +99,19 @@ async def test_a_team_budget_bounds_holds_by_what_is_spent_and_held_this_period(
     assert team_now.spent() == 600 and team_now.period_end is not None
 
 
+async def test_saving_a_levels_fields_again_keeps_its_spend_and_a_new_clock_restarts_it(any_ledger):
+    _, team, _ = await org_team_user(any_ledger, team_budget=1_000)
+    _, key = await shared_key(any_ledger, "k", team=team)
+    await any_ledger.settle("s1", usage(key.key_id, 700, "s1"))
+    same = await any_ledger.update_level(team.level_id, {"budget_micros": 1_000, "budget_period": "daily",
+                                                         "budget_reset": "+00:00", "rate_per_min": 5})
+    assert same.spent() == 700  # an edit that keeps the clock is no way round the budget
+    with pytest.raises(InsufficientBalance):
+        await any_ledger.hold_up_to("h", key.key_id, 400, 500, 60)
+    moved = await any_ledger.update_level(team.level_id, {"budget_period": "weekly"})
+    assert moved.spent() == 0 and moved.budget_period == "weekly"
+
+
 async def test_leases_draw_on_the_levels_and_their_commits_debit_them(any_ledger):
     org, team, _ = await org_team_user(any_ledger, org_balance=5_000, team_balance=1_000)
     _, key = await shared_key(any_ledger, "busy", team=team)

@@ -259,6 +259,7 @@
       .forEach(([value, label]) => { const o = document.createElement("option"); o.value = value; o.textContent = label; grace.appendChild(o); });
     td.appendChild(grace);
     button("Rotate", () => { if (confirm("A new secret for " + key.name + "?")) keyAction(key, "rotate", grace.value === "0" ? {} : { grace: grace.value }); });
+    button("Edit", () => editKey(key));
     button(key.blocked ? "Unblock" : "Block", () => keyAction(key, key.blocked ? "unblock" : "block"));
     button("Revoke", () => { if (confirm("Revoke " + key.name + "? It cannot be undone.")) keyAction(key, "revoke"); });
     button("Delete", () => { if (confirm("Delete " + key.name + "? It is revoked and leaves this list; its usage stays.")) keyAction(key, "delete"); });
@@ -284,6 +285,70 @@
       body.appendChild(tr);
     });
     document.body.dataset.keysLoaded = String(Date.now());
+  }
+
+  // ------------------------------------------------------------------ changing a key or a level
+
+  const usdOf = (micros) => (micros === null || micros === undefined ? "" : String(micros / 1e6));
+  const listOf = (text) => { const items = text.split(",").map((m) => m.trim()).filter(Boolean); return items.length ? items : null; };
+  const numberOf = (text) => (text.trim() ? Number(text.trim()) : null);
+
+  function editKey(key) {
+    state.editing = key;
+    $("key-edit-name").textContent = key.name + " (" + key.key_id + ")";
+    $("ke-models").value = key.allowed_models ? key.allowed_models.join(",") : "";
+    $("ke-concurrency").value = key.concurrency || "";
+    $("ke-rate").value = key.rate_per_min || "";
+    $("ke-tpm").value = key.tokens_per_min || "";
+    $("ke-daily").value = usdOf(key.daily_budget_micros);
+    $("ke-monthly").value = usdOf(key.monthly_budget_micros);
+    $("ke-expires").value = key.expires || "";
+    $("ke-tags").value = (key.tags || []).join(",");
+    $("key-edit").hidden = false;
+  }
+
+  async function saveKey(event) {
+    event.preventDefault();
+    const key = state.editing;
+    const data = { allowed_models: listOf($("ke-models").value), concurrency: numberOf($("ke-concurrency").value),
+                   rate_per_min: numberOf($("ke-rate").value), tokens_per_min: numberOf($("ke-tpm").value),
+                   daily_budget_usd: $("ke-daily").value.trim() || null,
+                   monthly_budget_usd: $("ke-monthly").value.trim() || null,
+                   expires_at: $("ke-expires").value.trim() || null, tags: listOf($("ke-tags").value) || [] };
+    const result = await api("/api/keys/" + encodeURIComponent(key.key_id), {
+      method: "PATCH", headers: { "Content-Type": "application/json" }, body: JSON.stringify(data) });
+    if (result.status !== 200) { say(key.name + ": " + failure(result), true); return; }
+    say(key.name + ": changed", false);
+    $("key-edit").hidden = true;
+    await loadKeys();
+  }
+
+  function editLevel(kind, level) {
+    state.editingLevel = [kind, level];
+    $("level-edit-name").textContent = kind + " " + level.name + " (" + level.level_id + ")";
+    $("le-name").value = level.name;
+    $("le-models").value = level.allowed_models ? level.allowed_models.join(",") : "";
+    $("le-concurrency").value = level.concurrency || "";
+    $("le-rate").value = level.rate_per_min || "";
+    $("le-tpm").value = level.tokens_per_min || "";
+    $("le-budget").value = usdOf(level.budget_micros);
+    $("le-period").value = level.budget_period || "monthly";
+    $("le-tags").value = (level.tags || []).join(",");
+    // A team admin changes their users, not their team (its budget is the owner's): the server says so too.
+    document.querySelectorAll(".level-money").forEach((el) => { el.hidden = false; });
+    $("level-edit").hidden = false;
+  }
+
+  async function saveLevel(event) {
+    event.preventDefault();
+    const [kind, level] = state.editingLevel;
+    const budget = $("le-budget").value.trim();
+    const data = { name: $("le-name").value.trim(), allowed_models: listOf($("le-models").value),
+                   concurrency: numberOf($("le-concurrency").value), rate_per_min: numberOf($("le-rate").value),
+                   tokens_per_min: numberOf($("le-tpm").value), budget_usd: budget || null,
+                   budget_period: budget ? $("le-period").value : null, tags: listOf($("le-tags").value) || [] };
+    await levelAction(kind, level, data, "", "PATCH");
+    $("level-edit").hidden = true;
   }
 
   async function createKey(event) {
@@ -367,6 +432,7 @@
      ["Set budget", () => levelAction("team", team, { budget_usd: amount.value.trim() || null,
                                                       budget_period: team.budget_period || "monthly" }, "", "PATCH")],
      [team.blocked ? "Unblock" : "Block", () => levelAction("team", team, { blocked: !team.blocked }, "", "PATCH")],
+     ["Edit", () => editLevel("team", team)],
     ].forEach(([label, handler]) => {
       const b = document.createElement("button");
       b.type = "button"; b.textContent = label; b.dataset.action = label.toLowerCase().replace(" ", "-");
@@ -399,9 +465,21 @@
     ubody.replaceChildren();
     (users.status === 200 ? users.body.data : []).forEach((u) => {
       const tr = document.createElement("tr");
+      tr.dataset.levelId = u.level_id;
       [[u.level_id, "text"], [u.name, "text"], [u.parent_id || "-", "text"], [budget(u), "text"],
        [money(u.spent_this_period_micros)], [u.period_end || "-", "text"],
       ].forEach(([value, cls]) => tr.appendChild(cell(value, cls)));
+      const td = document.createElement("td");
+      td.className = "writes actions";
+      td.hidden = !canWrite();
+      [["Edit", () => editLevel("user", u)],
+       [u.blocked ? "Unblock" : "Block", () => levelAction("user", u, { blocked: !u.blocked }, "", "PATCH")],
+      ].forEach(([label, handler]) => {
+        const b = document.createElement("button");
+        b.type = "button"; b.textContent = label; b.dataset.action = label.toLowerCase();
+        b.addEventListener("click", handler); td.appendChild(b);
+      });
+      tr.appendChild(td);
       ubody.appendChild(tr);
     });
     document.body.dataset.teamsLoaded = String(Date.now());
@@ -433,6 +511,10 @@
   document.addEventListener("DOMContentLoaded", () => {
     $("login-form").addEventListener("submit", login);
     $("create-form").addEventListener("submit", createKey);
+    $("key-edit").addEventListener("submit", saveKey);
+    $("key-edit-cancel").addEventListener("click", () => { $("key-edit").hidden = true; });
+    $("level-edit").addEventListener("submit", saveLevel);
+    $("level-edit-cancel").addEventListener("click", () => { $("level-edit").hidden = true; });
     $("team-form").addEventListener("submit", (e) => createLevel(e, "team", [
       ["team-name", "name"], ["team-id", "level_id"], ["team-org", "parent_id"], ["team-balance", "balance_usd"],
       ["team-budget", "budget_usd"], ["team-period", "budget_period"]]));

@@ -23,6 +23,7 @@ from proxy.ledger.levels import (
     debit_changes,
     kind_of,
     level_record_of,
+    new_clock,
     spent_now,
 )
 from proxy.ledger.postgres.listen import CHANNEL
@@ -130,7 +131,9 @@ class PgLevelOps:
         async def op(conn: Any) -> LevelRecord:
             if columns:
                 sets = ", ".join(f"{c} = ${i + 2}" for i, c in enumerate(columns))  # checked column names
-                if "budget_period" in columns or "budget_reset" in columns:
+                clock = await conn.fetchrow("SELECT budget_period, budget_reset FROM levels WHERE level_id = $1"
+                                            " FOR UPDATE", level_id)
+                if clock is not None and new_clock(tuple(clock), columns):
                     sets += ", period_end = NULL, period_spent = 0"  # a new clock starts a new period
                 await conn.execute(f"UPDATE levels SET {sets} WHERE level_id = $1", level_id, *columns.values())
                 await conn.execute(_NOTIFY, level_id)

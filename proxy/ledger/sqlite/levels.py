@@ -21,6 +21,7 @@ from proxy.ledger.levels import (
     debit_changes,
     kind_of,
     level_record_of,
+    new_clock,
     spent_now,
 )
 from proxy.ledger.sqlite.writer import Durability
@@ -145,7 +146,9 @@ class LevelOps:
         def op(conn: sqlite3.Connection) -> LevelRecord:
             if columns:
                 sets = ", ".join(f"{c} = ?" for c in columns)  # checked column names
-                if "budget_period" in columns or "budget_reset" in columns:
+                clock = conn.execute("SELECT budget_period, budget_reset FROM levels WHERE level_id = ?",
+                                     (level_id,)).fetchone()
+                if clock is not None and new_clock(clock, columns):
                     sets += ", period_end = NULL, period_spent = 0"  # a new clock starts a new period
                 conn.execute(f"UPDATE levels SET {sets} WHERE level_id = ?", (*columns.values(), level_id))
             row = conn.execute(f"SELECT {LEVEL_COLUMNS} FROM levels WHERE level_id = ?", (level_id,)).fetchone()
