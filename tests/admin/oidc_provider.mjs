@@ -1,11 +1,12 @@
 // A real OpenID Connect provider for the console's single sign-on tests: panva's oidc-provider
 // (npm), on loopback, with its development login (any user name, any password) and one client.
 // Accounts' claims: <name>@example.com, and groups from the name (alice: proxy-admins, bob: finance,
-// anyone else: none). Usage: node provider.mjs PORT REDIRECT_URI CLIENT_ID CLIENT_SECRET
+// dana: ml-leads with the team team_ml in her `teams` claim, anyone else: none). Usage: node provider.mjs PORT REDIRECT_URI CLIENT_ID CLIENT_SECRET
 import Provider from 'oidc-provider';
 
 const [port, redirectUri, clientId, clientSecret] = process.argv.slice(2);
-const GROUPS = { alice: ['proxy-admins'], bob: ['finance'] };
+const GROUPS = { alice: ['proxy-admins'], bob: ['finance'], dana: ['ml-leads'] };
+const TEAMS = { dana: ['team_ml'] };
 
 const provider = new Provider(`http://127.0.0.1:${port}`, {
   clients: [{
@@ -14,10 +15,11 @@ const provider = new Provider(`http://127.0.0.1:${port}`, {
     token_endpoint_auth_method: 'client_secret_basic',
   }],
   pkce: { required: () => true },
-  claims: { openid: ['sub'], email: ['email'], profile: ['name', 'groups'] },
+  claims: { openid: ['sub'], email: ['email'], profile: ['name', 'groups', 'teams'] },
   findAccount: async (ctx, id) => ({
     accountId: id,
-    claims: async () => ({ sub: id, email: `${id}@example.com`, name: id, groups: GROUPS[id] || [] }),
+    claims: async () => ({ sub: id, email: `${id}@example.com`, name: id, groups: GROUPS[id] || [],
+                           teams: TEAMS[id] || [] }),
   }),
   // the groups go in the ID token itself, so the relying party needs no userinfo call
   conformIdTokenClaims: false,

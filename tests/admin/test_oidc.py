@@ -52,7 +52,7 @@ async def console(make_proxy, provider_dir):
     issuer = f"http://127.0.0.1:{port}"
     proxy = await make_proxy({"admin": {"keys": [{"name": "ops", "key": ADMIN_KEY}], "oidc": {
         "issuer": issuer, "client_id": CLIENT_ID, "client_secret": CLIENT_SECRET,
-        "roles": {"proxy-admins": "admin", "finance": "viewer"}}}})
+        "roles": {"proxy-admins": "admin", "finance": "viewer", "ml-leads": "team_admin"}}}})
     node = subprocess.Popen(["node", "provider.mjs", str(port), proxy.url + "/admin/oidc/callback", CLIENT_ID,
                              CLIENT_SECRET], cwd=provider_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -113,6 +113,36 @@ async def test_sign_on_lands_in_the_console_with_the_role_its_claims_map_to(cons
                     assert made[0] == 403 and made[1]["error"]["code"] == "insufficient_role"
                 await page.screenshot(path=str(REPO / "test-artifacts" / f"console-sso-{login}.png"))
                 await context.close()
+        finally:
+            await browser.close()
+
+
+async def test_a_team_lead_signs_on_as_the_team_admin_of_the_teams_their_claims_name(console):
+    proxy, _ = console
+    for team in ("team_ml", "team_ops"):
+        await proxy.ledger.create_level("team", {"level_id": team, "name": team[5:], "balance_micros": 10**7})
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                           args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = await browser.new_page(viewport={"width": 1200, "height": 800})
+            await _sign_on(page, proxy, "dana")
+            await page.wait_for_selector("body[data-loaded]")
+            session = await page.evaluate("fetch('api/session').then(r => r.json())")
+            assert (session["role"], session["teams"], session["via"]) == ("team_admin", ["team_ml"], "oidc")
+            write = """async ([csrf, team]) => {
+                const r = await fetch('api/keys', {method: 'POST', headers: {'Content-Type': 'application/json',
+                    'X-CSRF-Token': csrf}, body: JSON.stringify({name: 'lead-made', team_id: team})});
+                return [r.status, await r.json()];
+            }"""
+            made = await page.evaluate(write, [session["csrf_token"], "team_ml"])
+            assert made[0] == 201 and made[1]["key"]["team_id"] == "team_ml"
+            refused = await page.evaluate(write, [session["csrf_token"], "team_ops"])
+            assert refused[0] == 400
+            teams = await page.evaluate("fetch('api/teams').then(r => r.json())")
+            assert [t["level_id"] for t in teams["data"]] == ["team_ml"]
+            audit = await proxy.ledger.list_audit(key_id=made[1]["key"]["key_id"])
+            assert audit[0].actor == "oidc:dana@example.com"
         finally:
             await browser.close()
 
