@@ -245,12 +245,19 @@ class AlertCenter:
     async def check(self, app: web.Application) -> list[Notice]:
         from proxy import state
         from proxy.limits.redis_backend import SHARED_COUNTER
+        from proxy.upstream.health import READINESS
 
         now = self.clock()
         conditions = pool_conditions(app[state.POOL])
         ledger = app.get(state.LEDGER)
         if ledger is not None:
             conditions += ledger_conditions(ledger, self.section)
+            readiness = app.get(READINESS)
+            cause = await readiness.ledger_problem(app) if readiness is not None else None
+            if cause is not None and not any(c.key == "ledger_fault" for c in conditions):
+                # unreachable (a database stopped, a network cut): what /readyz says, told like a fault
+                conditions.append(Condition("ledger_fault", "ledger_fault", f"the ledger does not answer: {cause}",
+                                            {"cause": cause}, "critical"))
             try:
                 conditions += await key_conditions(ledger, self.section, now)
                 conditions += await level_conditions(ledger, self.section, now)

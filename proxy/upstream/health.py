@@ -248,7 +248,9 @@ class Readiness:
         self._ledger_cause, self._checked_at = cause, loop.time()
         return cause
 
-    async def _ledger_problem(self, app: web.Application) -> str | None:
+    async def ledger_problem(self, app: web.Application) -> str | None:
+        """The ledger's cause of not answering (FAULT_EXPLAINED's keys), None while it answers;
+        checked at most every few seconds (readiness probes and alerts share the answer)."""
         ledger = app.get(self.ledger_key)
         if ledger is None:  # ledger.backend: none
             return None
@@ -262,7 +264,7 @@ class Readiness:
     async def verdict(self, app: web.Application) -> tuple[bool, str, str | None]:
         if not any(w.available for w in self.pool.workers):
             return False, "no_worker", None
-        cause = await self._ledger_problem(app)
+        cause = await self.ledger_problem(app)
         if cause is not None:
             return False, "ledger", cause
         return True, "ready", None

@@ -139,3 +139,26 @@ async def test_a_failed_delivery_is_retried_with_backoff_and_counted_when_it_nev
     assert len(got) == 1 and json.loads(got[0]["body"]) == {"text": ":rotating_light: responses-proxy firing: "
                                                                     "no worker serves m"}
     assert "X-Responses-Proxy-Signature" not in got[0]["headers"]  # no secret: unsigned
+
+
+async def test_a_postgres_stop_sends_the_fault_and_its_end(make_proxy, receiver, pg_server, pg_dsn, tmp_path):
+    import asyncio
+
+    url, got, _ = receiver
+    await make_proxy({"ledger": {"backend": "postgres", "dsn": pg_dsn, "spool_path": str(tmp_path / "spool.jsonl"),
+                                 "connect_timeout_s": 1, "statement_timeout_ms": 2000},
+                      "alerts": {"webhooks": [{"name": "ops", "url": url}], "check_interval_s": 0.1,
+                                 "reminder_s": 3600}})
+
+    def states() -> list[str]:
+        return [json.loads(g["body"])["state"] for g in got if json.loads(g["body"])["kind"] == "ledger_fault"]
+
+    await asyncio.to_thread(pg_server.stop)
+    try:
+        await eventually(lambda: "firing" in states(), 60, what="the ledger's fault told")
+        fault = next(json.loads(g["body"]) for g in got if json.loads(g["body"])["kind"] == "ledger_fault")
+        assert fault["severity"] == "critical" and fault["details"]["cause"] == "unreachable"
+    finally:
+        await asyncio.to_thread(pg_server.start)
+    await eventually(lambda: "resolved" in states(), 60, what="the ledger's fault's end told")
+    assert states() == ["firing", "resolved"]
