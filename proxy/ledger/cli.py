@@ -222,6 +222,15 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
                            help="settlements waiting in the local spool (postgres); `spool replay` applies them")
     spool.add_argument("action", nargs="?", choices=("show", "replay"), default="show")
 
+    _add_usage(sub, json_flag)
+    for name, what in (("block", "refuse a key (403) until it is unblocked"), ("unblock", "take a blocked key back"),
+                       ("delete", "revoke a key for good and leave it out of the list (its usage stays)")):
+        sub.add_parser(name, parents=[json_flag], help=what).add_argument("key_id")
+    add_level_commands(subparsers, json_flag)
+    return keys
+
+
+def _add_usage(sub: Any, json_flag: argparse.ArgumentParser) -> None:
     usage = sub.add_parser("usage", parents=[json_flag], help="recent usage records")
     usage.add_argument("--key", dest="key", default=None, metavar="KEY_ID")
     usage.add_argument("--limit", type=_nonneg, default=20, metavar="N")
@@ -230,11 +239,6 @@ def add_key_commands(subparsers: Any) -> argparse.ArgumentParser:
     usage.add_argument("--until", type=_when, default=None, metavar="T")
     usage.add_argument("--group-by", dest="group_by", default=None, metavar="key,model,worker,endpoint,team,day|hour")
     usage.add_argument("--format", dest="format", choices=("table", "json", "csv"), default=None)
-    for name, what in (("block", "refuse a key (403) until it is unblocked"), ("unblock", "take a blocked key back"),
-                       ("delete", "revoke a key for good and leave it out of the list (its usage stays)")):
-        sub.add_parser(name, parents=[json_flag], help=what).add_argument("key_id")
-    add_level_commands(subparsers, json_flag)
-    return keys
 
 
 _money = usd  # every amount a person reads is in dollars (proxy.ledger.service.usd); JSON keeps micros

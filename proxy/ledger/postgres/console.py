@@ -1,6 +1,7 @@
 """The PostgreSQL ledger's reads and writes for the operator's console: the audit log,
 usage rows over a time range (paginated by seq), usage totals grouped by key / model /
-worker / day / hour, and a key's spend since a time (budgets).
+worker / day / hour, and a key's spend since a time (budgets); and the reads of tests and tools
+(open holds, the per-key audit of balances, a query's plan).
 
 A mixin of PostgresLedger (proxy/ledger/postgres/ledger.py), which supplies `_db`. The same answers
 as proxy/ledger/sqlite/console.py, by the same rule (proxy/ledger/rollup.py): totals read the
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from proxy.ledger.base import USAGE_ROW_COLUMNS, AuditEntry, UsageRecord, UsageTotals, page_limit
+from proxy.ledger.base import USAGE_ROW_COLUMNS, AuditEntry, Hold, UsageRecord, UsageTotals, page_limit
 from proxy.ledger.key_rules import AUDIT_COLUMNS, AUDIT_INSERT_COLUMNS, audit_entry, audit_values
 from proxy.ledger.rollup import Filters, merge_totals, totals_dialect, totals_queries, usage_filters, where_sql
 
@@ -38,6 +39,8 @@ class PgConsoleOps:
 
     # PostgresLedger's, which mixes this in (declared for the type checker: no value here)
     _db: Callable[..., Awaitable[Any]]
+    if TYPE_CHECKING:  # PgSpoolOps' (the ledger's); declared for the type checker only, never defined here
+        async def settled(self, timeout: float = ...) -> None: ...
 
     async def append_audit(self, actor: str, action: str, key_id: str | None, details: dict[str, Any]) -> AuditEntry:
         async def op(conn: Any) -> AuditEntry:
@@ -93,3 +96,39 @@ class PgConsoleOps:
         return await self._db(lambda conn: conn.fetchval(
             "SELECT COALESCE(SUM(debited_micros), 0)::bigint FROM usage WHERE key_id = $1 AND created_at >= $2",
             key_id, float(since)), transaction=False)
+
+    # ------------------------------------------------------------------ tests and tools
+
+    async def holds(self, key_id: str | None = None) -> list[Hold]:
+        """Open holds (expired ones included until expire_holds drops them)."""
+        # (not a released request's zero tombstone: it holds nothing, and only stands in the way
+        # of a late hold of that request)
+        sql = ("SELECT request_id, key_id, amount_micros, expires_at FROM holds"
+               " WHERE (amount_micros > 0 OR request_id LIKE 'lease:%')")
+
+        async def op(conn: Any) -> list[Hold]:
+            found = await (conn.fetch(sql + " AND key_id = $1", key_id) if key_id else conn.fetch(sql))
+            return [Hold(*r) for r in found]
+
+        return await self._db(op, transaction=False)
+
+    async def audit(self) -> list[tuple[str, int, int]]:
+        """Per key: (key_id, balance, sum(topups) - sum(debited)); the two must be equal."""
+        await self.settled()
+
+        async def op(conn: Any) -> list[tuple[str, int, int]]:
+            found = await conn.fetch(
+                "SELECT k.key_id, k.balance_micros,"
+                " (SELECT COALESCE(SUM(micros), 0) FROM topups t WHERE t.key_id = k.key_id)::bigint"
+                " - (SELECT COALESCE(SUM(debited_micros), 0) FROM usage u WHERE u.key_id = k.key_id)::bigint"
+                " FROM keys k WHERE k.own_balance ORDER BY k.key_id")
+            return [tuple(r) for r in found]
+
+        return await self._db(op, transaction=False)
+
+    async def explain(self, sql: str, params: tuple = ()) -> list[str]:
+        """PostgreSQL's query plan of `sql` ($n placeholders)."""
+        async def op(conn: Any) -> list[str]:
+            return [r[0] for r in await conn.fetch("EXPLAIN " + sql, *params)]
+
+        return await self._db(op, transaction=False)

@@ -73,7 +73,16 @@ from proxy.ledger.postgres.console import PgConsoleOps
 from proxy.ledger.postgres.errors import FAULT, RETRY, classify, describe
 from proxy.ledger.postgres.faults import PgFaults
 from proxy.ledger.postgres.keys import KEY_COLUMNS, PgKeyOps
-from proxy.ledger.postgres.levels import PgLevelOps, chain_of_row, debit_levels, levels_balance, lock_levels, purses
+from proxy.ledger.postgres.levels import (
+    LOCK_KEY_CHAIN,
+    PgLevelOps,
+    chain_of_row,
+    debit_levels,
+    hold_chained,
+    levels_balance,
+    lock_levels,
+    purses,
+)
 from proxy.ledger.postgres.listen import KeyListener
 from proxy.ledger.postgres.schema import migrate
 from proxy.ledger.postgres.spool import PgSpoolOps
@@ -116,7 +125,7 @@ def _quiet_asyncpg() -> None:
 _DEFAULTS = config_settings.of("ledger")  # config.yaml `ledger`'s, for a ledger opened without one
 
 _LOCK_KEY = "SELECT balance_micros FROM keys WHERE key_id = $1 FOR UPDATE"
-_LOCK_KEY_CHAIN = f"SELECT balance_micros, {KEY_CHAIN_COLUMNS} FROM keys WHERE key_id = $1 FOR UPDATE"
+_LOCK_KEY_CHAIN = LOCK_KEY_CHAIN
 _HOLD = "SELECT outcome, amount FROM ledger_hold($1, $2, $3, $4, $5, $6, $7, $8)"
 TOMBSTONE_S = 900.0  # how long a released request's tombstone stands in the way of its late hold
 
@@ -375,7 +384,7 @@ class PostgresLedger(PgKeyOps, PgLevelOps, PgConsoleOps, PgSpoolOps, PgFaults, L
                                              int(give_back)))
 
         async def chained(conn: asyncpg.Connection) -> tuple[str, int | None]:
-            return await self._hold_chained(conn, request_id, key_id, low, high, now, ttl, lease_id, int(give_back))
+            return await hold_chained(conn, request_id, key_id, low, high, now, ttl, lease_id, int(give_back))
 
         try:
             outcome, amount = await self._db(op, transaction=False)
@@ -400,34 +409,6 @@ class PostgresLedger(PgKeyOps, PgLevelOps, PgConsoleOps, PgSpoolOps, PgFaults, L
         if outcome == "unknown_key":
             raise UnknownKey(key_id)
         raise DuplicateRequest(request_id)
-
-    @staticmethod
-    async def _hold_chained(conn: asyncpg.Connection, request_id: str, key_id: str, low: int, high: int,
-                            now: float, ttl: float, lease_id: str | None, give_back: int) -> tuple[str, int | None]:
-        """ledger_hold for a key under levels (proxy/ledger/levels.py), in the caller's
-        transaction: the key's row locked, then its levels' (proxy/ledger/postgres/levels.py);
-        the outcome and amount as ledger_hold answers them."""
-        row = await conn.fetchrow(_LOCK_KEY_CHAIN, key_id)
-        if lease_id is not None:  # a lease's free part goes back first, kept even when refused
-            await conn.execute("UPDATE holds SET amount_micros = GREATEST(0, amount_micros - $1)"
-                               " WHERE request_id = $2", give_back, lease_id)
-        if row is None:
-            return "unknown_key", None
-        own, levels = chain_of_row(*tuple(row)[1:]) or (True, ())
-        locked = await lock_levels(conn, levels)
-        held, settled = await conn.fetchrow(
-            "SELECT (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds WHERE key_id = $1 AND expires_at > $2),"
-            " EXISTS (SELECT 1 FROM usage WHERE request_id = $3)", key_id, now, request_id)
-        if settled:
-            return "duplicate", None
-        room, binding = chain_room(row[0] - held if own else None, await purses(conn, locked, levels, now))
-        if room < low:
-            return f"insufficient:{binding or ''}", max(room, 0)
-        amount = min(room, high)
-        status = await conn.execute("INSERT INTO holds (request_id, key_id, amount_micros, expires_at)"
-                                    " VALUES ($1, $2, $3, $4) ON CONFLICT (request_id) DO NOTHING",
-                                    request_id, key_id, amount, now + ttl)
-        return ("duplicate", None) if status.endswith(" 0") else ("held", amount)
 
     async def _settle_db(self, request_id: str, usage: UsageRecord) -> int | None:
         row = commit_rules.usage_row(usage, request_id)
@@ -605,39 +586,3 @@ class PostgresLedger(PgKeyOps, PgLevelOps, PgConsoleOps, PgSpoolOps, PgFaults, L
         results, lapsed = await self._db(op)
         commit_rules.note_debits(usages, results)
         return results, lapsed
-
-    # ------------------------------------------------------------------ tests and tools
-
-    async def holds(self, key_id: str | None = None) -> list[Hold]:
-        """Open holds (expired ones included until expire_holds drops them)."""
-        # (not a released request's zero tombstone: it holds nothing, and only stands in the way
-        # of a late hold of that request)
-        sql = ("SELECT request_id, key_id, amount_micros, expires_at FROM holds"
-               " WHERE (amount_micros > 0 OR request_id LIKE 'lease:%')")
-
-        async def op(conn: asyncpg.Connection) -> list[Hold]:
-            found = await (conn.fetch(sql + " AND key_id = $1", key_id) if key_id else conn.fetch(sql))
-            return [Hold(*r) for r in found]
-
-        return await self._db(op, transaction=False)
-
-    async def audit(self) -> list[tuple[str, int, int]]:
-        """Per key: (key_id, balance, sum(topups) - sum(debited)); the two must be equal."""
-        await self.settled()
-
-        async def op(conn: asyncpg.Connection) -> list[tuple[str, int, int]]:
-            found = await conn.fetch(
-                "SELECT k.key_id, k.balance_micros,"
-                " (SELECT COALESCE(SUM(micros), 0) FROM topups t WHERE t.key_id = k.key_id)::bigint"
-                " - (SELECT COALESCE(SUM(debited_micros), 0) FROM usage u WHERE u.key_id = k.key_id)::bigint"
-                " FROM keys k WHERE k.own_balance ORDER BY k.key_id")
-            return [tuple(r) for r in found]
-
-        return await self._db(op, transaction=False)
-
-    async def explain(self, sql: str, params: tuple = ()) -> list[str]:
-        """PostgreSQL's query plan of `sql` ($n placeholders)."""
-        async def op(conn: asyncpg.Connection) -> list[str]:
-            return [r[0] for r in await conn.fetch("EXPLAIN " + sql, *params)]
-
-        return await self._db(op, transaction=False)

@@ -20,6 +20,7 @@ from proxy.ledger.levels import (
     LEVEL_COLUMNS,
     LevelRecord,
     Purse,
+    chain_room,
     debit_changes,
     kind_of,
     level_record_of,
@@ -27,9 +28,12 @@ from proxy.ledger.levels import (
     spent_now,
 )
 from proxy.ledger.postgres.listen import CHANNEL
+from proxy.ledger.schema import KEY_CHAIN_COLUMNS
 from proxy.ledger.usage import MAX_AMOUNT
 
 _NOTIFY = f"SELECT pg_notify('{CHANNEL}', $1)"
+# A key's row locked with what a hold reads of it: its balance, whether it has a purse of its own, its levels.
+LOCK_KEY_CHAIN = f"SELECT balance_micros, {KEY_CHAIN_COLUMNS} FROM keys WHERE key_id = $1 FOR UPDATE"
 _LOCK = ("SELECT level_id, balance_micros, budget_micros, budget_period, budget_reset, period_spent, period_end"
          " FROM levels WHERE level_id = ANY($1::text[]) ORDER BY level_id FOR UPDATE")
 _HELD = {kind: ("SELECT COALESCE(SUM(h.amount_micros), 0)::bigint FROM keys k JOIN holds h ON h.key_id = k.key_id"
@@ -85,6 +89,34 @@ async def debit_levels(conn: Any, locked: dict[str, tuple], debits: dict[str, in
     if changes:
         await conn.executemany("UPDATE levels SET balance_micros = $1, period_spent = $2, period_end = $3"
                                " WHERE level_id = $4", changes)
+
+
+async def hold_chained(conn: Any, request_id: str, key_id: str, low: int, high: int, now: float, ttl: float,
+                       lease_id: str | None, give_back: int) -> tuple[str, int | None]:
+    """ledger_hold for a key under levels (proxy/ledger/levels.py), in the caller's
+    transaction: the key's row locked, then its levels' (proxy/ledger/postgres/levels.py);
+    the outcome and amount as ledger_hold answers them."""
+    row = await conn.fetchrow(LOCK_KEY_CHAIN, key_id)
+    if lease_id is not None:  # a lease's free part goes back first, kept even when refused
+        await conn.execute("UPDATE holds SET amount_micros = GREATEST(0, amount_micros - $1)"
+                           " WHERE request_id = $2", give_back, lease_id)
+    if row is None:
+        return "unknown_key", None
+    own, levels = chain_of_row(*tuple(row)[1:]) or (True, ())
+    locked = await lock_levels(conn, levels)
+    held, settled = await conn.fetchrow(
+        "SELECT (SELECT COALESCE(SUM(amount_micros), 0)::bigint FROM holds WHERE key_id = $1 AND expires_at > $2),"
+        " EXISTS (SELECT 1 FROM usage WHERE request_id = $3)", key_id, now, request_id)
+    if settled:
+        return "duplicate", None
+    room, binding = chain_room(row[0] - held if own else None, await purses(conn, locked, levels, now))
+    if room < low:
+        return f"insufficient:{binding or ''}", max(room, 0)
+    amount = min(room, high)
+    status = await conn.execute("INSERT INTO holds (request_id, key_id, amount_micros, expires_at)"
+                                " VALUES ($1, $2, $3, $4) ON CONFLICT (request_id) DO NOTHING",
+                                request_id, key_id, amount, now + ttl)
+    return ("duplicate", None) if status.endswith(" 0") else ("held", amount)
 
 
 class PgLevelOps:
