@@ -282,3 +282,29 @@ async def test_a_release_with_its_key_is_never_overtaken_by_its_hold(pg_dsn, tmp
         assert await led.holds(key.key_id) == [] and await led.available(key.key_id) == 10_000
     finally:
         await led.close()
+
+
+async def test_settlements_of_a_teams_keys_spooled_behind_debit_the_team_once_each(pg_dsn, tmp_path):
+    """The spool's drain (settle_batch) on keys under a team: every level debited once per
+    settlement, clamped at the team's purse, the money adding up at every level."""
+    led = open_ledger(pg_section(pg_dsn, tmp_path))
+    await led.start()
+    try:
+        org = await led.create_level("org", {"name": "o", "balance_micros": 100_000})
+        team = await led.create_level("team", {"name": "t", "parent_id": org.level_id, "balance_micros": 1_000})
+        place = {**await led.placement(team.level_id, None), "own_balance": False}
+        keys = [(await led.create_key(f"k{i}", 0, placement=place))[1] for i in range(2)]
+        for i in range(6):
+            await led.hold(f"s-{i}", keys[i % 2].key_id, 150, ttl_s=60)
+        for i in range(6):
+            await led.settle_behind(f"s-{i}", usage_for(f"s-{i}", keys[i % 2].key_id, 150 + i * 10))
+        await led.settled(10)
+        assert await wait_for(lambda: not led.spool.pending(), 15.0)
+        debits = [(await led.usage(f"s-{i}")).debited_micros for i in range(6)]
+        assert debits == [150] * 6  # each clamped at its own hold
+        levels = {lv.level_id: lv.balance_micros for lv in await led.list_levels()}
+        assert levels == {org.level_id: 100_000 - 900, team.level_id: 100}
+        assert {a[0]: (a[1], a[2]) for a in await led.level_audit()} == {org.level_id: (99_100, 99_100),
+                                                                         team.level_id: (100, 100)}
+    finally:
+        await led.close()
