@@ -77,6 +77,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -96,6 +97,7 @@ from proxy.protocol.passthrough import Passthrough
 from proxy.protocol.prompt import TEMPLATE_OVERHEAD, prompt_bound
 from proxy.protocol.translate import Translation
 from proxy.runtime.metrics import METRICS
+from proxy.runtime.reload import RELOADERS
 from proxy.state import Bill, RequestContext
 from proxy.upstream.tokens import TokenCounter
 
@@ -450,6 +452,9 @@ def create(section: Balance, app: web.Application):
     hold_ttl, default_cap, bytes_per_token, lease_settings = _settings(section)
     price_of = PriceTable(app[state.CONFIG].prices)
     billing = _Billing(app, price_of, hold_ttl, default_cap, bytes_per_token, lease_settings)
+    reloaders = app.get(RELOADERS)
+    if reloaders is not None:  # new prices for new requests; one in flight keeps the price it read at its start
+        reloaders.on("prices", lambda new: partial(setattr, billing, "price_of", PriceTable(new.prices)))
 
     async def balance(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
         record = ctx.key

@@ -31,6 +31,8 @@ Retry-After `redis.retry_after_s`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -39,9 +41,11 @@ from proxy.errors import APIError
 from proxy.limits.base import GLOBAL, KEY, RATE, Ask, LimitsUnavailable, Refused
 from proxy.limits.memory import MemoryCounter
 from proxy.runtime.metrics import METRICS
+from proxy.runtime.reload import RELOADERS, ReloadRefused
 from proxy.state import RequestContext
 
 if TYPE_CHECKING:  # settings classes, for annotations only
+    from proxy.config.load import Config
     from proxy.config.sections import Limits, LimitsRedis
 
 
@@ -113,20 +117,46 @@ def _refusal(refused: Refused, ask: Ask, retry_header: str) -> APIError:
                     code="tokens_per_min_exceeded", headers=wait)
 
 
+class LiveLimits:
+    """The limits a reload changes (proxy/runtime/reload.py): read at each request's admission."""
+
+    __slots__ = ("global_limit", "key_default", "retry_header")
+
+    def __init__(self, section: Limits) -> None:
+        self.set(section)
+
+    def set(self, section: Limits) -> None:
+        self.global_limit = section.global_concurrency
+        self.key_default = section.default_key_concurrency
+        self.retry_header = _seconds_header(section.retry_after_s)
+
+
+def _reloader(live: LiveLimits, section: Limits):
+    """The numbers change live; the counter (its backend, Redis) is the process's: a restart."""
+    def reload(new: Config) -> Callable[[], None]:
+        fresh = new.limits
+        if (fresh.backend, fresh.redis, fresh.enabled) != (section.backend, section.redis, section.enabled):
+            key = next(k for k in ("backend", "redis", "enabled") if getattr(fresh, k) != getattr(section, k))
+            raise ReloadRefused(f"limits.{key} cannot change while serving: restart for it", f"limits.{key}")
+        return partial(live.set, fresh)
+    return reload
+
+
 def create(section: Limits, app: web.Application):
     """config.yaml `limits` (config.limits)."""
-    global_limit = section.global_concurrency
-    key_default = section.default_key_concurrency
-    retry_header = _seconds_header(section.retry_after_s)
+    live = LiveLimits(section)
+    reloaders = app.get(RELOADERS)
+    if reloaders is not None:
+        reloaders.on("limits", _reloader(live, section))
     if section.backend == "memory":
-        return _in_process(MemoryCounter(), global_limit, key_default, retry_header)
+        return _in_process(MemoryCounter(), live)
     counter = _redis_counter(section.redis, app)
     unavailable_header = _seconds_header(section.redis.retry_after_s)
     admit, release = counter.admit, counter.release
     levels = LevelLimits()
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
-        ask = _ask(ctx, global_limit, key_default)
+        ask = _ask(ctx, live.global_limit, live.key_default)
         try:
             ticket = await admit(ask)
         except LimitsUnavailable:
@@ -134,7 +164,7 @@ def create(section: Limits, app: web.Application):
                            "retry shortly.",
                            code="limits_unavailable", headers={"Retry-After": unavailable_header}) from None
         if ticket.__class__ is Refused:
-            raise _refusal(ticket, ask, retry_header)
+            raise _refusal(ticket, ask, live.retry_header)
         if ctx.levels:
             return await _with_levels(request, ctx, call_next, levels, release, ticket)
         return await _with_early_release(request, ctx, call_next, release, ticket)
@@ -163,17 +193,17 @@ def _ask(ctx: RequestContext, global_limit: int | None, key_default: int | None)
                record.tokens_per_min)
 
 
-def _in_process(counter: MemoryCounter, global_limit: int | None, key_default: int | None, retry_header: str):
+def _in_process(counter: MemoryCounter, live: LiveLimits):
     """The phase over this process's own counters: no I/O, so admit and release are plain
     calls, made before the handler and when it returns."""
     admit, release = counter.admit_now, counter.release_now
     levels = LevelLimits()
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
-        ask = _ask(ctx, global_limit, key_default)
+        ask = _ask(ctx, live.global_limit, live.key_default)
         ticket = admit(ask)
         if isinstance(ticket, Refused):
-            raise _refusal(ticket, ask, retry_header)
+            raise _refusal(ticket, ask, live.retry_header)
         taken: list[Ask] = []
         if ctx.levels:
             taken, refusal = levels.admit(ctx.levels)

@@ -17,13 +17,16 @@ non-ASCII character becomes "?", and the value is cut at max_bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from proxy.runtime.reload import RELOADERS, ReloadRefused
 from proxy.state import CONTEXT, NOTICES_HEADER
 
 if TYPE_CHECKING:  # settings classes, for annotations only
+    from proxy.config.load import Config
     from proxy.config.sections import Notices
 
 _SEPARATOR = "; "
@@ -55,6 +58,18 @@ def create(section: Notices, app: web.Application):
     if app.get(NOTICES_HEADER) is not None:
         raise RuntimeError("notices: installed twice on one app")
     app[NOTICES_HEADER] = header
+
+    reloaders = app.get(RELOADERS)
+    if reloaders is not None:
+        def reload(new: Config) -> Callable[[], None]:
+            if new.notices.header != header:
+                raise ReloadRefused("notices.header cannot change while serving: restart for it", "notices.header")
+
+            def commit() -> None:
+                nonlocal max_bytes
+                max_bytes = new.notices.max_bytes
+            return commit
+        reloaders.on("notices", reload)
 
     async def set_header(request: web.Request, response: web.StreamResponse) -> None:
         ctx = request.get(CONTEXT)

@@ -19,6 +19,7 @@ returns an edited copy; the body it was given is left as it was.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -31,9 +32,11 @@ from proxy.policy.rules import (
     hosted_tools_notice,
     leave_out,
 )
+from proxy.runtime.reload import RELOADERS
 from proxy.state import RequestContext
 
 if TYPE_CHECKING:  # settings classes, for annotations only
+    from proxy.config.load import Config
     from proxy.config.sections import Tools
 
 
@@ -53,6 +56,17 @@ def create(section: Tools, app: web.Application):
     """config.yaml `tools` (config.tools; checked at load, proxy.config.cross_checks): null is the built-in list."""
     drop = HOSTED_TOOL_TYPES if section.drop is None else frozenset(section.drop)
     refuse = REFUSED_TOOL_TYPES if section.refuse is None else frozenset(section.refuse)
+    reloaders = app.get(RELOADERS)
+    if reloaders is not None:
+        def reload(new: Config) -> Callable[[], None]:
+            lists = new.tools
+
+            def commit() -> None:
+                nonlocal drop, refuse
+                drop = HOSTED_TOOL_TYPES if lists.drop is None else frozenset(lists.drop)
+                refuse = REFUSED_TOOL_TYPES if lists.refuse is None else frozenset(lists.refuse)
+            return commit
+        reloaders.on("tools", reload)
 
     def edit(body: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         """-> (a copy of body without the dropped tools, the dropped types in first-seen order)."""

@@ -7,8 +7,9 @@ import asyncio
 import gc
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -37,6 +38,7 @@ from proxy.protocol.passthrough import ANTHROPIC
 from proxy.runtime import metrics
 from proxy.runtime.alerts import alerts_context
 from proxy.runtime.refusals import REFUSALS, Refusals, is_refusal
+from proxy.runtime.reload import RELOADERS, ReloadCollector, Reloader, Reloaders, ReloadRefused
 from proxy.state import (
     CONFIG,
     CONTEXT,
@@ -282,6 +284,34 @@ def _client_session(app: web.Application):
     return ctx
 
 
+def _embed(worker: Any, embedded: tuple[str, tuple[str, ...], int]) -> None:
+    url, models, max_len = embedded
+    worker.url = url
+    worker.models = tuple(worker.models or models)
+    worker.max_model_len = dict.fromkeys(worker.models, max_len)
+
+
+def _workers_reloader(pool: WorkerPool) -> Reloader:
+    """A reload's `workers` (proxy/runtime/reload.py): the new list built, then swapped in."""
+
+    def prepare(new: Config) -> Callable[[], None]:
+        fresh = parse_workers(new.workers)
+        for worker in fresh:
+            if worker.url == "embedded":
+                if pool.embedded is None:
+                    raise ReloadRefused("workers[].url: embedded starts with the process: restart for it",
+                                        "workers")
+                _embed(worker, pool.embedded)
+
+        def commit() -> None:
+            added, removed = pool.reconfigure(fresh)
+            if added or removed:
+                log.warning("workers reloaded", added=added or None, removed=removed or None)
+        return commit
+
+    return prepare
+
+
 async def _embedded_simulator(app: web.Application) -> AsyncIterator[None]:
     """Workers whose url is `embedded` are served by the built-in simulator, in-process."""
     pool = app[POOL]
@@ -296,10 +326,9 @@ async def _embedded_simulator(app: web.Application) -> AsyncIterator[None]:
     simulator = Simulator(dialect=sim_cfg.dialect, models=tuple(models), max_model_len=sim_cfg.max_model_len,
                           host=sim_cfg.host, port=sim_cfg.port)
     await simulator.start()
+    pool.embedded = (simulator.url, tuple(models), sim_cfg.max_model_len)  # what a reload's `embedded` means
     for worker in embedded:
-        worker.url = simulator.url
-        worker.models = tuple(worker.models or models)
-        worker.max_model_len = dict.fromkeys(worker.models, sim_cfg.max_model_len)
+        _embed(worker, pool.embedded)
     log.info("embedded simulator", url=simulator.url, models=models)
     try:
         yield
@@ -388,6 +417,8 @@ def build_app(config: Config) -> web.Application:
     sealer = sealer_from_config(config.reasoning_seal)
     if sealer is not None:
         app[state.SEALER] = sealer
+    reloaders = app[RELOADERS] = Reloaders(config, check=build_app)  # what can change live: each part says
+    reloaders.on("workers", _workers_reloader(app[POOL]))
     phases = app[PHASES] = build_phases(config, app, VARIANT_HANDLERS)
     app[state.ENVELOPE] = entry = envelope(phases)
     app.middlewares.append(entry)
@@ -408,6 +439,8 @@ def build_app(config: Config) -> web.Application:
 
     install_admin(app, config.admin)
     metrics.install(app, app[POOL], config.metrics)
+    if app.get(metrics.METRICS) is not None:
+        app[metrics.METRICS].registry.register(ReloadCollector(reloaders))
     app.on_startup.append(_freeze_heap)
     return app
 

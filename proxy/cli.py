@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from proxy.config.load import Config, ConfigError, default_config
 from proxy.config.serving import listen
@@ -106,6 +108,32 @@ def _raise_nofile() -> None:
         pass
 
 
+_HUP_DURING_START: list[bool] = []  # a HUP that came before the app ran: reloaded once it does
+
+
+def _note_hup(_signum: int, _frame: Any) -> None:
+    _HUP_DURING_START.append(True)
+
+
+def _reload_on_hup(app: Any) -> None:
+    """SIGHUP (systemctl reload; the supervisor forwards it to each process): config.yaml read
+    again (proxy/runtime/reload.py). One that came during start-up (noted by _note_hup: neither
+    the default, which kills, nor a reload of a half-built app) is carried out now."""
+    from proxy.runtime.reload import ReloadRefused, reload_app
+
+    def hup() -> None:
+        try:
+            reload_app(app)
+        except ReloadRefused:
+            pass  # said in the log, once; the old configuration serves on
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, hup)
+    if _HUP_DURING_START:
+        _HUP_DURING_START.clear()
+        loop.call_soon(hup)
+
+
 def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False, announce: bool = True,
                on_ready: Callable[[], None] | None = None) -> int:
     """One serving process: build the app, run it until SIGINT/SIGTERM."""
@@ -115,6 +143,7 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
     from proxy.logs import configure
 
     configure(config.server.log_format, config.server.log_level)
+    signal.signal(signal.SIGHUP, _note_hup)  # until the app runs (_reload_on_hup)
     _raise_nofile()
     try:
         import uvloop
@@ -132,6 +161,7 @@ def _serve_one(config: Config, host: str, port: int, *, reuse_port: bool = False
         # Appended last: runs once every cleanup context (ledger, simulator, demo key) is up.
         nonlocal started
         started = True
+        _reload_on_hup(app)
         if announce:
             from proxy.runtime.local_keys import announce_admin_key
 

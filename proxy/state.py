@@ -117,7 +117,7 @@ ENVELOPE: web.AppKey[Middleware] = web.AppKey("envelope", Middleware)
 # proxy.http.websocket.SOCKETS, proxy.http.parse_errors.HEAD_LIMITS, proxy.http.turn.TURN (a request's),
 # proxy.admin.auth.ADMIN, proxy.admin.auth.ADMIN_SESSION (a request's), middlewares.PHASES,
 # middlewares.auth.KEY_CACHE, middlewares.balance.SETTLEMENTS, proxy.limits.redis_backend.SHARED_COUNTER,
-# proxy.runtime.alerts.ALERTS.
+# proxy.runtime.alerts.ALERTS, proxy.runtime.reload.RELOADERS.
 
 # Per-request state: one context, created by the envelope (proxy.app) and passed explicitly
 # to every phase and the handler; it is also on the request under CONTEXT, for aiohttp-shaped

@@ -224,6 +224,14 @@ def _console_paths() -> dict[str, Any]:
             "responses": {**_ok("Totals, series, workers, top keys, recent errors; errors: refusals (from the "
                                 "access records) and failed answers, error_counts, errors_scope"),
                           **_errors(400, 401, 403, 503)}}},
+        "/api/reload": {"post": {
+            "operationId": "reloadConfig", "summary": "Read config.yaml again and serve it (every process of "
+                                                      "serve --workers N); what cannot change live refuses it",
+            "responses": {**_ok("The configuration served now: hash, loaded_at, live_sections, reloads"),
+                          **_errors(400, 401, 403, 409)}}},
+        "/api/config": {"get": {
+            "operationId": "configServed", "summary": "The configuration this process serves (its hash)",
+            "responses": {**_ok("hash, loaded_at, live_sections, reloads, last_error"), **_errors(401, 403)}}},
         "/api/alerts": {"get": {
             "operationId": "alerts", "summary": "Alerts: the conditions active now, the last notices, deliveries",
             "responses": {**_ok("Active, recent, sent, failed, dropped, queued"), **_errors(401, 403)}}},

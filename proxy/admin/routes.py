@@ -23,6 +23,8 @@ for usage with format=csv) and refusing bad input with a 4xx in the OpenAI envel
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 import orjson
@@ -48,6 +50,7 @@ from proxy.ledger.service import (
 )
 from proxy.protocol.models import resolve_model
 from proxy.runtime.alerts import ALERTS
+from proxy.runtime.reload import RELOADERS, ReloadRefused, reload_app
 
 MAX_BODY = 64 * 1024
 
@@ -289,6 +292,26 @@ async def requests_browser(request: web.Request) -> web.Response:
     return json_response({"object": "list", "data": data, "next_cursor": cursor})
 
 
+async def reload_config(request: web.Request) -> web.Response:
+    """config.yaml read again and swapped in (proxy/runtime/reload.py); under `serve --workers N`
+    the supervisor is asked to have every process reload too. A file that cannot be served is a
+    400 naming the key (invalid_config), a change that needs a restart a 409 (restart_required)."""
+    try:
+        view = reload_app(request.config_dict)  # type: ignore[arg-type]  # read by key, as an app is
+    except ReloadRefused as exc:
+        restart = "cannot change while serving" in str(exc)
+        raise APIError(409 if restart else 400, str(exc)[:1000], param=exc.key,
+                       code="restart_required" if restart else "invalid_config") from None
+    if os.environ.get("RESPONSES_PROXY_WORKER") is not None:  # a child of serve --workers N: every process
+        os.kill(os.getppid(), signal.SIGHUP)
+    return json_response({"object": "config", "pid": os.getpid(), **view})
+
+
+async def config_served(request: web.Request) -> web.Response:
+    """The configuration this process serves: its hash, when it was loaded, what can change live."""
+    return json_response({"object": "config", "pid": os.getpid(), **request.config_dict[RELOADERS].view()})
+
+
 async def alerts(request: web.Request) -> web.Response:
     """The active conditions, the last notices and the delivery counts (proxy/runtime/alerts.py)."""
     found = request.config_dict.get(ALERTS)
@@ -353,6 +376,8 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/api/keys", create_key)
     r.add_get("/api/requests", requests_browser)
     r.add_get("/api/alerts", alerts)
+    r.add_post("/api/reload", reload_config)
+    r.add_get("/api/config", config_served)
     r.add_get("/api/keys/{key_id}", show_key)
     r.add_patch("/api/keys/{key_id}", update_key)
     r.add_post("/api/keys/{key_id}/topup", top_up)

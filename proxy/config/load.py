@@ -13,11 +13,13 @@ free-form section as written (`config.get(name)`).
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import yaml
 
 from proxy.config import cross_checks, schema, settings
@@ -81,6 +83,9 @@ class Config(_Typed):
         self.path = path
         self._typed(settings.build(data))
         self.local_keys: Any = None  # what serve made at start (proxy/runtime/local_keys.py)
+        # What `update` changed since the load (serve's own changes at start), applied again to a
+        # reloaded file (proxy/runtime/reload.py).
+        self.overrides: dict[str, dict[str, Any]] = {}
 
     def _typed(self, root: _Typed) -> None:
         # Each section an instance attribute: a request reads config.routing as a plain attribute.
@@ -95,6 +100,22 @@ class Config(_Typed):
         cross_checks.check(data)
         self.data = data
         self._typed(settings.build(data))
+        self.overrides = {**self.overrides, name: {**self.overrides.get(name, {}), **values}}
+
+    def digest(self) -> str:
+        """The checked settings' digest (the first 16 hex digits of the sha256 of their sorted
+        JSON): two processes serving the same file agree; a comment or key order does not count."""
+        return hashlib.sha256(orjson.dumps(self.data, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:16]
+
+    def changed_keys(self, other: Config) -> list[str]:
+        """The dotted keys whose values differ from `other`'s (a list is one value)."""
+        return _changed_keys(self.data, other.data)
+
+    def replace(self, new: Config) -> None:
+        """Serve `new`'s settings from now on (a reload): the same object, so every holder of
+        it reads the new sections at its next read."""
+        self.data, self.overrides = new.data, new.overrides or self.overrides
+        self._typed(new.settings)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
@@ -131,6 +152,15 @@ class Config(_Typed):
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.data.get(name, default)
+
+
+def _changed_keys(old: Any, new: Any, path: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += _changed_keys(old.get(key), new.get(key), f"{path}.{key}" if path else str(key))
+        return out
+    return [] if old == new else [path or "(the whole file)"]
 
 
 def default_config() -> str | None:

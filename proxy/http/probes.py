@@ -6,6 +6,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from proxy.runtime.reload import RELOADERS
 from proxy.upstream.health import READINESS
 
 _NO_STORE = {"Cache-Control": "no-store"}
@@ -27,8 +28,12 @@ async def readyz_handler(request: web.Request) -> web.Response:
     body = {"status": "ready"} if ready else {"status": "not_ready", "reason": reason}
     if cause is not None:
         body["cause"] = cause  # a word ("auth_failed", "schema_missing"), never the database's message
+    reloaders = request.app.get(RELOADERS)
+    headers = _NO_STORE
+    if reloaders is not None:  # which configuration this process serves (proxy/runtime/reload.py)
+        headers = {**_NO_STORE, "X-Config-Hash": reloaders.hash}
     return web.Response(status=200 if ready else 503, body=orjson.dumps(body), content_type="application/json",
-                        headers=_NO_STORE)
+                        headers=headers)
 
 
 healthz_handler = livez_handler

@@ -5,7 +5,8 @@ here, so `make run` still prints exactly one `demo key:` line), then forks N chi
 Each child builds its own app (its own event loop, client session, ledger connection and
 writer thread, embedded simulator if any) and listens with SO_REUSEPORT; the kernel
 spreads new connections over them. The parent forwards SIGTERM/SIGINT/SIGHUP to the
-children and exits when they have exited; if one child dies on its own, the others are
+children (a HUP makes each reload its configuration, proxy/runtime/reload.py; the others stop
+them) and exits when they have exited; if one child dies on its own, the others are
 stopped too (the process manager restarts the whole set), and the exit code says so.
 
 Shared state across processes:
@@ -156,7 +157,7 @@ def _run_children(config: Config, host: str, port: int, workers: int, serve_one:
 
     def forward(signum: int, _frame: Any) -> None:
         nonlocal stopping
-        stopping = True
+        stopping = stopping or signum != signal.SIGHUP  # a HUP reloads each child (proxy/runtime/reload.py)
         for pid in children:
             try:
                 os.kill(pid, signum)
@@ -169,7 +170,8 @@ def _run_children(config: Config, host: str, port: int, workers: int, serve_one:
         pid = os.fork()
         if pid == 0:  # the child
             for sig in FORWARDED:
-                signal.signal(sig, signal.SIG_DFL)
+                # a HUP before the child's serve notes it (proxy.cli._note_hup): never the default, which kills
+                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGHUP else signal.SIG_DFL)
             os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only; it forwards once
             os.environ["RESPONSES_PROXY_WORKER"] = str(index)
             os.close(ready_fd)

@@ -106,6 +106,7 @@ class Worker:
     thinking_switch: str = _ENTRY.thinking_switch  # the chat-template kwarg its model reads (proxy.protocol.dialects)
     max_model_len: dict[str, int] = field(default_factory=dict)
     models_known: bool = True  # False while `models` was omitted and /v1/models has not answered yet
+    listed_models: tuple[str, ...] | None = None  # the entry's own `models` (None: discovered); a reload compares it
     in_flight: int = 0
     # Active health (proxy.upstream.health): the checker's verdict.
     healthy: _RoutingField[bool] = _RoutingField(True)
@@ -168,12 +169,20 @@ class Worker:
         return self._healthy and not self._ejected and self._dialect != "detect"  # type: ignore[attr-defined]  # as serves
 
 
+def _entry_of(worker: Worker) -> tuple:
+    """What a worker's config entry says of it (its state left out): a reload keeps a worker
+    whose entry is the same."""
+    return (worker.url, worker.api_key, tuple(sorted(worker.labels.items())), worker.capacity, worker.timeouts,
+            worker.thinking_switch, worker.listed_models)
+
+
 def parse_workers(entries: Iterable[Workers]) -> list[Worker]:
     """The workers of config.yaml's `workers` (typed settings, checked at load)."""
     return [Worker(name=entry.name, url=entry.url, dialect=entry.dialect, models=tuple(entry.models or ()),
                    api_key=entry.api_key, labels=dict(entry.labels), capacity=entry.capacity,
                    timeouts=entry.timeouts, thinking_switch=entry.thinking_switch,
-                   models_known=bool(entry.models) or entry.url == "embedded")
+                   models_known=bool(entry.models) or entry.url == "embedded",
+                   listed_models=tuple(entry.models) if entry.models else None)
             for entry in entries]
 
 
@@ -196,7 +205,7 @@ class Route:
 
 
 class WorkerPool:
-    """The workers (a fixed list: `workers` is not changed after construction), their
+    """The workers (a list replaced whole by a reload, never changed in place), their
     in-flight counts and health, and per-model routes cached until a worker's routing
     fields change."""
 
@@ -215,6 +224,9 @@ class WorkerPool:
         # proxy.upstream.affinity's ring cache and hit / miss counters, made by proxy.upstream.affinity.state() on
         # first use: this module sits below routing and affinity and imports neither.
         self.affinity_state: Any = None
+        # (url, models, max_model_len) of the built-in simulator once it runs (proxy.app): what a
+        # reloaded worker's `url: embedded` means.
+        self.embedded: tuple[str, tuple[str, ...], int] | None = None
         self._rotation = 0
         self.routing_epoch = RoutingEpoch()
         for worker in self.workers:
@@ -222,6 +234,31 @@ class WorkerPool:
         self._epoch = -1  # the epoch _routes and _ejected were built at
         self._routes: dict[str, Route] = {}
         self._ejected: list[Worker] = []
+
+    def reconfigure(self, workers: Iterable[Worker]) -> tuple[list[str], list[str]]:
+        """A reload's workers (proxy/runtime/reload.py): a worker whose entry did not change is
+        kept as it is (its health, in flight, time to first byte); a new or changed one joins
+        as a new worker does at start (with active checks, down until its first check passes);
+        one no longer listed leaves the list, while the requests on it finish (they hold it).
+        The list is replaced in one assignment. Returns (the names added or changed, removed)."""
+        old = {w.name: w for w in self.workers}
+        kept: list[Worker] = []
+        added: list[str] = []
+        for worker in workers:
+            same = old.get(worker.name)
+            if same is not None and _entry_of(same) == _entry_of(worker):
+                kept.append(same)
+                continue
+            worker.__dict__.setdefault("_routing_epochs", []).append(self.routing_epoch)
+            if self.active_checks:
+                worker.healthy = False
+                worker.awaiting_first_check = True
+            kept.append(worker)
+            added.append(worker.name)
+        removed = [name for name in old if name not in {w.name for w in kept}]
+        self.workers = kept
+        self.routing_epoch.value += 1  # every cached route is rebuilt on the next request
+        return added, removed
 
     def serving(self, model: str) -> list[Worker]:
         return [w for w in self.workers if w.serves(model)]
