@@ -49,6 +49,7 @@ from proxy.config.schema import POINTS, POLICIES
 from proxy.errors import APIError
 from proxy.http.passthrough_handler import SWITCHES
 from proxy.http.request import Next, prepare_phase
+from proxy.runtime.tracing import traced_next, traced_phase
 from proxy.state import RequestContext
 from proxy.units import AUTH, BALANCE, BODY, LIMITS, PASSTHROUGH, TRANSLATE, UNITS, Unit
 
@@ -188,8 +189,16 @@ def build_phases(config: Config, app: web.Application, handlers: Mapping[str, Ne
             *((_POINT_PHASE["before_handler"], c) for c in before_handler)]
     turned_off = {unit: SWITCHES[unit.family] for unit in PASSTHROUGH
                   if not getattr(config.endpoints, SWITCHES[unit.family])}
-    return Phases([(phase, step) for phase, step in head if step is not None], prepare,
-                  [(phase, step) for phase, step in tail if step is not None], turned_off, handlers)
+    head = [(phase, step) for phase, step in head if step is not None]
+    tail = [(phase, step) for phase, step in tail if step is not None]
+    if config.tracing.endpoint:  # each phase in a span (built so only with tracing on: off costs nothing)
+        head = [(phase, traced_phase(phase, step)) for phase, step in head]
+        tail = [(phase, traced_phase(phase, step)) for phase, step in tail]
+        untraced = prepare
+
+        def prepare(unit: Unit, rest: dict[str, Next]) -> Next:
+            return traced_next("prepare", untraced(unit, rest))
+    return Phases(head, prepare, tail, turned_off, handlers)
 
 
 PHASES = web.AppKey("phases", Phases)  # middlewares.Phases: auth .. handler, for one request or one turn

@@ -39,6 +39,7 @@ from proxy.runtime import metrics
 from proxy.runtime.alerts import alerts_context
 from proxy.runtime.refusals import REFUSALS, Refusals, is_refusal
 from proxy.runtime.reload import RELOADERS, ReloadCollector, Reloader, Reloaders, ReloadRefused
+from proxy.runtime.tracing import request_span, tracing_context
 from proxy.state import (
     CONFIG,
     CONTEXT,
@@ -412,6 +413,8 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_ledger)
     # No webhook, nobody to tell: no task looking (and none in a benchmark's counts). Under --workers N
     # the first process alone looks, so a notice goes out once per replica, not once per process.
+    if config.tracing.endpoint:  # off: no context, no middleware, no wrapped phase (proxy/runtime/tracing.py)
+        app.cleanup_ctx.append(tracing_context(config.tracing))
     if config.alerts.webhooks and os.environ.get("RESPONSES_PROXY_WORKER", "0") == "0":
         app.cleanup_ctx.append(alerts_context(config.alerts, SESSION))  # after the ledger: it reads it
     sealer = sealer_from_config(config.reasoning_seal)
@@ -421,6 +424,8 @@ def build_app(config: Config) -> web.Application:
     reloaders.on("workers", _workers_reloader(app[POOL]))
     phases = app[PHASES] = build_phases(config, app, VARIANT_HANDLERS)
     app[state.ENVELOPE] = entry = envelope(phases)
+    if config.tracing.endpoint:
+        app.middlewares.append(request_span)  # outside the envelope: its access line and a stream's end inside
     app.middlewares.append(entry)
     # Before _add_request_id: a turn's foreign answer is refused while it is not started yet.
     app.on_response_prepare.append(refuse_other_answers)

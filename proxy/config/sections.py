@@ -455,6 +455,18 @@ class Alerts:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Tracing:
+    """The `tracing` section."""
+
+    endpoint: Annotated[str | None, Nullable(Url(example="http://otel-collector:4318/v1/traces")), "an OTLP/HTTP traces endpoint; null: no tracing (nothing on the request path)"] = None
+    service_name: Annotated[str, Str(nonempty=True), "the traces' service.name"] = "responses-proxy"
+    sample_ratio: Annotated[float, Num(lo=0, hi=1), "share of new traces kept (a client's traceparent decides for its own: parent-based)"] = 1.0
+    record_prompts: Annotated[bool, "true: the request's input in its span (gen_ai.input.messages, 4 KiB at most); off: never any prompt text"] = False
+    headers: Annotated[dict[str, str], MapOf(Str()), "sent with each export, e.g. {authorization: \"Bearer ${OTEL_TOKEN}\"}", COMMENTED] = field(default_factory=dict)
+    export_delay_ms: Annotated[int, Int(10, 60000), "spans are sent in batches this far apart"] = 1000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Prices:
     """The `prices[]` section."""
 
@@ -552,6 +564,12 @@ Alerts (README "Alerts"): a key's budget or balance, a worker ejected and back, 
 serves, the ledger's fault and its end, the spool's backlog, Redis down; told to webhooks, never
 on a request's path.""")
     ] = field(default_factory=Alerts)
+    tracing: Annotated[
+        Tracing, Note("""\
+OpenTelemetry traces (README "Traces"): a span per request with its phases and upstream attempts,
+the GenAI attributes, a client's traceparent as the parent and the worker's; off without an
+endpoint.""")
+    ] = field(default_factory=Tracing)
     prices: Annotated[
         dict[str, Prices], Note("""\
 Per million tokens, in integer micro-units of the account currency (1 unit = 1,000,000),

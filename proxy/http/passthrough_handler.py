@@ -33,6 +33,7 @@ from proxy.policy.netguard import ImagePolicy, check_images
 from proxy.protocol.chat_usage import SSEScanner, json_output, json_usage
 from proxy.protocol.passthrough import ANTHROPIC, Limits, Passthrough, build
 from proxy.protocol.response import map_usage
+from proxy.runtime import tracing
 from proxy.upstream.client import UpstreamResponse
 from proxy.upstream.exchange import Attempt, Retryable, attempt_once, upstream_message
 from proxy.upstream.tokens import TokenCounter
@@ -124,10 +125,15 @@ async def _attempt(request: web.Request, ctx: state.RequestContext, attempt: Att
     async def as_stream(upstream: UpstreamResponse, first: bytes, deadline: float) -> web.StreamResponse:
         return await _stream(request, ctx, attempt, upstream, t, first, deadline)
 
-    return await attempt_once(app[state.UPSTREAMS], app[state.POOL], attempt, worker.endpoint(t.path),
-                              orjson.dumps(t.body), stream=t.stream,
-                              answer_json=as_json, answer_stream=as_stream,
-                              refine=lambda status, body: _not_served(worker, t, status, body))
+    def send(headers: Any = None) -> Any:
+        return attempt_once(app[state.UPSTREAMS], app[state.POOL], attempt, worker.endpoint(t.path),
+                            orjson.dumps(t.body), stream=t.stream, answer_json=as_json, answer_stream=as_stream,
+                            refine=lambda status, body: _not_served(worker, t, status, body), headers=headers)
+
+    traces = tracing.ACTIVE
+    if traces is not None:  # its span, its traceparent to the worker (off: nothing but this test)
+        return await tracing.traced_attempt(traces, attempt, worker.endpoint(t.path), send)
+    return await send()
 
 
 async def _json_answer(app: web.Application, attempt: Attempt, t: Passthrough, body: bytes) -> web.Response:

@@ -26,6 +26,7 @@ from proxy.protocol.response import ResponseContext
 from proxy.protocol.rewriter import StreamRewriter
 from proxy.protocol.seal import binding
 from proxy.protocol.translate import Translation
+from proxy.runtime import tracing
 from proxy.state import CONTEXT, POOL, RESPONSE_SETTINGS, SEALER, SESSION, UPSTREAMS, RequestContext
 from proxy.upstream.client import UpstreamResponse
 from proxy.upstream.exchange import Attempt, attempt_once
@@ -79,6 +80,11 @@ async def _attempt(request: web.Request, ctx: RequestContext, attempt: Attempt, 
         return await stream_answer(request, ctx, attempt, upstream, rctx, first, deadline)
 
     payload = orjson.dumps(chat_for(t.chat, worker.dialect, worker.thinking_switch))
+    traces = tracing.ACTIVE
+    if traces is not None:  # its span, its traceparent to the worker (off: nothing but this test)
+        return await tracing.traced_attempt(traces, attempt, worker.chat_url, lambda headers: attempt_once(
+            app[UPSTREAMS], app[POOL], attempt, worker.chat_url, payload, stream=t.stream, answer_json=as_json,
+            answer_stream=as_stream, headers=headers))
     return await attempt_once(app[UPSTREAMS], app[POOL], attempt, worker.chat_url, payload, stream=t.stream,
                               answer_json=as_json, answer_stream=as_stream)
 

@@ -47,6 +47,7 @@ class SimState:
     seed: int
     queue: deque = field(default_factory=deque)
     requests: list = field(default_factory=list)
+    traceparents: list = field(default_factory=list)  # each chat request's W3C traceparent (None: none sent)
     cache: PrefixCache = field(default_factory=PrefixCache)
     in_flight: int = 0
     peak_in_flight: int = 0  # the most requests in flight at once (tests of shared limits reset it)

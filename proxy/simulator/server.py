@@ -74,6 +74,7 @@ _DEFAULTS: SimulatorSettings = config_settings.of("simulator")
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[SIM_STATE]
+    st.traceparents.append(request.headers.get("traceparent"))  # what vLLM's --otlp-traces-endpoint reads
     body, err = validate_chat(st, await request.read())
     if err is not None:
         return err

@@ -123,7 +123,8 @@ Refine = Callable[[int, bytes], "APIError | Retryable | None"]
 
 
 async def open_upstream(upstreams: UpstreamPool, pool: WorkerPool, worker: Worker, url: str, payload: bytes, *,
-                        stream: bool, refine: Refine | None = None) -> tuple[UpstreamResponse, bytes]:
+                        stream: bool, refine: Refine | None = None,
+                        headers: Any = None) -> tuple[UpstreamResponse, bytes]:
     """POST `payload` to `url` on `worker` -> (the answer, its first bytes): a stream's first read,
     a JSON answer whole (up to MAX_JSON_BODY). A status other than 200 raises what
     map_upstream_error (or `refine`, asked first) makes of it; an encoded answer, an unreachable
@@ -138,7 +139,7 @@ async def open_upstream(upstreams: UpstreamPool, pool: WorkerPool, worker: Worke
             # The connect phase is bounded by its own timeout inside post(); first byte, idle
             # and total are timed by the callers' deadlines, so each one is reported as itself.
             first_deadline = loop.time() + first_byte
-            upstream = await upstreams.post(url, worker.chat_headers, payload,
+            upstream = await upstreams.post(url, worker.chat_headers if headers is None else headers, payload,
                                                        connect_timeout=timeouts.connect, deadline=first_deadline)
             if upstream.status != 200:
                 body = await upstream.read_capped(MAX_ERROR_BODY, first_deadline)
@@ -281,17 +282,19 @@ _Answer = TypeVar("_Answer")  # the handler's answer (a web.StreamResponse)
 async def attempt_once(upstreams: UpstreamPool, pool: WorkerPool, attempt: Attempt, url: str, payload: bytes, *,
                        stream: bool, answer_json: Callable[[bytes], Awaitable[_Answer]],
                        answer_stream: Callable[[UpstreamResponse, bytes, float], Awaitable[_Answer]],
-                       refine: Refine | None = None) -> _Answer:
+                       refine: Refine | None = None, headers: Any = None) -> _Answer:
     """One worker's try, whichever handler makes it: the POST sent and its status and first read
     checked (open_upstream: raises Retryable while another worker may answer), the stream's
     start checked, the answer made by the handler's `answer_json(body)` or
-    `answer_stream(upstream, first, deadline)`, and the connection given back whatever happens."""
+    `answer_stream(upstream, first, deadline)`, and the connection given back whatever happens.
+    `headers`: instead of the worker's own (a traced attempt's carry its traceparent)."""
     worker = attempt.worker
     deadline = asyncio.get_running_loop().time() + worker.timeouts.total
     upstream = None
     attempt.sent()
     try:
-        upstream, first = await open_upstream(upstreams, pool, worker, url, payload, stream=stream, refine=refine)
+        upstream, first = await open_upstream(upstreams, pool, worker, url, payload, stream=stream, refine=refine,
+                                              headers=headers)
         attempt.opened(pool, upstream, first, stream)
         if not stream:
             return await answer_json(first)
