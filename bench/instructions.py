@@ -94,9 +94,9 @@ VARIANTS = {
     "balance off": {"balance": {"enabled": False}},
     "access log off": {"server": {"log_level": "warning"}},
     "metrics off": {"metrics": {"enabled": False}},
-    # every request traced (sample_ratio 1) and exported to a port nobody listens on: the spans'
-    # making and the exporter's thread counted, no collector's time
-    "tracing on": {"tracing": {"endpoint": "http://127.0.0.1:9/v1/traces"}},
+    # every request traced (sample_ratio 1) and exported to the fake upstream, which answers 200
+    # (as a collector would): the spans' making and the exporter's thread counted, not a collector's
+    "tracing on": {"tracing": {"endpoint": "fake-upstream"}},
 }
 PASS = "pass-through"
 TARGETS = [("non-stream", 1.3), ("stream coalesced", 0.95), ("stream 1 delta/read", 1.05)]
@@ -196,6 +196,8 @@ class Counted:
 def variant_config(port: int, up_port: int, db: Path, extra: dict, slowdown: float) -> dict:
     """bench.trees' config (the default chain) with valgrind's timeouts, hourly health checks,
     lease commits `slowdown` times further apart, and `extra` (a VARIANTS entry) merged in."""
+    if extra.get("tracing", {}).get("endpoint") == "fake-upstream":
+        extra = _merged(extra, {"tracing": {"endpoint": f"http://127.0.0.1:{up_port}/v1/traces"}})
     return tree_config(port, up_port, db, _merged({
         "workers": [{"name": "fake", "url": f"http://127.0.0.1:{up_port}", "dialect": "vllm",
                      "models": ["bench-json", "bench-coalesced", "bench-chunked"], "capacity": 100_000,
