@@ -170,8 +170,7 @@ def _run_children(config: Config, host: str, port: int, workers: int, serve_one:
         pid = os.fork()
         if pid == 0:  # the child
             for sig in FORWARDED:
-                # a HUP before the child's serve notes it (proxy.cli._note_hup): never the default, which kills
-                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGHUP else signal.SIG_DFL)
+                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGHUP else signal.SIG_DFL)  # HUP: see proxy.cli
             os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only; it forwards once
             os.environ["RESPONSES_PROXY_WORKER"] = str(index)
             os.close(ready_fd)
