@@ -30,10 +30,11 @@ Retry-After `redis.retry_after_s`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -53,7 +54,7 @@ def _seconds_header(retry_after_s: float) -> str:
     return str(max(0, math.ceil(retry_after_s)))
 
 
-def _redis_counter(section: LimitsRedis, app: web.Application):
+def _redis_counter(section: LimitsRedis, app: web.Application, *, the_shared_one: bool = True):
     from proxy.limits.redis_backend import SHARED_COUNTER, RedisCounter
 
     def report(event: str) -> None:
@@ -61,7 +62,9 @@ def _redis_counter(section: LimitsRedis, app: web.Application):
         if metrics is not None:
             metrics.limits_redis.inc((event,))
 
-    counter = app[SHARED_COUNTER] = RedisCounter(section, report)
+    counter = RedisCounter(section, report)
+    if the_shared_one:  # the keys' (the alerts and /readyz read its state); the levels' is another
+        app[SHARED_COUNTER] = counter
 
     async def running(_app: web.Application):
         async with counter.running():
@@ -73,23 +76,25 @@ def _redis_counter(section: LimitsRedis, app: web.Application):
 
 class LevelLimits:
     """The limits of the levels above a key (proxy/ledger/levels.py: a team's rate, tokens per
-    minute, concurrency), each level counted as a key is, in a counter of their own (this
-    process's: a level's limits are per process, as the memory backend's are). Only requests of
-    keys under a level with limits come here."""
+    minute, concurrency), each level counted as a key is, in a counter of its own: this process's
+    with the memory backend; with Redis, a second Redis counter under `<key_prefix>levels:`, so a
+    team's limits hold across every replica as a key's do, and its slots never count against the
+    global limit (the keys' counter's). Only requests of keys under a level with limits come here."""
 
-    def __init__(self) -> None:
-        self.counter = MemoryCounter()
+    def __init__(self, shared: Any = None) -> None:
+        self.local = MemoryCounter()
+        self.shared = shared  # a RedisCounter, or None
 
-    def admit(self, levels: tuple) -> tuple[list[Ask], APIError | None]:
+    async def admit(self, levels: tuple) -> tuple[list[Any], APIError | None]:
         """The tickets taken, or none and the refusal of the first level that refuses."""
-        taken: list[Ask] = []
+        taken: list[Any] = []
         for level in levels:
             if not level.has_limits():
                 continue
             ask = Ask(level.level_id, None, level.concurrency, level.rate_per_min, level.tokens_per_min)
-            ticket = self.counter.admit_now(ask)
-            if isinstance(ticket, Refused):
-                self.release(taken, None)
+            ticket = self.local.admit_now(ask) if self.shared is None else await self.shared.admit(ask)
+            if ticket.__class__ is Refused:
+                await self.release(taken, None)
                 refusal = _refusal(ticket, ask, "1")
                 refusal.message = refusal.message.replace("this API key", f"this key's {level.kind}").replace(
                     "This API key", f"This key's {level.kind}")
@@ -97,9 +102,12 @@ class LevelLimits:
             taken.append(ticket)
         return taken, None
 
-    def release(self, tickets: list[Ask], used_tokens: int | None) -> None:
+    async def release(self, tickets: list[Any], used_tokens: int | None) -> None:
         for ticket in tickets:
-            self.counter.release_now(ticket, used_tokens)
+            if self.shared is None:
+                self.local.release_now(ticket, used_tokens)
+            else:
+                await self.shared.release(ticket, used_tokens)
 
 
 def _refusal(refused: Refused, ask: Ask, retry_header: str) -> APIError:
@@ -153,36 +161,58 @@ def create(section: Limits, app: web.Application):
     counter = _redis_counter(section.redis, app)
     unavailable_header = _seconds_header(section.redis.retry_after_s)
     admit, release = counter.admit, counter.release
-    levels = LevelLimits()
+    levels = LevelLimits(_redis_counter(dataclasses.replace(section.redis, key_prefix=section.redis.key_prefix
+                                                            + "levels:"), app, the_shared_one=False))
 
     async def limits(request: web.Request, ctx: RequestContext, call_next) -> web.StreamResponse:
         ask = _ask(ctx, live.global_limit, live.key_default)
         try:
             ticket = await admit(ask)
         except LimitsUnavailable:
-            raise APIError(503, "Limits cannot be checked right now (the shared counter is unreachable); "
-                           "retry shortly.",
-                           code="limits_unavailable", headers={"Retry-After": unavailable_header}) from None
+            raise _unavailable(unavailable_header) from None
         if ticket.__class__ is Refused:
             raise _refusal(ticket, ask, live.retry_header)
         if ctx.levels:
-            return await _with_levels(request, ctx, call_next, levels, release, ticket)
+            return await _with_levels(request, ctx, call_next, levels, release, ticket, unavailable_header)
         return await _with_early_release(request, ctx, call_next, release, ticket)
 
     return limits
 
 
+async def _with_levels_here(request: web.Request, ctx: RequestContext, call_next, levels: LevelLimits, release,
+                            ticket) -> web.StreamResponse:
+    """_with_levels over this process's counters (the memory backend)."""
+    taken, refusal = await levels.admit(ctx.levels)
+    if refusal is not None:
+        release(ticket, None)
+        raise refusal
+    try:
+        return await call_next(request, ctx)
+    finally:
+        release(ticket, _spent(ctx))
+        await levels.release(taken, _spent(ctx))
+
+
+def _unavailable(retry_header: str) -> APIError:
+    return APIError(503, "Limits cannot be checked right now (the shared counter is unreachable); retry shortly.",
+                    code="limits_unavailable", headers={"Retry-After": retry_header})
+
+
 async def _with_levels(request: web.Request, ctx: RequestContext, call_next, levels: LevelLimits, release,
-                       ticket) -> web.StreamResponse:
+                       ticket, unavailable_header: str) -> web.StreamResponse:
     """The key admitted: its levels' limits next; every ticket given back when the handler returns."""
-    taken, refusal = levels.admit(ctx.levels)
+    try:
+        taken, refusal = await levels.admit(ctx.levels)
+    except LimitsUnavailable:
+        await release(ticket, None)
+        raise _unavailable(unavailable_header) from None
     if refusal is not None:
         await release(ticket, None)
         raise refusal
     try:
         return await _with_early_release(request, ctx, call_next, release, ticket)
     finally:
-        levels.release(taken, _spent(ctx))
+        await levels.release(taken, _spent(ctx))
 
 
 def _ask(ctx: RequestContext, global_limit: int | None, key_default: int | None) -> Ask:
@@ -204,18 +234,12 @@ def _in_process(counter: MemoryCounter, live: LiveLimits):
         ticket = admit(ask)
         if isinstance(ticket, Refused):
             raise _refusal(ticket, ask, live.retry_header)
-        taken: list[Ask] = []
         if ctx.levels:
-            taken, refusal = levels.admit(ctx.levels)
-            if refusal is not None:
-                release(ticket, None)
-                raise refusal
+            return await _with_levels_here(request, ctx, call_next, levels, release, ticket)
         try:
             return await call_next(request, ctx)
         finally:
             release(ticket, _spent(ctx))
-            if taken:
-                levels.release(taken, _spent(ctx))
 
     return limits
 

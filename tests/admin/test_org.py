@@ -212,3 +212,38 @@ async def test_a_spent_team_budget_is_a_402_that_names_the_team(org_proxy):
         body = await r.json()
         assert r.status == 402, body
         assert "team 'ml'" in body["error"]["message"] and "daily budget" in body["error"]["message"]
+
+
+async def test_a_teams_concurrency_holds_across_replicas_with_redis_and_per_process_in_memory(
+        make_proxy, limits_backend):
+    """Two proxies on one ledger and one Redis: a team allowed one request at a time refuses the
+    second on the other replica (429 naming the team); with the memory backend a replica counts
+    its own (the second replica admits, the first refuses)."""
+    import asyncio
+    import json
+
+    config = {"limits": limits_backend, "auth": {"demo_key": True}}
+    first, second = await make_proxy(config), await make_proxy(config)
+    team = await first.ledger.create_level("team", {"name": "ml", "balance_micros": 10**9, "concurrency": 1})
+    place = {**await first.ledger.placement(team.level_id, None), "own_balance": False}
+    secret, _ = await first.ledger.create_key("member", 0, placement=place)
+    slow = {"model": "tiny-org/tiny-model", "max_output_tokens": 40, "stream": True,
+            "input": "SIM:" + json.dumps({"text": " ".join(["tok"] * 30), "delay": 0.2})}  # 6 s
+    quick = {"model": "tiny-org/tiny-model", "max_output_tokens": 8, "input": "hi"}
+    async with aiohttp.ClientSession() as s:
+        async def ask(proxy, body) -> tuple[int, str]:
+            async with s.post(proxy.url + "/v1/responses", json=body,
+                              headers={"Authorization": f"Bearer {secret}"}) as r:
+                return r.status, await r.text()
+
+        streaming = asyncio.create_task(ask(first, slow))
+        await asyncio.sleep(0.5)  # not a wait for an event: the first request is streaming
+        same = await ask(first, quick)
+        other = await ask(second, quick)
+        assert not streaming.done()
+        assert (await streaming)[0] == 200
+    assert same[0] == 429 and "team" in same[1]
+    if limits_backend["backend"] == "redis":
+        assert other[0] == 429 and "team" in other[1], other
+    else:
+        assert other[0] == 200, other
