@@ -422,6 +422,7 @@ def build_app(config: Config) -> web.Application:
         app[state.SEALER] = sealer
     reloaders = app[RELOADERS] = Reloaders(config, check=build_app)  # what can change live: each part says
     reloaders.on("workers", _workers_reloader(app[POOL]))
+    reloaders.on("model_groups", lambda new: lambda: None)  # read from the configuration at each check
     phases = app[PHASES] = build_phases(config, app, VARIANT_HANDLERS)
     app[state.ENVELOPE] = entry = envelope(phases)
     if config.tracing.endpoint:

@@ -120,8 +120,11 @@ def unserved_models(request: web.Request, record: KeyRecord) -> list[str]:
     pool = request.config_dict.get(state.POOL)
     if pool is None or record.allowed_models is None:
         return []
-    return [f"allowed_models: no worker serves {model!r} now" for model in record.allowed_models
-            if resolve_model(model, pool.serves) is None]
+    groups = request.config_dict[state.CONFIG].model_groups
+    return [f"allowed_models: no model group {model[6:]!r} in config.yaml's model_groups" if model.startswith("group:")
+            else f"allowed_models: no worker serves {model!r} now" for model in record.allowed_models
+            if (model[6:] not in groups if model.startswith("group:") else
+                not model.endswith("*") and resolve_model(model, pool.serves) is None)]
 
 
 def _with_warnings(answer: dict[str, Any], warnings: list[str]) -> dict[str, Any]:

@@ -564,6 +564,12 @@ Alerts (README "Alerts"): a key's budget or balance, a worker ejected and back, 
 serves, the ledger's fault and its end, the spool's backlog, Redis down; told to webhooks, never
 on a request's path.""")
     ] = field(default_factory=Alerts)
+    model_groups: Annotated[
+        dict[str, tuple[str, ...]], MapOf(ListOf(Str(nonempty=True))), Note("""\
+Named lists of models a key's or a level's allowed_models may name as group:<name>, e.g.
+model_groups: {coding: [qwen/qwen3-coder, "deepseek/*"]} and allowed_models: [group:coding].
+A change applies to every key and level naming the group (and is live: a reload takes it).""")
+    ] = field(default_factory=dict)
     tracing: Annotated[
         Tracing, Note("""\
 OpenTelemetry traces (README "Traces"): a span per request with its phases and upstream attempts,

@@ -218,8 +218,9 @@ BodyCheck = Callable[[RequestContext, dict[str, Any]], dict[str, Any]]
 # The rest of a unit's chain, as a phase calls it (middlewares.Phases builds the chains).
 Next = Callable[[web.Request, RequestContext], Awaitable[web.StreamResponse]]
 
-def _check_model(ctx: RequestContext, body: dict[str, Any], pool: Any) -> None:
-    """A key limited to some models (auth) may use only those: 403 for the others."""
+def _check_model(ctx: RequestContext, body: dict[str, Any], pool: Any, groups: dict[str, tuple[str, ...]]) -> None:
+    """A key limited to some models (auth) may use only those: 403 for the others. An entry
+    group:<name> stands for config.yaml's model_groups[name]."""
     key = ctx.key
     if key is None or (key.allowed_models is None and not ctx.levels):
         return
@@ -227,13 +228,25 @@ def _check_model(ctx: RequestContext, body: dict[str, Any], pool: Any) -> None:
     if not isinstance(model, str):
         return
     served = pool.serves if pool is not None else None
-    if not key.allows_model(model, served):
+    if key.allowed_models is not None and not models_allow(_expand(key.allowed_models, groups), model, served):
         raise APIError(403, f"This API key may not use the model '{model[:128]}'.",
                        code="model_not_allowed", param="model")
     for level in ctx.levels:  # every level above the key must allow it too
-        if level.allowed_models is not None and not models_allow(level.allowed_models, model, served):
+        if level.allowed_models is not None and not models_allow(_expand(level.allowed_models, groups), model,
+                                                                 served):
             raise APIError(403, f"This API key's {level.kind} ({level.name[:64]}) may not use the model "
                            f"'{model[:128]}'.", code="model_not_allowed", param="model")
+
+
+def _expand(allowed: tuple[str, ...], groups: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The allowed models with each group:<name> replaced by the group's models (an unknown
+    group stands for none)."""
+    if not any(m.startswith("group:") for m in allowed):
+        return allowed
+    out: list[str] = []
+    for m in allowed:
+        out.extend(groups.get(m[6:], ()) if m.startswith("group:") else (m,))
+    return tuple(out)
 
 
 def _check_sizes(body: dict[str, Any], limits: Any, items: str = "input") -> None:
@@ -289,7 +302,7 @@ def prepare_phase(app: web.Application, body_checks: list[BodyCheck]) -> Callabl
             if sizes:
                 _check_sizes(body, _limits(request), items)
             if models:
-                _check_model(ctx, body, app.get(state.POOL))
+                _check_model(ctx, body, app.get(state.POOL), app[state.CONFIG].model_groups)
             if translate is not None:
                 await translate(ctx, body)
                 if compaction is not None and isinstance(t := ctx.translation, Translation) and \

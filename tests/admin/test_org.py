@@ -247,3 +247,23 @@ async def test_a_teams_concurrency_holds_across_replicas_with_redis_and_per_proc
         assert other[0] == 429 and "team" in other[1], other
     else:
         assert other[0] == 200, other
+
+
+async def test_model_groups_and_wildcards_in_a_keys_and_a_teams_allowed_models(make_proxy):
+    import openai
+
+    proxy = await make_proxy({"model_groups": {"small": ["tiny-org/tiny-model"], "none": []},
+                              "admin": {"keys": [{"name": "owner", "key": ADMIN}]}})
+    async with aiohttp.ClientSession() as s:
+        made = await _json(await s.post(proxy.url + "/admin/api/keys", headers=_h(), json={
+            "name": "grouped", "balance_usd": "1", "allowed_models": ["group:small", "group:nosuch"]}), 201)
+        assert made["warnings"] == ["allowed_models: no model group 'nosuch' in config.yaml's model_groups"]
+        await proxy.openai(api_key=made["secret"]).responses.create(model="tiny-org/tiny-model", input="hi",
+                                                                    max_output_tokens=8)
+        team = (await _json(await s.post(proxy.url + "/admin/api/teams", headers=_h(), json={
+            "name": "t", "balance_usd": "1", "allowed_models": ["group:none"]}), 201))["team"]
+        member = await _json(await s.post(proxy.url + "/admin/api/keys", headers=_h(), json={
+            "name": "m", "team_id": team["level_id"], "allowed_models": ["tiny-org/*"]}), 201)
+    with pytest.raises(openai.PermissionDeniedError, match="team"):  # the key's wildcard allows it, its team's group not
+        await proxy.openai(api_key=member["secret"]).responses.create(model="tiny-org/tiny-model", input="hi",
+                                                                      max_output_tokens=8)
