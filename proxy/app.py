@@ -39,7 +39,7 @@ from proxy.runtime import metrics
 from proxy.runtime.alerts import alerts_context
 from proxy.runtime.refusals import REFUSALS, Refusals, is_refusal
 from proxy.runtime.reload import RELOADERS, ReloadCollector, Reloader, Reloaders, ReloadRefused
-from proxy.runtime.tracing import request_span, tracing_context
+from proxy.runtime.tracing import request_span, tracing_context, turn_span
 from proxy.state import (
     CONFIG,
     CONTEXT,
@@ -427,6 +427,7 @@ def build_app(config: Config) -> web.Application:
     app[state.ENVELOPE] = entry = envelope(phases)
     if config.tracing.endpoint:
         app.middlewares.append(request_span)  # outside the envelope: its access line and a stream's end inside
+        app[state.ENVELOPE] = turn_span(entry)  # what a turn runs (proxy.http.turn): a span each
     app.middlewares.append(entry)
     # Before _add_request_id: a turn's foreign answer is refused while it is not started yet.
     app.on_response_prepare.append(refuse_other_answers)

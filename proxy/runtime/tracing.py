@@ -62,7 +62,7 @@ class Traces:
         self.tracer = self.provider.get_tracer("responses-proxy")
         self.propagator = TraceContextTextMapPropagator()
         self.record_prompts = section.record_prompts
-        self.server, self.client = SpanKind.SERVER, SpanKind.CLIENT
+        self.server, self.client, self.internal = SpanKind.SERVER, SpanKind.CLIENT, SpanKind.INTERNAL
 
     def shutdown(self) -> None:
         self.provider.shutdown()  # the last batch sent
@@ -137,6 +137,27 @@ def _describe(span: Any, ctx: RequestContext, traces: Traces) -> None:
         given = ctx.body.get("input", ctx.body.get("messages", ctx.body.get("prompt")))
         span.set_attribute("gen_ai.input.messages", orjson.dumps(given, default=str)[:_PROMPT_BYTES].decode(
             errors="ignore"))
+
+
+def turn_span(envelope: Any) -> Any:
+    """The envelope as a turn runs it (a WebSocket message, a compaction's summary:
+    proxy.http.turn): each turn an INTERNAL span under its socket's (the handshake request's)
+    span, with the GenAI attributes of its answer (built only when tracing is on)."""
+
+    async def traced(request: web.Request, handler: Any) -> web.StreamResponse:
+        traces = ACTIVE
+        if traces is None:
+            return await envelope(request, handler)
+        with traces.tracer.start_as_current_span("turn", kind=traces.internal) as span:
+            response = await envelope(request, handler)
+            span.set_attribute("http.response.status_code", response.status)
+            ctx = request.get(CONTEXT)
+            if ctx is not None:
+                span.set_attribute("responses_proxy.transport", ctx.transport)
+                _describe(span, ctx, traces)
+            return response
+
+    return traced
 
 
 def traced_phase(name: str, step: Any) -> Any:

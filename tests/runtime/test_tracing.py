@@ -111,3 +111,33 @@ async def test_tracing_off_sends_nothing_and_no_traceparent_upstream(make_proxy,
     from proxy.runtime import tracing
 
     assert tracing.ACTIVE is None
+
+
+async def test_each_websocket_turn_is_a_span_under_its_sockets(make_proxy, receiver):
+    import orjson
+
+    url, spans = receiver
+    proxy = await make_proxy(_tracing(url))
+    async with aiohttp.ClientSession() as http, http.ws_connect(
+            proxy.url + "/v1/responses", headers={"Authorization": f"Bearer {proxy.api_key}",
+                                                  "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}) as ws:
+        for _ in range(2):
+            await ws.send_str(orjson.dumps({"type": "response.create", "model": "tiny-org/tiny-model",
+                                            "input": "hi", "max_output_tokens": 8}).decode())
+            while True:
+                event = orjson.loads((await ws.receive()).data)
+                if event["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
+                    break
+    await eventually(lambda: sum(1 for s, _ in spans if s.name == "turn") == 2
+                     and any(s.name == "GET /v1/responses" for s, _ in spans), 30, what="the turns' spans")
+    (socket,) = [s for s, _ in spans if s.name == "GET /v1/responses"]
+    turns = [(s, a) for s, a in spans if s.name == "turn"]
+    assert socket.trace_id.hex() == CLIENT_TRACE and socket.parent_span_id.hex() == CLIENT_SPAN
+    handshake = {s.span_id: s for s, _ in spans if s.trace_id == socket.trace_id}
+    for span, attrs in turns:
+        assert span.trace_id == socket.trace_id and span.kind == span.SPAN_KIND_INTERNAL
+        parent = handshake[span.parent_span_id]  # the handshake's innermost phase: up the chain, its span
+        while parent.span_id != socket.span_id:
+            parent = handshake[parent.parent_span_id]
+        assert attrs["responses_proxy.transport"] == "websocket" and attrs["gen_ai.usage.output_tokens"] > 0
+    assert len({a["responses_proxy.request_id"] for _, a in turns}) == 2
